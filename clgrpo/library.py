@@ -1,0 +1,386 @@
+"""The experience library: immutable versions, stable ids, batch operations with explicit outcomes.
+
+Ids (``E17``) are assigned once and never renumbered or reused: deleted and merged-away ids are retired.
+Every operation of a batch comes back ``applied`` or ``rejected`` with a reason; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.records import (
+    Experience,
+    LibraryVersion,
+    Operation,
+    OperationResult,
+    OpKind,
+    OpStatus,
+    text_hash,
+    utcnow,
+)
+
+DEFAULT_MAX_WORDS = 32
+_ID_RE = re.compile(r"^([A-Za-z_]*)(\d+)$")
+_PROMPT_LINE_RE = re.compile(r"^\s*\[([^\]]+)\]\.?\s*(.*)$")
+
+
+class LibraryFormatError(ValueError):
+    """A library file or payload that cannot be imported."""
+
+
+def normalize_text(text: str) -> str:
+    """Whitespace-collapsed, case-folded text: the key for duplicate detection."""
+    return " ".join(text.split()).casefold()
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+def _id_number(exp_id: str) -> int | None:
+    match = _ID_RE.match(exp_id)
+    return int(match.group(2)) if match else None
+
+
+@dataclass(frozen=True)
+class Diff:
+    added: list[Experience] = field(default_factory=list)
+    removed: list[Experience] = field(default_factory=list)
+    modified: list[tuple[Experience, Experience]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.added or self.removed or self.modified)
+
+    def to_markdown(self) -> str:
+        lines = [f"+ [{e.id}] {e.text}" for e in self.added]
+        lines += [f"- [{e.id}] {e.text}" for e in self.removed]
+        lines += [f"~ [{old.id}] {old.text}\n  -> {new.text}" for old, new in self.modified]
+        return "\n".join(lines) if lines else "(no changes)"
+
+
+class _Batch:
+    """Mutable working state while one batch of operations is applied."""
+
+    def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int) -> None:
+        self.live: dict[str, Experience] = dict(lib.by_id)
+        self.retired: set[str] = set(lib.retired_ids)
+        self.next_id = lib.next_id
+        self.prefix = lib.id_prefix
+        self.step = step
+        self.max_words = max_words
+        self.touched: dict[str, int] = {}  # id -> seq of the applied operation that touched it
+
+    def new_id(self) -> str:
+        exp_id = f"{self.prefix}{self.next_id}"
+        self.next_id += 1
+        return exp_id
+
+    def duplicate_of(self, text: str, ignore: Iterable[str] = ()) -> str | None:
+        key = normalize_text(text)
+        skip = set(ignore)
+        for exp in self.live.values():
+            if exp.id not in skip and normalize_text(exp.text) == key:
+                return exp.id
+        return None
+
+    # --- checks; each returns a rejection reason or None -------------------------------------------------
+    def check_ids(self, ids: Sequence[str]) -> str | None:
+        for exp_id in ids:
+            if exp_id in self.touched:
+                return f"conflict: {exp_id} already changed by operation #{self.touched[exp_id]} in this batch"
+            if exp_id in self.retired:
+                return f"deleted id: {exp_id} was deleted or merged earlier"
+            if exp_id not in self.live:
+                return f"unknown id: {exp_id}"
+        if len(set(ids)) != len(ids):
+            return f"repeated id in {list(ids)}"
+        return None
+
+    def check_text(self, text: str | None, replacing: Iterable[str] = ()) -> str | None:
+        if text is None or not text.strip():
+            return "empty text"
+        words = word_count(text)
+        if words > self.max_words:
+            return f"too long: {words} words (limit {self.max_words})"
+        dup = self.duplicate_of(text, ignore=replacing)
+        if dup is not None:
+            return f"duplicate of live experience {dup}"
+        return None
+
+
+_ARITY = {OpKind.ADD: (0, 0), OpKind.MODIFY: (1, 1), OpKind.DELETE: (1, 1), OpKind.KEEP: (1, 1)}
+
+
+class ExperienceLibrary:
+    """One immutable version of the library."""
+
+    def __init__(
+        self,
+        experiences: Iterable[Experience] = (),
+        *,
+        version: int = 0,
+        step: int = 0,
+        parent_version: int | None = None,
+        next_id: int | None = None,
+        id_prefix: str = "E",
+        retired_ids: Iterable[str] = (),
+    ) -> None:
+        self._items: tuple[Experience, ...] = tuple(experiences)
+        self.by_id: dict[str, Experience] = {e.id: e for e in self._items}
+        if len(self.by_id) != len(self._items):
+            raise LibraryFormatError("experience ids must be unique")
+        self.version = version
+        self.step = step
+        self.parent_version = parent_version
+        self.id_prefix = id_prefix
+        self.retired_ids: frozenset[str] = frozenset(retired_ids)
+        numbers = [n for n in map(_id_number, [*self.by_id, *self.retired_ids]) if n is not None]
+        floor = max(numbers) + 1 if numbers else 0
+        self.next_id = max(next_id if next_id is not None else 0, floor)
+
+    # --- reading ----------------------------------------------------------------------------------------
+    @property
+    def experiences(self) -> tuple[Experience, ...]:
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __contains__(self, exp_id: object) -> bool:
+        return exp_id in self.by_id
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ExperienceLibrary):
+            return NotImplemented
+        return self.as_dict() == other.as_dict() and self.next_id == other.next_id
+
+    def as_dict(self) -> dict[str, str]:
+        return {e.id: e.text for e in self._items}
+
+    def content_hash(self) -> str:
+        return text_hash(json.dumps(self.as_dict(), sort_keys=True))
+
+    def render_for_prompt(self) -> str:
+        """One line per experience, ``[id]. text``, in id order; empty string for an empty library."""
+        return "\n".join(f"[{e.id}]. {e.text}" for e in self._items)
+
+    # --- applying operations ----------------------------------------------------------------------------
+    def apply(
+        self,
+        operations: Sequence[Operation],
+        *,
+        step: int,
+        max_words: int = DEFAULT_MAX_WORDS,
+        max_size: int | None = None,
+    ) -> tuple["ExperienceLibrary", list[OperationResult]]:
+        """Apply a batch in order; returns the new version and one result per operation."""
+        batch = _Batch(self, step, max_words)
+        results = []
+        for seq, op in enumerate(operations):
+            reason, result_id = self._apply_one(batch, op, seq, max_size)
+            status = OpStatus.REJECTED if reason else OpStatus.APPLIED
+            results.append(
+                OperationResult(seq=seq, operation=op, status=status, reason=reason or "", result_id=result_id)
+            )
+        new = ExperienceLibrary(
+            sorted(batch.live.values(), key=_sort_key),
+            version=self.version + 1,
+            step=step,
+            parent_version=self.version,
+            next_id=batch.next_id,
+            id_prefix=self.id_prefix,
+            retired_ids=batch.retired,
+        )
+        return new, results
+
+    def _apply_one(
+        self, batch: _Batch, op: Operation, seq: int, max_size: int | None
+    ) -> tuple[str | None, str | None]:
+        ids = op.target_ids
+        if op.op == OpKind.MERGE:
+            if len(set(ids)) < 2:
+                return f"merge needs at least 2 distinct live ids, got {ids}", None
+        elif op.op in _ARITY and len(ids) != _ARITY[op.op][0]:
+            want = "no ids" if op.op == OpKind.ADD else "exactly one id"
+            return f"{op.op.value} takes {want}, got {ids}", None
+        reason = batch.check_ids(ids)
+        if reason:
+            return reason, None
+        if op.op == OpKind.KEEP:
+            batch.touched[ids[0]] = seq
+            return None, ids[0]
+        if op.op == OpKind.DELETE:
+            return None, self._delete(batch, ids[0], seq)
+        reason = batch.check_text(op.text, replacing=ids)
+        if reason:
+            return reason, None
+        text = " ".join(op.text.split())  # type: ignore[union-attr]
+        if op.op == OpKind.ADD:
+            if max_size is not None and len(batch.live) >= max_size:
+                return f"library full: {len(batch.live)} experiences (limit {max_size})", None
+            return None, self._add(batch, text, [], op.source_groups, seq)
+        if op.op == OpKind.MODIFY:
+            if normalize_text(text) == normalize_text(batch.live[ids[0]].text):
+                return f"unchanged: text identical to {ids[0]}", None
+            return None, self._modify(batch, ids[0], text, op.source_groups, seq)
+        return None, self._merge(batch, ids, text, op.source_groups, seq)
+
+    @staticmethod
+    def _add(batch: _Batch, text: str, parents: list[str], groups: list[str], seq: int) -> str:
+        exp_id = batch.new_id()
+        batch.live[exp_id] = Experience(
+            id=exp_id, text=text, created_step=batch.step, updated_step=batch.step,
+            parent_ids=parents, source_groups=list(dict.fromkeys(groups)),
+        )
+        batch.touched[exp_id] = seq
+        return exp_id
+
+    @staticmethod
+    def _modify(batch: _Batch, exp_id: str, text: str, groups: list[str], seq: int) -> str:
+        old = batch.live[exp_id]
+        batch.live[exp_id] = old.model_copy(
+            update={"text": text, "updated_step": batch.step,
+                    "source_groups": list(dict.fromkeys([*old.source_groups, *groups]))}
+        )
+        batch.touched[exp_id] = seq
+        return exp_id
+
+    @staticmethod
+    def _delete(batch: _Batch, exp_id: str, seq: int) -> str:
+        del batch.live[exp_id]
+        batch.retired.add(exp_id)
+        batch.touched[exp_id] = seq
+        return exp_id
+
+    def _merge(self, batch: _Batch, ids: list[str], text: str, groups: list[str], seq: int) -> str:
+        inherited = [g for exp_id in ids for g in batch.live[exp_id].source_groups]
+        for exp_id in ids:
+            self._delete(batch, exp_id, seq)
+        return self._add(batch, text, list(ids), [*inherited, *groups], seq)
+
+    # --- versions and diffs -----------------------------------------------------------------------------
+    def to_version(self) -> LibraryVersion:
+        return LibraryVersion(
+            version=self.version, step=self.step, parent_version=self.parent_version,
+            experiences=list(self._items), retired_ids=sorted(self.retired_ids),
+            next_id=self.next_id, id_prefix=self.id_prefix, created_at=utcnow(),
+        )
+
+    @classmethod
+    def from_version(cls, v: LibraryVersion) -> "ExperienceLibrary":
+        return cls(
+            v.experiences, version=v.version, step=v.step, parent_version=v.parent_version,
+            next_id=v.next_id, id_prefix=v.id_prefix, retired_ids=v.retired_ids,
+        )
+
+    # --- import / export ------------------------------------------------------------------------------
+    def to_reference(self) -> dict[str, str]:
+        """The reference implementation's format: ``{"G0": "text", ...}``."""
+        return self.as_dict()
+
+    def to_seed(self) -> dict[str, object]:
+        return {"experiences": self.as_dict(), "next_id": self.next_id}
+
+    def to_prompt_text(self) -> str:
+        return self.render_for_prompt()
+
+    @classmethod
+    def from_mapping(cls, mapping: dict[str, str], *, next_id: int | None = None, step: int = 0) -> "ExperienceLibrary":
+        if not isinstance(mapping, dict):
+            raise LibraryFormatError(f"experiences must be an object of id -> text, got {type(mapping).__name__}")
+        items = []
+        for exp_id, text in mapping.items():
+            if not isinstance(text, str) or not text.strip():
+                raise LibraryFormatError(f"experience {exp_id!r}: text must be a non-empty string")
+            items.append(Experience(id=str(exp_id), text=text, created_step=step, updated_step=step))
+        return cls(sorted(items, key=_sort_key), next_id=next_id, id_prefix=_infer_prefix(mapping), step=step)
+
+    @classmethod
+    def from_reference(cls, payload: dict[str, str]) -> "ExperienceLibrary":
+        return cls.from_mapping(payload)
+
+    @classmethod
+    def from_seed(cls, payload: dict[str, object]) -> "ExperienceLibrary":
+        if not isinstance(payload, dict) or "experiences" not in payload:
+            raise LibraryFormatError('seed format needs {"experiences": {...}, "next_id": N}')
+        next_id = payload.get("next_id")
+        if next_id is not None and not isinstance(next_id, int):
+            raise LibraryFormatError(f"seed format: next_id must be an integer, got {next_id!r}")
+        return cls.from_mapping(payload["experiences"], next_id=next_id)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_prompt_text(cls, text: str) -> "ExperienceLibrary":
+        """Parse a system-prompt block: ``[id]. text`` lines keep their ids; other non-empty lines
+        (``- text``, ``1. text``, plain) get fresh ids after the highest one seen."""
+        named: dict[str, str] = {}
+        unnamed: list[str] = []
+        for line in text.splitlines():
+            match = _PROMPT_LINE_RE.match(line)
+            if match and match.group(2).strip():
+                named[match.group(1).strip()] = match.group(2).strip()
+            elif line.strip():
+                unnamed.append(re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip())
+        prefix = _infer_prefix(named) if named else "E"
+        numbers = [n for n in map(_id_number, named) if n is not None]
+        first = max(numbers) + 1 if numbers else 0
+        mapping = {**named, **{f"{prefix}{first + i}": t for i, t in enumerate(unnamed)}}
+        return cls.from_mapping(mapping)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ExperienceLibrary":
+        """Import a file in any supported format (reference JSON, seed JSON, or a text block)."""
+        path = Path(path)
+        raw = path.read_text(encoding="utf-8")
+        if path.suffix.lower() != ".json":
+            return cls.from_prompt_text(raw)
+        try:
+            payload = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise LibraryFormatError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        try:
+            if isinstance(payload, dict) and "experiences" in payload:
+                return cls.from_seed(payload)
+            return cls.from_reference(payload)
+        except LibraryFormatError as exc:
+            raise LibraryFormatError(f"{path}: {exc}") from exc
+
+    def dump(self, path: str | Path, fmt: str = "reference") -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.dumps(fmt), encoding="utf-8")
+        return path
+
+    def dumps(self, fmt: str = "reference") -> str:
+        if fmt == "reference":
+            return json.dumps(self.to_reference(), indent=2, ensure_ascii=False)
+        if fmt == "seed":
+            return json.dumps(self.to_seed(), indent=2, ensure_ascii=False)
+        if fmt == "text":
+            return self.to_prompt_text() + "\n"
+        raise ValueError(f"unknown library format {fmt!r}; use reference, seed or text")
+
+
+def diff(old: ExperienceLibrary, new: ExperienceLibrary) -> Diff:
+    """What changed from ``old`` to ``new``, by stable id."""
+    added = [e for e in new if e.id not in old]
+    removed = [e for e in old if e.id not in new]
+    modified = [(old.by_id[e.id], e) for e in new if e.id in old and old.by_id[e.id].text != e.text]
+    return Diff(added=added, removed=removed, modified=modified)
+
+
+def _sort_key(exp: Experience) -> tuple[int, str]:
+    number = _id_number(exp.id)
+    return (number if number is not None else 10**9, exp.id)
+
+
+def _infer_prefix(mapping: dict[str, str]) -> str:
+    prefixes = {m.group(1) for m in (_ID_RE.match(str(k)) for k in mapping) if m}
+    return prefixes.pop() if len(prefixes) == 1 else "E"

@@ -1,0 +1,378 @@
+"""The DuckDB store: the only code that touches the database file.
+
+One ``Store`` owns one connection. Every frame is validated with its pandera model before insert, a stage's
+output is written in one transaction keyed by (run_id, step, stage) (a re-write replaces, never
+duplicates), and library versions are saved whole. DuckDB allows one writer process per file: a second
+process gets ``StoreLockedError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+import pandera.pandas as pa
+
+from clgrpo.library import ExperienceLibrary
+from schemas.config import RunConfig
+from schemas.ddl import STAGE_TABLES, create_statements
+from schemas.frames import FRAMES
+from schemas.records import (
+    Experience,
+    GroupAdvantage,
+    LibraryVersion,
+    LLMCall,
+    Operation,
+    OperationResult,
+    Problem,
+    Proposal,
+    Reward,
+    Rollout,
+    Summary,
+    Turn,
+    utcnow,
+)
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreLockedError(StoreError):
+    pass
+
+
+class FrameValidationError(StoreError, ValueError):
+    pass
+
+
+class ConfigMismatchError(StoreError, ValueError):
+    pass
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+# --- records -> rows -----------------------------------------------------------------------------------
+def _problem_rows(items: Sequence[Problem]) -> list[dict]:
+    return [{"position": i, **p.model_dump()} for i, p in enumerate(items)]
+
+
+def _rollout_row(r: Rollout) -> dict:
+    row = r.model_dump(exclude={"turns"})
+    return {**row, "turns_json": _dumps([t.model_dump() for t in r.turns]), "final_text": r.final_text}
+
+
+def _advantage_row(g: GroupAdvantage) -> dict:
+    row = g.model_dump(exclude={"rewards", "advantages"})
+    return {**row, "rewards_json": _dumps(g.rewards), "advantages_json": _dumps(g.advantages)}
+
+
+def _proposal_row(p: Proposal) -> dict:
+    ops = [o.model_dump(mode="json") for o in p.operations]
+    return {"group_id": p.group_id, "n_operations": len(ops), "operations_json": _dumps(ops),
+            "raw_text": p.raw_text, "parse_error": p.parse_error}
+
+
+def _operation_row(r: OperationResult) -> dict:
+    op = r.operation
+    return {"seq": r.seq, "op": op.op.value, "target_ids_json": _dumps(op.target_ids), "text": op.text,
+            "rationale": op.rationale, "source_groups_json": _dumps(op.source_groups),
+            "status": r.status.value, "reason": r.reason, "result_id": r.result_id}
+
+
+_ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
+    "problems": _problem_rows,
+    "rollouts": lambda items: [_rollout_row(r) for r in items],
+    "rewards": lambda items: [r.model_dump() for r in items],
+    "group_advantages": lambda items: [_advantage_row(g) for g in items],
+    "summaries": lambda items: [s.model_dump() for s in items],
+    "proposals": lambda items: [_proposal_row(p) for p in items],
+    "operations": lambda items: [_operation_row(r) for r in items],
+    "llm_calls": lambda items: [c.model_dump() for c in items],
+}
+
+
+# --- rows -> records -----------------------------------------------------------------------------------
+def _rollout_record(row: dict) -> Rollout:
+    turns = [Turn(**t) for t in json.loads(row["turns_json"])]
+    return Rollout(**{k: row[k] for k in Rollout.model_fields if k != "turns"}, turns=turns)
+
+
+def _proposal_record(row: dict) -> Proposal:
+    ops = [Operation(**o) for o in json.loads(row["operations_json"])]
+    return Proposal(group_id=row["group_id"], operations=ops, raw_text=row["raw_text"],
+                    parse_error=row["parse_error"])
+
+
+def _operation_record(row: dict) -> OperationResult:
+    op = Operation(op=row["op"], target_ids=json.loads(row["target_ids_json"]), text=row["text"],
+                   rationale=row["rationale"], source_groups=json.loads(row["source_groups_json"]))
+    return OperationResult(seq=row["seq"], operation=op, status=row["status"], reason=row["reason"],
+                           result_id=row["result_id"])
+
+
+def _advantage_record(row: dict) -> GroupAdvantage:
+    fields = {k: row[k] for k in ("problem_id", "mean_reward", "std_reward", "selected", "reason")}
+    return GroupAdvantage(**fields, rewards=json.loads(row["rewards_json"]),
+                          advantages=json.loads(row["advantages_json"]))
+
+
+def _plain(model: type) -> Callable[[dict], Any]:
+    return lambda row: model(**{k: row[k] for k in model.model_fields})
+
+
+_RECORDS: dict[str, Callable[[dict], Any]] = {
+    "problems": _plain(Problem),
+    "rollouts": _rollout_record,
+    "rewards": _plain(Reward),
+    "group_advantages": _advantage_record,
+    "summaries": _plain(Summary),
+    "proposals": _proposal_record,
+    "operations": _operation_record,
+    "llm_calls": _plain(LLMCall),
+}
+
+_ORDER = {
+    "problems": "position",
+    "rollouts": "problem_id, sample_idx",
+    "rewards": "problem_id, sample_idx",
+    "group_advantages": "problem_id",
+    "summaries": "problem_id, sample_idx",
+    "proposals": "group_id",
+    "operations": "seq",
+    "llm_calls": "started_at",
+}
+
+
+def _clean(value: Any) -> Any:
+    """DuckDB/pandas missing values (NaN, NA, NaT) -> None."""
+    try:
+        return None if pd.isna(value) else value
+    except (TypeError, ValueError):
+        return value
+
+
+def _describe_failures(table: str, exc: pa.errors.SchemaErrors, limit: int = 10) -> str:
+    cases = exc.failure_cases
+    lines = []
+    for _, case in cases.head(limit).iterrows():
+        column = case.get("column") or "(frame)"
+        index = case.get("index")
+        row = f"row {int(index)}" if _clean(index) is not None else "all rows"
+        lines.append(f"table {table}: column {column!r} {row}: {case.get('check')} (value {case.get('failure_case')!r})")
+    more = len(cases) - limit
+    return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
+
+
+class Store:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        elif not self.path.exists():
+            raise StoreError(f"{self.path}: no such DuckDB file")
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise StoreLockedError(
+                    f"{self.path} is in use: another process (a run already holds it) has this DuckDB file open "
+                    "for writing, and DuckDB allows one writer process. Wait for that run to finish or use "
+                    "another db_path."
+                ) from exc
+            raise
+        if not read_only:
+            for statement in create_statements():
+                self.con.execute(statement)
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- validation and writes ------------------------------------------------------------------------
+    @staticmethod
+    def validate(table: str, frame: pd.DataFrame) -> pd.DataFrame:
+        try:
+            return FRAMES[table].validate(frame, lazy=True)
+        except pa.errors.SchemaErrors as exc:
+            raise FrameValidationError(_describe_failures(table, exc)) from exc
+
+    def _insert(self, table: str, frame: pd.DataFrame) -> None:
+        if frame.empty:
+            return
+        self.con.register("_clgrpo_frame", frame)
+        try:
+            self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _clgrpo_frame")
+        finally:
+            self.con.unregister("_clgrpo_frame")
+
+    def stage_frame(self, table: str, run_id: str, step: int, stage: str, records: Sequence[Any]) -> pd.DataFrame:
+        rows = [{**row, "run_id": run_id, "step": step, "stage": stage} for row in _ROWS[table](records)]
+        columns = list(FRAMES[table].to_schema().columns)
+        return self.validate(table, pd.DataFrame(rows, columns=columns))
+
+    def write_stage(self, run_id: str, step: int, stage: str, outputs: dict[str, Sequence[Any]]) -> int:
+        """Replace the rows of (run_id, step, stage) in every given table and mark the stage complete,
+        atomically. All frames are validated before anything is touched."""
+        unknown = set(outputs) - set(STAGE_TABLES)
+        if unknown:
+            raise StoreError(f"not stage tables: {sorted(unknown)}")
+        frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
+        n_rows = sum(len(f) for f in frames.values())
+        marker = self.validate("stage_runs", pd.DataFrame([{
+            "run_id": run_id, "step": step, "stage": stage, "n_rows": n_rows, "completed_at": utcnow()}]))
+        with self._transaction():
+            for table, frame in frames.items():
+                self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?",
+                                 [run_id, step, stage])
+                self._insert(table, frame)
+            self.con.execute("DELETE FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?",
+                             [run_id, step, stage])
+            self._insert("stage_runs", marker)
+        return n_rows
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        self.con.execute("COMMIT")
+
+    # --- reads ----------------------------------------------------------------------------------------
+    def stage_done(self, run_id: str, step: int, stage: str) -> bool:
+        row = self.con.execute(
+            "SELECT 1 FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
+        ).fetchone()
+        return row is not None
+
+    def frame(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
+        where, params = ["run_id = ?"], [run_id]
+        for column, value in (("step", step), ("stage", stage)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        order = _ORDER.get(table, "1")
+        sql = f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY step, {order}"
+        return self.con.execute(sql, params).df()
+
+    def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
+        frame = self.frame(table, run_id, step, stage)
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_RECORDS[table](row) for row in rows]
+
+    def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
+        return self.con.execute(sql, list(params)).df()
+
+    # --- runs -----------------------------------------------------------------------------------------
+    def register_run(self, cfg: RunConfig) -> bool:
+        """Record a run's config; True if new. The same run id with another config is refused."""
+        row = self.con.execute("SELECT fingerprint, config_json FROM runs WHERE run_id = ?", [cfg.run_id]).fetchone()
+        if row is not None:
+            if row[0] != cfg.fingerprint():
+                raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
+            return False
+        frame = self.validate("runs", pd.DataFrame([{
+            "run_id": cfg.run_id, "fingerprint": cfg.fingerprint(),
+            "config_json": cfg.model_dump_json(), "created_at": utcnow()}]))
+        self._insert("runs", frame)
+        return True
+
+    def run_config(self, run_id: str) -> RunConfig:
+        row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        if row is None:
+            raise StoreError(f"{self.path}: no run {run_id!r}")
+        return RunConfig.model_validate_json(row[0])
+
+    def runs(self) -> pd.DataFrame:
+        return self.con.execute("""
+            SELECT r.run_id, r.created_at, r.fingerprint,
+                   (SELECT max(version) FROM library_versions v WHERE v.run_id = r.run_id) AS latest_version,
+                   (SELECT max(step) FROM stage_runs s WHERE s.run_id = r.run_id) AS last_step
+            FROM runs r ORDER BY r.created_at""").df()
+
+    # --- library versions -----------------------------------------------------------------------------
+    def save_library(self, run_id: str, library: ExperienceLibrary) -> None:
+        """Save one version (replacing that version if it was saved before)."""
+        v = library.to_version()
+        head = self.validate("library_versions", pd.DataFrame([{
+            "run_id": run_id, "version": v.version, "step": v.step, "parent_version": v.parent_version,
+            "next_id": v.next_id, "id_prefix": v.id_prefix, "n_experiences": len(v.experiences),
+            "content_hash": library.content_hash(), "retired_ids_json": _dumps(v.retired_ids),
+            "created_at": v.created_at}]))
+        rows = [{"run_id": run_id, "version": v.version, "position": i, "exp_id": e.id, "text": e.text,
+                 "created_step": e.created_step, "updated_step": e.updated_step,
+                 "parent_ids_json": _dumps(e.parent_ids), "source_groups_json": _dumps(e.source_groups)}
+                for i, e in enumerate(v.experiences)]
+        columns = list(FRAMES["library_experiences"].to_schema().columns)
+        body = self.validate("library_experiences", pd.DataFrame(rows, columns=columns))
+        with self._transaction():
+            for table in ("library_versions", "library_experiences"):
+                self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND version = ?", [run_id, v.version])
+            self._insert("library_versions", head)
+            self._insert("library_experiences", body)
+
+    def library_versions(self, run_id: str) -> list[int]:
+        rows = self.con.execute(
+            "SELECT version FROM library_versions WHERE run_id = ? ORDER BY version", [run_id]).fetchall()
+        return [r[0] for r in rows]
+
+    def load_library(self, run_id: str, version: int | None = None) -> ExperienceLibrary:
+        """Load a version (default: the latest) of a run's library."""
+        if version is None:
+            versions = self.library_versions(run_id)
+            if not versions:
+                raise StoreError(f"{self.path}: run {run_id!r} has no saved library")
+            version = versions[-1]
+        head = self.con.execute(
+            "SELECT * FROM library_versions WHERE run_id = ? AND version = ?", [run_id, version]).df()
+        if head.empty:
+            raise StoreError(f"{self.path}: run {run_id!r} has no library version {version}")
+        h = {k: _clean(v) for k, v in head.iloc[0].to_dict().items()}
+        body = self.con.execute(
+            "SELECT * FROM library_experiences WHERE run_id = ? AND version = ? ORDER BY position",
+            [run_id, version]).df()
+        experiences = [
+            Experience(id=r["exp_id"], text=r["text"], created_step=r["created_step"],
+                       updated_step=r["updated_step"], parent_ids=json.loads(r["parent_ids_json"]),
+                       source_groups=json.loads(r["source_groups_json"]))
+            for r in body.to_dict(orient="records")
+        ]
+        parent = h["parent_version"]
+        return ExperienceLibrary.from_version(LibraryVersion(
+            version=int(h["version"]), step=int(h["step"]),
+            parent_version=None if parent is None else int(parent), experiences=experiences,
+            retired_ids=json.loads(h["retired_ids_json"]), next_id=int(h["next_id"]),
+            id_prefix=h["id_prefix"], created_at=h["created_at"]))
+
+
+def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
+    new = cfg.model_dump(mode="json")
+    changed = sorted(_changed_paths(stored, new))
+    return (f"run {cfg.run_id!r} already exists with a different config (changed: {', '.join(changed) or 'unknown'}). "
+            "Use a new run_id for new settings, or restore the original config to resume.")
+
+
+def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in set(old) | set(new):
+            if key in ("db_path", "concurrency"):
+                continue
+            yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
+    elif old != new:
+        yield prefix.rstrip(".")

@@ -1,0 +1,68 @@
+"""The Domain protocol: what a domain plug-in supplies to the pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from schemas.config import DatasetConfig
+from schemas.records import Problem
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    reward: float  # in [0, 1]
+    extracted: str | None = None  # the answer the verifier read from the output
+    error: str | None = None  # parse failure, timeout, ... (reward is then 0)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """An optional tool for agent rollouts (name, JSON-schema parameters, implementation)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[..., str]
+
+
+@runtime_checkable
+class Domain(Protocol):
+    name: str
+
+    def load_dataset(self, cfg: DatasetConfig) -> list[Problem]:
+        """Load, validate, de-duplicate, shuffle and truncate the problems."""
+        ...
+
+    def verify(self, output: str, answer: str) -> VerifyResult:
+        """Grade one output against the ground truth; never raises."""
+        ...
+
+    def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
+        """Grade many (output, answer) pairs; never raises."""
+        ...
+
+    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
+        """Chat messages for one rollout. The library goes before the problem (shared prefix)."""
+        ...
+
+    def tools(self) -> list[Tool]:
+        ...
+
+
+_REGISTRY: dict[str, Callable[[], Domain]] = {}
+
+
+def register_domain(name: str, factory: Callable[[], Domain]) -> None:
+    _REGISTRY[name] = factory
+
+
+def get_domain(name: str) -> Domain:
+    if name not in _REGISTRY and name == "math":
+        import domains.math  # noqa: F401  (registers itself)
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown domain {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()

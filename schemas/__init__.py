@@ -1,0 +1,1 @@
+"""Data contracts: pydantic records, the run config, pandera frames and the DuckDB DDL."""

@@ -1,0 +1,140 @@
+"""DuckDB schema: the one place where tables are defined.
+
+Stage tables carry (run_id, step, stage): the store replaces a stage's rows by that key, so re-writing a
+stage never duplicates. Nested values (turns, id lists, operations) are JSON text.
+"""
+
+from __future__ import annotations
+
+STAGE_KEY = ("run_id", "step", "stage")
+
+TABLE_DDL: dict[str, str] = {
+    "runs": """
+        run_id VARCHAR PRIMARY KEY,
+        fingerprint VARCHAR NOT NULL,
+        config_json VARCHAR NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL""",
+    "stage_runs": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        n_rows INTEGER NOT NULL,
+        completed_at TIMESTAMPTZ NOT NULL,
+        PRIMARY KEY (run_id, step, stage)""",
+    "problems": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        position INTEGER NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        problem VARCHAR NOT NULL,
+        answer VARCHAR,
+        source VARCHAR NOT NULL""",
+    "rollouts": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        sample_idx INTEGER NOT NULL,
+        prompt_hash VARCHAR NOT NULL,
+        library_version INTEGER NOT NULL,
+        turns_json VARCHAR NOT NULL,
+        final_text VARCHAR NOT NULL,
+        tokens_in INTEGER NOT NULL,
+        tokens_out INTEGER NOT NULL,
+        latency_s DOUBLE NOT NULL,
+        error VARCHAR""",
+    "rewards": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        sample_idx INTEGER NOT NULL,
+        reward DOUBLE NOT NULL,
+        extracted VARCHAR,
+        error VARCHAR""",
+    "group_advantages": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        rewards_json VARCHAR NOT NULL,
+        mean_reward DOUBLE NOT NULL,
+        std_reward DOUBLE NOT NULL,
+        advantages_json VARCHAR NOT NULL,
+        selected BOOLEAN NOT NULL,
+        reason VARCHAR NOT NULL""",
+    "summaries": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        sample_idx INTEGER NOT NULL,
+        text VARCHAR NOT NULL,
+        error VARCHAR""",
+    "proposals": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        group_id VARCHAR NOT NULL,
+        n_operations INTEGER NOT NULL,
+        operations_json VARCHAR NOT NULL,
+        raw_text VARCHAR NOT NULL,
+        parse_error VARCHAR""",
+    "operations": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        seq INTEGER NOT NULL,
+        op VARCHAR NOT NULL,
+        target_ids_json VARCHAR NOT NULL,
+        text VARCHAR,
+        rationale VARCHAR NOT NULL,
+        source_groups_json VARCHAR NOT NULL,
+        status VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL,
+        result_id VARCHAR""",
+    "llm_calls": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        role VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        tokens_in INTEGER NOT NULL,
+        tokens_out INTEGER NOT NULL,
+        latency_s DOUBLE NOT NULL,
+        retries INTEGER NOT NULL,
+        cost_usd DOUBLE NOT NULL,
+        ok BOOLEAN NOT NULL,
+        error VARCHAR,
+        started_at TIMESTAMPTZ NOT NULL""",
+    "library_versions": """
+        run_id VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        step INTEGER NOT NULL,
+        parent_version INTEGER,
+        next_id INTEGER NOT NULL,
+        id_prefix VARCHAR NOT NULL,
+        n_experiences INTEGER NOT NULL,
+        content_hash VARCHAR NOT NULL,
+        retired_ids_json VARCHAR NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL,
+        PRIMARY KEY (run_id, version)""",
+    "library_experiences": """
+        run_id VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        exp_id VARCHAR NOT NULL,
+        text VARCHAR NOT NULL,
+        created_step INTEGER NOT NULL,
+        updated_step INTEGER NOT NULL,
+        parent_ids_json VARCHAR NOT NULL,
+        source_groups_json VARCHAR NOT NULL""",
+}
+
+# Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
+STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
+
+
+def create_statements() -> list[str]:
+    return [f"CREATE TABLE IF NOT EXISTS {name} ({body}\n)" for name, body in TABLE_DDL.items()]

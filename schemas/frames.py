@@ -1,0 +1,160 @@
+"""pandera models, one per DuckDB table (same names and columns as ``schemas.ddl``).
+
+The store validates every frame with its model before insert; a failure names the table, column and row.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pandera.pandas as pa
+from pandera.typing import Series
+
+_UTC = {"unit": "us", "tz": "UTC"}
+
+
+class Frame(pa.DataFrameModel):
+    class Config:
+        coerce = True
+        strict = True
+
+
+class StageKeyed(Frame):
+    run_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    step: Series[int] = pa.Field(ge=0)
+    stage: Series[str] = pa.Field(str_length={"min_value": 1})
+
+
+class RunsFrame(Frame):
+    run_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    fingerprint: Series[str]
+    config_json: Series[str]
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class StageRunsFrame(StageKeyed):
+    n_rows: Series[int] = pa.Field(ge=0)
+    completed_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class ProblemsFrame(StageKeyed):
+    position: Series[int] = pa.Field(ge=0)
+    problem_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    problem: Series[str] = pa.Field(str_length={"min_value": 1})
+    answer: Series[str] = pa.Field(nullable=True)
+    source: Series[str]
+
+
+class RolloutsFrame(StageKeyed):
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    prompt_hash: Series[str]
+    library_version: Series[int] = pa.Field(ge=0)
+    turns_json: Series[str]
+    final_text: Series[str]
+    tokens_in: Series[int] = pa.Field(ge=0)
+    tokens_out: Series[int] = pa.Field(ge=0)
+    latency_s: Series[float] = pa.Field(ge=0)
+    error: Series[str] = pa.Field(nullable=True)
+
+    @pa.dataframe_check
+    def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["run_id", "step", "problem_id", "sample_idx"]).any()
+
+
+class RewardsFrame(StageKeyed):
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    reward: Series[float] = pa.Field(ge=0.0, le=1.0)
+    extracted: Series[str] = pa.Field(nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
+
+
+class GroupAdvantagesFrame(StageKeyed):
+    problem_id: Series[str]
+    rewards_json: Series[str]
+    mean_reward: Series[float] = pa.Field(ge=0.0, le=1.0)
+    std_reward: Series[float] = pa.Field(ge=0.0)
+    advantages_json: Series[str]
+    selected: Series[bool]
+    reason: Series[str]
+
+
+class SummariesFrame(StageKeyed):
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    text: Series[str]
+    error: Series[str] = pa.Field(nullable=True)
+
+
+class ProposalsFrame(StageKeyed):
+    group_id: Series[str]
+    n_operations: Series[int] = pa.Field(ge=0)
+    operations_json: Series[str]
+    raw_text: Series[str]
+    parse_error: Series[str] = pa.Field(nullable=True)
+
+
+class OperationsFrame(StageKeyed):
+    seq: Series[int] = pa.Field(ge=0)
+    op: Series[str] = pa.Field(isin=["add", "modify", "delete", "merge", "keep"])
+    target_ids_json: Series[str]
+    text: Series[str] = pa.Field(nullable=True)
+    rationale: Series[str]
+    source_groups_json: Series[str]
+    status: Series[str] = pa.Field(isin=["applied", "rejected"])
+    reason: Series[str]
+    result_id: Series[str] = pa.Field(nullable=True)
+
+
+class LLMCallsFrame(StageKeyed):
+    role: Series[str] = pa.Field(isin=["policy", "learner"])
+    model: Series[str]
+    tokens_in: Series[int] = pa.Field(ge=0)
+    tokens_out: Series[int] = pa.Field(ge=0)
+    latency_s: Series[float] = pa.Field(ge=0)
+    retries: Series[int] = pa.Field(ge=0)
+    cost_usd: Series[float] = pa.Field(ge=0)
+    ok: Series[bool]
+    error: Series[str] = pa.Field(nullable=True)
+    started_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class LibraryVersionsFrame(Frame):
+    run_id: Series[str]
+    version: Series[int] = pa.Field(ge=0)
+    step: Series[int] = pa.Field(ge=0)
+    parent_version: Series[pd.Int64Dtype] = pa.Field(nullable=True)
+    next_id: Series[int] = pa.Field(ge=0)
+    id_prefix: Series[str]
+    n_experiences: Series[int] = pa.Field(ge=0)
+    content_hash: Series[str]
+    retired_ids_json: Series[str]
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class LibraryExperiencesFrame(Frame):
+    run_id: Series[str]
+    version: Series[int] = pa.Field(ge=0)
+    position: Series[int] = pa.Field(ge=0)
+    exp_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    text: Series[str] = pa.Field(str_length={"min_value": 1})
+    created_step: Series[int] = pa.Field(ge=0)
+    updated_step: Series[int] = pa.Field(ge=0)
+    parent_ids_json: Series[str]
+    source_groups_json: Series[str]
+
+
+FRAMES: dict[str, type[Frame]] = {
+    "runs": RunsFrame,
+    "stage_runs": StageRunsFrame,
+    "problems": ProblemsFrame,
+    "rollouts": RolloutsFrame,
+    "rewards": RewardsFrame,
+    "group_advantages": GroupAdvantagesFrame,
+    "summaries": SummariesFrame,
+    "proposals": ProposalsFrame,
+    "operations": OperationsFrame,
+    "llm_calls": LLMCallsFrame,
+    "library_versions": LibraryVersionsFrame,
+    "library_experiences": LibraryExperiencesFrame,
+}

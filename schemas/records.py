@@ -1,0 +1,173 @@
+"""Typed records exchanged between stages.
+
+Every stage takes and returns these; the store turns them into DuckDB rows (see ``schemas.frames``).
+Nested fields (turns, id lists) are plain Python lists here and JSON text in DuckDB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def text_hash(text: str) -> str:
+    """Short, stable content hash used for prompts, libraries and configs."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Problem(Record):
+    problem_id: str = Field(min_length=1)
+    problem: str = Field(min_length=1)
+    answer: str | None = None  # None when the dataset has no ground truth
+    source: str = ""
+
+
+class Turn(Record):
+    """One element of a trajectory. Direct rollouts have a single assistant turn;
+    agent rollouts interleave assistant text, tool calls and tool results."""
+
+    kind: Literal["assistant", "tool_call", "tool_result"]
+    content: str
+    tool_name: str | None = None
+
+
+class Rollout(Record):
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    prompt_hash: str
+    library_version: int = Field(ge=0)
+    turns: list[Turn] = Field(default_factory=list)
+    tokens_in: int = 0
+    tokens_out: int = 0
+    latency_s: float = 0.0
+    error: str | None = None  # set when the policy call failed; the rollout then scores 0
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant turn: what the verifier grades."""
+        for turn in reversed(self.turns):
+            if turn.kind == "assistant":
+                return turn.content
+        return ""
+
+
+class Reward(Record):
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    reward: float = Field(ge=0.0, le=1.0)
+    extracted: str | None = None
+    error: str | None = None  # verifier error or timeout (reward is then 0)
+
+
+class GroupAdvantage(Record):
+    """Numeric group-relative advantage, recorded for every group."""
+
+    problem_id: str
+    rewards: list[float]
+    mean_reward: float
+    std_reward: float
+    advantages: list[float]
+    selected: bool  # goes on to the semantic stages
+    reason: str  # why it was or was not selected
+
+
+class Summary(Record):
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    text: str
+    error: str | None = None
+
+
+class OpKind(StrEnum):
+    ADD = "add"
+    MODIFY = "modify"
+    DELETE = "delete"
+    MERGE = "merge"
+    KEEP = "keep"
+
+
+class Operation(Record):
+    """An edit of the library. ``target_ids``: modify/delete/keep take one id, merge two or more, add none."""
+
+    op: OpKind
+    target_ids: list[str] = Field(default_factory=list)
+    text: str | None = None
+    rationale: str = ""
+    source_groups: list[str] = Field(default_factory=list)
+
+    @field_validator("target_ids", mode="before")
+    @classmethod
+    def _ids_as_strings(cls, value: object) -> object:
+        if isinstance(value, (str, int)):
+            value = [value]
+        if isinstance(value, list):
+            return [str(v).strip() for v in value]
+        return value
+
+
+class OpStatus(StrEnum):
+    APPLIED = "applied"
+    REJECTED = "rejected"
+
+
+class OperationResult(Record):
+    seq: int  # position of the operation in its batch
+    operation: Operation
+    status: OpStatus
+    reason: str = ""
+    result_id: str | None = None  # id created or changed by an applied operation
+
+
+class Proposal(Record):
+    """The operations one group suggested (or, for consolidation, one chunk's plan)."""
+
+    group_id: str  # problem id for group proposals; "chunk-N" / "final" for consolidation
+    operations: list[Operation] = Field(default_factory=list)
+    raw_text: str = ""
+    parse_error: str | None = None  # set when the reply could not be parsed even after the repair re-ask
+
+
+class Experience(Record):
+    id: str = Field(min_length=1)
+    text: str = Field(min_length=1)
+    created_step: int = 0
+    updated_step: int = 0
+    parent_ids: list[str] = Field(default_factory=list)  # merged or modified-from ids
+    source_groups: list[str] = Field(default_factory=list)  # groups (problem ids) that produced it
+
+
+class LibraryVersion(Record):
+    version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    parent_version: int | None = None
+    experiences: list[Experience] = Field(default_factory=list)
+    retired_ids: list[str] = Field(default_factory=list)  # deleted or merged away; never reused
+    next_id: int = Field(ge=0)
+    id_prefix: str = "E"
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class LLMCall(Record):
+    stage: str
+    role: Literal["policy", "learner"]
+    model: str
+    tokens_in: int = 0
+    tokens_out: int = 0
+    latency_s: float = 0.0
+    retries: int = 0
+    cost_usd: float = 0.0
+    ok: bool = True
+    error: str | None = None
+    started_at: datetime = Field(default_factory=utcnow)

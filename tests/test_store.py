@@ -1,0 +1,160 @@
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.store import ConfigMismatchError, FrameValidationError, Store, StoreError, StoreLockedError
+from schemas.config import DatasetConfig, RunConfig
+from schemas.ddl import TABLE_DDL
+from schemas.frames import FRAMES
+from schemas.records import (
+    GroupAdvantage,
+    LLMCall,
+    Operation,
+    OperationResult,
+    Problem,
+    Proposal,
+    Reward,
+    Rollout,
+    Summary,
+    Turn,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(tmp_path / "runs.duckdb") as s:
+        yield s
+
+
+def rollouts(problem_id="p1", n=3, text="answer \\boxed{4}"):
+    return [
+        Rollout(problem_id=problem_id, sample_idx=i, prompt_hash="abc", library_version=0,
+                turns=[Turn(kind="assistant", content=f"{text} #{i}")], tokens_in=10, tokens_out=5, latency_s=0.1)
+        for i in range(n)
+    ]
+
+
+def test_every_table_has_a_pandera_model_with_the_same_columns(store):
+    assert set(FRAMES) == set(TABLE_DDL)
+    for table, model in FRAMES.items():
+        db_columns = list(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
+        assert db_columns == list(model.to_schema().columns), table
+
+
+def test_round_trip_of_every_stage_record(store):
+    outputs = {
+        "problems": [Problem(problem_id="p1", problem="1+3?", answer="4", source="t.jsonl")],
+        "rollouts": rollouts(),
+        "rewards": [Reward(problem_id="p1", sample_idx=0, reward=1.0, extracted="4")],
+        "group_advantages": [GroupAdvantage(problem_id="p1", rewards=[1.0, 0.0], mean_reward=0.5, std_reward=0.5,
+                                            advantages=[1.0, -1.0], selected=True, reason="mixed rewards")],
+        "summaries": [Summary(problem_id="p1", sample_idx=0, text="added the numbers")],
+        "proposals": [Proposal(group_id="p1", operations=[Operation(op="add", text="Add carefully.")],
+                               raw_text="{...}"),
+                      Proposal(group_id="p2", raw_text="not json", parse_error="no JSON object found")],
+        "operations": [OperationResult(seq=0, operation=Operation(op="modify", target_ids=["E9"], text="x"),
+                                       status="rejected", reason="unknown id: E9")],
+        "llm_calls": [LLMCall(stage="all", role="policy", model="m", tokens_in=3, tokens_out=4, retries=1)],
+    }
+    store.write_stage("r1", 1, "all", outputs)
+    for table, records in outputs.items():
+        assert store.records(table, "r1", 1, "all") == records, table
+
+
+def test_rewriting_a_stage_replaces_its_rows(store):
+    store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=3)})
+    store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=2, text="retry")})
+    store.write_stage("r1", 2, "rollout", {"rollouts": rollouts(n=4)})
+    step1 = store.records("rollouts", "r1", 1)
+    assert [r.final_text for r in step1] == ["retry #0", "retry #1"]
+    assert len(store.frame("rollouts", "r1")) == 6
+    assert store.stage_done("r1", 1, "rollout") and not store.stage_done("r1", 3, "rollout")
+    marker = store.query("SELECT n_rows FROM stage_runs WHERE run_id='r1' AND step=1")
+    assert marker["n_rows"].tolist() == [2]
+
+
+def test_invalid_frame_names_table_column_and_row_and_keeps_stored_rows(store):
+    store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=2)})
+    bad = [Reward.model_construct(problem_id="p1", sample_idx=i, reward=r, extracted=None, error=None)
+           for i, r in enumerate([1.0, 1.5])]
+    with pytest.raises(FrameValidationError) as err:
+        store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=5), "rewards": bad})
+    assert "table rewards" in str(err.value) and "'reward'" in str(err.value) and "row 1" in str(err.value)
+    assert len(store.records("rollouts", "r1", 1)) == 2  # the earlier write is intact
+    assert store.frame("rewards", "r1").empty
+
+
+def test_duplicate_rollout_rows_are_refused(store):
+    dup = rollouts(n=2) + rollouts(n=1)
+    with pytest.raises(FrameValidationError, match="one_row_per_sample"):
+        store.write_stage("r1", 1, "rollout", {"rollouts": dup})
+
+
+def test_failed_transaction_leaves_previous_rows(store, monkeypatch):
+    store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=2)})
+    original = store._insert
+
+    def failing_insert(table, frame):
+        if table == "stage_runs":
+            raise RuntimeError("disk full")
+        original(table, frame)
+
+    monkeypatch.setattr(store, "_insert", failing_insert)
+    with pytest.raises(RuntimeError, match="disk full"):
+        store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=4)})
+    monkeypatch.undo()
+    assert len(store.records("rollouts", "r1", 1)) == 2
+
+
+def test_library_versions_round_trip(store):
+    lib = ExperienceLibrary()
+    v1, _ = lib.apply([Operation(op="add", text="Lesson one.", source_groups=["p1"]),
+                       Operation(op="add", text="Lesson two.")], step=1)
+    v2, _ = v1.apply([Operation(op="merge", target_ids=["E0", "E1"], text="Both lessons.")], step=2)
+    for version in (lib, v1, v2):
+        store.save_library("r1", version)
+    store.save_library("r1", v2)  # idempotent
+    assert store.library_versions("r1") == [0, 1, 2]
+    loaded = store.load_library("r1")
+    assert loaded == v2 and loaded.retired_ids == {"E0", "E1"} and loaded.next_id == 3
+    assert loaded.by_id["E2"].parent_ids == ["E0", "E1"] and loaded.by_id["E2"].source_groups == ["p1"]
+    assert store.load_library("r1", 1).as_dict() == v1.as_dict()
+    assert len(store.load_library("r1", 0)) == 0
+    with pytest.raises(StoreError, match="no library version 7"):
+        store.load_library("r1", 7)
+
+
+def test_run_registration_refuses_a_changed_config(store):
+    cfg = RunConfig(run_id="r1", dataset=DatasetConfig(path="a.jsonl"))
+    assert store.register_run(cfg) is True
+    assert store.register_run(cfg.model_copy(update={"concurrency": 4})) is False  # not a result-shaping field
+    changed = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"group_size": 8})})
+    with pytest.raises(ConfigMismatchError, match="changed: grpo.group_size"):
+        store.register_run(changed)
+    assert store.run_config("r1") == cfg
+    assert store.runs()["run_id"].tolist() == ["r1"]
+
+
+def test_second_process_gets_a_clear_lock_error(tmp_path):
+    path = tmp_path / "held.duckdb"
+    with Store(path):
+        script = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from clgrpo.store import Store, StoreLockedError
+            try:
+                Store({str(path)!r})
+            except StoreLockedError as exc:
+                print(exc)
+                sys.exit(3)
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert str(path) in proc.stdout and "a run already holds it" in proc.stdout
+    assert StoreLockedError.__mro__[1] is StoreError
