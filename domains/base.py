@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from domains.learner import LearnerPrompts
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
@@ -32,6 +33,7 @@ class Tool:
 @runtime_checkable
 class Domain(Protocol):
     name: str
+    learner_prompts: LearnerPrompts  # wording of the summarize / extract / consolidate prompts
 
     def load_dataset(self, cfg: DatasetConfig) -> list[Problem]:
         """Load, validate, de-duplicate, shuffle and truncate the problems."""

@@ -26,7 +26,7 @@ class PriceTable(Section):
 
 
 class ModelConfig(Section):
-    backend: Literal["openai", "transformers", "vllm"] = "openai"
+    backend: Literal["openai"] = "openai"
     model: str = "deepseek-chat"
     base_url: str | None = None  # None: the SDK default (api.openai.com)
     api_key_env: str | None = "OPENAI_API_KEY"  # read at call time, never stored
@@ -36,6 +36,8 @@ class ModelConfig(Section):
     max_tokens: int = Field(2048, ge=1)
     timeout_s: float = Field(120.0, gt=0)
     max_retries: int = Field(6, ge=0)
+    retry_base_delay_s: float = Field(1.0, ge=0)  # exponential backoff base (doubles per retry, with jitter)
+    retry_max_delay_s: float = Field(60.0, ge=0)
     supports_n: bool = True  # request G samples with n=G; False: G separate calls
     json_schema: bool = True  # request response_format=json_schema; False: prompt + tolerant parser
     price: PriceTable = Field(default_factory=PriceTable)

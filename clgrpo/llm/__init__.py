@@ -1,0 +1,5 @@
+"""The one LLM client and its backends."""
+
+from clgrpo.llm.client import Completed, LLMCallError, LLMClient, OperationsReply, Sampled, shared_client
+
+__all__ = ["Completed", "LLMCallError", "LLMClient", "OperationsReply", "Sampled", "shared_client"]

@@ -1,0 +1,143 @@
+"""Model backends behind the one LLM client.
+
+A backend turns one request into texts and token counts and classifies failures as transient (retried by
+the client) or permanent. It does no retries, no concurrency control and no accounting of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from schemas.config import ModelConfig
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    messages: list[Message]
+    n: int = 1
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    seed: int | None = None
+    json_schema: dict | None = None
+    schema_name: str = "reply"
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    tokens_in: int = 0
+    tokens_out: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class TransientLLMError(RuntimeError):
+    """Worth retrying: rate limits, server errors, connection problems, timeouts."""
+
+    def __init__(self, message: str, retry_after: float | None = None, rate_limited: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.rate_limited = rate_limited
+
+
+class PermanentLLMError(RuntimeError):
+    """Retrying will not help: bad request, authentication, unknown model."""
+
+
+class Backend(Protocol):
+    async def generate(self, request: GenRequest) -> Generation: ...
+
+    async def aclose(self) -> None: ...
+
+
+def resolve_api_key(cfg: ModelConfig) -> str | None:
+    """From the configured environment variable, else a Prefect Secret block; never stored anywhere."""
+    if cfg.api_key_env and os.environ.get(cfg.api_key_env):
+        return os.environ[cfg.api_key_env]
+    if cfg.api_key_secret_block:
+        from prefect.blocks.system import Secret
+
+        return Secret.load(cfg.api_key_secret_block).get()
+    return None
+
+
+def _retry_after_seconds(headers: object) -> float | None:
+    value = getattr(headers, "get", lambda _k: None)("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+        from datetime import datetime, timezone
+
+        try:
+            return max(0.0, (parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds())
+        except (TypeError, ValueError):
+            return None
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible chat completions endpoint (OpenAI, DeepSeek, a vLLM or local server)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        import openai
+
+        key = resolve_api_key(cfg)
+        if key is None and cfg.base_url is None:
+            raise PermanentLLMError(
+                f"model {cfg.model!r}: no API key; set ${cfg.api_key_env} or api_key_secret_block")
+        self.cfg = cfg
+        self._openai = openai
+        self._client = openai.AsyncOpenAI(
+            api_key=key or "not-needed", base_url=cfg.base_url, max_retries=0, timeout=cfg.timeout_s)
+        self.json_schema_supported = cfg.json_schema
+
+    async def generate(self, request: GenRequest) -> Generation:
+        kwargs: dict = dict(model=self.cfg.model, messages=request.messages, n=request.n,
+                            temperature=request.temperature, top_p=request.top_p, max_tokens=request.max_tokens)
+        if request.seed is not None:
+            kwargs["seed"] = request.seed
+        if request.json_schema is not None and self.json_schema_supported:
+            kwargs["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": request.schema_name, "schema": request.json_schema, "strict": False}}
+        try:
+            response = await self._client.chat.completions.create(**kwargs)
+        except self._openai.BadRequestError as exc:
+            if "response_format" in kwargs and "response_format" in str(exc):
+                self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
+                return await self.generate(request)
+            raise PermanentLLMError(f"HTTP 400: {exc}") from exc
+        except self._openai.APIStatusError as exc:
+            raise self._classify(exc) from exc
+        except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
+            raise TransientLLMError(f"{type(exc).__name__}: {exc}") from exc
+        usage = response.usage
+        return Generation(
+            texts=[c.message.content or "" for c in response.choices],
+            tokens_in=usage.prompt_tokens if usage else 0,
+            tokens_out=usage.completion_tokens if usage else 0,
+            finish_reasons=[c.finish_reason or "" for c in response.choices],
+        )
+
+    def _classify(self, exc: Exception) -> Exception:
+        status = getattr(exc, "status_code", 0)
+        message = f"HTTP {status}: {exc}"
+        if status == 429:
+            return TransientLLMError(message, _retry_after_seconds(exc.response.headers), rate_limited=True)
+        if status >= 500 or status in (408, 409):
+            return TransientLLMError(message, _retry_after_seconds(exc.response.headers))
+        return PermanentLLMError(message)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+def make_backend(cfg: ModelConfig) -> Backend:
+    if cfg.backend == "openai":
+        return OpenAIBackend(cfg)
+    raise PermanentLLMError(f"unknown backend {cfg.backend!r}")

@@ -1,0 +1,225 @@
+"""The one LLM client: every model call of every stage goes through here.
+
+It owns the global concurrency limit, per-call timeouts, retries (exponential backoff with jitter, honoring
+``Retry-After`` on 429 and pausing all callers during a rate-limit window), G samples per problem (``n=G``
+where the endpoint supports it, else G calls), structured output with one repair re-ask, and an ``LLMCall``
+record for every call (tokens, latency, retries, cost). Stages get the records back and hand them to the flow,
+which stores them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from clgrpo.llm.backends import Backend, GenRequest, Generation, PermanentLLMError, TransientLLMError, make_backend
+from clgrpo.llm.structured import StructuredOutputError, parse_operations
+from schemas.config import ModelConfig, RunConfig
+from schemas.records import LLMCall, Operation, utcnow
+
+Message = dict[str, str]
+Role = Literal["policy", "learner"]
+RepairFn = Callable[[list[Message], str, str], list[Message]]
+
+
+class LLMCallError(RuntimeError):
+    """A call that failed after its retries; ``calls`` holds the records of what was attempted."""
+
+    def __init__(self, message: str, calls: list[LLMCall]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+
+@dataclass
+class Sampled:
+    texts: list[str]
+    calls: list[LLMCall]
+
+
+@dataclass
+class Completed:
+    text: str
+    call: LLMCall
+
+
+@dataclass
+class OperationsReply:
+    operations: list[Operation]
+    raw_text: str
+    parse_error: str | None
+    calls: list[LLMCall] = field(default_factory=list)
+
+
+@dataclass
+class _LoopState:
+    """Per event loop: asyncio primitives and HTTP clients cannot cross loops."""
+
+    semaphore: asyncio.Semaphore
+    backends: dict[Role, Backend] = field(default_factory=dict)
+    pause_until: float = 0.0
+
+
+class LLMClient:
+    def __init__(
+        self,
+        policy: ModelConfig,
+        learner: ModelConfig | None = None,
+        *,
+        concurrency: int = 32,
+        backend_factory: Callable[[ModelConfig], Backend] = make_backend,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.configs: dict[Role, ModelConfig] = {"policy": policy, "learner": learner or policy}
+        self.concurrency = concurrency
+        self._factory = backend_factory
+        self._rng = rng or random.Random()
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+        self._n_unsupported: set[str] = set()
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> "LLMClient":
+        return cls(cfg.policy, cfg.learner_model, concurrency=cfg.concurrency)
+
+    # --- public calls ---------------------------------------------------------------------------------
+    async def sample(self, messages: list[Message], n: int, *, stage: str, temperature: float | None = None,
+                     seed: int | None = None) -> Sampled:
+        """``n`` policy samples for one prompt."""
+        cfg = self.configs["policy"]
+        request = GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
+                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed)
+        calls: list[LLMCall] = []
+        texts: list[str] = []
+        try:
+            if cfg.supports_n and n > 1 and cfg.model not in self._n_unsupported:
+                gen = await self._call("policy", request, stage, calls)
+                texts = gen.texts[:n]
+                if len(texts) < n:  # the endpoint ignored n: top up, and send single requests from now on
+                    self._n_unsupported.add(cfg.model)
+            missing = n - len(texts)
+            singles = [self._call("policy", _single(request, len(texts) + i), stage, calls) for i in range(missing)]
+            for gen in await asyncio.gather(*singles):
+                texts.extend(gen.texts[:1])
+        except LLMCallError as exc:
+            raise LLMCallError(str(exc), calls) from exc
+        return Sampled(texts=texts, calls=calls)
+
+    async def complete(self, messages: list[Message], *, stage: str, role: Role = "learner",
+                       json_schema: dict | None = None, schema_name: str = "reply",
+                       temperature: float | None = None) -> Completed:
+        cfg = self.configs[role]
+        request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
+                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                             json_schema=json_schema if cfg.json_schema else None, schema_name=schema_name)
+        calls: list[LLMCall] = []
+        gen = await self._call(role, request, stage, calls)
+        return Completed(text=gen.texts[0] if gen.texts else "", call=calls[-1])
+
+    async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
+                                  repair: RepairFn) -> OperationsReply:
+        """Ask for operations as JSON; one repair re-ask on an unusable reply; what still fails comes back
+        with its raw text and ``parse_error`` set (never raised, never dropped)."""
+        first = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations")
+        try:
+            return OperationsReply(parse_operations(first.text), first.text, None, [first.call])
+        except StructuredOutputError as exc:
+            error = str(exc)
+        second = await self.complete(repair(messages, first.text, error), stage=stage, json_schema=json_schema,
+                                     schema_name="operations")
+        calls = [first.call, second.call]
+        try:
+            return OperationsReply(parse_operations(second.text), second.text, None, calls)
+        except StructuredOutputError as exc:
+            raw = json.dumps({"first_reply": first.text, "repair_reply": second.text}, ensure_ascii=False)
+            return OperationsReply([], raw, f"unparseable after repair: {exc} (first reply: {error})", calls)
+
+    async def aclose(self) -> None:
+        for state in list(self._states.values()):
+            for backend in state.backends.values():
+                await backend.aclose()
+            state.backends.clear()
+
+    # --- the retry loop -------------------------------------------------------------------------------
+    def _state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        if loop not in self._states:
+            self._states[loop] = _LoopState(semaphore=asyncio.Semaphore(self.concurrency))
+        return self._states[loop]
+
+    def _backend(self, state: _LoopState, role: Role) -> Backend:
+        if role not in state.backends:
+            learner_is_policy = self.configs["learner"] == self.configs["policy"]
+            if role == "learner" and learner_is_policy and "policy" in state.backends:
+                state.backends[role] = state.backends["policy"]
+            else:
+                state.backends[role] = self._factory(self.configs[role])
+        return state.backends[role]
+
+    async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall]) -> Generation:
+        cfg, state = self.configs[role], self._state()
+        started, t0, retries = utcnow(), time.monotonic(), 0
+        while True:
+            await self._respect_pause(state)
+            try:
+                async with state.semaphore:
+                    gen = await asyncio.wait_for(self._backend(state, role).generate(request), cfg.timeout_s)
+                calls.append(self._record(stage, role, cfg, started, t0, retries, gen))
+                return gen
+            except PermanentLLMError as exc:
+                calls.append(self._record(stage, role, cfg, started, t0, retries, None, str(exc)))
+                raise LLMCallError(f"{stage}/{role}: {exc}", calls) from exc
+            except (TransientLLMError, asyncio.TimeoutError) as exc:
+                reason = str(exc) or f"timeout after {cfg.timeout_s}s"
+                if retries >= cfg.max_retries:
+                    calls.append(self._record(stage, role, cfg, started, t0, retries, None, reason))
+                    raise LLMCallError(f"{stage}/{role}: gave up after {retries} retries: {reason}", calls) from exc
+                delay = self._delay(cfg, retries, exc)
+                if isinstance(exc, TransientLLMError) and exc.rate_limited:
+                    state.pause_until = max(state.pause_until, time.monotonic() + delay)
+                retries += 1
+                await asyncio.sleep(delay)
+
+    def _delay(self, cfg: ModelConfig, retries: int, exc: BaseException) -> float:
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after is not None:
+            return retry_after + self._rng.uniform(0, 0.1 * retry_after + 0.05)
+        ceiling = min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2**retries)
+        return self._rng.uniform(ceiling / 2, ceiling)
+
+    @staticmethod
+    async def _respect_pause(state: _LoopState) -> None:
+        wait = state.pause_until - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    @staticmethod
+    def _record(stage: str, role: Role, cfg: ModelConfig, started, t0: float, retries: int,
+                gen: Generation | None, error: str | None = None) -> LLMCall:
+        tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
+        cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
+        return LLMCall(stage=stage, role=role, model=cfg.model, tokens_in=tokens_in, tokens_out=tokens_out,
+                       latency_s=time.monotonic() - t0, retries=retries, cost_usd=cost, ok=gen is not None,
+                       error=error, started_at=started)
+
+
+def _single(request: GenRequest, index: int) -> GenRequest:
+    seed = None if request.seed is None else request.seed + index
+    return GenRequest(messages=request.messages, n=1, temperature=request.temperature, top_p=request.top_p,
+                      max_tokens=request.max_tokens, seed=seed, json_schema=request.json_schema,
+                      schema_name=request.schema_name)
+
+
+_SHARED: dict[str, LLMClient] = {}
+
+
+def shared_client(cfg: RunConfig) -> LLMClient:
+    """One client per process and model setup, so the concurrency limit holds across all stages."""
+    key = json.dumps([cfg.policy.model_dump(mode="json"), cfg.learner_model.model_dump(mode="json"), cfg.concurrency])
+    if key not in _SHARED:
+        _SHARED[key] = LLMClient.from_run_config(cfg)
+    return _SHARED[key]

@@ -1,0 +1,266 @@
+"""The training flow: epochs x batches of steps, each step the eight stages.
+
+The flow is the only DuckDB writer. Each stage's output is written in one transaction keyed by
+(run_id, step, stage); a stage already in the store is read back instead of recomputed, so rerunning a run id
+after a crash continues where it stopped (no duplicate rollouts, no operation applied twice). Stage tasks
+persist their results with input-keyed cache keys, so a UI "Retry" of a failed flow run also gets finished
+task runs back as Cached. A run id is bound to its config: a changed config under the same id is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    acreate_markdown_artifact,
+    acreate_progress_artifact,
+    acreate_table_artifact,
+    aupdate_progress_artifact,
+)
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.store import Store
+from schemas.config import RunConfig
+from schemas.records import LibraryVersion, Problem, Proposal
+from tasks.apply_operations import STAGE as APPLY, apply_operations_task
+from tasks.checkpoint import (
+    STAGE as CHECKPOINT,
+    StepReport,
+    checkpoint_task,
+    export_dir,
+    library_table,
+    operations_markdown,
+    step_report,
+)
+from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task
+from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
+from tasks.load_dataset import STAGE as LOAD, load_dataset_task
+from tasks.rollout import STAGE as ROLLOUT, rollout_task
+from tasks.summarize import STAGE as SUMMARIZE, summarize_task
+from tasks.verify import STAGE as VERIFY, verify_task
+
+T = TypeVar("T")
+Outputs = dict[str, list[Any]]
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    db_path: str
+    final_version: int
+    library_size: int
+    export_dir: str
+    steps: list[StepReport] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    step: int
+    epoch: int
+    problems: list[Problem]
+
+
+def plan_steps(problems: list[Problem], *, epochs: int, batch_size: int, seed: int) -> list[PlannedStep]:
+    """Epoch 0 keeps the dataset's (already seeded) order; later epochs reshuffle with a derived seed."""
+    steps, number = [], 0
+    for epoch in range(epochs):
+        order = list(problems)
+        if epoch > 0:
+            random.Random(seed * 1009 + epoch).shuffle(order)
+        for start in range(0, len(order), batch_size):
+            number += 1
+            steps.append(PlannedStep(number, epoch, order[start : start + batch_size]))
+    return steps
+
+
+def chunks(items: Sequence[T], size: int) -> list[list[T]]:
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def artifact_key(run_id: str, name: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{name}".lower()).strip("-")
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, store: Store) -> None:
+        self.cfg = config
+        self.store = store
+        self.run_id = config.run_id
+        self.log = get_run_logger()
+
+    # --- the stage protocol: read back when done, else compute and write atomically -------------------
+    async def stage(self, step: int, name: str, compute: Callable[[], Awaitable[Outputs]],
+                    tables: Sequence[str], before_write: Callable[[Outputs], None] | None = None) -> Outputs:
+        if self.store.stage_done(self.run_id, step, name):
+            self.log.info("step %d %s: already stored, reading it back", step, name)
+            return {t: self.store.records(t, self.run_id, step, name) for t in tables}
+        outputs = await compute()
+        if before_write:
+            before_write(outputs)
+        n_rows = self.store.write_stage(self.run_id, step, name, outputs)
+        self.log.info("step %d %s: wrote %d rows", step, name, n_rows)
+        return outputs
+
+    # --- setup ----------------------------------------------------------------------------------------
+    async def problems(self) -> list[Problem]:
+        async def compute() -> Outputs:
+            return {"problems": load_dataset_task(self.cfg, _source_digest(self.cfg))}
+
+        return (await self.stage(0, LOAD, compute, ["problems"]))["problems"]
+
+    def initial_library(self) -> ExperienceLibrary:
+        if self.store.library_versions(self.run_id):
+            return self.store.load_library(self.run_id, 0)
+        library = ExperienceLibrary()
+        if self.cfg.initial_library:
+            library = ExperienceLibrary.load(self.cfg.initial_library)
+        self.store.save_library(self.run_id, library)
+        return library
+
+    # --- one step -------------------------------------------------------------------------------------
+    async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
+        step, cfg, problems = planned.step, self.cfg, planned.problems
+        version = library.to_version()
+        rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
+
+        async def do_rollout() -> Outputs:
+            parts = await asyncio.gather(*[rollout_task(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
+            return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
+
+        rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"]))["rollouts"]
+
+        async def do_verify() -> Outputs:
+            parts = await asyncio.gather(*[
+                verify_task(cfg, step, i, c, [r for r in rollouts if r.problem_id in {p.problem_id for p in c}])
+                for i, c in enumerate(rollout_chunks)])
+            return {"rewards": [r for p in parts for r in p.rewards],
+                    "group_advantages": [a for p in parts for a in p.advantages]}
+
+        verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages"])
+        rewards, advantages = verified["rewards"], verified["group_advantages"]
+        selected_ids = [a.problem_id for a in advantages if a.selected]
+        group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
+
+        def chunk_inputs(ids: list[str]) -> dict[str, Any]:
+            wanted = set(ids)
+            return dict(problems=[p for p in problems if p.problem_id in wanted],
+                        rollouts=[r for r in rollouts if r.problem_id in wanted],
+                        rewards=[r for r in rewards if r.problem_id in wanted],
+                        advantages=[a for a in advantages if a.problem_id in wanted])
+
+        async def do_summarize() -> Outputs:
+            parts = await asyncio.gather(*[summarize_task(cfg, step, i, library=version, **chunk_inputs(ids))
+                                           for i, ids in enumerate(group_chunks)])
+            return {"summaries": [s for p in parts for s in p.summaries], "llm_calls": [c for p in parts for c in p.calls]}
+
+        summaries = (await self.stage(step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"]))["summaries"]
+
+        async def do_extract() -> Outputs:
+            parts = await asyncio.gather(*[
+                group_advantage_task(cfg, step, i, library=version, summaries=[s for s in summaries if s.problem_id in set(ids)],
+                                     **chunk_inputs(ids))
+                for i, ids in enumerate(group_chunks)])
+            return {"proposals": [p for part in parts for p in part.proposals],
+                    "llm_calls": [c for part in parts for c in part.calls]}
+
+        proposals = (await self.stage(step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"]))["proposals"]
+
+        async def do_consolidate() -> Outputs:
+            result = await consolidate_task(cfg, step, proposals, version)
+            if result.failed:
+                self.log.warning("step %d: consolidation reply unusable after repair; no operations this step", step)
+            return {"proposals": result.plans, "llm_calls": result.calls}
+
+        plans: list[Proposal] = (await self.stage(step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"]))["proposals"]
+        final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
+
+        applied_version: list[LibraryVersion] = []
+
+        async def do_apply() -> Outputs:
+            applied = apply_operations_task(cfg, step, version, final_ops)
+            applied_version.append(applied.library)
+            return {"operations": applied.results}
+
+        def save_version(_: Outputs) -> None:
+            self.store.save_library(self.run_id, ExperienceLibrary.from_version(applied_version[0]))
+
+        await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
+        return self.store.load_library(self.run_id, step)
+
+    # --- reporting ------------------------------------------------------------------------------------
+    def report(self, planned: PlannedStep, library: ExperienceLibrary) -> StepReport:
+        def read(table: str, stage: str | None = None) -> list[Any]:
+            return self.store.records(table, self.run_id, planned.step, stage)
+
+        return step_report(
+            run_id=self.run_id, step=planned.step, epoch=planned.epoch, rollouts=read("rollouts"),
+            rewards=read("rewards"), advantages=read("group_advantages"), summaries=read("summaries"),
+            proposals=read("proposals", GROUP_ADVANTAGE), consolidation_plans=read("proposals", CONSOLIDATE),
+            results=read("operations"), library_size=len(library), calls=read("llm_calls"))
+
+    async def checkpoint(self, planned: PlannedStep, library: ExperienceLibrary, reports: list[StepReport]) -> None:
+        step = planned.step
+        paths = checkpoint_task(self.cfg, step, library.to_version())
+        report = reports[-1]
+        await acreate_table_artifact(library_table(library) or [{"id": "", "text": "(empty library)"}],
+                                     key=artifact_key(self.run_id, "library"),
+                                     description=f"Library after step {step} (version {library.version})")
+        await acreate_markdown_artifact(operations_markdown(step, self.store.records("operations", self.run_id, step)),
+                                        key=artifact_key(self.run_id, "operations"),
+                                        description=f"Operations applied and rejected at step {step}")
+        await acreate_table_artifact([r.as_row() for r in reports], key=artifact_key(self.run_id, "counts"),
+                                     description="Per-step counts: groups, proposals, operations, tokens, cost")
+        self.store.write_stage(self.run_id, step, CHECKPOINT, {})
+        self.log.info(
+            "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
+            "operations %d applied / %d rejected, library %d, tokens %d in / %d out, cost $%.4f; exported %s",
+            step, planned.epoch + 1, report.accuracy, report.groups_selected, report.groups_total,
+            report.proposals_parsed, report.proposals_failed, report.operations_applied, report.operations_rejected,
+            report.library_size, report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
+
+    # --- the run --------------------------------------------------------------------------------------
+    async def run(self) -> TrainResult:
+        created = self.store.register_run(self.cfg)
+        self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
+        problems = await self.problems()
+        library = self.initial_library()
+        planned_steps = plan_steps(problems, epochs=self.cfg.grpo.epochs, batch_size=self.cfg.grpo.batch_size,
+                                   seed=self.cfg.seed)
+        progress = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
+                                                   description=f"{len(planned_steps)} steps")
+        reports: list[StepReport] = []
+        for planned in planned_steps:
+            done = self.store.stage_done(self.run_id, planned.step, CHECKPOINT)
+            if done:
+                library = self.store.load_library(self.run_id, planned.step)
+            else:
+                library = await self.run_step(planned, library)
+            reports.append(self.report(planned, library))
+            if not done:
+                await self.checkpoint(planned, library, reports)
+            await aupdate_progress_artifact(progress, 100.0 * planned.step / len(planned_steps),
+                                            description=f"step {planned.step}/{len(planned_steps)}")
+        return TrainResult(self.run_id, str(self.store.path), library.version, len(library),
+                           str(export_dir(self.cfg)), reports)
+
+
+def _source_digest(cfg: RunConfig) -> str:
+    """Content hash of a local dataset file, so a changed file never hits a stale cached load."""
+    if cfg.dataset.path and Path(cfg.dataset.path).is_file():
+        return hashlib.sha256(Path(cfg.dataset.path).read_bytes()).hexdigest()[:24]
+    return cfg.dataset.hf_name or ""
+
+
+@flow(name="train", flow_run_name="train-{config.run_id}", persist_result=True, log_prints=True)
+async def train(config: RunConfig) -> TrainResult:
+    """Learn an experience library for a frozen policy (Training-Free GRPO)."""
+    with Store(config.db_path) as store:
+        return await Trainer(config, store).run()

@@ -1,0 +1,120 @@
+"""Stage: checkpoint a step — the step report (counts, tables, markdown) and the exported library files."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from clgrpo.library import ExperienceLibrary
+from schemas.config import RunConfig
+from schemas.records import (
+    GroupAdvantage,
+    LibraryVersion,
+    LLMCall,
+    OperationResult,
+    OpStatus,
+    Proposal,
+    Reward,
+    Rollout,
+    Summary,
+)
+from tasks.common import stage_task
+
+STAGE = "checkpoint"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    run_id: str
+    step: int
+    epoch: int
+    n_problems: int
+    accuracy: float  # mean reward over this step's rollouts
+    rollouts_failed: int
+    groups_total: int
+    groups_selected: int
+    summaries_failed: int
+    proposals_total: int
+    proposals_parsed: int
+    proposals_failed: int
+    operations_proposed: int
+    consolidation_failed: bool
+    operations_applied: int
+    operations_rejected: int
+    library_size: int
+    llm_calls: int
+    llm_retries: int
+    llm_failed: int
+    tokens_in: int
+    tokens_out: int
+    cost_usd: float
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], rewards: list[Reward],
+                advantages: list[GroupAdvantage], summaries: list[Summary], proposals: list[Proposal],
+                consolidation_plans: list[Proposal], results: list[OperationResult], library_size: int,
+                calls: list[LLMCall]) -> StepReport:
+    return StepReport(
+        run_id=run_id, step=step, epoch=epoch,
+        n_problems=len({r.problem_id for r in rollouts}),
+        accuracy=statistics.fmean(r.reward for r in rewards) if rewards else 0.0,
+        rollouts_failed=sum(r.error is not None for r in rollouts),
+        groups_total=len(advantages),
+        groups_selected=sum(a.selected for a in advantages),
+        summaries_failed=sum(s.error is not None for s in summaries),
+        proposals_total=len(proposals),
+        proposals_parsed=sum(p.parse_error is None for p in proposals),
+        proposals_failed=sum(p.parse_error is not None for p in proposals),
+        operations_proposed=sum(len(p.operations) for p in proposals),
+        consolidation_failed=any(p.parse_error for p in consolidation_plans),
+        operations_applied=sum(r.status == OpStatus.APPLIED for r in results),
+        operations_rejected=sum(r.status == OpStatus.REJECTED for r in results),
+        library_size=library_size,
+        llm_calls=len(calls),
+        llm_retries=sum(c.retries for c in calls),
+        llm_failed=sum(not c.ok for c in calls),
+        tokens_in=sum(c.tokens_in for c in calls),
+        tokens_out=sum(c.tokens_out for c in calls),
+        cost_usd=round(sum(c.cost_usd for c in calls), 6),
+    )
+
+
+def operations_markdown(step: int, results: list[OperationResult]) -> str:
+    lines = [f"## Operations of step {step}", "", "| # | op | ids | text | status | reason | result |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        op = r.operation
+        text = (op.text or "").replace("|", "\\|")
+        lines.append(f"| {r.seq} | {op.op.value} | {', '.join(op.target_ids)} | {text} | {r.status.value} "
+                     f"| {r.reason} | {r.result_id or ''} |")
+    if not results:
+        lines.append("| | (no operations this step) | | | | | |")
+    return "\n".join(lines)
+
+
+def library_table(library: ExperienceLibrary) -> list[dict]:
+    return [{"id": e.id, "text": e.text, "created_step": e.created_step, "updated_step": e.updated_step,
+             "parents": ", ".join(e.parent_ids), "sources": ", ".join(e.source_groups)} for e in library]
+
+
+def export_dir(config: RunConfig) -> Path:
+    return Path(config.db_path).resolve().parent / config.run_id
+
+
+def export_library(library: ExperienceLibrary, directory: Path) -> list[Path]:
+    """``library_v{N}.json`` (reference format) and ``library_latest.json``/``.txt``."""
+    return [
+        library.dump(directory / f"library_v{library.version}.json"),
+        library.dump(directory / "library_latest.json"),
+        library.dump(directory / "library_latest.txt", fmt="text"),
+    ]
+
+
+@stage_task(STAGE, run_name="checkpoint-step{step}")
+def checkpoint_task(config: RunConfig, step: int, library: LibraryVersion) -> list[str]:
+    paths = export_library(ExperienceLibrary.from_version(library), export_dir(config))
+    return [str(p) for p in paths]

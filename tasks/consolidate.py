@@ -1,0 +1,85 @@
+"""Stage: turn all group proposals of a step into one final plan of operations.
+
+Up to ``consolidate_chunk_size`` proposals go to one learner call. Beyond that the proposals are
+consolidated hierarchically: one call per chunk, then a final pass over the chunk plans (a single giant call
+degrades). Every plan, intermediate or final, is returned as a ``Proposal`` record (group_id ``chunk-N`` or
+``final``); a final plan that cannot be parsed even after the repair re-ask yields no operations and is kept
+with its raw text and error. A failed learner call fails the stage (a retry resumes here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient, shared_client
+from domains import get_domain
+from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
+from schemas.config import LearningConfig, RunConfig
+from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
+from tasks.common import stage_task
+
+STAGE = "consolidate"
+FINAL = "final"
+
+
+@dataclass
+class Consolidation:
+    operations: list[Operation]
+    plans: list[Proposal]
+    calls: list[LLMCall] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(p.group_id == FINAL and p.parse_error for p in self.plans)
+
+
+def render_proposals(proposals: list[Proposal]) -> str:
+    """One JSON object per proposed operation, labelled with the group(s) it came from."""
+    lines = []
+    for proposal in proposals:
+        for op in proposal.operations:
+            group = ",".join(op.source_groups) or proposal.group_id
+            lines.append(json.dumps({"group": group, "op": op.op.value, "ids": op.target_ids, "text": op.text or ""},
+                                    ensure_ascii=False))
+    return "\n".join(lines)
+
+
+async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
+                llm: LLMClient, cfg: LearningConfig) -> tuple[Proposal, list[LLMCall]]:
+    known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
+    messages = prompts.consolidate(render_proposals(proposals), library.render_for_prompt(), max_words=cfg.max_words)
+    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=OPERATIONS_SCHEMA, repair=prompts.repair)
+    operations = [op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups]})
+                  for op in reply.operations]
+    plan = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error)
+    return plan, reply.calls
+
+
+async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
+                      llm: LLMClient, cfg: LearningConfig) -> Consolidation:
+    usable = [p for p in proposals if p.operations]
+    if not usable:
+        return Consolidation([], [])
+    plans: list[Proposal] = []
+    calls: list[LLMCall] = []
+    size = cfg.consolidate_chunk_size
+    if len(usable) > size:
+        chunks = [usable[i : i + size] for i in range(0, len(usable), size)]
+        results = await asyncio.gather(*[
+            _plan(f"chunk-{i}", chunk, library, prompts, llm, cfg) for i, chunk in enumerate(chunks)])
+        plans = [plan for plan, _ in results]
+        calls = [c for _, cs in results for c in cs]
+        usable = [p for p in plans if p.operations]
+    final, final_calls = await _plan(FINAL, usable, library, prompts, llm, cfg) if usable else (
+        Proposal(group_id=FINAL, parse_error=None), [])
+    return Consolidation(final.operations, [*plans, final], [*calls, *final_calls])
+
+
+@stage_task(STAGE, run_name="consolidate-step{step}")
+async def consolidate_task(config: RunConfig, step: int, proposals: list[Proposal],
+                           library: LibraryVersion) -> Consolidation:
+    return await consolidate(proposals, ExperienceLibrary.from_version(library),
+                             get_domain(config.domain).learner_prompts, shared_client(config), config.learning)

@@ -1,0 +1,67 @@
+"""Stage: sample G rollouts per problem from the frozen policy, with the library in the prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from domains import Domain, get_domain
+from schemas.config import RunConfig
+from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
+from tasks.common import stage_task
+
+STAGE = "rollout"
+
+
+@dataclass
+class RolloutBatch:
+    rollouts: list[Rollout]
+    calls: list[LLMCall] = field(default_factory=list)
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.error is not None for r in self.rollouts)
+
+
+async def _one_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
+                       group_size: int, temperature: float) -> RolloutBatch:
+    messages = domain.rollout_messages(problem, library.render_for_prompt())
+    prompt_hash = text_hash(json.dumps(messages, sort_keys=True))
+    base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
+    try:
+        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature)
+    except LLMCallError as exc:
+        failed = [Rollout(**base, sample_idx=i, error=str(exc)) for i in range(group_size)]
+        return RolloutBatch(failed, exc.calls)
+    tokens_in = sum(c.tokens_in for c in sampled.calls) // max(1, len(sampled.calls))
+    tokens_out = sum(c.tokens_out for c in sampled.calls) // max(1, group_size)
+    latency = max((c.latency_s for c in sampled.calls), default=0.0)
+    rollouts = [
+        Rollout(**base, sample_idx=i, turns=[Turn(kind="assistant", content=text)], tokens_in=tokens_in,
+                tokens_out=tokens_out, latency_s=latency)
+        for i, text in enumerate(sampled.texts)
+    ]
+    return RolloutBatch(rollouts, sampled.calls)
+
+
+async def rollout(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
+                  group_size: int, temperature: float) -> RolloutBatch:
+    """G samples for each problem; a problem whose policy call failed after retries gets G rollouts with
+    ``error`` set (stored and counted). Raises if every call failed: the endpoint is unusable."""
+    parts = await asyncio.gather(*[
+        _one_problem(p, library, domain, llm, group_size, temperature) for p in problems])
+    batch = RolloutBatch([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
+    if problems and batch.n_failed == len(batch.rollouts):
+        raise RuntimeError(f"rollout: all {len(problems)} policy calls failed; first error: {batch.rollouts[0].error}")
+    return batch
+
+
+@stage_task(STAGE, run_name="rollout-step{step}-chunk{chunk}")
+async def rollout_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
+                       library: LibraryVersion) -> RolloutBatch:
+    return await rollout(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
+                         shared_client(config), group_size=config.grpo.group_size,
+                         temperature=config.grpo.rollout_temperature)

@@ -1,0 +1,62 @@
+"""Stage: the learner summarizes each rollout of the selected groups."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from domains import get_domain
+from domains.learner import Attempt, LearnerPrompts
+from schemas.config import RunConfig
+from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
+from tasks.common import stage_task
+from tasks.group_advantage import Group, build_groups
+
+STAGE = "summarize"
+
+
+@dataclass
+class SummaryBatch:
+    summaries: list[Summary]
+    calls: list[LLMCall] = field(default_factory=list)
+
+    @property
+    def n_failed(self) -> int:
+        return sum(s.error is not None for s in self.summaries)
+
+
+async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, library_text: str,
+                         prompts: LearnerPrompts, llm: LLMClient, use_groundtruth: bool) -> SummaryBatch:
+    attempt = Attempt(rollout.sample_idx, rollout.final_text, reward.reward if use_groundtruth else None)
+    messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
+    base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
+    try:
+        done = await llm.complete(messages, stage=STAGE)
+    except LLMCallError as exc:
+        return SummaryBatch([Summary(**base, text="", error=str(exc))], exc.calls)
+    error = None if done.text.strip() else "empty summary"
+    return SummaryBatch([Summary(**base, text=done.text.strip(), error=error)], [done.call])
+
+
+async def summarize(groups: list[Group], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, *,
+                    use_groundtruth: bool) -> SummaryBatch:
+    """One summary per rollout; a failed call leaves a summary with ``error`` (the extractor then reads the
+    trajectory itself)."""
+    library_text = library.render_for_prompt()
+    parts = await asyncio.gather(*[
+        _summarize_one(g.problem, r, w, library_text, prompts, llm, use_groundtruth)
+        for g in groups for r, w in zip(g.rollouts, g.rewards)
+    ])
+    return SummaryBatch([s for p in parts for s in p.summaries], [c for p in parts for c in p.calls])
+
+
+@stage_task(STAGE, run_name="summarize-step{step}-chunk{chunk}")
+async def summarize_task(config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout],
+                         rewards: list[Reward], advantages: list[GroupAdvantage],
+                         library: LibraryVersion) -> SummaryBatch:
+    groups = build_groups(problems, rollouts, rewards, advantages)
+    return await summarize(groups, ExperienceLibrary.from_version(library),
+                           get_domain(config.domain).learner_prompts, shared_client(config),
+                           use_groundtruth=config.learning.use_groundtruth)
