@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (a fake OpenAI-compatible server)."""

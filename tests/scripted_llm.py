@@ -1,0 +1,280 @@
+"""A scripted "world" for learning-loop tests: arithmetic problem families, a policy whose accuracy jumps
+when the family's lesson is in its prompt, and learner stages (summarizer, extractor, consolidator) that
+behave like a cooperative but imperfect LLM. Use it as the responder of ``FakeOpenAIServer``.
+
+Randomness is deterministic per (seed, prompt, choice index, how often that exact prompt was seen), so
+concurrent requests for different prompts never change each other's outcomes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clgrpo.testing.fake_openai import ChatRequest, role_of
+
+REPAIR_PREFIX = "Your previous reply could not be used"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    symbol: str
+    lesson: str
+    key: str  # a phrase of the lesson; its presence in a prompt means "the lesson was given"
+    compute: Callable[[int, int], int]
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("sums", "+", "When adding multi-digit numbers, align digits by place value and carry.",
+           "align digits by place value", lambda a, b: a + b),
+    Family("products", "*", "When multiplying, split one factor into tens and ones, then add the partial products.",
+           "add the partial products", lambda a, b: a * b),
+    Family("differences", "-", "When subtracting, borrow from the next column whenever the top digit is smaller.",
+           "borrow from the next column", lambda a, b: a - b),
+    Family("remainders", "%",
+           "For a remainder, subtract the largest multiple of the divisor not exceeding the dividend.",
+           "largest multiple of the divisor", lambda a, b: a % b),
+)
+FAMILY_BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+
+PROBLEM_RE = re.compile(r"\((sums|products|differences|remainders)\) Compute (\d+) ([-+*%]) (\d+)\.")
+_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+_GRADE_RE = re.compile(r"^Attempt(?: \d+)? \(graded ([^)]+)\):", re.MULTILINE)
+_LIBRARY_LINE_RE = re.compile(r"^\[([^\]]+)\]\.\s*(.*)$")
+
+
+# problems -------------------------------------------------------------------------------------------------
+
+def problem_text(family: Family, a: int, b: int) -> str:
+    return f"({family.name}) Compute {a} {family.symbol} {b}."
+
+
+def _operands(family: Family, rng: random.Random) -> tuple[int, int]:
+    if family.name == "products":
+        return rng.randint(11, 99), rng.randint(11, 99)
+    if family.name == "remainders":
+        return rng.randint(100, 999), rng.randint(3, 29)
+    if family.name == "differences":
+        b = rng.randint(100, 899)
+        return rng.randint(b + 1, 999), b
+    return rng.randint(100, 999), rng.randint(100, 999)
+
+
+def make_problems(n_per_family: int, seed: int = 0) -> list[dict]:
+    """``n_per_family`` problems of every family, interleaved: ``{"id", "problem", "answer"}``."""
+    rng = random.Random(seed)
+    problems = []
+    for i in range(n_per_family):
+        for family in FAMILIES:
+            a, b = _operands(family, rng)
+            problems.append({"id": f"{family.name}-{i:03d}", "problem": problem_text(family, a, b),
+                             "answer": str(family.compute(a, b))})
+    return problems
+
+
+def write_jsonl(problems: Iterable[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    return path
+
+
+def find_problem(text: str) -> tuple[Family, int, int] | None:
+    match = PROBLEM_RE.search(text)
+    if match is None:
+        return None
+    return FAMILY_BY_NAME[match.group(1)], int(match.group(2)), int(match.group(4))
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+# the world ------------------------------------------------------------------------------------------------
+
+@dataclass
+class WorldStats:
+    by_role: Counter = field(default_factory=Counter)
+    policy_choices_with_lesson: int = 0
+    policy_choices_without_lesson: int = 0
+    policy_correct: int = 0
+    extract_clean: int = 0
+    extract_malformed: int = 0
+    extract_garbage: int = 0
+    extract_repairs: int = 0
+
+
+def _user_messages(request: ChatRequest) -> list[str]:
+    return [m["content"] for m in request.messages if m.get("role") == "user"]
+
+
+class ScriptedWorld:
+    """A ``Responder``: dispatches on the ROLE line of the system message (no ROLE line: the policy)."""
+
+    def __init__(self, seed: int = 0, p_base: float = 0.2, p_lesson: float = 0.9, p_malformed: float = 0.2,
+                 p_garbage: float = 0.1) -> None:
+        self.seed = seed
+        self.p_base = p_base
+        self.p_lesson = p_lesson
+        self.p_malformed = p_malformed
+        self.p_garbage = p_garbage
+        self.stats = WorldStats()
+        self._seen: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, request: ChatRequest) -> list[str]:
+        role = role_of(request)
+        occurrence = self._occurrence(request)
+        with self._lock:
+            self.stats.by_role[role] += 1
+        handler = {
+            "policy": self._policy,
+            "trajectory summarizer": self._summarize,
+            "experience extractor": self._extract,
+            "library consolidator": self._consolidate,
+        }.get(role)
+        if handler is None:
+            return ['{"operations": []}'] * request.n
+        return [handler(request, self._rng(request, occurrence, i)) for i in range(request.n)]
+
+    # determinism -------------------------------------------------------------------------------------------
+    def _occurrence(self, request: ChatRequest) -> tuple[str, int]:
+        digest = hashlib.sha256(json.dumps(request.messages, sort_keys=True).encode("utf-8")).hexdigest()
+        with self._lock:
+            seen = self._seen[digest]
+            self._seen[digest] += 1
+        return digest, seen
+
+    def _rng(self, request: ChatRequest, occurrence: tuple[str, int], index: int) -> random.Random:
+        digest, seen = occurrence
+        key = f"{self.seed}:{digest}:{seen}:{index}".encode("utf-8")
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+
+    # policy ------------------------------------------------------------------------------------------------
+    def _policy(self, request: ChatRequest, rng: random.Random) -> str:
+        users = _user_messages(request)
+        found = find_problem(users[-1]) if users else None
+        found = found or next((p for m in reversed(request.messages) if (p := find_problem(m["content"]))), None)
+        if found is None:
+            return "I could not find a problem to solve. The answer is \\boxed{0}."
+        family, a, b = found
+        everything = "\n".join(m["content"] for m in request.messages).casefold()
+        has_lesson = family.key.casefold() in everything
+        correct = rng.random() < (self.p_lesson if has_lesson else self.p_base)
+        truth = family.compute(a, b)
+        value = truth if correct else truth + rng.choice((1, -1, 10, 2))
+        with self._lock:
+            if has_lesson:
+                self.stats.policy_choices_with_lesson += 1
+            else:
+                self.stats.policy_choices_without_lesson += 1
+            self.stats.policy_correct += int(correct)
+        hint = " Following the given lesson, I work column by column." if has_lesson else ""
+        return f"We need {a} {family.symbol} {b}.{hint} Working it out gives {value}. The answer is \\boxed{{{value}}}."
+
+    # trajectory summarizer ---------------------------------------------------------------------------------
+    def _summarize(self, request: ChatRequest, rng: random.Random) -> str:
+        user = _user_messages(request)[0]
+        attempt = user.split("\nAttempt", 1)[-1]
+        boxed = _BOXED_RE.findall(attempt)
+        answered = f"answered {boxed[-1]}" if boxed else "gave no boxed answer"
+        grade = _GRADE_RE.search(user)
+        verdict = f"It was graded {grade.group(1)}." if grade else "The grade is unknown."
+        return f"The attempt computed the expression and {answered}. {verdict}"
+
+    # experience extractor ----------------------------------------------------------------------------------
+    def _extract(self, request: ChatRequest, rng: random.Random) -> str:
+        users = _user_messages(request)
+        operations = self._extract_operations(users[0])
+        if users[-1].startswith(REPAIR_PREFIX) and len(users) > 1:
+            with self._lock:
+                self.stats.extract_repairs += 1
+            return json.dumps({"operations": operations})
+        draw = rng.random()
+        if draw < self.p_garbage:
+            with self._lock:
+                self.stats.extract_garbage += 1
+            return "I would add a lesson about carrying digits, but I am not sure it is general enough."
+        if draw < self.p_garbage + self.p_malformed:
+            with self._lock:
+                self.stats.extract_malformed += 1
+            return _malformed_json(operations)
+        with self._lock:
+            self.stats.extract_clean += 1
+        return json.dumps({"operations": operations})
+
+    @staticmethod
+    def _extract_operations(user: str) -> list[dict]:
+        library = user.split("Current library:", 1)[-1].split("\nProblem (", 1)[0]
+        found = find_problem(user)
+        if found is None:
+            return []
+        family = found[0]
+        grades = set(_GRADE_RE.findall(user))
+        mixed = not grades or len(grades) > 1
+        if not mixed or family.key.casefold() in library.casefold():
+            return []
+        return [{"op": "add", "text": family.lesson,
+                 "why": f"The better attempts at {family.name} problems followed this; the others did not."}]
+
+    # library consolidator ----------------------------------------------------------------------------------
+    def _consolidate(self, request: ChatRequest, rng: random.Random) -> str:
+        user = _user_messages(request)[0]
+        head, _, proposals_block = user.partition("Proposals:")
+        library = {normalize(m.group(2)) for line in head.splitlines() if (m := _LIBRARY_LINE_RE.match(line.strip()))}
+        return json.dumps({"operations": consolidate_proposals(_parse_proposals(proposals_block), library)})
+
+
+def _parse_proposals(block: str) -> list[dict]:
+    proposals = []
+    for line in block.splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict):
+            proposals.append(item)
+    return proposals
+
+
+def _groups(item: dict) -> list[str]:
+    return [g.strip() for g in str(item.get("group", "")).split(",") if g.strip()]
+
+
+def consolidate_proposals(proposals: list[dict], library_texts: set[str]) -> list[dict]:
+    """One add per distinct new text (with every proposing group), plus the first modify per id."""
+    operations: list[dict] = []
+    adds: dict[str, dict] = {}
+    modified: set[str] = set()
+    for item in proposals:
+        text = str(item.get("text") or "")
+        if item.get("op") == "add" and text.strip():
+            key = normalize(text)
+            if key in library_texts:
+                continue
+            if key not in adds:
+                adds[key] = {"op": "add", "text": text, "sources": []}
+                operations.append(adds[key])
+            adds[key]["sources"] += [g for g in _groups(item) if g not in adds[key]["sources"]]
+        elif item.get("op") == "modify" and item.get("ids"):
+            target = str(item["ids"][0])
+            if target not in modified:
+                modified.add(target)
+                operations.append({"op": "modify", "ids": [str(i) for i in item["ids"]], "text": text,
+                                   "sources": _groups(item)})
+    return operations
+
+
+def _malformed_json(operations: list[dict]) -> str:
+    """JSON in a fence with a // comment and trailing commas: fine for a tolerant parser, not for json.loads."""
+    items = "".join(f"    {json.dumps(op)},\n" for op in operations)
+    return ("Here is my proposal.\n```json\n{\n  // operations on the library\n"
+            f'  "operations": [\n{items}  ],\n}}\n```')

@@ -1,0 +1,186 @@
+"""The LLM client over real HTTP to the fake OpenAI-compatible server."""
+
+import asyncio
+import time
+
+import pytest
+
+from clgrpo.llm import LLMCallError, LLMClient
+from clgrpo.llm.backends import OpenAIBackend
+from clgrpo.testing.fake_openai import ChatRequest, Fault, FakeOpenAIServer, role_of
+from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
+from schemas.config import ModelConfig, PriceTable
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+class Echo:
+    """Replies 'reply i' per choice; remembers response_format of each request."""
+
+    def __init__(self) -> None:
+        self.formats: list[object] = []
+
+    def __call__(self, request: ChatRequest) -> list[str]:
+        self.formats.append(request.response_format)
+        return [f"reply {i}" for i in range(request.n)]
+
+
+class Replies:
+    """Serves scripted replies in order (learner role)."""
+
+    def __init__(self, *replies: str) -> None:
+        self.replies = list(replies)
+
+    def __call__(self, request: ChatRequest) -> list[str]:
+        return [self.replies.pop(0)]
+
+
+def model(server: FakeOpenAIServer, **overrides) -> ModelConfig:
+    base = dict(model="fake-model", base_url=server.base_url, api_key_env=None, retry_base_delay_s=0.01,
+                retry_max_delay_s=0.05, timeout_s=5.0, max_retries=3)
+    return ModelConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def echo_server():
+    with FakeOpenAIServer(Echo()) as server:
+        yield server
+
+
+async def test_n_samples_in_one_request_with_tokens_and_cost(echo_server):
+    cfg = model(echo_server, price=PriceTable(input_per_mtok=1_000_000, output_per_mtok=2_000_000))
+    client = LLMClient(cfg)
+    sampled = await client.sample(MESSAGES, 4, stage="rollout")
+    assert sampled.texts == ["reply 0", "reply 1", "reply 2", "reply 3"]
+    assert echo_server.stats.requests == 1 and len(sampled.calls) == 1
+    call = sampled.calls[0]
+    assert (call.stage, call.role, call.model, call.ok) == ("rollout", "policy", "fake-model", True)
+    assert call.tokens_in == 2 and call.tokens_out == 8  # words of prompt / of the 4 replies
+    assert call.cost_usd == pytest.approx(2 * 1 + 8 * 2)
+    await client.aclose()
+
+
+async def test_g_separate_calls_when_endpoint_has_no_n(echo_server):
+    client = LLMClient(model(echo_server, supports_n=False))
+    sampled = await client.sample(MESSAGES, 3, stage="rollout")
+    assert len(sampled.texts) == 3 and echo_server.stats.requests == 3 and len(sampled.calls) == 3
+    await client.aclose()
+
+
+async def test_endpoint_that_ignores_n_is_topped_up_and_remembered():
+    with FakeOpenAIServer(Echo(), supports_n=False) as server:
+        client = LLMClient(model(server, supports_n=True))
+        first = await client.sample(MESSAGES, 3, stage="rollout")
+        assert len(first.texts) == 3 and server.stats.requests == 3  # 1 with n=3 (got 1) + 2 singles
+        server.reset_stats()
+        await client.sample(MESSAGES, 3, stage="rollout")
+        assert server.stats.requests == 3 and all(e.n == 1 for e in server.stats.log)
+        await client.aclose()
+
+
+async def test_429_honours_retry_after_and_records_retries(echo_server):
+    echo_server.inject(Fault(kind="status", status=429, retry_after=0.3, times=2))
+    client = LLMClient(model(echo_server))
+    start = time.monotonic()
+    done = await client.complete(MESSAGES, stage="summarize")
+    assert time.monotonic() - start >= 0.6  # two waits of at least Retry-After
+    assert done.text == "reply 0" and done.call.retries == 2 and done.call.ok
+    await client.aclose()
+
+
+async def test_rate_limit_pauses_other_callers(echo_server):
+    echo_server.inject(Fault(kind="status", status=429, retry_after=0.4, times=1))
+    client = LLMClient(model(echo_server), concurrency=8)
+    first = asyncio.create_task(client.complete(MESSAGES, stage="s"))
+    await asyncio.sleep(0.1)  # the first call has hit the 429 and set the pause
+    started = time.monotonic()
+    await client.complete(MESSAGES, stage="s")
+    assert time.monotonic() - started >= 0.2
+    await first
+    await client.aclose()
+
+
+@pytest.mark.parametrize("fault", [Fault(kind="status", status=500), Fault(kind="status", status=503),
+                                   Fault(kind="drop"), Fault(kind="delay", delay_s=1.0)])
+async def test_transient_failures_are_retried(echo_server, fault):
+    echo_server.inject(fault)
+    client = LLMClient(model(echo_server, timeout_s=0.5))
+    done = await client.complete(MESSAGES, stage="s")
+    assert done.text == "reply 0" and done.call.retries == 1
+    await client.aclose()
+
+
+async def test_permanent_error_is_not_retried(echo_server):
+    echo_server.inject(Fault(kind="status", status=401, times=5))
+    client = LLMClient(model(echo_server))
+    with pytest.raises(LLMCallError, match="HTTP 401") as err:
+        await client.complete(MESSAGES, stage="consolidate")
+    assert echo_server.stats.requests == 1
+    assert [c.ok for c in err.value.calls] == [False] and err.value.calls[0].stage == "consolidate"
+    await client.aclose()
+
+
+async def test_gives_up_after_max_retries_with_a_failed_call_record(echo_server):
+    echo_server.inject(Fault(kind="status", status=500, times=10))
+    client = LLMClient(model(echo_server, max_retries=2))
+    with pytest.raises(LLMCallError, match="gave up after 2 retries") as err:
+        await client.sample(MESSAGES, 2, stage="rollout")
+    assert echo_server.stats.requests == 3
+    assert err.value.calls[-1].retries == 2 and not err.value.calls[-1].ok
+    await client.aclose()
+
+
+async def test_global_concurrency_limit_reaches_the_server():
+    with FakeOpenAIServer(Echo(), latency=lambda _r: 0.2) as server:
+        client = LLMClient(model(server), concurrency=5)
+        await asyncio.gather(*[client.complete(MESSAGES, stage="s") for _ in range(20)])
+        assert server.stats.max_in_flight == 5
+        await client.aclose()
+
+
+async def test_json_schema_requested_and_dropped_when_disabled(echo_server):
+    responder = Echo()
+    with FakeOpenAIServer(responder) as server:
+        client = LLMClient(model(server, json_schema=True))
+        await client.complete(MESSAGES, stage="s", json_schema=OPERATIONS_SCHEMA, schema_name="operations")
+        client_plain = LLMClient(model(server, json_schema=False))
+        await client_plain.complete(MESSAGES, stage="s", json_schema=OPERATIONS_SCHEMA)
+        assert responder.formats[0]["type"] == "json_schema"
+        assert responder.formats[0]["json_schema"]["name"] == "operations"
+        assert responder.formats[1] is None
+        await client.aclose()
+        await client_plain.aclose()
+
+
+async def test_operations_with_one_repair_re_ask():
+    good = '{"operations": [{"op": "add", "text": "Check units."}]}'
+    with FakeOpenAIServer(Replies("I would add a lesson.", good)) as server:
+        client = LLMClient(model(server))
+        reply = await client.complete_operations(MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA,
+                                                 repair=LearnerPrompts.repair)
+        assert reply.parse_error is None and [o.text for o in reply.operations] == ["Check units."]
+        assert len(reply.calls) == 2 and server.stats.requests == 2
+        await client.aclose()
+
+
+async def test_operations_still_unparseable_are_returned_with_raw_text():
+    with FakeOpenAIServer(Replies("no json here", "still none")) as server:
+        client = LLMClient(model(server))
+        reply = await client.complete_operations(MESSAGES, stage="consolidate", json_schema=OPERATIONS_SCHEMA,
+                                                 repair=LearnerPrompts.repair)
+        assert reply.operations == [] and "unparseable after repair" in reply.parse_error
+        assert "no json here" in reply.raw_text and "still none" in reply.raw_text
+        await client.aclose()
+
+
+def test_missing_api_key_for_the_official_endpoint_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("SOME_UNSET_KEY", raising=False)
+    from clgrpo.llm.backends import PermanentLLMError
+
+    with pytest.raises(PermanentLLMError, match=r"no API key; set \$SOME_UNSET_KEY"):
+        OpenAIBackend(ModelConfig(model="gpt", base_url=None, api_key_env="SOME_UNSET_KEY"))
+
+
+def test_role_detection_of_learner_prompts():
+    messages = LearnerPrompts("math").consolidate("{}", "", max_words=32)
+    assert role_of(ChatRequest(model="m", messages=messages)) == "library consolidator"
