@@ -1,0 +1,21 @@
+"""Shared test setup: an isolated Prefect home and one Prefect test harness per session (started lazily,
+only by tests that run flows)."""
+
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clgrpo-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
