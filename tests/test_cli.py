@@ -1,0 +1,64 @@
+import json
+
+import pytest
+import yaml
+
+from clgrpo.cli import main
+from clgrpo.config import ConfigError, load_config
+from clgrpo.testing.fake_openai import FakeOpenAIServer
+from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"run_id": "a", "dataset": {"path": "x.jsonl"}}))
+    cfg = load_config(path, ["grpo.group_size=8", "learning.use_groundtruth=false", "policy.base_url=http://h/v1"])
+    assert cfg.grpo.group_size == 8 and cfg.learning.use_groundtruth is False
+    assert cfg.policy.base_url == "http://h/v1"
+
+
+@pytest.mark.parametrize(
+    ("content", "overrides", "message"),
+    [
+        ("run_id: a\n", [], "dataset: Field required"),
+        ("run_id: a\ndataset: {path: x}\ngrpo: {group_size: 0}\n", [], "grpo.group_size"),
+        ("run_id: a\ndataset: {path: x}\n", ["grpo.nope=1"], "grpo.nope: Extra inputs are not permitted"),
+        ("- a list\n", [], "the config must be a mapping"),
+        ("run_id: a\ndataset: {path: x}\n", ["noequals"], "must look like key.path=value"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, content, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(path, overrides)
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=5), tmp_path / "train.jsonl")
+    db = tmp_path / "cli.duckdb"
+    with FakeOpenAIServer(ScriptedWorld(seed=2)) as server:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "run_id": "cli-run", "dataset": {"path": str(dataset)},
+            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+            "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8}, "concurrency": 8}))
+        assert main(["train", "--config", str(config), "--db", str(db), "--set", "learning.max_words=40"]) == 0
+    out = capsys.readouterr().out
+    assert "run cli-run: 2 steps" in out and "DuckDB:" in out
+
+    assert main(["runs", "list", "--db", str(db)]) == 0
+    assert "cli-run" in capsys.readouterr().out
+    assert main(["library", "show", "cli-run", "--db", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "version 2" in shown and "[E0]" in shown
+    assert main(["library", "diff", "cli-run:0", "cli-run:latest", "--db", str(db)]) == 0
+    assert "+ [E0]" in capsys.readouterr().out
+    out_file = tmp_path / "lib.json"
+    assert main(["library", "export", "cli-run:1", "--format", "seed", "--out", str(out_file), "--db", str(db)]) == 0
+    assert "E0" in json.loads(out_file.read_text())["experiences"]
+
+    assert main(["library", "show", "nope", "--db", str(db)]) == 2
+    assert "run 'nope' has no saved library" in capsys.readouterr().err
