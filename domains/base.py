@@ -21,6 +21,17 @@ class VerifyResult:
 
 
 @dataclass(frozen=True)
+class LoadReport:
+    """What loading a dataset kept and dropped (nothing is dropped without a count)."""
+
+    source: str
+    n_rows: int  # valid rows read
+    n_duplicates_dropped: int  # rows whose normalized problem text repeats an earlier row
+    n_after_limit: int  # problems returned
+    dropped_ids: tuple[str, ...] = ()  # ids of the dropped duplicates
+
+
+@dataclass(frozen=True)
 class Tool:
     """An optional tool for agent rollouts (name, JSON-schema parameters, implementation)."""
 
@@ -35,7 +46,7 @@ class Domain(Protocol):
     name: str
     learner_prompts: LearnerPrompts  # wording of the summarize / extract / consolidate prompts
 
-    def load_dataset(self, cfg: DatasetConfig) -> list[Problem]:
+    def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         """Load, validate, de-duplicate, shuffle and truncate the problems."""
         ...
 

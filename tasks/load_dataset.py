@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from prefect import get_run_logger
+
 from domains import get_domain
+from domains.base import LoadReport
 from schemas.config import RunConfig
 from schemas.records import Problem
 from tasks.common import stage_task
@@ -10,11 +13,16 @@ from tasks.common import stage_task
 STAGE = "load_dataset"
 
 
-def load_dataset(config: RunConfig) -> list[Problem]:
+def load_dataset(config: RunConfig) -> tuple[list[Problem], LoadReport]:
     return get_domain(config.domain).load_dataset(config.dataset)
 
 
 @stage_task(STAGE, run_name="load-dataset")
 def load_dataset_task(config: RunConfig, source_digest: str) -> list[Problem]:
     """``source_digest`` (the data file's content hash) only keys the cache: a changed file is reloaded."""
-    return load_dataset(config)
+    problems, report = load_dataset(config)
+    get_run_logger().info(
+        "dataset %s: %d valid rows, %d duplicates dropped%s, %d problems used", report.source, report.n_rows,
+        report.n_duplicates_dropped, f" ({', '.join(report.dropped_ids[:10])})" if report.dropped_ids else "",
+        report.n_after_limit)
+    return problems

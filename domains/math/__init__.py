@@ -1,0 +1,62 @@
+"""The math domain: problems with a single final answer, graded with math-verify.
+
+Grading functions live in ``domains.math.verify`` (not re-exported here, so that name stays the module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from domains.base import Message, Tool, VerifyResult, register_domain
+from domains.learner import LearnerPrompts
+from domains.math.dataset import (
+    DatasetError,
+    LoadReport,
+    load_problems,
+    load_problems_with_report,
+    normalize_problem_text,
+)
+from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
+from domains.math.verify import verify as verify_output
+from domains.math.verify import verify_batch as verify_outputs
+from schemas.config import DatasetConfig
+from schemas.records import Problem
+
+__all__ = [
+    "ROLLOUT_SYSTEM",
+    "DatasetError",
+    "LoadReport",
+    "MathDomain",
+    "load_problems",
+    "load_problems_with_report",
+    "normalize_problem_text",
+    "rollout_messages",
+]
+
+
+class MathDomain:
+    """Competition-style problems with one final answer; rollouts answer in \\boxed{}."""
+
+    name = "math"
+
+    def __init__(self, verify_timeout_s: float = 5.0) -> None:
+        self.verify_timeout_s = verify_timeout_s
+        self.learner_prompts = LearnerPrompts(domain="competition mathematics")
+
+    def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
+        return load_problems_with_report(cfg)
+
+    def verify(self, output: str, answer: str) -> VerifyResult:
+        return verify_output(output, answer, timeout_s=self.verify_timeout_s)
+
+    def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
+        return verify_outputs(items, timeout_s=self.verify_timeout_s)
+
+    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
+        return rollout_messages(problem, library_text)
+
+    def tools(self) -> list[Tool]:
+        return []
+
+
+register_domain("math", MathDomain)
