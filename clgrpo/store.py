@@ -194,7 +194,9 @@ class Store:
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Close and drop the connection (a Store kept alive by a traceback must not pin DuckDB objects)."""
         self.con.close()
+        del self.con
 
     def __enter__(self) -> "Store":
         return self
