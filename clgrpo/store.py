@@ -19,10 +19,13 @@ import pandas as pd
 import pandera.pandas as pa
 
 from clgrpo.library import ExperienceLibrary
-from schemas.config import RunConfig
+from schemas.config import NOT_FINGERPRINTED, RunConfig
 from schemas.ddl import STAGE_TABLES, create_statements
 from schemas.frames import FRAMES
 from schemas.records import (
+    EvalComparison,
+    EvalSample,
+    EvalSummary,
     Experience,
     GroupAdvantage,
     LibraryVersion,
@@ -53,6 +56,16 @@ class FrameValidationError(StoreError, ValueError):
 
 class ConfigMismatchError(StoreError, ValueError):
     pass
+
+
+def parse_library_ref(ref: str) -> tuple[str, int | None]:
+    """``RUN`` or ``RUN:latest`` -> (RUN, None), the latest version; ``RUN:3`` -> (RUN, 3)."""
+    run_id, _, version = ref.partition(":")
+    if version in ("", "latest"):
+        return run_id, None
+    if not version.isdigit():
+        raise StoreError(f"library reference {ref!r}: the version must be a number or 'latest'")
+    return run_id, int(version)
 
 
 def _dumps(value: Any) -> str:
@@ -87,6 +100,10 @@ def _operation_row(r: OperationResult) -> dict:
             "status": r.status.value, "reason": r.reason, "result_id": r.result_id}
 
 
+def _evaluation_row(e: EvalSummary) -> dict:
+    return {**e.model_dump(exclude={"leaked_ids"}), "leaked_ids_json": _dumps(e.leaked_ids)}
+
+
 _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "problems": _problem_rows,
     "rollouts": lambda items: [_rollout_row(r) for r in items],
@@ -96,6 +113,9 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "proposals": lambda items: [_proposal_row(p) for p in items],
     "operations": lambda items: [_operation_row(r) for r in items],
     "llm_calls": lambda items: [c.model_dump() for c in items],
+    "evaluations": lambda items: [_evaluation_row(e) for e in items],
+    "eval_results": lambda items: [r.model_dump() for r in items],
+    "eval_comparisons": lambda items: [c.model_dump() for c in items],
 }
 
 
@@ -137,6 +157,10 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "proposals": _proposal_record,
     "operations": _operation_record,
     "llm_calls": _plain(LLMCall),
+    "evaluations": lambda row: EvalSummary(**{k: row[k] for k in EvalSummary.model_fields if k != "leaked_ids"},
+                                           leaked_ids=json.loads(row["leaked_ids_json"])),
+    "eval_results": _plain(EvalSample),
+    "eval_comparisons": _plain(EvalComparison),
 }
 
 _ORDER = {
@@ -148,6 +172,9 @@ _ORDER = {
     "proposals": "group_id",
     "operations": "seq",
     "llm_calls": "started_at",
+    "evaluations": "created_at, condition",
+    "eval_results": "condition, problem_id, sample_idx",
+    "eval_comparisons": "baseline, candidate, metric",
 }
 
 
@@ -373,7 +400,7 @@ def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
 def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in set(old) | set(new):
-            if key in ("db_path", "concurrency"):
+            if not prefix and key in NOT_FINGERPRINTED:
                 continue
             yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
     elif old != new:

@@ -27,6 +27,7 @@ from prefect.artifacts import (
 )
 
 from clgrpo.library import ExperienceLibrary
+from flows.rollout_gpu import rollout_on_pool
 from clgrpo.store import Store
 from schemas.config import RunConfig
 from schemas.records import LibraryVersion, Problem, Proposal
@@ -131,8 +132,10 @@ class Trainer:
         version = library.to_version()
         rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
 
+        run_chunk = rollout_on_pool if cfg.rollout.placement == "pool" else rollout_task
+
         async def do_rollout() -> Outputs:
-            parts = await asyncio.gather(*[rollout_task(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
+            parts = await asyncio.gather(*[run_chunk(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
             return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
 
         rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"]))["rollouts"]

@@ -80,6 +80,57 @@ class LearningConfig(Section):
     summarize_chunk_size: int = Field(16, ge=1)  # groups per summarize / advantage task run
 
 
+class RolloutPlacement(Section):
+    """Where rollouts run: in the training flow's process, or as child flow runs of the ``rollout-gpu``
+    deployment on the CUDA work pool. Placement never changes results, so it is not part of the fingerprint."""
+
+    placement: Literal["local", "pool"] = "local"
+    deployment: str = "rollout-gpu/rollout-gpu"
+    # where child runs leave their rollouts for the orchestrator: a local path shared with the GPU workers
+    # or any fsspec URL (s3://..., gs://...); None: <db dir>/<run_id>/handoff
+    handoff_storage: str | None = None
+    timeout_s: float = Field(3600.0, gt=0)  # per child run
+    poll_interval_s: float = Field(2.0, gt=0)
+
+
+class EvalConfig(Section):
+    """Evaluating a library on a dataset: k samples per problem at the evaluation temperature, which is its
+    own setting (never the training temperature). Every condition gets the same per-(problem, sample) seeds."""
+
+    dataset: DatasetConfig
+    k: int = Field(8, ge=1)  # samples per problem: Mean@k
+    pass_k: int | None = Field(None, ge=1)  # k of Pass@k, at most k (None: k); unbiased estimator when < k
+    temperature: float = Field(0.3, ge=0.0, le=2.0)
+    seed: int = 0
+    bootstrap_samples: int = Field(2000, ge=100)
+    ci_level: float = Field(0.95, gt=0.5, lt=1.0)
+    resample_samples: bool = False  # two-level bootstrap: also resample the samples within each problem
+    chunk_size: int = Field(16, ge=1)  # problems per evaluation task run
+    leakage_threshold: float = Field(0.8, gt=0.0, le=1.0)  # character 5-gram Jaccard of a near-duplicate
+    refuse_on_leakage: bool = False  # True: a problem shared with the training set stops the run
+
+    @model_validator(mode="after")
+    def _pass_k_at_most_k(self) -> "EvalConfig":
+        if self.pass_k is not None and self.pass_k > self.k:
+            raise ValueError(f"pass_k ({self.pass_k}) must not exceed k ({self.k}), the samples per problem")
+        return self
+
+    @property
+    def pass_at(self) -> int:
+        return self.pass_k or self.k
+
+
+class ValidationConfig(EvalConfig):
+    """Held-out evaluation during training: at step 0 (the baseline), every N steps and at the last step."""
+
+    k: int = Field(4, ge=1)
+    every_n_steps: int = Field(1, ge=1)
+
+
+# Settings that change where or how fast a run executes, never what it computes.
+NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout"}
+
+
 class RunConfig(Section):
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
     db_path: str = "runs/clgrpo.duckdb"
@@ -92,6 +143,8 @@ class RunConfig(Section):
     concurrency: int = Field(32, ge=1)  # in-flight LLM requests, all stages together
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
+    rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
+    validation: ValidationConfig | None = None  # held-out learning curve during training
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -99,5 +152,6 @@ class RunConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the results; a run id is bound to one fingerprint."""
-        payload = self.model_dump(mode="json", exclude={"db_path", "concurrency"})
+        unset = {"validation"} if self.validation is None else set()  # keeps older runs' fingerprints
+        payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
         return text_hash(json.dumps(payload, sort_keys=True))

@@ -1,0 +1,97 @@
+"""The rollout stage as its own flow, deployed on the ``cuda`` work pool, and the orchestrator's side of it.
+
+With ``rollout.placement: pool`` the training flow starts one ``rollout-gpu`` child run per chunk through
+``run_deployment``. The idempotency key is derived from (run, config, step, chunk, inputs), so a retried parent
+finds the child it already started instead of launching a duplicate. The child writes its batch as JSON to
+the hand-off storage (a local path shared with the workers, or any fsspec URL) at a path fixed by the same
+key; the orchestrator reads it back and alone writes DuckDB. A hand-off file that already exists (a parent
+that crashed after the child finished) is ingested without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import fsspec
+from prefect import flow, get_run_logger
+from prefect.deployments.flow_runs import arun_deployment
+
+from schemas.config import RunConfig
+from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
+from tasks.checkpoint import export_dir
+from tasks.common import inputs_hash
+from tasks.rollout import RolloutBatch, rollout_task
+
+
+class RemoteRolloutError(RuntimeError):
+    pass
+
+
+def handoff_url(config: RunConfig, step: int, chunk: int, key: str) -> str:
+    base = config.rollout.handoff_storage or str(export_dir(config) / "handoff")
+    return f"{base.rstrip('/')}/{config.run_id}/step{step:04d}-chunk{chunk:03d}-{key}.json"
+
+
+def write_handoff(url: str, batch: RolloutBatch, meta: dict[str, str | None]) -> None:
+    payload = {"rollouts": [r.model_dump(mode="json") for r in batch.rollouts],
+               "calls": [c.model_dump(mode="json") for c in batch.calls], "meta": meta}
+    if "://" not in url:
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{url}.partial"
+    with fsspec.open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle)
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.mv(fsspec.core.url_to_fs(tmp)[1], path)  # readers never see a half-written file
+
+
+def read_handoff(url: str) -> tuple[RolloutBatch, dict[str, str | None]] | None:
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        return None
+    with fsspec.open(url, "r", encoding="utf-8") as handle:
+        payload = json.load(handle)
+    batch = RolloutBatch([Rollout.model_validate(r) for r in payload["rollouts"]],
+                         [LLMCall.model_validate(c) for c in payload["calls"]])
+    return batch, payload.get("meta", {})
+
+
+@flow(name="rollout-gpu", flow_run_name="rollout-{config.run_id}-step{step}-chunk{chunk}", persist_result=True)
+async def rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion,
+                      handoff: str) -> str:
+    """Sample one chunk's rollouts on this worker's GPU and leave them at ``handoff``."""
+    batch = await rollout_task(config, step, chunk, problems, library)
+    meta = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": os.uname().nodename}
+    write_handoff(handoff, batch, meta)
+    get_run_logger().info("step %d chunk %d: %d rollouts handed off to %s (CUDA_VISIBLE_DEVICES=%s)", step, chunk,
+                          len(batch.rollouts), handoff, meta["cuda_visible_devices"])
+    return handoff
+
+
+async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: list[Problem],
+                          library: LibraryVersion) -> RolloutBatch:
+    """The orchestrator's side: start (or find) the child run for this chunk and ingest its hand-off."""
+    key = inputs_hash({"fingerprint": config.fingerprint(), "run_id": config.run_id, "step": step, "chunk": chunk,
+                       "problems": problems, "library": library})
+    url = handoff_url(config, step, chunk, key)
+    found = read_handoff(url)
+    if found is None:
+        parameters = {"config": config.model_dump(mode="json"), "step": step, "chunk": chunk,
+                      "problems": [p.model_dump(mode="json") for p in problems],
+                      "library": library.model_dump(mode="json"), "handoff": url}
+        child = await arun_deployment(config.rollout.deployment, parameters=parameters,
+                                     idempotency_key=f"clgrpo-rollout-{key}", timeout=config.rollout.timeout_s,
+                                     poll_interval=config.rollout.poll_interval_s)
+        if child.state is None or not child.state.is_completed():
+            state = child.state.name if child.state else "unknown"
+            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) ended {state}: "
+                                     f"{child.state.message if child.state else ''}")
+        found = read_handoff(url)
+        if found is None:
+            raise RemoteRolloutError(f"rollout child run {child.name} completed but left nothing at {url}: "
+                                     "is handoff_storage shared between the GPU workers and the orchestrator?")
+    batch, meta = found
+    get_run_logger().info("step %d chunk %d: ingested %d rollouts from %s (worker CUDA_VISIBLE_DEVICES=%s)", step,
+                          chunk, len(batch.rollouts), url, meta.get("cuda_visible_devices"))
+    return batch

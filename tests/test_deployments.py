@@ -1,0 +1,186 @@
+"""Integration: a real `prefect server`, `cpu` and `cuda` process pools with one worker each, `prefect deploy
+--all`, and `prefect deployment run` of the training flow with rollouts routed to the cuda pool, then a forced
+failure retried through the API. Every process started here is stopped by pid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from clgrpo.store import Store
+from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    api_url: str
+    logs: Path
+
+    def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=ROOT, text=True,
+                              capture_output=True, timeout=timeout)
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"prefect server not healthy after {timeout}s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    base.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                PYTHONPATH=str(ROOT))
+    env = {**base, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PREFECT_WORKER_PREFETCH_SECONDS": "5", "CLGRPO_PROJECT_DIR": str(ROOT)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    procs: list[subprocess.Popen] = []
+    try:
+        server_log = home / "server.log"
+        procs.append(_start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port), "--no-ui"], base, server_log))
+        _wait_healthy(api_url, procs[0], server_log)
+        stack = Stack(env, api_url, home)
+        created = subprocess.run(["bash", "deployments/create-pools.sh"], env=env, cwd=ROOT, text=True,
+                                 capture_output=True, timeout=180)
+        assert created.returncode == 0, created.stdout + created.stderr
+        for pool, name in (("cpu", "cpu-1"), ("cuda", "gpu0-stand-in")):
+            procs.append(_start([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name,
+                                 "--limit", "4"], env, home / f"worker-{pool}.log"))
+        deployed = subprocess.run(["bash", "deployments/deploy.sh"], env=env, cwd=ROOT, text=True,
+                                  capture_output=True, timeout=300)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        yield stack
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def _config(server: FakeOpenAIServer, tmp_path: Path, run_id: str, epochs: int) -> dict:
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=4), tmp_path / "train.jsonl")
+    return {
+        "run_id": run_id, "db_path": str(tmp_path / "deploy.duckdb"), "dataset": {"path": str(dataset)},
+        "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None,
+                   "retry_base_delay_s": 0.01},
+        "grpo": {"group_size": 4, "epochs": epochs, "batch_size": 8, "rollout_chunk_size": 8},
+        "concurrency": 8,
+        "rollout": {"placement": "pool", "handoff_storage": str(tmp_path / "handoff"), "poll_interval_s": 1},
+    }
+
+
+def _run(stack: Stack, config: dict) -> subprocess.CompletedProcess:
+    return stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
+                         "--watch", "--watch-interval", "2", timeout=420)
+
+
+async def _flow_runs(stack: Stack, flow_name: str):
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async with PrefectClient(stack.api_url) as client:
+        return await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
+
+
+def _logs(stack: Stack) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(stack.logs.glob("worker-*.log")))
+
+
+def test_deployment_run_routes_rollouts_to_the_cuda_pool(stack, tmp_path):
+    with FakeOpenAIServer(ScriptedWorld(seed=3)) as server:
+        config = _config(server, tmp_path, "deployed", epochs=2)
+        run = _run(stack, config)
+        assert run.returncode == 0, run.stdout + run.stderr + _logs(stack)
+
+    with Store(config["db_path"], read_only=True) as store:
+        assert store.library_versions("deployed") == [0, 1, 2]
+        rollouts = store.query("SELECT step, count(*) AS n FROM rollouts WHERE run_id='deployed' GROUP BY step "
+                               "ORDER BY step")
+        assert rollouts["n"].tolist() == [32, 32]
+        stages = set(store.query("SELECT DISTINCT stage FROM llm_calls WHERE run_id='deployed'")["stage"])
+        assert {"rollout", "summarize", "group_advantage"} <= stages
+    children = asyncio.run(_flow_runs(stack, "rollout-gpu"))
+    assert len(children) == 2 and all(c.work_pool_name == "cuda" and c.state.is_completed() for c in children)
+    handoffs = sorted((tmp_path / "handoff" / "deployed").glob("*.json"))
+    assert len(handoffs) == 2
+    assert {json.loads(h.read_text())["meta"]["cuda_visible_devices"] for h in handoffs} == {"0"}
+
+
+def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
+    with FakeOpenAIServer(ScriptedWorld(seed=5)) as server:
+        server.inject(Fault(kind="status", status=400, times=1, match=lambda r: role_of(r) == "library consolidator"))
+        config = _config(server, tmp_path, "retried", epochs=1)
+        failed = _run(stack, config)
+        assert failed.returncode != 0, failed.stdout
+        policy_before = server.stats.by_role["policy"]
+        summaries_before = server.stats.by_role["trajectory summarizer"]
+        assert policy_before > 0 and server.stats.faults_served["status:400"] == 1
+
+        runs = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.name == "train-retried"]
+        assert len(runs) == 1 and runs[0].state.is_failed()
+        assert "HTTP 400" in (runs[0].state.message or "") or "400" in _logs(stack)
+        retry = stack.prefect("flow-run", "retry", str(runs[0].id), timeout=60)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            run = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.id == runs[0].id][0]
+            if run.state.is_final() and run.run_count >= 2:
+                break
+            time.sleep(2)
+        assert run.state.is_completed(), (run.state, _logs(stack))
+        assert run.run_count == 2
+        # completed stages were not executed again: no new rollouts, summaries or rollout children
+        assert server.stats.by_role["policy"] == policy_before
+        assert server.stats.by_role["trajectory summarizer"] == summaries_before
+    children = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "retried" in c.name]
+    assert len(children) == 1
+    with Store(config["db_path"], read_only=True) as store:
+        assert store.library_versions("retried") == [0, 1]
+        assert len(store.load_library("retried")) > 0
