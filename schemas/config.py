@@ -7,7 +7,7 @@ sampling, epochs, batches) and a ``LearningConfig`` (library limits, operations,
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,8 +26,9 @@ class PriceTable(Section):
 
 
 class ModelConfig(Section):
-    backend: Literal["openai"] = "openai"
-    model: str = "deepseek-chat"
+    # openai: any OpenAI-compatible endpoint; transformers / vllm: an in-process engine on this machine
+    backend: Literal["openai", "transformers", "vllm"] = "openai"
+    model: str = "deepseek-chat"  # the name in records; for local backends also the weights when model_path is unset
     base_url: str | None = None  # None: the SDK default (api.openai.com)
     api_key_env: str | None = "OPENAI_API_KEY"  # read at call time, never stored
     api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
@@ -42,6 +43,13 @@ class ModelConfig(Section):
     json_schema: bool = True  # request response_format=json_schema; False: prompt + tolerant parser
     price: PriceTable = Field(default_factory=PriceTable)
     seed: int | None = None
+    # local backends (transformers, vllm) only
+    model_path: str | None = None  # HF folder, .gguf file (transformers), "embedded" (SmolLM2 cache) or hub id (vllm)
+    device: str = "auto"  # auto: cuda > mps > cpu; or cpu, cuda, cuda:1, mps
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16/fp16 on GPUs, fp32 on CPU
+    cpu_threads: int | None = Field(None, ge=1)  # torch threads on CPU; None: the cores not busy at load time
+    max_batch_rows: int | None = Field(None, ge=1)  # sequences per batched generate call; None: backend default
+    engine_options: dict[str, Any] = Field(default_factory=dict)  # extra vllm.LLM(...) arguments
 
 
 class DatasetConfig(Section):
@@ -128,7 +136,7 @@ class ValidationConfig(EvalConfig):
 
 
 # Settings that change where or how fast a run executes, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout"}
+NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline"}
 
 
 class RunConfig(Section):
@@ -141,6 +149,9 @@ class RunConfig(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     learning: LearningConfig = Field(default_factory=LearningConfig)
     concurrency: int = Field(32, ge=1)  # in-flight LLM requests, all stages together
+    # a group's summaries and advantage start once its own rollouts are verified (no batch-wide barrier);
+    # same results as stage by stage (see benchmarks/REPORT.md)
+    pipeline: bool = True
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)

@@ -7,6 +7,10 @@ stage never duplicates. Nested values (turns, id lists, operations) are JSON tex
 from __future__ import annotations
 
 STAGE_KEY = ("run_id", "step", "stage")
+# Stage names of evaluation rows: held-out validation keyed by the training (run_id, step), and standalone
+# evaluations keyed by (eval_id, 0).
+VALIDATE_STAGE = "validate"
+EVALUATE_STAGE = "evaluate"
 
 TABLE_DDL: dict[str, str] = {
     "runs": """
@@ -130,10 +134,68 @@ TABLE_DDL: dict[str, str] = {
         updated_step INTEGER NOT NULL,
         parent_ids_json VARCHAR NOT NULL,
         source_groups_json VARCHAR NOT NULL""",
+    # evaluations: (run_id, step) is the training run and step for validation, (eval_id, 0) when standalone
+    "evaluations": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        eval_id VARCHAR NOT NULL,
+        condition VARCHAR NOT NULL,
+        library_ref VARCHAR NOT NULL,
+        library_hash VARCHAR NOT NULL,
+        library_size INTEGER NOT NULL,
+        dataset VARCHAR NOT NULL,
+        fingerprint VARCHAR NOT NULL,
+        n_problems INTEGER NOT NULL,
+        k INTEGER NOT NULL,
+        pass_k INTEGER NOT NULL,
+        temperature DOUBLE NOT NULL,
+        seed BIGINT NOT NULL,
+        ci_level DOUBLE NOT NULL,
+        mean_at_k DOUBLE NOT NULL,
+        mean_ci_low DOUBLE NOT NULL,
+        mean_ci_high DOUBLE NOT NULL,
+        pass_at_k DOUBLE NOT NULL,
+        pass_ci_low DOUBLE NOT NULL,
+        pass_ci_high DOUBLE NOT NULL,
+        n_failed INTEGER NOT NULL,
+        leaked_ids_json VARCHAR NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL""",
+    "eval_results": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        condition VARCHAR NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        sample_idx INTEGER NOT NULL,
+        seed BIGINT NOT NULL,
+        reward DOUBLE NOT NULL,
+        extracted VARCHAR,
+        error VARCHAR,
+        final_text VARCHAR NOT NULL,
+        tokens_in INTEGER NOT NULL,
+        tokens_out INTEGER NOT NULL,
+        latency_s DOUBLE NOT NULL""",
+    "eval_comparisons": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        eval_id VARCHAR NOT NULL,
+        baseline VARCHAR NOT NULL,
+        candidate VARCHAR NOT NULL,
+        metric VARCHAR NOT NULL,
+        baseline_value DOUBLE NOT NULL,
+        candidate_value DOUBLE NOT NULL,
+        diff DOUBLE NOT NULL,
+        ci_low DOUBLE NOT NULL,
+        ci_high DOUBLE NOT NULL,
+        ci_level DOUBLE NOT NULL,
+        n_problems INTEGER NOT NULL""",
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
+STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons")
 
 
 def create_statements() -> list[str]:

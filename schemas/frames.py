@@ -144,6 +144,63 @@ class LibraryExperiencesFrame(Frame):
     source_groups_json: Series[str]
 
 
+class EvaluationsFrame(StageKeyed):
+    eval_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    condition: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    library_ref: Series[str]
+    library_hash: Series[str]
+    library_size: Series[int] = pa.Field(ge=0)
+    dataset: Series[str]
+    fingerprint: Series[str]
+    n_problems: Series[int] = pa.Field(ge=1)
+    k: Series[int] = pa.Field(ge=1)
+    pass_k: Series[int] = pa.Field(ge=1)
+    temperature: Series[float] = pa.Field(ge=0.0)
+    seed: Series[int]
+    ci_level: Series[float] = pa.Field(gt=0.0, lt=1.0)
+    mean_at_k: Series[float] = pa.Field(ge=0.0, le=1.0)
+    mean_ci_low: Series[float] = pa.Field(ge=0.0, le=1.0)
+    mean_ci_high: Series[float] = pa.Field(ge=0.0, le=1.0)
+    pass_at_k: Series[float] = pa.Field(ge=0.0, le=1.0)
+    pass_ci_low: Series[float] = pa.Field(ge=0.0, le=1.0)
+    pass_ci_high: Series[float] = pa.Field(ge=0.0, le=1.0)
+    n_failed: Series[int] = pa.Field(ge=0)
+    leaked_ids_json: Series[str]
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class EvalResultsFrame(StageKeyed):
+    condition: Series[str] = pa.Field(str_length={"min_value": 1})
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    seed: Series[int]
+    reward: Series[float] = pa.Field(ge=0.0, le=1.0)
+    extracted: Series[str] = pa.Field(nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
+    final_text: Series[str]
+    tokens_in: Series[int] = pa.Field(ge=0)
+    tokens_out: Series[int] = pa.Field(ge=0)
+    latency_s: Series[float] = pa.Field(ge=0)
+
+    @pa.dataframe_check
+    def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["condition", "problem_id", "sample_idx"]).any()
+
+
+class EvalComparisonsFrame(StageKeyed):
+    eval_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    baseline: Series[str]
+    candidate: Series[str]
+    metric: Series[str] = pa.Field(isin=["mean_at_k", "pass_at_k"])
+    baseline_value: Series[float]
+    candidate_value: Series[float]
+    diff: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_low: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_high: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_level: Series[float] = pa.Field(gt=0.0, lt=1.0)
+    n_problems: Series[int] = pa.Field(ge=1)
+
+
 FRAMES: dict[str, type[Frame]] = {
     "runs": RunsFrame,
     "stage_runs": StageRunsFrame,
@@ -157,4 +214,7 @@ FRAMES: dict[str, type[Frame]] = {
     "llm_calls": LLMCallsFrame,
     "library_versions": LibraryVersionsFrame,
     "library_experiences": LibraryExperiencesFrame,
+    "evaluations": EvaluationsFrame,
+    "eval_results": EvalResultsFrame,
+    "eval_comparisons": EvalComparisonsFrame,
 }

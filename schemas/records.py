@@ -171,3 +171,67 @@ class LLMCall(Record):
     ok: bool = True
     error: str | None = None
     started_at: datetime = Field(default_factory=utcnow)
+
+
+class EvalSample(Record):
+    """One graded evaluation sample: a condition's (library's) rollout of one problem."""
+
+    condition: str
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    seed: int  # the same for every condition, so (problem, sample) pairs are matched across conditions
+    reward: float = Field(ge=0.0, le=1.0)
+    extracted: str | None = None
+    error: str | None = None  # failed policy call or verifier error (reward is then 0)
+    final_text: str = ""
+    tokens_in: int = 0
+    tokens_out: int = 0
+    latency_s: float = 0.0
+
+
+class EvalSummary(Record):
+    """One condition of an evaluation: Mean@k and Pass@k with bootstrap confidence intervals."""
+
+    eval_id: str
+    condition: str  # unique label within the evaluation
+    library_ref: str  # "none", a library file, or RUN_ID:VERSION
+    library_hash: str
+    library_size: int = Field(ge=0)
+    dataset: str
+    fingerprint: str  # what was evaluated and how: a stored evaluation is reused only for the same one
+    n_problems: int = Field(ge=1)
+    k: int = Field(ge=1)
+    pass_k: int = Field(ge=1)
+    temperature: float
+    seed: int
+    ci_level: float
+    mean_at_k: float
+    mean_ci_low: float
+    mean_ci_high: float
+    pass_at_k: float
+    pass_ci_low: float
+    pass_ci_high: float
+    n_failed: int = Field(0, ge=0)  # samples whose policy call failed (scored 0)
+    leaked_ids: list[str] = Field(default_factory=list)  # evaluated problems that are also training problems
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class EvalComparison(Record):
+    """The paired difference candidate - baseline on the same problems and per-sample seeds."""
+
+    eval_id: str
+    baseline: str
+    candidate: str
+    metric: Literal["mean_at_k", "pass_at_k"]
+    baseline_value: float
+    candidate_value: float
+    diff: float
+    ci_low: float
+    ci_high: float
+    ci_level: float
+    n_problems: int = Field(ge=1)
+
+    @property
+    def significant(self) -> bool:
+        """The confidence interval of the difference excludes 0."""
+        return self.ci_low > 0 or self.ci_high < 0

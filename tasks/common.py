@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from prefect import task
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 _NOT_INPUTS = {"created_at", "started_at"}  # timestamps describe when, not what
@@ -42,11 +44,24 @@ def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 
 def stage_task(name: str, *, run_name: str) -> Callable[[F], F]:
-    """The @task decorator every stage uses: persisted results, input-keyed cache, named runs."""
+    """The @task decorator every stage uses: persisted results, input-keyed cache, named runs. Results are
+    not also kept in Prefect's in-memory result cache (up to 1,000 per process): the caller gets the value
+    directly, a cache hit reads it back from storage, and a long run's memory stays flat (benchmarks/REPORT.md)."""
     return task(  # type: ignore[return-value]
         name=name,
         task_run_name=run_name,
         persist_result=True,
+        cache_result_in_memory=False,
         cache_key_fn=stage_cache_key,
         retries=0,
     )
+
+
+def chunks(items: Sequence[T], size: int) -> list[list[T]]:
+    """Consecutive batches of at most ``size`` items: one task run each."""
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def artifact_key(run_id: str, name: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) for a run's artifact."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{name}".lower()).strip("-")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import get_domain
-from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
+from domains.learner import LearnerPrompts, operations_schema
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
 from tasks.common import stage_task
@@ -51,7 +51,10 @@ async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLib
                 llm: LLMClient, cfg: LearningConfig) -> tuple[Proposal, list[LLMCall]]:
     known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
     messages = prompts.consolidate(render_proposals(proposals), library.render_for_prompt(), max_words=cfg.max_words)
-    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=OPERATIONS_SCHEMA, repair=prompts.repair)
+    # a final plan needs at most one operation per proposed one plus one per library entry
+    bound = sum(len(p.operations) for p in proposals) + len(library)
+    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=operations_schema(bound),
+                                          repair=prompts.repair)
     operations = [op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups]})
                   for op in reply.operations]
     plan = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error)
@@ -60,7 +63,8 @@ async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLib
 
 async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
                       llm: LLMClient, cfg: LearningConfig) -> Consolidation:
-    usable = [p for p in proposals if p.operations]
+    # group-id order: the order a resumed step reads proposals back in, so a rerun sends the same prompts
+    usable = sorted((p for p in proposals if p.operations), key=lambda p: p.group_id)
     if not usable:
         return Consolidation([], [])
     plans: list[Proposal] = []

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
-from domains.learner import OPERATIONS_SCHEMA, Attempt, LearnerPrompts
+from domains.learner import Attempt, LearnerPrompts, operations_schema
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from tasks.common import stage_task
@@ -107,7 +107,8 @@ async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], 
                                use_groundtruth=use_gt, max_ops=cfg.max_ops_per_group, max_words=cfg.max_words)
     group_id = group.problem.problem_id
     try:
-        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=OPERATIONS_SCHEMA,
+        reply = await llm.complete_operations(messages, stage=STAGE,
+                                              json_schema=operations_schema(cfg.max_ops_per_group),
                                               repair=prompts.repair)
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"learner call failed: {exc}")], exc.calls)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clgrpo.library import ExperienceLibrary
@@ -26,13 +27,13 @@ class RolloutBatch:
         return sum(r.error is not None for r in self.rollouts)
 
 
-async def _one_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
-                       group_size: int, temperature: float) -> RolloutBatch:
+async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
+                          group_size: int, temperature: float, seed: int | None = None) -> RolloutBatch:
     messages = domain.rollout_messages(problem, library.render_for_prompt())
     prompt_hash = text_hash(json.dumps(messages, sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     try:
-        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature)
+        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed)
     except LLMCallError as exc:
         failed = [Rollout(**base, sample_idx=i, error=str(exc)) for i in range(group_size)]
         return RolloutBatch(failed, exc.calls)
@@ -48,15 +49,22 @@ async def _one_problem(problem: Problem, library: ExperienceLibrary, domain: Dom
 
 
 async def rollout(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                  group_size: int, temperature: float) -> RolloutBatch:
+                  group_size: int, temperature: float, seeds: Mapping[str, int] | None = None) -> RolloutBatch:
     """G samples for each problem; a problem whose policy call failed after retries gets G rollouts with
-    ``error`` set (stored and counted). Raises if every call failed: the endpoint is unusable."""
+    ``error`` set (stored and counted). Raises if every call failed: the endpoint is unusable.
+    ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i)."""
+    seeds = seeds or {}
     parts = await asyncio.gather(*[
-        _one_problem(p, library, domain, llm, group_size, temperature) for p in problems])
+        rollout_problem(p, library, domain, llm, group_size, temperature, seeds.get(p.problem_id)) for p in problems])
     batch = RolloutBatch([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
-    if problems and batch.n_failed == len(batch.rollouts):
-        raise RuntimeError(f"rollout: all {len(problems)} policy calls failed; first error: {batch.rollouts[0].error}")
+    raise_if_all_failed(problems, batch.rollouts)
     return batch
+
+
+def raise_if_all_failed(problems: list[Problem], rollouts: list[Rollout]) -> None:
+    """Every policy call failed after its retries: the endpoint is unusable, fail the stage."""
+    if problems and all(r.error is not None for r in rollouts):
+        raise RuntimeError(f"rollout: all {len(problems)} policy calls failed; first error: {rollouts[0].error}")
 
 
 @stage_task(STAGE, run_name="rollout-step{step}-chunk{chunk}")

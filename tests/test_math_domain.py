@@ -411,7 +411,8 @@ def test_rollout_messages_put_the_library_first() -> None:
     user = messages[1]["content"]
     assert user.startswith("Experiences learned from earlier attempts")
     assert user.index(library) < user.index("Problem:\n") < user.index("Find the number of primes")
-    assert "\\boxed{}" in user
+    assert user.endswith("Find the number of primes below 10.")  # nothing problem-independent after the problem
+    assert "\\boxed{}" in messages[0]["content"]  # the answer format is part of the shared prefix
 
 
 def test_rollouts_share_the_prefix_up_to_the_problem() -> None:

@@ -140,4 +140,12 @@ class OpenAIBackend:
 def make_backend(cfg: ModelConfig) -> Backend:
     if cfg.backend == "openai":
         return OpenAIBackend(cfg)
+    if cfg.backend == "transformers":  # local engines: imported here so the core install needs no torch
+        from clgrpo.llm.transformers_backend import TransformersBackend
+
+        return TransformersBackend(cfg)
+    if cfg.backend == "vllm":
+        from clgrpo.llm.vllm_backend import VLLMBackend
+
+        return VLLMBackend(cfg)
     raise PermanentLLMError(f"unknown backend {cfg.backend!r}")

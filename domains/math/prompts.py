@@ -1,7 +1,9 @@
 """The rollout prompt. All wording lives in the module-level templates below.
 
-The experience library comes first in the user message so that every rollout of a step shares one long
-identical prefix (system message + library), which servers can cache; only the problem text differs.
+Everything problem-independent comes first: the system message (including the answer format), then the
+experience library at the start of the user message, so that every rollout of a step shares one long identical
+prefix which servers can cache; only the problem text at the very end differs (benchmarks/prefix.py measures
+the shared share: >= 90% of prompt tokens with a 30-experience library on AIME problems).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from schemas.records import Problem
 
 ROLLOUT_SYSTEM = (
     "You are a careful competition mathematician. Work out each problem step by step, "
-    "check intermediate results before relying on them, and give exactly one final answer."
+    "check intermediate results before relying on them, and give exactly one final answer. "
+    "When you are done, write the final answer on its own at the end, inside \\boxed{} (for example \\boxed{42})."
 )
 
 LIBRARY_TEMPLATE = (
@@ -19,12 +22,7 @@ LIBRARY_TEMPLATE = (
     "{library}\n\n"
 )
 
-PROBLEM_TEMPLATE = (
-    "Problem:\n"
-    "{problem}\n\n"
-    "Reason through the problem step by step. When you are done, write the final answer on its own "
-    "at the end, inside \\boxed{{}} (for example \\boxed{{42}})."
-)
+PROBLEM_TEMPLATE = "Problem:\n{problem}"  # last: the only problem-specific text
 
 
 def rollout_user_text(problem_text: str, library_text: str) -> str:

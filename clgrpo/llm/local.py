@@ -1,0 +1,221 @@
+"""What the in-process backends (transformers, vLLM) share.
+
+An ``Engine`` owns one loaded model and one worker thread. Requests queue up; the thread takes the waiting
+ones (up to ``max_rows`` sequences: a request with ``n=G`` is G rows) and runs them in one batched call, so
+the G samples of a problem, and the problems of a rollout stage sent together, share one ``generate``. Only
+that thread touches the model, so calls on one model are serialised whatever the event loops or threads
+the callers run in. A caller that stops waiting (the client's timeout) cancels its queued request.
+
+Engines live in a per-process registry keyed by what was loaded (path, device, dtype): the policy and the
+learner on the same weights share one loaded model. Retries, concurrency limits and accounting stay in the
+LLM client; a batch function only reports each request's result or error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError, TransientLLMError
+
+log = logging.getLogger(__name__)
+
+Result = Generation | BaseException
+BatchFn = Callable[[Any, list[GenRequest]], list[Result]]  # (loaded model, requests) -> one result per request
+
+GATHER_S = 0.02  # after the first request arrives, wait this long for requests sent at the same time
+
+
+@dataclass
+class EngineStats:
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    generate_s: float = 0.0
+    load_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_out / self.generate_s if self.generate_s else 0.0
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """One batched call, for progress displays (``Engine.on_batch``)."""
+
+    requests: int
+    rows: int
+    tokens_out: int
+    seconds: float
+
+
+@dataclass
+class _Job:
+    request: GenRequest
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class Engine:
+    def __init__(self, name: str, load: Callable[[], Any], run_batch: BatchFn, max_rows: int) -> None:
+        self.name = name
+        self.max_rows = max_rows
+        self.stats = EngineStats()
+        self.on_batch: Callable[[BatchReport], None] | None = None  # called from the worker thread
+        self._load_fn = load
+        self._run_batch = run_batch
+        self._model: Any = None
+        self._load_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: list[_Job] = []
+        self._thread: threading.Thread | None = None
+
+    # --- callers --------------------------------------------------------------------------------------
+    def load(self) -> Any:
+        """Load the model now (idempotent, thread-safe); the worker also loads it on first use."""
+        with self._load_lock:
+            if self._model is None:
+                t0 = time.monotonic()
+                self._model = self._load_fn()
+                self.stats.load_s = time.monotonic() - t0
+                log.info("%s: loaded in %.1f s", self.name, self.stats.load_s)
+            return self._model
+
+    async def generate(self, request: GenRequest) -> Generation:
+        job = _Job(request)
+        with self._cond:
+            self._queue.append(job)
+            self._ensure_thread()
+            self._cond.notify()
+        return await asyncio.wrap_future(job.future)  # cancelling the await cancels the queued job
+
+    # --- the worker thread ----------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._work, name=f"clgrpo-engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+            time.sleep(GATHER_S)
+            jobs = [j for j in self._take() if j.future.set_running_or_notify_cancel()]
+            if jobs:
+                self._run(jobs)
+
+    def _take(self) -> list[_Job]:
+        """The oldest waiting jobs that fit in ``max_rows`` sequences (always at least one)."""
+        with self._cond:
+            taken, rows = [], 0
+            while self._queue and (not taken or rows + self._queue[0].request.n <= self.max_rows):
+                job = self._queue.pop(0)
+                taken.append(job)
+                rows += job.request.n
+            return taken
+
+    def _run(self, jobs: list[_Job]) -> None:
+        try:
+            model = self.load()
+        except Exception as exc:  # a missing or broken model fails every request, permanently
+            error = exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
+            for job in jobs:
+                job.future.set_exception(error)
+            return
+        results = self._batch(model, [j.request for j in jobs])
+        if len(jobs) > 1 and any(isinstance(r, PermanentLLMError) for r in results) and \
+                all(isinstance(r, BaseException) for r in results):
+            results = [self._batch(model, [j.request])[0] for j in jobs]  # one bad request must not fail the rest
+        for job, result in zip(jobs, results, strict=True):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+    def _batch(self, model: Any, requests: list[GenRequest]) -> list[Result]:
+        t0 = time.monotonic()
+        try:
+            results = self._run_batch(model, requests)
+        except Exception as exc:
+            return [classify(exc)] * len(requests)
+        self._account(requests, results, time.monotonic() - t0)
+        return results
+
+    def _account(self, requests: list[GenRequest], results: list[Result], seconds: float) -> None:
+        done = [r for r in results if isinstance(r, Generation)]
+        report = BatchReport(len(requests), sum(q.n for q in requests), sum(r.tokens_out for r in done), seconds)
+        s = self.stats
+        s.batches += 1
+        s.requests += len(done)
+        s.rows += sum(len(r.texts) for r in done)
+        s.tokens_in += sum(r.tokens_in for r in done)
+        s.tokens_out += report.tokens_out
+        s.generate_s += seconds
+        log.debug("%s: %s", self.name, report)
+        if self.on_batch is not None:
+            try:
+                self.on_batch(report)
+            except Exception:  # a display must not stop the engine
+                log.exception("%s: on_batch callback failed", self.name)
+
+
+def classify(exc: BaseException) -> BaseException:
+    """Out of memory is worth a retry (the next batch may be smaller); anything else is permanent."""
+    if isinstance(exc, (TransientLLMError, PermanentLLMError)):
+        return exc
+    text = f"{type(exc).__name__}: {exc}"
+    if "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError":
+        return TransientLLMError(text)
+    return PermanentLLMError(text)
+
+
+# --- the registry ----------------------------------------------------------------------------------------
+
+_ENGINES: dict[Hashable, Engine] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def get_engine(key: Hashable, factory: Callable[[], Engine]) -> Engine:
+    with _REGISTRY_LOCK:
+        if key not in _ENGINES:
+            _ENGINES[key] = factory()
+        return _ENGINES[key]
+
+
+def loaded_engines() -> list[Engine]:
+    with _REGISTRY_LOCK:
+        return list(_ENGINES.values())
+
+
+def forget_engines() -> None:
+    """Drop the registry (tests); worker threads of dropped engines idle on their empty queues."""
+    with _REGISTRY_LOCK:
+        _ENGINES.clear()
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_cpu_threads() -> int:
+    """The cores this process may use, less those that other work keeps busy now (1-minute load average):
+    oversubscribed OpenMP threads slow torch down several times (measured here: a 32-row decode took 13 s on
+    1 thread and 13-51 s on 2 threads on a 2-core machine under load 3; 10 s on 2 threads when idle)."""
+    cpus = available_cpus()
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:  # no load average on this platform
+        busy = 0
+    return max(1, min(cpus, cpus - busy))

@@ -1,0 +1,331 @@
+"""The transformers backend: a local model (HF folder or GGUF file) in this process, on cuda, mps or cpu.
+
+One code path for every device: the device and dtype are detected (``auto``: cuda > mps > cpu; bf16/fp16 on
+GPUs, fp32 on CPU). Requests go through a shared ``Engine`` (see ``clgrpo.llm.local``), which runs the
+waiting requests in one ``generate`` call: the G samples of a request are G rows of that batch, and
+requests sent together (the problems of a rollout chunk, the summaries of a step) are batched too.
+
+Sampling is done per row by ``RowSampler`` with a ``torch.Generator`` seeded from the request (sample i of a
+request with seed s uses s + i, as the client's single-request fallback does), so a seeded request gives the
+same samples whether it runs alone or batched with others. Requests with a JSON schema are constrained with
+xgrammar (the grammar engine vLLM uses by default); without xgrammar the reply is unconstrained and the
+client's tolerant parser copes.
+
+torch and transformers are imported only when this backend is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
+from clgrpo.llm.local import Engine, Result, auto_cpu_threads, available_cpus, get_engine
+from clgrpo.models import ModelError, ModelLocation, resolve_model_path
+from schemas.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ROWS = 32
+
+
+class TransformersBackend:
+    def __init__(self, cfg: ModelConfig) -> None:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            raise PermanentLLMError("backend 'transformers' needs the local extra: pip install 'clgrpo[local]'") from exc
+        try:
+            location = resolve_model_path(cfg.model_path or cfg.model)
+        except ModelError as exc:
+            raise PermanentLLMError(str(exc)) from exc
+        device = pick_device(cfg.device)
+        dtype = pick_dtype(cfg.dtype, device)
+        key = ("transformers", str(location), device, dtype)
+        self.engine = get_engine(key, lambda: Engine(
+            f"transformers:{location.gguf_file or location.folder.name}@{device}",
+            load=partial(load_model, location, device, dtype, cfg.cpu_threads),
+            run_batch=run_batch, max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS))
+
+    async def generate(self, request: GenRequest) -> Generation:
+        return await self.engine.generate(request)
+
+    async def aclose(self) -> None:
+        """The loaded model stays in the process registry for the next client."""
+
+
+# --- device and dtype ------------------------------------------------------------------------------------
+
+
+def pick_device(requested: str = "auto") -> str:
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    has_mps = bool(mps and mps.is_available())
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
+    kind = requested.split(":", 1)[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise PermanentLLMError(f"device {requested!r} requested but torch sees no CUDA GPU")
+    if kind == "mps" and not has_mps:
+        raise PermanentLLMError("device 'mps' requested but torch has no MPS support here")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise PermanentLLMError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    return requested
+
+
+def pick_dtype(requested: str, device: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float16" if device == "mps" else "float32"
+
+
+# --- the loaded model ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    device: str
+    eos_ids: frozenset[int]
+    pad_id: int
+    vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary)
+    max_positions: int
+    grammars: Grammars | None = None
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt through the model's own chat template, ending with the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PermanentLLMError("the model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: int | None) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "cpu":  # process-wide
+        torch.set_num_threads(cpu_threads or auto_cpu_threads())
+        log.info("torch uses %d CPU threads", torch.get_num_threads())
+    kwargs = {"gguf_file": location.gguf_file} if location.gguf_file else {}
+    if location.gguf_file:
+        log.warning("loading GGUF %s: transformers dequantizes it on every load; convert it once for fast loads",
+                    location)
+    tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location.folder, dtype=getattr(torch, dtype), **kwargs)
+    model = model.to(device).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    if not eos_ids:
+        raise PermanentLLMError(f"{location}: the model defines no end-of-sequence token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    loaded = LoadedModel(model, tokenizer, device, frozenset(eos_ids), pad_id, vocab_size,
+                         getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+    loaded.grammars = Grammars.create(tokenizer, vocab_size, sorted(eos_ids))
+    return loaded
+
+
+class Grammars:
+    """JSON-schema grammars compiled once per schema for this tokenizer (xgrammar)."""
+
+    def __init__(self, xgr: Any, compiler: Any) -> None:
+        self._xgr = xgr
+        self._compiler = compiler
+        self._compiled: dict[str, Any] = {}
+
+    @classmethod
+    def create(cls, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Grammars | None:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            log.warning("xgrammar is not installed: JSON replies are not constrained (the tolerant parser copes)")
+            return None
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        return cls(xgr, xgr.GrammarCompiler(info, max_threads=max(1, min(4, available_cpus()))))
+
+    def matcher(self, schema: dict) -> Any | None:
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._compiled:
+            try:
+                self._compiled[key] = self._compiler.compile_json_schema(key, any_whitespace=False)
+            except Exception as exc:  # an unsupported schema feature: fall back to the tolerant parser
+                log.warning("cannot compile the JSON schema for constrained decoding: %s", exc)
+                self._compiled[key] = None
+        compiled = self._compiled[key]
+        return None if compiled is None else self._xgr.GrammarMatcher(compiled)
+
+    def apply(self, matcher: Any, row_scores: Any) -> None:
+        """Mask, in place, the tokens the grammar does not allow next (``row_scores``: shape (1, vocab))."""
+        bitmask = self._xgr.allocate_token_bitmask(1, row_scores.shape[-1])
+        matcher.fill_next_token_bitmask(bitmask)
+        if row_scores.device.type == "cuda":
+            self._xgr.apply_token_bitmask_inplace(row_scores, bitmask.to(row_scores.device))
+        else:  # xgrammar masks on CPU (and CUDA) only
+            cpu = row_scores.to("cpu")
+            self._xgr.apply_token_bitmask_inplace(cpu, bitmask)
+            row_scores.copy_(cpu)
+
+
+# --- one batched generate --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One sequence of a batch: sample ``index`` of request ``request``."""
+
+    request: int
+    index: int
+    prompt: list[int]
+    limit: int  # max new tokens of this row
+    temperature: float
+    top_p: float
+    seed: int | None
+    matcher: Any | None = None
+    generator: Any = None
+    done: bool = False
+    truncated: bool = False
+
+
+@dataclass
+class RowSampler:
+    """A logits processor that samples each row itself (temperature, top-p, its own generator, grammar mask,
+    own length limit) and returns scores that leave exactly the chosen token, so greedy decoding in
+    ``generate`` takes it. Handles rows of different requests in one batch."""
+
+    rows: list[Row]
+    prompt_len: int  # padded prompt length
+    eos_ids: frozenset[int]
+    grammars: Grammars | None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        step = input_ids.shape[1] - self.prompt_len
+        if step > 0:
+            self._advance(input_ids[:, -1].tolist())
+        chosen = [self._choose(row, scores[i : i + 1], step) for i, row in enumerate(self.rows)]
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(chosen), device=scores.device), torch.tensor(chosen, device=scores.device)] = 0.0
+        return out
+
+    def _advance(self, last_tokens: list[int]) -> None:
+        for row, token in zip(self.rows, last_tokens):
+            if not row.done and row.matcher is not None:
+                row.matcher.accept_token(token)
+
+    def _choose(self, row: Row, logits: Any, step: int) -> int:
+        import torch
+
+        if row.done:
+            return min(self.eos_ids)
+        if step >= row.limit:
+            row.done = row.truncated = True
+            return min(self.eos_ids)
+        if row.matcher is not None and self.grammars is not None:
+            self.grammars.apply(row.matcher, logits)
+        logits = logits[0].float()
+        if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing more: end the row
+            row.done = True
+            return min(self.eos_ids)
+        if row.temperature <= 0:
+            token = int(torch.argmax(logits))
+        else:
+            probs = _top_p(logits / row.temperature, row.top_p).softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=self._generator(row, logits.device)))
+        row.done = token in self.eos_ids
+        return token
+
+    @staticmethod
+    def _generator(row: Row, device: Any) -> Any:
+        import torch
+
+        if row.generator is None:
+            row.generator = torch.Generator(device=device)
+            if row.seed is None:
+                row.generator.seed()
+            else:
+                row.generator.manual_seed(row.seed + row.index)
+        return row.generator
+
+
+def _top_p(logits: Any, top_p: float) -> Any:
+    """Keep the smallest set of tokens whose probability mass reaches ``top_p`` (as HF's TopPLogitsWarper)."""
+    if top_p >= 1.0:
+        return logits
+    import torch
+
+    ordered, order = torch.sort(logits, descending=True)
+    probs = ordered.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p
+    drop[0] = False
+    return logits.scatter(0, order[drop], float("-inf"))
+
+
+def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
+    """One ``generate`` call for all rows of all requests that can run; per-request errors come back as
+    exceptions in their slot."""
+    results: list[Result | None] = [None] * len(requests)
+    rows: list[Row] = []
+    prompts: dict[int, int] = {}
+    for qi, request in enumerate(requests):
+        try:
+            prompt = loaded.encode(request.messages)
+        except PermanentLLMError as exc:
+            results[qi] = exc
+            continue
+        except Exception as exc:  # a template that rejects these messages
+            results[qi] = PermanentLLMError(f"chat template failed: {type(exc).__name__}: {exc}")
+            continue
+        room = loaded.max_positions - len(prompt)
+        if room <= 0:
+            results[qi] = PermanentLLMError(f"prompt of {len(prompt)} tokens does not fit the model's context "
+                                            f"of {loaded.max_positions}")
+            continue
+        prompts[qi] = len(prompt)
+        for i in range(request.n):
+            matcher = loaded.grammars.matcher(request.json_schema) if (
+                request.json_schema is not None and loaded.grammars is not None) else None
+            rows.append(Row(qi, i, prompt, min(request.max_tokens, room), request.temperature, request.top_p,
+                            request.seed, matcher))
+    if rows:
+        for qi, generation in _generate(loaded, rows, prompts).items():
+            results[qi] = generation
+    return [r if r is not None else PermanentLLMError("no result") for r in results]
+
+
+def _generate(loaded: LoadedModel, rows: list[Row], prompt_tokens: dict[int, int]) -> dict[int, Generation]:
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    width = max(len(r.prompt) for r in rows)
+    input_ids = torch.tensor([[loaded.pad_id] * (width - len(r.prompt)) + r.prompt for r in rows])
+    attention = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows])
+    sampler = RowSampler(rows, width, loaded.eos_ids, loaded.grammars)
+    config = GenerationConfig(max_new_tokens=max(r.limit for r in rows), do_sample=False,
+                              eos_token_id=sorted(loaded.eos_ids), pad_token_id=loaded.pad_id)
+    with torch.inference_mode():
+        out = loaded.model.generate(input_ids=input_ids.to(loaded.device), attention_mask=attention.to(loaded.device),
+                                    generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+    generated = out[:, width:].tolist()
+    by_request: dict[int, Generation] = {}
+    for row, tokens in zip(rows, generated):
+        length = next((k for k, t in enumerate(tokens) if t in loaded.eos_ids), len(tokens))
+        stopped = length < len(tokens) and not row.truncated
+        gen = by_request.setdefault(row.request, Generation(texts=[], tokens_in=prompt_tokens[row.request]))
+        gen.texts.append(loaded.tokenizer.decode(tokens[:length], skip_special_tokens=True))
+        gen.tokens_out += length
+        gen.finish_reasons.append("stop" if stopped else "length")
+    return by_request

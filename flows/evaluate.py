@@ -1,0 +1,296 @@
+"""The evaluation flow: Mean@k / Pass@k of one or more libraries on a dataset, with confidence intervals.
+
+Each condition (a stored library version ``RUN_ID:VERSION`` / ``RUN_ID:latest``, a library file, or ``none``)
+samples k rollouts per problem at the evaluation temperature (its own setting, never the training one) with the
+library placed in the prompt exactly as in training. All conditions get the same problems and the same
+per-(problem, sample) seeds, so the difference of each condition to the first one is a paired comparison.
+Conditions are evaluated one after the other (one library prefix at a time for the server's prefix cache),
+each in batch-sized task runs.
+
+Before sampling, the leakage guard compares the evaluation problems with the training problems (``--train-dataset``
+or the training set of a run whose library is evaluated); matches are logged with their ids, and
+``refuse_on_leakage`` stops the run. Results go to DuckDB through the store in one stage write:
+``(eval_id, 0, "evaluate")`` for a standalone evaluation, ``(run_id, step, "validate")`` for the held-out
+validation inside a training run (``Validator``). A stored evaluation is read back, not recomputed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
+
+from clgrpo import plots
+from clgrpo.leakage import LeakageReport, check_leakage
+from clgrpo.library import ExperienceLibrary
+from clgrpo.report import (
+    collect_run,
+    evaluation_markdown,
+    evaluation_table,
+    markdown_table,
+    run_plots,
+    step_table,
+    write_plots,
+)
+from clgrpo.store import Store, StoreError, parse_library_ref
+from domains import get_domain
+from schemas.config import DatasetConfig, EvalConfig, RunConfig
+from schemas.ddl import EVALUATE_STAGE
+from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
+from tasks.checkpoint import export_dir
+from tasks.common import artifact_key, chunks
+from tasks.evaluate import compare_conditions, evaluate_task, summarize_condition
+
+Outputs = dict[str, list[Any]]
+EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
+NO_LIBRARY = "none"
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class EvaluationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Condition:
+    label: str  # unique within an evaluation
+    ref: str  # as resolved: "none", a file path, or RUN_ID:VERSION
+    library: ExperienceLibrary
+
+
+@dataclass
+class EvalOutcome:
+    eval_id: str
+    db_path: str
+    summaries: list[EvalSummary]
+    comparisons: list[EvalComparison] = field(default_factory=list)
+    leakage: str = ""
+    reused: bool = False  # read back from DuckDB instead of sampled
+
+
+# --- inputs -------------------------------------------------------------------------------------------
+def resolve_library(store: Store, ref: str) -> Condition:
+    """``none``, a library file, or ``RUN_ID[:VERSION|:latest]`` stored in DuckDB."""
+    if ref.strip().lower() == NO_LIBRARY:
+        return Condition(NO_LIBRARY, NO_LIBRARY, ExperienceLibrary())
+    path = Path(ref)
+    if path.is_file():
+        return Condition(path.name, str(path), ExperienceLibrary.load(path))
+    run_id, version = parse_library_ref(ref)
+    if not store.library_versions(run_id):
+        raise StoreError(f"library reference {ref!r}: no such file, and {store.path} has no library for run {run_id!r}")
+    library = store.load_library(run_id, version)
+    resolved = f"{run_id}:{library.version}"
+    return Condition(resolved, resolved, library)
+
+
+def resolve_conditions(store: Store, refs: list[str]) -> list[Condition]:
+    if not refs:
+        raise EvaluationError("nothing to evaluate: give at least one library reference (or 'none')")
+    conditions, seen = [], set()
+    for ref in refs:
+        c = resolve_library(store, ref)
+        label, n = c.label, 1
+        while label in seen:  # the same library twice (e.g. none vs none): still two conditions
+            n += 1
+            label = f"{c.label}#{n}"
+        seen.add(label)
+        conditions.append(Condition(label, c.ref, c.library))
+    return conditions
+
+
+def dataset_label(cfg: DatasetConfig) -> str:
+    return cfg.path or f"{cfg.hf_name}:{cfg.hf_split}"
+
+
+def load_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
+    problems, report = get_domain(config.domain).load_dataset(dataset)
+    if report.n_duplicates_dropped:
+        get_run_logger().warning("%s: dropped %d duplicate problem(s): %s", report.source,
+                                 report.n_duplicates_dropped, ", ".join(report.dropped_ids[:20]))
+    return problems
+
+
+def guard_leakage(train: list[Problem], problems: list[Problem], evaluation: EvalConfig) -> LeakageReport:
+    """Log the overlap of the evaluation set with the training set (ids); refuse it when configured."""
+    report = check_leakage(train, problems, threshold=evaluation.leakage_threshold,
+                           refuse=evaluation.refuse_on_leakage)
+    log = get_run_logger()
+    (log.warning if report else log.info)(report.message())
+    return report
+
+
+def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
+                     problems: list[Problem]) -> str:
+    """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems."""
+    payload = {
+        "policy": config.policy.model_dump(mode="json"), "domain": config.domain,
+        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
+                                                                  "refuse_on_leakage", "every_n_steps"}),
+        "conditions": [[c.label, c.library.content_hash()] for c in conditions],
+        "problems": text_hash(json.dumps([p.model_dump() for p in problems], sort_keys=True)),
+    }
+    return text_hash(json.dumps(payload, sort_keys=True))
+
+
+# --- the evaluation itself (shared by the flow and the training validation) -----------------------------------
+async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problems: list[Problem],
+                              conditions: list[Condition], *, key: str, eval_id: str, fingerprint: str,
+                              leaked_ids: list[str]) -> Outputs:
+    """Sample and grade every condition, summarize each, compare each to the first: the stage outputs."""
+    samples: dict[str, list[EvalSample]] = {}
+    calls = []
+    for condition in conditions:
+        version = condition.library.to_version()
+        batches = await asyncio.gather(*[evaluate_task(config, evaluation, key, condition.label, i, chunk, version)
+                                         for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))])
+        samples[condition.label] = [s for b in batches for s in b.samples]
+        calls += [c for b in batches for c in b.calls]
+    problem_ids = [p.problem_id for p in problems]
+    summaries = [summarize_condition(samples[c.label], problem_ids, evaluation, eval_id=eval_id, condition=c.label,
+                                     library_ref=c.ref, library=c.library, dataset=dataset_label(evaluation.dataset),
+                                     fingerprint=fingerprint, leaked_ids=leaked_ids) for c in conditions]
+    baseline = conditions[0].label
+    comparisons = [cmp for c in conditions[1:]
+                   for cmp in compare_conditions((baseline, samples[baseline]), (c.label, samples[c.label]),
+                                                 problem_ids, evaluation, eval_id=eval_id)]
+    return {"evaluations": summaries, "eval_results": [s for c in conditions for s in samples[c.label]],
+            "eval_comparisons": comparisons, "llm_calls": calls}
+
+
+# --- artifacts ----------------------------------------------------------------------------------------
+async def publish_evaluation(key: str, summaries: list[EvalSummary], comparisons: list[EvalComparison],
+                             notes: list[str], description: str) -> None:
+    """Table + markdown artifacts of an evaluation, and its Mean@k plot (CI per condition) as an image."""
+    headers, rows = evaluation_table(summaries)
+    await acreate_table_artifact([dict(zip(headers, row)) for row in rows], key=artifact_key(key, "evaluation"),
+                                 description=description)
+    await acreate_markdown_artifact(evaluation_markdown(summaries, comparisons, notes),
+                                    key=artifact_key(key, "evaluation-report"), description=description)
+    points = [plots.ConditionPoint(s.condition, s.mean_at_k, s.mean_ci_low, s.mean_ci_high) for s in summaries]
+    png = plots.conditions_plot(f"Mean@{summaries[0].k}", points)
+    await acreate_image_artifact(plots.data_uri(png), key=artifact_key(key, "evaluation-plot"),
+                                 description=f"{description}: Mean@k with {summaries[0].ci_level:.0%} CI")
+
+
+async def publish_run_report(store: Store, config: RunConfig) -> dict[str, Path]:
+    """The run's plots (accuracy with CI, library size, tokens/cost per step) as PNGs next to the run's
+    exported libraries and as image artifacts, plus the step table as markdown."""
+    data = collect_run(store, config.run_id)
+    images = run_plots(data)
+    files = write_plots(images, export_dir(config) / "plots")
+    for name, png in images.items():
+        await acreate_image_artifact(plots.data_uri(png), key=artifact_key(config.run_id, f"plot-{name}"),
+                                     description=f"{config.run_id}: {name.replace('_', ' ')} per step")
+    await acreate_markdown_artifact(markdown_table(step_table(data)), key=artifact_key(config.run_id, "learning-curve"),
+                                    description="Per step: accuracy and held-out Mean@k with CIs, library, cost")
+    get_run_logger().info("plots written to %s", files["accuracy"].parent)
+    return files
+
+
+# --- validation during training --------------------------------------------------------------------------
+class Validator:
+    """Held-out evaluation inside a training run (``config.validation``): step 0 is the baseline before
+    training, then every N steps and the last step. Rows are keyed by (run_id, step, "validate")."""
+
+    def __init__(self, config: RunConfig, train_problems: list[Problem]) -> None:
+        if config.validation is None:
+            raise EvaluationError("validation is not configured")
+        self.config, self.evaluation = config, config.validation
+        self.problems = load_problems(config, config.validation.dataset)
+        self.leakage = guard_leakage(train_problems, self.problems, config.validation)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step == 0 or step % self.evaluation.every_n_steps == 0 or step == last_step
+
+    async def compute(self, step: int, library: ExperienceLibrary) -> Outputs:
+        ref = f"{self.config.run_id}:{library.version}"
+        fingerprint = text_hash(self.config.fingerprint() + library.content_hash())
+        return await evaluate_conditions(
+            self.config, self.evaluation, self.problems, [Condition(ref, ref, library)],
+            key=f"{self.config.run_id}/{step}", eval_id=f"{self.config.run_id}-step{step}",
+            fingerprint=fingerprint, leaked_ids=self.leakage.eval_ids)
+
+    async def publish(self, step: int, outputs: Outputs) -> None:
+        summary: EvalSummary = outputs["evaluations"][0]
+        get_run_logger().info(
+            "step %d validation: Mean@%d %.3f [%.3f, %.3f], Pass@%d %.3f [%.3f, %.3f] on %d held-out problems "
+            "(library %d)", step, summary.k, summary.mean_at_k, summary.mean_ci_low, summary.mean_ci_high,
+            summary.pass_k, summary.pass_at_k, summary.pass_ci_low, summary.pass_ci_high, summary.n_problems,
+            summary.library_size)
+        notes = [self.leakage.message()] if self.leakage else []
+        await publish_evaluation(f"{self.config.run_id}-validation", [summary], [], notes,
+                                 f"Held-out validation after step {step}")
+
+
+# --- the standalone flow ----------------------------------------------------------------------------------
+def _training_problems(store: Store, config: RunConfig, conditions: list[Condition],
+                       train_dataset: DatasetConfig | None) -> list[Problem] | None:
+    """The explicit training set, else the training set of the first evaluated run; None if neither."""
+    if train_dataset is not None:
+        return load_problems(config, train_dataset)
+    log = get_run_logger()
+    for c in conditions:
+        run_id = c.ref.partition(":")[0]
+        if c.ref != NO_LIBRARY and not Path(c.ref).is_file() and store.is_run(run_id):
+            try:
+                return load_problems(config, store.run_config(run_id).dataset)
+            except (OSError, ValueError) as exc:
+                log.warning("leakage guard: cannot load the training set of run %r (%s); pass --train-dataset",
+                            run_id, exc)
+                return None
+    log.info("leakage guard: no training set given (--train-dataset) and no stored run evaluated; skipped")
+    return None
+
+
+def _read_back(store: Store, eval_id: str, fingerprint: str) -> Outputs | None:
+    if not store.stage_done(eval_id, 0, EVALUATE_STAGE):
+        return None
+    outputs = {t: store.records(t, eval_id, 0, EVALUATE_STAGE) for t in EVAL_TABLES}
+    if any(s.fingerprint != fingerprint for s in outputs["evaluations"]):
+        raise EvaluationError(f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
+                              "dataset, model or settings) in this database: choose another eval id")
+    return outputs
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"evaluate-{flow_run.parameters.get('eval_id') or 'auto'}"
+
+
+@flow(name="evaluate", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[str], eval_id: str | None = None,
+                   train_dataset: DatasetConfig | None = None) -> EvalOutcome:
+    """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
+    The first library is the baseline of the paired comparisons."""
+    log = get_run_logger()
+    with Store(config.db_path) as store:
+        conditions = resolve_conditions(store, libraries)
+        problems = load_problems(config, evaluation.dataset)
+        train = _training_problems(store, config, conditions, train_dataset)
+        leakage = guard_leakage(train, problems, evaluation) if train is not None else None
+        fingerprint = eval_fingerprint(config, evaluation, conditions, problems)
+        eval_id = eval_id or f"eval-{fingerprint}"
+        if not _ID_RE.match(eval_id) or store.is_run(eval_id):
+            raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
+        outputs = _read_back(store, eval_id, fingerprint)
+        reused = outputs is not None
+        if outputs is None:
+            outputs = await evaluate_conditions(config, evaluation, problems, conditions, key=eval_id, eval_id=eval_id,
+                                                fingerprint=fingerprint, leaked_ids=leakage.eval_ids if leakage else [])
+            n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
+            log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
+        else:
+            log.info("evaluation %s: already stored, reading it back", eval_id)
+    notes = [leakage.message()] if leakage is not None else []
+    await publish_evaluation(eval_id, outputs["evaluations"], outputs["eval_comparisons"], notes,
+                             f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}")
+    return EvalOutcome(eval_id, config.db_path, outputs["evaluations"], outputs["eval_comparisons"],
+                       leakage.message() if leakage is not None else "leakage guard skipped (no training set)", reused)

@@ -1,0 +1,119 @@
+"""Stage: evaluate a library on held-out problems, and turn graded samples into metrics with CIs.
+
+``evaluate_library`` samples k rollouts per problem with the library in the prompt exactly as in training
+(``tasks.rollout.rollout``), at the evaluation temperature, with a seed per (problem, sample) that depends only
+on the evaluation seed and the problem id, so every condition sees the same seeds; then grades them with
+``tasks.verify.verify``. ``summarize_condition`` and ``compare_conditions`` compute Mean@k / Pass@k with
+bootstrap confidence intervals (``clgrpo.metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clgrpo import metrics
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient, shared_client
+from domains import Domain, get_domain
+from schemas.config import EvalConfig, RunConfig
+from schemas.ddl import EVALUATE_STAGE
+from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
+from tasks.common import stage_task
+from tasks.rollout import rollout
+from tasks.verify import verify
+
+STAGE = EVALUATE_STAGE
+_SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
+
+
+@dataclass
+class EvalBatch:
+    samples: list[EvalSample]
+    calls: list[LLMCall] = field(default_factory=list)
+
+
+def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
+    """The base sampling seed of each problem (sample i uses base + i): a function of the evaluation seed
+    and the problem id only, never of the condition or the problem's position."""
+    return {p.problem_id: int(text_hash(f"{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
+
+
+async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
+                           condition: str, k: int, temperature: float, seed: int) -> EvalBatch:
+    """k graded samples per problem for one condition (library)."""
+    seeds = sample_seeds(problems, seed)
+    batch = await rollout(problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds)
+    rewards = await asyncio.to_thread(verify, problems, batch.rollouts, domain)
+    samples = [
+        EvalSample(condition=condition, problem_id=r.problem_id, sample_idx=r.sample_idx,
+                   seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward, extracted=g.extracted,
+                   error=g.error, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
+                   latency_s=r.latency_s)
+        for r, g in zip(batch.rollouts, rewards)
+    ]
+    return EvalBatch(samples, batch.calls)
+
+
+@stage_task(STAGE, run_name="evaluate-{condition}-chunk{chunk}")
+async def evaluate_task(config: RunConfig, evaluation: EvalConfig, key: str, condition: str, chunk: int,
+                        problems: list[Problem], library: LibraryVersion) -> EvalBatch:
+    """``key`` (the evaluation id, or run/step of a validation) only keys the cache."""
+    return await evaluate_library(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
+                                  shared_client(config), condition=condition, k=evaluation.k,
+                                  temperature=evaluation.temperature, seed=evaluation.seed)
+
+
+# --- metrics over graded samples -------------------------------------------------------------------------
+def reward_matrix(samples: Sequence[EvalSample], problem_ids: Sequence[str], k: int) -> np.ndarray:
+    """Rewards as ``(problems, k)`` in the given problem order and sample index order."""
+    index = {pid: i for i, pid in enumerate(problem_ids)}
+    matrix = np.full((len(problem_ids), k), np.nan)
+    for s in samples:
+        if s.problem_id in index and s.sample_idx < k:
+            matrix[index[s.problem_id], s.sample_idx] = s.reward
+    missing = np.argwhere(np.isnan(matrix))
+    if len(missing):
+        shown = ", ".join(f"{problem_ids[i]}#{j}" for i, j in missing[:10])
+        condition = samples[0].condition if samples else "?"
+        raise ValueError(f"condition {condition!r}: {len(missing)} of {matrix.size} samples missing ({shown})")
+    return matrix
+
+
+def _bootstrap_options(cfg: EvalConfig) -> dict:
+    return dict(n_boot=cfg.bootstrap_samples, seed=cfg.seed, level=cfg.ci_level, resample_samples=cfg.resample_samples)
+
+
+def summarize_condition(samples: Sequence[EvalSample], problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str,
+                        condition: str, library_ref: str, library: ExperienceLibrary, dataset: str, fingerprint: str,
+                        leaked_ids: Sequence[str] = ()) -> EvalSummary:
+    rewards = reward_matrix(samples, problem_ids, cfg.k)
+    mean = metrics.bootstrap_ci(rewards, "mean_at_k", **_bootstrap_options(cfg))
+    passed = metrics.bootstrap_ci(rewards, "pass_at_k", k=cfg.pass_at, **_bootstrap_options(cfg))
+    return EvalSummary(
+        eval_id=eval_id, condition=condition, library_ref=library_ref, library_hash=library.content_hash(),
+        library_size=len(library), dataset=dataset, fingerprint=fingerprint, n_problems=len(problem_ids), k=cfg.k,
+        pass_k=cfg.pass_at, temperature=cfg.temperature, seed=cfg.seed, ci_level=cfg.ci_level,
+        mean_at_k=mean.value, mean_ci_low=mean.low, mean_ci_high=mean.high,
+        pass_at_k=passed.value, pass_ci_low=passed.low, pass_ci_high=passed.high,
+        n_failed=sum(s.error is not None and s.error.startswith("rollout failed") for s in samples),
+        leaked_ids=sorted(set(leaked_ids) & set(problem_ids)))
+
+
+def compare_conditions(baseline: tuple[str, Sequence[EvalSample]], candidate: tuple[str, Sequence[EvalSample]],
+                       problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str) -> list[EvalComparison]:
+    """candidate - baseline for Mean@k and Pass@k, paired on the same problems and sample seeds."""
+    a = reward_matrix(baseline[1], problem_ids, cfg.k)
+    b = reward_matrix(candidate[1], problem_ids, cfg.k)
+    specs: tuple[tuple[metrics.Metric, int | None], ...] = (("mean_at_k", None), ("pass_at_k", cfg.pass_at))
+    out = []
+    for metric, k in specs:
+        diff = metrics.paired_difference(a, b, metric, k=k, **_bootstrap_options(cfg))
+        out.append(EvalComparison(
+            eval_id=eval_id, baseline=baseline[0], candidate=candidate[0], metric=metric,
+            baseline_value=metrics.metric_value(a, metric, k), candidate_value=metrics.metric_value(b, metric, k),
+            diff=diff.value, ci_low=diff.low, ci_high=diff.high, ci_level=cfg.ci_level, n_problems=len(problem_ids)))
+    return out

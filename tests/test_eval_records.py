@@ -1,0 +1,80 @@
+"""Evaluation records: metrics from graded samples, and their round trip through the store."""
+
+import json
+
+import pytest
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.store import FrameValidationError, Store
+from schemas.config import NOT_FINGERPRINTED, DatasetConfig, EvalConfig, RunConfig
+from schemas.records import EvalSample, Problem, text_hash
+from tasks.evaluate import compare_conditions, reward_matrix, sample_seeds, summarize_condition
+
+CFG = EvalConfig(dataset=DatasetConfig(path="x.jsonl"), k=4, pass_k=2, bootstrap_samples=500)
+
+
+def samples(condition: str, rewards: dict[str, list[float]]) -> list[EvalSample]:
+    return [EvalSample(condition=condition, problem_id=pid, sample_idx=i, seed=100 + i, reward=r)
+            for pid, rs in rewards.items() for i, r in enumerate(rs)]
+
+
+def test_summary_and_paired_comparison_from_graded_samples():
+    base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 0, 0]})
+    better = samples("lib", {"a": [1, 1, 1, 0], "b": [1, 0, 0, 0], "c": [1, 1, 1, 1]})
+    ids = ["a", "b", "c"]
+    summary = summarize_condition(base, ids, CFG, eval_id="e", condition="none", library_ref="none",
+                                  library=ExperienceLibrary(), dataset="x.jsonl", fingerprint="f",
+                                  leaked_ids=["b", "z"])
+    assert summary.mean_at_k == pytest.approx(3 / 12)
+    assert summary.pass_at_k == pytest.approx((0.5 + 0 + 5 / 6) / 3)  # unbiased pass@2 from 4 samples
+    assert summary.mean_ci_low <= summary.mean_at_k <= summary.mean_ci_high
+    assert summary.leaked_ids == ["b"] and summary.n_problems == 3 and summary.pass_k == 2
+    mean_diff, pass_diff = compare_conditions(("none", base), ("lib", better), ids, CFG, eval_id="e")
+    assert mean_diff.metric == "mean_at_k" and mean_diff.diff == pytest.approx(8 / 12 - 3 / 12)
+    assert pass_diff.metric == "pass_at_k" and pass_diff.candidate_value == pytest.approx((1 + 0.5 + 1) / 3)
+
+
+def test_missing_samples_are_an_error_naming_them():
+    partial = samples("none", {"a": [1, 0, 0, 0], "b": [0, 0]})
+    with pytest.raises(ValueError, match=r"condition 'none': 2 of 8 samples missing \(b#2, b#3\)"):
+        reward_matrix(partial, ["a", "b"], 4)
+
+
+def test_seeds_depend_on_problem_and_evaluation_seed_only():
+    problems = [Problem(problem_id=f"p{i}", problem=f"q{i}") for i in range(5)]
+    assert sample_seeds(problems, 0) == sample_seeds(list(reversed(problems)), 0)
+    assert sample_seeds(problems, 0) != sample_seeds(problems, 1)
+    assert len(set(sample_seeds(problems, 0).values())) == 5
+
+
+def by_content(record) -> str:
+    return record.model_dump_json(exclude={"created_at"})
+
+
+def test_evaluation_tables_round_trip_through_the_store(tmp_path):
+    base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 1, 0, 0]})
+    lib = samples("lib", {"a": [1, 1, 0, 0], "b": [1, 1, 1, 0]})
+    ids = ["a", "b"]
+    summaries = [summarize_condition(s, ids, CFG, eval_id="ev", condition=c, library_ref=c, library=ExperienceLibrary(),
+                                     dataset="x", fingerprint="f") for c, s in (("none", base), ("lib", lib))]
+    comparisons = compare_conditions(("none", base), ("lib", lib), ids, CFG, eval_id="ev")
+    outputs = {"evaluations": summaries, "eval_results": base + lib, "eval_comparisons": comparisons}
+    with Store(tmp_path / "db.duckdb") as store:
+        store.write_stage("ev", 0, "evaluate", outputs)
+        store.write_stage("ev", 0, "evaluate", outputs)  # idempotent: replaced, not duplicated
+        for table, records in outputs.items():  # read back in a stable order (conditions by name)
+            assert sorted(store.records(table, "ev", 0, "evaluate"), key=by_content) == sorted(records, key=by_content)
+        with pytest.raises(FrameValidationError, match="eval_results"):
+            store.write_stage("ev", 1, "evaluate", {"eval_results": base + base})
+
+
+def test_validation_config_keeps_fingerprints_of_runs_without_it():
+    cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
+    before_validation_existed = cfg.model_dump(mode="json", exclude=NOT_FINGERPRINTED | {"validation"})
+    assert cfg.fingerprint() == text_hash(json.dumps(before_validation_existed, sort_keys=True))
+    with_validation = RunConfig.model_validate({**cfg.model_dump(), "validation": {"dataset": {"path": "v.jsonl"}}})
+    assert with_validation.validation.temperature == 0.3 and with_validation.validation.k == 4
+    assert with_validation.fingerprint() != cfg.fingerprint()
+    assert RunConfig.model_validate_json(cfg.model_dump_json()).fingerprint() == cfg.fingerprint()
+    with pytest.raises(ValueError, match="pass_k \\(5\\) must not exceed k \\(4\\)"):
+        EvalConfig(dataset=DatasetConfig(path="x"), k=4, pass_k=5)

@@ -1,0 +1,180 @@
+"""The transformers backend on a tiny randomly initialised model built offline in the test."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from clgrpo.llm import LLMCallError, LLMClient
+from clgrpo.llm.backends import GenRequest, PermanentLLMError
+from clgrpo.llm.transformers_backend import TransformersBackend, pick_device, pick_dtype
+from schemas.config import ModelConfig
+from tests.tiny_model import build_tiny_model
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+ENUM_SCHEMA = {"type": "object", "properties": {"op": {"type": "string", "enum": ["add", "keep"]}},
+               "required": ["op"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def backend(tiny_model):
+    return TransformersBackend(ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model),
+                                           device="auto", cpu_threads=1))
+
+
+@pytest.fixture
+def generate_calls(backend, monkeypatch):
+    """Records the input ids and outputs of every ``model.generate`` call of the loaded tiny model."""
+    loaded = backend.engine.load()
+    calls: list[dict] = []
+    original = loaded.model.generate
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append({"input_ids": kwargs["input_ids"].clone(), "output": out.clone()})
+        return out
+
+    monkeypatch.setattr(loaded.model, "generate", spy)
+    return calls
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def generated_lengths(call: dict, eos_ids: frozenset[int]) -> list[int]:
+    width = call["input_ids"].shape[1]
+    lengths = []
+    for row in call["output"][:, width:].tolist():
+        lengths.append(next((k for k, t in enumerate(row) if t in eos_ids), len(row)))
+    return lengths
+
+
+def test_g_samples_in_one_generate_call_with_token_counts(backend, generate_calls):
+    gen = run(backend.generate(GenRequest(MESSAGES, n=4, seed=3, max_tokens=12)))
+    assert len(generate_calls) == 1 and generate_calls[0]["input_ids"].shape[0] == 4
+    assert len(gen.texts) == 4 and len(gen.finish_reasons) == 4
+    loaded = backend.engine.load()
+    prompt = loaded.encode(MESSAGES)
+    assert gen.tokens_in == len(prompt)  # the shared prompt counts once
+    lengths = generated_lengths(generate_calls[0], loaded.eos_ids)
+    assert gen.tokens_out == sum(lengths) and all(n <= 12 for n in lengths)  # no padding, no eos counted
+    assert [r == "length" for r in gen.finish_reasons] == [n == 12 for n in lengths]
+
+
+def test_the_models_chat_template_builds_the_prompt(backend, generate_calls):
+    run(backend.generate(GenRequest(MESSAGES, n=1, seed=0, max_tokens=2)))
+    tokenizer = backend.engine.load().tokenizer
+    prompt = tokenizer.decode(generate_calls[0]["input_ids"][0].tolist())
+    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+
+
+def test_seeded_requests_reproduce_alone_and_batched(backend, generate_calls):
+    request = GenRequest(MESSAGES, n=3, seed=11, max_tokens=16, temperature=1.0)
+    other = GenRequest([{"role": "user", "content": "A different, longer prompt to pad the batch."}], n=2, seed=5,
+                       max_tokens=16)
+    alone = run(backend.generate(request))
+    again = run(backend.generate(request))
+
+    async def together():
+        return await asyncio.gather(backend.generate(other), backend.generate(request))
+
+    _, batched = run(together())
+    assert again.texts == alone.texts and batched.texts == alone.texts
+    assert len(set(alone.texts)) > 1  # the G samples differ from each other
+    assert generate_calls[-1]["input_ids"].shape[0] == 5  # both requests went into one generate call
+    different = run(backend.generate(GenRequest(MESSAGES, n=3, seed=12, max_tokens=16, temperature=1.0)))
+    assert different.texts != alone.texts
+
+
+def test_requests_with_different_limits_share_a_batch(backend, generate_calls):
+    async def both():
+        return await asyncio.gather(backend.generate(GenRequest(MESSAGES, n=2, seed=1, max_tokens=3)),
+                                    backend.generate(GenRequest(MESSAGES, n=2, seed=2, max_tokens=9)))
+
+    short, long = run(both())
+    assert len(generate_calls) == 1
+    assert short.tokens_out <= 6 and long.tokens_out <= 18
+    loaded = backend.engine.load()
+    lengths = generated_lengths(generate_calls[0], loaded.eos_ids)
+    assert short.tokens_out == sum(lengths[:2]) and long.tokens_out == sum(lengths[2:])
+
+
+def test_json_schema_is_enforced_by_constrained_decoding(backend):
+    pytest.importorskip("xgrammar")
+    gen = run(backend.generate(GenRequest(MESSAGES, n=4, seed=0, max_tokens=40, temperature=1.0,
+                                          json_schema=ENUM_SCHEMA)))
+    for text, reason in zip(gen.texts, gen.finish_reasons):
+        assert json.loads(text)["op"] in ("add", "keep") and reason == "stop"
+
+
+def test_greedy_is_deterministic_without_a_seed(backend):
+    first = run(backend.generate(GenRequest(MESSAGES, n=2, temperature=0.0, max_tokens=8)))
+    second = run(backend.generate(GenRequest(MESSAGES, n=1, temperature=0.0, max_tokens=8)))
+    assert first.texts[0] == first.texts[1] == second.texts[0]
+
+
+def test_device_and_dtype_detection():
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert pick_device("auto") == expected
+    assert pick_dtype("auto", "cpu") == "float32" and pick_dtype("float16", "cpu") == "float16"
+    with pytest.raises(PermanentLLMError, match="unknown device"):
+        pick_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(PermanentLLMError, match="no CUDA GPU"):
+            pick_device("cuda")
+
+
+async def test_client_samples_g_in_one_call_and_records_tokens(tiny_model):
+    cfg = ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model), max_tokens=10, seed=7)
+    client = LLMClient(cfg)
+    sampled = await client.sample(MESSAGES, 4, stage="rollout")
+    assert len(sampled.texts) == 4 and len(sampled.calls) == 1
+    call = sampled.calls[0]
+    assert call.ok and call.model == "tiny" and call.tokens_in > 0 and 0 < call.tokens_out <= 40
+    await client.aclose()
+
+
+async def test_missing_model_is_a_permanent_error_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLGRPO_CACHE", str(tmp_path))
+    client = LLMClient(ModelConfig(backend="transformers", model="smol", model_path="embedded", max_retries=3))
+    with pytest.raises(LLMCallError, match="clgrpo model fetch") as err:
+        await client.complete(MESSAGES, stage="summarize")
+    assert len(err.value.calls) == 1 and not err.value.calls[0].ok  # not retried
+
+
+def test_bounded_operations_schema_makes_the_model_close_the_list(backend):
+    pytest.importorskip("xgrammar")
+    from domains.learner import OPERATIONS_SCHEMA, operations_schema
+
+    schema = operations_schema(1)
+    assert schema["properties"]["operations"]["maxItems"] == 1 and "maxItems" not in str(OPERATIONS_SCHEMA)
+    assert operations_schema(None) is OPERATIONS_SCHEMA
+    gen = run(backend.generate(GenRequest(MESSAGES, n=3, seed=4, max_tokens=200, temperature=1.0,
+                                          json_schema={**schema, "properties": {"operations": {
+                                              **schema["properties"]["operations"], "items": ENUM_SCHEMA}}})))
+    for text in gen.texts:
+        assert len(json.loads(text)["operations"]) <= 1
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    import torch
+
+    from clgrpo.llm.transformers_backend import _top_p
+
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    kept = torch.isfinite(_top_p(logits, 0.6)).tolist()
+    assert kept == [False, True, True]
+    assert torch.isfinite(_top_p(logits, 0.1)).tolist() == [False, True, False]  # the top token always stays
+    assert torch.equal(_top_p(logits, 1.0), logits)
