@@ -1,18 +1,22 @@
-"""Loading the run config from YAML with ``key.path=value`` overrides."""
+"""Loading a config (the run config, or another typed config such as the refresh's) from YAML with
+``key.path=value`` overrides."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas.config import RunConfig
 
 
 class ConfigError(ValueError):
     pass
+
+
+ConfigModel = TypeVar("ConfigModel", bound=BaseModel)
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -34,7 +38,8 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                model: type[ConfigModel] = RunConfig) -> ConfigModel:  # type: ignore[assignment]
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -50,7 +55,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for assignment in overrides or []:
         apply_override(tree, assignment)
     try:
-        return RunConfig.model_validate(tree)
+        return model.model_validate(tree)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path or 'config'}: {problems}") from exc

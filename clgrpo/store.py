@@ -20,7 +20,7 @@ import pandera.pandas as pa
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import NOT_FINGERPRINTED, RunConfig
-from schemas.ddl import EVALUATE_STAGE, STAGE_TABLES, create_statements
+from schemas.ddl import EVALUATE_STAGE, REFRESH_DECIDE_STAGE, STAGE_TABLES, create_statements
 from schemas.frames import FRAMES
 from schemas.records import (
     EvalComparison,
@@ -34,6 +34,8 @@ from schemas.records import (
     OperationResult,
     Problem,
     Proposal,
+    RefreshDecision,
+    RefreshInput,
     Reward,
     Rollout,
     Summary,
@@ -104,6 +106,10 @@ def _evaluation_row(e: EvalSummary) -> dict:
     return {**e.model_dump(exclude={"leaked_ids"}), "leaked_ids_json": _dumps(e.leaked_ids)}
 
 
+def _refresh_row(d: RefreshDecision) -> dict:
+    return {**d.model_dump(exclude={"reasons"}), "reasons_json": _dumps(d.reasons)}
+
+
 _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "problems": _problem_rows,
     "rollouts": lambda items: [_rollout_row(r) for r in items],
@@ -116,6 +122,8 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "evaluations": lambda items: [_evaluation_row(e) for e in items],
     "eval_results": lambda items: [r.model_dump() for r in items],
     "eval_comparisons": lambda items: [c.model_dump() for c in items],
+    "refresh_inputs": lambda items: [i.model_dump() for i in items],
+    "refreshes": lambda items: [_refresh_row(d) for d in items],
 }
 
 
@@ -161,6 +169,9 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
                                            leaked_ids=json.loads(row["leaked_ids_json"])),
     "eval_results": _plain(EvalSample),
     "eval_comparisons": _plain(EvalComparison),
+    "refresh_inputs": _plain(RefreshInput),
+    "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
+                                             reasons=json.loads(row["reasons_json"])),
 }
 
 _ORDER = {
@@ -175,6 +186,8 @@ _ORDER = {
     "evaluations": "created_at, condition",
     "eval_results": "condition, problem_id, sample_idx",
     "eval_comparisons": "baseline, candidate, metric",
+    "refresh_inputs": "position",
+    "refreshes": "refresh_date",
 }
 
 
@@ -344,6 +357,22 @@ class Store:
 
     def is_run(self, run_id: str) -> bool:
         return self.con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone() is not None
+
+    # --- refreshes ------------------------------------------------------------------------------------
+    def refresh_decisions(self, name: str) -> list[RefreshDecision]:
+        """Every decided refresh of ``name``, oldest date first."""
+        frame = self.con.execute(
+            "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date",
+            [name, REFRESH_DECIDE_STAGE]).df()
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_RECORDS["refreshes"](row) for row in rows]
+
+    def consumed_problem_keys(self, name: str) -> set[str]:
+        """Content keys of the problems taken by decided refreshes of ``name`` (never taken again)."""
+        rows = self.con.execute(
+            "SELECT DISTINCT i.problem_key FROM refresh_inputs i JOIN refreshes r ON i.run_id = r.run_id "
+            "WHERE r.name = ?", [name]).fetchall()
+        return {r[0] for r in rows}
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:

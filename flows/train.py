@@ -71,8 +71,10 @@ class PlannedStep:
     problems: list[Problem]
 
 
-def plan_steps(problems: list[Problem], *, epochs: int, batch_size: int, seed: int) -> list[PlannedStep]:
-    """Epoch 0 keeps the dataset's (already seeded) order; later epochs reshuffle with a derived seed."""
+def plan_steps(problems: list[Problem], *, epochs: int, batch_size: int, seed: int,
+               max_steps: int | None = None) -> list[PlannedStep]:
+    """Epoch 0 keeps the dataset's (already seeded) order; later epochs reshuffle with a derived seed.
+    ``max_steps`` cuts the plan after that many steps."""
     steps, number = [], 0
     for epoch in range(epochs):
         order = list(problems)
@@ -81,7 +83,7 @@ def plan_steps(problems: list[Problem], *, epochs: int, batch_size: int, seed: i
         for start in range(0, len(order), batch_size):
             number += 1
             steps.append(PlannedStep(number, epoch, order[start : start + batch_size]))
-    return steps
+    return steps[:max_steps]
 
 
 class Trainer:
@@ -255,8 +257,9 @@ class Trainer:
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         problems = await self.problems()
         library = self.initial_library()
-        planned_steps = plan_steps(problems, epochs=self.cfg.grpo.epochs, batch_size=self.cfg.grpo.batch_size,
-                                   seed=self.cfg.seed)
+        grpo = self.cfg.grpo
+        planned_steps = plan_steps(problems, epochs=grpo.epochs, batch_size=grpo.batch_size, seed=self.cfg.seed,
+                                   max_steps=grpo.max_steps)
         progress = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
                                                    description=f"{len(planned_steps)} steps")
         reports: list[StepReport] = []

@@ -77,6 +77,7 @@ class GRPOConfig(Section):
     batch_size: int = Field(100, ge=1)  # problems per step
     rollout_temperature: float = Field(0.7, ge=0.0, le=2.0)
     rollout_chunk_size: int = Field(16, ge=1)  # problems per rollout task run
+    max_steps: int | None = Field(None, ge=1)  # stop after this many steps (None: all epochs x batches)
 
 
 class LearningConfig(Section):
@@ -165,4 +166,68 @@ class RunConfig(Section):
         """Hash of everything that shapes the results; a run id is bound to one fingerprint."""
         unset = {"validation"} if self.validation is None else set()  # keeps older runs' fingerprints
         payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
+        if payload["grpo"]["max_steps"] is None:
+            del payload["grpo"]["max_steps"]
         return text_hash(json.dumps(payload, sort_keys=True))
+
+
+class RefreshSource(Section):
+    """Where new problems arrive. ``directory``: dataset files (``pattern``) in ``path``; a file's problems
+    arrive at its modification time. ``duckdb``: rows of ``table`` in the DuckDB file ``path``; a row arrives
+    at its ``timestamp_column``. Field names are read as in ``DatasetConfig``."""
+
+    kind: Literal["directory", "duckdb"] = "directory"
+    path: str
+    pattern: str = "*.jsonl"  # directory: which files (glob; .jsonl / .json / .csv / .parquet)
+    table: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")  # duckdb: table or view
+    timestamp_column: str = Field("created_at", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    id_field: str | None = "id"
+    problem_field: str = "problem"
+    answer_field: str | None = "answer"
+
+    @model_validator(mode="after")
+    def _table_for_duckdb(self) -> "RefreshSource":
+        if self.kind == "duckdb" and not self.table:
+            raise ValueError("source: kind 'duckdb' needs `table` (the table or view holding new problems)")
+        return self
+
+
+PLACEHOLDER_DATASET = "(new problems of each refresh)"
+
+
+class RefreshConfig(Section):
+    """The nightly experience refresh: train on the problems that arrived since the last refresh, starting
+    from the latest promoted library, and promote the result only if it beats that library on a held-out set
+    (the lower bound of the paired gain's CI above ``margin``). One refresh per ``name`` and date."""
+
+    name: str = Field("nightly", pattern=r"^[A-Za-z0-9_.-]+$")
+    source: RefreshSource
+    # the training template: model, learner, GRPO and learning settings and db_path. Each refresh sets run_id,
+    # dataset (the new problems), initial_library (the promoted library) and grpo.max_steps (``steps``).
+    training: RunConfig
+    evaluation: EvalConfig  # the held-out set and sampling of the promotion test
+    steps: int = Field(3, ge=1)  # training steps per refresh (fewer when the new problems make fewer)
+    max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
+    metric: Literal["mean_at_k", "pass_at_k"] = "mean_at_k"
+    margin: float = Field(0.0, ge=-1.0, lt=1.0)  # promote iff the gain's CI lower bound > margin
+    timezone: str = "UTC"  # the date of a refresh (its idempotency key) is taken in this zone
+    initial_library: str | None = None  # the library before the first promotion (a file; None: empty)
+    work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>
+
+    @model_validator(mode="before")
+    @classmethod
+    def _template_dataset(cls, data: Any) -> Any:
+        """The template needs no dataset of its own: each refresh supplies the new problems."""
+        if isinstance(data, dict) and isinstance(data.get("training"), dict) and "dataset" not in data["training"]:
+            data = {**data, "training": {**data["training"], "dataset": {"path": PLACEHOLDER_DATASET}}}
+        return data
+
+    @model_validator(mode="after")
+    def _known_timezone(self) -> "RefreshConfig":
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"timezone {self.timezone!r} is not a known IANA zone (e.g. UTC, Europe/Berlin)") from exc
+        return self

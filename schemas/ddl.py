@@ -11,6 +11,9 @@ STAGE_KEY = ("run_id", "step", "stage")
 # evaluations keyed by (eval_id, 0).
 VALIDATE_STAGE = "validate"
 EVALUATE_STAGE = "evaluate"
+# Stage names of a refresh's rows, keyed by (refresh_id, 0): the problems it took, then its decision.
+REFRESH_SELECT_STAGE = "refresh-select"
+REFRESH_DECIDE_STAGE = "refresh-decide"
 
 TABLE_DDL: dict[str, str] = {
     "runs": """
@@ -191,11 +194,48 @@ TABLE_DDL: dict[str, str] = {
         ci_high DOUBLE NOT NULL,
         ci_level DOUBLE NOT NULL,
         n_problems INTEGER NOT NULL""",
+    # nightly refreshes: (run_id, step, stage) is (refresh_id, 0, refresh-select | refresh-decide)
+    "refresh_inputs": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        position INTEGER NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        problem VARCHAR NOT NULL,
+        answer VARCHAR,
+        source VARCHAR NOT NULL,
+        arrived_at TIMESTAMPTZ NOT NULL,
+        problem_key VARCHAR NOT NULL""",
+    "refreshes": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        refresh_id VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        refresh_date VARCHAR NOT NULL,
+        cutoff TIMESTAMPTZ NOT NULL,
+        status VARCHAR NOT NULL,
+        n_new_problems INTEGER NOT NULL,
+        baseline_ref VARCHAR NOT NULL,
+        candidate_ref VARCHAR,
+        train_run_id VARCHAR,
+        eval_id VARCHAR,
+        metric VARCHAR NOT NULL,
+        baseline_value DOUBLE,
+        candidate_value DOUBLE,
+        diff DOUBLE,
+        ci_low DOUBLE,
+        ci_high DOUBLE,
+        ci_level DOUBLE,
+        margin DOUBLE NOT NULL,
+        reasons_json VARCHAR NOT NULL,
+        decided_at TIMESTAMPTZ NOT NULL""",
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
-STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons")
+STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes")
 
 
 def create_statements() -> list[str]:

@@ -201,6 +201,46 @@ class EvalComparisonsFrame(StageKeyed):
     n_problems: Series[int] = pa.Field(ge=1)
 
 
+class RefreshInputsFrame(StageKeyed):
+    name: Series[str] = pa.Field(str_length={"min_value": 1})
+    position: Series[int] = pa.Field(ge=0)
+    problem_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    problem: Series[str] = pa.Field(str_length={"min_value": 1})
+    answer: Series[str] = pa.Field(nullable=True)
+    source: Series[str]
+    arrived_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    problem_key: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+
+
+class RefreshesFrame(StageKeyed):
+    refresh_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    name: Series[str] = pa.Field(str_length={"min_value": 1})
+    refresh_date: Series[str] = pa.Field(str_matches=r"^\d{4}-\d{2}-\d{2}$")
+    cutoff: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    status: Series[str] = pa.Field(isin=["no_new_data", "promoted", "not_promoted"])
+    n_new_problems: Series[int] = pa.Field(ge=0)
+    baseline_ref: Series[str] = pa.Field(str_length={"min_value": 1})
+    candidate_ref: Series[str] = pa.Field(nullable=True)
+    train_run_id: Series[str] = pa.Field(nullable=True)
+    eval_id: Series[str] = pa.Field(nullable=True)
+    metric: Series[str] = pa.Field(isin=["mean_at_k", "pass_at_k"])
+    baseline_value: Series[float] = pa.Field(nullable=True)
+    candidate_value: Series[float] = pa.Field(nullable=True)
+    diff: Series[float] = pa.Field(nullable=True, ge=-1.0, le=1.0)
+    ci_low: Series[float] = pa.Field(nullable=True, ge=-1.0, le=1.0)
+    ci_high: Series[float] = pa.Field(nullable=True, ge=-1.0, le=1.0)
+    ci_level: Series[float] = pa.Field(nullable=True, gt=0.0, lt=1.0)
+    margin: Series[float] = pa.Field(ge=-1.0, lt=1.0)
+    reasons_json: Series[str]
+    decided_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+    @pa.dataframe_check
+    def promoted_has_its_evidence(cls, df: pd.DataFrame) -> pd.Series:
+        """A promotion always names its candidate and the CI it passed."""
+        promoted = df["status"] == "promoted"
+        return ~promoted | (df["candidate_ref"].notna() & df["ci_low"].notna() & (df["ci_low"] > df["margin"]))
+
+
 FRAMES: dict[str, type[Frame]] = {
     "runs": RunsFrame,
     "stage_runs": StageRunsFrame,
@@ -217,4 +257,6 @@ FRAMES: dict[str, type[Frame]] = {
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,
     "eval_comparisons": EvalComparisonsFrame,
+    "refresh_inputs": RefreshInputsFrame,
+    "refreshes": RefreshesFrame,
 }

@@ -235,3 +235,50 @@ class EvalComparison(Record):
     def significant(self) -> bool:
         """The confidence interval of the difference excludes 0."""
         return self.ci_low > 0 or self.ci_high < 0
+
+
+class RefreshInput(Record):
+    """A new problem taken by a refresh: where it came from, when it arrived, and its content key (a problem
+    is taken by one decided refresh only)."""
+
+    name: str  # the refresh (RefreshConfig.name)
+    position: int = Field(ge=0)  # oldest first
+    problem_id: str = Field(min_length=1)
+    problem: str = Field(min_length=1)
+    answer: str | None = None
+    source: str  # file name or table
+    arrived_at: datetime
+    problem_key: str  # hash of the normalized problem text
+
+    def to_problem(self) -> Problem:
+        return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source)
+
+
+class RefreshDecision(Record):
+    """What one refresh decided and why. ``status``: no_new_data (nothing trained), promoted, or
+    not_promoted (candidate kept out; ``reasons`` say why)."""
+
+    refresh_id: str
+    name: str
+    refresh_date: str  # YYYY-MM-DD in the refresh's timezone: one refresh per name and date
+    cutoff: datetime  # problems that arrived up to this instant were considered
+    status: Literal["no_new_data", "promoted", "not_promoted"]
+    n_new_problems: int = Field(ge=0)
+    baseline_ref: str  # the promoted library the refresh started from ("none", a file, or RUN_ID:VERSION)
+    candidate_ref: str | None = None  # RUN_ID:VERSION of the trained library
+    train_run_id: str | None = None
+    eval_id: str | None = None
+    metric: Literal["mean_at_k", "pass_at_k"]
+    baseline_value: float | None = None
+    candidate_value: float | None = None
+    diff: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    ci_level: float | None = None
+    margin: float
+    reasons: list[str] = Field(default_factory=list)
+    decided_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def promoted(self) -> bool:
+        return self.status == "promoted"

@@ -1,0 +1,258 @@
+"""The nightly experience refresh: learn from the problems that arrived since the last refresh and promote
+the new library only when it is measurably better.
+
+One refresh per (name, date): the date of the run's scheduled start (or ``as_of``) in ``config.timezone``
+is its idempotency key, ``<name>-<date>``. A refresh
+
+1. takes the new problems: those of the source that arrived up to the cutoff and that no decided refresh
+   took before (oldest first, at most ``max_problems``), stored in DuckDB before any training, so a resumed
+   refresh trains on exactly the same problems;
+2. starts from the latest library promoted by an earlier date (else ``initial_library``, else empty) and
+   runs the training flow for ``steps`` steps as a subflow (run id ``<refresh_id>-train``);
+3. evaluates the promoted library (baseline) against the trained one on the held-out set with the
+   evaluation flow (paired samples, eval id ``<refresh_id>-eval``);
+4. promotes only if the lower bound of the gain's confidence interval is above ``margin``, and records the
+   decision with its reasons (table ``refreshes``). No new problems: nothing is trained and that is recorded.
+
+A decided date is never run again (its decision is returned); a failed refresh is resumed by retrying its
+flow run or running the same date again: stored stages, the training run and the evaluation are read back.
+The training and evaluation subflows open the DuckDB file themselves, so this flow closes it before each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+
+from clgrpo.library import ExperienceLibrary
+from clgrpo.report import markdown_table
+from clgrpo.sources import read_arrivals, select_new
+from clgrpo.store import Store
+from domains import get_domain
+from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
+from flows.train import train
+from schemas.config import DatasetConfig, RefreshConfig, RunConfig
+from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_SELECT_STAGE
+from schemas.records import EvalComparison, RefreshDecision, RefreshInput
+from tasks.common import artifact_key
+
+METRIC_LABELS = {"mean_at_k": "Mean@k", "pass_at_k": "Pass@k"}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    ref: str  # as the evaluation flow resolves it: "none", a file, or RUN_ID:VERSION
+    library: ExperienceLibrary
+
+
+# --- identity -------------------------------------------------------------------------------------------
+def refresh_cutoff(config: RefreshConfig, as_of: datetime | None) -> datetime:
+    """``as_of`` (without a zone: in the refresh's timezone), else the flow run's scheduled start (stable
+    across retries), else now."""
+    if as_of is not None:
+        return as_of if as_of.tzinfo else as_of.replace(tzinfo=ZoneInfo(config.timezone))
+    from prefect.runtime import flow_run
+
+    return datetime.fromisoformat(flow_run.scheduled_start_time.isoformat())
+
+
+def refresh_date(config: RefreshConfig, cutoff: datetime) -> str:
+    return cutoff.astimezone(ZoneInfo(config.timezone)).date().isoformat()
+
+
+def work_dir(config: RefreshConfig) -> Path:
+    return Path(config.work_dir) if config.work_dir else Path(config.training.db_path).parent / "refresh" / config.name
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    config = params["config"]
+    config = config if isinstance(config, RefreshConfig) else RefreshConfig.model_validate(config)
+    as_of = params.get("as_of")
+    as_of = datetime.fromisoformat(as_of) if isinstance(as_of, str) else as_of
+    return f"refresh-{config.name}-{refresh_date(config, refresh_cutoff(config, as_of))}"
+
+
+# --- the decision (pure) --------------------------------------------------------------------------------
+def decide(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
+    """Promote iff the lower bound of the gain's CI is above the margin; the reason says which way and why."""
+    label = METRIC_LABELS[comparison.metric]
+    measured = (f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
+                f"{comparison.n_problems} held-out problems: gain {comparison.diff:+.3f}, "
+                f"{comparison.ci_level:.0%} CI [{comparison.ci_low:+.3f}, {comparison.ci_high:+.3f}]")
+    if comparison.ci_low > margin:
+        return True, f"{measured}; its lower bound is above the margin {margin:+.3f}"
+    return False, f"{measured}; its lower bound is not above the margin {margin:+.3f}"
+
+
+def decision_record(config: RefreshConfig, refresh_id: str, date: str, cutoff: datetime, n_new: int,
+                    baseline: Baseline, **fields: object) -> RefreshDecision:
+    return RefreshDecision(refresh_id=refresh_id, name=config.name, refresh_date=date, cutoff=cutoff,
+                           n_new_problems=n_new, baseline_ref=baseline.ref, metric=config.metric,
+                           margin=config.margin, **fields)
+
+
+# --- state in DuckDB --------------------------------------------------------------------------------------
+def stored_decision(store: Store, refresh_id: str) -> RefreshDecision | None:
+    if not store.stage_done(refresh_id, 0, REFRESH_DECIDE_STAGE):
+        return None
+    return store.records("refreshes", refresh_id, 0, REFRESH_DECIDE_STAGE)[0]
+
+
+def promoted_baseline(store: Store, config: RefreshConfig, before_date: str) -> Baseline:
+    """The latest library promoted by a refresh of an earlier date; else the initial library or none."""
+    promoted = [d for d in store.refresh_decisions(config.name) if d.promoted and d.refresh_date < before_date]
+    if promoted and promoted[-1].candidate_ref:
+        run_id, _, version = promoted[-1].candidate_ref.partition(":")
+        return Baseline(promoted[-1].candidate_ref, store.load_library(run_id, int(version)))
+    if config.initial_library:
+        return Baseline(config.initial_library, ExperienceLibrary.load(config.initial_library))
+    return Baseline(NO_LIBRARY, ExperienceLibrary())
+
+
+def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cutoff: datetime) -> list[RefreshInput]:
+    """The problems this refresh trains on: read back when already taken, else selected and stored."""
+    if store.stage_done(refresh_id, 0, REFRESH_SELECT_STAGE):
+        return store.records("refresh_inputs", refresh_id, 0, REFRESH_SELECT_STAGE)
+    source = config.source
+    same_file = source.kind == "duckdb" and Path(source.path).resolve() == store.path.resolve()
+    arrivals = read_arrivals(source, get_domain(config.training.domain), cutoff, work_dir(config) / refresh_id,
+                             query=store.query if same_file else None)
+    selected = select_new(arrivals, store.consumed_problem_keys(config.name), name=config.name,
+                          max_problems=config.max_problems)
+    if selected:
+        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, {"refresh_inputs": selected})
+    get_run_logger().info("%d problem(s) arrived up to %s; %d new (not taken by an earlier refresh)",
+                          len(arrivals), cutoff.isoformat(), len(selected))
+    return selected
+
+
+# --- files for the subflows --------------------------------------------------------------------------------
+def write_dataset(inputs: list[RefreshInput], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for i in inputs:
+            fh.write(json.dumps({"id": i.problem_id, "problem": i.problem, "answer": i.answer},
+                                ensure_ascii=False) + "\n")
+    return path
+
+
+def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start: Path) -> RunConfig:
+    template = config.training
+    has_answers = config.source.answer_field is not None
+    return template.model_copy(update={
+        "run_id": f"{refresh_id}-train",
+        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None,
+                                 seed=template.dataset.seed),
+        "initial_library": str(start),
+        "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
+    })
+
+
+def export_promoted(config: RefreshConfig, library: ExperienceLibrary) -> list[Path]:
+    """The promoted library as files users take away: reference JSON, seed JSON (ids and next id) and text."""
+    folder = work_dir(config)
+    return [library.dump(folder / "promoted.json"), library.dump(folder / "promoted.seed.json", "seed"),
+            library.dump(folder / "promoted.txt", "text")]
+
+
+# --- reporting ----------------------------------------------------------------------------------------------
+def decision_markdown(decision: RefreshDecision) -> str:
+    rows = [["refresh", decision.refresh_id], ["status", decision.status],
+            ["new problems", str(decision.n_new_problems)], ["started from", decision.baseline_ref],
+            ["candidate", decision.candidate_ref or "-"], ["training run", decision.train_run_id or "-"],
+            ["evaluation", decision.eval_id or "-"]]
+    reasons = "\n".join(f"- {r}" for r in decision.reasons)
+    return f"# Refresh {decision.refresh_id}: {decision.status}\n\n{markdown_table((['', ''], rows))}\n\n{reasons}\n"
+
+
+async def publish(store: Store, decision: RefreshDecision) -> None:
+    await acreate_markdown_artifact(decision_markdown(decision), key=artifact_key(decision.name, "refresh"),
+                                    description=f"Refresh {decision.refresh_id}: {decision.status}")
+    history = [{"date": d.refresh_date, "status": d.status, "new problems": d.n_new_problems,
+                "library": d.candidate_ref if d.promoted else d.baseline_ref,
+                "gain": "" if d.diff is None else f"{d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"}
+               for d in store.refresh_decisions(decision.name)]
+    await acreate_table_artifact(history, key=artifact_key(decision.name, "refresh-history"),
+                                 description=f"Refreshes of {decision.name!r}: decisions and gains")
+
+
+async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDecision:
+    with Store(config.training.db_path) as store:
+        store.write_stage(decision.refresh_id, 0, REFRESH_DECIDE_STAGE, {"refreshes": [decision]})
+        await publish(store, decision)
+    log = get_run_logger()
+    log.info("refresh %s: %s", decision.refresh_id, decision.status)
+    for reason in decision.reasons:
+        log.info("  %s", reason)
+    return decision
+
+
+# --- the flow -------------------------------------------------------------------------------------------
+async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list[RefreshInput],
+                            baseline: Baseline) -> dict[str, object]:
+    """Train from the baseline on the new problems, then evaluate baseline vs candidate: decision fields."""
+    folder = work_dir(config) / refresh_id
+    dataset = write_dataset(inputs, folder / "new-problems.jsonl")
+    start = baseline.library.dump(folder / "start.seed.json", "seed")  # keeps ids and the next id
+    run_config = training_config(config, refresh_id, dataset, start)
+    trained = await train(run_config)
+    candidate_ref = f"{trained.run_id}:{trained.final_version}"
+    with Store(config.training.db_path) as store:
+        candidate = store.load_library(trained.run_id, trained.final_version)
+    fields: dict[str, object] = {"candidate_ref": candidate_ref, "train_run_id": trained.run_id}
+    if candidate.content_hash() == baseline.library.content_hash():
+        return {**fields, "status": "not_promoted",
+                "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged"]}
+    outcome: EvalOutcome = await evaluate(
+        run_config, config.evaluation, [baseline.ref, candidate_ref], eval_id=f"{refresh_id}-eval",
+        train_dataset=run_config.dataset)
+    comparison = next(c for c in outcome.comparisons if c.metric == config.metric)
+    promote, reason = decide(comparison, config.margin)
+    reasons = [f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
+               f"{len(baseline.library)} -> {len(candidate)} experiences", reason]
+    failed = sum(s.n_failed for s in outcome.summaries)
+    if failed:
+        reasons.append(f"{failed} evaluation sample(s) failed (scored 0); see evaluation {outcome.eval_id}")
+    if any(s.leaked_ids for s in outcome.summaries):
+        reasons.append(outcome.leakage)
+    if promote:
+        export_promoted(config, candidate)
+    return {**fields, "eval_id": outcome.eval_id, "status": "promoted" if promote else "not_promoted",
+            "baseline_value": comparison.baseline_value, "candidate_value": comparison.candidate_value,
+            "diff": comparison.diff, "ci_low": comparison.ci_low, "ci_high": comparison.ci_high,
+            "ci_level": comparison.ci_level, "reasons": reasons}
+
+
+@flow(name="refresh", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+async def refresh(config: RefreshConfig, as_of: datetime | None = None) -> RefreshDecision:
+    """Nightly experience refresh of ``config.name`` for the date of ``as_of`` (default: this run's
+    scheduled start) in ``config.timezone``."""
+    log = get_run_logger()
+    cutoff = refresh_cutoff(config, as_of)
+    date = refresh_date(config, cutoff)
+    refresh_id = f"{config.name}-{date}"
+    with Store(config.training.db_path) as store:
+        decided = stored_decision(store, refresh_id)
+        if decided is not None:
+            log.info("refresh %s was already decided at %s: %s (nothing to do)", refresh_id,
+                     decided.decided_at.isoformat(), decided.status)
+            return decided
+        baseline = promoted_baseline(store, config, date)
+        inputs = take_new_problems(store, config, refresh_id, cutoff)
+    log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
+    if not inputs:
+        reason = f"no new problems arrived in {config.source.path} up to {cutoff.isoformat()}: nothing trained"
+        log.info(reason)
+        return await record(config, decision_record(config, refresh_id, date, cutoff, 0, baseline,
+                                                     status="no_new_data", reasons=[reason]))
+    fields = await train_and_compare(config, refresh_id, inputs, baseline)
+    return await record(config, decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields))

@@ -1,0 +1,108 @@
+"""New problems for the refresh: arrival by file time or table timestamp, cutoffs, consumed problems, caps,
+and errors that name the file, table, row and field."""
+
+import os
+from datetime import datetime, timedelta, timezone
+
+import duckdb
+import pytest
+
+from clgrpo.sources import SourceError, problem_key, read_arrivals, select_new
+from domains import get_domain
+from domains.math.dataset import DatasetError
+from schemas.config import RefreshConfig, RefreshSource
+from tests.scripted_llm import make_problems, write_jsonl
+
+T0 = datetime(2026, 11, 20, 1, 0, tzinfo=timezone.utc)
+MATH = get_domain("math")
+
+
+def _touch(path, moment: datetime) -> None:
+    os.utime(path, (moment.timestamp(), moment.timestamp()))
+
+
+def test_directory_files_arrive_at_their_mtime_and_later_files_wait(tmp_path):
+    problems = make_problems(n_per_family=2, seed=1)  # 8
+    early = write_jsonl(problems[:5], tmp_path / "in" / "a.jsonl")
+    late = write_jsonl(problems[5:], tmp_path / "in" / "b.jsonl")
+    _touch(early, T0)
+    _touch(late, T0 + timedelta(days=1))
+    source = RefreshSource(path=str(tmp_path / "in"))
+
+    arrivals = read_arrivals(source, MATH, T0 + timedelta(hours=1), tmp_path / "scratch")
+    assert [a.problem.problem_id for a in arrivals] == [p["id"] for p in problems[:5]]
+    assert {a.arrived_at for a in arrivals} == {T0}
+
+    everything = read_arrivals(source, MATH, T0 + timedelta(days=2), tmp_path / "scratch")
+    assert len(everything) == 8
+    taken = {problem_key(p["problem"]) for p in problems[:5]}
+    new = select_new(everything, taken, name="nightly")
+    assert [i.problem_id for i in new] == [p["id"] for p in problems[5:]]
+    assert [i.position for i in new] == [0, 1, 2] and all(i.name == "nightly" for i in new)
+
+
+def test_selection_is_oldest_first_capped_deduplicated_and_renames_clashing_ids(tmp_path):
+    a = write_jsonl([{"id": "1", "problem": "What is 2 + 2?", "answer": "4"},
+                     {"id": "2", "problem": "What is 3 + 3?", "answer": "6"}], tmp_path / "in" / "a.jsonl")
+    b = write_jsonl([{"id": "1", "problem": "What is 5 + 5?", "answer": "10"},
+                     {"id": "9", "problem": "what is  2 + 2?", "answer": "4"}], tmp_path / "in" / "b.jsonl")
+    _touch(a, T0 + timedelta(minutes=5))
+    _touch(b, T0)
+    arrivals = read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0 + timedelta(hours=1), tmp_path)
+    new = select_new(arrivals, set(), name="n")
+    # b.jsonl is older; a's "What is 2 + 2?" repeats b's "what is  2 + 2?"; a's id "1" clashes with b's
+    assert [i.problem for i in new] == ["What is 5 + 5?", "what is  2 + 2?", "What is 3 + 3?"]
+    assert [i.problem_id for i in new] == ["1", "9", "2"]
+    capped = select_new(arrivals, set(), name="n", max_problems=2)
+    assert [i.problem_id for i in capped] == ["1", "9"]
+
+    clash = write_jsonl([{"id": "1", "problem": "What is 7 + 7?", "answer": "14"}], tmp_path / "in" / "c.jsonl")
+    _touch(clash, T0 + timedelta(minutes=10))
+    arrivals = read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0 + timedelta(hours=1), tmp_path)
+    assert [i.problem_id for i in select_new(arrivals, set(), name="n")] == ["1", "9", "2", "c-1"]
+
+
+def test_duckdb_table_rows_arrive_at_their_timestamp(tmp_path):
+    db = tmp_path / "inbox.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute("CREATE TABLE inbox (id VARCHAR, problem VARCHAR, answer VARCHAR, created_at TIMESTAMP)")
+        rows = [(p["id"], p["problem"], p["answer"], (T0 + timedelta(hours=i)).replace(tzinfo=None))
+                for i, p in enumerate(make_problems(n_per_family=1, seed=2))]
+        con.executemany("INSERT INTO inbox VALUES (?, ?, ?, ?)", rows[::-1])
+    source = RefreshSource(kind="duckdb", path=str(db), table="inbox")
+    arrivals = read_arrivals(source, MATH, T0 + timedelta(hours=2, minutes=30), tmp_path / "scratch")
+    assert [a.problem.problem_id for a in arrivals] == [r[0] for r in rows[:3]]  # oldest first, naive = UTC
+    assert [a.arrived_at for a in arrivals] == [T0 + timedelta(hours=i) for i in range(3)]
+    assert all(a.problem.answer for a in arrivals)
+
+
+def test_source_errors_name_what_is_wrong(tmp_path):
+    with pytest.raises(SourceError, match="is not a directory"):
+        read_arrivals(RefreshSource(path=str(tmp_path / "missing")), MATH, T0, tmp_path)
+    bad = write_jsonl([{"id": "1", "problem": "What is 1 + 1?", "answer": ""}], tmp_path / "in" / "bad.jsonl")
+    _touch(bad, T0)
+    with pytest.raises(DatasetError, match=r"bad.jsonl row at line 1 field 'answer': empty"):
+        read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0, tmp_path)
+
+    db = tmp_path / "inbox.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute("CREATE TABLE inbox (id VARCHAR, problem VARCHAR, answer VARCHAR, added VARCHAR)")
+        con.execute("INSERT INTO inbox VALUES ('1', 'What is 1 + 1?', '2', 'yesterday')")
+    with pytest.raises(SourceError, match="no table or view 'outbox'"):
+        read_arrivals(RefreshSource(kind="duckdb", path=str(db), table="outbox"), MATH, T0, tmp_path)
+    with pytest.raises(SourceError, match="no timestamp column 'created_at'"):
+        read_arrivals(RefreshSource(kind="duckdb", path=str(db), table="inbox"), MATH, T0, tmp_path)
+    with pytest.raises(SourceError, match=r"row 0: field 'added' is not a timestamp"):
+        read_arrivals(RefreshSource(kind="duckdb", path=str(db), table="inbox", timestamp_column="added"),
+                      MATH, T0, tmp_path)
+
+
+def test_refresh_config_validation():
+    base = {"source": {"path": "in"}, "training": {"policy": {"model": "m"}},
+            "evaluation": {"dataset": {"path": "heldout.jsonl"}}}
+    config = RefreshConfig.model_validate(base)  # the training template needs no dataset of its own
+    assert config.training.run_id == "default" and config.timezone == "UTC"
+    with pytest.raises(ValueError, match="not a known IANA zone"):
+        RefreshConfig.model_validate({**base, "timezone": "Mars/Olympus"})
+    with pytest.raises(ValueError, match="needs `table`"):
+        RefreshConfig.model_validate({**base, "source": {"kind": "duckdb", "path": "x.duckdb"}})
