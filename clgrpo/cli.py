@@ -1,4 +1,5 @@
-"""The ``clgrpo`` command line: train, library show|diff|export, runs list, model fetch|path, demo, eval, report."""
+"""The ``clgrpo`` command line: train, library show|diff|export, runs list, model fetch|path, demo, eval, report,
+refresh run|history."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary, LibraryFormatError, diff
 from clgrpo.models import ModelError
 from clgrpo.store import Store, StoreError, parse_library_ref
-from schemas.config import DatasetConfig, EvalConfig, RunConfig
+from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 
 if TYPE_CHECKING:
     from flows.evaluate import EvalOutcome
+    from schemas.records import RefreshDecision
 
 DEFAULT_DB = "runs/clgrpo.duckdb"
 
@@ -271,6 +273,64 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     report.set_defaults(func=cmd_report)
 
 
+def print_decision(d: RefreshDecision) -> None:
+    gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
+    print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain})")
+    print(f"    started from {d.baseline_ref}" + (f", candidate {d.candidate_ref}" if d.candidate_ref else ""))
+    for reason in d.reasons:
+        print(f"    - {reason}")
+
+
+def cmd_refresh_run(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    config = load_config(args.config, list(args.overrides), model=RefreshConfig)
+    try:
+        as_of = datetime.fromisoformat(args.as_of) if args.as_of else None
+    except ValueError as exc:
+        raise ConfigError(f"--as-of {args.as_of!r}: use an ISO date-time such as 2026-11-23T02:00") from exc
+    _prefect_defaults()
+    from clgrpo.sources import SourceError
+    from domains.math.dataset import DatasetError
+    from flows.refresh import refresh, work_dir
+
+    try:
+        decision = asyncio.run(refresh(config, as_of=as_of))
+    except (SourceError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_decision(decision)
+    if decision.promoted:
+        print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
+    return 0
+
+
+def cmd_refresh_history(args: argparse.Namespace) -> int:
+    with _open(args.db) as store:
+        decisions = store.refresh_decisions(args.name)
+    if not decisions:
+        print(f"no refreshes named {args.name!r} in {args.db}")
+    for d in decisions:
+        print_decision(d)
+    return 0
+
+
+def _add_refresh_commands(sub: argparse._SubParsersAction) -> None:
+    refresh = sub.add_parser("refresh", help="the experience refresh: learn from new problems, promote if better")
+    commands = refresh.add_subparsers(dest="refresh_command", required=True)
+    run = commands.add_parser("run", help="run the refresh for a date (default: now) once; a decided date is "
+                                          "reported, not run again")
+    run.add_argument("--config", required=True, help="YAML refresh config (see configs/refresh.yaml)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set steps=2 (repeatable)")
+    run.add_argument("--as-of", help="the cutoff instant (ISO; without a zone: in the config's timezone)")
+    run.set_defaults(func=cmd_refresh_run)
+    history = commands.add_parser("history", help="the decisions of past refreshes, with their reasons")
+    history.add_argument("--name", default="nightly", help="the refresh name (default nightly)")
+    history.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file (default {DEFAULT_DB})")
+    history.set_defaults(func=cmd_refresh_history)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clgrpo", description="Continuous Learning GRPO: learn an experience library")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -304,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_list.set_defaults(func=cmd_runs_list)
     _add_local_model_commands(sub)
     _add_evaluation_commands(sub)
+    _add_refresh_commands(sub)
     return parser
 
 

@@ -147,11 +147,12 @@ def write_dataset(inputs: list[RefreshInput], path: Path) -> Path:
 
 def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start: Path) -> RunConfig:
     template = config.training
+    seed = template.dataset.seed if template.dataset else template.seed
     has_answers = config.source.answer_field is not None
-    return template.model_copy(update={
+    return RunConfig.model_validate({
+        **template.model_dump(exclude={"dataset"}),
         "run_id": f"{refresh_id}-train",
-        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None,
-                                 seed=template.dataset.seed),
+        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None, seed=seed),
         "initial_library": str(start),
         "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
     })

@@ -192,7 +192,11 @@ class RefreshSource(Section):
         return self
 
 
-PLACEHOLDER_DATASET = "(new problems of each refresh)"
+class TrainingTemplate(RunConfig):
+    """The training settings of a refresh: a run config whose run id, dataset, initial library and
+    ``grpo.max_steps`` each refresh sets (the dataset may be left out)."""
+
+    dataset: DatasetConfig | None = None  # type: ignore[assignment]
 
 
 class RefreshConfig(Section):
@@ -204,7 +208,7 @@ class RefreshConfig(Section):
     source: RefreshSource
     # the training template: model, learner, GRPO and learning settings and db_path. Each refresh sets run_id,
     # dataset (the new problems), initial_library (the promoted library) and grpo.max_steps (``steps``).
-    training: RunConfig
+    training: TrainingTemplate
     evaluation: EvalConfig  # the held-out set and sampling of the promotion test
     steps: int = Field(3, ge=1)  # training steps per refresh (fewer when the new problems make fewer)
     max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
@@ -213,14 +217,6 @@ class RefreshConfig(Section):
     timezone: str = "UTC"  # the date of a refresh (its idempotency key) is taken in this zone
     initial_library: str | None = None  # the library before the first promotion (a file; None: empty)
     work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>
-
-    @model_validator(mode="before")
-    @classmethod
-    def _template_dataset(cls, data: Any) -> Any:
-        """The template needs no dataset of its own: each refresh supplies the new problems."""
-        if isinstance(data, dict) and isinstance(data.get("training"), dict) and "dataset" not in data["training"]:
-            data = {**data, "training": {**data["training"], "dataset": {"path": PLACEHOLDER_DATASET}}}
-        return data
 
     @model_validator(mode="after")
     def _known_timezone(self) -> "RefreshConfig":

@@ -184,3 +184,33 @@ def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
     with Store(config["db_path"], read_only=True) as store:
         assert store.library_versions("retried") == [0, 1]
         assert len(store.load_library("retried")) > 0
+
+
+async def _deployment(stack: Stack, name: str):
+    from prefect.client.orchestration import PrefectClient
+
+    async with PrefectClient(stack.api_url) as client:
+        return await client.read_deployment_by_name(name)
+
+
+def test_nightly_refresh_is_scheduled_and_a_run_without_new_data_says_so(stack, tmp_path):
+    deployment = asyncio.run(_deployment(stack, "refresh/nightly-refresh"))
+    (schedule,) = deployment.schedules
+    assert schedule.active and schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
+    assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1
+    assert deployment.work_pool_name == "cpu"
+
+    (tmp_path / "incoming").mkdir()
+    heldout = write_jsonl(make_problems(n_per_family=1, seed=9), tmp_path / "heldout.jsonl")
+    config = {"name": "deployed", "source": {"path": str(tmp_path / "incoming")},
+              "training": {"db_path": str(tmp_path / "refresh.duckdb")},
+              "evaluation": {"dataset": {"path": str(heldout)}}}
+    run = stack.prefect("deployment", "run", "refresh/nightly-refresh", "--params",
+                        json.dumps({"config": config, "as_of": "2026-11-23T02:00:00+00:00"}),
+                        "--watch", "--watch-interval", "2", timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr + _logs(stack)
+    with Store(config["training"]["db_path"], read_only=True) as store:
+        (decision,) = store.refresh_decisions("deployed")
+    assert decision.refresh_id == "deployed-2026-11-23" and decision.status == "no_new_data"
+    runs = asyncio.run(_flow_runs(stack, "refresh"))
+    assert [r.name for r in runs if r.parameters.get("as_of")] == ["refresh-deployed-2026-11-23"]

@@ -5,10 +5,12 @@ import os
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import yaml
 
+from clgrpo.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
 from flows.refresh import refresh, refresh_date
 from schemas.config import RefreshConfig
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -109,3 +111,48 @@ async def test_a_gain_below_the_margin_is_not_promoted(tmp_path):
         assert not [d for d in store.refresh_decisions("strict") if d.promoted]
         # its problems are taken: a later refresh does not train on them again
         assert len(store.consumed_problem_keys("strict")) == 12
+
+
+async def test_a_failed_refresh_resumes_on_the_same_problems_without_repeating_stages(tmp_path):
+    world = ScriptedWorld(seed=13)
+    with FakeOpenAIServer(world) as server:
+        config = refresh_config(server, tmp_path, steps=1)
+        arrive(tmp_path / "incoming" / "a.jsonl", make_problems(n_per_family=2, seed=3), NIGHT - timedelta(hours=2))
+        server.inject(Fault(kind="status", status=400, times=1, match=lambda r: role_of(r) == "library consolidator"))
+        with pytest.raises(Exception, match="400"):
+            await refresh(config, as_of=NIGHT)
+        with Store(config.training.db_path, read_only=True) as store:
+            assert store.refresh_decisions("nightly") == []
+            assert len(store.records("refresh_inputs", "nightly-2026-11-21")) == 8
+        rollouts_before = server.stats.by_role["policy"]
+        # a file that lands before the cutoff but after the refresh took its problems waits for the next date
+        arrive(tmp_path / "incoming" / "b.jsonl", make_problems(n_per_family=1, seed=4), NIGHT - timedelta(hours=1))
+
+        decision = await refresh(config, as_of=NIGHT)
+        assert decision.n_new_problems == 8 and decision.status in {"promoted", "not_promoted"}
+        # the resumed training did not sample its rollouts again (only the evaluation's policy calls were new)
+        heldout_requests = 2 * 16  # two conditions x 16 held-out problems, k samples per request
+        assert server.stats.by_role["policy"] - rollouts_before == heldout_requests
+        nxt = await refresh(config, as_of=NIGHT + timedelta(days=1))
+        assert nxt.n_new_problems == 4
+    with Store(config.training.db_path, read_only=True) as store:
+        assert rows_of(store, "SELECT count(*) FROM rollouts WHERE run_id = 'nightly-2026-11-21-train'") == [(32,)]
+
+
+def rows_of(store: Store, sql: str) -> list[tuple]:
+    return [tuple(r) for r in store.query(sql).itertuples(index=False)]
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_refresh_from_the_command_line(tmp_path, capsys):
+    with FakeOpenAIServer(ScriptedWorld(seed=14)) as server:
+        config = refresh_config(server, tmp_path, name="cli")
+        path = tmp_path / "refresh.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        assert main(["refresh", "run", "--config", str(path), "--as-of", "2026-11-21T02:00"]) == 0
+        assert "cli-2026-11-21: no_new_data (0 new problems)" in capsys.readouterr().out
+        assert main(["refresh", "history", "--name", "cli", "--db", config.training.db_path]) == 0
+        out = capsys.readouterr().out
+        assert "started from none" in out and "no new problems arrived" in out
+        assert main(["refresh", "run", "--config", str(path), "--as-of", "tomorrow"]) == 2
+        assert "use an ISO date-time" in capsys.readouterr().err
