@@ -114,19 +114,35 @@ def read_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime, scrat
 
 
 # --- selection -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Selection:
+    inputs: list[RefreshInput]
+    n_arrived: int
+    n_taken_before: int  # taken by an earlier refresh, or the same text as an earlier arrival
+    n_deferred: int  # over max_problems: left for the next refresh
+
+    def message(self, cutoff: datetime) -> str:
+        return (f"{self.n_arrived} problem(s) arrived up to {cutoff.isoformat()}: {len(self.inputs)} taken, "
+                f"{self.n_taken_before} taken before (or repeated), {self.n_deferred} left for the next refresh "
+                "(max_problems)")
+
+
 def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
-               max_problems: int | None = None) -> list[RefreshInput]:
+               max_problems: int | None = None) -> Selection:
     """The arrivals not taken before, oldest first, one per content key, capped at ``max_problems``.
     Ids stay as in the source; an id already used by another file or row gets the source's name in front."""
     selected: list[RefreshInput] = []
     keys, ids = set(consumed), set()
+    repeated = deferred = 0
     for arrival in sorted(arrivals, key=lambda a: a.arrived_at):
         p = arrival.problem
         key = problem_key(p.problem)
         if key in keys:
+            repeated += 1
             continue
         if max_problems is not None and len(selected) >= max_problems:
-            break
+            deferred += 1
+            continue
         problem_id = p.problem_id
         while problem_id in ids:
             problem_id = f"{Path(p.source).stem}-{problem_id}"
@@ -135,4 +151,4 @@ def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
         selected.append(RefreshInput(name=name, position=len(selected), problem_id=problem_id, problem=p.problem,
                                      answer=p.answer, source=p.source, arrived_at=_as_utc(arrival.arrived_at),
                                      problem_key=key))
-    return selected
+    return Selection(selected, len(arrivals), repeated, deferred)

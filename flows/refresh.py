@@ -126,13 +126,12 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     same_file = source.kind == "duckdb" and Path(source.path).resolve() == store.path.resolve()
     arrivals = read_arrivals(source, get_domain(config.training.domain), cutoff, work_dir(config) / refresh_id,
                              query=store.query if same_file else None)
-    selected = select_new(arrivals, store.consumed_problem_keys(config.name), name=config.name,
-                          max_problems=config.max_problems)
-    if selected:
-        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, {"refresh_inputs": selected})
-    get_run_logger().info("%d problem(s) arrived up to %s; %d new (not taken by an earlier refresh)",
-                          len(arrivals), cutoff.isoformat(), len(selected))
-    return selected
+    selection = select_new(arrivals, store.consumed_problem_keys(config.name), name=config.name,
+                           max_problems=config.max_problems)
+    if selection.inputs:
+        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, {"refresh_inputs": selection.inputs})
+    get_run_logger().info(selection.message(cutoff))
+    return selection.inputs
 
 
 # --- files for the subflows --------------------------------------------------------------------------------

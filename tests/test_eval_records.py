@@ -68,10 +68,13 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
             store.write_stage("ev", 1, "evaluate", {"eval_results": base + base})
 
 
-def test_validation_config_keeps_fingerprints_of_runs_without_it():
+def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
-    before_validation_existed = cfg.model_dump(mode="json", exclude=NOT_FINGERPRINTED | {"validation"})
-    assert cfg.fingerprint() == text_hash(json.dumps(before_validation_existed, sort_keys=True))
+    excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation")} | {"grpo": {"max_steps": True}}
+    before_they_existed = cfg.model_dump(mode="json", exclude=excluded)
+    assert cfg.fingerprint() == text_hash(json.dumps(before_they_existed, sort_keys=True))
+    capped = RunConfig.model_validate({**cfg.model_dump(), "grpo": {"max_steps": 2}})
+    assert capped.fingerprint() != cfg.fingerprint()
     with_validation = RunConfig.model_validate({**cfg.model_dump(), "validation": {"dataset": {"path": "v.jsonl"}}})
     assert with_validation.validation.temperature == 0.3 and with_validation.validation.k == 4
     assert with_validation.fingerprint() != cfg.fingerprint()

@@ -36,7 +36,9 @@ def test_directory_files_arrive_at_their_mtime_and_later_files_wait(tmp_path):
     everything = read_arrivals(source, MATH, T0 + timedelta(days=2), tmp_path / "scratch")
     assert len(everything) == 8
     taken = {problem_key(p["problem"]) for p in problems[:5]}
-    new = select_new(everything, taken, name="nightly")
+    selection = select_new(everything, taken, name="nightly")
+    assert (selection.n_arrived, selection.n_taken_before, selection.n_deferred) == (8, 5, 0)
+    new = selection.inputs
     assert [i.problem_id for i in new] == [p["id"] for p in problems[5:]]
     assert [i.position for i in new] == [0, 1, 2] and all(i.name == "nightly" for i in new)
 
@@ -49,17 +51,18 @@ def test_selection_is_oldest_first_capped_deduplicated_and_renames_clashing_ids(
     _touch(a, T0 + timedelta(minutes=5))
     _touch(b, T0)
     arrivals = read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0 + timedelta(hours=1), tmp_path)
-    new = select_new(arrivals, set(), name="n")
+    new = select_new(arrivals, set(), name="n").inputs
     # b.jsonl is older; a's "What is 2 + 2?" repeats b's "what is  2 + 2?"; a's id "1" clashes with b's
     assert [i.problem for i in new] == ["What is 5 + 5?", "what is  2 + 2?", "What is 3 + 3?"]
     assert [i.problem_id for i in new] == ["1", "9", "2"]
     capped = select_new(arrivals, set(), name="n", max_problems=2)
-    assert [i.problem_id for i in capped] == ["1", "9"]
+    assert [i.problem_id for i in capped.inputs] == ["1", "9"] and capped.n_deferred == 1
+    assert capped.n_taken_before == 1  # the repeated "2 + 2"
 
     clash = write_jsonl([{"id": "1", "problem": "What is 7 + 7?", "answer": "14"}], tmp_path / "in" / "c.jsonl")
     _touch(clash, T0 + timedelta(minutes=10))
     arrivals = read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0 + timedelta(hours=1), tmp_path)
-    assert [i.problem_id for i in select_new(arrivals, set(), name="n")] == ["1", "9", "2", "c-1"]
+    assert [i.problem_id for i in select_new(arrivals, set(), name="n").inputs] == ["1", "9", "2", "c-1"]
 
 
 def test_duckdb_table_rows_arrive_at_their_timestamp(tmp_path):
