@@ -3,6 +3,7 @@ data, a promotion, idempotent dates, the next refresh starting from the promoted
 
 import os
 from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
 import yaml
@@ -11,8 +12,9 @@ from clgrpo.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
-from flows.refresh import refresh, refresh_date
+from flows.refresh import decide, refresh, refresh_date
 from schemas.config import RefreshConfig
+from schemas.records import EvalComparison
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
@@ -156,3 +158,25 @@ def test_refresh_from_the_command_line(tmp_path, capsys):
         assert "started from none" in out and "no new problems arrived" in out
         assert main(["refresh", "run", "--config", str(path), "--as-of", "tomorrow"]) == 2
         assert "use an ISO date-time" in capsys.readouterr().err
+
+
+async def test_without_as_of_the_date_is_the_runs_scheduled_start(tmp_path):
+    with FakeOpenAIServer(ScriptedWorld(seed=15)) as server:
+        config = refresh_config(server, tmp_path, name="sched", timezone="Asia/Tokyo")
+        today = {datetime.now(ZoneInfo("Asia/Tokyo")).date().isoformat()}
+        decision = await refresh(config)
+        today.add(datetime.now(ZoneInfo("Asia/Tokyo")).date().isoformat())
+    assert decision.refresh_date in today and decision.refresh_id == f"sched-{decision.refresh_date}"
+    assert abs((decision.cutoff - datetime.now(timezone.utc)).total_seconds()) < 120
+
+
+@pytest.mark.parametrize(("ci_low", "margin", "promoted"), [(0.01, 0.0, True), (0.0, 0.0, False),
+                                                             (-0.2, -0.25, True), (0.04, 0.05, False)])
+def test_promotion_needs_the_ci_lower_bound_above_the_margin(ci_low, margin, promoted):
+    comparison = EvalComparison(eval_id="e", baseline="none", candidate="c:1", metric="pass_at_k",
+                                baseline_value=0.4, candidate_value=0.5, diff=0.1, ci_low=ci_low, ci_high=0.3,
+                                ci_level=0.9, n_problems=30)
+    decision, reason = decide(comparison, margin)
+    assert decision is promoted
+    assert reason.startswith("Pass@k 0.400 -> 0.500 on 30 held-out problems: gain +0.100, 90% CI")
+    assert ("is above the margin" in reason) is promoted
