@@ -181,7 +181,7 @@ class RefreshSource(Section):
     pattern: str = "*.jsonl"  # directory: which files (glob; .jsonl / .json / .csv / .parquet)
     table: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")  # duckdb: table or view
     timestamp_column: str = Field("created_at", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    id_field: str | None = "id"
+    id_field: str | None = "id"  # None or a missing column: ids are derived per refresh (<file or table>-<row>)
     problem_field: str = "problem"
     answer_field: str | None = "answer"
 

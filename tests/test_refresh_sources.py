@@ -109,3 +109,16 @@ def test_refresh_config_validation():
         RefreshConfig.model_validate({**base, "timezone": "Mars/Olympus"})
     with pytest.raises(ValueError, match="needs `table`"):
         RefreshConfig.model_validate({**base, "source": {"kind": "duckdb", "path": "x.duckdb"}})
+
+
+def test_a_table_in_the_refresh_database_is_read_through_its_open_store(tmp_path):
+    from clgrpo.store import Store
+
+    db = tmp_path / "clgrpo.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute("CREATE TABLE inbox (problem VARCHAR, answer INTEGER, created_at TIMESTAMPTZ)")
+        con.execute("INSERT INTO inbox VALUES ('What is 2 + 3?', 5, ?)", [T0])
+    source = RefreshSource(kind="duckdb", path=str(db), table="inbox", id_field=None)
+    with Store(db) as store:  # holds the file: a second connection is not needed
+        (arrival,) = read_arrivals(source, MATH, T0, tmp_path / "scratch", query=store.query)
+    assert arrival.problem.answer == "5" and arrival.arrived_at == T0 and arrival.problem.problem_id == "inbox-00000"
