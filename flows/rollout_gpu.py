@@ -2,7 +2,9 @@
 
 With ``rollout.placement: pool`` the training flow starts one ``rollout-gpu`` child run per chunk through
 ``run_deployment``. The idempotency key is derived from (run, config, step, chunk, inputs), so a retried parent
-finds the child it already started instead of launching a duplicate. The child writes its batch as JSON to
+finds the child it already started instead of launching a duplicate; if that child ended Failed, Crashed or
+Cancelled, the same child run is scheduled again (as ``prefect flow-run retry`` does), so retrying the parent
+after a GPU failure re-runs the chunk without a second child. The child writes its batch as JSON to
 the hand-off storage (a local path shared with the workers, or any fsspec URL) at a path fixed by the same
 key; the orchestrator reads it back and alone writes DuckDB. A hand-off file that already exists (a parent
 that crashed after the child finished) is ingested without starting anything.
@@ -10,15 +12,22 @@ that crashed after the child finished) is ingested without starting anything.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from pathlib import Path
+from uuid import UUID
 
 import fsspec
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
+from prefect.client.orchestration import PrefectClient
+from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.responses import SetStateStatus
 from prefect.deployments.flow_runs import arun_deployment
+from prefect.states import Scheduled
 
-from schemas.config import RunConfig
+from schemas.config import RolloutPlacement, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
 from tasks.checkpoint import export_dir
 from tasks.common import inputs_hash
@@ -80,13 +89,14 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
         parameters = {"config": config.model_dump(mode="json"), "step": step, "chunk": chunk,
                       "problems": [p.model_dump(mode="json") for p in problems],
                       "library": library.model_dump(mode="json"), "handoff": url}
-        child = await arun_deployment(config.rollout.deployment, parameters=parameters,
-                                     idempotency_key=f"clgrpo-rollout-{key}", timeout=config.rollout.timeout_s,
-                                     poll_interval=config.rollout.poll_interval_s)
-        if child.state is None or not child.state.is_completed():
-            state = child.state.name if child.state else "unknown"
-            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) ended {state}: "
-                                     f"{child.state.message if child.state else ''}")
+        child = await start_or_rerun_child(config, parameters, f"clgrpo-rollout-{key}")
+        if child.state is None or not child.state.is_final():
+            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) still "
+                                     f"{child.state.name if child.state else 'unknown'} after rollout.timeout_s="
+                                     f"{config.rollout.timeout_s:g}s: is a worker polling the pool?")
+        if not child.state.is_completed():
+            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) ended {child.state.name}: "
+                                     f"{child.state.message or ''}")
         found = read_handoff(url)
         if found is None:
             raise RemoteRolloutError(f"rollout child run {child.name} completed but left nothing at {url}: "
@@ -95,3 +105,30 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
     get_run_logger().info("step %d chunk %d: ingested %d rollouts from %s (worker CUDA_VISIBLE_DEVICES=%s)", step,
                           chunk, len(batch.rollouts), url, meta.get("cuda_visible_devices"))
     return batch
+
+
+async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str) -> FlowRun:
+    """Start the chunk's child run, or find the one an earlier attempt of the parent started; a found child
+    that ended unsuccessfully is scheduled again (same run, its run count goes up). Waits for it to end."""
+    child = await arun_deployment(config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key,
+                                  timeout=0)
+    async with get_client() as client:
+        if child.state is not None and child.state.is_final() and not child.state.is_completed():
+            get_run_logger().warning("rollout child run %s (%s) ended %s in an earlier attempt: running it again",
+                                     child.name, child.id, child.state.name)
+            result = await client.set_flow_run_state(child.id, Scheduled(message="re-run by its retried parent"),
+                                                     force=True)
+            if result.status != SetStateStatus.ACCEPT:
+                raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) could not be scheduled "
+                                         f"again: {result.status.value} {result.details}")
+        return await wait_until_final(client, child.id, config.rollout)
+
+
+async def wait_until_final(client: PrefectClient, flow_run_id: UUID, placement: RolloutPlacement) -> FlowRun:
+    """Poll the run until it is final or ``placement.timeout_s`` passed (then return it as it stands)."""
+    deadline = time.monotonic() + placement.timeout_s
+    while True:
+        run = await client.read_flow_run(flow_run_id)
+        if (run.state is not None and run.state.is_final()) or time.monotonic() >= deadline:
+            return run
+        await asyncio.sleep(placement.poll_interval_s)

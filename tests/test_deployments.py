@@ -133,6 +133,19 @@ def _logs(stack: Stack) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(stack.logs.glob("worker-*.log")))
 
 
+def _retry_and_wait(stack: Stack, flow_run_id, timeout: float = 240):
+    """`prefect flow-run retry` (what the UI's Retry does), then wait until that attempt is final."""
+    retry = stack.prefect("flow-run", "retry", str(flow_run_id), timeout=60)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.id == flow_run_id][0]
+        if run.state.is_final() and run.run_count >= 2:
+            return run
+        time.sleep(2)
+    raise AssertionError(f"retried flow run {flow_run_id} not final after {timeout}s: {_logs(stack)}")
+
+
 def test_deployment_run_routes_rollouts_to_the_cuda_pool(stack, tmp_path):
     with FakeOpenAIServer(ScriptedWorld(seed=3)) as server:
         config = _config(server, tmp_path, "deployed", epochs=2)
@@ -166,14 +179,7 @@ def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
         runs = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.name == "train-retried"]
         assert len(runs) == 1 and runs[0].state.is_failed()
         assert "HTTP 400" in (runs[0].state.message or "") or "400" in _logs(stack)
-        retry = stack.prefect("flow-run", "retry", str(runs[0].id), timeout=60)
-        assert retry.returncode == 0, retry.stdout + retry.stderr
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            run = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.id == runs[0].id][0]
-            if run.state.is_final() and run.run_count >= 2:
-                break
-            time.sleep(2)
+        run = _retry_and_wait(stack, runs[0].id)
         assert run.state.is_completed(), (run.state, _logs(stack))
         assert run.run_count == 2
         # completed stages were not executed again: no new rollouts, summaries or rollout children
@@ -184,6 +190,29 @@ def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
     with Store(config["db_path"], read_only=True) as store:
         assert store.library_versions("retried") == [0, 1]
         assert len(store.load_library("retried")) > 0
+
+
+def test_retrying_the_parent_reruns_its_failed_gpu_child_without_a_duplicate(stack, tmp_path):
+    gpu_down = [True]  # every policy call fails (HTTP 400) until the "GPU" is back
+    with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
+        server.inject(Fault(kind="status", status=400, times=1_000_000,
+                            match=lambda r: gpu_down[0] and role_of(r) == "policy"))
+        config = _config(server, tmp_path, "gpu-retried", epochs=1)
+        failed = _run(stack, config)
+        assert failed.returncode != 0, failed.stdout
+        (parent,) = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.name == "train-gpu-retried"]
+        assert parent.state.is_failed() and "rollout child run" in (parent.state.message or "")
+        (child,) = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "gpu-retried" in c.name]
+        assert child.state.is_failed()
+
+        gpu_down[0] = False
+        run = _retry_and_wait(stack, parent.id)
+        assert run.state.is_completed(), (run.state, _logs(stack))
+    (rerun,) = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "gpu-retried" in c.name]
+    assert rerun.id == child.id and rerun.run_count == 2 and rerun.state.is_completed()
+    with Store(config["db_path"], read_only=True) as store:
+        assert store.library_versions("gpu-retried") == [0, 1]
+        assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='gpu-retried'")["n"][0] == 32
 
 
 async def _deployment(stack: Stack, name: str):
