@@ -109,7 +109,8 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
 
 async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str) -> FlowRun:
     """Start the chunk's child run, or find the one an earlier attempt of the parent started; a found child
-    that ended unsuccessfully is scheduled again (same run, its run count goes up). Waits for it to end."""
+    that ended unsuccessfully is scheduled again (same run, its run count goes up). Waits for it to end,
+    at most ``rollout.timeout_s``."""
     child = await arun_deployment(config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key,
                                   timeout=0)
     async with get_client() as client:
