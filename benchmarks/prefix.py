@@ -26,7 +26,7 @@ from domains import get_domain  # noqa: E402
 from schemas.config import DatasetConfig  # noqa: E402
 from schemas.records import Operation  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "data"
+FIXTURES = ROOT / "tests" / "data"
 EXTRA_EXPERIENCES = (
     "Modular arithmetic: reduce large powers with Euler's theorem or cycle detection before computing, and check "
     "the final residue against small cases.",
@@ -75,8 +75,8 @@ def measure(library: ExperienceLibrary, problems_path: Path, group_size: int = 5
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--library", type=Path, default=SHARED / "reference_library_math.json")
-    parser.add_argument("--problems", type=Path, default=SHARED / "aime2024.jsonl")
+    parser.add_argument("--library", type=Path, default=FIXTURES / "reference_library_math.json")
+    parser.add_argument("--problems", type=Path, default=FIXTURES / "aime2024.jsonl")
     parser.add_argument("--size", type=int, default=30, help="experiences in the library (reference + extra)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

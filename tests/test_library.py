@@ -6,8 +6,7 @@ import pytest
 from clgrpo.library import ExperienceLibrary, LibraryFormatError, diff
 from schemas.records import Operation, OpStatus
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-REFERENCE = SHARED / "reference_library_math.json"
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference_library_math.json"
 
 
 def op(kind: str, ids=(), text=None, groups=()) -> Operation:

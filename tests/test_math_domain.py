@@ -28,8 +28,7 @@ from domains.math.verify import verify, verify_batch
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
-AIME = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "aime2024.jsonl"
-needs_aime = pytest.mark.skipif(not AIME.is_file(), reason=f"AIME 2024 fixture not found at {AIME}")
+AIME = Path(__file__).resolve().parent / "data" / "aime2024.jsonl"
 
 ROWS = [
     {"id": "p1", "problem": "What is $1+1$?", "answer": "2"},
@@ -94,7 +93,6 @@ def _error(cfg: DatasetConfig) -> str:
 # --- loading -------------------------------------------------------------------------------------------
 
 
-@needs_aime
 def test_aime_loads_thirty_problems_with_ids_and_answers() -> None:
     problems, report = load_problems_with_report(DatasetConfig(path=str(AIME), shuffle=False))
     assert len(problems) == 30
@@ -105,7 +103,6 @@ def test_aime_loads_thirty_problems_with_ids_and_answers() -> None:
     assert all(p.answer and p.answer.isdigit() for p in problems)
 
 
-@needs_aime
 def test_seeded_shuffle_is_deterministic_and_seed_dependent() -> None:
     def ids(seed: int) -> list[str]:
         return [p.problem_id for p in load_problems(DatasetConfig(path=str(AIME), shuffle=True, seed=seed))]
@@ -117,7 +114,6 @@ def test_seeded_shuffle_is_deterministic_and_seed_dependent() -> None:
     assert ids(1) != unshuffled
 
 
-@needs_aime
 def test_limit_truncates_after_shuffle() -> None:
     full = load_problems(DatasetConfig(path=str(AIME), seed=3))
     problems, report = load_problems_with_report(DatasetConfig(path=str(AIME), seed=3, limit=7))
@@ -125,7 +121,6 @@ def test_limit_truncates_after_shuffle() -> None:
     assert report.n_rows == 30 and report.n_after_limit == 7
 
 
-@needs_aime
 def test_duplicate_problem_is_dropped_and_counted(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in AIME.read_text(encoding="utf-8").splitlines()]
     planted = {"id": "planted", "problem": "  " + rows[4]["problem"].upper().replace(" ", "   \n") + " ", "answer": "1"}
@@ -302,7 +297,6 @@ def _aime_answers() -> list[str]:
     return [json.loads(line)["answer"] for line in AIME.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-@needs_aime
 def test_verify_realistic_outputs_against_all_aime_answers() -> None:
     items: list[tuple[str, str]] = []
     expected: list[float] = []
