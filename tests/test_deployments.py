@@ -1,6 +1,9 @@
 """Integration: a real `prefect server`, `cpu` and `cuda` process pools with one worker each, `prefect deploy
 --all`, and `prefect deployment run` of the training flow with rollouts routed to the cuda pool, then a forced
-failure retried through the API. Every process started here is stopped by pid."""
+failure retried through the API. The server's own scheduler service (its loop shortened to a few seconds) must
+create the runs of scheduled deployments: the nightly refresh's upcoming 02:00 UTC runs, and the runs of an
+interval deployment, one of which the cpu worker executes end to end. Every process started here is stopped
+by pid."""
 
 from __future__ import annotations
 
@@ -13,8 +16,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+from uuid import UUID
 
 import pytest
 
@@ -22,8 +29,13 @@ from clgrpo.store import Store
 from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
+# the server's scheduler service visits every deployment with an active schedule this often (default 60 s)
+SCHEDULER_ENV = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}
 
 
 def _free_port() -> int:
@@ -86,7 +98,7 @@ def stack(tmp_path_factory):
     try:
         server_log = home / "server.log"
         procs.append(_start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port), "--no-ui"], base, server_log))
+                             str(port), "--no-ui"], {**base, **SCHEDULER_ENV}, server_log))
         _wait_healthy(api_url, procs[0], server_log)
         stack = Stack(env, api_url, home)
         created = subprocess.run(["bash", "deployments/create-pools.sh"], env=env, cwd=ROOT, text=True,
@@ -243,3 +255,106 @@ def test_nightly_refresh_is_scheduled_and_a_run_without_new_data_says_so(stack, 
     assert decision.refresh_id == "deployed-2026-11-23" and decision.status == "no_new_data"
     runs = asyncio.run(_flow_runs(stack, "refresh"))
     assert [r.name for r in runs if r.parameters.get("as_of")] == ["refresh-deployed-2026-11-23"]
+
+
+def _server_log(stack: Stack) -> str:
+    return (stack.logs / "server.log").read_text()[-3000:]
+
+
+async def _deployment_runs(stack: Stack, deployment_id: UUID) -> list[FlowRun]:
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    async with PrefectClient(stack.api_url) as client:
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+
+
+def _await_runs(stack: Stack, deployment_id: UUID, keep: Callable[[FlowRun], bool], what: str, timeout: float,
+                at_least: int = 1) -> list[FlowRun]:
+    """The deployment's runs that ``keep`` accepts, once there are ``at_least``; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = [r for r in asyncio.run(_deployment_runs(stack, deployment_id)) if keep(r)]
+        if len(runs) >= at_least:
+            return runs
+        if time.monotonic() > deadline:
+            seen = [(r.name, r.state.name if r.state else None, r.auto_scheduled)
+                    for r in asyncio.run(_deployment_runs(stack, deployment_id))]
+            raise AssertionError(f"{len(runs)} {what} after {timeout}s (want {at_least}); runs: {seen}\n"
+                                 f"server log:\n{_server_log(stack)}\n{_logs(stack)}")
+        time.sleep(2)
+
+
+def test_the_scheduler_service_creates_the_upcoming_nightly_refresh_runs(stack):
+    """Nobody runs `refresh/nightly-refresh` here: the server's scheduler fills it with 02:00 UTC runs."""
+    deployment = asyncio.run(_deployment(stack, "refresh/nightly-refresh"))
+    (schedule,) = deployment.schedules
+    try:
+        runs = _await_runs(stack, deployment.id, lambda r: r.auto_scheduled and r.state.name == "Scheduled",
+                           "scheduler-created Scheduled runs of refresh/nightly-refresh", timeout=90, at_least=3)
+    finally:  # a suite running at 02:00 UTC must not run the shipped refresh on the repository's own paths
+        asyncio.run(_pause(stack, deployment.id))
+    assert all(r.created_by and r.created_by.type == "SCHEDULE" and r.created_by.id == schedule.id for r in runs)
+    starts = sorted(r.expected_start_time.astimezone(timezone.utc) for r in runs)
+    assert starts[0] > datetime.now(timezone.utc) - timedelta(minutes=5), starts
+    assert all((s.hour, s.minute, s.second) == (2, 0, 0) for s in starts), starts
+    assert all(b - a == timedelta(days=1) for a, b in zip(starts, starts[1:])), starts
+
+
+async def _pause(stack: Stack, deployment_id: UUID) -> None:
+    from prefect.client.orchestration import PrefectClient
+
+    async with PrefectClient(stack.api_url) as client:
+        await client.pause_deployment(deployment_id)
+
+
+def _deploy_every(stack: Stack, name: str, seconds: int, parameters: dict) -> UUID:
+    """A second deployment of the refresh flow, on the cpu pool, with an interval schedule."""
+    from prefect.flows import Flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: stack.api_url}):
+        flow = Flow.from_source(source=str(ROOT), entrypoint="flows/refresh.py:refresh")
+        return flow.deploy(name=name, work_pool_name="cpu", interval=seconds, parameters=parameters,
+                           concurrency_limit=1, print_next_steps=False, ignore_warnings=True)
+
+
+async def _retire(stack: Stack, deployment_id: UUID, timeout: float = 180) -> None:
+    """Pause the deployment (the scheduler stops), cancel its runs that have not started, let the started
+    ones finish, then delete it."""
+    from prefect.client.orchestration import PrefectClient
+    from prefect.states import Cancelled
+
+    await _pause(stack, deployment_id)
+    async with PrefectClient(stack.api_url) as client:
+        deadline = time.monotonic() + timeout
+        while unfinished := [r for r in await _deployment_runs(stack, deployment_id) if not r.state.is_final()]:
+            assert time.monotonic() < deadline, f"runs still open after {timeout}s: {unfinished}\n{_logs(stack)}"
+            for r in unfinished:
+                if r.state.is_scheduled():  # Scheduled, Late, AwaitingConcurrencySlot
+                    await client.set_flow_run_state(r.id, Cancelled(message="test cleanup"), force=True)
+            await asyncio.sleep(2)
+        await client.delete_deployment(deployment_id)
+
+
+def test_the_scheduler_service_runs_an_interval_refresh_end_to_end(stack, tmp_path):
+    """An interval deployment of the refresh flow: the scheduler creates its runs, the cpu worker executes
+    one, and its decision (no new data) is dated by the run's scheduled start (no ``as_of``)."""
+    (tmp_path / "incoming").mkdir()
+    heldout = write_jsonl(make_problems(n_per_family=1, seed=11), tmp_path / "heldout.jsonl")
+    config = {"name": "every-few-seconds", "source": {"path": str(tmp_path / "incoming")},
+              "training": {"db_path": str(tmp_path / "scheduled.duckdb")},
+              "evaluation": {"dataset": {"path": str(heldout)}}}
+    deployment_id = _deploy_every(stack, "every-few-seconds", 10, {"config": config})
+    try:
+        (run, *_) = _await_runs(stack, deployment_id, lambda r: r.auto_scheduled and r.state.is_completed(),
+                                "completed scheduler-created runs of refresh/every-few-seconds", timeout=300)
+    finally:
+        asyncio.run(_retire(stack, deployment_id))
+    assert run.work_pool_name == "cpu" and "as_of" not in run.parameters
+    date = run.expected_start_time.astimezone(timezone.utc).date().isoformat()
+    with Store(config["training"]["db_path"], read_only=True) as store:
+        decisions = {d.refresh_date: d for d in store.refresh_decisions("every-few-seconds")}
+    assert date in decisions, (date, decisions)
+    assert decisions[date].status == "no_new_data" and decisions[date].refresh_id == f"every-few-seconds-{date}"
