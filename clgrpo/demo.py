@@ -30,6 +30,7 @@ from clgrpo.llm.local import BatchReport
 from clgrpo.models import CACHE_ENV, EMBEDDED, SMOLLM2, fetch_embedded
 from domains.math.synthetic import write_problems
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
+from schemas.records import OperationResult, Proposal
 
 Print = Callable[[str], None]
 
@@ -38,6 +39,12 @@ HONEST_NOTE = (
     "little or no accuracy gain. The demo shows the real mechanics (sampling, verification, structured operations, "
     "library versions, storage); to learn something, point clgrpo at a capable model (configs/deepseek.yaml, "
     "configs/local.yaml, configs/transformers-local.yaml with a larger model).")
+
+
+# One sentence that starts with "When" and ends at its first full stop, without digits, capitals (names) or
+# questions: constrained decoding holds the small model to the lesson form the prompt asks for; without it, it
+# copies the problem or states its numbers. (Tighter word-by-word patterns made its text degenerate.)
+LESSON_PATTERN = r'^When [^".?!0-9A-Z\\\n]+\.$'
 
 
 @dataclass
@@ -51,6 +58,7 @@ class DemoOptions:
     seed: int = 0  # the dataset's seed
     rollout_tokens: int = 128
     learner_tokens: int = 160
+    consolidation: str = "passthrough"  # or "llm": a learner call consolidates the group proposals
     model_path: str = EMBEDDED
     model_name: str = SMOLLM2.name
     verbose: bool = False  # show Prefect's own console logs too
@@ -64,6 +72,8 @@ class DemoResult:
     export_dir: str
     steps: list[Any]
     library: list[tuple[str, str]]
+    operations: list[tuple[int, OperationResult]] = field(default_factory=list)
+    failed_proposals: list[tuple[int, Proposal]] = field(default_factory=list)  # unparseable or failed calls
     seconds: dict[str, float] = field(default_factory=dict)
     engine: dict[str, float] = field(default_factory=dict)
 
@@ -81,7 +91,8 @@ def demo_config(opts: DemoOptions, dataset: Path, run_id: str) -> RunConfig:
         learner=ModelConfig(**common, temperature=0.3, max_tokens=opts.learner_tokens),
         grpo=GRPOConfig(group_size=opts.group_size, epochs=opts.steps, batch_size=opts.problems,
                         rollout_temperature=0.7, rollout_chunk_size=opts.problems),
-        learning=LearningConfig(max_words=24, max_ops_per_group=2, summarize_chunk_size=opts.problems),
+        learning=LearningConfig(min_words=6, max_words=32, max_ops_per_group=2, summarize_chunk_size=opts.problems,
+                                consolidation=opts.consolidation, lesson_pattern=LESSON_PATTERN),
         concurrency=64,  # every request of a stage queues at once, so the engine batches them
         pipeline=False,  # stage by stage: a stage's requests arrive together and share batched generate calls
         seed=opts.seed,
@@ -173,18 +184,27 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     seconds["flow"] = time.monotonic() - t0
     seconds["total"] = time.monotonic() - started
     stats = engine.stats
+    library, operations, failed = _outcome(result.db_path, result.run_id)
     return DemoResult(
-        run_id=result.run_id, model=opts.model_name, db_path=result.db_path, export_dir=result.export_dir, steps=result.steps,
-        library=_library(result.db_path, result.run_id), seconds=seconds,
+        run_id=result.run_id, model=opts.model_name, db_path=result.db_path, export_dir=result.export_dir,
+        steps=result.steps, library=library, operations=operations, failed_proposals=failed, seconds=seconds,
         engine={"batches": stats.batches, "rows": stats.rows, "tokens_in": stats.tokens_in,
                 "tokens_out": stats.tokens_out, "generate_s": stats.generate_s, "tokens_per_s": stats.tokens_per_s})
 
 
-def _library(db_path: str, run_id: str) -> list[tuple[str, str]]:
+def _outcome(db_path: str, run_id: str) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]],
+                                                 list[tuple[int, Proposal]]]:
+    """The learned library, every operation with its outcome, and the group proposals that failed."""
     from clgrpo.store import Store
+    from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 
     with Store(db_path, read_only=True) as store:
-        return [(e.id, e.text) for e in store.load_library(run_id)]
+        library = [(e.id, e.text) for e in store.load_library(run_id)]
+        operations = store.operation_results(run_id)
+        proposals = store.frame("proposals", run_id, stage=GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
+    failed = [(int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
+              for r in proposals.itertuples() if isinstance(r.parse_error, str)]
+    return library, operations, failed
 
 
 def summary(result: DemoResult) -> str:
@@ -200,11 +220,32 @@ def summary(result: DemoResult) -> str:
               f"{r.library_size:>7} {r.tokens_in:>9} {r.tokens_out:>10}" for r in result.steps]
     lines.append(f"generation: {e['tokens_out']:.0f} tokens in {e['batches']:.0f} batched generate calls "
                  f"({e['rows']:.0f} sequences), {e['generate_s']:.0f} s, {e['tokens_per_s']:.0f} tokens/s")
+    lines += _operations_section(result)
     lines.append(f"learned library ({len(result.library)} lessons):")
-    empty = "  (empty: no group had mixed rewards, or no operation was accepted; see the reasons in DuckDB)"
-    lines += [f"  [{eid}] {text}" for eid, text in result.library] or [empty]
+    lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
     lines += [f"DuckDB: {result.db_path}  (run id {result.run_id})",
               f"library files: {result.export_dir}/library_latest.json and .txt",
-              f"look closer: clgrpo library show {result.run_id} --db {result.db_path}",
+              f"next: clgrpo report {result.run_id}      (plots, per-step table, the library and its diff)",
+              f"      clgrpo library ops {result.run_id}  (every operation, applied or rejected, with the reason)",
               HONEST_NOTE.format(model=result.model)]
     return "\n".join(lines)
+
+
+def _operations_section(result: DemoResult) -> list[str]:
+    """Every operation the learner proposed, applied or rejected with the reason, and every failed proposal."""
+    from clgrpo.library import describe_operation
+
+    lines = [f"operations ({len(result.operations)}):"]
+    lines += [describe_operation(step, r) for step, r in result.operations] or ["  (none: no group proposed any)"]
+    if result.failed_proposals:
+        lines.append(f"proposals that failed ({len(result.failed_proposals)}):")
+        lines += [f"  step {step} group {p.group_id}: {p.parse_error}" for step, p in result.failed_proposals]
+    return lines
+
+
+def _why_empty(result: DemoResult) -> str:
+    if not any(r.groups_selected for r in result.steps):
+        return "no group had mixed rewards, so there was nothing to learn from"
+    if not result.operations:
+        return "no proposal contained an operation (see the failed proposals above)"
+    return "every operation was rejected (the reasons are listed above)"

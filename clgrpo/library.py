@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from schemas.records import (
 )
 
 DEFAULT_MAX_WORDS = 32
+Screen = Callable[[Operation], str | None]  # an operation with a text -> a rejection reason, or None
 _ID_RE = re.compile(r"^([A-Za-z_]*)(\d+)$")
 _PROMPT_LINE_RE = re.compile(r"^\s*\[([^\]]+)\]\.?\s*(.*)$")
 
@@ -66,13 +67,16 @@ class Diff:
 class _Batch:
     """Mutable working state while one batch of operations is applied."""
 
-    def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int) -> None:
+    def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int, min_words: int = 1,
+                 screen: Screen | None = None) -> None:
         self.live: dict[str, Experience] = dict(lib.by_id)
         self.retired: set[str] = set(lib.retired_ids)
         self.next_id = lib.next_id
         self.prefix = lib.id_prefix
         self.step = step
         self.max_words = max_words
+        self.min_words = min_words
+        self.screen = screen
         self.touched: dict[str, int] = {}  # id -> seq of the applied operation that touched it
 
     def new_id(self) -> str:
@@ -107,6 +111,8 @@ class _Batch:
         words = word_count(text)
         if words > self.max_words:
             return f"too long: {words} words (limit {self.max_words})"
+        if words < self.min_words:
+            return f"too short: {words} word(s) (minimum {self.min_words})"
         dup = self.duplicate_of(text, ignore=replacing)
         if dup is not None:
             return f"duplicate of live experience {dup}"
@@ -180,9 +186,12 @@ class ExperienceLibrary:
         step: int,
         max_words: int = DEFAULT_MAX_WORDS,
         max_size: int | None = None,
+        min_words: int = 1,
+        screen: Screen | None = None,
     ) -> tuple["ExperienceLibrary", list[OperationResult]]:
-        """Apply a batch in order; returns the new version and one result per operation."""
-        batch = _Batch(self, step, max_words)
+        """Apply a batch in order; returns the new version and one result per operation. ``screen`` may refuse
+        a lesson text with a reason (e.g. text copied from the learner's prompt)."""
+        batch = _Batch(self, step, max_words, min_words, screen)
         results = []
         for seq, op in enumerate(operations):
             reason, result_id = self._apply_one(batch, op, seq, max_size)
@@ -219,7 +228,7 @@ class ExperienceLibrary:
             return None, ids[0]
         if op.op == OpKind.DELETE:
             return None, self._delete(batch, ids[0], seq)
-        reason = batch.check_text(op.text, replacing=ids)
+        reason = batch.check_text(op.text, replacing=ids) or (batch.screen(op) if batch.screen else None)
         if reason:
             return reason, None
         text = " ".join(op.text.split())  # type: ignore[union-attr]
@@ -366,6 +375,17 @@ class ExperienceLibrary:
         if fmt == "text":
             return self.to_prompt_text() + "\n"
         raise ValueError(f"unknown library format {fmt!r}; use reference, seed or text")
+
+
+def describe_operation(step: int, r: OperationResult) -> str:
+    """One line per operation: ``step 2 #1 rejected add "text": reason [from p3]``."""
+    op = r.operation
+    ids = f" {','.join(op.target_ids)}" if op.target_ids else ""
+    text = f' "{op.text}"' if op.text else ""
+    result = f" -> {r.result_id}" if r.status == OpStatus.APPLIED and r.result_id else ""
+    reason = f": {r.reason}" if r.reason else ""
+    sources = f" [from {', '.join(op.source_groups)}]" if op.source_groups else ""
+    return f"  step {step} #{r.seq} {r.status.value:<8} {op.op.value}{ids}{text}{result}{reason}{sources}"
 
 
 def diff(old: ExperienceLibrary, new: ExperienceLibrary) -> Diff:

@@ -2,52 +2,81 @@
 
 One place for every learner prompt. A domain supplies a ``LearnerPrompts`` (the default wording takes the
 domain's description); the system messages start with a ``ROLE:`` line so logs and test servers can tell
-the stages apart. Operations are requested as JSON matching ``OPERATIONS_SCHEMA``.
+the stages apart. Operations are requested as JSON; ``operations_schema`` gives the per-kind schema that
+constrained decoding enforces, and every prompt shows a complete, concrete example reply (no placeholders).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schemas.records import Problem
+from schemas.records import Operation, Problem
 
 Message = dict[str, str]
 
 OP_KINDS = ["add", "modify", "delete", "merge", "keep"]
+GROUP_KINDS = ("add", "modify")  # what one group may propose; consolidation may use every kind
 
-OPERATIONS_SCHEMA: dict = {
-    "type": "object",
-    "properties": {
-        "operations": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "op": {"type": "string", "enum": OP_KINDS},
-                    "ids": {"type": "array", "items": {"type": "string"}},
-                    "text": {"type": "string"},
-                    "sources": {"type": "array", "items": {"type": "string"}},
-                    "why": {"type": "string"},
-                },
-                "required": ["op"],
-                "additionalProperties": False,
-            },
-        }
-    },
-    "required": ["operations"],
-    "additionalProperties": False,
-}
+CHARS_PER_WORD_MIN = 4  # schema bounds on a lesson's length in characters, from its bounds in words
+CHARS_PER_WORD_MAX = 12
 
 
-def operations_schema(max_items: int | None = None) -> dict:
-    """``OPERATIONS_SCHEMA`` with an upper bound on the number of operations: constrained decoding then has to
-    close the list (small models otherwise repeat operations until they run out of tokens)."""
-    if max_items is None:
-        return OPERATIONS_SCHEMA
-    schema = {**OPERATIONS_SCHEMA, "properties": {"operations": dict(OPERATIONS_SCHEMA["properties"]["operations"])}}
-    schema["properties"]["operations"]["maxItems"] = max(1, max_items)
+def _lesson_text(min_words: int, max_words: int, pattern: str | None) -> dict:
+    if pattern:  # grammar engines do not combine a pattern with length bounds; the library checks the words
+        return {"type": "string", "pattern": pattern}
+    return {"type": "string", "minLength": CHARS_PER_WORD_MIN * min_words, "maxLength": CHARS_PER_WORD_MAX * max_words}
+
+
+def _ids(live_ids: Sequence[str] | None, least: int, most: int | None) -> dict:
+    schema: dict = {"type": "array", "items": {"type": "string"} if live_ids is None else {"enum": list(live_ids)},
+                    "minItems": least}
+    if most is not None:
+        schema["maxItems"] = most
     return schema
+
+
+def _case(kind: str, properties: dict, required: Sequence[str]) -> dict:
+    return {"type": "object", "properties": {"op": {"const": kind}, **properties},
+            "required": ["op", *required], "additionalProperties": False}
+
+
+def operations_schema(max_items: int | None = None, *, kinds: Sequence[str] = tuple(OP_KINDS),
+                      live_ids: Sequence[str] | None = None, sources: Sequence[str] | None = None, min_words: int = 1,
+                      max_words: int = 64, pattern: str | None = None) -> dict:
+    """The JSON schema of a reply: ``{"operations": [...]}``, each item one of the per-kind shapes below, so
+    that constrained decoding cannot produce an add with ids, a modify without exactly one live id, a merge of
+    fewer than two, an id that is not in the library, or a lesson outside the word bounds. Kinds that need ids
+    are left out when the library has too few ids (``live_ids=None``: any ids, every kind). ``max_items`` bounds the list (small models otherwise repeat
+    operations until they run out of tokens); ``sources`` (group ids) bounds where an operation may say it
+    came from; ``pattern`` (``learning.lesson_pattern``) is a regular expression every lesson must match."""
+    text = _lesson_text(min_words, max_words, pattern)
+    extra: dict = {"why": {"type": "string", "maxLength": 200}}  # short: a rambling reason eats the token budget
+    if sources is not None:
+        extra["sources"] = {"type": "array", "items": {"enum": list(sources)}} if sources else {"type": "array",
+                                                                                               "maxItems": 0}
+    shapes = {
+        "add": lambda: _case("add", {"text": text, **extra}, ["text"]),
+        "modify": lambda: _case("modify", {"ids": _ids(live_ids, 1, 1), "text": text, **extra}, ["ids", "text"]),
+        "merge": lambda: _case("merge", {"ids": _ids(live_ids, 2, None), "text": text, **extra},
+                               ["ids", "text"]),
+        "delete": lambda: _case("delete", {"ids": _ids(live_ids, 1, 1), **extra}, ["ids"]),
+        "keep": lambda: _case("keep", {"ids": _ids(live_ids, 1, 1), **extra}, ["ids"]),
+    }
+    needs_ids = {"modify": 1, "delete": 1, "keep": 1, "merge": 2}
+    n_ids = float("inf") if live_ids is None else len(live_ids)
+    cases = [shapes[k]() for k in kinds if n_ids >= needs_ids.get(k, 0)]
+    items: dict = {"type": "array", "items": {"anyOf": cases} if len(cases) > 1 else cases[0]}
+    if max_items is not None:
+        items["maxItems"] = max(1, max_items)
+    return {"type": "object", "properties": {"operations": items}, "required": ["operations"],
+            "additionalProperties": False}
+
+
+OPERATIONS_SCHEMA: dict = operations_schema()  # every kind, any ids
+
 
 _SUMMARIZE_SYSTEM = """ROLE: trajectory summarizer
 You review one attempt at a {domain} problem and describe it for a colleague who will compare several
@@ -65,16 +94,21 @@ _SUMMARIZE_USER = """{library_block}Problem:
 Attempt{grade_block}:
 {attempt}"""
 
+_LESSON_RULE = """A lesson is one general sentence of {min_words} to {max_words} words, in the form "When" + the kind of
+problem or situation + what to do. It must help on other problems too: it never contains a problem's names,
+numbers or answer, and it does not repeat a lesson the library already has."""
+
 _EXTRACT_SYSTEM = """ROLE: experience extractor
-You improve a library of short, general lessons for solving {domain} problems. You see several attempts at
-one problem{grading_note}, and the current library. Compare the attempts and find what made the better ones
-better. Propose at most {max_ops} operations on the library:
-- {{"op": "add", "text": "..."}}: a new lesson;
-- {{"op": "modify", "ids": ["E3"], "text": "..."}}: rewrite an existing lesson by its id.
-Rules: a lesson is a general strategy ("When ..., do ..."), never a calculation or an answer for this
-problem; at most {max_words} words; do not repeat a lesson already in the library.
-Reply with JSON only: {{"operations": [{{"op": ..., "ids": [...], "text": ..., "why": ...}}]}}.
-If nothing is worth learning, reply {{"operations": []}}."""
+You improve a library of short, general lessons for solving {domain} problems. You are shown the current
+library, one problem{answer_note} and several {graded}attempts at it.
+""" + _LESSON_RULE + """
+{edit_kinds}
+Reply with JSON only: {{"operations": [your edits]}}, at most {max_ops} edit(s), or {{"operations": []}} when the
+attempts teach nothing new.{example_block}"""
+
+_EXTRACT_KINDS_ADD = """An edit is {"op": "add", "text": the lesson}."""
+_EXTRACT_KINDS_MODIFY = """An edit is {"op": "add", "text": a new lesson}, or {"op": "modify", "ids": [the id of one library
+lesson, such as "E3"], "text": the improved lesson}."""
 
 _EXTRACT_USER = """Current library:
 {library}
@@ -82,28 +116,43 @@ _EXTRACT_USER = """Current library:
 Problem ({group_id}):
 {problem}
 {answer_block}
-{attempts}"""
+{attempts}
+
+Task: compare the attempts. What did the {better} attempts do that the {worse} ones did not? Write that as a
+general lesson of at most {max_words} words (JSON only)."""
 
 _CONSOLIDATE_SYSTEM = """ROLE: library consolidator
-You maintain a library of short, general lessons for solving {domain} problems. Several groups of attempts
-proposed edits. Turn all proposals into one final, consistent plan:
-- {{"op": "add", "text": "...", "sources": ["group ids"]}}
-- {{"op": "modify", "ids": ["E3"], "text": "...", "sources": [...]}}
-- {{"op": "merge", "ids": ["E1", "E4"], "text": "...", "sources": [...]}} (two or more existing ids)
-- {{"op": "delete", "ids": ["E2"]}}
-- {{"op": "keep", "ids": ["E5"]}}
-Rules: combine proposals that say the same thing; each lesson general, at most {max_words} words, no
-repetition across lessons; use only ids that exist in the current library; never two operations on the same
-id. Reply with JSON only: {{"operations": [...]}}."""
+You maintain a library of short, general lessons for solving {domain} problems. Groups of attempts proposed
+edits of the library. Turn all proposals into one final, consistent list of edits:
+- {{"op": "add", "text": a new lesson, "sources": [the ids of the groups that proposed it]}};
+- {{"op": "modify", "ids": [one library id], "text": the improved lesson, "sources": [group ids]}};
+- {{"op": "merge", "ids": [two or more library ids], "text": one lesson replacing them, "sources": [group ids]}};
+- {{"op": "delete", "ids": [one library id]}} removes a wrong or useless lesson;
+- {{"op": "keep", "ids": [one library id]}} leaves it as it is.
+Combine proposals that say the same thing into one edit. Use only ids that exist in the current library, and
+at most one edit per id.
+""" + _LESSON_RULE + """
+Reply with JSON only: {{"operations": [your edits]}}.{example_block}"""
 
 _CONSOLIDATE_USER = """Current library:
 {library}
 
 Proposals:
-{proposals}"""
+{proposals}
+
+Task: turn these proposals into the final list of edits (JSON only)."""
+
+_EXAMPLE_BLOCK = """
+An example of a reply (about other attempts; write your own lessons):
+{example}"""
 
 _REPAIR = """Your previous reply could not be used: {error}
-Reply again with JSON only, exactly in this shape: {{"operations": [{{"op": ..., "ids": [...], "text": ..., "why": ...}}]}}."""
+Reply again with JSON only, shorter if it ran out of room.{example_block}"""
+
+_DEFAULT_EXAMPLES = (
+    "When a problem states several conditions, list each one and check the final answer against all of them.",
+    "When a calculation has many steps, write each intermediate result down before using it in the next step.",
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +166,12 @@ class Attempt:
 
 @dataclass(frozen=True)
 class LearnerPrompts:
+    """The learner's wording for one domain. ``examples``: two concrete lessons of that domain, shown as the
+    example reply (a small model copies whatever it is shown, so there are no placeholders to copy; a lesson
+    copied from an example is rejected at apply time, see ``copied_from_prompt``)."""
+
     domain: str = "general"
+    examples: tuple[str, str] = _DEFAULT_EXAMPLES
 
     def summarize(self, problem: Problem, attempt: Attempt, library_text: str, use_groundtruth: bool) -> list[Message]:
         graded = use_groundtruth and attempt.reward is not None
@@ -133,28 +187,135 @@ class LearnerPrompts:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def extract(self, problem: Problem, attempts: Sequence[Attempt], library_text: str, *, use_groundtruth: bool,
-                max_ops: int, max_words: int) -> list[Message]:
+                max_ops: int, min_words: int, max_words: int, show_example: bool = True) -> list[Message]:
+        """``show_example``: include a complete example reply. Leave it out when the reply is constrained to
+        the schema (the grammar shows the shape; a small model copies an example's lesson word for word)."""
         system = _EXTRACT_SYSTEM.format(
-            domain=self.domain, max_ops=max_ops, max_words=max_words,
-            grading_note=" with their grades and the reference answer" if use_groundtruth else "")
+            domain=self.domain, max_ops=max_ops, min_words=min_words, max_words=max_words,
+            edit_kinds=_EXTRACT_KINDS_MODIFY if library_text else _EXTRACT_KINDS_ADD,
+            answer_note=" with its reference answer," if use_groundtruth else "", graded="graded " if use_groundtruth else "",
+            example_block=self._example_block(show_example, sources=False))
         blocks = [
             f"Attempt {a.sample_idx}{_grade(a.reward) if use_groundtruth and a.reward is not None else ''}:\n{a.text}"
             for a in attempts
         ]
         user = _EXTRACT_USER.format(
             library=library_text or "(empty)", group_id=problem.problem_id, problem=problem.problem,
-            answer_block=_answer_block(problem, use_groundtruth), attempts="\n\n".join(blocks))
+            answer_block=_answer_block(problem, use_groundtruth), attempts="\n\n".join(blocks),
+            better="correct" if use_groundtruth else "better", worse="wrong" if use_groundtruth else "worse",
+            max_words=max_words)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
-    def consolidate(self, proposals_text: str, library_text: str, *, max_words: int) -> list[Message]:
-        system = _CONSOLIDATE_SYSTEM.format(domain=self.domain, max_words=max_words)
+    def consolidate(self, proposals_text: str, library_text: str, *, min_words: int, max_words: int,
+                    show_example: bool = True) -> list[Message]:
+        system = _CONSOLIDATE_SYSTEM.format(domain=self.domain, min_words=min_words, max_words=max_words,
+                                            example_block=self._example_block(show_example, sources=True))
         user = _CONSOLIDATE_USER.format(library=library_text or "(empty)", proposals=proposals_text)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
-    @staticmethod
-    def repair(messages: list[Message], bad_reply: str, error: str) -> list[Message]:
+    def _example_block(self, show: bool, *, sources: bool) -> str:
+        return _EXAMPLE_BLOCK.format(example=self.example_reply(sources=sources)) if show else ""
+
+    def repair(self, messages: list[Message], bad_reply: str, error: str, *, show_example: bool = True,
+               sources: bool = False) -> list[Message]:
+        """The re-ask after an unusable reply (the same ``show_example`` rule as the first ask)."""
+        block = self._example_block(show_example, sources=sources)
         return [*messages, {"role": "assistant", "content": bad_reply},
-                {"role": "user", "content": _REPAIR.format(error=error)}]
+                {"role": "user", "content": _REPAIR.format(error=error, example_block=block)}]
+
+    def example_reply(self, *, sources: bool) -> str:
+        """A complete, concrete reply: what the model should produce, with a lesson of this domain."""
+        first, second = self.examples
+        if sources:
+            ops = [{"op": "add", "text": first, "sources": ["p7", "p12"]},
+                   {"op": "modify", "ids": ["E2"], "text": second, "sources": ["p3"]}]
+        else:
+            ops = [{"op": "add", "text": first}]
+        return json.dumps({"operations": ops})
+
+    def copied_from_prompt(self, text: str) -> str | None:
+        """A rejection reason when a lesson is mostly the prompts' own wording (an example lesson or the
+        instructions) rather than something learned; None otherwise."""
+        for example in self.examples:
+            if overlap(text, example) >= COPY_OVERLAP:
+                return f"copied from the prompt's example lesson: {example!r}"
+        if overlap(text, _INSTRUCTION_TEXT) >= COPY_OVERLAP:
+            return "copied from the prompt's instructions"
+        return None
+
+
+COPY_OVERLAP = 0.6  # share of a lesson's word trigrams found in the prompt's own wording
+_INSTRUCTION_TEXT = " ".join([_EXTRACT_SYSTEM, _EXTRACT_KINDS_MODIFY, _EXTRACT_USER, _CONSOLIDATE_SYSTEM,
+                              _CONSOLIDATE_USER, _EXAMPLE_BLOCK, _REPAIR, _SUMMARIZE_SYSTEM, _SUMMARIZE_GRADED,
+                              _SUMMARIZE_UNGRADED])
+_WORD_RE = re.compile(r"[a-z0-9]+")
+
+
+@dataclass(frozen=True)
+class LessonScreen:
+    """What may not enter the library although the library's own rules (length, ids, duplicates) allow it: the
+    learner prompt's own wording (an example lesson, the instructions), a copy of a training problem, a source
+    problem's answer, or a text that does not match ``learning.lesson_pattern``. Used as the library's
+    ``screen``: a refused operation is rejected with the reason, and stored."""
+
+    prompts: LearnerPrompts
+    problems: Sequence[Problem] = ()
+    pattern: str | None = None
+
+    def __call__(self, op: Operation) -> str | None:
+        text = op.text or ""
+        if self.pattern and not re.fullmatch(self.pattern, text):
+            return f"does not match learning.lesson_pattern {self.pattern!r}"
+        copied = self.prompts.copied_from_prompt(text)
+        if copied:
+            return copied
+        for problem in self.problems:
+            if overlap(text, problem.problem) >= COPY_OVERLAP or restates(text, problem.problem):
+                return f"copied from training problem {problem.problem_id}"
+        answers = {p.problem_id: p.answer for p in self.problems if p.answer}
+        numbers = set(_NUMBER_RE.findall(text))
+        for group in op.source_groups:
+            answer = (answers.get(group) or "").strip()
+            if len(answer) >= 2 and answer in numbers:
+                return f"states the answer {answer} of problem {group}"
+        return None
+
+
+_NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+_STOPWORDS = frozenset(
+    "a an and are as at be by do does for from has have how if in into is it its of on or so than that the their "
+    "them then there these they this to was were what when which who will with you your".split())
+RESTATE_SHARE = 0.7  # share of a lesson's content words found in a problem: a restatement of that problem
+
+
+def _content_words(text: str) -> list[str]:
+    words = (_NUMBER_WORDS.get(w, w) for w in _WORD_RE.findall(text.casefold()))
+    return [w for w in words if w not in _STOPWORDS]
+
+
+def restates(text: str, source: str) -> bool:
+    """Whether ``text`` mostly repeats the content words of ``source`` (numbers written out count as digits)."""
+    words = _content_words(text)
+    if len(words) < 4:
+        return False
+    known = set(_content_words(source))
+    return sum(w in known for w in words) / len(words) >= RESTATE_SHARE
+
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _trigrams(text: str) -> set[tuple[str, ...]]:
+    words = _WORD_RE.findall(text.casefold())
+    return {tuple(words[i : i + 3]) for i in range(len(words) - 2)} or ({tuple(words)} if words else set())
+
+
+def overlap(text: str, source: str) -> float:
+    """The share of ``text``'s word trigrams that also occur in ``source`` (0 for an empty text)."""
+    grams = _trigrams(text)
+    return len(grams & _trigrams(source)) / len(grams) if grams else 0.0
 
 
 def _answer_block(problem: Problem, use_groundtruth: bool) -> str:

@@ -7,9 +7,10 @@ sampling, epochs, batches) and a ``LearningConfig`` (library limits, operations,
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.records import text_hash
 
@@ -34,6 +35,9 @@ class ModelConfig(Section):
     api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # >1 makes tokens already generated less likely (CTRL-style); curbs loops in small models. Not part of the
+    # OpenAI API: sent as an extra field that vLLM / SGLang / llama.cpp servers read and others ignore
+    repetition_penalty: float | None = Field(None, ge=1.0, le=2.0)
     max_tokens: int = Field(2048, ge=1)
     timeout_s: float = Field(120.0, gt=0)
     max_retries: int = Field(6, ge=0)
@@ -81,10 +85,29 @@ class GRPOConfig(Section):
 
 
 class LearningConfig(Section):
+    """How the learner turns attempts into library edits, and what a lesson may be."""
+
     use_groundtruth: bool = True
+    min_words: int = Field(5, ge=1)  # a lesson is a sentence: shorter texts ("...", "Check.") are rejected
     max_words: int = Field(32, ge=1)
+    # a regular expression every lesson must match (whole text): enforced by constrained decoding where the
+    # learner's backend enforces JSON schemas, and checked when operations are applied. None: any sentence.
+    lesson_pattern: str | None = None
     max_ops_per_group: int = Field(3, ge=1)
     max_library_size: int | None = Field(None, ge=1)
+    # llm: a learner call turns all group proposals into one plan; passthrough: the group proposals are the plan,
+    # after de-duplication (as the reference implementation lets adds through unless merged)
+    consolidation: Literal["llm", "passthrough"] = "llm"
+
+    @field_validator("lesson_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"lesson_pattern {value!r} is not a regular expression: {exc}") from exc
+        return value
     consolidate_chunk_size: int = Field(20, ge=2)  # proposals per consolidation call before a final pass
     summarize_chunk_size: int = Field(16, ge=1)  # groups per summarize / advantage task run
 
@@ -136,12 +159,25 @@ class ValidationConfig(EvalConfig):
     every_n_steps: int = Field(1, ge=1)
 
 
+# (section, setting) -> default, for settings added after runs were first stored (see RunConfig.fingerprint)
+LATER_SETTINGS: dict[tuple[str, str], Any] = {
+    ("grpo", "max_steps"): None,
+    ("learning", "min_words"): 5,
+    ("learning", "consolidation"): "llm",
+    ("learning", "lesson_pattern"): None,
+    ("policy", "repetition_penalty"): None,
+    ("learner", "repetition_penalty"): None,
+}
+
 # Settings that change where or how fast a run executes, never what it computes.
 NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline"}
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
 class RunConfig(Section):
-    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)  # None: generated when the run starts, and printed
     db_path: str = "runs/clgrpo.duckdb"
     domain: str = "math"
     dataset: DatasetConfig
@@ -163,11 +199,13 @@ class RunConfig(Section):
         return self.learner or self.policy
 
     def fingerprint(self) -> str:
-        """Hash of everything that shapes the results; a run id is bound to one fingerprint."""
-        unset = {"validation"} if self.validation is None else set()  # keeps older runs' fingerprints
+        """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
+        the first release count only when changed from their default, so older runs keep their fingerprint."""
+        unset = {"validation"} if self.validation is None else set()
         payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
-        if payload["grpo"]["max_steps"] is None:
-            del payload["grpo"]["max_steps"]
+        for (section, key), default in LATER_SETTINGS.items():
+            if isinstance(payload[section], dict) and payload[section].get(key) == default:
+                del payload[section][key]
         return text_hash(json.dumps(payload, sort_keys=True))
 
 

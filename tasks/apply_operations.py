@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.library import ExperienceLibrary, Screen
+from domains import get_domain
+from domains.learner import LessonScreen
 from schemas.config import LearningConfig, RunConfig
-from schemas.records import LibraryVersion, Operation, OperationResult
+from schemas.records import LibraryVersion, Operation, OperationResult, Problem
 from tasks.common import stage_task
 
 STAGE = "apply_operations"
@@ -19,15 +21,17 @@ class Applied:
 
 
 def apply_operations(library: ExperienceLibrary, operations: list[Operation], *, step: int,
-                     cfg: LearningConfig) -> tuple[ExperienceLibrary, list[OperationResult]]:
+                     cfg: LearningConfig, screen: Screen | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
     """Every operation comes back applied or rejected with its reason; the new version's number is ``step``."""
-    new, results = library.apply(operations, step=step, max_words=cfg.max_words, max_size=cfg.max_library_size)
-    return new, results
+    return library.apply(operations, step=step, max_words=cfg.max_words, min_words=cfg.min_words,
+                         max_size=cfg.max_library_size, screen=screen)
 
 
 @stage_task(STAGE, run_name="apply-operations-step{step}")
-def apply_operations_task(config: RunConfig, step: int, library: LibraryVersion,
-                          operations: list[Operation]) -> Applied:
+def apply_operations_task(config: RunConfig, step: int, library: LibraryVersion, operations: list[Operation],
+                          problems: list[Problem]) -> Applied:
+    """``problems``: the step's training problems (a lesson may not copy one or state its answer)."""
+    screen = LessonScreen(get_domain(config.domain).learner_prompts, problems, config.learning.lesson_pattern)
     new, results = apply_operations(ExperienceLibrary.from_version(library), operations, step=step,
-                                    cfg=config.learning)
+                                    cfg=config.learning, screen=screen)
     return Applied(new.to_version(), results)

@@ -1,6 +1,7 @@
 """Stage: turn all group proposals of a step into one final plan of operations.
 
-Up to ``consolidate_chunk_size`` proposals go to one learner call. Beyond that the proposals are
+With ``learning.consolidation: passthrough`` the group proposals are the plan, after de-duplication (no
+learner call). Otherwise up to ``consolidate_chunk_size`` proposals go to one learner call. Beyond that the proposals are
 consolidated hierarchically: one call per chunk, then a final pass over the chunk plans (a single giant call
 degrades). Every plan, intermediate or final, is returned as a ``Proposal`` record (group_id ``chunk-N`` or
 ``final``); a final plan that cannot be parsed even after the repair re-ask yields no operations and is kept
@@ -10,10 +11,12 @@ with its raw text and error. A failed learner call fails the stage (a retry resu
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import json
 from dataclasses import dataclass, field
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo import progress
+from clgrpo.library import ExperienceLibrary, normalize_text
 from clgrpo.llm import LLMClient, shared_client
 from domains import get_domain
 from domains.learner import LearnerPrompts, operations_schema
@@ -50,15 +53,40 @@ def render_proposals(proposals: list[Proposal]) -> str:
 async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
                 llm: LLMClient, cfg: LearningConfig) -> tuple[Proposal, list[LLMCall]]:
     known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
-    messages = prompts.consolidate(render_proposals(proposals), library.render_for_prompt(), max_words=cfg.max_words)
+    show_example = not llm.constrains_json("learner")
+    messages = prompts.consolidate(render_proposals(proposals), library.render_for_prompt(), min_words=cfg.min_words,
+                                   max_words=cfg.max_words, show_example=show_example)
     # a final plan needs at most one operation per proposed one plus one per library entry
     bound = sum(len(p.operations) for p in proposals) + len(library)
-    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=operations_schema(bound),
-                                          repair=prompts.repair)
+    schema = operations_schema(bound, live_ids=[e.id for e in library], sources=sorted(known_groups),
+                               min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
+    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
+                                          repair=partial(prompts.repair, show_example=show_example, sources=True))
+    progress.advance(STAGE)
     operations = [op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups]})
                   for op in reply.operations]
     plan = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error)
     return plan, reply.calls
+
+
+def passthrough(proposals: list[Proposal]) -> Consolidation:
+    """The group proposals are the final plan, de-duplicated: operations of the same kind on the same ids with
+    the same (normalized) text become one operation that names every proposing group. Nothing else is dropped:
+    conflicting operations on one id reach the library, which rejects all but the first with the reason."""
+    combined: dict[tuple[str, tuple[str, ...], str], Operation] = {}
+    total = 0
+    for proposal in proposals:
+        for op in proposal.operations:
+            total += 1
+            groups = op.source_groups or [proposal.group_id]
+            key = (op.op.value, tuple(op.target_ids), normalize_text(op.text or ""))
+            kept = combined.get(key)
+            merged = groups if kept is None else list(dict.fromkeys([*kept.source_groups, *groups]))
+            combined[key] = (kept or op).model_copy(update={"source_groups": merged})
+    operations = list(combined.values())
+    note = (f"passthrough: {total} proposed operation(s) from {len(proposals)} group(s); "
+            f"{total - len(operations)} duplicate(s) combined")
+    return Consolidation(operations, [Proposal(group_id=FINAL, operations=operations, raw_text=note)])
 
 
 async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
@@ -67,6 +95,8 @@ async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, pro
     usable = sorted((p for p in proposals if p.operations), key=lambda p: p.group_id)
     if not usable:
         return Consolidation([], [])
+    if cfg.consolidation == "passthrough":
+        return passthrough(usable)
     plans: list[Proposal] = []
     calls: list[LLMCall] = []
     size = cfg.consolidate_chunk_size
@@ -80,6 +110,15 @@ async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, pro
     final, final_calls = await _plan(FINAL, usable, library, prompts, llm, cfg) if usable else (
         Proposal(group_id=FINAL, parse_error=None), [])
     return Consolidation(final.operations, [*plans, final], [*calls, *final_calls])
+
+
+def consolidation_calls(n_proposals: int, cfg: LearningConfig) -> int:
+    """Learner calls a consolidation of ``n_proposals`` usable proposals makes (at most: the chunk plans, then
+    the final pass)."""
+    if cfg.consolidation == "passthrough" or n_proposals == 0:
+        return 0
+    size = cfg.consolidate_chunk_size
+    return 1 if n_proposals <= size else -(-n_proposals // size) + 1
 
 
 @stage_task(STAGE, run_name="consolidate-step{step}")

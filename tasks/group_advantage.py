@@ -9,14 +9,16 @@ operations on the library, returned as a ``Proposal`` per group (parse failures 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
-from domains.learner import Attempt, LearnerPrompts, operations_schema
+from domains.learner import GROUP_KINDS, Attempt, LearnerPrompts, operations_schema
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from tasks.common import stage_task
@@ -103,15 +105,20 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
 async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], library: ExperienceLibrary,
                        prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
     use_gt = cfg.use_groundtruth
+    show_example = not llm.constrains_json("learner")
     messages = prompts.extract(group.problem, _attempts(group, summaries, use_gt), library.render_for_prompt(),
-                               use_groundtruth=use_gt, max_ops=cfg.max_ops_per_group, max_words=cfg.max_words)
+                               use_groundtruth=use_gt, max_ops=cfg.max_ops_per_group, min_words=cfg.min_words,
+                               max_words=cfg.max_words, show_example=show_example)
+    schema = operations_schema(cfg.max_ops_per_group, kinds=GROUP_KINDS, live_ids=[e.id for e in library],
+                               min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
     group_id = group.problem.problem_id
     try:
-        reply = await llm.complete_operations(messages, stage=STAGE,
-                                              json_schema=operations_schema(cfg.max_ops_per_group),
-                                              repair=prompts.repair)
+        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
+                                              repair=partial(prompts.repair, show_example=show_example))
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"learner call failed: {exc}")], exc.calls)
+    finally:
+        progress.advance(STAGE)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
     proposal = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text,
                         parse_error=reply.parse_error)

@@ -34,7 +34,8 @@ def test_demo_runs_the_real_flow_on_a_local_model(tmp_path, capsys):
         assert rollouts["n"][0] == 3 * 2 * 2
         assert store.run_config("demo-test").policy.backend == "transformers"
     out = capsys.readouterr().out
-    assert "step 1 rollout: wrote" in out and "step 2 (epoch 2): accuracy" in out  # the per-step progress lines
+    assert "step 1 rollout: stored 6 rollouts, 3 llm calls" in out  # a line per stage, counts named
+    assert "step 2 (epoch 2): accuracy" in out  # and per step
     assert "sequences in one batch" in out  # one line per batched generate call
     text = summary(result)
     assert "DuckDB:" in text and "library files:" in text and "tokens/s" in text
@@ -69,10 +70,28 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
 
     prompts = LearnerPrompts("arithmetic")
     messages = prompts.consolidate(json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "",
-                                   max_words=24)
+                                   min_words=5, max_words=24)
     reply = await client.complete_operations(messages, stage="consolidate", json_schema=OPERATIONS_SCHEMA,
-                                             repair=LearnerPrompts.repair)
+                                             repair=LearnerPrompts().repair)
     # constrained decoding: the reply is valid operations JSON unless it ran out of tokens mid-string
     assert reply.parse_error is None or "unparseable" in reply.parse_error
     assert all(c.ok and c.tokens_out > 0 for c in reply.calls)
     await client.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness", "embedded_model")
+def test_default_demo_on_the_embedded_model_applies_a_lesson_of_its_own(tmp_path):
+    """The acceptance of the demo, end to end (about 4 minutes on 2 cores): the default ``clgrpo demo`` on the
+    real SmolLM2-135M ends with at least one applied lesson of 6+ words that passed every library rule and the
+    lesson screen (not copied from the prompt or a problem, no answer), and its summary lists every rejected
+    operation with its reason. Sampling is unseeded, as in the demo."""
+    result = run_demo(DemoOptions(out=tmp_path / "demo"), out=lambda line: None)
+    applied = [r for _, r in result.operations if r.status.value == "applied"]
+    rejected = [r for _, r in result.operations if r.status.value == "rejected"]
+    assert result.library and applied, summary(result)
+    assert all(len(text.split()) >= 6 for _, text in result.library)
+    text = summary(result)
+    assert all(r.reason in text for r in rejected)
+    assert "clgrpo report" in text

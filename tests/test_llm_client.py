@@ -157,7 +157,7 @@ async def test_operations_with_one_repair_re_ask():
     with FakeOpenAIServer(Replies("I would add a lesson.", good)) as server:
         client = LLMClient(model(server))
         reply = await client.complete_operations(MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA,
-                                                 repair=LearnerPrompts.repair)
+                                                 repair=LearnerPrompts().repair)
         assert reply.parse_error is None and [o.text for o in reply.operations] == ["Check units."]
         assert len(reply.calls) == 2 and server.stats.requests == 2
         await client.aclose()
@@ -167,7 +167,7 @@ async def test_operations_still_unparseable_are_returned_with_raw_text():
     with FakeOpenAIServer(Replies("no json here", "still none")) as server:
         client = LLMClient(model(server))
         reply = await client.complete_operations(MESSAGES, stage="consolidate", json_schema=OPERATIONS_SCHEMA,
-                                                 repair=LearnerPrompts.repair)
+                                                 repair=LearnerPrompts().repair)
         assert reply.operations == [] and "unparseable after repair" in reply.parse_error
         assert "no json here" in reply.raw_text and "still none" in reply.raw_text
         await client.aclose()
@@ -182,5 +182,20 @@ def test_missing_api_key_for_the_official_endpoint_is_a_clear_error(monkeypatch)
 
 
 def test_role_detection_of_learner_prompts():
-    messages = LearnerPrompts("math").consolidate("{}", "", max_words=32)
+    messages = LearnerPrompts("math").consolidate("{}", "", min_words=5, max_words=32)
     assert role_of(ChatRequest(model="m", messages=messages)) == "library consolidator"
+
+
+async def test_repetition_penalty_is_sent_only_when_set():
+    seen: list[dict] = []
+
+    def responder(request: ChatRequest) -> list[str]:
+        seen.append(request.raw)
+        return ["ok"] * request.n
+
+    with FakeOpenAIServer(responder) as server:
+        for penalty in (None, 1.1):
+            client = LLMClient(model(server, repetition_penalty=penalty))
+            await client.complete(MESSAGES, stage="s", role="policy")
+            await client.aclose()
+    assert "repetition_penalty" not in seen[0] and seen[1]["repetition_penalty"] == 1.1

@@ -23,6 +23,7 @@ class GenRequest:
     top_p: float = 1.0
     max_tokens: int = 1024
     seed: int | None = None
+    repetition_penalty: float | None = None
     json_schema: dict | None = None
     schema_name: str = "reply"
 
@@ -102,6 +103,8 @@ class OpenAIBackend:
                             temperature=request.temperature, top_p=request.top_p, max_tokens=request.max_tokens)
         if request.seed is not None:
             kwargs["seed"] = request.seed
+        if request.repetition_penalty is not None:  # not in the OpenAI API: vLLM / SGLang / llama.cpp read it
+            kwargs["extra_body"] = {"repetition_penalty": request.repetition_penalty}
         if request.json_schema is not None and self.json_schema_supported:
             kwargs["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": request.schema_name, "schema": request.json_schema, "strict": False}}
@@ -111,11 +114,11 @@ class OpenAIBackend:
             if "response_format" in kwargs and "response_format" in str(exc):
                 self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
                 return await self.generate(request)
-            raise PermanentLLMError(f"HTTP 400: {exc}") from exc
+            raise PermanentLLMError(f"HTTP 400 from {self._client.base_url}: {exc}") from exc
         except self._openai.APIStatusError as exc:
             raise self._classify(exc) from exc
         except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
-            raise TransientLLMError(f"{type(exc).__name__}: {exc}") from exc
+            raise TransientLLMError(f"{type(exc).__name__} at {self._client.base_url}: {exc}") from exc
         usage = response.usage
         return Generation(
             texts=[c.message.content or "" for c in response.choices],
@@ -126,7 +129,7 @@ class OpenAIBackend:
 
     def _classify(self, exc: Exception) -> Exception:
         status = getattr(exc, "status_code", 0)
-        message = f"HTTP {status}: {exc}"
+        message = f"HTTP {status} from {self._client.base_url}: {exc}"
         if status == 429:
             return TransientLLMError(message, _retry_after_seconds(exc.response.headers), rate_limited=True)
         if status >= 500 or status in (408, 409):

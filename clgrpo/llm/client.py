@@ -10,6 +10,7 @@ which stores them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -46,6 +47,7 @@ class Sampled:
 class Completed:
     text: str
     call: LLMCall
+    finish_reason: str = ""  # "length": the reply was cut at max_tokens
 
 
 @dataclass
@@ -92,7 +94,8 @@ class LLMClient:
         """``n`` policy samples for one prompt."""
         cfg = self.configs["policy"]
         request = GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
-                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed)
+                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed,
+                             repetition_penalty=cfg.repetition_penalty)
         calls: list[LLMCall] = []
         texts: list[str] = []
         try:
@@ -115,10 +118,12 @@ class LLMClient:
         cfg = self.configs[role]
         request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
                              top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                             repetition_penalty=cfg.repetition_penalty,
                              json_schema=json_schema if cfg.json_schema else None, schema_name=schema_name)
         calls: list[LLMCall] = []
         gen = await self._call(role, request, stage, calls)
-        return Completed(text=gen.texts[0] if gen.texts else "", call=calls[-1])
+        return Completed(text=gen.texts[0] if gen.texts else "", call=calls[-1],
+                         finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "")
 
     async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
                                   repair: RepairFn) -> OperationsReply:
@@ -128,7 +133,7 @@ class LLMClient:
         try:
             return OperationsReply(parse_operations(first.text), first.text, None, [first.call])
         except StructuredOutputError as exc:
-            error = str(exc)
+            error = self._why_unusable(exc, first)
         second = await self.complete(repair(messages, first.text, error), stage=stage, json_schema=json_schema,
                                      schema_name="operations")
         calls = [first.call, second.call]
@@ -136,7 +141,18 @@ class LLMClient:
             return OperationsReply(parse_operations(second.text), second.text, None, calls)
         except StructuredOutputError as exc:
             raw = json.dumps({"first_reply": first.text, "repair_reply": second.text}, ensure_ascii=False)
-            return OperationsReply([], raw, f"unparseable after repair: {exc} (first reply: {error})", calls)
+            return OperationsReply([], raw, f"unparseable after repair: {self._why_unusable(exc, second)} "
+                                            f"(first reply: {error})", calls)
+
+    def _why_unusable(self, exc: StructuredOutputError, reply: Completed) -> str:
+        if reply.finish_reason == "length":
+            return f"{exc}: the reply was cut off at max_tokens={self.configs['learner'].max_tokens}"
+        return str(exc)
+
+    def constrains_json(self, role: Role) -> bool:
+        """Whether ``role``'s replies are constrained to the JSON schema sent with them (``json_schema: true``:
+        the endpoint or local engine enforces it), so prompts need not show an example reply."""
+        return self.configs[role].json_schema
 
     async def aclose(self) -> None:
         for state in list(self._states.values()):
@@ -209,9 +225,7 @@ class LLMClient:
 
 def _single(request: GenRequest, index: int) -> GenRequest:
     seed = None if request.seed is None else request.seed + index
-    return GenRequest(messages=request.messages, n=1, temperature=request.temperature, top_p=request.top_p,
-                      max_tokens=request.max_tokens, seed=seed, json_schema=request.json_schema,
-                      schema_name=request.schema_name)
+    return dataclasses.replace(request, n=1, seed=seed)
 
 
 _SHARED: dict[str, LLMClient] = {}

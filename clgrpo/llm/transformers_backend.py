@@ -194,6 +194,7 @@ class Row:
     top_p: float
     seed: int | None
     matcher: Any | None = None
+    repetition_penalty: float | None = None
     generator: Any = None
     done: bool = False
     truncated: bool = False
@@ -216,7 +217,8 @@ class RowSampler:
         step = input_ids.shape[1] - self.prompt_len
         if step > 0:
             self._advance(input_ids[:, -1].tolist())
-        chosen = [self._choose(row, scores[i : i + 1], step) for i, row in enumerate(self.rows)]
+        generated = input_ids[:, self.prompt_len:]
+        chosen = [self._choose(row, scores[i : i + 1], step, generated[i]) for i, row in enumerate(self.rows)]
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(chosen), device=scores.device), torch.tensor(chosen, device=scores.device)] = 0.0
         return out
@@ -226,7 +228,7 @@ class RowSampler:
             if not row.done and row.matcher is not None:
                 row.matcher.accept_token(token)
 
-    def _choose(self, row: Row, logits: Any, step: int) -> int:
+    def _choose(self, row: Row, logits: Any, step: int, generated: Any) -> int:
         import torch
 
         if row.done:
@@ -237,6 +239,8 @@ class RowSampler:
         if row.matcher is not None and self.grammars is not None:
             self.grammars.apply(row.matcher, logits)
         logits = logits[0].float()
+        if row.repetition_penalty and step > 0:
+            logits = _penalize_repeats(logits, generated, row.repetition_penalty)
         if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing more: end the row
             row.done = True
             return min(self.eos_ids)
@@ -259,6 +263,15 @@ class RowSampler:
             else:
                 row.generator.manual_seed(row.seed + row.index)
         return row.generator
+
+
+def _penalize_repeats(logits: Any, generated: Any, penalty: float) -> Any:
+    """CTRL's repetition penalty over the tokens this row generated so far (as HF's
+    RepetitionPenaltyLogitsProcessor, without the prompt): positive scores are divided, negative multiplied."""
+    import torch
+
+    seen = logits.gather(0, generated)
+    return logits.scatter(0, generated, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def _top_p(logits: Any, top_p: float) -> Any:
@@ -299,7 +312,7 @@ def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
             matcher = loaded.grammars.matcher(request.json_schema) if (
                 request.json_schema is not None and loaded.grammars is not None) else None
             rows.append(Row(qi, i, prompt, min(request.max_tokens, room), request.temperature, request.top_p,
-                            request.seed, matcher))
+                            request.seed, matcher, request.repetition_penalty))
     if rows:
         for qi, generation in _generate(loaded, rows, prompts).items():
             results[qi] = generation

@@ -74,7 +74,8 @@ def sampling_params(request: GenRequest) -> Any:
 
     structured = StructuredOutputsParams(json=request.json_schema) if request.json_schema is not None else None
     return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p,
-                          max_tokens=request.max_tokens, seed=request.seed, structured_outputs=structured)
+                          max_tokens=request.max_tokens, seed=request.seed, structured_outputs=structured,
+                          repetition_penalty=request.repetition_penalty or 1.0)
 
 
 def run_batch(llm: Any, requests: list[GenRequest]) -> list[Result]:

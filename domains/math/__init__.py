@@ -34,6 +34,14 @@ __all__ = [
 ]
 
 
+# shown to the learner as its example reply: concrete lessons of this domain (never placeholders to copy)
+EXAMPLE_LESSONS = (
+    "When counting arrangements with a restriction, count all arrangements first and subtract the ones that "
+    "break the restriction.",
+    "When a problem asks for a remainder, reduce every intermediate result modulo the divisor before going on.",
+)
+
+
 class MathDomain:
     """Competition-style problems with one final answer; rollouts answer in \\boxed{}."""
 
@@ -41,7 +49,7 @@ class MathDomain:
 
     def __init__(self, verify_timeout_s: float = 5.0) -> None:
         self.verify_timeout_s = verify_timeout_s
-        self.learner_prompts = LearnerPrompts(domain="competition mathematics")
+        self.learner_prompts = LearnerPrompts(domain="competition mathematics", examples=EXAMPLE_LESSONS)
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)

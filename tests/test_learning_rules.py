@@ -1,0 +1,145 @@
+"""What the learner may propose and what may enter the library: the per-operation schema, prompts without
+placeholders, the passthrough consolidation, and the lesson screen."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from clgrpo.library import ExperienceLibrary
+from domains.learner import (
+    GROUP_KINDS,
+    Attempt,
+    LearnerPrompts,
+    LessonScreen,
+    operations_schema,
+    overlap,
+    restates,
+)
+from domains.math import EXAMPLE_LESSONS
+from schemas.config import LearningConfig, RunConfig
+from schemas.records import Operation, OpStatus, Problem, Proposal
+from tasks.consolidate import consolidate, consolidation_calls, passthrough
+
+LESSON = "When a count has overlapping cases, add the cases and subtract the overlap once."
+
+
+def valid(schema: dict, reply: dict) -> bool:
+    try:
+        jsonschema.validate(reply, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def ops(*items: dict) -> dict:
+    return {"operations": list(items)}
+
+
+def test_group_schema_allows_only_well_formed_add_and_modify():
+    schema = operations_schema(2, kinds=GROUP_KINDS, live_ids=["E1", "E4"], min_words=5, max_words=24)
+    assert valid(schema, ops({"op": "add", "text": LESSON}))
+    assert valid(schema, ops({"op": "modify", "ids": ["E4"], "text": LESSON, "why": "better"}))
+    assert not valid(schema, ops({"op": "add", "ids": ["E1"], "text": LESSON}))  # add takes no ids
+    assert not valid(schema, ops({"op": "modify", "ids": ["E1", "E4"], "text": LESSON}))  # exactly one
+    assert not valid(schema, ops({"op": "modify", "ids": ["E9"], "text": LESSON}))  # not in the library
+    assert not valid(schema, ops({"op": "add", "text": "..."}))  # under the length bound
+    assert not valid(schema, ops({"op": "delete", "ids": ["E1"]}))  # not a group's kind
+    assert not valid(schema, ops(*[{"op": "add", "text": LESSON}] * 3))  # at most max_items
+
+
+def test_consolidation_schema_merge_needs_two_live_ids_and_known_sources():
+    schema = operations_schema(5, live_ids=["E1", "E4"], sources=["p1", "p2"], min_words=5, max_words=24)
+    assert valid(schema, ops({"op": "merge", "ids": ["E1", "E4"], "text": LESSON, "sources": ["p2"]}))
+    assert not valid(schema, ops({"op": "merge", "ids": ["E1"], "text": LESSON}))
+    assert not valid(schema, ops({"op": "add", "text": LESSON, "sources": ["p9"]}))
+    assert valid(schema, ops({"op": "delete", "ids": ["E4"]}, {"op": "keep", "ids": ["E1"]}))
+    empty = operations_schema(5, live_ids=[], sources=["p1"])  # an empty library: adds only
+    assert [c["properties"]["op"]["const"] for c in [empty["properties"]["operations"]["items"]]] == ["add"]
+
+
+def test_lesson_pattern_replaces_the_length_bounds():
+    pattern = r"^When [^.]+\.$"
+    schema = operations_schema(1, kinds=GROUP_KINDS, live_ids=[], pattern=pattern)
+    assert valid(schema, ops({"op": "add", "text": "When in doubt, check small cases."}))
+    assert not valid(schema, ops({"op": "add", "text": "Check small cases. Always."}))
+
+
+def test_prompts_have_no_placeholders_and_show_an_example_only_when_unconstrained():
+    prompts = LearnerPrompts("competition mathematics", examples=EXAMPLE_LESSONS)
+    problem = Problem(problem_id="p1", problem="How many divisors does 12 have?", answer="6")
+    attempts = [Attempt(0, "Listed 1, 2, 3, 4, 6, 12: six.", 1.0), Attempt(1, "Guessed 4.", 0.0)]
+    kwargs = dict(use_groundtruth=True, max_ops=2, min_words=5, max_words=24)
+    shown = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=True))
+    hidden = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=False))
+    for text in (shown, hidden, prompts.consolidate("{}", "[E1]. x", min_words=5, max_words=24)[0]["content"]):
+        assert "..." not in text and "<" not in text
+    reply = re.search(r'^\{"operations".*$', shown, re.MULTILINE).group(0)  # the example is a complete reply
+    assert json.loads(reply)["operations"][0]["text"] == EXAMPLE_LESSONS[0]
+    assert EXAMPLE_LESSONS[0] not in hidden and hidden.rstrip().endswith("(JSON only).")
+    repair = prompts.repair([], "oops", "empty reply", show_example=False)[-1]["content"]
+    assert EXAMPLE_LESSONS[0] not in repair and "empty reply" in repair
+
+
+def test_passthrough_applies_group_proposals_after_combining_duplicates():
+    proposals = [
+        Proposal(group_id="p1", operations=[Operation(op="add", text=LESSON, source_groups=["p1"])]),
+        Proposal(group_id="p2", operations=[Operation(op="add", text="  " + LESSON.upper(), source_groups=["p2"]),
+                                            Operation(op="modify", target_ids=["E0"], text=LESSON + " Then check.",
+                                                      source_groups=["p2"])]),
+    ]
+    result = passthrough(proposals)
+    assert [(o.op.value, o.source_groups) for o in result.operations] == [("add", ["p1", "p2"]), ("modify", ["p2"])]
+    (plan,) = result.plans
+    assert plan.group_id == "final" and "3 proposed operation(s) from 2 group(s); 1 duplicate(s) combined" in plan.raw_text
+    assert consolidation_calls(30, LearningConfig(consolidation="passthrough")) == 0
+    assert consolidation_calls(30, LearningConfig(consolidate_chunk_size=20)) == 3  # two chunks and a final pass
+
+
+async def test_consolidate_in_passthrough_mode_makes_no_learner_call():
+    class NoCalls:
+        def __getattr__(self, name):
+            raise AssertionError(f"the learner was called ({name})")
+
+    proposals = [Proposal(group_id="p1", operations=[Operation(op="add", text=LESSON, source_groups=["p1"])])]
+    result = await consolidate(proposals, ExperienceLibrary(), LearnerPrompts(), NoCalls(),
+                               LearningConfig(consolidation="passthrough"))
+    assert [o.text for o in result.operations] == [LESSON] and result.calls == []
+
+
+def test_lesson_screen_rejects_copies_answers_and_pattern_misses():
+    problem = Problem(problem_id="p1", problem="Dara has 6 boxes with 4 stickers in each box. How many stickers "
+                                               "are there in total?", answer="24")
+    screen = LessonScreen(LearnerPrompts(), [problem], pattern=r"^When [^.]+\.$")
+
+    def reason(text: str) -> str | None:
+        return screen(Operation(op="add", text=text, source_groups=["p1"]))
+
+    assert reason("When boxes hold equal numbers of items, multiply the boxes by the items in each.") is None
+    assert "example lesson" in reason(LearnerPrompts().examples[0])
+    assert "copied from training problem p1" in reason("When Dara has six boxes with four stickers in each box, "
+                                                       "she has six times four stickers.")
+    assert reason("When items come in equal groups, the result is 24.") == "states the answer 24 of problem p1"
+    assert "lesson_pattern" in reason("Multiply boxes by items in each box.")
+    assert "instructions" in reason('When the kind of problem or situation, what to do.')
+    assert overlap("a b c d", "x a b c y") == 0.5 and not restates("multiply it", problem.problem)
+
+
+def test_library_rejects_short_and_screened_lessons_with_reasons():
+    screen = LessonScreen(LearnerPrompts(), [])
+    new, results = ExperienceLibrary().apply(
+        [Operation(op="add", text="..."), Operation(op="add", text=LearnerPrompts().examples[1]),
+         Operation(op="add", text=LESSON)], step=1, min_words=5, screen=screen)
+    assert [(r.status, r.reason.split(":")[0]) for r in results] == [
+        (OpStatus.REJECTED, "too short"), (OpStatus.REJECTED, "copied from the prompt's example lesson"),
+        (OpStatus.APPLIED, "")]
+    assert [e.text for e in new] == [LESSON]
+
+
+def test_new_learning_settings_count_in_the_fingerprint_only_when_changed():
+    base = RunConfig(run_id="r", dataset={"path": "x.jsonl"})  # tests/test_eval_records.py: older fingerprints
+    changed = base.model_copy(update={"learning": LearningConfig(consolidation="passthrough")})
+    assert changed.fingerprint() != base.fingerprint()
+    with pytest.raises(ValueError, match="not a regular expression"):
+        LearningConfig(lesson_pattern="(")
