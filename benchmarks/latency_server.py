@@ -93,6 +93,7 @@ class PacedResponder:
     """Wraps a responder: sleeps the generation time of its reply and records the call."""
 
     def __init__(self, inner: SeededWorld, model: LatencyModel) -> None:
+        self.models = inner.models
         self.inner = inner
         self.model = model
         self.records: list[CallRecord] = []

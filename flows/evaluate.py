@@ -27,8 +27,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import plots
+from clgrpo.errors import EvaluationError
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
+from clgrpo.preflight import check_policy
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -51,10 +53,6 @@ Outputs = dict[str, list[Any]]
 EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
 NO_LIBRARY = "none"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-class EvaluationError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -271,6 +269,7 @@ async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[st
     """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
     The first library is the baseline of the paired comparisons."""
     log = get_run_logger()
+    await check_policy(config)  # the endpoint answers and serves the model, before any sampling
     with Store(config.db_path) as store:
         conditions = resolve_conditions(store, libraries)
         problems = load_problems(config, evaluation.dataset)

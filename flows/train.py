@@ -25,9 +25,12 @@ from prefect.artifacts import (
     aupdate_progress_artifact,
 )
 
+from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from flows.rollout_gpu import rollout_on_pool
+from clgrpo.errors import error_line
+from clgrpo.preflight import check_run
 from clgrpo.store import Store
 from schemas.config import RunConfig
 from schemas.ddl import VALIDATE_STAGE
@@ -43,7 +46,7 @@ from tasks.checkpoint import (
     operations_markdown,
     step_report,
 )
-from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task
+from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task, consolidation_calls
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
 from tasks.pipeline import PipelineBatch, pipeline_task
@@ -96,15 +99,24 @@ class Trainer:
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
     async def stage(self, step: int, name: str, compute: Callable[[], Awaitable[Outputs]],
-                    tables: Sequence[str], before_write: Callable[[Outputs], None] | None = None) -> Outputs:
+                    tables: Sequence[str], before_write: Callable[[Outputs], None] | None = None,
+                    expect: tuple[int, str] | None = None) -> Outputs:
+        """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar)."""
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
-        outputs = self.precomputed.pop((step, name), None) or await compute()
+        outputs = self.precomputed.pop((step, name), None)
+        if outputs is None:
+            if expect:
+                progress.start(step, name, *expect)
+            try:
+                outputs = await compute()
+            finally:
+                progress.finish(name)
         if before_write:
             before_write(outputs)
-        n_rows = self.store.write_stage(self.run_id, step, name, outputs)
-        self.log.info("step %d %s: wrote %d rows", step, name, n_rows)
+        self.store.write_stage(self.run_id, step, name, outputs)
+        self.log.info("step %d %s: stored %s", step, name, describe_rows(outputs))
         return outputs
 
     # --- setup ----------------------------------------------------------------------------------------
@@ -136,7 +148,8 @@ class Trainer:
             parts = await asyncio.gather(*[run_chunk(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
             return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
 
-        rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"]))["rollouts"]
+        samples = (len(problems) * cfg.grpo.group_size, "samples")
+        rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"], expect=samples))["rollouts"]
 
         async def do_verify() -> Outputs:
             parts = await asyncio.gather(*[
@@ -145,7 +158,7 @@ class Trainer:
             return {"rewards": [r for p in parts for r in p.rewards],
                     "group_advantages": [a for p in parts for a in p.advantages]}
 
-        verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages"])
+        verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages"], expect=(len(rollouts), "samples"))
         rewards, advantages = verified["rewards"], verified["group_advantages"]
         selected_ids = [a.problem_id for a in advantages if a.selected]
         group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
@@ -162,7 +175,9 @@ class Trainer:
                                            for i, ids in enumerate(group_chunks)])
             return {"summaries": [s for p in parts for s in p.summaries], "llm_calls": [c for p in parts for c in p.calls]}
 
-        summaries = (await self.stage(step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"]))["summaries"]
+        to_summarize = sum(r.error is None and r.problem_id in set(selected_ids) for r in rollouts)
+        summaries = (await self.stage(step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"],
+                                      expect=(to_summarize, "summaries")))["summaries"]
 
         async def do_extract() -> Outputs:
             parts = await asyncio.gather(*[
@@ -172,7 +187,8 @@ class Trainer:
             return {"proposals": [p for part in parts for p in part.proposals],
                     "llm_calls": [c for part in parts for c in part.calls]}
 
-        proposals = (await self.stage(step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"]))["proposals"]
+        proposals = (await self.stage(step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"],
+                                      expect=(len(selected_ids), "groups")))["proposals"]
 
         async def do_consolidate() -> Outputs:
             result = await consolidate_task(cfg, step, proposals, version)
@@ -180,13 +196,15 @@ class Trainer:
                 self.log.warning("step %d: consolidation reply unusable after repair; no operations this step", step)
             return {"proposals": result.plans, "llm_calls": result.calls}
 
-        plans: list[Proposal] = (await self.stage(step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"]))["proposals"]
+        calls = consolidation_calls(sum(bool(p.operations) for p in proposals), cfg.learning)
+        plans: list[Proposal] = (await self.stage(step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"],
+                                                  expect=(calls, "learner calls")))["proposals"]
         final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
 
         applied_version: list[LibraryVersion] = []
 
         async def do_apply() -> Outputs:
-            applied = apply_operations_task(cfg, step, version, final_ops)
+            applied = apply_operations_task(cfg, step, version, final_ops, problems)
             applied_version.append(applied.library)
             return {"operations": applied.results}
 
@@ -204,8 +222,16 @@ class Trainer:
         if (not self.cfg.pipeline or self.cfg.rollout.placement == "pool"
                 or any(self.store.stage_done(self.run_id, step, n) for n in names)):
             return
-        parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
-                                       for i, c in enumerate(rollout_chunks)])
+        samples = sum(len(c) for c in rollout_chunks) * self.cfg.grpo.group_size
+        for name, total, unit in ((ROLLOUT, samples, "samples"), (VERIFY, samples, "samples"),
+                                  (SUMMARIZE, 0, "summaries"), (GROUP_ADVANTAGE, 0, "groups")):
+            progress.start(step, name, total, unit)
+        try:
+            parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
+                                           for i, c in enumerate(rollout_chunks)])
+        finally:
+            for name in names:
+                progress.finish(name)
         merged = PipelineBatch.merge(parts)
         self.precomputed.update({
             (step, ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
@@ -253,15 +279,26 @@ class Trainer:
 
     # --- the run --------------------------------------------------------------------------------------
     async def run(self) -> TrainResult:
+        """Register (or resume) the run, train, and record its status: running, then completed or failed."""
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
+        self.store.set_run_status(self.run_id, "running")
+        try:
+            result = await self.steps()
+        except BaseException as exc:
+            self.store.set_run_status(self.run_id, "failed", error_line(exc))
+            raise
+        self.store.set_run_status(self.run_id, "completed")
+        return result
+
+    async def steps(self) -> TrainResult:
         problems = await self.problems()
         library = self.initial_library()
         grpo = self.cfg.grpo
         planned_steps = plan_steps(problems, epochs=grpo.epochs, batch_size=grpo.batch_size, seed=self.cfg.seed,
                                    max_steps=grpo.max_steps)
-        progress = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
-                                                   description=f"{len(planned_steps)} steps")
+        steps_artifact = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
+                                                         description=f"{len(planned_steps)} steps")
         reports: list[StepReport] = []
         validator = Validator(self.cfg, problems) if self.cfg.validation else None
         if validator:
@@ -277,11 +314,17 @@ class Trainer:
                 await self.checkpoint(planned, library, reports)
             if validator and validator.due(planned.step, len(planned_steps)):
                 await self.validate(validator, planned.step, library)
-            await aupdate_progress_artifact(progress, 100.0 * planned.step / len(planned_steps),
+            await aupdate_progress_artifact(steps_artifact, 100.0 * planned.step / len(planned_steps),
                                             description=f"step {planned.step}/{len(planned_steps)}")
         await publish_run_report(self.store, self.cfg)
         return TrainResult(self.run_id, str(self.store.path), library.version, len(library),
                            str(export_dir(self.cfg)), reports)
+
+
+def describe_rows(outputs: Outputs) -> str:
+    """``{"rollouts": [32 items], "llm_calls": [8 items]}`` -> "32 rollouts, 8 llm calls"."""
+    parts = [f"{len(rows)} {table.replace('_', ' ')}" for table, rows in outputs.items()]
+    return ", ".join(parts) if parts else "the stage marker"
 
 
 def _source_digest(cfg: RunConfig) -> str:
@@ -291,8 +334,31 @@ def _source_digest(cfg: RunConfig) -> str:
     return cfg.dataset.hf_name or ""
 
 
-@flow(name="train", flow_run_name="train-{config.run_id}", persist_result=True, log_prints=True)
-async def train(config: RunConfig) -> TrainResult:
-    """Learn an experience library for a frozen policy (Training-Free GRPO)."""
+def with_run_id(config: RunConfig) -> RunConfig:
+    """The config with its run id: the configured one, else one derived from this flow run (so a Retry of the
+    flow run resumes the same run id)."""
+    if config.run_id:
+        return config
+    from prefect.runtime import flow_run
+
+    return config.model_copy(update={"run_id": f"train-{str(flow_run.id)[:8]}"})
+
+
+def _flow_run_name() -> str:
+    """``train-<run id>``; a generated run id is already ``train-<flow run id prefix>``."""
+    from prefect.runtime import flow_run
+
+    config = flow_run.parameters["config"]
+    config = config if isinstance(config, RunConfig) else RunConfig.model_validate(config)
+    return f"train-{config.run_id}" if config.run_id else str(with_run_id(config).run_id)
+
+
+@flow(name="train", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+async def train(config: RunConfig, preflight: bool = True) -> TrainResult:
+    """Learn an experience library for a frozen policy (Training-Free GRPO). ``preflight``: check the dataset,
+    API keys, endpoints and models before the first stage (the CLI has already done it when False)."""
+    config = with_run_id(config)
+    if preflight:
+        await check_run(config)
     with Store(config.db_path) as store:
         return await Trainer(config, store).run()

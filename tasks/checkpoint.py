@@ -8,6 +8,7 @@ from pathlib import Path
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import RunConfig
+from schemas.ddl import CHECKPOINT_STAGE
 from schemas.records import (
     GroupAdvantage,
     LibraryVersion,
@@ -21,7 +22,7 @@ from schemas.records import (
 )
 from tasks.common import stage_task
 
-STAGE = "checkpoint"
+STAGE = CHECKPOINT_STAGE
 
 
 @dataclass(frozen=True)

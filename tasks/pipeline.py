@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from tasks.common import stage_task
+from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import summarize
+from tasks.summarize import STAGE as SUMMARIZE, summarize
 from tasks.verify import verify
 
 STAGE = "pipeline"
@@ -78,6 +80,8 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
     groups = build_groups([problem], batch.rollouts, rewards, advantages)
     if not groups:
         return outcome
+    progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups))
+    progress.expect(GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
     summaries = await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
     proposals = await extract_group_advantage(groups, summaries.summaries, library, prompts, llm, cfg)

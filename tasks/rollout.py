@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import Domain, get_domain
@@ -37,6 +38,8 @@ async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: 
     except LLMCallError as exc:
         failed = [Rollout(**base, sample_idx=i, error=str(exc)) for i in range(group_size)]
         return RolloutBatch(failed, exc.calls)
+    finally:
+        progress.advance(STAGE, group_size)
     tokens_in = sum(c.tokens_in for c in sampled.calls) // max(1, len(sampled.calls))
     tokens_out = sum(c.tokens_out for c in sampled.calls) // max(1, group_size)
     latency = max((c.latency_s for c in sampled.calls), default=0.0)

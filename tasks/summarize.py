@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
@@ -36,6 +37,8 @@ async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, lib
         done = await llm.complete(messages, stage=STAGE)
     except LLMCallError as exc:
         return SummaryBatch([Summary(**base, text="", error=str(exc))], exc.calls)
+    finally:
+        progress.advance(STAGE)
     error = None if done.text.strip() else "empty summary"
     return SummaryBatch([Summary(**base, text=done.text.strip(), error=error)], [done.call])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from clgrpo import progress
 from domains import Domain, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout
@@ -37,6 +38,7 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain) -> 
         else:
             reason = f"rollout failed: {r.error}" if r.error else "no ground truth"
             rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=0.0, error=reason))
+    progress.advance(STAGE, len(rollouts))
     return rewards
 
 

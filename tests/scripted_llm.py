@@ -119,6 +119,8 @@ def _user_messages(request: ChatRequest) -> list[str]:
 class ScriptedWorld:
     """A ``Responder``: dispatches on the ROLE line of the system message (no ROLE line: the policy)."""
 
+    models = ("scripted",)  # the model name it serves (GET /models of the fake server lists it)
+
     def __init__(self, seed: int = 0, p_base: float = 0.2, p_lesson: float = 0.9, p_malformed: float = 0.2,
                  p_garbage: float = 0.1) -> None:
         self.seed = seed

@@ -235,7 +235,8 @@ def test_policy_is_deterministic_per_prompt():
 
 def extract_messages(problem: Problem, grades: list[float | None], library: str = "") -> list[dict]:
     attempts = [Attempt(i, f"The attempt computed the expression and answered {i}.", g) for i, g in enumerate(grades)]
-    return PROMPTS.extract(problem, attempts, library, use_groundtruth=grades[0] is not None, max_ops=3, max_words=20)
+    return PROMPTS.extract(problem, attempts, library, use_groundtruth=grades[0] is not None, max_ops=3, min_words=5,
+                           max_words=20)
 
 
 def test_extractor_proposes_lesson_only_when_useful():
@@ -303,12 +304,13 @@ def test_consolidator_deduplicates(world_server):
         {"group": "p1,p2", "op": "modify", "ids": ["E1"], "text": "Check the result."},
         {"group": "p9", "op": "modify", "ids": ["E1"], "text": "Ignored: second modify of E1."},
     ])
-    messages = PROMPTS.consolidate(proposals, f"[E1]. {other}", max_words=20)
+    messages = PROMPTS.consolidate(proposals, f"[E1]. {other}", min_words=5, max_words=20)
     reply = client_for(srv).chat.completions.create(model="m", messages=messages).choices[0].message.content
     assert json.loads(reply)["operations"] == [
         {"op": "add", "text": lesson, "sources": ["p3", "p7"]},
         {"op": "modify", "ids": ["E1"], "text": "Check the result.", "sources": ["p1", "p2"]},
     ]
-    empty = PROMPTS.consolidate(json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), "", max_words=20)
+    empty = PROMPTS.consolidate(json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), "",
+                                min_words=5, max_words=20)
     reply = client_for(srv).chat.completions.create(model="m", messages=empty).choices[0].message.content
     assert json.loads(reply) == {"operations": [{"op": "add", "text": lesson, "sources": ["p1"]}]}

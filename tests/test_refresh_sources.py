@@ -104,7 +104,7 @@ def test_refresh_config_validation():
     base = {"source": {"path": "in"}, "training": {"policy": {"model": "m"}},
             "evaluation": {"dataset": {"path": "heldout.jsonl"}}}
     config = RefreshConfig.model_validate(base)  # the training template needs no dataset of its own
-    assert config.training.run_id == "default" and config.timezone == "UTC"
+    assert config.training.run_id is None and config.timezone == "UTC"
     with pytest.raises(ValueError, match="not a known IANA zone"):
         RefreshConfig.model_validate({**base, "timezone": "Mars/Olympus"})
     with pytest.raises(ValueError, match="needs `table`"):

@@ -137,3 +137,18 @@ async def test_rerun_after_crash_continues_and_config_change_is_refused(dataset,
                           "AND stage='apply_operations' GROUP BY step")
         assert ops["n"].tolist() == [1, 1]
     assert Counter(r.role for r in server.stats.log)["policy"] == first_policy * 2
+
+
+async def test_a_run_without_an_id_gets_one_from_its_flow_run(dataset, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    with FakeOpenAIServer(ScriptedWorld(seed=3)) as server:
+        cfg = make_config(server, dataset, tmp_path, "unused").model_copy(update={"run_id": None})
+        cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"epochs": 1})})
+        state = await train(cfg, return_state=True)
+    result = await state.result()
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(state.state_details.flow_run_id)
+    assert result.run_id == flow_run.name == f"train-{str(flow_run.id)[:8]}"
+    with Store(cfg.db_path, read_only=True) as store:
+        assert store.runs().set_index("run_id").loc[result.run_id, "status"] == "completed"

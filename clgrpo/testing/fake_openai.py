@@ -286,12 +286,13 @@ class FakeOpenAIServer:
         port: int = 0,
         latency: Callable[[ChatRequest], float] | None = None,
         max_concurrency: int | None = None,
-        models: tuple[str, ...] = ("fake-model",),
+        models: tuple[str, ...] | None = None,
     ) -> None:
         self.responder = responder
         self.supports_n = supports_n
         self.latency = latency
-        self.models = models
+        # what GET /models lists: given, else what the responder says it serves (its ``models``), else fake-model
+        self.models = models or tuple(getattr(responder, "models", ("fake-model",)))
         self._address = (host, port)
         self._semaphore = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
         self._lock = threading.Lock()

@@ -1,0 +1,228 @@
+"""Checks before any stage runs: the inputs a run needs are there and the models answer.
+
+A user error found here costs seconds, not a Prefect run that fails a minute later: the dataset is read and
+validated, every API key the config names is present, every OpenAI-compatible endpoint is reachable and serves
+the configured model (one ``GET /models`` per endpoint, bounded by ``TIMEOUT_S``), a local backend's packages
+and weights are there. Every failure is one ``PreflightError`` line naming the culprit (file, row and field;
+URL; environment variable; model name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import ipaddress
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from clgrpo.errors import one_line
+from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig
+
+TIMEOUT_S = 4.0  # per endpoint; endpoints are checked concurrently
+OPENAI_URL = "https://api.openai.com/v1"
+
+
+class PreflightError(ValueError):
+    """A run cannot start; the message is one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One model as a role uses it (the learner defaults to the policy: checked once)."""
+
+    roles: tuple[str, ...]
+    cfg: ModelConfig
+
+    @property
+    def label(self) -> str:
+        return f"{'/'.join(self.roles)} model {self.cfg.model!r}"
+
+
+def endpoints(config: RunConfig) -> list[Endpoint]:
+    models = {"policy": config.policy, "learner": config.learner_model}
+    unique: dict[str, Endpoint] = {}
+    for role, cfg in models.items():
+        key = cfg.model_dump_json()
+        found = unique.get(key)
+        unique[key] = Endpoint((*found.roles, role) if found else (role,), cfg)
+    return list(unique.values())
+
+
+# --- datasets and files ----------------------------------------------------------------------------------
+def check_dataset(domain_name: str, dataset: DatasetConfig, what: str = "dataset") -> int:
+    """Read and validate a dataset as the run will; the number of problems it gives."""
+    from domains import get_domain
+
+    try:
+        problems, _ = get_domain(domain_name).load_dataset(dataset)
+    except (ValueError, OSError) as exc:  # DatasetError is a ValueError
+        raise PreflightError(f"{what}: {one_line(str(exc))}") from exc
+    if not problems:
+        raise PreflightError(f"{what} {dataset.path or dataset.hf_name}: no problems left to train on")
+    return len(problems)
+
+
+def check_library_file(path: str | None, what: str = "initial_library") -> None:
+    if path is None:
+        return
+    from clgrpo.library import ExperienceLibrary, LibraryFormatError
+
+    try:
+        ExperienceLibrary.load(path)
+    except FileNotFoundError as exc:
+        raise PreflightError(f"{what}: no such library file: {path}") from exc
+    except (LibraryFormatError, OSError, UnicodeDecodeError) as exc:
+        raise PreflightError(f"{what}: {exc}") from exc
+
+
+# --- models ------------------------------------------------------------------------------------------------
+def is_local_url(url: str) -> bool:
+    """A loopback or private-network host, or a single-label name (a server on this machine or network)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost" or "." not in host:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private or address.is_link_local
+
+
+def api_key_for(endpoint: Endpoint) -> str | None:
+    from clgrpo.llm.backends import resolve_api_key
+
+    cfg = endpoint.cfg
+    try:
+        key = resolve_api_key(cfg)
+    except Exception as exc:  # a Prefect Secret block that cannot be read
+        raise PreflightError(f"{endpoint.label}: cannot read the API key from the Prefect Secret block "
+                             f"{cfg.api_key_secret_block!r}: {exc}") from exc
+    url = cfg.base_url or OPENAI_URL
+    if key is None and cfg.api_key_env and not is_local_url(url):
+        source = f" (or the Prefect Secret block {cfg.api_key_secret_block!r})" if cfg.api_key_secret_block else ""
+        raise PreflightError(f"{endpoint.label} at {url}: no API key: set the environment variable "
+                             f"{cfg.api_key_env}{source}")
+    return key
+
+
+async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> None:
+    """One ``GET {base_url}/models``: reachable, the key accepted, the model served."""
+    cfg = endpoint.cfg
+    url = (cfg.base_url or OPENAI_URL).rstrip("/")
+    key = api_key_for(endpoint)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(f"{url}/models", headers=headers)
+    except httpx.TimeoutException as exc:
+        raise PreflightError(f"{endpoint.label}: {url} did not answer within {timeout_s:g} s "
+                             f"(check base_url and that the server is up)") from exc
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"{endpoint.label}: cannot reach {url}: {_reason(exc)} "
+                             f"(check base_url and that the server is up)") from exc
+    if response.status_code in (401, 403):
+        hint = f"check ${cfg.api_key_env}" if key else f"set the environment variable {cfg.api_key_env or '(api_key_env)'}"
+        raise PreflightError(f"{endpoint.label}: {url} refused the request (HTTP {response.status_code}): {hint}")
+    if response.status_code == 404:
+        return  # a server without a model list: the model is checked by the first real call
+    if response.status_code >= 400:
+        raise PreflightError(f"{endpoint.label}: {url}/models answered HTTP {response.status_code}: "
+                             f"{response.text[:200]}")
+    served = _model_ids(response)
+    if served is not None and cfg.model not in served:
+        listed = ", ".join(sorted(served)[:10]) + (" ..." if len(served) > 10 else "")
+        raise PreflightError(f"{endpoint.label}: {url} does not serve {cfg.model!r} (it serves: {listed or 'nothing'})")
+
+
+def _model_ids(response: httpx.Response) -> set[str] | None:
+    try:
+        data = response.json().get("data")
+        return {str(item["id"]) for item in data} if isinstance(data, list) else None
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of a connection error, e.g. '[Errno 111] Connection refused'."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return str(exc) or type(exc).__name__
+
+
+def check_local_model(endpoint: Endpoint) -> None:
+    cfg = endpoint.cfg
+    if cfg.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise PreflightError(f"{endpoint.label}: backend 'vllm' needs vLLM (GPU machines): "
+                                 "pip install 'clgrpo[gpu]'")
+        return
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise PreflightError(f"{endpoint.label}: backend 'transformers' needs {' and '.join(missing)}: "
+                             "pip install torch==2.13.0 && pip install 'clgrpo[local]'")
+    from clgrpo.models import ModelError, resolve_model_path
+
+    try:
+        resolve_model_path(cfg.model_path or cfg.model)
+    except ModelError as exc:
+        raise PreflightError(f"{endpoint.label}: {exc}") from exc
+
+
+async def check_models(items: Iterable[Endpoint], timeout_s: float = TIMEOUT_S) -> None:
+    remote = []
+    for endpoint in items:
+        if endpoint.cfg.backend == "openai":
+            remote.append(check_openai_endpoint(endpoint, timeout_s))
+        else:
+            check_local_model(endpoint)
+    for outcome in await asyncio.gather(*remote, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+# --- whole configs ---------------------------------------------------------------------------------------
+async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
+    """Everything a training run needs before its first stage."""
+    check_writable_dir(config.db_path, "db_path")
+    if dataset:
+        check_dataset(config.domain, config.dataset)
+    check_library_file(config.initial_library)
+    if config.validation is not None:
+        check_dataset(config.domain, config.validation.dataset, "validation.dataset")
+    await check_models(endpoints(config))
+
+
+async def check_policy(config: RunConfig) -> None:
+    """An evaluation needs only the policy model."""
+    await check_models([Endpoint(("policy",), config.policy)])
+
+
+def check_refresh(config: RefreshConfig) -> None:
+    """What a refresh needs before it looks for new problems: its source, its held-out set and a writable
+    database. The models are checked by the training run, when there are new problems to train on (a night
+    without new problems needs no endpoint)."""
+    source = config.source
+    path = Path(source.path)
+    if source.kind == "directory" and not path.is_dir():
+        raise PreflightError(f"source.path {source.path}: no such directory (new problems arrive there as "
+                             f"{source.pattern} files; create it, e.g. mkdir -p {source.path})")
+    if source.kind == "duckdb" and not path.is_file():
+        raise PreflightError(f"source.path {source.path}: no such DuckDB file")
+    check_dataset(config.training.domain, config.evaluation.dataset, "evaluation.dataset")
+    check_library_file(config.initial_library)
+    check_writable_dir(config.training.db_path, "training.db_path")
+
+
+def check_writable_dir(path: str | os.PathLike[str], what: str) -> None:
+    folder = Path(path).expanduser().resolve().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PreflightError(f"{what}: cannot create {folder}: {exc.strerror}") from exc
+    if not os.access(folder, os.W_OK):
+        raise PreflightError(f"{what}: {folder} is not writable")

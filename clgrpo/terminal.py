@@ -1,0 +1,167 @@
+"""What a command-line user sees while a flow runs, and where the details go.
+
+``Session`` sets up one CLI command: every log record (with tracebacks) goes to a log file; the terminal keeps
+Prefect's progress lines and warnings, without tracebacks and without the engine's own failure lines (the
+command ends with one ``error:`` line instead); stage progress is drawn as rich progress bars on a terminal,
+or as a line per quarter when the output is a file or a pipe.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clgrpo import progress
+
+PROJECT_LOGGERS = ("clgrpo", "domains", "tasks", "flows")
+_last_log: list[Path] = []  # the log file of the most recent session in this process
+_ENGINE_FAILURE_LINES = ("Encountered exception during execution", "Finished in state Failed",
+                         "Finished in state Crashed")
+
+
+class NoTraceback(logging.Formatter):
+    """Formats with the wrapped formatter, leaving out the exception and stack (they are in the log file)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info or record.exc_text or record.stack_info:
+            record = copy.copy(record)
+            record.exc_info = record.exc_text = record.stack_info = None
+        return self.inner.format(record)
+
+
+class TerminalFilter(logging.Filter):
+    """Prefect's records and warnings from anything else; not the engine's failure lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("prefect") and record.levelno >= logging.ERROR:
+            message = record.getMessage()
+            if message.startswith(_ENGINE_FAILURE_LINES):
+                return False
+        return record.name.startswith("prefect") or record.levelno >= logging.WARNING
+
+
+def last_log() -> Path | None:
+    """The log file of the most recent command session in this process (where a failure's traceback is)."""
+    return _last_log[0] if _last_log else None
+
+
+def console_handlers() -> list[logging.Handler]:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    return [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+
+
+@dataclass
+class Session:
+    """One command's terminal and log file. Use as a context manager around the command's work."""
+
+    log_path: Path
+    bars: bool | None = None  # None: rich bars when stderr is a terminal
+    _file: logging.Handler | None = field(default=None, init=False)
+    _renderer: object | None = field(default=None, init=False)
+
+    def __enter__(self) -> "Session":
+        import prefect  # noqa: F401  (configures Prefect's logging, which is adjusted below)
+
+        _last_log[:] = [self.log_path]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = logging.FileHandler(self.log_path, encoding="utf-8")
+        self._file.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(self._file)
+        for name in PROJECT_LOGGERS:
+            logger = logging.getLogger(name)
+            if logger.level == logging.NOTSET or logger.level > logging.INFO:
+                logger.setLevel(logging.INFO)
+        for handler in console_handlers():
+            if not isinstance(handler.formatter, NoTraceback):
+                handler.setFormatter(NoTraceback(handler.formatter))
+            if not any(isinstance(f, TerminalFilter) for f in handler.filters):
+                handler.addFilter(TerminalFilter())
+        handlers = console_handlers()
+        console = handlers[0].console if handlers else None
+        use_bars = self.bars if self.bars is not None else bool(console and console.is_terminal)
+        self._renderer = RichBars(console) if use_bars and console else MilestoneLines()
+        progress.add_listener(self._renderer)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        progress.finish_all()
+        if exc is not None and self._file is not None:  # the traceback goes to the file only
+            self._file.handle(logging.LogRecord("clgrpo.cli", logging.ERROR, __file__, 0, "command failed: %s",
+                                                (exc,), (type(exc), exc, exc.__traceback__)))
+        if self._renderer is not None:
+            progress.remove_listener(self._renderer)  # type: ignore[arg-type]
+            if isinstance(self._renderer, RichBars):
+                self._renderer.stop()
+        if self._file is not None:
+            logging.getLogger().removeHandler(self._file)
+            self._file.close()
+
+
+
+class RichBars:
+    """One rich progress bar per open stage (done / expected, elapsed time), drawn on Prefect's own console so
+    that log lines print above the bars."""
+
+    def __init__(self, console: object) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), console=console,  # type: ignore[arg-type]
+                             transient=True)
+        self.tasks: dict[str, object] = {}
+        self.started = False
+
+    def __call__(self, p: progress.StageProgress) -> None:
+        key = p.label
+        if p.finished:
+            task = self.tasks.pop(key, None)
+            if task is not None:
+                self.bars.remove_task(task)  # type: ignore[arg-type]
+            return
+        if not self.started:
+            self.bars.start()
+            self.started = True
+        if key not in self.tasks:
+            self.tasks[key] = self.bars.add_task(key, total=p.total or None, unit=p.unit)
+        self.bars.update(self.tasks[key], completed=p.done, total=p.total or None)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.started:
+            self.bars.stop()
+
+
+class MilestoneLines:
+    """Without a terminal: a line when a stage has passed another quarter of its expected items, printed at the
+    next update at least ``settle_s`` later, so a batch that finishes many items at once prints nothing (its
+    stage line says it) while calls that finish one by one show their progress."""
+
+    def __init__(self, quarters: int = 4, settle_s: float = 1.0) -> None:
+        self.quarters = quarters
+        self.settle_s = settle_s
+        self.printed: dict[str, int] = {}  # label -> quarters printed
+        self.pending: dict[str, float] = {}  # label -> when an unprinted quarter was reached
+
+    def __call__(self, p: progress.StageProgress) -> None:
+        now = time.monotonic()
+        if p.finished or p.total <= 0:
+            self.printed.pop(p.label, None)
+            self.pending.pop(p.label, None)
+            return
+        reached = min(self.quarters - 1, p.done * self.quarters // p.total)
+        if reached <= self.printed.get(p.label, 0):
+            return
+        since = self.pending.setdefault(p.label, now)
+        if now - since >= self.settle_s:
+            self.printed[p.label] = reached
+            del self.pending[p.label]
+            sys.stderr.write(f"  {p.label}: {p.done}/{p.total} {p.unit}\n")
+            sys.stderr.flush()
