@@ -1,5 +1,10 @@
-"""The ``clgrpo`` command line: train, library show|diff|export, runs list, model fetch|path, demo, eval, report,
-refresh run|history."""
+"""The ``clgrpo`` command line: train, library show|diff|export|ops, runs list|delete, model fetch|path, demo, eval,
+report, refresh run|history.
+
+Every user error ends a command with one ``error:`` line (what is wrong: file, row and field, URL, environment
+variable, model) and a non-zero exit; commands that run flows keep the full log, tracebacks included, in a log
+file next to their DuckDB file (``logs/``), and Prefect keeps it for the UI.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +20,20 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from clgrpo.config import ConfigError, load_config
+from clgrpo.errors import error_line
 from clgrpo.leakage import LeakageError
-from clgrpo.library import ExperienceLibrary, LibraryFormatError, diff
+from clgrpo.library import ExperienceLibrary, LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
+from clgrpo.preflight import PreflightError
+from clgrpo.state import DEFAULT_DB, remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 
 if TYPE_CHECKING:
     from flows.evaluate import EvalOutcome
+    from flows.train import TrainResult
     from schemas.records import RefreshDecision
 
-DEFAULT_DB = "runs/clgrpo.duckdb"
 
 
 def _prefect_defaults() -> None:
@@ -39,6 +47,29 @@ def _open(db: str) -> Store:
     return Store(db, read_only=True)
 
 
+def _db(args: argparse.Namespace, ref: str | None = None) -> str:
+    """``--db``, else the most recent database that holds the run of ``ref`` (RUN, RUN:VERSION), else the most
+    recent database (see ``clgrpo.state``)."""
+    return resolve_db(args.db, parse_library_ref(ref)[0] if ref else None)
+
+
+def default_run_id(prefix: str) -> str:
+    from datetime import datetime
+
+    return f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def session(db_path: str, name: str):  # noqa: ANN201 - a context manager
+    """The terminal and log file of a command that runs a flow: ``<db dir>/logs/<name>.log``."""
+    from clgrpo.terminal import Session
+
+    return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log")
+
+
+def report_hint(run_id: str, db_path: str) -> str:
+    return f"next: clgrpo report {run_id}   (plots, per-step table, library and its diff; --db {db_path})"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.run_id:
@@ -46,25 +77,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.db:
         overrides.append(f"db_path={args.db}")
     config = load_config(args.config, overrides)
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
+    from clgrpo.preflight import check_run
+
+    asyncio.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    remember_db(config.db_path)
     _prefect_defaults()
     from flows.train import train
 
-    result = asyncio.run(train(config))
+    with session(config.db_path, config.run_id) as terminal:
+        print(f"run {config.run_id} (resume it with --run-id {config.run_id}); log: {terminal.log_path}")
+        result = asyncio.run(train(config, preflight=False))
+    print_steps(result)
+    print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}\n{report_hint(result.run_id, result.db_path)}")
+    return 0
+
+
+def print_steps(result: TrainResult) -> None:
     print(f"\nrun {result.run_id}: {len(result.steps)} steps, library version {result.final_version} "
           f"with {result.library_size} experiences")
-    print(f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups':>9} {'props ok/bad':>12} {'ops +/-':>8} {'lib':>4} "
-          f"{'tok in':>8} {'tok out':>8} {'cost $':>8}")
+    print(f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
+          f"{'ops applied/rejected':>20} {'lib':>4} {'tok in':>8} {'tok out':>8} {'cost $':>8}")
     for r in result.steps:
-        print(f"{r.step:>4} {r.epoch + 1:>5} {r.accuracy:>6.3f} {r.groups_selected:>4}/{r.groups_total:<4} "
-              f"{r.proposals_parsed:>6}/{r.proposals_failed:<5} {r.operations_applied:>3}/{r.operations_rejected:<4} "
+        print(f"{r.step:>4} {r.epoch + 1:>5} {r.accuracy:>6.3f} {r.groups_selected:>7}/{r.groups_total:<6} "
+              f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
               f"{r.library_size:>4} {r.tokens_in:>8} {r.tokens_out:>8} {r.cost_usd:>8.4f}")
-    print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}")
-    return 0
 
 
 def cmd_library_show(args: argparse.Namespace) -> int:
     run_id, version = parse_library_ref(args.ref)
-    with _open(args.db) as store:
+    with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
     print(f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences")
     for e in library:
@@ -74,7 +117,7 @@ def cmd_library_show(args: argparse.Namespace) -> int:
 
 
 def cmd_library_diff(args: argparse.Namespace) -> int:
-    with _open(args.db) as store:
+    with _open(_db(args, args.old)) as store:
         old = store.load_library(*parse_library_ref(args.old))
         new = store.load_library(*parse_library_ref(args.new))
     print(diff(old, new).to_markdown())
@@ -83,7 +126,7 @@ def cmd_library_diff(args: argparse.Namespace) -> int:
 
 def cmd_library_export(args: argparse.Namespace) -> int:
     run_id, version = parse_library_ref(args.ref)
-    with _open(args.db) as store:
+    with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
     if args.out:
         library.dump(args.out, fmt=args.format)
@@ -93,13 +136,53 @@ def cmd_library_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_library_ops(args: argparse.Namespace) -> int:
+    run_id, step = parse_library_ref(args.ref)
+    with _open(_db(args, args.ref)) as store:
+        if not store.is_run(run_id):
+            raise StoreError(f"{store.path}: no run {run_id!r}")
+        results = store.operation_results(run_id, step)
+    where = f"step {step}" if step is not None else f"{len({s for s, _ in results})} step(s)"
+    print(f"# run {run_id}, {where}: {len(results)} operation(s), "
+          f"{sum(r.status.value == 'applied' for _, r in results)} applied, "
+          f"{sum(r.status.value == 'rejected' for _, r in results)} rejected")
+    for op_step, r in results:
+        if not args.rejected or r.status.value == "rejected":
+            print(describe_operation(op_step, r))
+    return 0
+
+
 def cmd_runs_list(args: argparse.Namespace) -> int:
-    with _open(args.db) as store:
+    db = _db(args)
+    with _open(db) as store:
         runs = store.runs()
     if runs.empty:
-        print(f"no runs in {args.db}")
+        print(f"no runs in {db}")
         return 0
-    print(runs.to_string(index=False))
+    print(f"runs in {db}:")
+    # a run marked running in a file nobody writes (this command could open it) was killed or crashed
+    runs["status"] = runs["status"].replace({"running": "interrupted"})
+    runs["updated_at"] = runs["updated_at"].dt.strftime("%Y-%m-%d %H:%M:%S")
+    columns = ["run_id", "status", "steps_done", "library_version", "library_size", "updated_at", "error"]
+    view = runs[columns].astype(object).where(runs[columns].notna(), "-")
+    print(view.to_string(index=False, max_colwidth=60))
+    return 0
+
+
+def cmd_runs_delete(args: argparse.Namespace) -> int:
+    db = _db(args, args.run_id)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"runs delete {args.run_id}: pass --yes to delete without a question")
+        answer = input(f"delete every row of run {args.run_id!r} from {db}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    with Store(db) as store:
+        if not store.is_run(args.run_id) and not store.library_versions(args.run_id):
+            raise StoreError(f"{db}: no run {args.run_id!r}")
+        removed = store.delete_run(args.run_id)
+    print(f"deleted run {args.run_id} from {db}: " + ", ".join(f"{n} {t}" for t, n in removed.items()))
     return 0
 
 
@@ -125,9 +208,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clgrpo.demo import DemoOptions, run_demo, summary
 
     _prefect_defaults()
-    opts = DemoOptions(problems=args.problems, group_size=args.group_size, steps=args.steps, out=Path(args.out),
-                       run_id=args.run_id, cache_dir=args.cache_dir, seed=args.seed, verbose=args.verbose)
-    print(summary(run_demo(opts)))
+    out = Path(args.out)
+    opts = DemoOptions(problems=args.problems, group_size=args.group_size, steps=args.steps, out=out,
+                       run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
+                       verbose=args.verbose, consolidation=args.consolidation)
+    remember_db(out / "clgrpo.duckdb")
+    with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo"):
+        result = run_demo(opts)
+    print(summary(result))
     return 0
 
 
@@ -150,20 +238,24 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--run-id", help="resume or name a run (default: a fresh demo-<time> id)")
     demo.add_argument("--cache-dir", help="model cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the generated dataset (default 0)")
+    demo.add_argument("--consolidation", choices=["passthrough", "llm"], default="passthrough",
+                      help="apply the group proposals after de-duplication (default), or consolidate them with a "
+                           "learner call")
     demo.add_argument("--verbose", action="store_true", help="also show Prefect's own console logs")
     demo.set_defaults(func=cmd_demo)
 
 
 def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     """The policy (and domain) to evaluate with: ``--config``, else the stored config of the first run whose
-    library is evaluated; the database is ``--db``, else the config's ``db_path``."""
+    library is evaluated; the database is ``--db``, else the config's ``db_path`` (with ``--config``), else
+    the most recent database holding that run."""
     if args.config:
         config = load_config(args.config, args.overrides)
         return config.model_copy(update={"db_path": args.db or config.db_path})
-    db = args.db or DEFAULT_DB
     run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
     if not run_refs:
         raise ConfigError("no model settings: pass --config FILE (a run config whose policy is evaluated)")
+    db = _db(args, run_refs[0])
     with _open(db) as store:
         config = store.run_config(parse_library_ref(run_refs[0])[0])
     return config.model_copy(update={"db_path": db})
@@ -207,18 +299,19 @@ def print_evaluation(outcome: EvalOutcome) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from clgrpo.preflight import check_dataset, check_policy
+
     refs = [*args.library, *args.compare]
     config = _eval_model_config(args, refs)
     evaluation, train_dataset = _eval_settings(args)
+    check_dataset(config.domain, evaluation.dataset, "--dataset")
+    asyncio.run(check_policy(config))
+    remember_db(config.db_path)
     _prefect_defaults()
-    from domains.math.dataset import DatasetError
-    from flows.evaluate import EvaluationError, evaluate
+    from flows.evaluate import evaluate
 
-    try:
+    with session(config.db_path, args.eval_id or default_run_id("eval")):
         outcome = asyncio.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
-    except (EvaluationError, DatasetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     print_evaluation(outcome)
     return 0
 
@@ -226,8 +319,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from clgrpo.report import write_report
 
-    out = Path(args.out) if args.out else Path(args.db).resolve().parent / args.run_id
-    with _open(args.db) as store:
+    db = _db(args, args.run_id)
+    out = Path(args.out) if args.out else Path(db).resolve().parent / args.run_id
+    with _open(db) as store:
+        if not store.is_run(args.run_id):
+            raise StoreError(f"{db}: no run {args.run_id!r} (clgrpo runs list shows the runs)")
         path = write_report(store, args.run_id, out, args.format)
     print(f"wrote {path} (plots in {path.parent / 'plots'})")
     return 0
@@ -262,12 +358,12 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a --config value, e.g. --set policy.max_tokens=4096")
     ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
-    ev.add_argument("--db", help=f"DuckDB file (default: the config's db_path, else {DEFAULT_DB})")
+    ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
     ev.set_defaults(func=cmd_eval)
 
     report = sub.add_parser("report", help="write a run's learning report (plots, steps, library, diff)")
     report.add_argument("run_id")
-    report.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file (default {DEFAULT_DB})")
+    report.add_argument("--db", help=DB_HELP)
     report.add_argument("--out", help="output folder (default: runs/<run_id>/ next to the DuckDB file)")
     report.add_argument("--format", choices=["html", "md"], default="html")
     report.set_defaults(func=cmd_report)
@@ -284,21 +380,20 @@ def print_decision(d: RefreshDecision) -> None:
 def cmd_refresh_run(args: argparse.Namespace) -> int:
     from datetime import datetime
 
+    from clgrpo.preflight import check_refresh
+
     config = load_config(args.config, list(args.overrides), model=RefreshConfig)
     try:
         as_of = datetime.fromisoformat(args.as_of) if args.as_of else None
     except ValueError as exc:
         raise ConfigError(f"--as-of {args.as_of!r}: use an ISO date-time such as 2026-11-23T02:00") from exc
+    check_refresh(config)
+    remember_db(config.training.db_path)
     _prefect_defaults()
-    from clgrpo.sources import SourceError
-    from domains.math.dataset import DatasetError
     from flows.refresh import refresh, work_dir
 
-    try:
+    with session(config.training.db_path, f"refresh-{config.name}"):
         decision = asyncio.run(refresh(config, as_of=as_of))
-    except (SourceError, DatasetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     print_decision(decision)
     if decision.promoted:
         print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
@@ -306,10 +401,11 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh_history(args: argparse.Namespace) -> int:
-    with _open(args.db) as store:
+    db = _db(args)
+    with _open(db) as store:
         decisions = store.refresh_decisions(args.name)
     if not decisions:
-        print(f"no refreshes named {args.name!r} in {args.db}")
+        print(f"no refreshes named {args.name!r} in {db}")
     for d in decisions:
         print_decision(d)
     return 0
@@ -327,19 +423,23 @@ def _add_refresh_commands(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(func=cmd_refresh_run)
     history = commands.add_parser("history", help="the decisions of past refreshes, with their reasons")
     history.add_argument("--name", default="nightly", help="the refresh name (default nightly)")
-    history.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file (default {DEFAULT_DB})")
+    history.add_argument("--db", help="DuckDB file (default: the most recent database)")
     history.set_defaults(func=cmd_refresh_history)
+
+
+DB_HELP = "DuckDB file (default: the most recent database that holds the run, else the most recent one)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clgrpo", description="Continuous Learning GRPO: learn an experience library")
+    parser.add_argument("--version", action="version", version=f"clgrpo {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the training flow")
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set grpo.group_size=8 (repeatable)")
-    train.add_argument("--run-id", help="shortcut for --set run_id=...")
+    train.add_argument("--run-id", help="name the run, or resume one (default: <config name>-<date>-<time>)")
     train.add_argument("--db", help="shortcut for --set db_path=...")
     train.set_defaults(func=cmd_train)
 
@@ -354,27 +454,63 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("ref", help="RUN_ID, RUN_ID:latest or RUN_ID:VERSION")
     export.add_argument("--format", choices=["reference", "seed", "text"], default="reference")
     export.add_argument("--out", help="output file (default: stdout)")
-    for p, func in ((show, cmd_library_show), (diff_p, cmd_library_diff), (export, cmd_library_export)):
-        p.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file (default {DEFAULT_DB})")
+    ops = library.add_parser("ops", help="the operations of a run or step: applied or rejected, with the reason")
+    ops.add_argument("ref", help="RUN_ID (every step) or RUN_ID:STEP")
+    ops.add_argument("--rejected", action="store_true", help="only the rejected operations")
+    for p, func in ((show, cmd_library_show), (diff_p, cmd_library_diff), (export, cmd_library_export),
+                    (ops, cmd_library_ops)):
+        p.add_argument("--db", help=DB_HELP)
         p.set_defaults(func=func)
 
-    runs = sub.add_parser("runs", help="list runs").add_subparsers(dest="runs_command", required=True)
-    runs_list = runs.add_parser("list", help="runs stored in a DuckDB file")
-    runs_list.add_argument("--db", default=DEFAULT_DB)
+    runs = sub.add_parser("runs", help="list or delete runs").add_subparsers(dest="runs_command", required=True)
+    runs_list = runs.add_parser("list", help="runs in a DuckDB file: status, steps done, library, last update")
+    runs_list.add_argument("--db", help="DuckDB file (default: the most recent database)")
     runs_list.set_defaults(func=cmd_runs_list)
+    runs_delete = runs.add_parser("delete", help="remove every row of a run, in one transaction")
+    runs_delete.add_argument("run_id")
+    runs_delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    runs_delete.add_argument("--db", help=DB_HELP)
+    runs_delete.set_defaults(func=cmd_runs_delete)
     _add_local_model_commands(sub)
     _add_evaluation_commands(sub)
     _add_refresh_commands(sub)
     return parser
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("clgrpo")
+    except PackageNotFoundError:  # running from a checkout that is not installed
+        return "unknown"
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
+    from clgrpo.errors import EvaluationError
+    from clgrpo.sources import SourceError
+    from domains.math.dataset import DatasetError
+
+    return (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError, PreflightError, DatasetError,
+            SourceError, EvaluationError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from clgrpo.terminal import last_log
+
     try:
         return args.func(args)
-    except (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        user = isinstance(exc, user_errors())
+        log = last_log()
+        where = f" (details: {log})" if log and not user else ""
+        print(f"error: {error_line(exc, with_type=not user)}{where}", file=sys.stderr)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

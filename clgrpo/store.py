@@ -20,7 +20,14 @@ import pandera.pandas as pa
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import NOT_FINGERPRINTED, RunConfig
-from schemas.ddl import EVALUATE_STAGE, REFRESH_DECIDE_STAGE, STAGE_TABLES, create_statements
+from schemas.ddl import (
+    CHECKPOINT_STAGE,
+    EVALUATE_STAGE,
+    REFRESH_DECIDE_STAGE,
+    RUN_TABLES,
+    STAGE_TABLES,
+    create_statements,
+)
 from schemas.frames import FRAMES
 from schemas.records import (
     EvalComparison,
@@ -318,22 +325,55 @@ class Store:
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS[table](row) for row in rows]
 
+    def operation_results(self, run_id: str, step: int | None = None) -> list[tuple[int, OperationResult]]:
+        """Every applied or rejected operation of a run (or one step), with its step, in order."""
+        frame = self.frame("operations", run_id, step)
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [(int(row["step"]), _operation_record(row)) for row in rows]
+
     def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
         return self.con.execute(sql, list(params)).df()
 
     # --- runs -----------------------------------------------------------------------------------------
     def register_run(self, cfg: RunConfig) -> bool:
-        """Record a run's config; True if new. The same run id with another config is refused."""
+        """Record a run's config; True if new (or restarted). The same run id with another config is refused
+        once the run has completed a step; before that, the run's rows are removed and it starts afresh with
+        the new config (fixing a dataset path after a failed first attempt needs no new run id)."""
         row = self.con.execute("SELECT fingerprint, config_json FROM runs WHERE run_id = ?", [cfg.run_id]).fetchone()
-        if row is not None:
-            if row[0] != cfg.fingerprint():
-                raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
+        if row is not None and row[0] == cfg.fingerprint():
             return False
+        if row is not None:
+            if self.steps_done(cfg.run_id):
+                raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
+            self.delete_run(cfg.run_id)
+        now = utcnow()
         frame = self.validate("runs", pd.DataFrame([{
-            "run_id": cfg.run_id, "fingerprint": cfg.fingerprint(),
-            "config_json": cfg.model_dump_json(), "created_at": utcnow()}]))
+            "run_id": cfg.run_id, "fingerprint": cfg.fingerprint(), "config_json": cfg.model_dump_json(),
+            "created_at": now, "status": "running", "updated_at": now, "error": None}]))
         self._insert("runs", frame)
         return True
+
+    def set_run_status(self, run_id: str, status: str, error: str | None = None) -> None:
+        """``running``, ``completed`` or ``failed`` (with the error), stamped with the time."""
+        self.con.execute("UPDATE runs SET status = ?, error = ?, updated_at = ? WHERE run_id = ?",
+                         [status, error, utcnow(), run_id])
+
+    def steps_done(self, run_id: str) -> int:
+        """Training steps whose checkpoint is stored."""
+        row = self.con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0",
+                               [run_id, CHECKPOINT_STAGE]).fetchone()
+        return int(row[0])
+
+    def delete_run(self, run_id: str) -> dict[str, int]:
+        """Remove every row of ``run_id`` from every table, in one transaction: rows removed per table."""
+        removed: dict[str, int] = {}
+        with self._transaction():
+            for table in RUN_TABLES:
+                count = self.con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]
+                if count:
+                    self.con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+                    removed[table] = int(count)
+        return removed
 
     def run_config(self, run_id: str) -> RunConfig:
         row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
@@ -342,11 +382,20 @@ class Store:
         return RunConfig.model_validate_json(row[0])
 
     def runs(self) -> pd.DataFrame:
+        """One row per run: status, training steps done, latest library version and size, last update."""
         return self.con.execute("""
-            SELECT r.run_id, r.created_at, r.fingerprint,
-                   (SELECT max(version) FROM library_versions v WHERE v.run_id = r.run_id) AS latest_version,
-                   (SELECT max(step) FROM stage_runs s WHERE s.run_id = r.run_id) AS last_step
-            FROM runs r ORDER BY r.created_at""").df()
+            SELECT r.run_id, coalesce(r.status, 'unknown') AS status,
+                   (SELECT count(*) FROM stage_runs s
+                     WHERE s.run_id = r.run_id AND s.stage = ? AND s.step > 0) AS steps_done,
+                   v.version AS library_version, v.n_experiences AS library_size,
+                   greatest(r.created_at, r.updated_at,
+                            (SELECT max(completed_at) FROM stage_runs s WHERE s.run_id = r.run_id)) AS updated_at,
+                   r.created_at, r.error
+            FROM runs r
+            LEFT JOIN (SELECT run_id, version, n_experiences,
+                              row_number() OVER (PARTITION BY run_id ORDER BY version DESC) AS k
+                       FROM library_versions) v ON v.run_id = r.run_id AND v.k = 1
+            ORDER BY r.created_at""", [CHECKPOINT_STAGE]).df()
 
     def evaluations_of(self, run_id: str) -> list[str]:
         """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""

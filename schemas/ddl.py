@@ -7,6 +7,7 @@ stage never duplicates. Nested values (turns, id lists, operations) are JSON tex
 from __future__ import annotations
 
 STAGE_KEY = ("run_id", "step", "stage")
+CHECKPOINT_STAGE = "checkpoint"  # the last stage of a training step: a step is done when it is stored
 # Stage names of evaluation rows: held-out validation keyed by the training (run_id, step), and standalone
 # evaluations keyed by (eval_id, 0).
 VALIDATE_STAGE = "validate"
@@ -20,7 +21,10 @@ TABLE_DDL: dict[str, str] = {
         run_id VARCHAR PRIMARY KEY,
         fingerprint VARCHAR NOT NULL,
         config_json VARCHAR NOT NULL,
-        created_at TIMESTAMPTZ NOT NULL""",
+        created_at TIMESTAMPTZ NOT NULL,
+        status VARCHAR,
+        updated_at TIMESTAMPTZ,
+        error VARCHAR""",
     "stage_runs": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
@@ -238,5 +242,16 @@ STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summarie
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes")
 
 
+# Columns added after the first release: files created before get them on open.
+ADDED_COLUMNS: dict[str, list[str]] = {
+    "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
+}
+
+# Tables with a run_id column: everything `Store.delete_run` removes.
+RUN_TABLES = ("runs", "stage_runs", *dict.fromkeys(STAGE_TABLES), "library_versions", "library_experiences")
+
+
 def create_statements() -> list[str]:
-    return [f"CREATE TABLE IF NOT EXISTS {name} ({body}\n)" for name, body in TABLE_DDL.items()]
+    tables = [f"CREATE TABLE IF NOT EXISTS {name} ({body}\n)" for name, body in TABLE_DDL.items()]
+    columns = [f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c}" for t, cs in ADDED_COLUMNS.items() for c in cs]
+    return tables + columns

@@ -29,6 +29,9 @@ class RunsFrame(Frame):
     fingerprint: Series[str]
     config_json: Series[str]
     created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    status: Series[str] = pa.Field(isin=["running", "completed", "failed"], nullable=True)
+    updated_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC, nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
 
 
 class StageRunsFrame(StageKeyed):

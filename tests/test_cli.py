@@ -1,11 +1,13 @@
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from clgrpo.cli import main
 from clgrpo.config import ConfigError, load_config
-from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 
@@ -62,3 +64,54 @@ def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
 
     assert main(["library", "show", "nope", "--db", str(db)]) == 2
     assert "run 'nope' has no saved library" in capsys.readouterr().err
+
+    # the database of the last run is found without --db
+    assert main(["runs", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert str(db) in listed and "cli-run" in listed and "completed" in listed
+    assert main(["library", "ops", "cli-run"]) == 0
+    ops = capsys.readouterr().out
+    assert "# run cli-run, 2 step(s):" in ops and "step 1 #0 applied  add" in ops
+    assert main(["library", "ops", "cli-run:2", "--rejected"]) == 0
+    assert "step 1" not in capsys.readouterr().out
+    assert main(["runs", "delete", "cli-run", "--yes"]) == 0
+    assert "deleted run cli-run" in capsys.readouterr().out
+    assert main(["runs", "list", "--db", str(db)]) == 0
+    assert "no runs in" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("clgrpo ")
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_failed_first_step_can_be_rerun_with_a_fixed_config_and_an_id_is_generated(tmp_path, capsys):
+    dataset = write_jsonl(make_problems(n_per_family=1, seed=6), tmp_path / "train.jsonl")
+    db = tmp_path / "runs.duckdb"
+    config = tmp_path / "mine.yaml"
+    with FakeOpenAIServer(ScriptedWorld(seed=4)) as server:
+        server.inject(Fault(kind="status", status=400, times=1_000_000, match=lambda r: role_of(r) == "policy"))
+        config.write_text(yaml.safe_dump({
+            "dataset": {"path": str(dataset)}, "db_path": str(db),
+            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+            "grpo": {"group_size": 2, "epochs": 1, "batch_size": 4}}))
+        assert main(["train", "--config", str(config)]) == 1
+    captured = capsys.readouterr()
+    run_id = re.search(r"^run (mine-\d{8}-\d{6}) \(resume it with --run-id", captured.out, re.MULTILINE).group(1)
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "all 4 policy calls failed" in errors[0] and "HTTP 400" in errors[0]
+    assert "Traceback" not in captured.err
+    log = Path(re.search(r"\(details: (.+)\)$", errors[0]).group(1))
+    assert log.is_file() and "Traceback" in log.read_text()
+    assert main(["runs", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert re.search(rf"{run_id}\s+failed\s+0", listed) and "all 4 policy calls failed" in listed
+
+    with FakeOpenAIServer(ScriptedWorld(seed=4)) as fixed:  # another endpoint: a changed config, same run id
+        assert main(["train", "--config", str(config), "--run-id", run_id,
+                     "--set", f"policy.base_url={fixed.base_url}"]) == 0
+    out = capsys.readouterr().out
+    assert f"run {run_id}: 1 steps" in out and f"next: clgrpo report {run_id}" in out

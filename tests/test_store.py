@@ -130,15 +130,48 @@ def test_library_versions_round_trip(store):
         store.load_library("r1", 7)
 
 
-def test_run_registration_refuses_a_changed_config(store):
+def test_run_registration_refuses_a_changed_config_once_a_step_is_done(store):
     cfg = RunConfig(run_id="r1", dataset=DatasetConfig(path="a.jsonl"))
     assert store.register_run(cfg) is True
     assert store.register_run(cfg.model_copy(update={"concurrency": 4})) is False  # not a result-shaping field
+    store.write_stage("r1", 1, "checkpoint", {})
     changed = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"group_size": 8})})
     with pytest.raises(ConfigMismatchError, match="changed: grpo.group_size"):
         store.register_run(changed)
     assert store.run_config("r1") == cfg
     assert store.runs()["run_id"].tolist() == ["r1"]
+
+
+def test_a_run_without_a_finished_step_restarts_with_a_changed_config(store):
+    first = RunConfig(run_id="r1", dataset=DatasetConfig(path="missing.jsonl"))
+    assert store.register_run(first) is True
+    store.write_stage("r1", 0, "load_dataset", {"problems": [Problem(problem_id="p", problem="q?", answer="1")]})
+    store.set_run_status("r1", "failed", "DatasetError: missing.jsonl")
+    fixed = first.model_copy(update={"dataset": DatasetConfig(path="fixed.jsonl")})
+    assert store.register_run(fixed) is True  # restarted: the old rows are gone
+    assert store.run_config("r1") == fixed and store.records("problems", "r1") == []
+    run = store.runs().iloc[0]
+    assert (run["status"], run["steps_done"], run["error"]) == ("running", 0, None)
+
+
+def test_runs_list_status_steps_library_and_delete(store):
+    cfg = RunConfig(run_id="r1", dataset=DatasetConfig(path="a.jsonl"))
+    store.register_run(cfg)
+    store.register_run(cfg.model_copy(update={"run_id": "r2"}))
+    library, _ = ExperienceLibrary().apply([Operation(op="add", text="When stuck, try small cases first.")], step=1)
+    store.save_library("r1", library)
+    store.write_stage("r1", 1, "rollouts-and-more", {"llm_calls": [LLMCall(stage="rollout", role="policy", model="m")]})
+    store.write_stage("r1", 1, "checkpoint", {})
+    store.set_run_status("r1", "completed")
+    store.set_run_status("r2", "failed", "RuntimeError: endpoint down")
+    runs = store.runs().set_index("run_id")
+    assert runs.loc["r1", ["status", "steps_done", "library_version", "library_size"]].tolist() == [
+        "completed", 1, 1, 1]
+    assert runs.loc["r2", "status"] == "failed" and runs.loc["r2", "error"] == "RuntimeError: endpoint down"
+    assert runs.loc["r1", "updated_at"] >= runs.loc["r1", "created_at"]
+    removed = store.delete_run("r1")
+    assert removed == {"runs": 1, "stage_runs": 2, "llm_calls": 1, "library_versions": 1, "library_experiences": 1}
+    assert store.runs()["run_id"].tolist() == ["r2"] and store.library_versions("r1") == []
 
 
 def test_second_process_gets_a_clear_lock_error(tmp_path):

@@ -1,0 +1,81 @@
+"""Which DuckDB files this user worked with, so commands find a run without ``--db``.
+
+``train``, ``demo``, ``eval`` and ``refresh run`` remember their database (absolute path, most recent first) in
+``$CLGRPO_STATE_DIR`` (default ``$XDG_STATE_HOME/clgrpo`` or ``~/.local/state/clgrpo``). A command that names a
+run looks for it in those databases, newest first; ``runs list`` shows the most recent one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STATE_ENV = "CLGRPO_STATE_DIR"
+DEFAULT_DB = "runs/clgrpo.duckdb"
+MAX_REMEMBERED = 20
+
+
+def state_dir() -> Path:
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "clgrpo"
+
+
+def _state_file() -> Path:
+    return state_dir() / "recent_dbs.json"
+
+
+def remember_db(path: str | os.PathLike[str]) -> None:
+    """Put ``path`` first in the list of recent databases (never fails a command)."""
+    entry = str(Path(path).expanduser().resolve())
+    try:
+        recent = [p for p in _read() if p != entry]
+        target = _state_file()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps([entry, *recent][:MAX_REMEMBERED], indent=1), encoding="utf-8")
+    except OSError:
+        pass
+
+
+def _read() -> list[str]:
+    try:
+        data = json.loads(_state_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [str(p) for p in data] if isinstance(data, list) else []
+
+
+def recent_dbs() -> list[Path]:
+    """Remembered databases that still exist, most recent first."""
+    return [Path(p) for p in _read() if Path(p).is_file()]
+
+
+def resolve_db(explicit: str | None, run_id: str | None = None) -> str:
+    """``--db`` when given; else the most recent database holding ``run_id``; else the most recent database;
+    else ``runs/clgrpo.duckdb``."""
+    if explicit:
+        return explicit
+    recent = recent_dbs()
+    if run_id:
+        for db in recent:
+            if _holds(db, run_id):
+                return str(db)
+    if recent:
+        return str(recent[0])
+    return DEFAULT_DB
+
+
+def _holds(db: Path, run_id: str) -> bool:
+    """Whether ``db`` has rows of ``run_id`` (a training run, an evaluation or a refresh); False when it
+    cannot be opened (e.g. a run is writing it)."""
+    import duckdb
+
+    try:
+        with duckdb.connect(str(db), read_only=True) as con:
+            tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+            return any(con.execute(f"SELECT 1 FROM {t} WHERE run_id = ? LIMIT 1", [run_id]).fetchone()
+                       for t in ("runs", "stage_runs", "library_versions") if t in tables)
+    except duckdb.Error:
+        return False
