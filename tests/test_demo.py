@@ -80,6 +80,7 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness", "embedded_model")
 def test_default_demo_on_the_embedded_model_applies_a_lesson_of_its_own(tmp_path):
