@@ -142,7 +142,8 @@ def cmd_library_ops(args: argparse.Namespace) -> int:
         if not store.is_run(run_id):
             raise StoreError(f"{store.path}: no run {run_id!r}")
         results = store.operation_results(run_id, step)
-    where = f"step {step}" if step is not None else f"{len({s for s, _ in results})} step(s)"
+        steps = store.steps_done(run_id)
+    where = f"step {step}" if step is not None else f"{steps} step(s) done"
     print(f"# run {run_id}, {where}: {len(results)} operation(s), "
           f"{sum(r.status.value == 'applied' for _, r in results)} applied, "
           f"{sum(r.status.value == 'rejected' for _, r in results)} rejected")

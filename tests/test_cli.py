@@ -71,7 +71,7 @@ def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
     assert str(db) in listed and "cli-run" in listed and "completed" in listed
     assert main(["library", "ops", "cli-run"]) == 0
     ops = capsys.readouterr().out
-    assert "# run cli-run, 2 step(s):" in ops and "step 1 #0 applied  add" in ops
+    assert "# run cli-run, 2 step(s) done:" in ops and "step 1 #0 applied  add" in ops
     assert main(["library", "ops", "cli-run:2", "--rejected"]) == 0
     assert "step 1" not in capsys.readouterr().out
     assert main(["runs", "delete", "cli-run", "--yes"]) == 0
