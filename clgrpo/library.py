@@ -39,7 +39,8 @@ def normalize_text(text: str) -> str:
 
 
 def word_count(text: str) -> int:
-    return len(text.split())
+    """Words with at least one letter or digit: a lone "." or "-" is not a word."""
+    return sum(any(ch.isalnum() for ch in token) for token in text.split())
 
 
 def _id_number(exp_id: str) -> int | None:

@@ -129,10 +129,12 @@ def test_lesson_screen_rejects_copies_answers_and_pattern_misses():
 def test_library_rejects_short_and_screened_lessons_with_reasons():
     screen = LessonScreen(LearnerPrompts(), [])
     new, results = ExperienceLibrary().apply(
-        [Operation(op="add", text="..."), Operation(op="add", text=LearnerPrompts().examples[1]),
-         Operation(op="add", text=LESSON)], step=1, min_words=5, screen=screen)
+        [Operation(op="add", text="..."), Operation(op="add", text="When is  a  base of  ."),
+         Operation(op="add", text=LearnerPrompts().examples[1]), Operation(op="add", text=LESSON)],
+        step=1, min_words=6, screen=screen)  # the demo's minimum
     assert [(r.status, r.reason.split(":")[0]) for r in results] == [
-        (OpStatus.REJECTED, "too short"), (OpStatus.REJECTED, "copied from the prompt's example lesson"),
+        (OpStatus.REJECTED, "too short"), (OpStatus.REJECTED, "too short"),  # a lone "." is not a word
+        (OpStatus.REJECTED, "copied from the prompt's example lesson"),
         (OpStatus.APPLIED, "")]
     assert [e.text for e in new] == [LESSON]
 
