@@ -255,7 +255,8 @@ _WORD_RE = re.compile(r"[a-z0-9]+")
 class LessonScreen:
     """What may not enter the library although the library's own rules (length, ids, duplicates) allow it: the
     learner prompt's own wording (an example lesson, the instructions), a copy of a training problem, a source
-    problem's answer, or a text that does not match ``learning.lesson_pattern``. Used as the library's
+    problem's answer, a text that repeats itself (a looping generation), or a text that does not match
+    ``learning.lesson_pattern``. Used as the library's
     ``screen``: a refused operation is rejected with the reason, and stored."""
 
     prompts: LearnerPrompts
@@ -269,6 +270,9 @@ class LessonScreen:
         copied = self.prompts.copied_from_prompt(text)
         if copied:
             return copied
+        looped = repeated_phrase(text)
+        if looped:
+            return f"repeats itself: {looped!r} occurs more than once"
         for problem in self.problems:
             if overlap(text, problem.problem) >= COPY_OVERLAP or restates(text, problem.problem):
                 return f"copied from training problem {problem.problem_id}"
@@ -293,6 +297,21 @@ RESTATE_SHARE = 0.7  # share of a lesson's content words found in a problem: a r
 def _content_words(text: str) -> list[str]:
     words = (_NUMBER_WORDS.get(w, w) for w in _WORD_RE.findall(text.casefold()))
     return [w for w in words if w not in _STOPWORDS]
+
+
+LOOP_WORDS = 5  # a word sequence this long occurring twice in one lesson: the model looped
+
+
+def repeated_phrase(text: str, size: int = LOOP_WORDS) -> str | None:
+    """The first run of ``size`` words that occurs twice in ``text``, or None."""
+    words = _WORD_RE.findall(text.casefold())
+    seen: set[tuple[str, ...]] = set()
+    for i in range(len(words) - size + 1):
+        gram = tuple(words[i : i + size])
+        if gram in seen:
+            return " ".join(gram)
+        seen.add(gram)
+    return None
 
 
 def restates(text: str, source: str) -> bool:

@@ -124,6 +124,9 @@ def test_lesson_screen_rejects_copies_answers_and_pattern_misses():
     assert "lesson_pattern" in reason("Multiply boxes by items in each box.")
     assert "instructions" in reason('When the kind of problem or situation, what to do.')
     assert overlap("a b c d", "x a b c y") == 0.5 and not restates("multiply it", problem.problem)
+    assert reason("When a number of shells that is not a number of shells that is not a number of shells.") == (
+        "repeats itself: 'a number of shells that' occurs more than once")
+    assert reason("When the count of red and the count of blue are known, add them.") is None
 
 
 def test_library_rejects_short_and_screened_lessons_with_reasons():

@@ -163,6 +163,24 @@ async def test_operations_with_one_repair_re_ask():
         await client.aclose()
 
 
+async def test_a_reply_cut_off_at_max_tokens_gets_a_fresh_draw_not_a_repair():
+    looping = '{"operations": [{"op": "add", "text": "When a box with ' + "a box with " * 40
+    good = '{"operations": [{"op": "add", "text": "Check units."}]}'
+    asked: list[list[dict]] = []
+
+    def responder(request: ChatRequest) -> list[str]:
+        asked.append(request.messages)
+        return [looping if len(asked) == 1 else good]
+
+    with FakeOpenAIServer(responder) as server:
+        client = LLMClient(model(server, max_tokens=64, seed=3))
+        reply = await client.complete_operations(MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA,
+                                                 repair=LearnerPrompts().repair)
+        await client.aclose()
+    assert [o.text for o in reply.operations] == ["Check units."] and len(reply.calls) == 2
+    assert asked[1] == asked[0]  # the same prompt again, without the looping reply in it
+
+
 async def test_operations_still_unparseable_are_returned_with_raw_text():
     with FakeOpenAIServer(Replies("no json here", "still none")) as server:
         client = LLMClient(model(server))

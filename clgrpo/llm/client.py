@@ -114,10 +114,12 @@ class LLMClient:
 
     async def complete(self, messages: list[Message], *, stage: str, role: Role = "learner",
                        json_schema: dict | None = None, schema_name: str = "reply",
-                       temperature: float | None = None) -> Completed:
+                       temperature: float | None = None, redraw: int = 0) -> Completed:
+        """One reply; ``redraw`` k > 0 asks for the k-th other draw (a seeded config uses seed + k)."""
         cfg = self.configs[role]
+        seed = None if cfg.seed is None else cfg.seed + redraw
         request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
-                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed,
                              repetition_penalty=cfg.repetition_penalty,
                              json_schema=json_schema if cfg.json_schema else None, schema_name=schema_name)
         calls: list[LLMCall] = []
@@ -127,21 +129,28 @@ class LLMClient:
 
     async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
                                   repair: RepairFn) -> OperationsReply:
-        """Ask for operations as JSON; one repair re-ask on an unusable reply; what still fails comes back
-        with its raw text and ``parse_error`` set (never raised, never dropped)."""
+        """Ask for operations as JSON; one second ask on an unusable reply: a repair re-ask that shows the reply
+        and its error, or, for a reply cut off at max_tokens (usually a loop, which a model shown its own loop
+        continues), a fresh draw of the same prompt. What still fails comes back with its raw text and
+        ``parse_error`` set (never raised, never dropped)."""
         first = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations")
         try:
             return OperationsReply(parse_operations(first.text), first.text, None, [first.call])
         except StructuredOutputError as exc:
             error = self._why_unusable(exc, first)
-        second = await self.complete(repair(messages, first.text, error), stage=stage, json_schema=json_schema,
-                                     schema_name="operations")
+        if first.finish_reason == "length":
+            second = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations",
+                                         redraw=1)
+        else:
+            second = await self.complete(repair(messages, first.text, error), stage=stage, json_schema=json_schema,
+                                         schema_name="operations")
         calls = [first.call, second.call]
         try:
             return OperationsReply(parse_operations(second.text), second.text, None, calls)
         except StructuredOutputError as exc:
-            raw = json.dumps({"first_reply": first.text, "repair_reply": second.text}, ensure_ascii=False)
-            return OperationsReply([], raw, f"unparseable after repair: {self._why_unusable(exc, second)} "
+            raw = json.dumps({"first_reply": first.text, "second_reply": second.text}, ensure_ascii=False)
+            again = "a second draw" if first.finish_reason == "length" else "repair"
+            return OperationsReply([], raw, f"unparseable after {again}: {self._why_unusable(exc, second)} "
                                             f"(first reply: {error})", calls)
 
     def _why_unusable(self, exc: StructuredOutputError, reply: Completed) -> str:

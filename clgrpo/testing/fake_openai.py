@@ -153,7 +153,18 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     )
 
 
+def _cap(content: str, max_tokens: int | None) -> tuple[str, str]:
+    """A reply longer than ``max_tokens`` words (this server's tokens) is cut there, as a real server cuts it,
+    with ``finish_reason: "length"``."""
+    words = content.split(" ")
+    if max_tokens is None or _words(content) <= max_tokens:
+        return content, "stop"
+    return " ".join(words[:max_tokens]), "length"
+
+
 def completion_body(request: ChatRequest, contents: list[str]) -> dict[str, Any]:
+    capped = [_cap(c, request.max_tokens) for c in contents]
+    contents = [c for c, _ in capped]
     prompt_tokens = sum(_words(m["content"]) for m in request.messages)
     completion_tokens = sum(_words(c) for c in contents)
     return {
@@ -162,8 +173,8 @@ def completion_body(request: ChatRequest, contents: list[str]) -> dict[str, Any]
         "created": int(time.time()),
         "model": request.model,
         "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c}, "finish_reason": "stop", "logprobs": None}
-            for i, c in enumerate(contents)
+            {"index": i, "message": {"role": "assistant", "content": c}, "finish_reason": finish, "logprobs": None}
+            for i, (c, finish) in enumerate(zip(contents, (f for _, f in capped)))
         ],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
