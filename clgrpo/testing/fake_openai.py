@@ -156,10 +156,9 @@ def parse_chat_request(body: bytes) -> ChatRequest:
 def _cap(content: str, max_tokens: int | None) -> tuple[str, str]:
     """A reply longer than ``max_tokens`` words (this server's tokens) is cut there, as a real server cuts it,
     with ``finish_reason: "length"``."""
-    words = content.split(" ")
     if max_tokens is None or _words(content) <= max_tokens:
         return content, "stop"
-    return " ".join(words[:max_tokens]), "length"
+    return " ".join(content.split()[:max_tokens]), "length"
 
 
 def completion_body(request: ChatRequest, contents: list[str]) -> dict[str, Any]:
