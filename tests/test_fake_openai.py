@@ -12,7 +12,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from clgrpo.llm.structured import parse_operations
-from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.fake_openai import DEFAULT_MIX, ChatRequest, FakeOpenAIServer, Fault, match_roles, role_of
 from domains.learner import Attempt, LearnerPrompts
 from schemas.records import Problem
 from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, REPAIR_PREFIX, ScriptedWorld, make_problems, write_jsonl
@@ -169,6 +169,192 @@ def test_stop_releases_port():
     with pytest.raises(openai.APIConnectionError):
         OpenAI(base_url=base_url, api_key="t", max_retries=0, timeout=1).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+# reply faults ---------------------------------------------------------------------------------------------
+
+def words(request: ChatRequest) -> list[str]:
+    return [f"one two three four five {i}" for i in range(request.n)]
+
+
+def post(client: httpx.Client, srv: FakeOpenAIServer, role: str | None = None, n: int = 1) -> httpx.Response:
+    system = [{"role": "system", "content": f"ROLE: {role}\nx"}] if role else []
+    return client.post(f"{srv.base_url}/chat/completions",
+                       json={"model": "m", "n": n, "messages": system + [{"role": "user", "content": "hi"}]})
+
+
+def outcome(client: httpx.Client, srv: FakeOpenAIServer, role: str | None = None) -> str:
+    """What the client saw: the status, or the transport error's class name."""
+    try:
+        return str(post(client, srv, role).status_code)
+    except httpx.TransportError as exc:
+        return type(exc).__name__
+
+
+def test_malformed_fault_is_200_with_invalid_json(server):
+    server.inject(Fault(kind="malformed", times=2))
+    response = post(httpx.Client(), server)
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    assert response.content.startswith(b'{"id": "chatcmpl-')
+    with pytest.raises(json.JSONDecodeError):
+        response.json()
+    with pytest.raises(json.JSONDecodeError):  # the SDK lets the decode error through
+        ask(client_for(server))
+    assert ask(client_for(server)).choices[0].message.content == "choice 0 of 1"
+    assert server.stats.faults_served == {"malformed": 2}
+    assert [(e.status, e.fault, e.choices) for e in server.stats.log] == [
+        (200, "malformed", 0), (200, "malformed", 0), (200, None, 1)]
+
+
+def test_no_choices_fault(server):
+    server.inject(Fault(kind="no_choices", times=2))
+    body = post(httpx.Client(), server).json()
+    assert "choices" not in body and body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == 1
+    assert ask(client_for(server)).choices is None  # the SDK does not validate: the field is just missing
+    assert server.stats.faults_served == {"no_choices": 2} and server.stats.log[0].status == 200
+
+
+def test_empty_fault():
+    with FakeOpenAIServer(words) as srv:
+        srv.inject(Fault(kind="empty", match=match_roles("policy")))
+        reply = ask(client_for(srv), n=3)
+        assert [(c.message.content, c.finish_reason) for c in reply.choices] == [("", "stop")] * 3
+        assert reply.usage.completion_tokens == 0
+        assert srv.stats.faults_served == {"empty": 1} and srv.stats.log[0].choices == 3
+
+
+def test_truncate_fault_cuts_words_with_finish_length():
+    with FakeOpenAIServer(words) as srv:
+        srv.inject(Fault(kind="truncate"))
+        srv.inject(Fault(kind="truncate", cut_words=0))  # at least one word
+        reply = ask(client_for(srv), n=2)
+        assert [(c.message.content, c.finish_reason) for c in reply.choices] == [("one two three", "length")] * 2
+        assert reply.usage.completion_tokens == 6
+        assert [c.message.content for c in ask(client_for(srv)).choices] == ["one"]
+        assert ask(client_for(srv)).choices[0].finish_reason == "stop"
+        assert srv.stats.faults_served == {"truncate": 2}
+
+
+def test_reset_fault_is_distinct_from_drop(server):
+    server.inject(Fault(kind="reset"))
+    server.inject(Fault(kind="drop"))
+    client = httpx.Client()
+    with pytest.raises(httpx.ReadError) as reset:  # RST: "connection reset by peer"
+        post(client, server)
+    assert "reset" in str(reset.value).lower()
+    with pytest.raises(httpx.RemoteProtocolError):  # FIN: "server disconnected without sending a response"
+        post(client, server)
+    server.inject(Fault(kind="reset"))
+    with pytest.raises(openai.APIConnectionError) as info:
+        ask(client_for(server))
+    assert not isinstance(info.value, openai.APITimeoutError) and type(info.value.__cause__).__name__ == "ReadError"
+    assert post(client, server).status_code == 200 and ask(client_for(server)).choices
+    assert server.stats.faults_served == {"reset": 2, "drop": 1}
+    assert [(e.status, e.fault) for e in server.stats.log] == [(0, "reset"), (0, "drop"), (0, "reset"),
+                                                               (200, None), (200, None)]
+    assert server.stats.requests == server.stats.chat_requests == 5 and server.stats.in_flight == 0
+
+
+def test_rate_fault_is_seeded_and_never_consumed():
+    def run(seed: int) -> list[str]:
+        with FakeOpenAIServer(echo, seed=seed) as srv, httpx.Client() as client:
+            srv.inject(Fault(kind="status", status=500, rate=0.2))
+            seen = [outcome(client, srv) for _ in range(200)]
+            assert len(srv.pending_faults) == 1 and srv.stats.faults_served["status:500"] == seen.count("500")
+            assert srv.stats.chat_requests == 200
+            return seen
+
+    first = run(seed=3)
+    assert 0.12 <= first.count("500") / 200 <= 0.28 and set(first) == {"200", "500"}
+    assert run(seed=3) == first and run(seed=4) != first
+
+
+def test_mixed_fault_per_stage_and_reproducible():
+    labels = {"malformed", "no_choices", "empty", "truncate", "reset", "drop", "status:500", "status:429"}
+
+    def run() -> tuple[list[str], list[str | None], FakeOpenAIServer]:
+        with FakeOpenAIServer(words, seed=11) as srv, httpx.Client() as client:
+            srv.inject(Fault.mixed(rate=0.5, match=match_roles("experience extractor", "library consolidator")))
+            seen = [outcome(client, srv, role) for _ in range(30)
+                    for role in (None, "experience extractor", "trajectory summarizer")]
+        return seen, [e.fault for e in srv.stats.log], srv
+
+    seen, faults, srv = run()
+    stats = srv.stats
+    assert stats.requests == stats.chat_requests == 90 and stats.invalid == 0  # faulted requests included
+    assert stats.by_role == {"policy": 30, "experience extractor": 30, "trajectory summarizer": 30}
+    assert set(stats.faults_served) <= labels and len(stats.faults_served) >= 4
+    assert 8 <= sum(stats.faults_served.values()) <= 22  # about half of the 30 extractor requests
+    assert all(f is None for e, f in zip(stats.log, faults) if e.role != "experience extractor")
+    assert seen[0::3] == seen[2::3] == ["200"] * 30  # other stages untouched
+    assert stats.faults_served["reset"] == seen.count("ReadError")
+    assert stats.faults_served["drop"] == seen.count("RemoteProtocolError")
+    assert stats.faults_served["status:429"] == seen.count("429")
+    assert run()[:2] == (seen, faults)  # same seed, same requests: same faults
+    assert [f.label for f in Fault.mixed(kinds=DEFAULT_MIX).options] == [
+        "malformed", "no_choices", "empty", "truncate", "reset", "drop", "status:500", "status:429"]
+    assert Fault.mixed(kinds=DEFAULT_MIX).options[-1].retry_after == 1
+
+
+def test_mixed_fault_with_times_and_retry_after(server):
+    server.inject(Fault.mixed(kinds=(Fault(kind="status", status=429, retry_after=1),), times=2))
+    client = httpx.Client()
+    responses = [post(client, server) for _ in range(3)]
+    assert [r.status_code for r in responses] == [429, 429, 200] and responses[0].headers["Retry-After"] == "1"
+    assert server.stats.faults_served == {"status:429": 2} and not server.pending_faults
+
+
+def test_window_fault_starts_at_first_match_and_expires(server):
+    fault = server.inject(Fault(kind="status", status=503, window_s=0.4, match=match_roles("library consolidator")))
+    client = httpx.Client()
+    time.sleep(0.45)  # longer than the window: it has not started yet
+    assert outcome(client, server) == "200"  # not matched
+    assert [outcome(client, server, "library consolidator") for _ in range(4)] == ["503"] * 4  # times ignored
+    assert server.pending_faults == [fault]
+    time.sleep(0.45)
+    assert not server.pending_faults
+    assert outcome(client, server, "library consolidator") == "200"
+    assert server.stats.faults_served == {"status:503": 4}
+
+
+def test_rate_and_window_combine():
+    with FakeOpenAIServer(echo, seed=5) as srv, httpx.Client() as client:
+        srv.inject(Fault(kind="status", status=500, rate=0.5, window_s=0.5))
+        during = [outcome(client, srv) for _ in range(20)]
+        inside = [e for e in srv.stats.log if e.started - srv.stats.log[0].started < 0.5]
+        time.sleep(0.55)
+        after = [outcome(client, srv) for _ in range(10)]
+    assert len(inside) >= 10 and 0.2 <= during[:len(inside)].count("500") / len(inside) <= 0.8
+    assert "500" not in during[len(inside):] and after == ["200"] * 10
+
+
+def test_fault_validation_and_match_roles():
+    with pytest.raises(ValueError):
+        Fault(kind="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Fault(kind="status", rate=1.5)
+    with pytest.raises(ValueError):
+        Fault(kind="drop", window_s=0)
+    with pytest.raises(ValueError):
+        Fault.mixed(kinds=())
+    with pytest.raises(ValueError):
+        Fault.mixed(kinds=(Fault.mixed(),))
+    with pytest.raises(ValueError):
+        match_roles()
+    policy = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    summarizer = ChatRequest(model="m", messages=[{"role": "system", "content": "ROLE: trajectory summarizer\nx"}])
+    assert match_roles("policy")(policy) and not match_roles("policy")(summarizer)
+    assert match_roles("policy", "trajectory summarizer")(summarizer)
+    assert Fault.mixed(kinds=("status:502",)).options[0].label == "status:502"
+
+
+def test_invalid_requests_are_not_chat_requests(server):
+    client = httpx.Client()
+    assert client.post(f"{server.base_url}/nope", json={}).status_code == 404
+    assert client.post(f"{server.base_url}/chat/completions", json={"model": "m"}).status_code == 400
+    assert post(client, server).status_code == 200
+    stats = server.stats
+    assert (stats.requests, stats.chat_requests, stats.invalid) == (3, 1, 2)
 
 
 # scripted world -------------------------------------------------------------------------------------------

@@ -2,13 +2,25 @@
 
 The official ``openai`` SDK talks to it unchanged (``base_url=server.base_url``). A ``Responder`` produces the
 choice contents; the server adds the chat.completion envelope, usage counts, optional latency, a concurrency
-cap, fault injection (HTTP errors, delays, dropped connections) and thread-safe request statistics.
+cap, fault injection and thread-safe request statistics.
+
+Faults (``server.inject(Fault(...))``) are the replies a real proxy sees: HTTP errors ("status", e.g. 429 with
+Retry-After or 5xx), slow replies ("delay"), connections closed cleanly ("drop") or reset ("reset"), and 200
+replies that are broken ("malformed" JSON, "no_choices", "empty" contents, "truncate"d at a few words). A fault
+is scoped to a stage with ``match=match_roles(...)`` and applied a number of ``times``, with a probability
+(``rate``, drawn from the server's seeded RNG) or for a time window (``window_s``); ``Fault.mixed`` picks one of
+several kinds per affected request. Example, a reproducible 20% mix on the policy stage::
+
+    server = FakeOpenAIServer(responder, seed=1)
+    server.inject(Fault.mixed(rate=0.2, match=match_roles("policy")))
 """
 
 from __future__ import annotations
 
 import json
+import random
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -16,15 +28,18 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 __all__ = [
+    "DEFAULT_MIX",
+    "POLICY_ROLE",
     "ChatRequest",
     "Fault",
     "FakeOpenAIServer",
     "RequestLogEntry",
     "Responder",
     "ServerStats",
+    "match_roles",
     "message_text",
     "role_of",
 ]
@@ -56,21 +71,106 @@ class Responder(Protocol):
         ...
 
 
+FaultKind = Literal["status", "delay", "drop", "reset", "malformed", "no_choices", "empty", "truncate", "mixed"]
+_KINDS = frozenset(get_args(FaultKind))
+
+
 @dataclass
 class Fault:
-    """A scripted failure. ``kind``: "status" answers ``status`` (with ``Retry-After`` if set); "delay" sleeps
-    ``delay_s`` and then answers normally; "drop" closes the connection without any response."""
+    """A scripted failure. ``kind``:
 
-    kind: Literal["status", "delay", "drop"] = "status"
+    - "status": answers HTTP ``status`` with an OpenAI-style error body (and ``Retry-After: retry_after`` if
+      set), e.g. 429 or 5xx;
+    - "delay": sleeps ``delay_s``, then answers normally (a client timeout below ``delay_s`` fires);
+    - "drop": closes the connection cleanly (FIN) without any response;
+    - "reset": resets the connection (RST: ``SO_LINGER (1, 0)``, then close) without any response;
+    - "malformed": HTTP 200, ``application/json``, a body that is not valid JSON (a chat.completion cut in half);
+    - "no_choices": HTTP 200, a valid chat.completion object (with ``usage``) that has no ``choices`` key;
+    - "empty": HTTP 200, a normal completion whose every choice has content "" (finish_reason "stop");
+    - "truncate": HTTP 200, the responder's normal reply with every choice cut to at most ``max(1, cut_words)``
+      words and finish_reason "length";
+    - "mixed": one of ``options`` (other faults), picked uniformly per affected request on the server's seeded
+      RNG; build it with ``Fault.mixed``.
+
+    "status", "drop" and "reset" answer at once; the 200 kinds and "delay" wait the server's ``latency`` like a
+    normal reply. Only "delay" and "truncate" call the responder.
+
+    When the fault applies, for a request it ``match``es (None: every request; ``match_roles`` scopes it to
+    stages): without ``rate`` and ``window_s``, to the next ``times`` matching requests, then it is removed. With
+    ``rate``, to each matching request with that probability (one draw per matching request on the server's
+    ``random.Random(seed)``); ``times`` is then ignored. With ``window_s``, to the matching requests that arrive
+    within ``window_s`` seconds of the first matching request (the window starts at that request, not at inject
+    time, so a slow start does not eat the window); after it the fault is removed. ``rate`` and ``window_s``
+    combine (a 20% rate for 2 s). Faults are tried in inject order and the first that applies is served; a rate
+    fault whose draw misses lets the later faults be tried.
+    """
+
+    kind: FaultKind = "status"
     match: Callable[[ChatRequest], bool] | None = None  # None: any request
-    times: int = 1  # matching requests affected before the fault is consumed
+    times: int = 1  # matching requests affected before the fault is consumed (without rate and window_s)
     status: int = 500
     retry_after: float | None = None  # seconds, sent as the Retry-After header
     delay_s: float = 0.0
+    cut_words: int = 3  # "truncate": words kept per choice (at least 1)
+    rate: float | None = None  # probability per matching request; never consumed
+    window_s: float | None = None  # active for this long after the first matching request, then removed
+    options: tuple["Fault", ...] = ()  # "mixed": the faults to pick from
+    _window_started: float | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {sorted(_KINDS)}")
+        if self.rate is not None and not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {self.rate}")
+        if self.window_s is not None and self.window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {self.window_s}")
+        if self.kind == "mixed":
+            if not self.options:
+                raise ValueError("a mixed fault needs options")
+            if any(o.kind == "mixed" for o in self.options):
+                raise ValueError("mixed faults cannot be nested")
+
+    @classmethod
+    def mixed(
+        cls,
+        rate: float | None = None,
+        kinds: tuple["str | Fault", ...] | None = None,
+        *,
+        match: Callable[[ChatRequest], bool] | None = None,
+        times: int = 1,
+        window_s: float | None = None,
+    ) -> "Fault":
+        """A fault that serves one of ``kinds`` (default ``DEFAULT_MIX``), picked uniformly per affected request
+        on the server's seeded RNG. A kind is a ``Fault`` (its own ``match``/``times``/``rate``/``window_s`` are
+        ignored: the mixed fault decides when to apply) or a string: a kind name ("malformed", "reset", ...) or
+        "status:<code>" (no Retry-After; pass ``Fault(kind="status", status=429, retry_after=1)`` for one).
+        ``faults_served`` and the request log record the label of the kind served, never "mixed"."""
+        options = tuple(_as_fault(k) for k in (DEFAULT_MIX if kinds is None else kinds))
+        return cls(kind="mixed", match=match, times=times, rate=rate, window_s=window_s, options=options)
 
     @property
     def label(self) -> str:
+        """"status:<code>" for "status" faults, else the kind ("mixed" faults are recorded as the kind served)."""
         return f"status:{self.status}" if self.kind == "status" else self.kind
+
+    def _expired(self, now: float) -> bool:
+        return (self.window_s is not None and self._window_started is not None
+                and now - self._window_started >= self.window_s)
+
+
+def _as_fault(kind: "str | Fault") -> Fault:
+    if isinstance(kind, Fault):
+        return replace(kind)  # a copy: options are shared by nobody
+    if kind.startswith("status:"):
+        return Fault(kind="status", status=int(kind.split(":", 1)[1]))
+    return Fault(kind=kind)  # type: ignore[arg-type] - validated by __post_init__
+
+
+DEFAULT_MIX: tuple["str | Fault", ...] = (
+    "malformed", "no_choices", "empty", "truncate", "reset", "drop", "status:500",
+    Fault(kind="status", status=429, retry_after=1),
+)
+"""The mix ``Fault.mixed`` uses by default: every reply fault a proxy sees, 429 with ``Retry-After: 1``."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +187,14 @@ class RequestLogEntry:
 
 @dataclass
 class ServerStats:
+    """Request counts. ``requests`` counts every counted HTTP request: the chat requests plus the ``invalid``
+    ones (400 for bodies that are not a chat request, 404 for unknown paths; ``GET /models`` is not counted).
+    ``chat_requests`` counts only the parsed chat requests, faulted ones included (one per client attempt, so a
+    test can compare it with a client's recorded attempts); ``requests == chat_requests + invalid``."""
+
     requests: int = 0
     invalid: int = 0  # malformed bodies (400) and unknown paths (404)
+    chat_requests: int = 0  # parsed chat-completions requests, faulted ones included
     by_role: Counter = field(default_factory=Counter)
     choices_by_role: Counter = field(default_factory=Counter)
     faults_served: Counter = field(default_factory=Counter)
@@ -116,6 +222,21 @@ def role_of(request: ChatRequest) -> str:
                 return first[len("ROLE:"):].strip()
             return POLICY_ROLE
     return POLICY_ROLE
+
+
+def match_roles(*roles: str) -> Callable[[ChatRequest], bool]:
+    """A ``Fault.match`` predicate: the request's ``role_of`` is one of ``roles``. The stages: "policy" (no ROLE
+    line) and the learner prompts of ``domains/learner.py`` ("trajectory summarizer", "experience extractor",
+    "library consolidator")."""
+    if not roles:
+        raise ValueError("match_roles needs at least one role")
+    wanted = frozenset(roles)
+
+    def match(request: ChatRequest) -> bool:
+        return role_of(request) in wanted
+
+    match.__name__ = match.__qualname__ = f"match_roles({', '.join(map(repr, roles))})"
+    return match
 
 
 def _words(text: str) -> int:
@@ -161,8 +282,11 @@ def _cap(content: str, max_tokens: int | None) -> tuple[str, str]:
     return " ".join(content.split()[:max_tokens]), "length"
 
 
-def completion_body(request: ChatRequest, contents: list[str]) -> dict[str, Any]:
+def completion_body(request: ChatRequest, contents: list[str], *, cut_words: int | None = None) -> dict[str, Any]:
+    """The chat.completion for ``contents``; ``cut_words`` cuts every choice there with finish_reason "length"."""
     capped = [_cap(c, request.max_tokens) for c in contents]
+    if cut_words is not None:
+        capped = [(" ".join(c.split()[:max(1, cut_words)]), "length") for c, _ in capped]
     contents = [c for c, _ in capped]
     prompt_tokens = sum(_words(m["content"]) for m in request.messages)
     completion_tokens = sum(_words(c) for c in contents)
@@ -188,17 +312,23 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 class _Dropped(Exception):
     """Raised inside a handler to close the connection without answering."""
 
+    def __init__(self, reset: bool = False) -> None:
+        super().__init__("reset" if reset else "drop")
+        self.reset = reset  # send RST instead of a clean FIN
+
 
 @dataclass
 class _Outcome:
     status: int
-    body: dict[str, Any]
+    body: dict[str, Any] | bytes  # bytes: sent as is (a "malformed" body)
     headers: dict[str, str] = field(default_factory=dict)
     choices: int = 0
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers and body are two writes: with Nagle on, a keep-alive client's delayed ACK adds ~40 ms per request
+    disable_nagle_algorithm = True
     server: "_HTTPServer"
 
     def setup(self) -> None:
@@ -240,8 +370,8 @@ class _Handler(BaseHTTPRequestHandler):
         retry_count = int(retry_header) if retry_header and retry_header.isdigit() else None
         try:
             outcome = self.server.owner._handle(request, retry_count)
-        except _Dropped:
-            self._drop()
+        except _Dropped as dropped:
+            self._reset() if dropped.reset else self._drop()
             return
         self._send(outcome.status, outcome.body, outcome.headers)
 
@@ -249,8 +379,8 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length > 0 else b""
 
-    def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload).encode("utf-8")
+    def _send(self, status: int, payload: dict[str, Any] | bytes, headers: dict[str, str] | None = None) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -267,6 +397,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _reset(self) -> None:
+        """Close with RST: no shutdown first (that would send a FIN), linger on with a zero timeout. The read
+        file holds a reference to the socket, so it is closed first for ``close()`` to release the descriptor
+        now; the later shutdown/close of ``finish`` and the server then fail quietly on the closed socket."""
+        self.close_connection = True
+        try:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.rfile.close()
+            self.connection.close()
         except OSError:
             pass
 
@@ -297,7 +439,10 @@ class FakeOpenAIServer:
         latency: Callable[[ChatRequest], float] | None = None,
         max_concurrency: int | None = None,
         models: tuple[str, ...] | None = None,
+        seed: int = 0,
     ) -> None:
+        """``seed`` seeds the RNG behind ``Fault.rate`` draws and ``Fault.mixed`` picks: the same seed and the same
+        sequence of requests give the same faults (with concurrent requests, the arrival order decides)."""
         self.responder = responder
         self.supports_n = supports_n
         self.latency = latency
@@ -307,6 +452,7 @@ class FakeOpenAIServer:
         self._semaphore = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
+        self._rng = random.Random(seed)
         self._stats = ServerStats()
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -369,7 +515,10 @@ class FakeOpenAIServer:
 
     @property
     def pending_faults(self) -> list[Fault]:
+        """The faults not yet consumed (window faults whose window has passed are removed here too)."""
+        now = time.monotonic()
         with self._lock:
+            self._faults[:] = [f for f in self._faults if not f._expired(now)]
             return list(self._faults)
 
     @property
@@ -393,20 +542,34 @@ class FakeOpenAIServer:
             self._stats.invalid += 1
 
     def _take_fault(self, request: ChatRequest) -> Fault | None:
+        """The fault to serve (a "mixed" one resolved to the option picked), consuming or expiring faults."""
+        now = time.monotonic()
         with self._lock:
-            for fault in self._faults:
-                if fault.match is None or fault.match(request):
+            for fault in list(self._faults):
+                if fault._expired(now):
+                    self._faults.remove(fault)
+                    continue
+                if fault.match is not None and not fault.match(request):
+                    continue
+                if fault.window_s is not None and fault._window_started is None:
+                    fault._window_started = now
+                if fault.rate is not None:
+                    if self._rng.random() >= fault.rate:
+                        continue
+                elif fault.window_s is None:
                     fault.times -= 1
                     if fault.times <= 0:
                         self._faults.remove(fault)
-                    self._stats.faults_served[fault.label] += 1
-                    return fault
+                served = self._rng.choice(fault.options) if fault.kind == "mixed" else fault
+                self._stats.faults_served[served.label] += 1
+                return served
         return None
 
     def _enter(self, role: str) -> None:
         with self._lock:
             stats = self._stats
             stats.requests += 1
+            stats.chat_requests += 1
             stats.by_role[role] += 1
             stats.in_flight += 1
             stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
@@ -440,18 +603,29 @@ class FakeOpenAIServer:
                 self._semaphore.release()
 
     def _answer(self, request: ChatRequest, fault: Fault | None) -> _Outcome:
-        if fault is not None and fault.kind == "drop":
-            raise _Dropped
-        if fault is not None and fault.kind == "status":
+        kind = fault.kind if fault is not None else None
+        if kind in ("drop", "reset"):
+            raise _Dropped(reset=kind == "reset")
+        if fault is not None and kind == "status":
             headers = {"Retry-After": _format_seconds(fault.retry_after)} if fault.retry_after is not None else {}
             return _Outcome(fault.status, error_body(fault.status, f"injected fault: HTTP {fault.status}"), headers)
-        if fault is not None and fault.kind == "delay":
+        if fault is not None and kind == "delay":
             self._stopping.wait(fault.delay_s)
         if self.latency is not None:
             self._stopping.wait(max(0.0, self.latency(request)))
-        return self._complete(request)
+        n = request.n if self.supports_n else 1
+        if kind == "malformed":  # a chat.completion cut in half: no longer JSON
+            data = json.dumps(completion_body(request, [""] * n)).encode("utf-8")
+            return _Outcome(200, data[:len(data) // 2])
+        if kind == "no_choices":
+            body = completion_body(request, [])
+            del body["choices"]
+            return _Outcome(200, body)
+        if kind == "empty":
+            return _Outcome(200, completion_body(request, [""] * n), choices=n)
+        return self._complete(request, cut_words=fault.cut_words if fault is not None and kind == "truncate" else None)
 
-    def _complete(self, request: ChatRequest) -> _Outcome:
+    def _complete(self, request: ChatRequest, cut_words: int | None = None) -> _Outcome:
         asked = request if self.supports_n else replace(request, n=1)
         try:
             contents = [str(c) for c in self.responder(asked)]
@@ -459,7 +633,7 @@ class FakeOpenAIServer:
             return _Outcome(500, error_body(500, f"responder failed: {type(exc).__name__}: {exc}"))
         if not self.supports_n:
             contents = contents[:1]
-        return _Outcome(200, completion_body(request, contents), choices=len(contents))
+        return _Outcome(200, completion_body(request, contents, cut_words=cut_words), choices=len(contents))
 
 
 def _format_seconds(value: float) -> str:
