@@ -15,9 +15,19 @@ Message = dict[str, str]
 
 @dataclass(frozen=True)
 class VerifyResult:
+    """One grade, or the verifier's admission that it could not grade.
+
+    ``verified`` True: ``reward`` is a genuine grade (1.0 correct, 0.0 wrong, no answer found, empty output; ``error``
+    may say why it is 0). ``verified`` False: the verifier could not do its work (it could not start, the item
+    timed out, a worker crashed or hung, the pool kept restarting, an unexpected error, the reference answer is
+    missing or unparseable); the cause is in ``error`` and ``reward`` is 0.0 only as a placeholder -- callers must
+    not use it as a grade (store an error, retry).
+    """
+
     reward: float  # in [0, 1]
     extracted: str | None = None  # the answer the verifier read from the output
-    error: str | None = None  # parse failure, timeout, ... (reward is then 0)
+    error: str | None = None  # why the reward is 0 (no answer found, ...) or why there is no grade
+    verified: bool = True  # False: no grade (see above); the reward is then meaningless
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,11 @@ class Domain(Protocol):
         ...
 
     def tools(self) -> list[Tool]:
+        ...
+
+    def warm(self) -> None:
+        """Start whatever verification needs, in the background; returns at once. Optional: callers use
+        ``getattr(domain, "warm", None)``, so a domain without it still works."""
         ...
 
 

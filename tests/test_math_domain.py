@@ -313,23 +313,23 @@ def test_verify_realistic_outputs_against_all_aime_answers() -> None:
         expected += [1.0] * len(right) + [0.0] * len(wrong)
     results = verify_batch(items)
     assert [r.reward for r in results] == expected
-    assert all(r.error is None for r in results)
+    assert all(r.error is None and r.verified for r in results)
     assert results[0].extracted == _aime_answers()[0]
 
 
 def test_verify_empty_and_garbage_outputs() -> None:
     empty, blank, garbage, no_answer = verify_batch([("", "5"), ("  \n", "5"), ("asdf {{ ]]", "5"), ("x", "")])
-    assert empty.reward == 0.0 and empty.error == "empty output" and empty.extracted is None
-    assert blank.reward == 0.0 and blank.error == "empty output"
-    assert garbage.reward == 0.0 and garbage.error is not None
-    assert no_answer.reward == 0.0 and no_answer.error == "no reference answer"
+    assert empty.reward == 0.0 and empty.error == "empty output" and empty.extracted is None and empty.verified
+    assert blank.reward == 0.0 and blank.error == "empty output" and blank.verified
+    assert garbage.reward == 0.0 and garbage.error is not None and garbage.verified  # a genuine grade
+    assert no_answer.verified is False and no_answer.error == "no reference answer"  # nothing to grade against
 
 
 def test_verify_single_and_latex_answers() -> None:
     assert verify("so $x = \\frac{1}{2}$", "0.5").reward == 1.0
     assert verify("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}").reward == 1.0
     result = verify("\\boxed{3}", "4")
-    assert result == VerifyResult(0.0, "3", None)
+    assert result == VerifyResult(0.0, "3", None) and result.verified
 
 
 def test_verify_from_worker_threads() -> None:
@@ -361,12 +361,13 @@ def test_children_grade_in_their_main_thread() -> None:
 
 
 def test_timeout_kills_the_pool_and_the_next_call_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify_mod, "HANG_FACTOR", 1.0)  # hung: still running 0.5 + 0.2 s after it started
     monkeypatch.setattr(verify_mod, "DEADLINE_MARGIN_S", 0.2)
     start = time.monotonic()
     (result,) = verify_batch([("\\boxed{1}", "1")], timeout_s=0.5, worker=_slow_worker)
     assert time.monotonic() - start < 10
-    assert result.reward == 0.0 and "timeout" in (result.error or "")
-    assert verify("\\boxed{1}", "1").reward == 1.0
+    assert result.verified is False and "timeout" in (result.error or "")
+    assert verify("\\boxed{1}", "1") == VerifyResult(1.0, "1", None, verified=True)
 
 
 def test_queueing_behind_other_threads_is_not_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,15 +381,18 @@ def test_queueing_behind_other_threads_is_not_a_timeout(monkeypatch: pytest.Monk
         second = pool.submit(verify_batch, [("b", "1")], 0.3, _sleepy_worker)
         results = first.result() + second.result()
     assert [r.error for r in results] == [None] * 31
+    assert all(r.verified for r in results)
     assert [r.extracted for r in results] == [f"a{n}" for n in range(30)] + ["b"]
 
 
 def test_timeout_of_one_item_keeps_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify_mod, "HANG_FACTOR", 1.0)
     monkeypatch.setattr(verify_mod, "DEADLINE_MARGIN_S", 0.2)
     hung = verify_batch([("\\boxed{1}", "1")] * 2, timeout_s=0.5, worker=_slow_worker)
-    assert all("timeout" in (r.error or "") for r in hung)
+    assert all(r.verified is False and "timeout" in (r.error or "") for r in hung)
     results = verify_batch([("\\boxed{1}", "1"), ("\\boxed{2}", "3"), ("", "1")])
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
+    assert all(r.verified for r in results)
 
 
 # --- prompts and the domain ------------------------------------------------------------------------------
@@ -429,6 +433,7 @@ def test_rollout_without_library() -> None:
 def test_math_domain_is_registered_and_complete(tmp_path: Path) -> None:
     domain = get_domain("math")
     assert isinstance(domain, MathDomain) and isinstance(domain, Domain)
+    assert domain.warm() is None  # starts the pool in the background (idempotent)
     assert domain.name == "math" and domain.tools() == []
     path = _write_jsonl(tmp_path / "small.jsonl", ROWS)
     problems, report = domain.load_dataset(_cfg(path))

@@ -19,6 +19,7 @@ from domains.math.dataset import (
 from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
 from domains.math.verify import verify as verify_output
 from domains.math.verify import verify_batch as verify_outputs
+from domains.math.verify import warm_pool
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
@@ -47,7 +48,7 @@ class MathDomain:
 
     name = "math"
 
-    def __init__(self, verify_timeout_s: float = 5.0) -> None:
+    def __init__(self, verify_timeout_s: float = 5.0) -> None:  # per sample: CPU seconds in the grading child
         self.verify_timeout_s = verify_timeout_s
         self.learner_prompts = LearnerPrompts(domain="competition mathematics", examples=EXAMPLE_LESSONS)
 
@@ -59,6 +60,10 @@ class MathDomain:
 
     def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         return verify_outputs(items, timeout_s=self.verify_timeout_s)
+
+    def warm(self) -> None:
+        """Start the math-verify pool in the background, so the first batch does not wait for it."""
+        warm_pool()
 
     def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
         return rollout_messages(problem, library_text)
