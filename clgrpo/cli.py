@@ -41,6 +41,9 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    from clgrpo.prefect_server import install
+
+    install(only_if_ephemeral=True)  # a temporary Prefect server dies with this process, even on SIGKILL
 
 
 def _open(db: str) -> Store:
@@ -183,8 +186,28 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
         if not store.is_run(args.run_id) and not store.library_versions(args.run_id):
             raise StoreError(f"{db}: no run {args.run_id!r}")
         removed = store.delete_run(args.run_id)
+    files = delete_run_files(db, args.run_id)
     print(f"deleted run {args.run_id} from {db}: " + ", ".join(f"{n} {t}" for t, n in removed.items()))
+    if files:
+        print("and its work files: " + ", ".join(files))
     return 0
+
+
+def delete_run_files(db: str, run_id: str) -> list[str]:
+    """A run's work kept outside DuckDB: its work journals and the default rollout hand-off folder (the
+    exported library files stay: they are the product)."""
+    import shutil
+
+    from clgrpo.journal import JOURNAL_DIR, discard_run
+
+    base = Path(db).expanduser().resolve().parent
+    found = [str(p) for p in (base / JOURNAL_DIR).glob(f"*/{run_id}")]
+    discard_run(db, run_id)
+    handoff = base / run_id / "handoff" / run_id
+    if handoff.is_dir():
+        shutil.rmtree(handoff, ignore_errors=True)
+        found.append(str(handoff))
+    return found
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:

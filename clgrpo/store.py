@@ -9,6 +9,7 @@ process gets ``StoreLockedError`` naming the file.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -135,9 +136,22 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
 
 
 # --- rows -> records -----------------------------------------------------------------------------------
+def _fields(model: type, row: dict, skip: tuple[str, ...] = ()) -> dict:
+    """The row's values of the model's fields; a NULL in a column added after a row was written (the field
+    has a non-None default) takes the default."""
+    out = {}
+    for name, info in model.model_fields.items():
+        if name in skip or name not in row:
+            continue
+        if row[name] is None and info.default is not None and not info.is_required():
+            continue
+        out[name] = row[name]
+    return out
+
+
 def _rollout_record(row: dict) -> Rollout:
     turns = [Turn(**t) for t in json.loads(row["turns_json"])]
-    return Rollout(**{k: row[k] for k in Rollout.model_fields if k != "turns"}, turns=turns)
+    return Rollout(**_fields(Rollout, row, skip=("turns",)), turns=turns)
 
 
 def _proposal_record(row: dict) -> Proposal:
@@ -160,7 +174,7 @@ def _advantage_record(row: dict) -> GroupAdvantage:
 
 
 def _plain(model: type) -> Callable[[dict], Any]:
-    return lambda row: model(**{k: row[k] for k in model.model_fields})
+    return lambda row: model(**_fields(model, row))
 
 
 _RECORDS: dict[str, Callable[[dict], Any]] = {
@@ -238,6 +252,16 @@ class Store:
         if not read_only:
             for statement in create_statements():
                 self.con.execute(statement)
+            self.con.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
+
+    @property
+    def db_id(self) -> str:
+        """This database's identity: made when the file was created (a re-created file gets a new one)."""
+        try:
+            row = self.con.execute("SELECT value FROM db_meta WHERE key = 'db_id'").fetchone()
+        except duckdb.CatalogException:  # a file from before db_meta, opened read-only
+            row = None
+        return row[0] if row else "legacy"
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -292,6 +316,18 @@ class Store:
                              [run_id, step, stage])
             self._insert("stage_runs", marker)
         return n_rows
+
+    def write_unfinished(self, run_id: str, step: int, stage: str, outputs: dict[str, Sequence[Any]]) -> int:
+        """Replace the rows of (run_id, step, stage) in the given tables WITHOUT marking the stage complete:
+        what a failed or killed stage attempt already paid for (its calls), stored so it is counted; the
+        stage's own write later replaces these rows with its complete set."""
+        frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
+        with self._transaction():
+            for table, frame in frames.items():
+                self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?",
+                                 [run_id, step, stage])
+                self._insert(table, frame)
+        return sum(len(f) for f in frames.values())
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:

@@ -162,6 +162,11 @@ class Attempt:
     sample_idx: int
     text: str  # the trajectory (summarize) or its summary (extract)
     reward: float | None  # None when grades are hidden (no ground truth)
+    truncated: bool = False  # the reply was cut off at the token limit before it finished
+
+    @property
+    def mark(self) -> str:
+        return " (cut off at the token limit before it finished)" if self.truncated else ""
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ class LearnerPrompts:
             library_block=f"Experiences given to the solver:\n{library_text}\n\n" if library_text else "",
             problem=problem.problem,
             answer_block=_answer_block(problem, use_groundtruth),
-            grade_block=_grade(attempt.reward) if graded else "",
+            grade_block=(_grade(attempt.reward) if graded else "") + attempt.mark,
             attempt=attempt.text,
         )
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
@@ -196,7 +201,8 @@ class LearnerPrompts:
             answer_note=" with its reference answer," if use_groundtruth else "", graded="graded " if use_groundtruth else "",
             example_block=self._example_block(show_example, sources=False))
         blocks = [
-            f"Attempt {a.sample_idx}{_grade(a.reward) if use_groundtruth and a.reward is not None else ''}:\n{a.text}"
+            f"Attempt {a.sample_idx}{_grade(a.reward) if use_groundtruth and a.reward is not None else ''}{a.mark}:"
+            f"\n{a.text}"
             for a in attempts
         ]
         user = _EXTRACT_USER.format(

@@ -42,6 +42,7 @@ from clgrpo.report import (
 )
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
+from tasks.verify import warm_verifier
 from schemas.config import DatasetConfig, EvalConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
@@ -270,6 +271,7 @@ async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[st
     The first library is the baseline of the paired comparisons."""
     log = get_run_logger()
     await check_policy(config)  # the endpoint answers and serves the model, before any sampling
+    warm_verifier(config.domain)
     with Store(config.db_path) as store:
         conditions = resolve_conditions(store, libraries)
         problems = load_problems(config, evaluation.dataset)

@@ -2,9 +2,11 @@
 
 The flow is the only DuckDB writer. Each stage's output is written in one transaction keyed by
 (run_id, step, stage); a stage already in the store is read back instead of recomputed, so rerunning a run id
-after a crash continues where it stopped (no duplicate rollouts, no operation applied twice). Stage tasks
-persist their results with input-keyed cache keys, so a UI "Retry" of a failed flow run also gets finished
-task runs back as Cached. A run id is bound to its config: a changed config under the same id is refused.
+after a crash continues where it stopped (no duplicate rollouts, no operation applied twice). Within a stage,
+every model call and finished item is appended to the step's work journal as it completes (``clgrpo.journal``),
+so a UI "Retry" or a rerun of a failed or killed stage redoes only its failed items, and every request sent is
+accounted in ``llm_calls``. A stage whose failed items exceed ``tolerance.max_failed_fraction`` is not stored
+as done (``tasks.integrity``). A run id is bound to its config: a changed config under the same id is refused.
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ from prefect.artifacts import (
 )
 
 from clgrpo import progress
+from clgrpo.journal import RunJournal, recording
 from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMCallError
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from flows.rollout_gpu import rollout_on_pool
 from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
+from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
 from schemas.config import RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import LibraryVersion, Problem, Proposal
+from schemas.records import LibraryVersion, LLMCall, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -48,11 +53,12 @@ from tasks.checkpoint import (
 )
 from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task, consolidation_calls
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
+from tasks.integrity import StageFailedError, failed_items, stage_failed_message
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
 from tasks.summarize import STAGE as SUMMARIZE, summarize_task
-from tasks.verify import STAGE as VERIFY, verify_task
+from tasks.verify import STAGE as VERIFY, verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
 
@@ -96,12 +102,15 @@ class Trainer:
         self.run_id = config.run_id
         self.log = get_run_logger()
         self.precomputed: dict[tuple[int, str], Outputs] = {}  # stage outputs the pipeline produced, to write
+        self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
     async def stage(self, step: int, name: str, compute: Callable[[], Awaitable[Outputs]],
                     tables: Sequence[str], before_write: Callable[[Outputs], None] | None = None,
                     expect: tuple[int, str] | None = None) -> Outputs:
-        """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar)."""
+        """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar).
+        The computation's calls and finished items go to the step's work journal as they happen; the stage is
+        stored only if its failed items are within tolerance (else ``StageFailedError``)."""
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
@@ -110,14 +119,57 @@ class Trainer:
             if expect:
                 progress.start(step, name, *expect)
             try:
-                outputs = await compute()
+                with recording(self.journal.step(step), stage=name, items=name != VALIDATE_STAGE):
+                    outputs = await compute()
+            except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
+                self.keep_calls(step, name)
+                raise StageFailedError(f"step {step} {name}: a learner call failed after its retries: {exc}. "
+                                       f"Fix the cause, then Retry the flow run (Prefect UI) or rerun with "
+                                       f"--run-id {self.run_id}: finished items are not redone.") from exc
             finally:
                 progress.finish(name)
+        if "llm_calls" in outputs:
+            outputs["llm_calls"] = self.all_calls(step, name, outputs["llm_calls"])
+        self.check_failures(step, name, outputs)
         if before_write:
             before_write(outputs)
         self.store.write_stage(self.run_id, step, name, outputs)
         self.log.info("step %d %s: stored %s", step, name, describe_rows(outputs))
         return outputs
+
+    def all_calls(self, step: int, name: str, returned: list[LLMCall]) -> list[LLMCall]:
+        """The stage's calls: those its computation returned plus every one the journal holds for it (earlier,
+        failed or killed attempts included), each request once."""
+        calls = {(c.call_id, c.retries): c for c in self.journal.step(step).calls(name)}
+        for call in returned:
+            calls.setdefault((call.call_id, call.retries) if call.call_id else (id(call), 0), call)
+        return sorted(calls.values(), key=lambda c: c.started_at)
+
+    def check_failures(self, step: int, name: str, outputs: Outputs) -> None:
+        """The integrity rule: over tolerance, keep the calls and fail; under it, warn (and count)."""
+        items = failed_items(name, outputs)
+        if items is None or items.failed == 0:
+            return
+        tolerance = self.cfg.tolerance.of(name) or 0.0
+        if items.fraction > tolerance:
+            self.keep_calls(step, name)
+            raise StageFailedError(stage_failed_message(items, step, tolerance, self.run_id))
+        self.log.warning("step %d %s: %s, within the tolerance of %.0f%%; stored with their causes (first: %s)",
+                         step, name, items.describe(), 100 * tolerance, items.first_cause)
+
+    def keep_calls(self, step: int, name: str) -> None:
+        """Store what an unfinished stage paid for (its calls so far), without marking it done."""
+        calls = self.journal.step(step).calls(name)
+        if calls:
+            self.store.write_unfinished(self.run_id, step, name, {"llm_calls": calls})
+
+    def keep_unrecorded_calls(self) -> None:
+        """Calls of stage attempts that failed or were killed, from every journal on disk, into llm_calls."""
+        for step in self.journal.steps_on_disk():
+            journal = self.journal.step(step)
+            for name in journal.stages_with_calls():
+                if not self.store.stage_done(self.run_id, step, name):
+                    self.keep_calls(step, name)
 
     # --- setup ----------------------------------------------------------------------------------------
     async def problems(self) -> list[Problem]:
@@ -227,8 +279,9 @@ class Trainer:
                                   (SUMMARIZE, 0, "summaries"), (GROUP_ADVANTAGE, 0, "groups")):
             progress.start(step, name, total, unit)
         try:
-            parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
-                                           for i, c in enumerate(rollout_chunks)])
+            with recording(self.journal.step(step)):
+                parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
+                                               for i, c in enumerate(rollout_chunks)])
         finally:
             for name in names:
                 progress.finish(name)
@@ -267,10 +320,13 @@ class Trainer:
         self.store.write_stage(self.run_id, step, CHECKPOINT, {})
         self.log.info(
             "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
-            "operations %d applied / %d rejected, library %d, tokens %d in / %d out, cost $%.4f; exported %s",
-            step, planned.epoch + 1, report.accuracy, report.groups_selected, report.groups_total,
-            report.proposals_parsed, report.proposals_failed, report.operations_applied, report.operations_rejected,
-            report.library_size, report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
+            "operations %d applied / %d rejected, library %d, %d calls (%d requests), tokens %d in / %d out, "
+            "cost $%.4f; exported %s", step, planned.epoch + 1, report.accuracy, report.groups_selected,
+            report.groups_total, report.proposals_parsed, report.proposals_failed, report.operations_applied,
+            report.operations_rejected, report.library_size, report.llm_calls, report.llm_requests,
+            report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
+        if problems := step_problems(report):
+            self.log.warning("step %d: %s (details: clgrpo report %s)", step, "; ".join(problems), self.run_id)
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
@@ -283,12 +339,18 @@ class Trainer:
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         self.store.set_run_status(self.run_id, "running")
+        self.keep_unrecorded_calls()  # of an attempt that was killed
+        warm_verifier(self.cfg.domain)
         try:
             result = await self.steps()
         except BaseException as exc:
+            self.keep_unrecorded_calls()
             self.store.set_run_status(self.run_id, "failed", error_line(exc))
             raise
+        finally:
+            self.journal.close()
         self.store.set_run_status(self.run_id, "completed")
+        self.journal.discard()  # everything is in DuckDB now
         return result
 
     async def steps(self) -> TrainResult:
@@ -303,6 +365,7 @@ class Trainer:
         validator = Validator(self.cfg, problems) if self.cfg.validation else None
         if validator:
             await self.validate(validator, 0, library)
+        self.journal.discard_step(0)
         for planned in planned_steps:
             done = self.store.stage_done(self.run_id, planned.step, CHECKPOINT)
             if done:
@@ -314,11 +377,32 @@ class Trainer:
                 await self.checkpoint(planned, library, reports)
             if validator and validator.due(planned.step, len(planned_steps)):
                 await self.validate(validator, planned.step, library)
+            self.journal.discard_step(planned.step)  # the step is stored: its journal is no longer needed
             await aupdate_progress_artifact(steps_artifact, 100.0 * planned.step / len(planned_steps),
                                             description=f"step {planned.step}/{len(planned_steps)}")
         await publish_run_report(self.store, self.cfg)
         return TrainResult(self.run_id, str(self.store.path), library.version, len(library),
                            str(export_dir(self.cfg)), reports)
+
+
+def step_problems(report: StepReport) -> list[str]:
+    """What went wrong in a stored step, for a WARNING line: failures, retries, unusable learner replies."""
+    found = [
+        (report.rollouts_failed, "policy samples failed"),
+        (report.verify_failed, "samples could not be verified"),
+        (report.rollouts_truncated, "replies were cut off at max_tokens (graded, marked)"),
+        (report.summaries_failed, "summaries failed"),
+        (report.proposals_call_failed, "learner calls for group proposals failed"),
+        (report.proposals_failed - report.proposals_call_failed, "group proposals were unusable replies"),
+        (report.llm_retries, "requests were retries"),
+        (report.llm_rate_limited, "requests were rate limited (429)"),
+    ]
+    problems = [f"{n} {what}" for n, what in found if n]
+    if report.consolidation_failed:
+        problems.append("the consolidation reply was unusable: no operations")
+    if report.groups_selected and report.proposals_parsed == 0:
+        problems.append(f"all {report.proposals_total} group proposals failed: this step learned nothing")
+    return problems
 
 
 def describe_rows(outputs: Outputs) -> str:
@@ -360,5 +444,6 @@ async def train(config: RunConfig, preflight: bool = True) -> TrainResult:
     config = with_run_id(config)
     if preflight:
         await check_run(config)
-    with Store(config.db_path) as store:
+    with Store(config.db_path) as store:  # the DuckDB write lock: no other live process runs this run id here
+        await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
         return await Trainer(config, store).run()

@@ -40,7 +40,10 @@ class ModelConfig(Section):
     repetition_penalty: float | None = Field(None, ge=1.0, le=2.0)
     max_tokens: int = Field(2048, ge=1)
     timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(6, ge=0)
+    max_retries: int = Field(6, ge=0)  # transient errors (5xx, timeouts, resets, malformed replies) per call
+    # rate limits (429) are retried by time, not counted as errors: for up to this long from a call's first 429,
+    # honouring Retry-After, with every caller paused during the window
+    max_rate_limit_wait_s: float = Field(600.0, ge=0)
     retry_base_delay_s: float = Field(1.0, ge=0)  # exponential backoff base (doubles per retry, with jitter)
     retry_max_delay_s: float = Field(60.0, ge=0)
     supports_n: bool = True  # request G samples with n=G; False: G separate calls
@@ -167,10 +170,33 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "lesson_pattern"): None,
     ("policy", "repetition_penalty"): None,
     ("learner", "repetition_penalty"): None,
+    ("policy", "max_rate_limit_wait_s"): 600.0,
+    ("learner", "max_rate_limit_wait_s"): 600.0,
 }
 
-# Settings that change where or how fast a run executes, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline"}
+class StageTolerances(Section):
+    """The fraction of a stage's items that may fail (a call that failed after its retries, a sample the
+    verifier could not grade) with the stage still stored as done; beyond it the stage fails and a retry redoes
+    only its failed items. Below it, failures are stored, counted in the step record and shown as warnings."""
+
+    rollout: float = Field(0.1, ge=0.0, le=1.0)
+    verify: float = Field(0.1, ge=0.0, le=1.0)
+    summarize: float = Field(0.0, ge=0.0, le=1.0)
+    group_advantage: float = Field(0.0, ge=0.0, le=1.0)
+    consolidate: float = Field(0.0, ge=0.0, le=1.0)
+    validation: float = Field(0.1, ge=0.0, le=1.0)  # held-out validation samples (stage "validate")
+
+
+class ToleranceConfig(Section):
+    max_failed_fraction: StageTolerances = Field(default_factory=StageTolerances)
+
+    def of(self, stage: str) -> float | None:
+        """The stage's tolerance; None for stages without items that can fail."""
+        return getattr(self.max_failed_fraction, "validation" if stage == "validate" else stage, None)
+
+
+# Settings that change where or how fast a run executes, or when it stops, never what it computes.
+NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance"}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -193,6 +219,7 @@ class RunConfig(Section):
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
     validation: ValidationConfig | None = None  # held-out learning curve during training
+    tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
 
     @property
     def learner_model(self) -> ModelConfig:

@@ -17,6 +17,11 @@ REFRESH_SELECT_STAGE = "refresh-select"
 REFRESH_DECIDE_STAGE = "refresh-decide"
 
 TABLE_DDL: dict[str, str] = {
+    # one row: this database's identity (a uuid made when the file is created); work journals and anything
+    # else kept outside the file are keyed by it, so a new or re-created database never picks up stale work
+    "db_meta": """
+        key VARCHAR PRIMARY KEY,
+        value VARCHAR NOT NULL""",
     "runs": """
         run_id VARCHAR PRIMARY KEY,
         fingerprint VARCHAR NOT NULL,
@@ -54,16 +59,18 @@ TABLE_DDL: dict[str, str] = {
         tokens_in INTEGER NOT NULL,
         tokens_out INTEGER NOT NULL,
         latency_s DOUBLE NOT NULL,
-        error VARCHAR""",
+        error VARCHAR,
+        finish_reason VARCHAR""",
     "rewards": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
         stage VARCHAR NOT NULL,
         problem_id VARCHAR NOT NULL,
         sample_idx INTEGER NOT NULL,
-        reward DOUBLE NOT NULL,
+        reward DOUBLE,
         extracted VARCHAR,
-        error VARCHAR""",
+        error VARCHAR,
+        verified BOOLEAN""",
     "group_advantages": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
@@ -118,7 +125,11 @@ TABLE_DDL: dict[str, str] = {
         cost_usd DOUBLE NOT NULL,
         ok BOOLEAN NOT NULL,
         error VARCHAR,
-        started_at TIMESTAMPTZ NOT NULL""",
+        started_at TIMESTAMPTZ NOT NULL,
+        call_id VARCHAR,
+        finish_reason VARCHAR,
+        rate_limited BOOLEAN,
+        final BOOLEAN""",
     "library_versions": """
         run_id VARCHAR NOT NULL,
         version INTEGER NOT NULL,
@@ -245,7 +256,12 @@ STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inp
 # Columns added after the first release: files created before get them on open.
 ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
+    "rollouts": ["finish_reason VARCHAR"],
+    "rewards": ["verified BOOLEAN"],
+    "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN"],
 }
+# NOT NULL constraints lifted after the first release
+DROPPED_NOT_NULL: dict[str, list[str]] = {"rewards": ["reward"]}
 
 # Tables with a run_id column: everything `Store.delete_run` removes.
 RUN_TABLES = ("runs", "stage_runs", *dict.fromkeys(STAGE_TABLES), "library_versions", "library_experiences")
@@ -254,4 +270,5 @@ RUN_TABLES = ("runs", "stage_runs", *dict.fromkeys(STAGE_TABLES), "library_versi
 def create_statements() -> list[str]:
     tables = [f"CREATE TABLE IF NOT EXISTS {name} ({body}\n)" for name, body in TABLE_DDL.items()]
     columns = [f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c}" for t, cs in ADDED_COLUMNS.items() for c in cs]
-    return tables + columns
+    nullable = [f"ALTER TABLE {t} ALTER COLUMN {c} DROP NOT NULL" for t, cs in DROPPED_NOT_NULL.items() for c in cs]
+    return tables + columns + nullable

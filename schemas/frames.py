@@ -58,6 +58,7 @@ class RolloutsFrame(StageKeyed):
     tokens_out: Series[int] = pa.Field(ge=0)
     latency_s: Series[float] = pa.Field(ge=0)
     error: Series[str] = pa.Field(nullable=True)
+    finish_reason: Series[str] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
@@ -67,9 +68,15 @@ class RolloutsFrame(StageKeyed):
 class RewardsFrame(StageKeyed):
     problem_id: Series[str]
     sample_idx: Series[int] = pa.Field(ge=0)
-    reward: Series[float] = pa.Field(ge=0.0, le=1.0)
+    reward: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)  # NULL: not graded (see error)
     extracted: Series[str] = pa.Field(nullable=True)
     error: Series[str] = pa.Field(nullable=True)
+    verified: Series[bool] = pa.Field(nullable=True)
+
+    @pa.dataframe_check
+    def graded_or_explained(cls, df: pd.DataFrame) -> bool:
+        """A sample without a reward says why."""
+        return not (df["reward"].isna() & df["error"].isna()).any()
 
 
 class GroupAdvantagesFrame(StageKeyed):
@@ -120,6 +127,10 @@ class LLMCallsFrame(StageKeyed):
     ok: Series[bool]
     error: Series[str] = pa.Field(nullable=True)
     started_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    call_id: Series[str] = pa.Field(nullable=True)
+    finish_reason: Series[str] = pa.Field(nullable=True)
+    rate_limited: Series[bool] = pa.Field(nullable=True)
+    final: Series[bool] = pa.Field(nullable=True)
 
 
 class LibraryVersionsFrame(Frame):
@@ -244,7 +255,13 @@ class RefreshesFrame(StageKeyed):
         return ~promoted | (df["candidate_ref"].notna() & df["ci_low"].notna() & (df["ci_low"] > df["margin"]))
 
 
+class DbMetaFrame(Frame):
+    key: Series[str] = pa.Field(unique=True)
+    value: Series[str]
+
+
 FRAMES: dict[str, type[Frame]] = {
+    "db_meta": DbMetaFrame,
     "runs": RunsFrame,
     "stage_runs": StageRunsFrame,
     "problems": ProblemsFrame,

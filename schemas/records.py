@@ -52,7 +52,14 @@ class Rollout(Record):
     tokens_in: int = 0
     tokens_out: int = 0
     latency_s: float = 0.0
-    error: str | None = None  # set when the policy call failed; the rollout then scores 0
+    error: str | None = None  # set when the policy call failed after its retries: not graded, not learned from
+    # the endpoint's reason for stopping: "stop", or "length" when the reply was cut at max_tokens
+    finish_reason: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        """Cut off at max_tokens: graded like any answer, but marked (the learner is told)."""
+        return self.finish_reason == "length"
 
     @property
     def final_text(self) -> str:
@@ -66,19 +73,26 @@ class Rollout(Record):
 class Reward(Record):
     problem_id: str
     sample_idx: int = Field(ge=0)
-    reward: float = Field(ge=0.0, le=1.0)
+    # None: not graded: the rollout failed, the problem has no ground truth, or the verifier could not do its
+    # work (``error`` says which); never a 0 standing in for "unknown"
+    reward: float | None = Field(ge=0.0, le=1.0)
     extracted: str | None = None
-    error: str | None = None  # verifier error or timeout (reward is then 0)
+    error: str | None = None
+    verified: bool = True  # False: the verifier could not grade this sample (a failed item of the verify stage)
+
+    @property
+    def graded(self) -> bool:
+        return self.reward is not None
 
 
 class GroupAdvantage(Record):
     """Numeric group-relative advantage, recorded for every group."""
 
     problem_id: str
-    rewards: list[float]
+    rewards: list[float | None]  # per sample; None: not graded (failed or unverifiable), left out of mean and std
     mean_reward: float
     std_reward: float
-    advantages: list[float]
+    advantages: list[float | None]
     selected: bool  # goes on to the semantic stages
     reason: str  # why it was or was not selected
 
@@ -160,17 +174,24 @@ class LibraryVersion(Record):
 
 
 class LLMCall(Record):
+    """One request sent to a model endpoint (an attempt): a call retried twice is three records with the same
+    ``call_id`` and ``retries`` 0, 1, 2. ``error`` is this attempt's cause of failure."""
+
     stage: str
     role: Literal["policy", "learner"]
     model: str
     tokens_in: int = 0
     tokens_out: int = 0
     latency_s: float = 0.0
-    retries: int = 0
+    retries: int = 0  # retries before this attempt: 0 for a call's first request
     cost_usd: float = 0.0
     ok: bool = True
     error: str | None = None
     started_at: datetime = Field(default_factory=utcnow)
+    call_id: str = ""  # shared by the attempts of one call
+    finish_reason: str = ""  # of the first choice, for a successful attempt
+    rate_limited: bool = False  # this attempt was answered 429
+    final: bool = True  # the call's last attempt (its outcome); False: an attempt that was retried
 
 
 class EvalSample(Record):

@@ -21,6 +21,7 @@ from schemas.records import (
     Summary,
 )
 from tasks.common import stage_task
+from tasks.group_advantage import call_failed
 
 STAGE = CHECKPOINT_STAGE
 
@@ -31,22 +32,27 @@ class StepReport:
     step: int
     epoch: int
     n_problems: int
-    accuracy: float  # mean reward over this step's rollouts
+    accuracy: float  # mean reward over this step's graded rollouts
     rollouts_failed: int
+    rollouts_truncated: int  # cut off at max_tokens (graded, marked)
+    verify_failed: int  # samples the verifier could not grade (not counted in accuracy)
     groups_total: int
     groups_selected: int
     summaries_failed: int
     proposals_total: int
     proposals_parsed: int
-    proposals_failed: int
+    proposals_failed: int  # unusable replies and failed calls
+    proposals_call_failed: int  # of which the learner call itself failed
     operations_proposed: int
     consolidation_failed: bool
     operations_applied: int
     operations_rejected: int
     library_size: int
-    llm_calls: int
+    llm_calls: int  # calls (a call's retried attempts count once)
+    llm_requests: int  # requests sent, retries included: what the endpoint saw
     llm_retries: int
-    llm_failed: int
+    llm_rate_limited: int  # requests answered 429
+    llm_failed: int  # calls that failed after their retries
     tokens_in: int
     tokens_out: int
     cost_usd: float
@@ -62,22 +68,27 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
     return StepReport(
         run_id=run_id, step=step, epoch=epoch,
         n_problems=len({r.problem_id for r in rollouts}),
-        accuracy=statistics.fmean(r.reward for r in rewards) if rewards else 0.0,
+        accuracy=statistics.fmean(graded) if (graded := [r.reward for r in rewards if r.reward is not None]) else 0.0,
         rollouts_failed=sum(r.error is not None for r in rollouts),
+        rollouts_truncated=sum(r.truncated for r in rollouts),
+        verify_failed=sum(not r.verified for r in rewards),
         groups_total=len(advantages),
         groups_selected=sum(a.selected for a in advantages),
         summaries_failed=sum(s.error is not None for s in summaries),
         proposals_total=len(proposals),
         proposals_parsed=sum(p.parse_error is None for p in proposals),
         proposals_failed=sum(p.parse_error is not None for p in proposals),
+        proposals_call_failed=sum(call_failed(p) for p in proposals),
         operations_proposed=sum(len(p.operations) for p in proposals),
         consolidation_failed=any(p.parse_error for p in consolidation_plans),
         operations_applied=sum(r.status == OpStatus.APPLIED for r in results),
         operations_rejected=sum(r.status == OpStatus.REJECTED for r in results),
         library_size=library_size,
-        llm_calls=len(calls),
-        llm_retries=sum(c.retries for c in calls),
-        llm_failed=sum(not c.ok for c in calls),
+        llm_calls=len({c.call_id or id(c) for c in calls}),
+        llm_requests=len(calls),
+        llm_retries=sum(c.retries > 0 for c in calls),
+        llm_rate_limited=sum(c.rate_limited for c in calls),
+        llm_failed=sum(c.final and not c.ok for c in calls),
         tokens_in=sum(c.tokens_in for c in calls),
         tokens_out=sum(c.tokens_out for c in calls),
         cost_usd=round(sum(c.cost_usd for c in calls), 6),

@@ -1,9 +1,10 @@
-"""What every stage task shares: Prefect options and the cache key.
+"""What every stage task shares: Prefect options, an inputs hash, chunking.
 
-A stage task's result is persisted and keyed by the task name, the run config's fingerprint and a hash of
-its inputs (records, library version, step, chunk). So a retried flow run (UI "Retry",
-``prefect flow-run retry``) gets completed task runs back as ``Cached`` instead of calling models again, and
-a changed config never reuses stale results.
+Stage task results are NOT persisted or cached by Prefect. What a retried flow run (UI "Retry",
+``prefect flow-run retry``) or a rerun must not redo lives in the run's database instead: stages already
+written to DuckDB are read back, and the finished items of an unfinished stage are in its work journal
+(``clgrpo.journal``), which belongs to that database file. A cache keyed only by task inputs would replay
+results, failed ones included, into any database, even a new one, after the endpoint was fixed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -39,20 +41,16 @@ def inputs_hash(parameters: dict[str, Any]) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
 
 
-def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    return f"clgrpo-{context.task.name}-{inputs_hash(parameters)}"
-
-
 def stage_task(name: str, *, run_name: str) -> Callable[[F], F]:
-    """The @task decorator every stage uses: persisted results, input-keyed cache, named runs. Results are
-    not also kept in Prefect's in-memory result cache (up to 1,000 per process): the caller gets the value
-    directly, a cache hit reads it back from storage, and a long run's memory stays flat (benchmarks/REPORT.md)."""
+    """The @task decorator every stage uses: named task runs (visible in the Prefect UI), no persisted or
+    cached results (see the module notes), nothing kept in Prefect's in-memory result cache either, so a long
+    run's memory stays flat (benchmarks/REPORT.md)."""
     return task(  # type: ignore[return-value]
         name=name,
         task_run_name=run_name,
-        persist_result=True,
+        persist_result=False,
         cache_result_in_memory=False,
-        cache_key_fn=stage_cache_key,
+        cache_policy=NO_CACHE,
         retries=0,
     )
 

@@ -50,7 +50,7 @@ async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, 
     rewards = await asyncio.to_thread(verify, problems, batch.rollouts, domain)
     samples = [
         EvalSample(condition=condition, problem_id=r.problem_id, sample_idx=r.sample_idx,
-                   seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward, extracted=g.extracted,
+                   seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward or 0.0, extracted=g.extracted,
                    error=g.error, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
                    latency_s=r.latency_s)
         for r, g in zip(batch.rollouts, rewards)

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clgrpo import progress
+from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
-from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
@@ -30,31 +31,44 @@ class RolloutBatch:
 
 async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
                           group_size: int, temperature: float, seed: int | None = None) -> RolloutBatch:
+    """G rollouts of one problem. Samples already in the work journal (an earlier attempt of this step) are
+    reused; only the missing ones are sampled. A failed call fails only its own samples."""
     messages = domain.rollout_messages(problem, library.render_for_prompt())
     prompt_hash = text_hash(json.dumps(messages, sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
-    try:
-        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed)
-    except LLMCallError as exc:
-        failed = [Rollout(**base, sample_idx=i, error=str(exc)) for i in range(group_size)]
-        return RolloutBatch(failed, exc.calls)
-    finally:
-        progress.advance(STAGE, group_size)
-    tokens_in = sum(c.tokens_in for c in sampled.calls) // max(1, len(sampled.calls))
-    tokens_out = sum(c.tokens_out for c in sampled.calls) // max(1, group_size)
-    latency = max((c.latency_s for c in sampled.calls), default=0.0)
-    rollouts = [
-        Rollout(**base, sample_idx=i, turns=[Turn(kind="assistant", content=text)], tokens_in=tokens_in,
-                tokens_out=tokens_out, latency_s=latency)
-        for i, text in enumerate(sampled.texts)
-    ]
-    return RolloutBatch(rollouts, sampled.calls)
+    done = StageItems(STAGE, Rollout)
+    rollouts = {i: r for i in range(group_size)
+                if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash}
+    missing = [i for i in range(group_size) if i not in rollouts]
+    calls: list[LLMCall] = []
+    progress.advance(STAGE, group_size - len(missing))
+    if missing:
+        try:
+            sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed,
+                                       indices=missing)
+        finally:
+            progress.advance(STAGE, len(missing))
+        calls = sampled.calls
+        ok = [c for c in calls if c.ok]
+        tokens_in = sum(c.tokens_in for c in ok) // max(1, len(ok))
+        tokens_out = sum(c.tokens_out for c in ok) // max(1, len(missing) - len(sampled.failed))
+        latency = max((c.latency_s for c in ok), default=0.0)
+        for sample in sampled.samples:
+            if sample.error is not None:
+                rollouts[sample.index] = Rollout(**base, sample_idx=sample.index, error=sample.error)
+                continue
+            rollout = Rollout(**base, sample_idx=sample.index, turns=[Turn(kind="assistant", content=sample.text)],
+                              tokens_in=tokens_in, tokens_out=tokens_out, latency_s=latency,
+                              finish_reason=sample.finish_reason)
+            done.put(sample_key(problem.problem_id, sample.index), rollout)
+            rollouts[sample.index] = rollout
+    return RolloutBatch([rollouts[i] for i in range(group_size)], calls)
 
 
 async def rollout(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
                   group_size: int, temperature: float, seeds: Mapping[str, int] | None = None) -> RolloutBatch:
-    """G samples for each problem; a problem whose policy call failed after retries gets G rollouts with
-    ``error`` set (stored and counted). Raises if every call failed: the endpoint is unusable.
+    """G samples for each problem; a sample whose policy call failed after retries is a rollout with ``error``
+    set (stored and counted). Raises if every call failed: the endpoint is unusable.
     ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i)."""
     seeds = seeds or {}
     parts = await asyncio.gather(*[

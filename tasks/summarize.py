@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from clgrpo import progress
+from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
@@ -30,17 +31,26 @@ class SummaryBatch:
 
 async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, library_text: str,
                          prompts: LearnerPrompts, llm: LLMClient, use_groundtruth: bool) -> SummaryBatch:
-    attempt = Attempt(rollout.sample_idx, rollout.final_text, reward.reward if use_groundtruth else None)
-    messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
     base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
+    done = StageItems(STAGE, Summary)
+    reused = done.get(sample_key(rollout.problem_id, rollout.sample_idx))
+    if reused is not None:
+        progress.advance(STAGE)
+        return SummaryBatch([reused])
+    attempt = Attempt(rollout.sample_idx, rollout.final_text, reward.reward if use_groundtruth else None,
+                      truncated=rollout.truncated)
+    messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
     try:
-        done = await llm.complete(messages, stage=STAGE)
+        reply = await llm.complete(messages, stage=STAGE)
     except LLMCallError as exc:
         return SummaryBatch([Summary(**base, text="", error=str(exc))], exc.calls)
     finally:
         progress.advance(STAGE)
-    error = None if done.text.strip() else "empty summary"
-    return SummaryBatch([Summary(**base, text=done.text.strip(), error=error)], [done.call])
+    text = reply.text.strip()
+    summary = Summary(**base, text=text, error=None if text else "empty summary")
+    if text:
+        done.put(sample_key(rollout.problem_id, rollout.sample_idx), summary)
+    return SummaryBatch([summary], reply.calls)
 
 
 async def summarize(groups: list[Group], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, *,

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from clgrpo import progress
+from clgrpo.journal import StageItems, sample_key
 from domains import Domain, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout
@@ -22,24 +23,58 @@ class VerifyBatch:
 
 
 def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain) -> list[Reward]:
-    """One reward per rollout, in rollout order. Failed rollouts and problems without ground truth score 0
-    with the reason in ``error``; the verifier itself never raises."""
+    """One reward per rollout, in rollout order; the verifier itself never raises. Not graded (reward None,
+    the reason in ``error``): failed rollouts, problems without ground truth, and samples the verifier could
+    not grade even on a second try (``verified`` False: a failed item of this stage). A reply cut off at
+    max_tokens is graded (the rollout keeps the mark) unless the domain says ``grade_truncated = False``.
+    Verified rewards already in the work journal are reused."""
     answers = {p.problem_id: p.answer for p in problems}
-    gradable = [r for r in rollouts if r.error is None and answers.get(r.problem_id) is not None]
-    graded = domain.verify_batch([(r.final_text, answers[r.problem_id]) for r in gradable])  # type: ignore[misc]
-    by_key = {(r.problem_id, r.sample_idx): g for r, g in zip(gradable, graded)}
+    done = StageItems(STAGE, Reward)
+    graded: dict[tuple[str, int], Reward] = {}
+    todo = []
+    for r in rollouts:
+        key = (r.problem_id, r.sample_idx)
+        if r.error is None and answers.get(r.problem_id) is not None:
+            reused = done.get(sample_key(*key))
+            if reused is not None:
+                graded[key] = reused
+            elif r.truncated and not getattr(domain, "grade_truncated", True):
+                graded[key] = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=0.0,
+                                     error="cut off at max_tokens (the domain does not grade truncated replies)")
+            else:
+                todo.append(r)
+    for attempt in range(2):  # a sample the verifier could not grade gets a second try
+        results = domain.verify_batch([(r.final_text, answers[r.problem_id]) for r in todo])  # type: ignore[misc]
+        retry = []
+        for r, g in zip(todo, results):
+            if not g.verified and attempt == 0:
+                retry.append(r)
+                continue
+            reward = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx,
+                            reward=g.reward if g.verified else None, extracted=g.extracted,
+                            error=g.error if g.verified else f"could not verify: {g.error}", verified=g.verified)
+            graded[(r.problem_id, r.sample_idx)] = reward
+            if g.verified:
+                done.put(sample_key(r.problem_id, r.sample_idx), reward)
+        todo = retry
     rewards = []
     for r in rollouts:
         key = (r.problem_id, r.sample_idx)
-        if key in by_key:
-            g = by_key[key]
-            rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=g.reward,
-                                  extracted=g.extracted, error=g.error))
+        if key in graded:
+            rewards.append(graded[key])
         else:
             reason = f"rollout failed: {r.error}" if r.error else "no ground truth"
-            rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=0.0, error=reason))
+            rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=None, error=reason))
     progress.advance(STAGE, len(rollouts))
     return rewards
+
+
+def warm_verifier(domain_name: str) -> None:
+    """Start the domain's verifier (the math-verify process pool) now, in the background, so grading never
+    waits for it on the critical path and its start-up never counts against a sample's time limit."""
+    warm = getattr(get_domain(domain_name), "warm", None)
+    if warm is not None:
+        warm()
 
 
 @stage_task(STAGE, run_name="verify-step{step}-chunk{chunk}")

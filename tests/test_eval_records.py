@@ -72,7 +72,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
     excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation")} | {"grpo": {"max_steps": True}} | {
         "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True},
-        "policy": {"repetition_penalty": True}}
+        "policy": {"repetition_penalty": True, "max_rate_limit_wait_s": True}}
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)
     assert cfg.fingerprint() == text_hash(json.dumps(before_they_existed, sort_keys=True))
     capped = RunConfig.model_validate({**cfg.model_dump(), "grpo": {"max_steps": 2}})

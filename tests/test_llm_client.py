@@ -123,10 +123,13 @@ async def test_permanent_error_is_not_retried(echo_server):
 async def test_gives_up_after_max_retries_with_a_failed_call_record(echo_server):
     echo_server.inject(Fault(kind="status", status=500, times=10))
     client = LLMClient(model(echo_server, max_retries=2))
-    with pytest.raises(LLMCallError, match="gave up after 2 retries") as err:
-        await client.sample(MESSAGES, 2, stage="rollout")
+    sampled = await client.sample(MESSAGES, 2, stage="rollout")
+    assert [s.index for s in sampled.failed] == [0, 1]  # the n=2 request failed: both samples, with the cause
+    assert all("gave up after 2 retries" in s.error and "HTTP 500" in s.error for s in sampled.failed)
     assert echo_server.stats.requests == 3
-    assert err.value.calls[-1].retries == 2 and not err.value.calls[-1].ok
+    # one record per request, each with its cause; only the last is the call's outcome
+    assert [(c.retries, c.ok, c.final) for c in sampled.calls] == [(0, False, False), (1, False, False), (2, False, True)]
+    assert all("HTTP 500" in c.error for c in sampled.calls) and len({c.call_id for c in sampled.calls}) == 1
     await client.aclose()
 
 

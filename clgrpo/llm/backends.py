@@ -119,13 +119,30 @@ class OpenAIBackend:
             raise self._classify(exc) from exc
         except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
             raise TransientLLMError(f"{type(exc).__name__} at {self._client.base_url}: {exc}") from exc
-        usage = response.usage
-        return Generation(
-            texts=[c.message.content or "" for c in response.choices],
-            tokens_in=usage.prompt_tokens if usage else 0,
-            tokens_out=usage.completion_tokens if usage else 0,
-            finish_reasons=[c.finish_reason or "" for c in response.choices],
-        )
+        except (ValueError, TypeError, KeyError, AttributeError, self._openai.APIResponseValidationError) as exc:
+            # a 200 whose body is not JSON, or not a chat completion: a broken proxy or an overloaded server
+            raise TransientLLMError(f"malformed reply from {self._client.base_url}: "
+                                    f"{type(exc).__name__}: {_short(exc)}") from exc
+        return self._generation(response)
+
+    def _generation(self, response: object) -> Generation:
+        """A usable reply, else a transient error naming what is wrong with it (retried, recorded)."""
+        where = self._client.base_url
+        choices = getattr(response, "choices", None)
+        if not isinstance(choices, list) or not choices:
+            raise TransientLLMError(f"malformed reply from {where}: no choices in the response body")
+        texts, reasons = [], []
+        for choice in choices:
+            message = getattr(choice, "message", None)
+            content = getattr(message, "content", None)
+            if not isinstance(content, str) or not content.strip():
+                raise TransientLLMError(f"empty reply from {where}: choice {getattr(choice, 'index', '?')} has no "
+                                        f"content (finish_reason {getattr(choice, 'finish_reason', None)!r})")
+            texts.append(content)
+            reasons.append(getattr(choice, "finish_reason", None) or "")
+        usage = getattr(response, "usage", None)
+        return Generation(texts=texts, tokens_in=getattr(usage, "prompt_tokens", 0) or 0,
+                          tokens_out=getattr(usage, "completion_tokens", 0) or 0, finish_reasons=reasons)
 
     def _classify(self, exc: Exception) -> Exception:
         status = getattr(exc, "status_code", 0)
@@ -138,6 +155,11 @@ class OpenAIBackend:
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def make_backend(cfg: ModelConfig) -> Backend:

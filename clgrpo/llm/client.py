@@ -1,10 +1,14 @@
 """The one LLM client: every model call of every stage goes through here.
 
-It owns the global concurrency limit, per-call timeouts, retries (exponential backoff with jitter, honoring
-``Retry-After`` on 429 and pausing all callers during a rate-limit window), G samples per problem (``n=G``
-where the endpoint supports it, else G calls), structured output with one repair re-ask, and an ``LLMCall``
-record for every call (tokens, latency, retries, cost). Stages get the records back and hand them to the flow,
-which stores them.
+It owns the global concurrency limit, per-call timeouts, retries, G samples per problem (``n=G`` where the
+endpoint supports it, else G calls), structured output with one repair re-ask, and an ``LLMCall`` record for
+every request sent (tokens, latency, cost, and for a failed attempt its cause).
+
+Retries: transient errors (5xx, timeouts, connection resets, malformed or empty replies) are retried with
+exponential backoff and jitter up to ``max_retries`` times. Rate limits (429) are retried by time, not by count:
+for up to ``max_rate_limit_wait_s`` from a call's first 429, honouring ``Retry-After``, with every caller
+paused until the window ends. Each record is also appended to the active work journal (``clgrpo.journal``) the
+moment it exists, so calls of a stage that fails or is killed are still accounted.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import dataclasses
 import json
 import random
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from clgrpo import journal
 from clgrpo.llm.backends import Backend, GenRequest, Generation, PermanentLLMError, TransientLLMError, make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from schemas.config import ModelConfig, RunConfig
@@ -38,16 +44,39 @@ class LLMCallError(RuntimeError):
 
 
 @dataclass
+class Sample:
+    """One policy sample: its text and finish reason, or the error of the call that failed to produce it."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = ""
+    error: str | None = None
+
+
+@dataclass
 class Sampled:
-    texts: list[str]
+    samples: list[Sample]
     calls: list[LLMCall]
+
+    @property
+    def texts(self) -> list[str]:
+        return [s.text for s in self.samples]
+
+    @property
+    def failed(self) -> list[Sample]:
+        return [s for s in self.samples if s.error is not None]
 
 
 @dataclass
 class Completed:
     text: str
-    call: LLMCall
+    calls: list[LLMCall]  # every request sent for it (retried attempts first)
     finish_reason: str = ""  # "length": the reply was cut at max_tokens
+
+    @property
+    def call(self) -> LLMCall:
+        """The attempt that produced the reply."""
+        return self.calls[-1]
 
 
 @dataclass
@@ -90,27 +119,36 @@ class LLMClient:
 
     # --- public calls ---------------------------------------------------------------------------------
     async def sample(self, messages: list[Message], n: int, *, stage: str, temperature: float | None = None,
-                     seed: int | None = None) -> Sampled:
-        """``n`` policy samples for one prompt."""
+                     seed: int | None = None, indices: list[int] | None = None) -> Sampled:
+        """Policy samples ``indices`` (default: 0..n-1) of one prompt, in index order. A failed call fails only
+        the samples it was for: the others are kept (sample i sent on its own uses seed + i)."""
         cfg = self.configs["policy"]
         request = GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
                              top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed,
                              repetition_penalty=cfg.repetition_penalty)
+        wanted = list(range(n)) if indices is None else sorted(indices)
         calls: list[LLMCall] = []
-        texts: list[str] = []
-        try:
-            if cfg.supports_n and n > 1 and cfg.model not in self._n_unsupported:
+        samples: dict[int, Sample] = {}
+        if cfg.supports_n and n > 1 and wanted == list(range(n)) and cfg.model not in self._n_unsupported:
+            try:
                 gen = await self._call("policy", request, stage, calls)
-                texts = gen.texts[:n]
-                if len(texts) < n:  # the endpoint ignored n: top up, and send single requests from now on
-                    self._n_unsupported.add(cfg.model)
-            missing = n - len(texts)
-            singles = [self._call("policy", _single(request, len(texts) + i), stage, calls) for i in range(missing)]
-            for gen in await asyncio.gather(*singles):
-                texts.extend(gen.texts[:1])
-        except LLMCallError as exc:
-            raise LLMCallError(str(exc), calls) from exc
-        return Sampled(texts=texts, calls=calls)
+            except LLMCallError as exc:
+                return Sampled([Sample(i, error=str(exc)) for i in wanted], calls)
+            for i, text in enumerate(gen.texts[:n]):
+                samples[i] = Sample(i, text, _at(gen.finish_reasons, i))
+            if len(samples) < n:  # the endpoint ignored n: top up, and send single requests from now on
+                self._n_unsupported.add(cfg.model)
+        rest = [i for i in wanted if i not in samples]
+        outcomes = await asyncio.gather(*[self._call("policy", _single(request, i), stage, calls) for i in rest],
+                                        return_exceptions=True)
+        for i, outcome in zip(rest, outcomes):
+            if isinstance(outcome, LLMCallError):
+                samples[i] = Sample(i, error=str(outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                samples[i] = Sample(i, outcome.texts[0] if outcome.texts else "", _at(outcome.finish_reasons, 0))
+        return Sampled([samples[i] for i in wanted], calls)
 
     async def complete(self, messages: list[Message], *, stage: str, role: Role = "learner",
                        json_schema: dict | None = None, schema_name: str = "reply",
@@ -124,7 +162,7 @@ class LLMClient:
                              json_schema=json_schema if cfg.json_schema else None, schema_name=schema_name)
         calls: list[LLMCall] = []
         gen = await self._call(role, request, stage, calls)
-        return Completed(text=gen.texts[0] if gen.texts else "", call=calls[-1],
+        return Completed(text=gen.texts[0] if gen.texts else "", calls=calls,
                          finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "")
 
     async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
@@ -135,16 +173,19 @@ class LLMClient:
         ``parse_error`` set (never raised, never dropped)."""
         first = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations")
         try:
-            return OperationsReply(parse_operations(first.text), first.text, None, [first.call])
+            return OperationsReply(parse_operations(first.text), first.text, None, first.calls)
         except StructuredOutputError as exc:
             error = self._why_unusable(exc, first)
-        if first.finish_reason == "length":
-            second = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations",
-                                         redraw=1)
-        else:
-            second = await self.complete(repair(messages, first.text, error), stage=stage, json_schema=json_schema,
-                                         schema_name="operations")
-        calls = [first.call, second.call]
+        try:
+            if first.finish_reason == "length":
+                second = await self.complete(messages, stage=stage, json_schema=json_schema,
+                                             schema_name="operations", redraw=1)
+            else:
+                second = await self.complete(repair(messages, first.text, error), stage=stage,
+                                             json_schema=json_schema, schema_name="operations")
+        except LLMCallError as exc:
+            raise LLMCallError(str(exc), [*first.calls, *exc.calls]) from exc
+        calls = [*first.calls, *second.calls]
         try:
             return OperationsReply(parse_operations(second.text), second.text, None, calls)
         except StructuredOutputError as exc:
@@ -186,28 +227,42 @@ class LLMClient:
         return state.backends[role]
 
     async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall]) -> Generation:
+        """One call: attempts until success, a permanent error, ``max_retries`` transient errors, or
+        ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal)."""
         cfg, state = self.configs[role], self._state()
-        started, t0, retries = utcnow(), time.monotonic(), 0
+        call_id, attempt, errors, limited_since = uuid.uuid4().hex[:16], 0, 0, None
         while True:
             await self._respect_pause(state)
+            started, t0 = utcnow(), time.monotonic()
             try:
                 async with state.semaphore:
+                    t0 = time.monotonic()
                     gen = await asyncio.wait_for(self._backend(state, role).generate(request), cfg.timeout_s)
-                calls.append(self._record(stage, role, cfg, started, t0, retries, gen))
-                return gen
             except PermanentLLMError as exc:
-                calls.append(self._record(stage, role, cfg, started, t0, retries, None, str(exc)))
+                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc)))
                 raise LLMCallError(f"{stage}/{role}: {exc}", calls) from exc
             except (TransientLLMError, asyncio.TimeoutError) as exc:
-                reason = str(exc) or f"timeout after {cfg.timeout_s}s"
-                if retries >= cfg.max_retries:
-                    calls.append(self._record(stage, role, cfg, started, t0, retries, None, reason))
-                    raise LLMCallError(f"{stage}/{role}: gave up after {retries} retries: {reason}", calls) from exc
-                delay = self._delay(cfg, retries, exc)
-                if isinstance(exc, TransientLLMError) and exc.rate_limited:
+                limited = isinstance(exc, TransientLLMError) and exc.rate_limited
+                reason = str(exc) or f"timeout after {cfg.timeout_s:g}s"
+                now = time.monotonic()
+                limited_since = (limited_since or now) if limited else limited_since
+                gave_up = (now - limited_since > cfg.max_rate_limit_wait_s) if limited else errors >= cfg.max_retries
+                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, reason,
+                                               rate_limited=limited, final=gave_up))
+                if gave_up:
+                    budget = (f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
+                              f"{cfg.max_rate_limit_wait_s:g})" if limited else f"gave up after {errors} retries")
+                    raise LLMCallError(f"{stage}/{role}: {budget}: {reason}", calls) from exc
+                delay = self._delay(cfg, errors, exc)
+                if limited:  # every caller waits out the window
                     state.pause_until = max(state.pause_until, time.monotonic() + delay)
-                retries += 1
+                else:
+                    errors += 1
+                attempt += 1
                 await asyncio.sleep(delay)
+            else:
+                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, gen))
+                return gen
 
     def _delay(self, cfg: ModelConfig, retries: int, exc: BaseException) -> float:
         retry_after = getattr(exc, "retry_after", None)
@@ -218,18 +273,30 @@ class LLMClient:
 
     @staticmethod
     async def _respect_pause(state: _LoopState) -> None:
-        wait = state.pause_until - time.monotonic()
-        if wait > 0:
+        while (wait := state.pause_until - time.monotonic()) > 0:  # the window may grow while we sleep
             await asyncio.sleep(wait)
 
     @staticmethod
-    def _record(stage: str, role: Role, cfg: ModelConfig, started, t0: float, retries: int,
-                gen: Generation | None, error: str | None = None) -> LLMCall:
+    def _keep(calls: list[LLMCall], call: LLMCall) -> None:
+        calls.append(call)
+        sink = journal.active()
+        if sink is not None:
+            sink.add_call(call)
+
+    @staticmethod
+    def _record(stage: str, role: Role, cfg: ModelConfig, call_id: str, attempt: int, started, t0: float,
+                gen: Generation | None, error: str | None = None, *, rate_limited: bool = False,
+                final: bool = True) -> LLMCall:
         tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
         cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
         return LLMCall(stage=stage, role=role, model=cfg.model, tokens_in=tokens_in, tokens_out=tokens_out,
-                       latency_s=time.monotonic() - t0, retries=retries, cost_usd=cost, ok=gen is not None,
-                       error=error, started_at=started)
+                       latency_s=time.monotonic() - t0, retries=attempt, cost_usd=cost, ok=gen is not None,
+                       error=error, started_at=started, call_id=call_id, rate_limited=rate_limited, final=final,
+                       finish_reason=_at(gen.finish_reasons, 0) if gen else "")
+
+
+def _at(values: list[str], index: int) -> str:
+    return values[index] if index < len(values) else ""
 
 
 def _single(request: GenRequest, index: int) -> GenRequest:
