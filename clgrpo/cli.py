@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -101,11 +101,19 @@ def print_steps(result: TrainResult) -> None:
     print(f"\nrun {result.run_id}: {len(result.steps)} steps, library version {result.final_version} "
           f"with {result.library_size} experiences")
     print(f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
-          f"{'ops applied/rejected':>20} {'lib':>4} {'tok in':>8} {'tok out':>8} {'cost $':>8}")
+          f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} {'cost $':>8}")
     for r in result.steps:
         print(f"{r.step:>4} {r.epoch + 1:>5} {r.accuracy:>6.3f} {r.groups_selected:>7}/{r.groups_total:<6} "
               f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
-              f"{r.library_size:>4} {r.tokens_in:>8} {r.tokens_out:>8} {r.cost_usd:>8.4f}")
+              f"{r.library_size:>4} {r.llm_requests:>8} {failed_items(r):>6} {r.tokens_in:>8} {r.tokens_out:>8} "
+              f"{r.cost_usd:>8.4f}")
+    if any(failed_items(r) for r in result.steps):
+        print("failed: samples, verifications, summaries and learner calls that failed after their retries "
+              "(stored with their causes; see the log's WARNING lines and `clgrpo report`)")
+
+
+def failed_items(r: Any) -> int:
+    return r.rollouts_failed + r.verify_failed + r.summaries_failed + r.proposals_call_failed
 
 
 def cmd_library_show(args: argparse.Namespace) -> int:
@@ -198,10 +206,10 @@ def delete_run_files(db: str, run_id: str) -> list[str]:
     exported library files stay: they are the product)."""
     import shutil
 
-    from clgrpo.journal import JOURNAL_DIR, discard_run
+    from clgrpo.journal import discard_run, run_journals
 
     base = Path(db).expanduser().resolve().parent
-    found = [str(p) for p in (base / JOURNAL_DIR).glob(f"*/{run_id}")]
+    found = [str(p) for p in run_journals(db, run_id)]
     discard_run(db, run_id)
     handoff = base / run_id / "handoff" / run_id
     if handoff.is_dir():

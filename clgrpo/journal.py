@@ -3,7 +3,7 @@
 A stage reaches DuckDB in one transaction once the whole stage is done (``Store.write_stage``). Until then its
 work lives here, in an append-only JSON-lines file per (database, run, step) next to the database::
 
-    <db dir>/.clgrpo-journal/<db id>/<run id>/step-0003.jsonl
+    <db dir>/.clgrpo-journal/<db file name>-<db id>/<run id>/step-0003.jsonl
 
 Two kinds of lines: ``call`` (one per request sent to a model, ok or not, with its cause) and ``item`` (one
 per successful unit of work: a rollout sample, a verification, a summary, a group's proposal). So
@@ -12,7 +12,8 @@ per successful unit of work: a rollout sample, a verification, a summary, a grou
   fails or resumes, and the stage's own write later includes them;
 - a retry or rerun redoes only the items that are not in the journal (failed items are never written here);
 - the journal belongs to one database file: its directory carries the database's identity (``Store.db_id``),
-  so a new or re-created database never picks up another database's work.
+  so a new or re-created database never picks up another database's work; the journals of an earlier file
+  of the same name (deleted and re-created) are removed when a run opens the new one.
 
 Retention: a step's file is deleted once that step is checkpointed in DuckDB (and validated, when due); a
 run's directory goes with ``clgrpo runs delete``. A line cut short by a kill is ignored (and trimmed).
@@ -39,8 +40,24 @@ JOURNAL_DIR = ".clgrpo-journal"
 M = TypeVar("M", bound=BaseModel)
 
 
+def _db_dir(db_path: str | Path, db_id: str) -> Path:
+    path = Path(db_path).expanduser().resolve()
+    return path.parent / JOURNAL_DIR / f"{path.name}-{db_id}"
+
+
 def run_journal_dir(db_path: str | Path, db_id: str, run_id: str) -> Path:
-    return Path(db_path).expanduser().resolve().parent / JOURNAL_DIR / db_id / run_id
+    return _db_dir(db_path, db_id) / run_id
+
+
+def prune_other_incarnations(db_path: str | Path, db_id: str) -> list[Path]:
+    """Remove the journals of earlier database files at this path (same name, another identity): their
+    database is gone, so their work must never be used (nor kept forever)."""
+    current = _db_dir(db_path, db_id)
+    stale = [d for d in current.parent.glob(f"{current.name.rsplit('-', 1)[0]}-*")
+             if d != current and d.is_dir() and d.name.rsplit("-", 1)[0] == current.name.rsplit("-", 1)[0]]
+    for directory in stale:
+        shutil.rmtree(directory, ignore_errors=True)
+    return stale
 
 
 class StepJournal:
@@ -125,6 +142,7 @@ class RunJournal:
 
     @classmethod
     def open(cls, db_path: str | Path, db_id: str, run_id: str) -> "RunJournal":
+        prune_other_incarnations(db_path, db_id)
         return cls(run_journal_dir(db_path, db_id, run_id))
 
     def step(self, step: int) -> StepJournal:
@@ -152,13 +170,22 @@ class RunJournal:
     def discard(self) -> None:
         self.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        for empty in (self.root.parent, self.root.parent.parent):  # the database's folder, then the journal's
+            try:
+                empty.rmdir()
+            except OSError:
+                break
 
 
 def discard_run(db_path: str | Path, run_id: str) -> None:
-    """Remove a run's journals under every database identity at this path (``clgrpo runs delete``)."""
-    base = Path(db_path).expanduser().resolve().parent / JOURNAL_DIR
-    for directory in base.glob(f"*/{run_id}"):
+    """Remove a run's journals of the database file at this path (``clgrpo runs delete``)."""
+    for directory in run_journals(db_path, run_id):
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_journals(db_path: str | Path, run_id: str) -> list[Path]:
+    path = Path(db_path).expanduser().resolve()
+    return [d for d in (path.parent / JOURNAL_DIR).glob(f"*/{run_id}") if d.parent.name.rsplit("-", 1)[0] == path.name]
 
 
 # --- the journal of the work in progress ---------------------------------------------------------------

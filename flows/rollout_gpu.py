@@ -79,10 +79,12 @@ async def rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[P
 
 
 async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                          library: LibraryVersion) -> RolloutBatch:
-    """The orchestrator's side: start (or find) the child run for this chunk and ingest its hand-off."""
+                          library: LibraryVersion, *, db_id: str = "") -> RolloutBatch:
+    """The orchestrator's side: start (or find) the child run for this chunk and ingest its hand-off.
+    ``db_id``: the identity of the database the batch is for, so a re-created database never ingests a
+    hand-off (or finds a child run) of another one."""
     key = inputs_hash({"fingerprint": config.fingerprint(), "run_id": config.run_id, "step": step, "chunk": chunk,
-                       "problems": problems, "library": library})
+                       "problems": problems, "library": library, "db_id": db_id})
     url = handoff_url(config, step, chunk, key)
     found = read_handoff(url)
     if found is None:

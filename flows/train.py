@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +194,8 @@ class Trainer:
         version = library.to_version()
         rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
 
-        run_chunk = rollout_on_pool if cfg.rollout.placement == "pool" else rollout_task
+        run_chunk = (partial(rollout_on_pool, db_id=self.store.db_id) if cfg.rollout.placement == "pool"
+                     else rollout_task)
         await self.pipeline(step, rollout_chunks, version)
 
         async def do_rollout() -> Outputs:

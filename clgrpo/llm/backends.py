@@ -118,7 +118,8 @@ class OpenAIBackend:
         except self._openai.APIStatusError as exc:
             raise self._classify(exc) from exc
         except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
-            raise TransientLLMError(f"{type(exc).__name__} at {self._client.base_url}: {exc}") from exc
+            cause = f" ({type(exc.__cause__).__name__}: {_short(exc.__cause__)})" if exc.__cause__ else ""
+            raise TransientLLMError(f"{type(exc).__name__} at {self._client.base_url}: {exc}{cause}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, self._openai.APIResponseValidationError) as exc:
             # a 200 whose body is not JSON, or not a chat completion: a broken proxy or an overloaded server
             raise TransientLLMError(f"malformed reply from {self._client.base_url}: "
