@@ -232,7 +232,7 @@ class EvalSummary(Record):
     pass_at_k: float
     pass_ci_low: float
     pass_ci_high: float
-    n_failed: int = Field(0, ge=0)  # samples whose policy call failed (scored 0)
+    n_failed: int = Field(0, ge=0)  # samples whose policy call failed or that could not be verified (scored 0, counted here)
     leaked_ids: list[str] = Field(default_factory=list)  # evaluated problems that are also training problems
     created_at: datetime = Field(default_factory=utcnow)
 

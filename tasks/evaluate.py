@@ -99,7 +99,7 @@ def summarize_condition(samples: Sequence[EvalSample], problem_ids: Sequence[str
         pass_k=cfg.pass_at, temperature=cfg.temperature, seed=cfg.seed, ci_level=cfg.ci_level,
         mean_at_k=mean.value, mean_ci_low=mean.low, mean_ci_high=mean.high,
         pass_at_k=passed.value, pass_ci_low=passed.low, pass_ci_high=passed.high,
-        n_failed=sum(s.error is not None and s.error.startswith("rollout failed") for s in samples),
+        n_failed=sum((s.error or "").startswith(("rollout failed", "could not verify")) for s in samples),
         leaked_ids=sorted(set(leaked_ids) & set(problem_ids)))
 
 

@@ -203,3 +203,23 @@ def test_the_learner_sees_that_a_reply_was_cut_off():
                               min_words=5, max_words=30)[1]["content"]
     assert "cut off at the token limit" in summarize
     assert extract.count("cut off at the token limit") == 1
+
+
+async def test_a_500_that_rejects_response_format_falls_back_to_prompt_and_parser():
+    """llama-cpp-python 0.3.x answers a json_schema response_format with HTTP 500 (seen over real HTTP)."""
+
+    def old_llama(request):
+        if (request.response_format or {}).get("type") == "json_schema":
+            raise ValueError("response_format.type: Input should be 'text' or 'json_object'")
+        return ['{"operations": []}']
+
+    with FakeOpenAIServer(old_llama) as server:
+        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
+        done = await client.complete([{"role": "user", "content": "hi"}], stage="group_advantage",
+                                     json_schema={"type": "object"})
+        again = await client.complete([{"role": "user", "content": "hi"}], stage="group_advantage",
+                                      json_schema={"type": "object"})
+        await client.aclose()
+    assert done.text == again.text == '{"operations": []}'
+    assert server.stats.chat_requests == 3  # the rejected one, then prompt + parser from then on
+    assert [(c.ok, "response_format refused" in (c.error or "")) for c in done.calls] == [(False, True), (True, False)]

@@ -39,10 +39,12 @@ class Generation:
 class TransientLLMError(RuntimeError):
     """Worth retrying: rate limits, server errors, connection problems, timeouts."""
 
-    def __init__(self, message: str, retry_after: float | None = None, rate_limited: bool = False) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, rate_limited: bool = False,
+                 counted: bool = True) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.rate_limited = rate_limited
+        self.counted = counted  # False: retry at once, not against max_retries (the request was adapted)
 
 
 class PermanentLLMError(RuntimeError):
@@ -110,12 +112,14 @@ class OpenAIBackend:
                 "name": request.schema_name, "schema": request.json_schema, "strict": False}}
         try:
             response = await self._client.chat.completions.create(**kwargs)
-        except self._openai.BadRequestError as exc:
-            if "response_format" in kwargs and "response_format" in str(exc):
-                self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
-                return await self.generate(request)
-            raise PermanentLLMError(f"HTTP 400 from {self._client.base_url}: {exc}") from exc
         except self._openai.APIStatusError as exc:
+            if "response_format" in kwargs and _rejects_response_format(exc):
+                self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
+                raise TransientLLMError(f"HTTP {exc.status_code} from {self._client.base_url}: response_format "
+                                        f"refused, asking again without it: {_short(exc)}", retry_after=0.0,
+                                        counted=False) from exc
+            if isinstance(exc, self._openai.BadRequestError):
+                raise PermanentLLMError(f"HTTP 400 from {self._client.base_url}: {exc}") from exc
             raise self._classify(exc) from exc
         except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
             cause = f" ({type(exc.__cause__).__name__}: {_short(exc.__cause__)})" if exc.__cause__ else ""
@@ -156,6 +160,13 @@ class OpenAIBackend:
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+def _rejects_response_format(exc: Exception) -> bool:
+    """The endpoint refused the request's ``response_format``: a 400/422, or a 500 from servers that validate
+    the body late (llama-cpp-python 0.3.x answers json_schema with HTTP 500 "Input should be 'text' or
+    'json_object'")."""
+    return getattr(exc, "status_code", 0) in (400, 422, 500) and "response_format" in str(exc)
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

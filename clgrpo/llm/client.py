@@ -246,7 +246,11 @@ class LLMClient:
                 reason = str(exc) or f"timeout after {cfg.timeout_s:g}s"
                 now = time.monotonic()
                 limited_since = (limited_since or now) if limited else limited_since
-                gave_up = (now - limited_since > cfg.max_rate_limit_wait_s) if limited else errors >= cfg.max_retries
+                counted = getattr(exc, "counted", True)
+                if limited:
+                    gave_up = now - limited_since > cfg.max_rate_limit_wait_s
+                else:
+                    gave_up = counted and errors >= cfg.max_retries
                 self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, reason,
                                                rate_limited=limited, final=gave_up))
                 if gave_up:
@@ -256,7 +260,7 @@ class LLMClient:
                 delay = self._delay(cfg, errors, exc)
                 if limited:  # every caller waits out the window
                     state.pause_until = max(state.pause_until, time.monotonic() + delay)
-                else:
+                elif counted:
                     errors += 1
                 attempt += 1
                 await asyncio.sleep(delay)
