@@ -11,12 +11,14 @@ none starts a temporary server), one fake OpenAI server per run in this process,
 Where the kills land. Each attempt first pays a fixed start-up (imports, preflight, the flow run, the verifier
 pool, reading back what is stored) before it reaches unfinished work; a delay drawn uniformly over the
 reference run's whole duration would make the first one or two attempts finish the run and leave the other
-points killing a rerun that only reads back. So the seeded points are of two kinds:
+points killing a rerun that only reads back. So the seeded points are placed by progress, of two kinds:
 
-* ``work`` (three in four): the kill comes ``offset`` seconds after the attempt's first model request, i.e.
-  inside its first unfinished stage; offsets are drawn uniformly in [0, window), the window sized so that the
-  points together cover about three quarters of the reference run's work: successive attempts move through
-  the steps and stages and the final rerun finishes the rest;
+* ``work`` (three in four): a target drawn uniformly among the reference run's distinct model requests (sorted,
+  so the points move through the run's steps and stages): the kill comes ``offset`` seconds (uniform in
+  [0, 0.5 s): mid-request, journaling, grading, a stage write) after the world has answered that many distinct
+  requests of the killed run to a live client (a redone request is not progress: the seeded world answers it
+  identically); when an earlier attempt already got past the target, ``offset`` after the attempt's first
+  model request;
 * ``setup`` (every fourth): the kill comes ``offset`` seconds after the process started, drawn uniformly between
   1 s and the reference run's time to its first request: imports, preflight, creating the flow run, marking
   stale flow runs crashed, ingesting the journal of the previous kill, reading stored stages back.
@@ -59,7 +61,7 @@ LATENCY_S = 0.2  # per model request: a run lasts several seconds
 CONCURRENCY = 8
 ORPHAN_LIMIT_S = 10.0  # a child of a killed CLI must be gone this long after the kill
 RUN_LIMIT_S = 600.0  # an attempt that is not killed (the reference, the final rerun): generous, a loaded 2-core box
-WORK_COVERAGE = 0.75  # the work points' offsets add up to about this share of the reference run's work
+WORK_OFFSET_S = 0.5  # a work point's kill comes up to this long after its progress target
 NO_DUP_KEYS = {  # table -> the key a row must be unique by (within the run)
     "rollouts": ("step", "problem_id", "sample_idx"),
     "rewards": ("step", "problem_id", "sample_idx"),
@@ -83,7 +85,30 @@ class SeededWorld(ScriptedWorld):
     Why: ``ScriptedWorld`` draws by how often it has seen the exact prompt (its ``occurrence``), so a request
     that a killed attempt sent and its rerun sends again is that prompt's second occurrence and gets another
     reply; the killed run's rollouts, and hence its library, would differ from the reference's for that reason
-    alone. With ``policy.seed`` set every request carries a seed (the learner is the policy model here)."""
+    alone. With ``policy.seed`` set every request carries a seed (the learner is the policy model here).
+
+    ``answered``: the distinct requests (messages, seed) answered so far, in order: the kill points' measure of
+    progress."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed=seed)
+        self.answered: dict[tuple[str, int | None], None] = {}
+
+    def _occurrence(self, request: ChatRequest) -> tuple[str, int]:
+        occurrence = super()._occurrence(request)
+        with self._lock:
+            self.answered.setdefault((occurrence[0], request.seed), None)
+        return occurrence
+
+    def progress(self) -> int:
+        with self._lock:
+            return len(self.answered)
+
+    def forget_after(self, n: int) -> None:
+        """Requests first answered after the n-th were answered to a killed client: not progress (its rerun
+        sends them again)."""
+        with self._lock:
+            self.answered = dict.fromkeys(list(self.answered)[:n])
 
     def _rng(self, request: ChatRequest, occurrence: tuple[str, int], index: int) -> random.Random:
         if request.seed is None:
@@ -274,17 +299,14 @@ class Reference:
     first_request_s: float  # process start to its first model request
     last_reply_s: float  # process start to the end of its last model request
     requests: int  # chat requests the fake server answered
-
-    @property
-    def work_s(self) -> float:
-        """From the first model request to the last reply: the stages the kills are meant to hit."""
-        return max(self.last_reply_s - self.first_request_s, 1.0)
+    distinct: int  # distinct requests among them (SeededWorld.answered)
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     # 16 problems, batches of 8, 2 epochs: 4 steps
-    return write_jsonl(make_problems(n_per_family=4, seed=DATA_SEED), tmp_path_factory.mktemp("kill-data") / "train.jsonl")
+    where = tmp_path_factory.mktemp("kill-data")
+    return write_jsonl(make_problems(n_per_family=4, seed=DATA_SEED), where / "train.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -298,10 +320,11 @@ def reference(prefect_api, dataset, tmp_path_factory) -> Reference:
         took = run_to_completion(attempt, server)
         requests = server.stats.chat_requests
         last_reply_s = max(entry.ended for entry in server.stats.log) - attempt.started  # the same clock
+        distinct = server.responder.progress()
     assert attempt.first_request_s is not None
     print(f"\nreference run: {took:.1f} s (model requests from {attempt.first_request_s:.1f} s to "
-          f"{last_reply_s:.1f} s), {requests} model requests")
-    return Reference(db, took, attempt.first_request_s, last_reply_s, requests)
+          f"{last_reply_s:.1f} s), {requests} model requests, {distinct} distinct")
+    return Reference(db, took, attempt.first_request_s, last_reply_s, requests, distinct)
 
 
 @dataclass
@@ -309,6 +332,7 @@ class KillPoint:
     number: int
     kind: str  # work | setup
     offset_s: float
+    target: int = 0  # work: distinct requests answered
     delay_s: float | None = None  # process start -> SIGKILL sent
     outcome: str = ""  # killed | finished (rc)
     requests: int = 0  # model requests the attempt sent
@@ -319,14 +343,14 @@ class KillPoint:
 
 def plan_kill_points(n: int, seed: int, ref: Reference) -> list[KillPoint]:
     rng = random.Random(seed)
-    n_work = n - n // 4
-    window = 2 * WORK_COVERAGE * ref.work_s / n_work
+    kinds = ["setup" if i % 4 == 3 else "work" for i in range(n)]
+    targets = iter(sorted(rng.randint(1, ref.distinct) for k in kinds if k == "work"))
     points = []
-    for i in range(n):
-        if i % 4 == 3:
-            points.append(KillPoint(i + 1, "setup", rng.uniform(1.0, max(ref.first_request_s, 1.5))))
+    for i, kind in enumerate(kinds):
+        if kind == "setup":
+            points.append(KillPoint(i + 1, kind, rng.uniform(1.0, max(ref.first_request_s, 1.5))))
         else:
-            points.append(KillPoint(i + 1, "work", rng.uniform(0.0, window)))
+            points.append(KillPoint(i + 1, kind, rng.uniform(0.0, WORK_OFFSET_S), next(targets)))
     return points
 
 
@@ -366,11 +390,13 @@ def after_kill(point: KillPoint, db: Path, run_id: str) -> None:
 
 
 def table(points: list[KillPoint]) -> str:
-    head = f"{'#':>3} {'kind':5} {'offset':>7} {'delay':>7} {'outcome':10} {'reqs':>4} {'kids':>4}  stored stages after it"
+    head = (f"{'#':>3} {'kill at':21} {'delay':>7} {'outcome':10} {'reqs':>4} {'kids':>4}  "
+            "stored stages after it (step/stage)")
     lines = [head]
     for p in points:
+        at = f"start +{p.offset_s:.2f}s" if p.kind == "setup" else f"request {p.target} +{p.offset_s:.2f}s"
         delay = f"{p.delay_s:6.2f}s" if p.delay_s is not None else "      -"
-        lines.append(f"{p.number:>3} {p.kind:5} {p.offset_s:6.2f}s {delay} {p.outcome:10} {p.requests:>4} "
+        lines.append(f"{p.number:>3} {at:21} {delay} {p.outcome:10} {p.requests:>4} "
                      f"{p.children:>4}  {p.reached}; journal {p.journal}")
     return "\n".join(lines)
 
@@ -408,6 +434,7 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
     points = plan_kill_points(n_points, seed, ref)
     began = time.monotonic()
     with llm_server() as server:  # its own server: its request count is this run's
+        world = server.responder
         config = write_config(where / "run.yaml", db, dataset, server)
         for point in points:
             attempt = start_attempt(config, run_id, env, where / f"attempt-{point.number:02d}.out", server)
@@ -415,20 +442,27 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
                 target = attempt.started + point.offset_s
                 run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
             else:
-                run_until(attempt, server, lambda: attempt.first_request_s is not None, RUN_LIMIT_S)
+                if world.progress() < point.target:
+                    run_until(attempt, server, lambda: world.progress() >= point.target, RUN_LIMIT_S)
+                else:  # an earlier attempt got past this point: inside this attempt's first unfinished stage
+                    run_until(attempt, server, lambda: attempt.first_request_s is not None, RUN_LIMIT_S)
                 if attempt.proc.poll() is None:
                     target = time.monotonic() + point.offset_s
                     run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
             if attempt.proc.poll() is None:
                 attempt.proc.send_signal(signal.SIGKILL)
-                killed_at = time.monotonic()
+                killed_at, progress = time.monotonic(), world.progress()
                 point.delay_s = killed_at - attempt.started
                 assert attempt.proc.wait(timeout=60) == -signal.SIGKILL
                 point.outcome = "killed"
             else:
-                killed_at = time.monotonic()
+                killed_at, progress = time.monotonic(), world.progress()
                 point.outcome = f"finished {attempt.proc.returncode}"
                 assert attempt.proc.returncode == 0, attempt.output()[-4000:]
+            settle = time.monotonic() + ORPHAN_LIMIT_S  # the killed attempt's requests still in the server
+            while server.stats.in_flight and time.monotonic() < settle:
+                time.sleep(0.02)
+            world.forget_after(progress)
             point.requests = server.stats.chat_requests - attempt.requests_before
             point.children = len(attempt.children)
             orphans = survivors_of(attempt, killed_at + ORPHAN_LIMIT_S)
@@ -498,7 +532,7 @@ def test_sigkill_at_3_seeded_points_then_resume_matches_the_uninterrupted_run(pr
     kill_points_scenario(3, seed=11, prefect_api=prefect_api, dataset=dataset, ref=reference, where=tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_at_16_seeded_points_then_resume_matches_the_uninterrupted_run(prefect_api, dataset, reference,
                                                                               tmp_path):
     kill_points_scenario(16, seed=23, prefect_api=prefect_api, dataset=dataset, ref=reference, where=tmp_path)
