@@ -94,6 +94,14 @@ class StepJournal:
         stages = [stage] if stage is not None else list(self._calls)
         return sorted((c for s in stages for c in self._calls.get(s, {}).values()), key=lambda c: c.started_at)
 
+    def all_calls(self, stage: str | None, returned: list[LLMCall]) -> list[LLMCall]:
+        """A stage's calls: those its computation returned plus every one recorded here for it (earlier,
+        failed or killed attempts included), each request once."""
+        calls = {(c.call_id, c.retries): c for c in self.calls(stage)}
+        for call in returned:
+            calls.setdefault((call.call_id, call.retries) if call.call_id else (str(id(call)), 0), call)
+        return sorted(calls.values(), key=lambda c: c.started_at)
+
     def stages_with_calls(self) -> list[str]:
         return [s for s, calls in self._calls.items() if calls]
 

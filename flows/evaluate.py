@@ -42,6 +42,7 @@ from clgrpo.report import (
 )
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
+from clgrpo.journal import RunJournal, recording
 from tasks.verify import warm_verifier
 from schemas.config import DatasetConfig, EvalConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
@@ -161,6 +162,27 @@ async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problem
                                                  problem_ids, evaluation, eval_id=eval_id)]
     return {"evaluations": summaries, "eval_results": [s for c in conditions for s in samples[c.label]],
             "eval_comparisons": comparisons, "llm_calls": calls}
+
+
+async def _evaluate_recorded(store: Store, config: RunConfig, evaluation: EvalConfig, problems: list[Problem],
+                             conditions: list[Condition], *, eval_id: str, fingerprint: str,
+                             leaked_ids: list[str]) -> Outputs:
+    """``evaluate_conditions`` with every request in a work journal as it completes: an evaluation that fails
+    or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not marked done)."""
+    journal = RunJournal.open(store.path, store.db_id, eval_id)
+    step = journal.step(0)
+    try:
+        with recording(step, stage=EVALUATE_STAGE, items=False):
+            outputs = await evaluate_conditions(config, evaluation, problems, conditions, key=eval_id,
+                                                eval_id=eval_id, fingerprint=fingerprint, leaked_ids=leaked_ids)
+    except BaseException:
+        if step.calls():
+            store.write_unfinished(eval_id, 0, EVALUATE_STAGE, {"llm_calls": step.calls()})
+        journal.close()
+        raise
+    outputs["llm_calls"] = step.all_calls(None, outputs["llm_calls"])
+    journal.discard()
+    return outputs
 
 
 # --- artifacts ----------------------------------------------------------------------------------------
@@ -284,8 +306,8 @@ async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[st
         outputs = _read_back(store, eval_id, fingerprint)
         reused = outputs is not None
         if outputs is None:
-            outputs = await evaluate_conditions(config, evaluation, problems, conditions, key=eval_id, eval_id=eval_id,
-                                                fingerprint=fingerprint, leaked_ids=leakage.eval_ids if leakage else [])
+            outputs = await _evaluate_recorded(store, config, evaluation, problems, conditions, eval_id=eval_id,
+                                               fingerprint=fingerprint, leaked_ids=leakage.eval_ids if leakage else [])
             n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
             log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
         else:

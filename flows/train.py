@@ -40,7 +40,7 @@ from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
 from schemas.config import RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import LibraryVersion, LLMCall, Problem, Proposal
+from schemas.records import LibraryVersion, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -130,21 +130,13 @@ class Trainer:
             finally:
                 progress.finish(name)
         if "llm_calls" in outputs:
-            outputs["llm_calls"] = self.all_calls(step, name, outputs["llm_calls"])
+            outputs["llm_calls"] = self.journal.step(step).all_calls(name, outputs["llm_calls"])
         self.check_failures(step, name, outputs)
         if before_write:
             before_write(outputs)
         self.store.write_stage(self.run_id, step, name, outputs)
         self.log.info("step %d %s: stored %s", step, name, describe_rows(outputs))
         return outputs
-
-    def all_calls(self, step: int, name: str, returned: list[LLMCall]) -> list[LLMCall]:
-        """The stage's calls: those its computation returned plus every one the journal holds for it (earlier,
-        failed or killed attempts included), each request once."""
-        calls = {(c.call_id, c.retries): c for c in self.journal.step(step).calls(name)}
-        for call in returned:
-            calls.setdefault((call.call_id, call.retries) if call.call_id else (id(call), 0), call)
-        return sorted(calls.values(), key=lambda c: c.started_at)
 
     def check_failures(self, step: int, name: str, outputs: Outputs) -> None:
         """The integrity rule: over tolerance, keep the calls and fail; under it, warn (and count)."""

@@ -180,3 +180,21 @@ def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys
     markdown = (tmp_path / "md" / "report.md").read_text()
     assert "![accuracy](plots/accuracy.png)" in markdown and (tmp_path / "md" / "plots" / "tokens_cost.png").exists()
     assert "+ [E0]" in markdown
+
+
+async def test_a_failed_evaluation_keeps_the_calls_it_made(tmp_path):
+    from clgrpo.testing.fake_openai import Fault
+
+    dataset = write_jsonl(make_problems(n_per_family=1, seed=21), tmp_path / "test.jsonl")
+    evaluation = EvalConfig(dataset=DatasetConfig(path=str(dataset)), k=2, bootstrap_samples=200)
+    with FakeOpenAIServer(ScriptedWorld(seed=3)) as server:
+        cfg = model_config(server, tmp_path).model_copy(
+            update={"policy": model_config(server, tmp_path).policy.model_copy(update={"max_retries": 1})})
+        server.inject(Fault(kind="status", status=502, rate=1.0))  # the endpoint is down for the whole evaluation
+        with pytest.raises(RuntimeError, match="policy calls failed"):
+            await evaluate(cfg, evaluation, ["none"], eval_id="down")
+        requests = server.stats.chat_requests
+    with Store(cfg.db_path, read_only=True) as store:
+        calls = store.records("llm_calls", "down")
+        assert not store.stage_done("down", 0, "evaluate")
+    assert requests > 0 and len(calls) == requests and all("HTTP 502" in c.error for c in calls)
