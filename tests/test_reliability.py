@@ -223,3 +223,21 @@ async def test_a_500_that_rejects_response_format_falls_back_to_prompt_and_parse
     assert done.text == again.text == '{"operations": []}'
     assert server.stats.chat_requests == 3  # the rejected one, then prompt + parser from then on
     assert [(c.ok, "response_format refused" in (c.error or "")) for c in done.calls] == [(False, True), (True, False)]
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_failures_within_the_tolerance_are_stored_counted_and_the_run_goes_on(tmp_path):
+    with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
+        server.inject(Fault(kind="status", status=500, times=1, match=match_roles("policy")))
+        cfg = make_config(server, tmp_path, "within", epochs=1, max_retries=0)
+        result = await train(cfg)
+    step = result.steps[0]
+    with Store(cfg.db_path, read_only=True) as store:
+        failed = [r for r in store.records("rollouts", "within") if r.error]
+        rewards = {(w.problem_id, w.sample_idx): w for w in store.records("rewards", "within")}
+    # one n=4 request failed: 4 of 64 samples (6%, under the default rollout tolerance of 10%)
+    assert step.rollouts_failed == len(failed) == 4 and step.llm_failed == 1
+    assert all("HTTP 500" in r.error for r in failed)
+    assert all(rewards[(r.problem_id, r.sample_idx)].reward is None for r in failed)  # not graded as 0
+    assert all(rewards[(r.problem_id, r.sample_idx)].error.startswith("rollout failed") for r in failed)
