@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import threading
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,13 +95,16 @@ class StepJournal:
         stages = [stage] if stage is not None else list(self._calls)
         return sorted((c for s in stages for c in self._calls.get(s, {}).values()), key=lambda c: c.started_at)
 
-    def all_calls(self, stage: str | None, returned: list[LLMCall]) -> list[LLMCall]:
-        """A stage's calls: those its computation returned plus every one recorded here for it (earlier,
-        failed or killed attempts included), each request once."""
-        calls = {(c.call_id, c.retries): c for c in self.calls(stage)}
-        for call in returned:
-            calls.setdefault((call.call_id, call.retries) if call.call_id else (str(id(call)), 0), call)
-        return sorted(calls.values(), key=lambda c: c.started_at)
+    def all_calls(self, stage: str, returned: list[LLMCall]) -> list[LLMCall]:
+        """A stage's calls: every one recorded here for it (earlier, failed or killed attempts included) plus
+        those its computation returned that were made elsewhere (a GPU pool worker), which are recorded now so
+        a later attempt still counts them. Each request once."""
+        known = {(c.call_id, c.retries) for c in self.calls(stage)}
+        with recording(self, stage=stage):
+            for call in returned:
+                if not call.call_id or (call.call_id, call.retries) not in known:
+                    self.add_call(call if call.call_id else call.model_copy(update={"call_id": uuid.uuid4().hex[:16]}))
+        return self.calls(stage)
 
     def stages_with_calls(self) -> list[str]:
         return [s for s, calls in self._calls.items() if calls]

@@ -180,7 +180,7 @@ async def _evaluate_recorded(store: Store, config: RunConfig, evaluation: EvalCo
             store.write_unfinished(eval_id, 0, EVALUATE_STAGE, {"llm_calls": step.calls()})
         journal.close()
         raise
-    outputs["llm_calls"] = step.all_calls(None, outputs["llm_calls"])
+    outputs["llm_calls"] = step.all_calls(EVALUATE_STAGE, outputs["llm_calls"])
     journal.discard()
     return outputs
 

@@ -4,7 +4,8 @@ With ``rollout.placement: pool`` the training flow starts one ``rollout-gpu`` ch
 ``run_deployment``. The idempotency key is derived from (run, config, step, chunk, inputs), so a retried parent
 finds the child it already started instead of launching a duplicate; if that child ended Failed, Crashed or
 Cancelled, the same child run is scheduled again (as ``prefect flow-run retry`` does), so retrying the parent
-after a GPU failure re-runs the chunk without a second child. The child writes its batch as JSON to
+after a GPU failure re-runs the chunk without a second child; so does a child that completed but left failed
+samples (its ingested hand-off is moved aside, so failures are never replayed). The child writes its batch as JSON to
 the hand-off storage (a local path shared with the workers, or any fsspec URL) at a path fixed by the same
 key; the orchestrator reads it back and alone writes DuckDB. A hand-off file that already exists (a parent
 that crashed after the child finished) is ingested without starting anything.
@@ -91,7 +92,8 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
         parameters = {"config": config.model_dump(mode="json"), "step": step, "chunk": chunk,
                       "problems": [p.model_dump(mode="json") for p in problems],
                       "library": library.model_dump(mode="json"), "handoff": url}
-        child = await start_or_rerun_child(config, parameters, f"clgrpo-rollout-{key}")
+        child = await start_or_rerun_child(config, parameters, f"clgrpo-rollout-{key}",
+                                           rerun_completed=_exists(failed_marker(url)))
         if child.state is None or not child.state.is_final():
             raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) still "
                                      f"{child.state.name if child.state else 'unknown'} after rollout.timeout_s="
@@ -106,19 +108,35 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
     batch, meta = found
     get_run_logger().info("step %d chunk %d: ingested %d rollouts from %s (worker CUDA_VISIBLE_DEVICES=%s)", step,
                           chunk, len(batch.rollouts), url, meta.get("cuda_visible_devices"))
+    if batch.n_failed:  # never replayed: a retried parent runs the child again instead of re-reading failures
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.mv(path, fsspec.core.url_to_fs(failed_marker(url))[1])
     return batch
 
 
-async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str) -> FlowRun:
+def failed_marker(url: str) -> str:
+    """Where an ingested hand-off that held failed samples is moved to (kept for inspection)."""
+    return f"{url}.had-failures"
+
+
+def _exists(url: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.exists(path)
+
+
+async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str, *,
+                               rerun_completed: bool = False) -> FlowRun:
     """Start the chunk's child run, or find the one an earlier attempt of the parent started; a found child
-    that ended unsuccessfully is scheduled again (same run, its run count goes up). Waits for it to end,
-    at most ``rollout.timeout_s``."""
+    that ended unsuccessfully (or, with ``rerun_completed``, one whose hand-off held failed samples) is scheduled
+    again (same run, its run count goes up). Waits for it to end, at most ``rollout.timeout_s``."""
     child = await arun_deployment(config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key,
                                   timeout=0)
     async with get_client() as client:
-        if child.state is not None and child.state.is_final() and not child.state.is_completed():
-            get_run_logger().warning("rollout child run %s (%s) ended %s in an earlier attempt: running it again",
-                                     child.name, child.id, child.state.name)
+        state = child.state
+        if state is not None and state.is_final() and (not state.is_completed() or rerun_completed):
+            why = "left failed samples" if state.is_completed() else f"ended {state.name}"
+            get_run_logger().warning("rollout child run %s (%s) %s in an earlier attempt: running it again",
+                                     child.name, child.id, why)
             result = await client.set_flow_run_state(child.id, Scheduled(message="re-run by its retried parent"),
                                                      force=True)
             if result.status != SetStateStatus.ACCEPT:

@@ -227,6 +227,32 @@ def test_retrying_the_parent_reruns_its_failed_gpu_child_without_a_duplicate(sta
         assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='gpu-retried'")["n"][0] == 32
 
 
+def test_a_gpu_child_that_left_failed_samples_is_run_again_not_replayed(stack, tmp_path):
+    """One of the child's 8 policy requests fails for good: 4/32 samples (12.5%) is over the rollout tolerance,
+    so the parent fails; its Retry runs the completed child again instead of re-reading the failed samples."""
+    with FakeOpenAIServer(ScriptedWorld(seed=9)) as server:
+        server.inject(Fault(kind="status", status=400, times=1, match=lambda r: role_of(r) == "policy"))
+        config = _config(server, tmp_path, "gpu-partial", epochs=1)
+        failed = _run(stack, config)
+        assert failed.returncode != 0, failed.stdout
+        (parent,) = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.name == "train-gpu-partial"]
+        assert parent.state.is_failed() and "step 1 rollout: 4/32 samples failed" in (parent.state.message or "")
+        requests_before = server.stats.chat_requests
+        run = _retry_and_wait(stack, parent.id)
+        assert run.state.is_completed(), (run.state, _logs(stack))
+        requests = server.stats.chat_requests
+    (child,) = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "gpu-partial" in c.name]
+    assert child.run_count == 2 and child.state.is_completed()
+    with Store(config["db_path"], read_only=True) as store:
+        rollouts = store.records("rollouts", "gpu-partial", 1)
+        policy_calls = store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id='gpu-partial' "
+                                   "AND stage='rollout'")["n"][0]
+    assert len(rollouts) == 32 and not [r for r in rollouts if r.error]
+    assert policy_calls == 8 + 8  # both children's requests are accounted, the failed one included
+    assert requests > requests_before
+    assert list((tmp_path / "handoff" / "gpu-partial").glob("*.had-failures"))
+
+
 async def _deployment(stack: Stack, name: str):
     from prefect.client.orchestration import PrefectClient
 
