@@ -94,6 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = asyncio.run(train(config, preflight=False))
     print_steps(result)
     print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}\n{report_hint(result.run_id, result.db_path)}")
+    if result.stopped:
+        print(f"stopped early: {result.stopped}")
+        return 3
     return 0
 
 

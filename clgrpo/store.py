@@ -20,7 +20,7 @@ import pandas as pd
 import pandera.pandas as pa
 
 from clgrpo.library import ExperienceLibrary
-from schemas.config import NOT_FINGERPRINTED, RunConfig
+from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, RunConfig
 from schemas.ddl import (
     CHECKPOINT_STAGE,
     EVALUATE_STAGE,
@@ -378,6 +378,10 @@ class Store:
         row = self.con.execute("SELECT fingerprint, config_json FROM runs WHERE run_id = ?", [cfg.run_id]).fetchone()
         if row is not None and row[0] == cfg.fingerprint():
             return False
+        if row is not None and _refingerprint(row[1]) == cfg.fingerprint():
+            # stored before the fingerprint left out a setting (e.g. base_url): the same run, keep its new key
+            self.con.execute("UPDATE runs SET fingerprint = ? WHERE run_id = ?", [cfg.fingerprint(), cfg.run_id])
+            return False
         if row is not None:
             if self.steps_done(cfg.run_id):
                 raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
@@ -514,6 +518,14 @@ class Store:
             id_prefix=h["id_prefix"], created_at=h["created_at"]))
 
 
+def _refingerprint(config_json: str) -> str | None:
+    """The stored config's fingerprint as this version computes it (None if it no longer validates)."""
+    try:
+        return RunConfig.model_validate_json(config_json).fingerprint()
+    except ValueError:
+        return None
+
+
 def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
     new = cfg.model_dump(mode="json")
     changed = sorted(_changed_paths(stored, new))
@@ -525,6 +537,8 @@ def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in set(old) | set(new):
             if not prefix and key in NOT_FINGERPRINTED:
+                continue
+            if prefix in ("policy.", "learner.") and key in NOT_FINGERPRINTED_MODEL:
                 continue
             yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
     elif old != new:

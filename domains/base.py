@@ -39,6 +39,8 @@ class LoadReport:
     n_duplicates_dropped: int  # rows whose normalized problem text repeats an earlier row
     n_after_limit: int  # problems returned
     dropped_ids: tuple[str, ...] = ()  # ids of the dropped duplicates
+    n_oversize_skipped: int = 0  # rows left out for a problem or answer over the size limits (oversize: skip)
+    oversize_ids: tuple[str, ...] = ()  # ids of those rows
 
 
 @dataclass(frozen=True)

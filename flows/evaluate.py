@@ -43,6 +43,7 @@ from clgrpo.report import (
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
 from clgrpo.journal import RunJournal, recording
+from tasks.load_dataset import log_oversize
 from tasks.verify import warm_verifier
 from schemas.config import DatasetConfig, EvalConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
@@ -114,6 +115,7 @@ def load_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
     if report.n_duplicates_dropped:
         get_run_logger().warning("%s: dropped %d duplicate problem(s): %s", report.source,
                                  report.n_duplicates_dropped, ", ".join(report.dropped_ids[:20]))
+    log_oversize(report)
     return problems
 
 

@@ -48,13 +48,15 @@ from tasks.checkpoint import (
     StepReport,
     checkpoint_task,
     export_dir,
+    export_library,
     library_table,
     operations_markdown,
     step_report,
 )
 from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task, consolidation_calls
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
-from tasks.integrity import StageFailedError, failed_items, stage_failed_message
+from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
+from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
@@ -72,6 +74,7 @@ class TrainResult:
     library_size: int
     export_dir: str
     steps: list[StepReport] = field(default_factory=list)
+    stopped: str | None = None  # why the run stopped before its last step (a budget), else None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Trainer:
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
         outputs = self.precomputed.pop((step, name), None)
         if outputs is None:
+            self.check_budget(step, name)
             if expect:
                 progress.start(step, name, *expect)
             try:
@@ -236,23 +240,30 @@ class Trainer:
         proposals = (await self.stage(step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"],
                                       expect=(len(selected_ids), "groups")))["proposals"]
 
+        limited_proposals, over_group = limit_proposals(proposals, cfg.learning)
+
         async def do_consolidate() -> Outputs:
-            result = await consolidate_task(cfg, step, proposals, version)
+            result = await consolidate_task(cfg, step, limited_proposals, version)
             if result.failed:
                 self.log.warning("step %d: consolidation reply unusable after repair; no operations this step", step)
             return {"proposals": result.plans, "llm_calls": result.calls}
 
-        calls = consolidation_calls(sum(bool(p.operations) for p in proposals), cfg.learning)
+        calls = consolidation_calls(sum(bool(p.operations) for p in limited_proposals), cfg.learning)
         plans: list[Proposal] = (await self.stage(step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"],
                                                   expect=(calls, "learner calls")))["proposals"]
         final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
+        plan = limit_plan(final_ops, bound=plan_bound(limited_proposals, len(library)), cfg=cfg.learning)
 
         applied_version: list[LibraryVersion] = []
 
         async def do_apply() -> Outputs:
-            applied = apply_operations_task(cfg, step, version, final_ops, problems)
+            applied = apply_operations_task(cfg, step, version, plan.operations, problems)
             applied_version.append(applied.library)
-            return {"operations": applied.results}
+            over = rejected_results(over_group + plan.over, first_seq=len(applied.results))
+            if over:
+                self.log.warning("step %d: %d operations over the learning limits rejected (first: %s)", step,
+                                 len(over), over[0].reason)
+            return {"operations": applied.results + over}
 
         def save_version(_: Outputs) -> None:
             self.store.save_library(self.run_id, ExperienceLibrary.from_version(applied_version[0]))
@@ -268,6 +279,7 @@ class Trainer:
         if (not self.cfg.pipeline or self.cfg.rollout.placement == "pool"
                 or any(self.store.stage_done(self.run_id, step, n) for n in names)):
             return
+        self.check_budget(step, ROLLOUT)
         samples = sum(len(c) for c in rollout_chunks) * self.cfg.grpo.group_size
         for name, total, unit in ((ROLLOUT, samples, "samples"), (VERIFY, samples, "samples"),
                                   (SUMMARIZE, 0, "summaries"), (GROUP_ADVANTAGE, 0, "groups")):
@@ -286,6 +298,34 @@ class Trainer:
             (step, SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
             (step, GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
         })
+
+    # --- the budget -------------------------------------------------------------------------------------
+    def check_budget(self, step: int, name: str) -> None:
+        """Before a stage: stop if the recorded calls of this run reached ``budget.max_tokens`` or ``max_usd``."""
+        budget = self.cfg.budget
+        if budget.max_tokens is None and budget.max_usd is None:
+            return
+        spent = self.store.query("SELECT coalesce(sum(tokens_in + tokens_out), 0) AS tokens, "
+                                 "coalesce(sum(cost_usd), 0) AS usd FROM llm_calls WHERE run_id = ?", [self.run_id])
+        tokens, usd = int(spent["tokens"][0]), float(spent["usd"][0])
+        reached = []
+        if budget.max_tokens is not None and tokens >= budget.max_tokens:
+            reached.append(f"{tokens} tokens >= budget.max_tokens={budget.max_tokens}")
+        if budget.max_usd is not None and usd >= budget.max_usd:
+            reached.append(f"${usd:.4f} >= budget.max_usd={budget.max_usd:g}")
+        if reached:
+            raise BudgetExhaustedError(
+                f"budget reached before step {step} {name}: {'; '.join(reached)}. Everything so far is stored; "
+                f"resume with a larger budget: clgrpo train --run-id {self.run_id} --set budget.max_usd=... "
+                f"(or budget.max_tokens=...)")
+
+    async def stop_for_budget(self, message: str, reports: list[StepReport]) -> TrainResult:
+        """The run stops at a stage boundary: the latest library version is exported (the checkpoint)."""
+        self.log.warning("%s", message)
+        library = self.store.load_library(self.run_id)
+        export_library(library, export_dir(self.cfg))
+        return TrainResult(self.run_id, str(self.store.path), library.version, len(library),
+                           str(export_dir(self.cfg)), reports, stopped=message)
 
     # --- reporting ------------------------------------------------------------------------------------
     def report(self, planned: PlannedStep, library: ExperienceLibrary) -> StepReport:
@@ -343,6 +383,9 @@ class Trainer:
             raise
         finally:
             self.journal.close()
+        if result.stopped:
+            self.store.set_run_status(self.run_id, "budget_exhausted", result.stopped)
+            return result
         self.store.set_run_status(self.run_id, "completed")
         self.journal.discard()  # everything is in DuckDB now
         return result
@@ -365,7 +408,10 @@ class Trainer:
             if done:
                 library = self.store.load_library(self.run_id, planned.step)
             else:
-                library = await self.run_step(planned, library)
+                try:
+                    library = await self.run_step(planned, library)
+                except BudgetExhaustedError as exc:
+                    return await self.stop_for_budget(str(exc), reports)
             reports.append(self.report(planned, library))
             if not done:
                 await self.checkpoint(planned, library, reports)

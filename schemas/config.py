@@ -70,6 +70,11 @@ class DatasetConfig(Section):
     limit: int | None = Field(None, ge=1)
     shuffle: bool = True
     seed: int = 0
+    # input limits: a problem or answer longer than this is refused at load ("error": one line naming file,
+    # row and size; "skip": left out and reported)
+    max_problem_chars: int = Field(20_000, ge=1)
+    max_answer_chars: int = Field(1_000, ge=1)
+    oversize: Literal["error", "skip"] = "error"
 
     @model_validator(mode="after")
     def _one_source(self) -> "DatasetConfig":
@@ -96,8 +101,14 @@ class LearningConfig(Section):
     # a regular expression every lesson must match (whole text): enforced by constrained decoding where the
     # learner's backend enforces JSON schemas, and checked when operations are applied. None: any sentence.
     lesson_pattern: str | None = None
-    max_ops_per_group: int = Field(3, ge=1)
-    max_library_size: int | None = Field(None, ge=1)
+    max_ops_per_group: int = Field(3, ge=1)  # operations one group proposal may carry; the rest are rejected
+    max_ops_per_step: int = Field(30, ge=1)  # operations one step may apply; the rest are rejected
+    max_library_size: int | None = Field(100, ge=1)  # live experiences; None: unlimited
+    # the lesson guard: "standard" rejects instruction overrides, role impersonation, requests for references
+    # or answers, answer literals, copied problem text and non-prose payloads; "strict" also imperative
+    # address of the model ("you must ...") and any digits-only claims; "off" keeps only the length/id rules
+    guard: Literal["off", "standard", "strict"] = "standard"
+    max_learner_tokens: int = Field(2048, ge=16)  # learner replies are short JSON: a cap on the learner's max_tokens
     # llm: a learner call turns all group proposals into one plan; passthrough: the group proposals are the plan,
     # after de-duplication (as the reference implementation lets adds through unless merged)
     consolidation: Literal["llm", "passthrough"] = "llm"
@@ -170,8 +181,12 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "lesson_pattern"): None,
     ("policy", "repetition_penalty"): None,
     ("learner", "repetition_penalty"): None,
-    ("policy", "max_rate_limit_wait_s"): 600.0,
-    ("learner", "max_rate_limit_wait_s"): 600.0,
+    ("learning", "max_ops_per_step"): 30,
+    ("learning", "guard"): "standard",
+    ("learning", "max_learner_tokens"): 2048,
+    ("dataset", "max_problem_chars"): 20_000,
+    ("dataset", "max_answer_chars"): 1_000,
+    ("dataset", "oversize"): "error",
 }
 
 class StageTolerances(Section):
@@ -187,6 +202,15 @@ class StageTolerances(Section):
     validation: float = Field(0.1, ge=0.0, le=1.0)  # held-out validation samples (stage "validate")
 
 
+class BudgetConfig(Section):
+    """Spending limits of a run, checked before each stage from the recorded calls (``llm_calls``): when one is
+    reached the run stops after the current stage with a checkpoint and status ``budget_exhausted``; resuming
+    with a larger budget continues. None: no limit."""
+
+    max_tokens: int | None = Field(None, ge=1)  # input + output tokens of every model request
+    max_usd: float | None = Field(None, gt=0)  # from the models' price tables
+
+
 class ToleranceConfig(Section):
     max_failed_fraction: StageTolerances = Field(default_factory=StageTolerances)
 
@@ -196,7 +220,11 @@ class ToleranceConfig(Section):
 
 
 # Settings that change where or how fast a run executes, or when it stops, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance"}
+NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget"}
+# Model settings that say where and how a model is reached, not what it computes: moving the same model to
+# another port or key, or changing timeouts and retries, does not block a resume.
+NOT_FINGERPRINTED_MODEL = {"base_url", "api_key_env", "api_key_secret_block", "timeout_s", "max_retries",
+                           "retry_base_delay_s", "retry_max_delay_s", "max_rate_limit_wait_s"}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -220,6 +248,7 @@ class RunConfig(Section):
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
     validation: ValidationConfig | None = None  # held-out learning curve during training
     tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -230,6 +259,9 @@ class RunConfig(Section):
         the first release count only when changed from their default, so older runs keep their fingerprint."""
         unset = {"validation"} if self.validation is None else set()
         payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
+        for section in ("policy", "learner"):
+            if isinstance(payload.get(section), dict):
+                payload[section] = {k: v for k, v in payload[section].items() if k not in NOT_FINGERPRINTED_MODEL}
         for (section, key), default in LATER_SETTINGS.items():
             if isinstance(payload[section], dict) and payload[section].get(key) == default:
                 del payload[section][key]

@@ -29,7 +29,7 @@ class RunsFrame(Frame):
     fingerprint: Series[str]
     config_json: Series[str]
     created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
-    status: Series[str] = pa.Field(isin=["running", "completed", "failed"], nullable=True)
+    status: Series[str] = pa.Field(isin=["running", "completed", "failed", "budget_exhausted"], nullable=True)
     updated_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC, nullable=True)
     error: Series[str] = pa.Field(nullable=True)
 

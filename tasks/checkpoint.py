@@ -95,16 +95,23 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
     )
 
 
+ARTIFACT_ROWS = 200  # a Prefect artifact past ~1 MB is refused: the rest is in DuckDB (`clgrpo library ops`)
+
+
 def operations_markdown(step: int, results: list[OperationResult]) -> str:
     lines = [f"## Operations of step {step}", "", "| # | op | ids | text | status | reason | result |",
              "|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in results[:ARTIFACT_ROWS]:
         op = r.operation
         text = (op.text or "").replace("|", "\\|")
         lines.append(f"| {r.seq} | {op.op.value} | {', '.join(op.target_ids)} | {text} | {r.status.value} "
                      f"| {r.reason} | {r.result_id or ''} |")
     if not results:
         lines.append("| | (no operations this step) | | | | | |")
+    if len(results) > ARTIFACT_ROWS:
+        lines.append(f"\n... and {len(results) - ARTIFACT_ROWS} more operations "
+                     f"({sum(r.status == OpStatus.REJECTED for r in results[ARTIFACT_ROWS:])} rejected): "
+                     "`clgrpo library ops RUN --step N` lists them all")
     return "\n".join(lines)
 
 

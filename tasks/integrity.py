@@ -26,6 +26,10 @@ class StageFailedError(RuntimeError):
     """A stage left more failed items than its tolerance; nothing of it was marked done."""
 
 
+class BudgetExhaustedError(RuntimeError):
+    """The run's recorded calls reached its budget: it stops before the next stage."""
+
+
 @dataclass(frozen=True)
 class FailedItems:
     stage: str

@@ -6,7 +6,7 @@ import pytest
 
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import FrameValidationError, Store
-from schemas.config import NOT_FINGERPRINTED, DatasetConfig, EvalConfig, RunConfig
+from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, DatasetConfig, EvalConfig, RunConfig
 from schemas.records import EvalSample, Problem, text_hash
 from tasks.evaluate import compare_conditions, reward_matrix, sample_seeds, summarize_condition
 
@@ -71,8 +71,11 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
     excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation")} | {"grpo": {"max_steps": True}} | {
-        "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True},
-        "policy": {"repetition_penalty": True, "max_rate_limit_wait_s": True}}
+        "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
+                     "guard": True, "max_learner_tokens": True},
+        "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True},
+        # where and how the model is reached is not part of what a run computes
+        "policy": {"repetition_penalty": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)
     assert cfg.fingerprint() == text_hash(json.dumps(before_they_existed, sort_keys=True))
     capped = RunConfig.model_validate({**cfg.model_dump(), "grpo": {"max_steps": 2}})

@@ -115,7 +115,7 @@ class LLMClient:
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> "LLMClient":
-        return cls(cfg.policy, cfg.learner_model, concurrency=cfg.concurrency)
+        return cls(cfg.policy, learner_config(cfg), concurrency=cfg.concurrency)
 
     # --- public calls ---------------------------------------------------------------------------------
     async def sample(self, messages: list[Message], n: int, *, stage: str, temperature: float | None = None,
@@ -219,7 +219,9 @@ class LLMClient:
 
     def _backend(self, state: _LoopState, role: Role) -> Backend:
         if role not in state.backends:
-            learner_is_policy = self.configs["learner"] == self.configs["policy"]
+            # the same engine or endpoint (max_tokens is per request: a capped learner shares the policy's)
+            learner_is_policy = (self.configs["learner"].model_copy(update={"max_tokens": 1})
+                                 == self.configs["policy"].model_copy(update={"max_tokens": 1}))
             if role == "learner" and learner_is_policy and "policy" in state.backends:
                 state.backends[role] = state.backends["policy"]
             else:
@@ -308,12 +310,20 @@ def _single(request: GenRequest, index: int) -> GenRequest:
     return dataclasses.replace(request, n=1, seed=seed)
 
 
+def learner_config(cfg: RunConfig) -> ModelConfig:
+    """The learner's model settings, its max_tokens capped by ``learning.max_learner_tokens`` (learner replies
+    are short: a learner that rambles costs, and learns, nothing more)."""
+    learner = cfg.learner_model
+    cap = cfg.learning.max_learner_tokens
+    return learner if learner.max_tokens <= cap else learner.model_copy(update={"max_tokens": cap})
+
+
 _SHARED: dict[str, LLMClient] = {}
 
 
 def shared_client(cfg: RunConfig) -> LLMClient:
     """One client per process and model setup, so the concurrency limit holds across all stages."""
-    key = json.dumps([cfg.policy.model_dump(mode="json"), cfg.learner_model.model_dump(mode="json"), cfg.concurrency])
+    key = json.dumps([cfg.policy.model_dump(mode="json"), learner_config(cfg).model_dump(mode="json"), cfg.concurrency])
     if key not in _SHARED:
         _SHARED[key] = LLMClient.from_run_config(cfg)
     return _SHARED[key]

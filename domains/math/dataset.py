@@ -1,8 +1,12 @@
 """Loading math problems: local .jsonl / .json / .csv / .parquet files or a Hugging Face dataset.
 
-The raw rows are validated with pandera (lazily, so every problem is collected) before any record is built;
-failures are reported as one ``DatasetError`` naming the file, the row and the field. Valid rows are then
-de-duplicated by normalized problem text, shuffled with a seeded RNG and truncated to ``cfg.limit``.
+Right after reading, every problem and answer text is measured against ``cfg.max_problem_chars`` /
+``cfg.max_answer_chars`` (nothing else touches the text first): with ``oversize: error`` the first row over a
+limit stops the load with one line naming the file, the row, the field, the size and the limit; with
+``oversize: skip`` such rows are left out and counted in the ``LoadReport``. The remaining rows are validated
+with pandera (lazily, so every problem is collected) before any record is built; failures are reported as one
+``DatasetError`` naming the file, the row and the field. Valid rows are then de-duplicated by normalized
+problem text, shuffled with a seeded RNG and truncated to ``cfg.limit``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import numbers
 import random
 import re
 import string
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,10 @@ MAX_REPORTED_ISSUES = 20
 JSON_ROW_KEYS = ("data", "problems", "rows")  # a .json file may wrap its rows in one of these keys
 _STRIP_CHARS = string.whitespace + string.punctuation
 _WHITESPACE = re.compile(r"\s+")
+# the csv module refuses fields over 131,072 characters by default; while reading, fields may be as long as this
+# (their sizes are then checked against dataset.max_problem_chars / max_answer_chars, with row and field named)
+CSV_FIELD_LIMIT = 2**31 - 1
+_CSV_LIMIT_LOCK = threading.Lock()  # csv.field_size_limit is process-wide: one reader changes it at a time
 
 
 class DatasetError(ValueError):
@@ -51,6 +62,15 @@ def load_problems_with_report(cfg: DatasetConfig) -> tuple[list[Problem], LoadRe
     id_col = cfg.id_field if cfg.id_field and cfg.id_field in raw.frame.columns else None
     if len(raw.frame) == 0 and not raw.issues:
         raise DatasetError(f"{raw.source}: contains no rows")
+    oversize = _oversize(raw, cfg)  # first: before any other work on a (possibly huge) text
+    if oversize and cfg.oversize == "error":
+        raise DatasetError(_oversize_message(raw, oversize))
+    skipped = [_row_id(raw, id_col, o.pos) for o in oversize]
+    if oversize:
+        raw = raw.without([o.pos for o in oversize])
+        log.warning("%s: skipped %d row(s) over the size limits (dataset.max_problem_chars %d, "
+                    "dataset.max_answer_chars %d): %s", raw.source, len(skipped), cfg.max_problem_chars,
+                    cfg.max_answer_chars, ", ".join(skipped))
     issues = raw.issues + (_validate(raw, cfg, id_col) if len(raw.frame) else [])
     if issues:
         raise DatasetError(_render(raw.source, issues))
@@ -62,7 +82,8 @@ def load_problems_with_report(cfg: DatasetConfig) -> tuple[list[Problem], LoadRe
         random.Random(cfg.seed).shuffle(kept)
     if cfg.limit is not None:
         kept = kept[: cfg.limit]
-    report = LoadReport(raw.source, len(problems), len(dropped), len(kept), tuple(dropped))
+    report = LoadReport(raw.source, len(problems), len(dropped), len(kept), tuple(dropped),
+                        n_oversize_skipped=len(skipped), oversize_ids=tuple(skipped))
     return kept, report
 
 
@@ -85,13 +106,18 @@ class _Issue:
 class _Raw:
     source: str  # file name or hub name: Problem.source and the prefix of every message
     stem: str  # prefix of derived ids
-    frame: pd.DataFrame  # object dtype, one row per readable record, RangeIndex
-    keys: list[int]  # per frame row: 1-based file line (jsonl, csv) or 0-based index (json, parquet, hub)
+    # object dtype, one row per readable record; the index is the record's position among the readable records
+    # (0, 1, 2, ...; rows skipped for their size leave gaps, so derived ids do not shift)
+    frame: pd.DataFrame
+    keys: list[int]  # per position: 1-based file line (jsonl, csv) or 0-based index (json, parquet, hub)
     unit: str  # "line" or "index"
     issues: list[_Issue] = field(default_factory=list)  # rows that could not be read at all
 
     def where(self, pos: int) -> str:
         return f"row at {self.unit} {self.keys[pos]}"
+
+    def without(self, positions: list[int]) -> _Raw:
+        return _Raw(self.source, self.stem, self.frame.drop(index=positions), self.keys, self.unit, self.issues)
 
 
 def _read(cfg: DatasetConfig) -> _Raw:
@@ -160,11 +186,21 @@ def _read_json(path: Path) -> _Raw:
     return _Raw(path.name, path.stem, _records_frame(rows), keys, "index", issues)
 
 
+@contextmanager
+def _long_csv_fields() -> Iterator[None]:
+    with _CSV_LIMIT_LOCK:
+        previous = csv.field_size_limit(CSV_FIELD_LIMIT)
+        try:
+            yield
+        finally:
+            csv.field_size_limit(previous)
+
+
 def _read_csv(path: Path) -> _Raw:
     rows: list[dict[str, Any]] = []
     keys: list[int] = []
     issues: list[_Issue] = []
-    with path.open(encoding="utf-8-sig", newline="") as fh:
+    with _long_csv_fields(), path.open(encoding="utf-8-sig", newline="") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None:
@@ -211,6 +247,51 @@ def _read_hub(cfg: DatasetConfig) -> _Raw:
 def _indexed(source: str, stem: str, frame: pd.DataFrame) -> _Raw:
     frame = frame.reset_index(drop=True).astype(object)
     return _Raw(source, stem, frame, list(range(len(frame))), "index")
+
+
+# --- size limits -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Oversize:
+    pos: int
+    field: str
+    size: int  # characters, surrounding whitespace not counted (it is stripped before use)
+    limit: int
+    setting: str  # the config key of the limit
+
+
+def _oversize(raw: _Raw, cfg: DatasetConfig) -> list[_Oversize]:
+    """Rows whose problem or answer text is over its limit (the problem field reported first), in file order.
+    Only lengths are read (and the ends of the few texts over a limit), so a 10 MB field costs nothing more."""
+    limits = [(cfg.problem_field, cfg.max_problem_chars, "max_problem_chars")]
+    if cfg.answer_field is not None:
+        limits.append((cfg.answer_field, cfg.max_answer_chars, "max_answer_chars"))
+    found: dict[int, _Oversize] = {}
+    for column, limit, setting in limits:
+        if column not in raw.frame.columns:
+            continue  # validation reports the missing column
+        values = raw.frame[column]
+        lengths = values.map(lambda v: len(v) if isinstance(v, str) else 0)
+        for pos in lengths.index[lengths > limit]:
+            size = len(values[pos].strip())  # over the limit only by surrounding whitespace: not over it
+            if size > limit and pos not in found:
+                found[pos] = _Oversize(int(pos), column, size, limit, setting)
+    return [found[pos] for pos in sorted(found)]
+
+
+def _oversize_message(raw: _Raw, oversize: list[_Oversize]) -> str:
+    first = oversize[0]
+    more = f" ({len(oversize) - 1} more row(s) over the size limits)" if len(oversize) > 1 else ""
+    return (f"{raw.source} {raw.where(first.pos)} field {first.field!r}: {first.size:,} characters, over the "
+            f"limit of {first.limit:,} (dataset.{first.setting}){more}; raise dataset.{first.setting} or set "
+            "dataset.oversize: skip to leave such rows out")
+
+
+def _row_id(raw: _Raw, id_col: str | None, pos: int) -> str:
+    """The id the row's problem gets: its id field when that is usable, else the derived id."""
+    key = _id_key(raw.frame.at[pos, id_col]) if id_col else None
+    return key if key else f"{raw.stem}-{pos:05d}"
 
 
 # --- validation ------------------------------------------------------------------------------------------
@@ -298,7 +379,7 @@ def _translate(raw: _Raw, cfg: DatasetConfig, case: dict[str, Any]) -> _Issue:
         what = f"wrong type: expected {expected}, got {type(value).__name__}"
     elif check == "duplicate":
         key = _scalar_text(value)
-        first = next(p for p in range(pos) if _id_key(raw.frame.at[p, column]) == key)
+        first = next(p for p in raw.frame.index if p < pos and _id_key(raw.frame.at[p, column]) == key)
         what = f"duplicate id {key!r} (first at {raw.unit} {raw.keys[first]})"
     else:
         what = f"failed check {check}: {value!r}"
@@ -320,8 +401,8 @@ def _render(source: str, issues: list[_Issue]) -> str:
 def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
     frame = raw.frame
     problems = []
-    for pos in range(len(frame)):
-        row = frame.iloc[pos]
+    for pos in frame.index:
+        row = frame.loc[pos]
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
         answer = _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None
         text = row[cfg.problem_field].strip()
