@@ -210,6 +210,8 @@ async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list
     with Store(config.training.db_path) as store:
         candidate = store.load_library(trained.run_id, trained.final_version)
     fields: dict[str, object] = {"candidate_ref": candidate_ref, "train_run_id": trained.run_id}
+    if trained.stopped:  # a budget stopped training early: never promote a half-trained library
+        return {**fields, "status": "not_promoted", "reasons": [f"training stopped early: {trained.stopped}"]}
     if candidate.content_hash() == baseline.library.content_hash():
         return {**fields, "status": "not_promoted",
                 "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged"]}
