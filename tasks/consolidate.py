@@ -6,6 +6,9 @@ consolidated hierarchically: one call per chunk, then a final pass over the chun
 degrades). Every plan, intermediate or final, is returned as a ``Proposal`` record (group_id ``chunk-N`` or
 ``final``); a final plan that cannot be parsed even after the repair re-ask yields no operations and is kept
 with its raw text and error. A failed learner call fails the stage (a retry resumes here).
+
+Lineage is kept by the system, not the model: a planned operation keeps only the groups it names that were
+among the proposals; one that names none is matched to the proposals it came from (``attribute_sources``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from clgrpo import progress
 from clgrpo.library import ExperienceLibrary, normalize_text
 from clgrpo.llm import LLMClient, shared_client
 from domains import get_domain
-from domains.learner import LearnerPrompts, operations_schema
+from domains.learner import LearnerPrompts, operations_schema, overlap, restates
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
 from tasks.common import stage_task
 
 STAGE = "consolidate"
 FINAL = "final"
+LINEAGE_OVERLAP = 0.5  # word-trigram share (either way) at which a planned text counts as from a proposed one
 
 
 @dataclass
@@ -63,10 +67,78 @@ async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLib
     reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
                                           repair=partial(prompts.repair, show_example=show_example, sources=True))
     progress.advance(STAGE)
-    operations = [op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups]})
-                  for op in reply.operations]
+    operations = attribute_sources([
+        op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups and not _plan_id(g)]})
+        for op in reply.operations], proposals)
     plan = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error)
     return plan, reply.calls
+
+
+def _plan_id(group: str) -> bool:
+    return group == FINAL or group.startswith("chunk-")
+
+
+def _proposed(proposals: list[Proposal]) -> list[tuple[Operation, list[str]]]:
+    """Each proposed operation with the groups it came from (a chunk plan's operation: the groups it names)."""
+    items = []
+    for proposal in proposals:
+        for op in proposal.operations:
+            groups = [g for g in (op.source_groups or [proposal.group_id]) if not _plan_id(g)]
+            if groups:
+                items.append((op, groups))
+    return items
+
+
+def match_sources(op: Operation, proposals: list[Proposal]) -> tuple[list[str], str]:
+    """The groups whose proposals ``op`` came from, matched by the system (not the model), and how: proposals
+    with the same (normalized) text; proposals that targeted one of ``op``'s ids (a modify, merge, delete or keep
+    of an id inherits the groups that proposed to change it); and, where no text is the same, proposals whose
+    text shares at least ``LINEAGE_OVERLAP`` of its word trigrams with ``op``'s (either way) or whose content
+    words ``op`` restates. ``([], "")`` when nothing matches."""
+    proposed = _proposed(proposals)
+    groups: list[str] = []
+    how: list[str] = []
+    if op.text:
+        key = normalize_text(op.text)
+        same = [g for q, gs in proposed if q.text and normalize_text(q.text) == key for g in gs]
+        if same:
+            groups += same
+            how.append("same text")
+    if op.target_ids:
+        ids = set(op.target_ids)
+        targeted = [g for q, gs in proposed if ids & set(q.target_ids) for g in gs]
+        if targeted:
+            groups += targeted
+            how.append("same ids")
+    if op.text and "same text" not in how:
+        scored = [(max(overlap(op.text, q.text), overlap(q.text, op.text)), gs) for q, gs in proposed if q.text]
+        near = [(score, gs) for score, gs in scored if score >= LINEAGE_OVERLAP]
+        if near:
+            groups += [g for _, gs in near for g in gs]
+            how.append(f"text overlap {max(score for score, _ in near):.2f}")
+        else:
+            similar = [g for q, gs in proposed if q.text and (restates(op.text, q.text) or restates(q.text, op.text))
+                       for g in gs]
+            if similar:
+                groups += similar
+                how.append("similar wording")
+    return list(dict.fromkeys(groups)), " + ".join(how)
+
+
+def attribute_sources(operations: list[Operation], proposals: list[Proposal]) -> list[Operation]:
+    """Lineage is kept by the system: an operation whose plan names no (known) group gets the groups of the
+    proposals it matches (``match_sources``); the rationale says so (``[sources matched: ...]``), or, when
+    nothing matches an operation with a text (add, modify, merge), that it has no known source
+    (``[sources: none matched]``); the sources stay empty then (a delete or keep may come from no proposal)."""
+    attributed = []
+    for op in operations:
+        if not op.source_groups:
+            groups, how = match_sources(op, proposals)
+            note = f"[sources matched: {how}]" if groups else "[sources: none matched]" if op.text else ""
+            if note:
+                op = op.model_copy(update={"source_groups": groups, "rationale": f"{op.rationale} {note}".strip()})
+        attributed.append(op)
+    return attributed
 
 
 def passthrough(proposals: list[Proposal]) -> Consolidation:
