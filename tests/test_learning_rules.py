@@ -9,6 +9,7 @@ import pytest
 
 from clgrpo.library import ExperienceLibrary
 from domains.learner import (
+    DATA_TAG_RE,
     GROUP_KINDS,
     Attempt,
     LearnerPrompts,
@@ -74,7 +75,7 @@ def test_prompts_have_no_placeholders_and_show_an_example_only_when_unconstraine
     shown = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=True))
     hidden = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=False))
     for text in (shown, hidden, prompts.consolidate("{}", "[E1]. x", min_words=5, max_words=24)[0]["content"]):
-        assert "..." not in text and "<" not in text
+        assert "..." not in text and "<" not in DATA_TAG_RE.sub("", text)  # only the declared data tags
     reply = re.search(r'^\{"operations".*$', shown, re.MULTILINE).group(0)  # the example is a complete reply
     assert json.loads(reply)["operations"][0]["text"] == EXAMPLE_LESSONS[0]
     assert EXAMPLE_LESSONS[0] not in hidden and hidden.rstrip().endswith("(JSON only).")

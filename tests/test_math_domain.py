@@ -409,7 +409,8 @@ def test_rollout_messages_put_the_library_first() -> None:
     user = messages[1]["content"]
     assert user.startswith("Experiences learned from earlier attempts")
     assert user.index(library) < user.index("Problem:\n") < user.index("Find the number of primes")
-    assert user.endswith("Find the number of primes below 10.")  # nothing problem-independent after the problem
+    # nothing problem-independent after the problem but the constant closing tag
+    assert user.endswith("Find the number of primes below 10.\n</problem>")
     assert "\\boxed{}" in messages[0]["content"]  # the answer format is part of the shared prefix
 
 
@@ -420,13 +421,13 @@ def test_rollouts_share_the_prefix_up_to_the_problem() -> None:
     assert first[0] == second[0]
     prefix = first[1]["content"].split("Alpha problem")[0]
     assert second[1]["content"].startswith(prefix)
-    assert prefix.endswith("Problem:\n") and library in prefix
+    assert prefix.endswith("Problem:\n<problem>\n") and library in prefix
     assert "Alpha problem {x}." in first[1]["content"]  # braces in problems survive formatting
 
 
 def test_rollout_without_library() -> None:
     user = rollout_messages(_problem("a", "What is 2+2?"), "  ")[1]["content"]
-    assert user.startswith("Problem:\nWhat is 2+2?")
+    assert user.startswith("Problem:\n<problem>\nWhat is 2+2?")
     assert "Experiences" not in user
 
 
