@@ -55,6 +55,7 @@ from tasks.checkpoint import (
 )
 from tasks.consolidate import FINAL, STAGE as CONSOLIDATE, consolidate_task, consolidation_calls
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, group_advantage_task
+from domains.guard import LessonGuard
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
 from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
@@ -181,8 +182,18 @@ class Trainer:
         library = ExperienceLibrary()
         if self.cfg.initial_library:
             library = ExperienceLibrary.load(self.cfg.initial_library)
+            self.audit_initial_library(library)
         self.store.save_library(self.run_id, library)
         return library
+
+    def audit_initial_library(self, library: ExperienceLibrary) -> None:
+        """The starting library is the user's own, so it is kept, but lessons the guard would refuse are named."""
+        guard = LessonGuard(self.cfg.learning.guard)
+        flagged = [(e.id, reason) for e in library if (reason := guard.check(e.text)) is not None]
+        if flagged:
+            self.log.warning("initial library %s: %d lesson(s) the lesson guard would refuse (kept, they are "
+                             "yours): %s", self.cfg.initial_library, len(flagged),
+                             "; ".join(f"{i}: {r}" for i, r in flagged[:10]))
 
     # --- one step -------------------------------------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:

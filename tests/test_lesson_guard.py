@@ -316,3 +316,15 @@ def test_match_sources_directly():
                          GROUP_PROPOSALS) == ([], "")
     (kept,) = attribute_sources([Operation(op="delete", target_ids=["E9"])], GROUP_PROPOSALS)
     assert kept.source_groups == [] and kept.rationale == ""  # a delete may come from no proposal
+
+
+def test_the_released_reference_library_passes_the_guard():
+    """The paper's released math library (27 lessons, tests/data) is legitimate advice: no false alarm."""
+    from pathlib import Path
+
+    from clgrpo.library import ExperienceLibrary
+
+    library = ExperienceLibrary.load(Path(__file__).parent / "data" / "reference_library_math.json")
+    for strictness in ("standard", "strict"):
+        guard = LessonGuard(strictness)
+        assert [(e.id, guard.check(e.text)) for e in library if guard.check(e.text)] == []
