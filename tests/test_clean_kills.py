@@ -22,6 +22,7 @@ import yaml
 from clgrpo import prefect_server
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from tests.processes import free_port, gone
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,20 +30,6 @@ ORPHAN_LIMIT_S = 10.0
 
 
 # --- helpers ------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gone(proc: psutil.Process) -> bool:
-    """Exited (a zombie nobody has reaped yet counts: it holds no memory, port or file)."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def wait_gone(proc: psutil.Process, limit_s: float) -> float | None:
     """Seconds until ``proc`` exited, None if it outlived ``limit_s``."""
     started = time.monotonic()

@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -27,6 +24,7 @@ import pytest
 
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from tests.processes import free_port, start_detached, stop_group, wait_healthy
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 if TYPE_CHECKING:
@@ -36,12 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 # the server's scheduler service visits every deployment with an active schedule this often (default 60 s)
 SCHEDULER_ENV = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -55,38 +47,10 @@ class Stack:
                               capture_output=True, timeout=timeout)
 
 
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    handle = open(log, "w")
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"prefect server not healthy after {timeout}s: {log.read_text()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     base.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -97,23 +61,23 @@ def stack(tmp_path_factory):
     procs: list[subprocess.Popen] = []
     try:
         server_log = home / "server.log"
-        procs.append(_start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port), "--no-ui"], {**base, **SCHEDULER_ENV}, server_log))
-        _wait_healthy(api_url, procs[0], server_log)
+        procs.append(start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                     "--port", str(port), "--no-ui"], {**base, **SCHEDULER_ENV}, server_log, ROOT))
+        wait_healthy(api_url, procs[0], server_log)
         stack = Stack(env, api_url, home)
         created = subprocess.run(["bash", "deployments/create-pools.sh"], env=env, cwd=ROOT, text=True,
                                  capture_output=True, timeout=180)
         assert created.returncode == 0, created.stdout + created.stderr
         for pool, name in (("cpu", "cpu-1"), ("cuda", "gpu0-stand-in")):
-            procs.append(_start([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name,
-                                 "--limit", "4"], env, home / f"worker-{pool}.log"))
+            procs.append(start_detached([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                                         "--name", name, "--limit", "4"], env, home / f"worker-{pool}.log", ROOT))
         deployed = subprocess.run(["bash", "deployments/deploy.sh"], env=env, cwd=ROOT, text=True,
                                   capture_output=True, timeout=300)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield stack
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_group(proc)
 
 
 def _config(server: FakeOpenAIServer, tmp_path: Path, run_id: str, epochs: int) -> dict:

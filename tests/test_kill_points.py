@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ import yaml
 from clgrpo.journal import run_journal_dir
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
+from tests.processes import free_port, gone, start_detached, stop_group, wait_healthy
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,20 +122,6 @@ def llm_server() -> FakeOpenAIServer:
 
 
 # --- processes --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gone(proc: psutil.Process) -> bool:
-    """Exited (a zombie nobody has reaped yet counts: it holds no memory, port or file)."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def describe(proc: psutil.Process) -> str:
     try:
         return f"pid {proc.pid}: {' '.join(proc.cmdline())[:160]}"
@@ -158,31 +144,13 @@ def prefect_api(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home / "server-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = home / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port), "--no-ui"], env=env, cwd=home, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port), "--no-ui"], env, log, cwd=home)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"prefect server exited ({server.returncode}): {log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"prefect server not healthy after 180 s: {log.read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_healthy(url, server, log, timeout=180)
         yield PrefectApi(url, home)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and its uvicorn child
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
+        stop_group(server, timeout=30)  # its own session: the server and its uvicorn child
 
 
 def cli_env(api: PrefectApi, where: Path) -> dict[str, str]:

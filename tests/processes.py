@@ -1,0 +1,59 @@
+"""Process helpers shared by the tests that start real servers and kill processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gone(proc: psutil.Process) -> bool:
+    """Exited (a zombie nobody has reaped yet counts: it holds no memory, port or file)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def start_detached(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
+    """A process in its own session (so ``stop_group`` reaches its children), output to ``log``."""
+    with open(log, "w") as handle:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM the process's session, SIGKILL it if it does not stop in ``timeout`` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
+    """Until ``{url}/health`` answers (a Prefect API), failing with the log's tail if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"prefect server not healthy after {timeout}s: {log.read_text()[-3000:]}")
