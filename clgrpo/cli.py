@@ -22,10 +22,10 @@ from pydantic import ValidationError
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.leakage import LeakageError
-from clgrpo.library import ExperienceLibrary, LibraryFormatError, describe_operation, diff
+from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
 from clgrpo.preflight import PreflightError
-from clgrpo.state import DEFAULT_DB, remember_db, resolve_db
+from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 

@@ -70,6 +70,7 @@ class StepJournal:
         self._lock = threading.Lock()
         self._calls: dict[str, dict[tuple[str, int], LLMCall]] = defaultdict(dict)  # stage -> (call, try) -> call
         self._items: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, key) -> record as JSON
+        self.unreadable_lines = 0
         self._load()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
@@ -139,7 +140,8 @@ class StepJournal:
                 elif entry["t"] == "item":
                     self._items[(entry["stage"], entry["key"])] = entry["record"]
             except (ValueError, KeyError, TypeError):
-                continue  # unreadable line: the work it described is redone
+                self.unreadable_lines += 1  # the work it described is redone; the count is reported
+                continue
 
     def _index_call(self, stage: str, call: LLMCall) -> None:
         self._calls[stage][(call.call_id, call.retries)] = call

@@ -165,6 +165,9 @@ class Trainer:
         """Calls of stage attempts that failed or were killed, from every journal on disk, into llm_calls."""
         for step in self.journal.steps_on_disk():
             journal = self.journal.step(step)
+            if journal.unreadable_lines:
+                self.log.warning("work journal %s: %d unreadable line(s) skipped (their work is redone; a request "
+                                 "they recorded is not counted)", journal.path, journal.unreadable_lines)
             for name in journal.stages_with_calls():
                 if not self.store.stage_done(self.run_id, step, name):
                     self.keep_calls(step, name)

@@ -44,6 +44,8 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain) -> 
             else:
                 todo.append(r)
     for attempt in range(2):  # a sample the verifier could not grade gets a second try
+        if not todo:
+            break
         results = domain.verify_batch([(r.final_text, answers[r.problem_id]) for r in todo])  # type: ignore[misc]
         retry = []
         for r, g in zip(todo, results):

@@ -96,3 +96,14 @@ def test_runs_delete_removes_the_run_journal(tmp_path, capsys):
     assert main(["runs", "delete", "r1", "--db", str(db), "--yes"]) == 0
     assert not journal.root.exists()
     assert "work files" in capsys.readouterr().out
+
+
+def test_an_unreadable_line_in_the_middle_is_counted(tmp_path):
+    journal = RunJournal(tmp_path / "run").step(1)
+    journal.put("rollout", "p#0", rollout(0))
+    journal.close()
+    with open(journal.path, "ab") as handle:
+        handle.write(b"not json\n")
+    again = RunJournal(tmp_path / "run").step(1)
+    again.put("rollout", "p#1", rollout(1))
+    assert again.unreadable_lines == 1 and again.get("rollout", "p#0", Rollout) == rollout(0)

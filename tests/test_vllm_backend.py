@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from clgrpo.llm import LLMCallError, LLMClient
+from clgrpo.llm import LLMClient
 from clgrpo.llm.backends import GenRequest, PermanentLLMError
 from clgrpo.llm.local import forget_engines
 from schemas.config import ModelConfig
