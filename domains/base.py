@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from domains.learner import LearnerPrompts
-from schemas.config import DatasetConfig
+from schemas.config import AgentConfig, DatasetConfig
 from schemas.records import Problem
 
-Message = dict[str, str]
+Message = dict[str, Any]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,57 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class ToolOutput:
+    """What a tool call returns to the model: its output text, and for a failed call one line saying why
+    (the model sees it and the rollout goes on)."""
+
+    text: str
+    error: str | None = None
+    truncated: bool = False  # the output was cut (the tool's own cap)
+
+
+class ToolFailure(RuntimeError):
+    """Raised by a tool when it cannot work at all (its service or sandbox is unavailable): the rollout fails
+    (stored with this cause, counted against the rollout tolerance, redone by a retry), since the model's
+    attempt was not what went wrong. Anything else a tool raises becomes a tool error the model sees."""
+
+
+class ToolContext:
+    """What one agent rollout's tool calls share: the run's agent settings and per-rollout resources (a Python
+    interpreter, a browser session), created on first use and closed when the rollout ends."""
+
+    def __init__(self, agent: AgentConfig) -> None:
+        self.agent = agent
+        self._stack = contextlib.AsyncExitStack()
+        self._resources: dict[str, Any] = {}
+
+    async def resource(self, key: str, open_: Callable[[], contextlib.AbstractAsyncContextManager[R]]) -> R:
+        """The rollout's resource ``key``, entered from ``open_()`` on first use."""
+        if key not in self._resources:
+            self._resources[key] = await self._stack.enter_async_context(open_())
+        return self._resources[key]
+
+    async def aclose(self) -> None:
+        self._resources.clear()
+        await self._stack.aclose()
+
+
+@dataclass(frozen=True)
 class Tool:
-    """An optional tool for agent rollouts (name, JSON-schema parameters, implementation)."""
+    """A tool agent rollouts may call. ``parameters``: the JSON schema of its arguments (an object);
+    ``run(arguments, context)``: the implementation. ``text_argument``: for models without tool calling, a
+    fenced block named after the tool (```python ... ```) passes its content as this argument."""
 
     name: str
     description: str
     parameters: dict[str, Any]
-    run: Callable[..., str]
+    run: Callable[[dict[str, Any], ToolContext], Awaitable[ToolOutput]]
+    text_argument: str | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI tool definition."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
 @runtime_checkable
@@ -75,6 +121,7 @@ class Domain(Protocol):
         ...
 
     def tools(self) -> list[Tool]:
+        """The tools agent rollouts of this domain may call (``rollout.mode: agent``); may be empty."""
         ...
 
     def warm(self) -> None:

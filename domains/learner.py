@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schemas.records import Operation, Problem
+from schemas.records import Operation, Problem, Turn
 
 Message = dict[str, str]
 
@@ -126,7 +126,10 @@ attempts at the same problem.
 Write plain text, at most 150 words:
 1. The approach, step by step, in a few short lines.
 2. Which listed experiences (by id) the attempt used or ignored, if any were given.
-3. {grading_instruction}"""
+3. {grading_instruction}{tool_instruction}"""
+
+_SUMMARIZE_TOOLS = """
+4. Its tool use (calls and results are shown): which calls helped, which failed or were missing, and why."""
 
 _SUMMARIZE_GRADED = """Where the attempt went wrong or took a detour, and why; or, if it is correct, what made it work."""
 _SUMMARIZE_UNGRADED = """Steps that look doubtful or unverified, and steps that look solid (no grade is available)."""
@@ -199,6 +202,71 @@ _DEFAULT_EXAMPLES = (
 )
 
 
+TOOL_PART_CHARS = 400  # of one tool call or result in the summarizer's view of a trajectory
+TRAJECTORY_CHARS = 12_000  # of a whole trajectory shown to the summarizer
+TRACE_PART_CHARS = 120  # of a call or result in the extractor's one-line-per-call tool trace
+TRACE_CALLS = 8  # calls listed in that trace (the rest are counted)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` whole when short, else its head and tail with the cut marked."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    head, tail = (limit * 2) // 3, limit // 3
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[-tail:]}"
+
+
+def _call_body(turn: Turn) -> str:
+    """A tool call's arguments as written: the code of a one-argument call, else the JSON."""
+    try:
+        arguments = json.loads(turn.content)
+    except json.JSONDecodeError:
+        return turn.content
+    if isinstance(arguments, dict) and len(arguments) == 1 and isinstance(next(iter(arguments.values())), str):
+        return next(iter(arguments.values()))
+    return turn.content
+
+
+def _result_body(turn: Turn) -> str:
+    error = f"Error: {turn.error}" if turn.error else ""
+    return "\n".join(part for part in (turn.content.strip(), error) if part) or "(no output)"
+
+
+def trajectory_text(turns: Sequence[Turn]) -> str:
+    """An attempt as the summarizer reads it. A direct answer is its text; an agent trajectory lists its replies,
+    tool calls and tool results in order, each tool part cut to ``TOOL_PART_CHARS`` (head and tail), the whole
+    to ``TRAJECTORY_CHARS``."""
+    if not any(t.kind != "assistant" for t in turns):
+        return "\n\n".join(t.content for t in turns)
+    parts = []
+    for t in turns:
+        if t.kind == "assistant" and t.content.strip():
+            parts.append(f"[reply {t.turn + 1}]\n{t.content.strip()}")
+        elif t.kind == "tool_call":
+            parts.append(f"[{t.tool_name} call]\n{clip(_call_body(t), TOOL_PART_CHARS)}")
+        elif t.kind == "tool_result":
+            mark = " (error)" if t.error else " (output cut)" if t.truncated else ""
+            parts.append(f"[{t.tool_name} result{mark}]\n{clip(_result_body(t), TOOL_PART_CHARS)}")
+    return clip("\n".join(parts), TRAJECTORY_CHARS)
+
+
+def tool_trace(turns: Sequence[Turn]) -> str:
+    """The tool calls of an attempt, one line each (``name: call -> result``), for the extractor, which
+    otherwise sees only the summary. Empty when no tool was called."""
+    results = {t.call_id: t for t in turns if t.kind == "tool_result"}
+    calls = [t for t in turns if t.kind == "tool_call"]
+    lines = []
+    for call in calls[:TRACE_CALLS]:
+        result = results.get(call.call_id)
+        outcome = "(no result)" if result is None else clip(_result_body(result), TRACE_PART_CHARS)
+        code = clip(_call_body(call), TRACE_PART_CHARS).replace("\n", "; ")
+        lines.append(f"- {call.tool_name}: {code} -> {outcome.replace(chr(10), ' / ')}")
+    if len(calls) > TRACE_CALLS:
+        lines.append(f"- ... {len(calls) - TRACE_CALLS} more tool calls")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One rollout as the learner sees it."""
@@ -207,6 +275,12 @@ class Attempt:
     text: str  # the trajectory (summarize) or its summary (extract)
     reward: float | None  # None when grades are hidden (no ground truth)
     truncated: bool = False  # the reply was cut off at the token limit before it finished
+    tools: str = ""  # the attempt's tool calls (``tool_trace``); empty: no tool was called
+
+    @property
+    def with_tools(self) -> str:
+        """The text followed by the tool trace (the extractor's view; the summarizer's text already has it)."""
+        return f"{self.text}\nTool calls:\n{self.tools}" if self.tools else self.text
 
     @property
     def mark(self) -> str:
@@ -225,7 +299,8 @@ class LearnerPrompts:
     def summarize(self, problem: Problem, attempt: Attempt, library_text: str, use_groundtruth: bool) -> list[Message]:
         graded = use_groundtruth and attempt.reward is not None
         system = _SUMMARIZE_SYSTEM.format(
-            domain=self.domain, grading_instruction=_SUMMARIZE_GRADED if graded else _SUMMARIZE_UNGRADED)
+            domain=self.domain, grading_instruction=_SUMMARIZE_GRADED if graded else _SUMMARIZE_UNGRADED,
+            tool_instruction=_SUMMARIZE_TOOLS if attempt.tools else "")
         user = _SUMMARIZE_USER.format(
             library_block=f"Experiences given to the solver:\n{quote('library', library_text)}\n\n"
             if library_text.strip() else "",
@@ -247,7 +322,7 @@ class LearnerPrompts:
             example_block=self._example_block(show_example, sources=False))
         blocks = [
             f"Attempt {a.sample_idx}{_grade(a.reward) if use_groundtruth and a.reward is not None else ''}{a.mark}:"
-            f"\n{quote('attempt', a.text, id=a.sample_idx)}"
+            f"\n{quote('attempt', a.with_tools, id=a.sample_idx)}"
             for a in attempts
         ]
         user = _EXTRACT_USER.format(

@@ -138,6 +138,8 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
         "problems": text_hash(json.dumps([p.model_dump() for p in problems], sort_keys=True)),
     }
+    if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
+        payload["agent"] = agent
     return text_hash(json.dumps(payload, sort_keys=True))
 
 

@@ -126,10 +126,45 @@ class LearningConfig(Section):
     summarize_chunk_size: int = Field(16, ge=1)  # groups per summarize / advantage task run
 
 
-class RolloutPlacement(Section):
-    """Where rollouts run: in the training flow's process, or as child flow runs of the ``rollout-gpu``
-    deployment on the CUDA work pool. Placement never changes results, so it is not part of the fingerprint."""
+class SandboxConfig(Section):
+    """The sandboxed Python tool of agent rollouts (``clgrpo.sandbox``): one interpreter per rollout, in its own
+    process, started with a clean environment in a fresh temporary directory, with no network and no access to
+    files outside that directory and the Python installation. Limits are per call; a call that exceeds the
+    CPU-time or memory limit gets a tool error, one that exceeds the wall-time limit kills the interpreter (its
+    variables are lost, the next call starts a fresh one)."""
 
+    pool_size: int = Field(16, ge=1)  # interpreters alive at once (one per agent rollout that ran code)
+    spares: int = Field(2, ge=0)  # interpreters started ahead, so a rollout's first call does not wait
+    cpu_s: float = Field(10.0, gt=0)  # CPU seconds per call
+    wall_s: float = Field(30.0, gt=0)  # wall-clock seconds per call
+    memory_mb: int = Field(1024, ge=128)  # address space of one interpreter
+    output_chars: int = Field(20_000, ge=100)  # stdout + stderr kept per call (the rest is counted, not kept)
+    max_file_mb: int = Field(64, ge=1)  # largest file a call may write in its temporary directory
+
+
+class AgentConfig(Section):
+    """Agent rollouts: a ReAct loop over the one LLM client. Each turn is one model call; a reply with a tool
+    call runs the tool and feeds its result back, a reply without one is the final answer. The last turn
+    (``max_turns``) is asked for the final answer without tools."""
+
+    max_turns: int = Field(6, ge=1)  # model calls per rollout, the last one answers
+    # tools: OpenAI tool calling (``tools`` in the request); text: a fenced ```python block or a <tool> tag in
+    # the reply (README "Agent mode"); auto: tools for the openai backend (falling back to text when the
+    # endpoint refuses ``tools``), text for the local engines
+    protocol: Literal["auto", "tools", "text"] = "auto"
+    turn_timeout_s: float = Field(600.0, gt=0)  # one turn: the model's reply (retries included) and its tools
+    rollout_timeout_s: float = Field(1800.0, gt=0)  # a whole rollout; beyond it the rollout fails (not graded)
+    tool_result_chars: int = Field(2_000, ge=100)  # of a tool result shown to the model (stored in full)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+
+class RolloutPlacement(Section):
+    """How rollouts are made (``mode``: direct answers or an agent with tools) and where they run: in the
+    training flow's process, or as child flow runs of the ``rollout-gpu`` deployment on the CUDA work pool.
+    Placement never changes results; ``mode`` and the agent's limits do (they are part of the fingerprint)."""
+
+    mode: Literal["direct", "agent"] = "direct"
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     placement: Literal["local", "pool"] = "local"
     deployment: str = "rollout-gpu/rollout-gpu"
     # where child runs leave their rollouts for the orchestrator: a local path shared with the GPU workers
@@ -137,6 +172,20 @@ class RolloutPlacement(Section):
     handoff_storage: str | None = None
     timeout_s: float = Field(3600.0, gt=0)  # per child run
     poll_interval_s: float = Field(2.0, gt=0)
+
+    def agent_settings(self) -> AgentConfig | None:
+        """The agent's settings in agent mode, None for direct rollouts."""
+        return self.agent if self.mode == "agent" else None
+
+    def result_settings(self) -> dict[str, Any] | None:
+        """What of this section shapes results (for fingerprints): the agent's settings in agent mode, minus
+        those that only change speed (how many interpreters run at once)."""
+        if self.mode != "agent":
+            return None
+        settings = self.agent.model_dump(mode="json")
+        for key in ("pool_size", "spares"):
+            settings["sandbox"].pop(key, None)
+        return settings
 
 
 class EvalConfig(Section):
@@ -265,6 +314,8 @@ class RunConfig(Section):
         for (section, key), default in LATER_SETTINGS.items():
             if isinstance(payload[section], dict) and payload[section].get(key) == default:
                 del payload[section][key]
+        if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
+            payload["agent"] = agent
         return text_hash(json.dumps(payload, sort_keys=True))
 
 

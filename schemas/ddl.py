@@ -60,7 +60,11 @@ TABLE_DDL: dict[str, str] = {
         tokens_out INTEGER NOT NULL,
         latency_s DOUBLE NOT NULL,
         error VARCHAR,
-        finish_reason VARCHAR""",
+        finish_reason VARCHAR,
+        n_turns INTEGER,
+        tool_calls INTEGER,
+        tool_errors INTEGER,
+        tool_time_s DOUBLE""",
     "rewards": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
@@ -129,7 +133,8 @@ TABLE_DDL: dict[str, str] = {
         call_id VARCHAR,
         finish_reason VARCHAR,
         rate_limited BOOLEAN,
-        final BOOLEAN""",
+        final BOOLEAN,
+        turn INTEGER""",
     "library_versions": """
         run_id VARCHAR NOT NULL,
         version INTEGER NOT NULL,
@@ -193,7 +198,10 @@ TABLE_DDL: dict[str, str] = {
         final_text VARCHAR NOT NULL,
         tokens_in INTEGER NOT NULL,
         tokens_out INTEGER NOT NULL,
-        latency_s DOUBLE NOT NULL""",
+        latency_s DOUBLE NOT NULL,
+        n_turns INTEGER,
+        tool_calls INTEGER,
+        tool_errors INTEGER""",
     "eval_comparisons": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
@@ -256,9 +264,12 @@ STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inp
 # Columns added after the first release: files created before get them on open.
 ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
-    "rollouts": ["finish_reason VARCHAR"],
+    "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
+                 "tool_time_s DOUBLE"],
     "rewards": ["verified BOOLEAN"],
-    "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN"],
+    "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER"],
+    "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
+                  "turn INTEGER"],
 }
 # NOT NULL constraints lifted after the first release
 DROPPED_NOT_NULL: dict[str, list[str]] = {"rewards": ["reward"]}

@@ -59,6 +59,10 @@ class RolloutsFrame(StageKeyed):
     latency_s: Series[float] = pa.Field(ge=0)
     error: Series[str] = pa.Field(nullable=True)
     finish_reason: Series[str] = pa.Field(nullable=True)
+    n_turns: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_time_s: Series[float] = pa.Field(ge=0, nullable=True)
 
     @pa.dataframe_check
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
@@ -131,6 +135,7 @@ class LLMCallsFrame(StageKeyed):
     finish_reason: Series[str] = pa.Field(nullable=True)
     rate_limited: Series[bool] = pa.Field(nullable=True)
     final: Series[bool] = pa.Field(nullable=True)
+    turn: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
 
 
 class LibraryVersionsFrame(Frame):
@@ -195,6 +200,9 @@ class EvalResultsFrame(StageKeyed):
     tokens_in: Series[int] = pa.Field(ge=0)
     tokens_out: Series[int] = pa.Field(ge=0)
     latency_s: Series[float] = pa.Field(ge=0)
+    n_turns: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
 
     @pa.dataframe_check
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:

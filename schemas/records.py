@@ -35,12 +35,17 @@ class Problem(Record):
 
 
 class Turn(Record):
-    """One element of a trajectory. Direct rollouts have a single assistant turn;
-    agent rollouts interleave assistant text, tool calls and tool results."""
+    """One element of a trajectory. Direct rollouts have a single assistant turn; agent rollouts interleave
+    assistant text, tool calls (``content``: the arguments as JSON) and tool results (``content``: the output;
+    ``error``: the tool's error line; ``truncated``: the output was cut at the sandbox's cap)."""
 
     kind: Literal["assistant", "tool_call", "tool_result"]
     content: str
     tool_name: str | None = None
+    turn: int = 0  # the model call (0-based) this element belongs to
+    call_id: str | None = None  # pairs a tool call with its result
+    error: str | None = None  # tool_result: why the tool failed (the model saw it)
+    truncated: bool = False  # tool_result: output cut; assistant: reply cut at max_tokens
 
 
 class Rollout(Record):
@@ -55,6 +60,11 @@ class Rollout(Record):
     error: str | None = None  # set when the policy call failed after its retries: not graded, not learned from
     # the endpoint's reason for stopping: "stop", or "length" when the reply was cut at max_tokens
     finish_reason: str = ""
+    # agent rollouts: model calls made, tool calls and how many returned an error, seconds spent in tools
+    n_turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_time_s: float = 0.0
 
     @property
     def truncated(self) -> bool:
@@ -192,6 +202,7 @@ class LLMCall(Record):
     finish_reason: str = ""  # of the first choice, for a successful attempt
     rate_limited: bool = False  # this attempt was answered 429
     final: bool = True  # the call's last attempt (its outcome); False: an attempt that was retried
+    turn: int | None = None  # agent rollouts: the model call's turn (0-based) in its rollout
 
 
 class EvalSample(Record):
@@ -208,6 +219,9 @@ class EvalSample(Record):
     tokens_in: int = 0
     tokens_out: int = 0
     latency_s: float = 0.0
+    n_turns: int = 1  # agent rollouts: model calls, tool calls and tool errors
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 class EvalSummary(Record):

@@ -19,7 +19,7 @@ from clgrpo import metrics
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
-from schemas.config import EvalConfig, RunConfig
+from schemas.config import AgentConfig, EvalConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
 from tasks.common import stage_task
@@ -43,16 +43,18 @@ def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
 
 
 async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                           condition: str, k: int, temperature: float, seed: int) -> EvalBatch:
-    """k graded samples per problem for one condition (library)."""
+                           condition: str, k: int, temperature: float, seed: int,
+                           agent: AgentConfig | None = None) -> EvalBatch:
+    """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set."""
     seeds = sample_seeds(problems, seed)
-    batch = await rollout(problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds)
+    batch = await rollout(problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds,
+                          agent=agent)
     rewards = await asyncio.to_thread(verify, problems, batch.rollouts, domain)
     samples = [
         EvalSample(condition=condition, problem_id=r.problem_id, sample_idx=r.sample_idx,
                    seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward or 0.0, extracted=g.extracted,
                    error=g.error, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
-                   latency_s=r.latency_s)
+                   latency_s=r.latency_s, n_turns=r.n_turns, tool_calls=r.tool_calls, tool_errors=r.tool_errors)
         for r, g in zip(batch.rollouts, rewards)
     ]
     return EvalBatch(samples, batch.calls)
@@ -64,7 +66,8 @@ async def evaluate_task(config: RunConfig, evaluation: EvalConfig, key: str, con
     """``key`` (the evaluation id, or run/step of a validation) only keys the cache."""
     return await evaluate_library(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
                                   shared_client(config), condition=condition, k=evaluation.k,
-                                  temperature=evaluation.temperature, seed=evaluation.seed)
+                                  temperature=evaluation.temperature, seed=evaluation.seed,
+                                  agent=config.rollout.agent_settings())
 
 
 # --- metrics over graded samples -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from clgrpo.journal import StageItems
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
-from domains.learner import GROUP_KINDS, Attempt, LearnerPrompts, operations_schema
+from domains.learner import GROUP_KINDS, Attempt, LearnerPrompts, operations_schema, tool_trace, trajectory_text
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from tasks.common import stage_task
@@ -106,9 +106,9 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
     attempts = []
     for rollout, reward in zip(group.rollouts, group.rewards):
         summary = summaries.get((rollout.problem_id, rollout.sample_idx))
-        text = summary.text if summary and not summary.error else rollout.final_text[-_MAX_ATTEMPT_CHARS:]
+        text = summary.text if summary and not summary.error else trajectory_text(rollout.turns)[-_MAX_ATTEMPT_CHARS:]
         attempts.append(Attempt(rollout.sample_idx, text, reward.reward if use_groundtruth else None,
-                                truncated=rollout.truncated))
+                                truncated=rollout.truncated, tools=tool_trace(rollout.turns)))
     return attempts
 
 

@@ -16,7 +16,7 @@ from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
-from schemas.config import LearningConfig, RunConfig
+from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from tasks.common import stage_task
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
@@ -72,8 +72,9 @@ class PipelineBatch:
 
 
 async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                     group_size: int, temperature: float, cfg: LearningConfig) -> GroupOutcome:
-    batch = await rollout_problem(problem, library, domain, llm, group_size, temperature)
+                     group_size: int, temperature: float, cfg: LearningConfig,
+                     agent: AgentConfig | None = None) -> GroupOutcome:
+    batch = await rollout_problem(problem, library, domain, llm, group_size, temperature, agent=agent)
     rewards = await asyncio.to_thread(verify, [problem], batch.rollouts, domain)
     advantages = compute_group_advantages([problem], batch.rollouts, rewards, use_groundtruth=cfg.use_groundtruth)
     outcome = GroupOutcome(batch, rewards, advantages[0] if advantages else None)
@@ -91,10 +92,11 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
 
 
 async def pipeline(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                   group_size: int, temperature: float, cfg: LearningConfig) -> PipelineBatch:
+                   group_size: int, temperature: float, cfg: LearningConfig,
+                   agent: AgentConfig | None = None) -> PipelineBatch:
     """Every group runs its own chain; raises, like ``rollout``, if every policy call failed."""
     outcomes = await asyncio.gather(*[
-        _one_group(p, library, domain, llm, group_size=group_size, temperature=temperature, cfg=cfg)
+        _one_group(p, library, domain, llm, group_size=group_size, temperature=temperature, cfg=cfg, agent=agent)
         for p in problems])
     batch = PipelineBatch.of(outcomes)
     raise_if_all_failed(problems, batch.rollouts)
@@ -107,4 +109,4 @@ async def pipeline_task(config: RunConfig, step: int, chunk: int, problems: list
     domain = get_domain(config.domain)
     return await pipeline(problems, ExperienceLibrary.from_version(library), domain, shared_client(config),
                           group_size=config.grpo.group_size, temperature=config.grpo.rollout_temperature,
-                          cfg=config.learning)
+                          cfg=config.learning, agent=config.rollout.agent_settings())

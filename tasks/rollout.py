@@ -12,8 +12,9 @@ from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
-from schemas.config import RunConfig
+from schemas.config import AgentConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
+from tasks.agent import AgentOutcome, agent_rollout
 from tasks.common import stage_task
 
 STAGE = "rollout"
@@ -30,49 +31,90 @@ class RolloutBatch:
 
 
 async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
-                          group_size: int, temperature: float, seed: int | None = None) -> RolloutBatch:
-    """G rollouts of one problem. Samples already in the work journal (an earlier attempt of this step) are
-    reused; only the missing ones are sampled. A failed call fails only its own samples."""
+                          group_size: int, temperature: float, seed: int | None = None,
+                          agent: AgentConfig | None = None) -> RolloutBatch:
+    """G rollouts of one problem (agent rollouts when ``agent`` is set). Samples already in the work journal (an
+    earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
+    own samples."""
     messages = domain.rollout_messages(problem, library.render_for_prompt())
-    prompt_hash = text_hash(json.dumps(messages, sort_keys=True))
+    prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     done = StageItems(STAGE, Rollout)
     rollouts = {i: r for i in range(group_size)
                 if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash}
     missing = [i for i in range(group_size) if i not in rollouts]
-    calls: list[LLMCall] = []
     progress.advance(STAGE, group_size - len(missing))
-    if missing:
-        try:
-            sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed,
-                                       indices=missing)
-        finally:
-            progress.advance(STAGE, len(missing))
-        calls = sampled.calls
-        ok = [c for c in calls if c.ok]
-        tokens_in = sum(c.tokens_in for c in ok) // max(1, len(ok))
-        tokens_out = sum(c.tokens_out for c in ok) // max(1, len(missing) - len(sampled.failed))
-        latency = max((c.latency_s for c in ok), default=0.0)
-        for sample in sampled.samples:
-            if sample.error is not None:
-                rollouts[sample.index] = Rollout(**base, sample_idx=sample.index, error=sample.error)
-                continue
-            rollout = Rollout(**base, sample_idx=sample.index, turns=[Turn(kind="assistant", content=sample.text)],
-                              tokens_in=tokens_in, tokens_out=tokens_out, latency_s=latency,
-                              finish_reason=sample.finish_reason)
-            done.put(sample_key(problem.problem_id, sample.index), rollout)
-            rollouts[sample.index] = rollout
+    if not missing:
+        return RolloutBatch([rollouts[i] for i in range(group_size)])
+    if agent is None:
+        fresh, calls = await _direct_samples(messages, llm, base, missing, group_size, temperature, seed)
+    else:
+        fresh, calls = await _agent_samples(messages, domain, llm, agent, base, missing, temperature, seed)
+    for rollout in fresh:
+        if rollout.error is None:
+            done.put(sample_key(problem.problem_id, rollout.sample_idx), rollout)
+        rollouts[rollout.sample_idx] = rollout
     return RolloutBatch([rollouts[i] for i in range(group_size)], calls)
 
 
+def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:
+    """What besides the messages shapes an agent rollout (a journaled rollout is reused only if it matches)."""
+    if agent is None:
+        return None
+    return {"tools": [t.spec() for t in domain.tools()], "agent": agent.model_dump(mode="json", exclude={"sandbox"}),
+            "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"})}
+
+
+async def _direct_samples(messages: list[dict], llm: LLMClient, base: dict, missing: list[int], group_size: int,
+                          temperature: float, seed: int | None) -> tuple[list[Rollout], list[LLMCall]]:
+    try:
+        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed,
+                                   indices=missing)
+    finally:
+        progress.advance(STAGE, len(missing))
+    ok = [c for c in sampled.calls if c.ok]
+    tokens_in = sum(c.tokens_in for c in ok) // max(1, len(ok))
+    tokens_out = sum(c.tokens_out for c in ok) // max(1, len(missing) - len(sampled.failed))
+    latency = max((c.latency_s for c in ok), default=0.0)
+    fresh = []
+    for sample in sampled.samples:
+        if sample.error is not None:
+            fresh.append(Rollout(**base, sample_idx=sample.index, error=sample.error))
+        else:
+            fresh.append(Rollout(**base, sample_idx=sample.index, turns=[Turn(kind="assistant", content=sample.text)],
+                                 tokens_in=tokens_in, tokens_out=tokens_out, latency_s=latency,
+                                 finish_reason=sample.finish_reason))
+    return fresh, sampled.calls
+
+
+async def _agent_samples(messages: list[dict], domain: Domain, llm: LLMClient, agent: AgentConfig, base: dict,
+                         missing: list[int], temperature: float,
+                         seed: int | None) -> tuple[list[Rollout], list[LLMCall]]:
+    """One agent loop per missing sample, concurrently (sample i uses seed + i, as a separate direct call)."""
+    tools = domain.tools()
+
+    async def one(index: int) -> AgentOutcome:
+        try:
+            return await agent_rollout(messages, tools, llm, agent, base={**base, "sample_idx": index},
+                                       temperature=temperature, seed=None if seed is None else seed + index)
+        finally:
+            progress.advance(STAGE)
+
+    outcomes = await asyncio.gather(*[one(i) for i in missing])
+    return [o.rollout for o in outcomes], [c for o in outcomes for c in o.calls]
+
+
 async def rollout(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                  group_size: int, temperature: float, seeds: Mapping[str, int] | None = None) -> RolloutBatch:
+                  group_size: int, temperature: float, seeds: Mapping[str, int] | None = None,
+                  agent: AgentConfig | None = None) -> RolloutBatch:
     """G samples for each problem; a sample whose policy call failed after retries is a rollout with ``error``
     set (stored and counted). Raises if every call failed: the endpoint is unusable.
-    ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i)."""
+    ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i).
+    ``agent``: make agent rollouts with the domain's tools (``tasks.agent``); None: direct answers."""
     seeds = seeds or {}
     parts = await asyncio.gather(*[
-        rollout_problem(p, library, domain, llm, group_size, temperature, seeds.get(p.problem_id)) for p in problems])
+        rollout_problem(p, library, domain, llm, group_size, temperature, seeds.get(p.problem_id), agent)
+        for p in problems])
     batch = RolloutBatch([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
     raise_if_all_failed(problems, batch.rollouts)
     return batch
@@ -89,4 +131,4 @@ async def rollout_task(config: RunConfig, step: int, chunk: int, problems: list[
                        library: LibraryVersion) -> RolloutBatch:
     return await rollout(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
                          shared_client(config), group_size=config.grpo.group_size,
-                         temperature=config.grpo.rollout_temperature)
+                         temperature=config.grpo.rollout_temperature, agent=config.rollout.agent_settings())

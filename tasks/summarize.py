@@ -10,7 +10,7 @@ from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
-from domains.learner import Attempt, LearnerPrompts
+from domains.learner import Attempt, LearnerPrompts, tool_trace, trajectory_text
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
 from tasks.common import stage_task
@@ -37,8 +37,8 @@ async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, lib
     if reused is not None:
         progress.advance(STAGE)
         return SummaryBatch([reused])
-    attempt = Attempt(rollout.sample_idx, rollout.final_text, reward.reward if use_groundtruth else None,
-                      truncated=rollout.truncated)
+    attempt = Attempt(rollout.sample_idx, trajectory_text(rollout.turns), reward.reward if use_groundtruth else None,
+                      truncated=rollout.truncated, tools=tool_trace(rollout.turns))
     messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
     try:
         reply = await llm.complete(messages, stage=STAGE)

@@ -11,6 +11,13 @@ an unescaped ``</problem>`` inside the data ends it early, as it would for a rea
 the injected number; the extractor and the consolidator add the injected lesson (written as a "When ..."
 lesson, as a compliant learner would phrase it). See ``injections``.
 
+Agent rollouts (``rollout.mode: agent``): when the request lists tools (OpenAI tool calling) or its system
+message shows the text protocol's fenced ```python form, the policy acts as a ReAct agent. On its first turn it
+calls the python tool to compute the expression (with the family's lesson in the prompt with ``p_lesson``,
+without it with ``p_base``; a tenth of those calls have a syntax error first, which it fixes on the next turn),
+else it answers by guessing; after a tool result it answers the number the tool printed. The tool really runs
+(the sandbox), so a correct answer needs the tool result to reach the model.
+
 Randomness is deterministic per (seed, prompt, choice index, how often that exact prompt was seen), so
 concurrent requests for different prompts never change each other's outcomes.
 """
@@ -27,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clgrpo.testing.fake_openai import ChatRequest, message_text, role_of
+from clgrpo.testing.fake_openai import ChatRequest, Reply, message_text, role_of
 
 REPAIR_PREFIX = "Your previous reply could not be used"
 
@@ -121,6 +128,24 @@ class WorldStats:
     extract_repairs: int = 0
     injections_followed: int = 0  # replies (compliant mode) that obeyed an instruction found outside data blocks
     injections_ignored: int = 0  # replies (compliant mode) whose prompt had one only inside declared data blocks
+    agent_turns: int = 0  # policy replies in agent mode
+    tool_calls: int = 0  # tool calls those replies made
+
+
+def _agent_protocol(request: ChatRequest) -> str | None:
+    """"tools" (the request lists tools), "text" (the system message shows the fenced python form), or None."""
+    if request.tools:
+        return "tools"
+    system = next((m["content"] for m in request.messages if m.get("role") == "system"), "")
+    return "text" if "```python" in system else None
+
+
+def _tool_result(message: dict) -> str | None:
+    """The tool output a message carries (a ``tool`` message, or the text protocol's <tool_result> block)."""
+    if message.get("role") == "tool":
+        return message["content"]
+    match = re.search(r"<tool_result[^>]*>\n?(.*?)</tool_result>", message["content"], re.DOTALL)
+    return match.group(1) if match and message.get("role") == "user" else None
 
 
 def _user_messages(request: ChatRequest) -> list[str]:
@@ -265,7 +290,44 @@ class ScriptedWorld:
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
 
     # policy ------------------------------------------------------------------------------------------------
-    def _policy(self, request: ChatRequest, rng: random.Random) -> str:
+    def _policy(self, request: ChatRequest, rng: random.Random) -> str | Reply:
+        if _agent_protocol(request) is not None:
+            return self._agent(request, rng)
+        return self._direct(request, rng)
+
+    def _agent(self, request: ChatRequest, rng: random.Random) -> str | Reply:
+        """One ReAct turn: compute with the python tool, or answer (from the tool's output when there is one)."""
+        protocol = _agent_protocol(request)
+        found = next((p for m in request.messages if (p := find_problem(m["content"]))), None)
+        if found is None:
+            return "I could not find a problem to solve. The answer is \\boxed{0}."
+        family, a, b = found
+        last = request.messages[-1]
+        result = _tool_result(last)
+        with self._lock:
+            self.stats.agent_turns += 1
+        if result is not None:
+            printed = re.findall(r"-?\d+", result)
+            if "Error" in result or not printed:  # the code failed: fix it and run it again
+                return self._tool_call(protocol, "That failed; fixing the code.", f"print({a} {family.symbol} {b})")
+            return f"The tool printed {printed[-1]}. The answer is \\boxed{{{printed[-1]}}}."
+        if last.get("role") == "user" and len(request.messages) > 2:  # told to answer now, without tools
+            return self._direct(request, rng)
+        everything = "\n".join(m["content"] for m in request.messages).casefold()
+        has_lesson = family.key.casefold() in everything
+        if rng.random() >= (self.p_lesson if has_lesson else self.p_base):
+            return self._direct(request, rng)
+        code = f"print({a} {family.symbol} {b})" if rng.random() >= 0.1 else f"print({a} {family.symbol} {b}"
+        return self._tool_call(protocol, "I will compute this with Python.", code)
+
+    def _tool_call(self, protocol: str, text: str, code: str) -> str | Reply:
+        with self._lock:
+            self.stats.tool_calls += 1
+        if protocol == "tools":
+            return Reply(content=text, tool_calls=(("python", {"code": code}),))
+        return f"{text}\n```python\n{code}\n```"
+
+    def _direct(self, request: ChatRequest, rng: random.Random) -> str:
         users = _user_messages(request)
         found = find_problem(users[-1]) if users else None
         found = found or next((p for m in reversed(request.messages) if (p := find_problem(m["content"]))), None)

@@ -6,13 +6,14 @@ the client) or permanent. It does no retries, no concurrency control and no acco
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from schemas.config import ModelConfig
 
-Message = dict[str, str]
+Message = dict[str, Any]  # a chat message; agent turns carry "tool_calls" / "tool_call_id" besides the text
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,17 @@ class GenRequest:
     repetition_penalty: float | None = None
     json_schema: dict | None = None
     schema_name: str = "reply"
+    tools: list[dict] | None = None  # OpenAI tool definitions: the reply may call them instead of answering
+    tool_choice: str | None = None  # "none": tools are listed (the conversation has used them) but not callable
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model asked for (OpenAI tool calling). ``arguments`` is the raw JSON text."""
+
+    call_id: str
+    name: str
+    arguments: str
 
 
 @dataclass
@@ -34,6 +46,7 @@ class Generation:
     tokens_in: int = 0
     tokens_out: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per choice; empty: no tool called
 
 
 class TransientLLMError(RuntimeError):
@@ -49,6 +62,10 @@ class TransientLLMError(RuntimeError):
 
 class PermanentLLMError(RuntimeError):
     """Retrying will not help: bad request, authentication, unknown model."""
+
+
+class ToolsRefused(PermanentLLMError):
+    """The endpoint refused a request with ``tools``: it has no tool calling (use the text protocol)."""
 
 
 class Backend(Protocol):
@@ -107,6 +124,10 @@ class OpenAIBackend:
             kwargs["seed"] = request.seed
         if request.repetition_penalty is not None:  # not in the OpenAI API: vLLM / SGLang / llama.cpp read it
             kwargs["extra_body"] = {"repetition_penalty": request.repetition_penalty}
+        if request.tools:
+            kwargs["tools"] = request.tools
+            if request.tool_choice:
+                kwargs["tool_choice"] = request.tool_choice
         if request.json_schema is not None and self.json_schema_supported:
             kwargs["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": request.schema_name, "schema": request.json_schema, "strict": False}}
@@ -118,6 +139,9 @@ class OpenAIBackend:
                 raise TransientLLMError(f"HTTP {exc.status_code} from {self._client.base_url}: response_format "
                                         f"refused, asking again without it: {_short(exc)}", retry_after=0.0,
                                         counted=False) from exc
+            if "tools" in kwargs and _rejects_tools(exc):
+                raise ToolsRefused(f"HTTP {exc.status_code} from {self._client.base_url}: tool calling refused: "
+                                   f"{_short(exc)}") from exc
             if isinstance(exc, self._openai.BadRequestError):
                 raise PermanentLLMError(f"HTTP 400 from {self._client.base_url}: {exc}") from exc
             raise self._classify(exc) from exc
@@ -136,18 +160,21 @@ class OpenAIBackend:
         choices = getattr(response, "choices", None)
         if not isinstance(choices, list) or not choices:
             raise TransientLLMError(f"malformed reply from {where}: no choices in the response body")
-        texts, reasons = [], []
+        texts, reasons, calls = [], [], []
         for choice in choices:
             message = getattr(choice, "message", None)
             content = getattr(message, "content", None)
-            if not isinstance(content, str) or not content.strip():
+            tool_calls = _tool_calls(message)
+            if (not isinstance(content, str) or not content.strip()) and not tool_calls:
                 raise TransientLLMError(f"empty reply from {where}: choice {getattr(choice, 'index', '?')} has no "
                                         f"content (finish_reason {getattr(choice, 'finish_reason', None)!r})")
-            texts.append(content)
+            texts.append(content if isinstance(content, str) else "")
             reasons.append(getattr(choice, "finish_reason", None) or "")
+            calls.append(tool_calls)
         usage = getattr(response, "usage", None)
         return Generation(texts=texts, tokens_in=getattr(usage, "prompt_tokens", 0) or 0,
-                          tokens_out=getattr(usage, "completion_tokens", 0) or 0, finish_reasons=reasons)
+                          tokens_out=getattr(usage, "completion_tokens", 0) or 0, finish_reasons=reasons,
+                          tool_calls=calls)
 
     def _classify(self, exc: Exception) -> Exception:
         status = getattr(exc, "status_code", 0)
@@ -167,6 +194,27 @@ def _rejects_response_format(exc: Exception) -> bool:
     the body late (llama-cpp-python 0.3.x answers json_schema with HTTP 500 "Input should be 'text' or
     'json_object'")."""
     return getattr(exc, "status_code", 0) in (400, 422, 500) and "response_format" in str(exc)
+
+
+def _rejects_tools(exc: Exception) -> bool:
+    """The endpoint refused the request's ``tools`` (no tool calling): a 400/422/500 that names them."""
+    text = str(exc).lower()
+    return getattr(exc, "status_code", 0) in (400, 422, 500) and ("tool" in text or "function" in text)
+
+
+def _tool_calls(message: object) -> list[ToolCall]:
+    """The function calls of a reply message (other kinds of tool call are not ours to run)."""
+    calls = []
+    for i, call in enumerate(getattr(message, "tool_calls", None) or []):
+        function = getattr(call, "function", None)
+        name = getattr(function, "name", None)
+        if not name:
+            continue
+        arguments = getattr(function, "arguments", None)
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments if arguments is not None else {})
+        calls.append(ToolCall(getattr(call, "id", None) or f"call_{i}", str(name), arguments))
+    return calls
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

@@ -25,12 +25,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from clgrpo import journal
-from clgrpo.llm.backends import Backend, GenRequest, Generation, PermanentLLMError, TransientLLMError, make_backend
+from clgrpo.llm.backends import (
+    Backend,
+    GenRequest,
+    Generation,
+    Message,
+    PermanentLLMError,
+    ToolCall,
+    TransientLLMError,
+    make_backend,
+)
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import LLMCall, Operation, utcnow
 
-Message = dict[str, str]
 Role = Literal["policy", "learner"]
 RepairFn = Callable[[list[Message], str, str], list[Message]]
 
@@ -77,6 +85,16 @@ class Completed:
     def call(self) -> LLMCall:
         """The attempt that produced the reply."""
         return self.calls[-1]
+
+
+@dataclass
+class TurnReply:
+    """One agent turn: the model's text and the tools it called (OpenAI tool calling; empty otherwise)."""
+
+    text: str
+    tool_calls: list[ToolCall]
+    calls: list[LLMCall]
+    finish_reason: str = ""
 
 
 @dataclass
@@ -165,6 +183,21 @@ class LLMClient:
         return Completed(text=gen.texts[0] if gen.texts else "", calls=calls,
                          finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "")
 
+    async def turn(self, messages: list[Message], *, stage: str, turn: int, tools: list[dict] | None = None,
+                   tool_choice: str | None = None, temperature: float | None = None, seed: int | None = None,
+                   calls: list[LLMCall] | None = None) -> TurnReply:
+        """One policy turn of an agent rollout (its ``LLMCall`` records carry ``turn``). Raises ``LLMCallError``
+        after the retries; its cause is ``ToolsRefused`` when the endpoint has no tool calling. ``calls``: the
+        caller's list, which gets every attempt as it is recorded (also one cut short by a timeout)."""
+        cfg = self.configs["policy"]
+        request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
+                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed,
+                             repetition_penalty=cfg.repetition_penalty, tools=tools or None, tool_choice=tool_choice)
+        calls = [] if calls is None else calls
+        gen = await self._call("policy", request, stage, calls, turn=turn)
+        return TurnReply(text=gen.texts[0] if gen.texts else "", tool_calls=gen.tool_calls[0] if gen.tool_calls else [],
+                         calls=calls, finish_reason=_at(gen.finish_reasons, 0))
+
     async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
                                   repair: RepairFn) -> OperationsReply:
         """Ask for operations as JSON; one second ask on an unusable reply: a repair re-ask that shows the reply
@@ -228,20 +261,28 @@ class LLMClient:
                 state.backends[role] = self._factory(self.configs[role])
         return state.backends[role]
 
-    async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall]) -> Generation:
+    async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall], *,
+                    turn: int | None = None) -> Generation:
         """One call: attempts until success, a permanent error, ``max_retries`` transient errors, or
         ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal)."""
         cfg, state = self.configs[role], self._state()
         call_id, attempt, errors, limited_since = uuid.uuid4().hex[:16], 0, 0, None
         while True:
             await self._respect_pause(state)
-            started, t0 = utcnow(), time.monotonic()
+            started, t0, sent = utcnow(), time.monotonic(), False
             try:
                 async with state.semaphore:
-                    t0 = time.monotonic()
+                    t0, sent = time.monotonic(), True
                     gen = await asyncio.wait_for(self._backend(state, role).generate(request), cfg.timeout_s)
+            except asyncio.CancelledError:  # the caller gave up (a timeout around this call) while it was sent
+                if sent:
+                    self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None,
+                                                   "cancelled: the caller's time limit ended this request",
+                                                   turn=turn))
+                raise
             except PermanentLLMError as exc:
-                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc)))
+                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc),
+                                               turn=turn))
                 raise LLMCallError(f"{stage}/{role}: {exc}", calls) from exc
             except (TransientLLMError, asyncio.TimeoutError) as exc:
                 limited = isinstance(exc, TransientLLMError) and exc.rate_limited
@@ -254,7 +295,7 @@ class LLMClient:
                 else:
                     gave_up = counted and errors >= cfg.max_retries
                 self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, reason,
-                                               rate_limited=limited, final=gave_up))
+                                               rate_limited=limited, final=gave_up, turn=turn))
                 if gave_up:
                     budget = (f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
                               f"{cfg.max_rate_limit_wait_s:g})" if limited else f"gave up after {errors} retries")
@@ -267,7 +308,7 @@ class LLMClient:
                 attempt += 1
                 await asyncio.sleep(delay)
             else:
-                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, gen))
+                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, gen, turn=turn))
                 return gen
 
     def _delay(self, cfg: ModelConfig, retries: int, exc: BaseException) -> float:
@@ -292,13 +333,13 @@ class LLMClient:
     @staticmethod
     def _record(stage: str, role: Role, cfg: ModelConfig, call_id: str, attempt: int, started, t0: float,
                 gen: Generation | None, error: str | None = None, *, rate_limited: bool = False,
-                final: bool = True) -> LLMCall:
+                final: bool = True, turn: int | None = None) -> LLMCall:
         tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
         cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
         return LLMCall(stage=stage, role=role, model=cfg.model, tokens_in=tokens_in, tokens_out=tokens_out,
                        latency_s=time.monotonic() - t0, retries=attempt, cost_usd=cost, ok=gen is not None,
                        error=error, started_at=started, call_id=call_id, rate_limited=rate_limited, final=final,
-                       finish_reason=_at(gen.finish_reasons, 0) if gen else "")
+                       finish_reason=_at(gen.finish_reasons, 0) if gen else "", turn=turn)
 
 
 def _at(values: list[str], index: int) -> str:

@@ -1,7 +1,9 @@
 """A fake OpenAI-compatible HTTP server for tests and benchmarks (stdlib only).
 
 The official ``openai`` SDK talks to it unchanged (``base_url=server.base_url``). A ``Responder`` produces the
-choice contents; the server adds the chat.completion envelope, usage counts, optional latency, a concurrency
+choices: a content string each, or a ``Reply`` that may call tools (OpenAI tool calling: the server gives each
+call an id and the choice ``finish_reason: "tool_calls"``; with ``supports_tools=False`` a request that lists
+``tools`` is refused with HTTP 400, as by servers without tool calling). The server adds the chat.completion envelope, usage counts, optional latency, a concurrency
 cap, fault injection and thread-safe request statistics.
 
 Faults (``server.inject(Fault(...))``) are the replies a real proxy sees: HTTP errors ("status", e.g. 429 with
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_MIX",
     "POLICY_ROLE",
     "ChatRequest",
+    "Reply",
     "Fault",
     "FakeOpenAIServer",
     "RequestLogEntry",
@@ -62,12 +65,21 @@ class ChatRequest:
     max_tokens: int | None = None
     seed: int | None = None
     response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, when the request lists tools
     raw: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A choice that may call tools: ``tool_calls`` is a list of ``(name, arguments)`` (a dict or JSON text)."""
+
+    content: str | None = None
+    tool_calls: tuple[tuple[str, Any], ...] = ()
+
+
 class Responder(Protocol):
-    def __call__(self, request: ChatRequest) -> list[str]:
-        """One content string per choice (normally ``request.n`` of them)."""
+    def __call__(self, request: ChatRequest) -> list[str | Reply]:
+        """One choice per item (normally ``request.n`` of them): a content string or a ``Reply``."""
         ...
 
 
@@ -270,6 +282,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         max_tokens=raw.get("max_tokens", raw.get("max_completion_tokens")),
         seed=raw.get("seed"),
         response_format=raw.get("response_format"),
+        tools=raw.get("tools") or None,
         raw=raw,
     )
 
@@ -282,23 +295,40 @@ def _cap(content: str, max_tokens: int | None) -> tuple[str, str]:
     return " ".join(content.split()[:max_tokens]), "length"
 
 
-def completion_body(request: ChatRequest, contents: list[str], *, cut_words: int | None = None) -> dict[str, Any]:
-    """The chat.completion for ``contents``; ``cut_words`` cuts every choice there with finish_reason "length"."""
-    capped = [_cap(c, request.max_tokens) for c in contents]
+def _choice(index: int, reply: str | Reply, max_tokens: int | None, cut_words: int | None) -> dict[str, Any]:
+    if isinstance(reply, Reply) and reply.tool_calls:
+        calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                  "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+                 for name, args in reply.tool_calls]
+        message = {"role": "assistant", "content": reply.content, "tool_calls": calls}
+        return {"index": index, "message": message, "finish_reason": "tool_calls", "logprobs": None}
+    content = (reply.content or "") if isinstance(reply, Reply) else reply
+    content, finish = _cap(content, max_tokens)
     if cut_words is not None:
-        capped = [(" ".join(c.split()[:max(1, cut_words)]), "length") for c, _ in capped]
-    contents = [c for c, _ in capped]
+        content, finish = " ".join(content.split()[:max(1, cut_words)]), "length"
+    return {"index": index, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+            "logprobs": None}
+
+
+def _choice_words(choice: dict[str, Any]) -> int:
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    return _words(message.get("content") or "") + sum(_words(c["function"]["arguments"]) for c in calls)
+
+
+def completion_body(request: ChatRequest, contents: list[str | Reply], *,
+                    cut_words: int | None = None) -> dict[str, Any]:
+    """The chat.completion for ``contents``; ``cut_words`` cuts every text choice there with finish_reason
+    "length"."""
+    choices = [_choice(i, c, request.max_tokens, cut_words) for i, c in enumerate(contents)]
     prompt_tokens = sum(_words(m["content"]) for m in request.messages)
-    completion_tokens = sum(_words(c) for c in contents)
+    completion_tokens = sum(_choice_words(c) for c in choices)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c}, "finish_reason": finish, "logprobs": None}
-            for i, (c, finish) in enumerate(zip(contents, (f for _, f in capped)))
-        ],
+        "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
@@ -434,6 +464,7 @@ class FakeOpenAIServer:
         responder: Responder,
         *,
         supports_n: bool = True,
+        supports_tools: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
         latency: Callable[[ChatRequest], float] | None = None,
@@ -445,6 +476,7 @@ class FakeOpenAIServer:
         sequence of requests give the same faults (with concurrent requests, the arrival order decides)."""
         self.responder = responder
         self.supports_n = supports_n
+        self.supports_tools = supports_tools
         self.latency = latency
         # what GET /models lists: given, else what the responder says it serves (its ``models``), else fake-model
         self.models = models or tuple(getattr(responder, "models", ("fake-model",)))
@@ -627,8 +659,10 @@ class FakeOpenAIServer:
 
     def _complete(self, request: ChatRequest, cut_words: int | None = None) -> _Outcome:
         asked = request if self.supports_n else replace(request, n=1)
+        if request.tools and not self.supports_tools:
+            return _Outcome(400, error_body(400, "this server does not support tools (no tool calling)"))
         try:
-            contents = [str(c) for c in self.responder(asked)]
+            contents = [c if isinstance(c, Reply) else str(c) for c in self.responder(asked)]
         except Exception as exc:  # a responder bug becomes a visible 500, not a hung client
             return _Outcome(500, error_body(500, f"responder failed: {type(exc).__name__}: {exc}"))
         if not self.supports_n:

@@ -17,6 +17,7 @@ from domains.math.dataset import (
     normalize_problem_text,
 )
 from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
+from domains.math.tools import PYTHON_TOOL
 from domains.math.verify import verify as verify_output
 from domains.math.verify import verify_batch as verify_outputs
 from domains.math.verify import warm_pool
@@ -69,7 +70,7 @@ class MathDomain:
         return rollout_messages(problem, library_text)
 
     def tools(self) -> list[Tool]:
-        return []
+        return [PYTHON_TOOL]
 
 
 register_domain("math", MathDomain)

@@ -1,0 +1,39 @@
+"""The math domain's tool: a sandboxed Python interpreter, one per agent rollout (``clgrpo.sandbox``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from domains.base import Tool, ToolContext, ToolFailure, ToolOutput
+
+PYTHON_DESCRIPTION = (
+    "Run Python 3 code in a fresh interpreter that keeps its variables between your calls in this attempt. "
+    "Print what you want to see (the value of a last bare expression is shown too). The standard library, "
+    "sympy and numpy are available; there is no network and no access to files outside the working directory.")
+
+
+async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
+    from clgrpo.sandbox import SandboxUnavailable, sandbox_for
+
+    code = arguments.get("code")
+    if not isinstance(code, str) or not code.strip():
+        return ToolOutput("", error="missing argument 'code' (the Python source to run)")
+    try:
+        session = await context.resource("python", sandbox_for(context.agent.sandbox).session)
+        result = await session.run(code)
+    except SandboxUnavailable as exc:
+        raise ToolFailure(f"python tool unavailable: {exc}") from exc
+    text = result.output
+    if result.truncated:
+        text += f"\n[output truncated: {result.output_total_chars} characters, the first {len(result.output)} shown]"
+    return ToolOutput(text, error=result.error, truncated=result.truncated)
+
+
+PYTHON_TOOL = Tool(
+    name="python",
+    description=PYTHON_DESCRIPTION,
+    parameters={"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
+                "required": ["code"], "additionalProperties": False},
+    run=run_python,
+    text_argument="code",
+)
