@@ -79,6 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"run_id={args.run_id}")
     if args.db:
         overrides.append(f"db_path={args.db}")
+    if args.mode:
+        overrides.append(f"rollout.mode={args.mode}")
     config = load_config(args.config, overrides)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
@@ -110,6 +112,10 @@ def print_steps(result: TrainResult) -> None:
               f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
               f"{r.library_size:>4} {r.llm_requests:>8} {failed_items(r):>6} {r.tokens_in:>8} {r.tokens_out:>8} "
               f"{r.cost_usd:>8.4f}")
+    for r in result.steps:
+        if r.tool_calls:
+            print(f"step {r.step} (agent): {r.tool_calls} tool calls, {r.tool_errors} returned an error "
+                  f"(shown to the model), {r.model_turns} model turns")
     if any(failed_items(r) for r in result.steps):
         print("failed: samples, verifications, summaries and learner calls that failed after their retries "
               "(stored with their causes; see the log's WARNING lines and `clgrpo report`)")
@@ -296,6 +302,13 @@ def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     return config.model_copy(update={"db_path": db})
 
 
+def _with_mode(config: RunConfig, mode: str | None) -> RunConfig:
+    """``--mode``: evaluate with direct or agent rollouts instead of the config's (a run's own mode)."""
+    if mode is None or mode == config.rollout.mode:
+        return config
+    return config.model_copy(update={"rollout": config.rollout.model_copy(update={"mode": mode})})
+
+
 def _eval_settings(args: argparse.Namespace) -> tuple[EvalConfig, DatasetConfig | None]:
     fields = dict(problem_field=args.problem_field, answer_field=args.answer_field, id_field=args.id_field)
     try:
@@ -337,7 +350,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from clgrpo.preflight import check_dataset, check_policy
 
     refs = [*args.library, *args.compare]
-    config = _eval_model_config(args, refs)
+    config = _with_mode(_eval_model_config(args, refs), args.mode)
     evaluation, train_dataset = _eval_settings(args)
     check_dataset(config.domain, evaluation.dataset, "--dataset")
     asyncio.run(check_policy(config))
@@ -392,6 +405,9 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--config", help="run config YAML whose policy is evaluated (default: the evaluated run's)")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a --config value, e.g. --set policy.max_tokens=4096")
+    ev.add_argument("--mode", choices=["direct", "agent"],
+                    help="rollouts: direct answers or an agent with the domain's tools (default: the config's, "
+                         "else the evaluated run's)")
     ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
     ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
     ev.set_defaults(func=cmd_eval)
@@ -476,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set grpo.group_size=8 (repeatable)")
     train.add_argument("--run-id", help="name the run, or resume one (default: <config name>-<date>-<time>)")
     train.add_argument("--db", help="shortcut for --set db_path=...")
+    train.add_argument("--mode", choices=["direct", "agent"],
+                       help="rollouts: direct answers or an agent with the domain's tools (shortcut for "
+                            "--set rollout.mode=...; default: the config's)")
     train.set_defaults(func=cmd_train)
 
     library = sub.add_parser("library", help="inspect and export learned libraries").add_subparsers(

@@ -185,10 +185,36 @@ async def check_models(items: Iterable[Endpoint], timeout_s: float = TIMEOUT_S) 
             raise outcome
 
 
+def check_agent(config: RunConfig) -> list[str]:
+    """Agent mode (``rollout.mode: agent``) can work: the domain has tools, the protocol suits the backend,
+    and every tool's own check passes (the python tool: the sandbox's kernel features). Returns each tool's
+    line on what it will use."""
+    agent = config.rollout.agent_settings()
+    if agent is None:
+        return []
+    from domains import ToolFailure, get_domain
+
+    tools = get_domain(config.domain).tools()
+    if not tools:
+        raise PreflightError(f"rollout.mode agent: domain {config.domain!r} has no tools (its tools() is empty); "
+                             f"use rollout.mode direct or add a tool to the domain")
+    if agent.protocol == "tools" and config.policy.backend != "openai":
+        raise PreflightError(f"rollout.agent.protocol tools: the {config.policy.backend} backend has no tool calling; "
+                             f"use protocol text (or auto)")
+    lines = []
+    for tool in tools:
+        try:
+            lines.append(tool.check(agent) if tool.check else f"{tool.name} tool")
+        except ToolFailure as exc:
+            raise PreflightError(f"rollout.mode agent: {exc}") from exc
+    return lines
+
+
 # --- whole configs ---------------------------------------------------------------------------------------
 async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
     """Everything a training run needs before its first stage."""
     check_writable_dir(config.db_path, "db_path")
+    check_agent(config)
     if dataset:
         check_dataset(config.domain, config.dataset)
     check_library_file(config.initial_library)
@@ -198,7 +224,8 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
 
 
 async def check_policy(config: RunConfig) -> None:
-    """An evaluation needs only the policy model."""
+    """An evaluation needs only the policy model (and, in agent mode, its tools)."""
+    check_agent(config)
     await check_models([Endpoint(("policy",), config.policy)])
 
 

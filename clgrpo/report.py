@@ -44,6 +44,7 @@ class StepRow:
     cost_usd: float
     validation_tokens: int  # held-out validation calls of the step (in + out)
     validation_cost_usd: float
+    tool_use: str = ""  # agent runs: turns and tool calls per rollout, share of tool calls that failed
 
 
 @dataclass
@@ -84,6 +85,18 @@ def _sum_by_step(frame: pd.DataFrame, column: str) -> dict[int, float]:
     return {int(k): float(v) for k, v in frame.groupby("step")[column].sum().items()} if len(frame) else {}
 
 
+def _tool_use(rollouts: pd.DataFrame) -> dict[int, str]:
+    """Per step of an agent run: mean turns and tool calls per rollout, and the tool calls' error share."""
+    if not len(rollouts) or "tool_calls" not in rollouts or not rollouts["tool_calls"].fillna(0).any():
+        return {}
+    out = {}
+    for step, group in rollouts.groupby("step"):
+        calls, errors = int(group["tool_calls"].fillna(0).sum()), int(group["tool_errors"].fillna(0).sum())
+        out[int(step)] = (f"{group['n_turns'].fillna(1).mean():.1f} turns, {calls / len(group):.1f} tool calls "
+                          f"({errors / max(1, calls):.0%} errors)")
+    return out
+
+
 def collect_run(store: Store, run_id: str) -> RunData:
     config = store.run_config(run_id)
     accuracy = _training_accuracy(store.frame("rewards", run_id), config.seed)
@@ -103,6 +116,7 @@ def collect_run(store: Store, run_id: str) -> RunData:
     val_tokens = _sum_by_step(val_calls, "tokens")
     applied = _sum_by_step(ops.assign(n=ops["status"] == "applied"), "n") if len(ops) else {}
     rejected = _sum_by_step(ops.assign(n=ops["status"] == "rejected"), "n") if len(ops) else {}
+    tool_use = _tool_use(store.frame("rollouts", run_id))
     rows, size = [], 0
     for step in steps:
         size = sizes.get(step, size)
@@ -114,7 +128,8 @@ def collect_run(store: Store, run_id: str) -> RunData:
             library_size=size, operations_applied=int(applied.get(step, 0)),
             operations_rejected=int(rejected.get(step, 0)), tokens_in=int(tokens_in.get(step, 0)),
             tokens_out=int(tokens_out.get(step, 0)), cost_usd=cost.get(step, 0.0),
-            validation_tokens=int(val_tokens.get(step, 0)), validation_cost_usd=val_cost.get(step, 0.0)))
+            validation_tokens=int(val_tokens.get(step, 0)), validation_cost_usd=val_cost.get(step, 0.0),
+            tool_use=tool_use.get(step, "")))
     versions = store.library_versions(run_id)
     first = store.load_library(run_id, versions[0]) if versions else ExperienceLibrary()
     last = store.load_library(run_id, versions[-1]) if versions else ExperienceLibrary()
@@ -158,6 +173,10 @@ def step_table(data: RunData) -> Table:
     rows = [[str(r.step), _fmt(r.train_accuracy), _fmt(r.heldout_mean), _fmt(r.heldout_pass), str(r.library_size),
              f"{r.operations_applied}/{r.operations_rejected}", f"{r.tokens_in}/{r.tokens_out}",
              str(r.validation_tokens), f"{r.cost_usd:.4f}/{r.validation_cost_usd:.4f}"] for r in data.steps]
+    if any(r.tool_use for r in data.steps):  # agent runs: how the rollouts used their tools
+        headers.append("per rollout (agent)")
+        for row, r in zip(rows, data.steps):
+            row.append(r.tool_use or "-")
     return headers, rows
 
 

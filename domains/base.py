@@ -92,6 +92,8 @@ class Tool:
     parameters: dict[str, Any]
     run: Callable[[dict[str, Any], ToolContext], Awaitable[ToolOutput]]
     text_argument: str | None = None
+    # checked before a run starts: returns one line on what the tool will use, raises ToolFailure if it cannot work
+    check: Callable[[AgentConfig], str] | None = None
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI tool definition."""

@@ -56,6 +56,9 @@ class StepReport:
     tokens_in: int
     tokens_out: int
     cost_usd: float
+    tool_calls: int = 0  # agent rollouts: tool calls, and how many returned an error
+    tool_errors: int = 0
+    model_turns: int = 0  # policy replies of the step's rollouts (one per direct rollout)
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -92,6 +95,9 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
         tokens_in=sum(c.tokens_in for c in calls),
         tokens_out=sum(c.tokens_out for c in calls),
         cost_usd=round(sum(c.cost_usd for c in calls), 6),
+        tool_calls=sum(r.tool_calls for r in rollouts),
+        tool_errors=sum(r.tool_errors for r in rollouts),
+        model_turns=sum(r.n_turns for r in rollouts),
     )
 
 

@@ -234,7 +234,7 @@ async def test_the_learner_sees_tool_calls_and_results():
     with FakeOpenAIServer(always_tool_world()) as server:
         rollout = (await run_agent(server, AgentConfig(protocol="tools"))).rollout
     text, trace = trajectory_text(rollout.turns), tool_trace(rollout.turns)
-    assert "[python call]" in text and f"print(47 * 23)" in text and f"[python result]\n{47 * 23}" in text
+    assert "[python call]" in text and "print(47 * 23)" in text and f"[python result]\n{47 * 23}" in text
     assert trace.startswith("- python: print(47 * 23)") and trace.endswith(str(47 * 23))
     prompts = LearnerPrompts(domain="arithmetic")
     from domains.learner import Attempt

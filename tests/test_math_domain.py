@@ -435,7 +435,7 @@ def test_math_domain_is_registered_and_complete(tmp_path: Path) -> None:
     domain = get_domain("math")
     assert isinstance(domain, MathDomain) and isinstance(domain, Domain)
     assert domain.warm() is None  # starts the pool in the background (idempotent)
-    assert domain.name == "math" and domain.tools() == []
+    assert domain.name == "math" and [t.name for t in domain.tools()] == ["python"]
     path = _write_jsonl(tmp_path / "small.jsonl", ROWS)
     problems, report = domain.load_dataset(_cfg(path))
     assert [p.problem_id for p in problems] == ["p1", "p2", "p3"] and report.n_after_limit == 3

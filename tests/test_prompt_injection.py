@@ -209,10 +209,11 @@ class RecordingWorld(ScriptedWorld):
         return replies
 
     def step_two_rollout_prompts(self) -> list[str]:
-        """The user messages of the policy requests after the first learner request (step 1's rollouts all come
-        before its learner stages; the next policy requests are step 2's)."""
-        first_learner = next(i for i, (role, _, _) in enumerate(self.seen) if role != "policy")
-        return [messages[-1]["content"] for role, messages, _ in self.seen[first_learner:] if role == "policy"]
+        """The user messages of step 2's policy requests: the second half of them (two steps of the same
+        problems, one request each; with pipelining some of step 1's may come after its first learner
+        request, so their order against the learner's says nothing)."""
+        policy = [messages[-1]["content"] for role, messages, _ in self.seen if role == "policy"]
+        return policy[len(policy) // 2:]
 
 
 def injected_dataset(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from domains.base import Tool, ToolContext, ToolFailure, ToolOutput
+from schemas.config import AgentConfig
 
 PYTHON_DESCRIPTION = (
     "Run Python 3 code in a fresh interpreter that keeps its variables between your calls in this attempt. "
@@ -29,6 +30,16 @@ async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOut
     return ToolOutput(text, error=result.error, truncated=result.truncated)
 
 
+def check_python(agent: AgentConfig) -> str:
+    """The sandbox works on this machine (its kernel features), or one line on what is missing."""
+    from clgrpo.sandbox import SandboxUnavailable, check_isolation
+
+    try:
+        return f"python tool: {check_isolation()}"
+    except SandboxUnavailable as exc:
+        raise ToolFailure(f"python tool unavailable: {exc}") from exc
+
+
 PYTHON_TOOL = Tool(
     name="python",
     description=PYTHON_DESCRIPTION,
@@ -36,4 +47,5 @@ PYTHON_TOOL = Tool(
                 "required": ["code"], "additionalProperties": False},
     run=run_python,
     text_argument="code",
+    check=check_python,
 )
