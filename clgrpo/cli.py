@@ -93,6 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     with session(config.db_path, config.run_id) as terminal:
         print(f"run {config.run_id} (resume it with --run-id {config.run_id}); log: {terminal.log_path}")
+        if line := rollout_mode_line(config):
+            print(line)
         result = asyncio.run(train(config, preflight=False))
     print_steps(result)
     print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}\n{report_hint(result.run_id, result.db_path)}")
@@ -100,6 +102,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"stopped early: {result.stopped}")
         return 3
     return 0
+
+
+def rollout_mode_line(config: RunConfig) -> str:
+    """For agent runs: how rollouts are made (empty for direct rollouts)."""
+    agent = config.rollout.agent_settings()
+    if agent is None:
+        return ""
+    from domains import get_domain
+
+    tools = ", ".join(t.name for t in get_domain(config.domain).tools())
+    return (f"rollouts: agent (tools: {tools}; protocol {agent.protocol}; at most {agent.max_turns} turns; "
+            f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
+            f"{agent.sandbox.memory_mb} MB per call)")
 
 
 def print_steps(result: TrainResult) -> None:
@@ -361,6 +376,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with session(config.db_path, args.eval_id or default_run_id("eval")):
         outcome = asyncio.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
     print_evaluation(outcome)
+    if line := rollout_mode_line(config):
+        print(line)
     return 0
 
 

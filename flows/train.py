@@ -38,7 +38,7 @@ from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
-from schemas.config import RunConfig
+from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
 from schemas.records import LibraryVersion, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task
@@ -373,7 +373,7 @@ class Trainer:
             report.groups_total, report.proposals_parsed, report.proposals_failed, report.operations_applied,
             report.operations_rejected, report.library_size, report.llm_calls, report.llm_requests,
             report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
-        if problems := step_problems(report):
+        if problems := step_problems(report, agent=self.cfg.rollout.agent_settings()):
             self.log.warning("step %d: %s (details: clgrpo report %s)", step, "; ".join(problems), self.run_id)
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
@@ -439,7 +439,7 @@ class Trainer:
                            str(export_dir(self.cfg)), reports)
 
 
-def step_problems(report: StepReport) -> list[str]:
+def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[str]:
     """What went wrong in a stored step, for a WARNING line: failures, retries, unusable learner replies."""
     found = [
         (report.rollouts_failed, "policy samples failed"),
@@ -454,6 +454,10 @@ def step_problems(report: StepReport) -> list[str]:
     problems = [f"{n} {what}" for n, what in found if n]
     if report.consolidation_failed:
         problems.append("the consolidation reply was unusable: no operations")
+    if agent is not None and report.tool_calls == 0 and report.model_turns:
+        hint = ("the endpoint may ignore `tools` (some local servers accept and drop them): try "
+                "rollout.agent.protocol: text" if agent.protocol != "text" else "the model wrote no action")
+        problems.append(f"agent mode, but no rollout called a tool: {hint}")
     if report.groups_selected and report.proposals_parsed == 0:
         problems.append(f"all {report.proposals_total} group proposals failed: this step learned nothing")
     return problems

@@ -259,3 +259,35 @@ def test_long_tool_parts_are_cut_for_the_learner():
              Turn(kind="assistant", content="\\boxed{1}", turn=1)]
     text = trajectory_text(turns)
     assert len(text) < 1000 and "characters cut" in text and "(output cut)" in text and text.endswith("\\boxed{1}")
+
+
+async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
+    """README "Tools of your own domain": the example domain registers, lists both tools, and its tool runs in
+    an agent rollout (text protocol, tag form)."""
+    from pathlib import Path
+
+    from domains import get_domain
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Tools of your own domain", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    domain = get_domain("physics")
+    assert [t.name for t in domain.tools()] == ["python", "constant"]
+
+    def responder(request: ChatRequest):
+        if request.messages[-1]["content"].startswith("<tool_result"):
+            return [f"So \\boxed{{{request.messages[-1]['content'].split(chr(10))[1]}}}."]
+        return ['I look it up. <tool name="constant">{"name": "c"}</tool>']
+
+    with FakeOpenAIServer(responder) as server:
+        llm = client(server)
+        try:
+            outcome = await agent_rollout(domain.rollout_messages(PROBLEM, ""), domain.tools(), llm,
+                                          AgentConfig(protocol="text"),
+                                          base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0),
+                                          temperature=0.0, seed=None)
+        finally:
+            await llm.aclose()
+    assert outcome.rollout.final_text == "So \\boxed{299792458 m/s}."
+    assert [t.tool_name for t in outcome.rollout.turns if t.kind == "tool_result"] == ["constant"]
