@@ -9,6 +9,10 @@ Designs:
 Consolidation calls depend on every consolidation call that ended before they started (chunk plans, then the
 final pass), as observed at the server.
 
+Agent rollouts: a policy call with a ``parent`` (a later turn) depends on the turn whose tool call it follows
+and becomes ready ``gap_s`` (that tool's time) after it ends; the tool does not hold a slot. "A group's
+rollouts" are all turns of its samples, so the chain is turn0 -> tool -> turn1 -> ... -> summaries -> ...
+
 Scheduling is greedy: whenever a slot is free, the ready call that became ready first (ties: request order)
 starts. ``lower_bound`` is max(longest chain, total service time / concurrency), which no schedule beats.
 """
@@ -53,7 +57,11 @@ def dependencies(calls: Sequence[CallRecord], design: str) -> list[list[int]]:
         by_level[_level(calls[i])].append(i)
         by_group[(calls[i].group, _level(calls[i]))].append(i)
     deps: list[list[int]] = [[] for _ in calls]
+    tagged = {c.tag: i for i, c in enumerate(calls) if c.tag is not None}
     for i in learning:
+        if calls[i].parent is not None and calls[i].parent in tagged:  # a later agent turn
+            deps[i] = [tagged[calls[i].parent]]
+            continue
         level = _level(calls[i])
         earlier = [lv for lv in by_level if lv < level]
         if not earlier:
@@ -71,7 +79,8 @@ def dependencies(calls: Sequence[CallRecord], design: str) -> list[list[int]]:
 
 
 def makespan(calls: Sequence[CallRecord], deps: list[list[int]], concurrency: int) -> float:
-    """Greedy list scheduling of the calls on ``concurrency`` slots."""
+    """Greedy list scheduling of the calls on ``concurrency`` slots (a call with ``gap_s`` becomes ready that
+    long after its dependencies end, without holding a slot meanwhile)."""
     waiting = [len(d) for d in deps]
     children: list[list[int]] = [[] for _ in calls]
     for i, d in enumerate(deps):
@@ -80,26 +89,32 @@ def makespan(calls: Sequence[CallRecord], deps: list[list[int]], concurrency: in
         waiting[i] = len(set(d))
     ready = [(0.0, i) for i, w in enumerate(waiting) if w == 0]
     heapq.heapify(ready)
+    waking: list[tuple[float, int]] = []  # in a tool gap: (ready at, call)
     running: list[tuple[float, int]] = []
     now, done = 0.0, 0
     while done < len(calls):
+        while waking and waking[0][0] <= now:
+            heapq.heappush(ready, heapq.heappop(waking))
         while ready and len(running) < concurrency:
             ready_at, i = heapq.heappop(ready)
             heapq.heappush(running, (max(now, ready_at) + calls[i].service_s, i))
+        if waking and (not running or waking[0][0] < running[0][0]):
+            now = waking[0][0]
+            continue
         now, i = heapq.heappop(running)
         done += 1
         for child in children[i]:
             waiting[child] -= 1
             if waiting[child] == 0:
-                heapq.heappush(ready, (now, child))
+                heapq.heappush(waking if calls[child].gap_s > 0 else ready, (now + calls[child].gap_s, child))
     return now
 
 
 def longest_chain(calls: Sequence[CallRecord], deps: list[list[int]]) -> float:
     finish: dict[int, float] = {}
-    order = sorted(range(len(calls)), key=lambda i: (_level(calls[i]), calls[i].ended))
+    order = sorted(range(len(calls)), key=lambda i: (_level(calls[i]), calls[i].turn, calls[i].ended))
     for i in order:
-        finish[i] = max((finish[j] for j in deps[i]), default=0.0) + calls[i].service_s
+        finish[i] = max((finish[j] for j in deps[i]), default=0.0) + calls[i].gap_s + calls[i].service_s
     return max(finish.values(), default=0.0)
 
 

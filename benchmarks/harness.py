@@ -36,7 +36,15 @@ from clgrpo.store import Store  # noqa: E402
 from critical_path import limits  # noqa: E402
 from flows import train as train_module  # noqa: E402
 from latency_server import Collected, LatencyModel, LatencyServerProcess  # noqa: E402
-from schemas.config import DatasetConfig, GRPOConfig, ModelConfig, RunConfig  # noqa: E402
+from schemas.config import (  # noqa: E402
+    AgentConfig,
+    DatasetConfig,
+    GRPOConfig,
+    ModelConfig,
+    RolloutPlacement,
+    RunConfig,
+    SandboxConfig,
+)
 from tests.scripted_llm import FAMILIES, make_problems, write_jsonl  # noqa: E402
 
 
@@ -62,6 +70,11 @@ class RunSpec:
     supports_n: bool = False  # False: G separate policy calls per problem (like DeepSeek's API)
     seed: int = 0
     latency_seed: int = 0  # the server's latency draws (replies do not depend on it)
+    mode: str = "direct"  # rollout.mode; "agent": ReAct rollouts with the domain's tools (python sandbox)
+    max_turns: int = 6  # agent mode: rollout.agent.max_turns
+    protocol: str = "auto"  # agent mode: rollout.agent.protocol
+    pool_size: int = 16  # agent mode: rollout.agent.sandbox.pool_size (interpreters alive at once)
+    spares: int = 2  # agent mode: rollout.agent.sandbox.spares
 
     @property
     def design(self) -> str:
@@ -79,7 +92,10 @@ def make_config(spec: RunSpec, base_url: str, workdir: Path, run_id: str) -> Run
         policy=model,
         grpo=GRPOConfig(group_size=spec.group_size, epochs=1, batch_size=spec.batch_size or spec.n_problems,
                         rollout_chunk_size=spec.rollout_chunk_size),
-        concurrency=spec.concurrency, pipeline=spec.pipeline, seed=spec.seed)
+        concurrency=spec.concurrency, pipeline=spec.pipeline, seed=spec.seed,
+        rollout=RolloutPlacement(mode=spec.mode, agent=AgentConfig(
+            max_turns=spec.max_turns, protocol=spec.protocol,
+            sandbox=SandboxConfig(pool_size=spec.pool_size, spares=spec.spares))))
 
 
 # --- instrumentation --------------------------------------------------------------------------------------------
@@ -146,6 +162,7 @@ _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("llm client", ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/clgrpo/llm/")),
     ("prefect", ("/prefect/", "/tasks/common.py", "/cloudpickle/")),
     ("verify", ("/domains/math/verify.py",)),
+    ("sandbox", ("/clgrpo/sandbox.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py")),
     ("pipeline", (f"{ROOT}/tasks/", f"{ROOT}/flows/", f"{ROOT}/domains/", f"{ROOT}/clgrpo/")),
 )
 

@@ -133,7 +133,9 @@ class SandboxConfig(Section):
     CPU-time or memory limit gets a tool error, one that exceeds the wall-time limit kills the interpreter (its
     variables are lost, the next call starts a fresh one)."""
 
-    pool_size: int = Field(16, ge=1)  # interpreters alive at once (one per agent rollout that ran code)
+    # interpreters alive at once: one per agent rollout from its first call to its end (its variables live
+    # there), so rollouts beyond it wait; ~15 MB each when idle. Keep it near the agent rollouts in flight.
+    pool_size: int = Field(64, ge=1)
     spares: int = Field(2, ge=0)  # interpreters started ahead, so a rollout's first call does not wait
     cpu_s: float = Field(10.0, gt=0)  # CPU seconds per call
     wall_s: float = Field(30.0, gt=0)  # wall-clock seconds per call

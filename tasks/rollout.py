@@ -90,13 +90,15 @@ async def _direct_samples(messages: list[dict], llm: LLMClient, base: dict, miss
 async def _agent_samples(messages: list[dict], domain: Domain, llm: LLMClient, agent: AgentConfig, base: dict,
                          missing: list[int], temperature: float,
                          seed: int | None) -> tuple[list[Rollout], list[LLMCall]]:
-    """One agent loop per missing sample, concurrently (sample i uses seed + i, as a separate direct call)."""
+    """One agent loop per missing sample, concurrently. Sample i uses seed + i (the problem's seed, else the
+    policy's), as a separate direct call does: the G samples of a seeded endpoint must differ."""
     tools = domain.tools()
+    first = seed if seed is not None else llm.configs["policy"].seed
 
     async def one(index: int) -> AgentOutcome:
         try:
             return await agent_rollout(messages, tools, llm, agent, base={**base, "sample_idx": index},
-                                       temperature=temperature, seed=None if seed is None else seed + index)
+                                       temperature=temperature, seed=None if first is None else first + index)
         finally:
             progress.advance(STAGE)
 

@@ -291,3 +291,28 @@ async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
             await llm.aclose()
     assert outcome.rollout.final_text == "So \\boxed{299792458 m/s}."
     assert [t.tool_name for t in outcome.rollout.turns if t.kind == "tool_result"] == ["constant"]
+
+
+async def test_the_samples_of_a_group_get_their_own_seeds():
+    """A seeded endpoint must not return G identical first replies: sample i uses seed + i, as direct
+    single requests do (the problem's seed in evaluation, else the policy's)."""
+    from clgrpo.library import ExperienceLibrary
+    from domains import get_domain
+    from tasks.rollout import rollout_problem
+
+    seeds: list[int | None] = []
+    world = always_tool_world()
+
+    def responder(request: ChatRequest):
+        if len(request.messages) == 2:
+            seeds.append(request.seed)
+        return world(request)
+
+    with FakeOpenAIServer(responder) as server:
+        llm = client(server, seed=100)
+        try:
+            batch = await rollout_problem(PROBLEM, ExperienceLibrary(), get_domain("math"), llm, 4, 0.7,
+                                          agent=AgentConfig(protocol="tools"))
+        finally:
+            await llm.aclose()
+    assert sorted(seeds) == [100, 101, 102, 103] and len(batch.rollouts) == 4
