@@ -244,6 +244,15 @@ def check_isolation() -> str:
     return _probed().line
 
 
+def isolation_problem() -> str | None:
+    """None when the sandbox can give its guarantees on this machine, else one line on why not."""
+    try:
+        check_isolation()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
 # --- one interpreter process ------------------------------------------------------------------------------
 class _ChannelError(Exception):
     """The interpreter's reply channel closed (``eof``) or carried garbage."""

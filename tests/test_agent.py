@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from clgrpo.llm import LLMClient
+from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
 from domains.learner import LearnerPrompts, tool_trace, trajectory_text
@@ -293,6 +294,7 @@ async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
     assert [t.tool_name for t in outcome.rollout.turns if t.kind == "tool_result"] == ["constant"]
 
 
+@pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))
 async def test_the_samples_of_a_group_get_their_own_seeds():
     """A seeded endpoint must not return G identical first replies: sample i uses seed + i, as direct
     single requests do (the problem's seed in evaluation, else the policy's)."""

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from clgrpo.sandbox import isolation_problem
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, Fault, FakeOpenAIServer, role_of
 from flows.evaluate import evaluate
@@ -27,7 +28,8 @@ from schemas.config import (
 from tasks.integrity import StageFailedError
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
-pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness"),
+              pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))]
 
 SANDBOX = SandboxConfig(pool_size=4, spares=1, cpu_s=5, wall_s=20)
 
