@@ -34,6 +34,7 @@ from clgrpo.llm import LLMClient
 from clgrpo.llm.backends import ToolCall, ToolsRefused
 from clgrpo.llm.client import LLMCallError
 from domains.base import Message, Tool, ToolContext, ToolFailure, ToolOutput
+from domains.learner import clip
 from schemas.config import AgentConfig
 from schemas.records import LLMCall, Rollout, Turn
 
@@ -102,14 +103,6 @@ def agent_messages(messages: list[Message], tools: list[Tool], protocol: Protoco
     else:
         system["content"] = f"{system['content']}\n{extra}"
     return out
-
-
-def shown(text: str, limit: int) -> str:
-    """A tool result as the model sees it: whole when short, else its head and tail with the cut marked."""
-    if len(text) <= limit:
-        return text
-    head, tail = (limit * 2) // 3, limit // 3
-    return f"{text[:head]}\n[... {len(text) - head - tail} characters not shown ...]\n{text[-tail:]}"
 
 
 def result_text(output: ToolOutput) -> str:
@@ -241,7 +234,7 @@ class AgentLoop:
         text = result_text(output)
         self.turns.append(Turn(kind="tool_result", content=output.text, tool_name=action.name, turn=turn,
                                call_id=action.call_id, error=output.error, truncated=output.truncated))
-        visible = shown(text, self.agent.tool_result_chars)
+        visible = clip(text, self.agent.tool_result_chars)  # head and tail, the cut marked
         if self.protocol == "tools":
             self.messages.append({"role": "tool", "tool_call_id": action.call_id, "content": visible})
         else:

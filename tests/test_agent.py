@@ -17,7 +17,7 @@ from clgrpo.llm import LLMClient
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
-from domains.learner import LearnerPrompts, tool_trace, trajectory_text
+from domains.learner import LearnerPrompts, clip, tool_trace, trajectory_text
 from domains.math.prompts import rollout_messages
 from schemas.config import AgentConfig, ModelConfig
 from schemas.records import Problem
@@ -27,7 +27,6 @@ from tasks.agent import (
     agent_messages,
     agent_rollout,
     parse_text_action,
-    shown,
 )
 from tests.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 
@@ -95,9 +94,9 @@ def test_tool_instructions_keep_the_prompt_prefix_shared():
 
 def test_shown_results_keep_head_and_tail():
     text = "".join(f"line {i}\n" for i in range(1000))
-    visible = shown(text, 300)
+    visible = clip(text, 300)  # what the model is shown of a long tool result
     assert len(visible) < 400 and visible.startswith("line 0") and "line 999" in visible
-    assert "characters not shown" in visible
+    assert "characters cut" in visible
 
 
 # --- the loop over HTTP ---------------------------------------------------------------------------------
