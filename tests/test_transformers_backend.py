@@ -209,3 +209,31 @@ def test_a_repetition_penalty_breaks_the_greedy_loop_of_a_tiny_model(backend, ge
     run(backend.generate(penalized))
     distinct = [len(set(c["output"][0, c["input_ids"].shape[1]:].tolist())) for c in generate_calls]
     assert distinct[1] > distinct[0], distinct  # the random model repeats a few tokens greedily; the penalty spreads
+
+
+async def test_agent_rollouts_on_a_local_engine_use_the_text_protocol(tiny_model):
+    """``protocol: auto`` on the transformers backend is the text protocol (no tool calling in the engine):
+    the prompt describes the fenced ```python action and the rollout runs to a final answer."""
+    from schemas.config import AgentConfig
+    from tasks.agent import agent_rollout, resolve_protocol
+
+    cfg = ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model), max_tokens=8, seed=3)
+    client = LLMClient(cfg)
+    agent = AgentConfig(max_turns=2)
+    assert resolve_protocol(client, agent) == "text"
+
+    async def no_tool(arguments, context):  # never reached unless the random model writes an action
+        from domains import ToolOutput
+
+        return ToolOutput("42")
+
+    from domains import Tool
+
+    tool = Tool("python", "Run Python.", {"type": "object", "properties": {"code": {"type": "string"}}}, no_tool,
+                text_argument="code")
+    outcome = await agent_rollout(MESSAGES, [tool], client, agent, temperature=0.7, seed=3,
+                                  base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0))
+    await client.aclose()
+    rollout = outcome.rollout
+    assert rollout.error is None and 1 <= rollout.n_turns <= 2 and rollout.final_text
+    assert [c.turn for c in outcome.calls] == list(range(rollout.n_turns)) and all(c.ok for c in outcome.calls)
