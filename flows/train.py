@@ -41,7 +41,7 @@ from clgrpo.store import Store
 from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
 from schemas.records import LibraryVersion, Problem, Proposal
-from tasks.apply_operations import STAGE as APPLY, apply_operations_task
+from tasks.apply_operations import STAGE as APPLY, apply_operations_task, near_duplicates_for
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
     STAGE as CHECKPOINT,
@@ -271,7 +271,8 @@ class Trainer:
         applied_version: list[LibraryVersion] = []
 
         async def do_apply() -> Outputs:
-            applied = apply_operations_task(cfg, step, version, plan.operations, problems)
+            near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), plan.operations)
+            applied = apply_operations_task(cfg, step, version, plan.operations, problems, near)
             applied_version.append(applied.library)
             over = rejected_results(over_group + plan.over, first_seq=len(applied.results))
             if over:

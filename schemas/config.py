@@ -83,6 +83,48 @@ class DatasetConfig(Section):
         return self
 
 
+class EmbeddingConfig(Section):
+    """Which embedding model (``clgrpo.embeddings``): the embedded all-MiniLM-L6-v2 (offline once fetched), any
+    OpenAI-compatible ``/v1/embeddings`` endpoint, or a local sentence-embedding folder."""
+
+    backend: Literal["embedded", "openai", "transformers"] = "embedded"
+    model: str = "all-MiniLM-L6-v2"  # openai: the model name sent; local backends: a label only
+    base_url: str | None = None  # openai: None is the SDK default (api.openai.com)
+    api_key_env: str | None = "OPENAI_API_KEY"  # openai: read at call time, never stored
+    api_key_secret_block: str | None = None  # openai: Prefect Secret block, used when the env var is unset
+    dimensions: int | None = Field(None, ge=1)  # openai: ask for shorter vectors (text-embedding-3-*)
+    model_path: str | None = None  # transformers: a local sentence-embedding folder
+    batch_size: int = Field(32, ge=1)  # texts per forward pass / per request
+    max_seq_length: int | None = Field(None, ge=8)  # local: truncate longer texts; None: the folder's setting
+    timeout_s: float = Field(60.0, gt=0)  # openai: per request
+    max_retries: int = Field(4, ge=0)  # openai: transient errors (429, 5xx, 408/409, timeouts, resets) per batch
+    retry_base_delay_s: float = Field(0.5, ge=0)  # openai: backoff base, doubling per retry, with jitter
+    retry_max_delay_s: float = Field(30.0, ge=0)
+    cpu_threads: int | None = Field(None, ge=1)  # local: torch threads; None: the cores not busy at load time
+
+
+class LibraryConfig(Section):
+    """How the library is kept beyond the learner's own operations."""
+
+    # near-duplicate control: an add or modify whose text is within ``near_duplicate_similarity`` (cosine of
+    # embeddings) of a live experience is rejected (the reason names the id and the similarity), or with
+    # "merge" an add is merged into that experience (its text kept, the sources joined); "off": exact
+    # duplicates only (always refused)
+    near_duplicates: Literal["off", "reject", "merge"] = "off"
+    near_duplicate_similarity: float = Field(0.9, gt=0.0, le=1.0)
+    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+
+    def result_settings(self) -> dict[str, Any] | None:
+        """What of this section shapes results (for fingerprints): None when near-duplicate control is off;
+        else the mode, the threshold and which model embeds (not where it is served or how fast)."""
+        if self.near_duplicates == "off":
+            return None
+        model = self.embedding.model_dump(mode="json", include={"backend", "model", "model_path", "dimensions",
+                                                                 "max_seq_length"})
+        return {"near_duplicates": self.near_duplicates, "similarity": self.near_duplicate_similarity,
+                "embedding": model}
+
+
 class GRPOConfig(Section):
     group_size: int = Field(5, ge=1)
     epochs: int = Field(3, ge=1)
@@ -300,6 +342,7 @@ class RunConfig(Section):
     validation: ValidationConfig | None = None  # held-out learning curve during training
     tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
     budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
+    library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -318,6 +361,9 @@ class RunConfig(Section):
                 del payload[section][key]
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
+        payload.pop("library", None)
+        if (library := self.library.result_settings()) is not None:  # only when near-duplicate control is on
+            payload["library"] = library
         return text_hash(json.dumps(payload, sort_keys=True))
 
 

@@ -157,6 +157,14 @@ TABLE_DDL: dict[str, str] = {
         updated_step INTEGER NOT NULL,
         parent_ids_json VARCHAR NOT NULL,
         source_groups_json VARCHAR NOT NULL""",
+    # embeddings of texts (lessons, operation texts), computed once per text and model and shared by all runs
+    "embeddings": """
+        model VARCHAR NOT NULL,
+        text_hash VARCHAR NOT NULL,
+        dim INTEGER NOT NULL,
+        vector FLOAT[] NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL,
+        PRIMARY KEY (model, text_hash)""",
     # evaluations: (run_id, step) is the training run and step for validation, (eval_id, 0) when standalone
     "evaluations": """
         run_id VARCHAR NOT NULL,

@@ -268,6 +268,18 @@ class DbMetaFrame(Frame):
     value: Series[str]
 
 
+class EmbeddingsFrame(Frame):
+    model: Series[str] = pa.Field(str_length={"min_value": 1})
+    text_hash: Series[str] = pa.Field(str_length={"min_value": 1})
+    dim: Series[int] = pa.Field(gt=0)
+    vector: Series[object]
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+    @pa.dataframe_check
+    def vector_has_dim_values(cls, df: pd.DataFrame) -> bool:
+        return bool((df["vector"].map(len) == df["dim"]).all())
+
+
 FRAMES: dict[str, type[Frame]] = {
     "db_meta": DbMetaFrame,
     "runs": RunsFrame,
@@ -282,6 +294,7 @@ FRAMES: dict[str, type[Frame]] = {
     "llm_calls": LLMCallsFrame,
     "library_versions": LibraryVersionsFrame,
     "library_experiences": LibraryExperiencesFrame,
+    "embeddings": EmbeddingsFrame,
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,
     "eval_comparisons": EvalComparisonsFrame,

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary, Screen
+from clgrpo.embeddings import Embedder, make_embedder
+from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen, normalize_text
+from clgrpo.store import Store
 from domains import get_domain
 from domains.guard import LessonGuard, first_rejection
 from domains.learner import LessonScreen
 from schemas.config import LearningConfig, RunConfig
-from schemas.records import LibraryVersion, Operation, OperationResult, Problem
+from schemas.records import LibraryVersion, Operation, OperationResult, Problem, text_hash
 from tasks.common import stage_task
 
 STAGE = "apply_operations"
@@ -23,10 +25,11 @@ class Applied:
 
 
 def apply_operations(library: ExperienceLibrary, operations: list[Operation], *, step: int,
-                     cfg: LearningConfig, screen: Screen | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
+                     cfg: LearningConfig, screen: Screen | None = None,
+                     near: NearDuplicates | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
     """Every operation comes back applied or rejected with its reason; the new version's number is ``step``."""
     return library.apply(operations, step=step, max_words=cfg.max_words, min_words=cfg.min_words,
-                         max_size=cfg.max_library_size, screen=screen)
+                         max_size=cfg.max_library_size, screen=screen, near=near)
 
 
 def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
@@ -38,10 +41,40 @@ def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
         LessonGuard(config.learning.guard, problems))
 
 
+async def embed_cached(store: Store, embedder: Embedder, texts: Sequence[str]) -> dict[str, list[float]]:
+    """Unit-length embeddings of ``texts`` keyed by ``normalize_text``: read from DuckDB (``embeddings``, by model
+    and text hash), the missing ones computed once and stored."""
+    keys = {normalize_text(t): text_hash(normalize_text(t)) for t in texts if t and t.strip()}
+    known = store.cached_vectors(embedder.name, sorted(set(keys.values())))
+    missing = [k for k, h in keys.items() if h not in known]
+    if missing:
+        fresh = {keys[k]: v for k, v in zip(missing, await embedder.embed(missing))}
+        store.store_vectors(embedder.name, fresh)
+        known.update(fresh)
+    return {k: [float(x) for x in known[h]] for k, h in keys.items()}
+
+
+async def near_duplicates_for(config: RunConfig, store: Store, library: ExperienceLibrary,
+                              operations: Sequence[Operation]) -> NearDuplicates | None:
+    """The near-duplicate control of ``library.near_duplicates`` for one batch: embeddings of the live lessons
+    and of every operation text. None when it is off."""
+    settings = config.library
+    if settings.near_duplicates == "off":
+        return None
+    texts = [e.text for e in library] + [op.text for op in operations if op.text]
+    embedder = make_embedder(settings.embedding)
+    try:
+        vectors = await embed_cached(store, embedder, texts)
+    finally:
+        await embedder.aclose()
+    return NearDuplicates(vectors, settings.near_duplicate_similarity, settings.near_duplicates)
+
+
 @stage_task(STAGE, run_name="apply-operations-step{step}")
 def apply_operations_task(config: RunConfig, step: int, library: LibraryVersion, operations: list[Operation],
-                          problems: list[Problem]) -> Applied:
-    """``problems``: the step's training problems (a lesson may not copy one or state its answer)."""
+                          problems: list[Problem], near: NearDuplicates | None = None) -> Applied:
+    """``problems``: the step's training problems (a lesson may not copy one or state its answer); ``near``:
+    the near-duplicate control (``near_duplicates_for``)."""
     new, results = apply_operations(ExperienceLibrary.from_version(library), operations, step=step,
-                                    cfg=config.learning, screen=lesson_screen(config, problems))
+                                    cfg=config.learning, screen=lesson_screen(config, problems), near=near)
     return Applied(new.to_version(), results)

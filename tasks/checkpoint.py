@@ -6,7 +6,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
 from schemas.config import RunConfig
 from schemas.ddl import CHECKPOINT_STAGE
 from schemas.records import (
@@ -14,6 +14,7 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     OperationResult,
+    OpKind,
     OpStatus,
     Proposal,
     Reward,
@@ -59,6 +60,8 @@ class StepReport:
     tool_calls: int = 0  # agent rollouts: tool calls, and how many returned an error
     tool_errors: int = 0
     model_turns: int = 0  # policy replies of the step's rollouts (one per direct rollout)
+    near_duplicates: int = 0  # adds / modifies rejected or merged as near-duplicates of live experiences
+    duplicate_ratio: float = 0.0  # near_duplicates / adds and modifies of the plan
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -98,6 +101,8 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
         tool_calls=sum(r.tool_calls for r in rollouts),
         tool_errors=sum(r.tool_errors for r in rollouts),
         model_turns=sum(r.n_turns for r in rollouts),
+        near_duplicates=(near := sum(r.reason.startswith(NEAR_DUPLICATE) for r in results)),
+        duplicate_ratio=near / max(1, sum(r.operation.op in (OpKind.ADD, OpKind.MODIFY) for r in results)),
     )
 
 
