@@ -22,9 +22,10 @@ from clgrpo import plots
 from clgrpo.library import ExperienceLibrary, diff
 from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
+from clgrpo.usefulness import describe
 from schemas.config import RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import EvalComparison, EvalSummary
+from schemas.records import EvalComparison, EvalSummary, ExperienceStat
 
 Gain = tuple[int, int, Estimate]  # first validated step, last validated step, paired Mean@k difference
 PLOT_FILES = {"accuracy": "accuracy.png", "library_size": "library_size.png", "cost": "tokens_cost.png"}
@@ -63,6 +64,7 @@ class RunData:
     first: ExperienceLibrary
     last: ExperienceLibrary
     evaluations: list[Evaluation] = field(default_factory=list)  # standalone evaluations of this run's libraries
+    stats: dict[str, ExperienceStat] = field(default_factory=dict)  # usefulness of the last version's lessons
 
 
 # --- collecting ---------------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ def collect_run(store: Store, run_id: str) -> RunData:
     last = store.load_library(run_id, versions[-1]) if versions else ExperienceLibrary()
     evaluations = [Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
                    for eid in store.evaluations_of(run_id)]
-    return RunData(run_id, config, rows, validation, first, last, evaluations)
+    stats = {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)} if versions else {}
+    return RunData(run_id, config, rows, validation, first, last, evaluations, stats)
 
 
 def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
@@ -180,9 +183,12 @@ def step_table(data: RunData) -> Table:
     return headers, rows
 
 
-def library_rows(library: ExperienceLibrary) -> Table:
-    rows = [[e.id, e.text, str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)] for e in library]
-    return ["id", "text", "created", "updated", "from"], rows
+def library_rows(library: ExperienceLibrary, stats: dict[str, ExperienceStat] | None = None) -> Table:
+    """The library as a table; with ``stats``, each lesson's usefulness and confidence."""
+    stats = stats or {}
+    rows = [[e.id, e.text, str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
+            + ([describe(stats[e.id]) if e.id in stats else ""] if stats else []) for e in library]
+    return ["id", "text", "created", "updated", "from"] + (["usefulness"] if stats else []), rows
 
 
 def evaluation_table(summaries: list[EvalSummary]) -> Table:
@@ -297,7 +303,7 @@ def render_markdown(data: RunData, files: dict[str, Path], out_dir: Path, gain: 
     lines = [f"# clgrpo run `{data.run_id}`", "", *_headline(data, gain), ""]
     lines += [f"![{name}]({p.relative_to(out_dir).as_posix()})" for name, p in files.items()]
     lines += ["", "## Steps", "", markdown_table(step_table(data)),
-              "", f"## Final library (version {data.last.version})", "", markdown_table(library_rows(data.last)),
+              "", f"## Final library (version {data.last.version})", "", markdown_table(library_rows(data.last, data.stats)),
               "", f"## Changes from version {data.first.version} to version {data.last.version}", "", "```",
               *_diff_lines(data), "```"]
     for ev in data.evaluations:
@@ -322,7 +328,7 @@ def render_html(data: RunData, images: dict[str, bytes], gain: Gain | None = Non
              *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _headline(data, gain)),
              *(f'<img alt="{name}" src="{plots.data_uri(png)}">' for name, png in images.items()),
              "<h2>Steps</h2>", html_table(step_table(data)),
-             f"<h2>Final library (version {data.last.version})</h2>", html_table(library_rows(data.last)),
+             f"<h2>Final library (version {data.last.version})</h2>", html_table(library_rows(data.last, data.stats)),
              f"<h2>Changes from version {data.first.version} to version {data.last.version}</h2>",
              f"<pre>{diff_html}</pre>"]
     for ev in data.evaluations:

@@ -36,6 +36,7 @@ from schemas.records import (
     EvalSample,
     EvalSummary,
     Experience,
+    ExperienceStat,
     GroupAdvantage,
     LibraryVersion,
     LLMCall,
@@ -133,6 +134,7 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "eval_comparisons": lambda items: [c.model_dump() for c in items],
     "refresh_inputs": lambda items: [i.model_dump() for i in items],
     "refreshes": lambda items: [_refresh_row(d) for d in items],
+    "experience_stats": lambda items: [s.model_dump() for s in items],
 }
 
 
@@ -192,6 +194,7 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "eval_results": _plain(EvalSample),
     "eval_comparisons": _plain(EvalComparison),
     "refresh_inputs": _plain(RefreshInput),
+    "experience_stats": _plain(ExperienceStat),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
 }
@@ -210,6 +213,7 @@ _ORDER = {
     "eval_comparisons": "baseline, candidate, metric",
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
+    "experience_stats": "exp_id",
 }
 
 

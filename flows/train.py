@@ -38,9 +38,10 @@ from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
+from clgrpo.usefulness import step_stats
 from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import LibraryVersion, Problem, Proposal
+from schemas.records import ExperienceStat, LibraryVersion, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task, near_duplicates_for
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -358,7 +359,8 @@ class Trainer:
         step = planned.step
         paths = checkpoint_task(self.cfg, step, library.to_version())
         report = reports[-1]
-        await acreate_table_artifact(library_table(library) or [{"id": "", "text": "(empty library)"}],
+        stats = self.experience_stats(step, library)
+        await acreate_table_artifact(library_table(library, stats) or [{"id": "", "text": "(empty library)"}],
                                      key=artifact_key(self.run_id, "library"),
                                      description=f"Library after step {step} (version {library.version})")
         await acreate_markdown_artifact(operations_markdown(step, self.store.records("operations", self.run_id, step)),
@@ -366,7 +368,7 @@ class Trainer:
                                         description=f"Operations applied and rejected at step {step}")
         await acreate_table_artifact([r.as_row() for r in reports], key=artifact_key(self.run_id, "counts"),
                                      description="Per-step counts: groups, proposals, operations, tokens, cost")
-        self.store.write_stage(self.run_id, step, CHECKPOINT, {})
+        self.store.write_stage(self.run_id, step, CHECKPOINT, {"experience_stats": stats})
         self.log.info(
             "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
             "operations %d applied / %d rejected, library %d, %d calls (%d requests), tokens %d in / %d out, "
@@ -376,6 +378,14 @@ class Trainer:
             report.tokens_in, report.tokens_out, report.cost_usd, paths[0])
         if problems := step_problems(report, agent=self.cfg.rollout.agent_settings()):
             self.log.warning("step %d: %s (details: clgrpo report %s)", step, "; ".join(problems), self.run_id)
+
+    def experience_stats(self, step: int, library: ExperienceLibrary) -> list[ExperienceStat]:
+        """Usefulness and confidence of the lessons live after ``step`` (``clgrpo.usefulness``)."""
+        shown = self.store.load_library(self.run_id, step - 1) if step > 0 else ExperienceLibrary()
+        return step_stats(self.store.records("experience_stats", self.run_id, step - 1), [e.id for e in library],
+                          [e.id for e in shown], self.store.records("summaries", self.run_id, step),
+                          self.store.records("rewards", self.run_id, step),
+                          self.store.records("group_advantages", self.run_id, step))
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""

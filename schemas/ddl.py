@@ -157,6 +157,19 @@ TABLE_DDL: dict[str, str] = {
         updated_step INTEGER NOT NULL,
         parent_ids_json VARCHAR NOT NULL,
         source_groups_json VARCHAR NOT NULL""",
+    # per step (stage checkpoint): usefulness and confidence of the experiences live after the step
+    "experience_stats": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        exp_id VARCHAR NOT NULL,
+        cited INTEGER NOT NULL,
+        cited_correct DOUBLE NOT NULL,
+        cited_wrong DOUBLE NOT NULL,
+        cited_in_variance INTEGER NOT NULL,
+        confidence DOUBLE NOT NULL,
+        ci_low DOUBLE NOT NULL,
+        ci_high DOUBLE NOT NULL""",
     # embeddings of texts (lessons, operation texts), computed once per text and model and shared by all runs
     "embeddings": """
         model VARCHAR NOT NULL,
@@ -266,7 +279,7 @@ TABLE_DDL: dict[str, str] = {
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
-STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes")
+STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
 
 
 # Columns added after the first release: files created before get them on open.

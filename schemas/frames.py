@@ -268,6 +268,21 @@ class DbMetaFrame(Frame):
     value: Series[str]
 
 
+class ExperienceStatsFrame(StageKeyed):
+    exp_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    cited: Series[int] = pa.Field(ge=0)
+    cited_correct: Series[float] = pa.Field(ge=0)
+    cited_wrong: Series[float] = pa.Field(ge=0)
+    cited_in_variance: Series[int] = pa.Field(ge=0)
+    confidence: Series[float] = pa.Field(ge=0, le=1)
+    ci_low: Series[float] = pa.Field(ge=0, le=1)
+    ci_high: Series[float] = pa.Field(ge=0, le=1)
+
+    @pa.dataframe_check
+    def one_row_per_experience(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["run_id", "step", "exp_id"]).any()
+
+
 class EmbeddingsFrame(Frame):
     model: Series[str] = pa.Field(str_length={"min_value": 1})
     text_hash: Series[str] = pa.Field(str_length={"min_value": 1})
@@ -295,6 +310,7 @@ FRAMES: dict[str, type[Frame]] = {
     "library_versions": LibraryVersionsFrame,
     "library_experiences": LibraryExperiencesFrame,
     "embeddings": EmbeddingsFrame,
+    "experience_stats": ExperienceStatsFrame,
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,
     "eval_comparisons": EvalComparisonsFrame,

@@ -172,6 +172,20 @@ class Experience(Record):
     source_groups: list[str] = Field(default_factory=list)  # groups (problem ids) that produced it
 
 
+class ExperienceStat(Record):
+    """How an experience fared up to a library version: attempts whose summaries cited it, by outcome, and a
+    confidence (Beta posterior mean with a credible interval, ``clgrpo.usefulness``)."""
+
+    exp_id: str
+    cited: int = 0
+    cited_correct: float = 0.0  # sum of the rewards of the citing attempts
+    cited_wrong: float = 0.0  # sum of 1 - reward
+    cited_in_variance: int = 0  # citations in groups with reward variance
+    confidence: float = 0.5
+    ci_low: float = 0.0
+    ci_high: float = 1.0
+
+
 class LibraryVersion(Record):
     version: int = Field(ge=0)
     step: int = Field(ge=0)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
+from clgrpo.usefulness import describe
 from schemas.config import RunConfig
 from schemas.ddl import CHECKPOINT_STAGE
 from schemas.records import (
+    ExperienceStat,
     GroupAdvantage,
     LibraryVersion,
     LLMCall,
@@ -126,9 +129,12 @@ def operations_markdown(step: int, results: list[OperationResult]) -> str:
     return "\n".join(lines)
 
 
-def library_table(library: ExperienceLibrary) -> list[dict]:
+def library_table(library: ExperienceLibrary, stats: Sequence[ExperienceStat] = ()) -> list[dict]:
+    """The library artifact's rows, with each lesson's usefulness when ``stats`` has it."""
+    usefulness = {s.exp_id: describe(s) for s in stats}
     return [{"id": e.id, "text": e.text, "created_step": e.created_step, "updated_step": e.updated_step,
-             "parents": ", ".join(e.parent_ids), "sources": ", ".join(e.source_groups)} for e in library]
+             "parents": ", ".join(e.parent_ids), "sources": ", ".join(e.source_groups),
+             "usefulness": usefulness.get(e.id, "")} for e in library]
 
 
 def export_dir(config: RunConfig) -> Path:

@@ -359,7 +359,7 @@ class ScriptedWorld:
         answered = f"answered {boxed[-1]}" if boxed else "gave no boxed answer"
         grade = _GRADE_RE.search(user)
         verdict = f"It was graded {grade.group(1)}." if grade else "The grade is unknown."
-        return f"The attempt computed the expression and {answered}. {verdict}"
+        return f"The attempt computed the expression and {answered}. {verdict}{_citation(user, attempt)}"
 
     # experience extractor ----------------------------------------------------------------------------------
     def _extract(self, request: ChatRequest, rng: random.Random) -> str:
@@ -407,6 +407,20 @@ class ScriptedWorld:
         operations += [{"op": "add", "text": as_lesson(text), "sources": []}
                        for text in self._obeyed(request, "lesson")]
         return json.dumps({"operations": operations})
+
+
+def _citation(user: str, attempt: str) -> str:
+    """Which listed experience the attempt used (by id), as the summarize prompt asks: the lesson of the
+    problem's family when the attempt says it followed one, else none of them."""
+    listed = {m.group(1): m.group(2) for line in user.split("<attempt", 1)[0].splitlines()
+              if (m := _LIBRARY_LINE_RE.match(line.strip()))}
+    found = find_problem(user)
+    if not listed or found is None:
+        return ""
+    used = [i for i, text in listed.items() if found[0].key.casefold() in text.casefold()]
+    if used and "Following the given lesson" in attempt:
+        return f" It used {used[0]}."
+    return " It ignored the listed experiences."
 
 
 def _parse_proposals(block: str) -> list[dict]:

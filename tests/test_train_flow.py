@@ -36,7 +36,7 @@ def policy_requests(server: FakeOpenAIServer) -> int:
 
 
 async def test_two_epochs_learn_a_library(dataset, tmp_path):
-    world = ScriptedWorld(seed=7)
+    world = ScriptedWorld(seed=8)
     with FakeOpenAIServer(world) as server:
         cfg = make_config(server, dataset, tmp_path, "e2e")
         result = await train(cfg)
@@ -64,6 +64,13 @@ async def test_two_epochs_learn_a_library(dataset, tmp_path):
         assert adds and all(set(r.operation.source_groups) <= proposed_groups and r.operation.source_groups
                             for r in adds)
         assert all(after.by_id[r.result_id].source_groups for r in adds)
+        # usefulness: step 2's attempts cited the family lessons they followed, mostly in correct attempts
+        stats = {st.exp_id: st for st in store.records("experience_stats", "e2e", 2)}
+        assert set(stats) == {e.id for e in store.load_library("e2e", 2)}
+        cited = [st for st in stats.values() if st.cited]
+        assert cited and all(st.cited_correct > st.cited_wrong and st.confidence > 0.5 for st in cited)
+        assert all(st.ci_low < st.confidence < st.ci_high for st in cited)
+        assert all(st.cited == 0 for st in store.records("experience_stats", "e2e", 1))  # step 1 saw no lessons
         # every stage of every step is stored, and every LLM call was recorded with its stage
         stages = store.query("SELECT step, stage FROM stage_runs WHERE run_id='e2e' ORDER BY step, stage")
         assert len(stages[stages.step == 1]) == 7 and len(stages[stages.step == 2]) == 7
