@@ -141,9 +141,7 @@ class LLMClient:
         """Policy samples ``indices`` (default: 0..n-1) of one prompt, in index order. A failed call fails only
         the samples it was for: the others are kept (sample i sent on its own uses seed + i)."""
         cfg = self.configs["policy"]
-        request = GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
-                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed,
-                             repetition_penalty=cfg.repetition_penalty)
+        request = _request(cfg, messages, n=n, temperature=temperature, seed=seed if seed is not None else cfg.seed)
         wanted = list(range(n)) if indices is None else sorted(indices)
         calls: list[LLMCall] = []
         samples: dict[int, Sample] = {}
@@ -174,10 +172,8 @@ class LLMClient:
         """One reply; ``redraw`` k > 0 asks for the k-th other draw (a seeded config uses seed + k)."""
         cfg = self.configs[role]
         seed = None if cfg.seed is None else cfg.seed + redraw
-        request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
-                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed,
-                             repetition_penalty=cfg.repetition_penalty,
-                             json_schema=json_schema if cfg.json_schema else None, schema_name=schema_name)
+        request = _request(cfg, messages, temperature=temperature, seed=seed, schema_name=schema_name,
+                           json_schema=json_schema if cfg.json_schema else None)
         calls: list[LLMCall] = []
         gen = await self._call(role, request, stage, calls)
         return Completed(text=gen.texts[0] if gen.texts else "", calls=calls,
@@ -190,9 +186,8 @@ class LLMClient:
         after the retries; its cause is ``ToolsRefused`` when the endpoint has no tool calling. ``calls``: the
         caller's list, which gets every attempt as it is recorded (also one cut short by a timeout)."""
         cfg = self.configs["policy"]
-        request = GenRequest(messages=messages, n=1, temperature=cfg.temperature if temperature is None else temperature,
-                             top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed if seed is not None else cfg.seed,
-                             repetition_penalty=cfg.repetition_penalty, tools=tools or None, tool_choice=tool_choice)
+        request = _request(cfg, messages, temperature=temperature, seed=seed if seed is not None else cfg.seed,
+                           tools=tools or None, tool_choice=tool_choice)
         calls = [] if calls is None else calls
         gen = await self._call("policy", request, stage, calls, turn=turn)
         return TurnReply(text=gen.texts[0] if gen.texts else "", tool_calls=gen.tool_calls[0] if gen.tool_calls else [],
@@ -340,6 +335,14 @@ class LLMClient:
                        latency_s=time.monotonic() - t0, retries=attempt, cost_usd=cost, ok=gen is not None,
                        error=error, started_at=started, call_id=call_id, rate_limited=rate_limited, final=final,
                        finish_reason=_at(gen.finish_reasons, 0) if gen else "", turn=turn)
+
+
+def _request(cfg: ModelConfig, messages: list[Message], *, n: int = 1, temperature: float | None,
+             seed: int | None, **extra: object) -> GenRequest:
+    """A request with the model's sampling settings (``temperature`` None: the model's own)."""
+    return GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
+                      top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed,
+                      repetition_penalty=cfg.repetition_penalty, **extra)  # type: ignore[arg-type]
 
 
 def _at(values: list[str], index: int) -> str:
