@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clgrpo.library import ExperienceLibrary  # noqa: E402
+from clgrpo.tokens import TOKEN  # noqa: E402
 from domains import get_domain  # noqa: E402
 from schemas.config import DatasetConfig  # noqa: E402
 from schemas.records import Operation  # noqa: E402
@@ -35,7 +35,6 @@ EXTRA_EXPERIENCES = (
     "Counting with constraints: count the complement or use inclusion-exclusion when direct enumeration has many "
     "overlapping cases, then verify on a smaller instance.",
 )
-TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
 def tokens(messages: list[dict[str, str]]) -> list[str]:

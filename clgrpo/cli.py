@@ -144,16 +144,22 @@ def failed_items(r: Any) -> int:
 
 
 def cmd_library_show(args: argparse.Namespace) -> int:
+    from clgrpo.quality import describe_quality
     from clgrpo.usefulness import describe
 
     run_id, version = parse_library_ref(args.ref)
     with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
         stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)}
-    print(f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences")
+        quality = [q for q in store.records("library_quality", run_id, library.step) if q.version == library.version]
+    print(f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
+          f"{library.prompt_tokens()} tokens (estimated)")
+    if quality:
+        print(f"# {describe_quality(quality[0])}")
     for e in library:
         lineage = f" (from {', '.join(e.parent_ids)})" if e.parent_ids else ""
-        print(f"[{e.id}] {e.text}  <step {e.created_step}/{e.updated_step}{lineage}>")
+        domain = f" domain {e.domain_tag}" if e.domain_tag else ""
+        print(f"[{e.id}] {e.text}  <step {e.created_step}/{e.updated_step}{lineage}{domain}>")
         if e.id in stats:
             print(f"      {describe(stats[e.id])}")
     return 0

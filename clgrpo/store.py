@@ -37,6 +37,7 @@ from schemas.records import (
     EvalSummary,
     Experience,
     ExperienceStat,
+    LibraryQuality,
     GroupAdvantage,
     LibraryVersion,
     LLMCall,
@@ -135,6 +136,7 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "refresh_inputs": lambda items: [i.model_dump() for i in items],
     "refreshes": lambda items: [_refresh_row(d) for d in items],
     "experience_stats": lambda items: [s.model_dump() for s in items],
+    "library_quality": lambda items: [q.model_dump() for q in items],
 }
 
 
@@ -195,6 +197,7 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "eval_comparisons": _plain(EvalComparison),
     "refresh_inputs": _plain(RefreshInput),
     "experience_stats": _plain(ExperienceStat),
+    "library_quality": _plain(LibraryQuality),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
 }
@@ -214,6 +217,7 @@ _ORDER = {
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
     "experience_stats": "exp_id",
+    "library_quality": "version",
 }
 
 
@@ -501,7 +505,8 @@ class Store:
             "created_at": v.created_at}]))
         rows = [{"run_id": run_id, "version": v.version, "position": i, "exp_id": e.id, "text": e.text,
                  "created_step": e.created_step, "updated_step": e.updated_step,
-                 "parent_ids_json": _dumps(e.parent_ids), "source_groups_json": _dumps(e.source_groups)}
+                 "parent_ids_json": _dumps(e.parent_ids), "source_groups_json": _dumps(e.source_groups),
+                 "domain_tag": e.domain_tag}
                 for i, e in enumerate(v.experiences)]
         columns = list(FRAMES["library_experiences"].to_schema().columns)
         body = self.validate("library_experiences", pd.DataFrame(rows, columns=columns))
@@ -534,7 +539,7 @@ class Store:
         experiences = [
             Experience(id=r["exp_id"], text=r["text"], created_step=r["created_step"],
                        updated_step=r["updated_step"], parent_ids=json.loads(r["parent_ids_json"]),
-                       source_groups=json.loads(r["source_groups_json"]))
+                       source_groups=json.loads(r["source_groups_json"]), domain_tag=_clean(r["domain_tag"]))
             for r in body.to_dict(orient="records")
         ]
         parent = h["parent_version"]

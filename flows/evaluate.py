@@ -31,6 +31,7 @@ from clgrpo.errors import EvaluationError
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_policy
+from clgrpo.retrieval import prompt_routing, route_library
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -136,22 +137,27 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
         "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
                                                                   "refuse_on_leakage", "every_n_steps"}),
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
-        "problems": text_hash(json.dumps([p.model_dump() for p in problems], sort_keys=True)),
+        "problems": text_hash(json.dumps([p.model_dump(exclude={"domain_tag"} if p.domain_tag is None else None)
+                                          for p in problems], sort_keys=True)),
     }
     if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
         payload["agent"] = agent
+    if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint
+        payload["routing"] = routing
     return text_hash(json.dumps(payload, sort_keys=True))
 
 
 # --- the evaluation itself (shared by the flow and the training validation) -----------------------------------
 async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problems: list[Problem],
                               conditions: list[Condition], *, key: str, eval_id: str, fingerprint: str,
-                              leaked_ids: list[str]) -> Outputs:
-    """Sample and grade every condition, summarize each, compare each to the first: the stage outputs."""
+                              leaked_ids: list[str], store: Store | None = None) -> Outputs:
+    """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
+    problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
+    in ``store`` when given)."""
     samples: dict[str, list[EvalSample]] = {}
     calls = []
     for condition in conditions:
-        version = condition.library.to_version()
+        version = (await route_library(config, store, condition.library, problems)).to_version()
         batches = await asyncio.gather(*[evaluate_task(config, evaluation, key, condition.label, i, chunk, version)
                                          for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))])
         samples[condition.label] = [s for b in batches for s in b.samples]
@@ -178,7 +184,8 @@ async def _evaluate_recorded(store: Store, config: RunConfig, evaluation: EvalCo
     try:
         with recording(step, stage=EVALUATE_STAGE, items=False):
             outputs = await evaluate_conditions(config, evaluation, problems, conditions, key=eval_id,
-                                                eval_id=eval_id, fingerprint=fingerprint, leaked_ids=leaked_ids)
+                                                eval_id=eval_id, fingerprint=fingerprint, leaked_ids=leaked_ids,
+                                                store=store)
     except BaseException:
         if step.calls():
             store.write_unfinished(eval_id, 0, EVALUATE_STAGE, {"llm_calls": step.calls()})
@@ -224,10 +231,10 @@ class Validator:
     """Held-out evaluation inside a training run (``config.validation``): step 0 is the baseline before
     training, then every N steps and the last step. Rows are keyed by (run_id, step, "validate")."""
 
-    def __init__(self, config: RunConfig, train_problems: list[Problem]) -> None:
+    def __init__(self, config: RunConfig, train_problems: list[Problem], store: Store | None = None) -> None:
         if config.validation is None:
             raise EvaluationError("validation is not configured")
-        self.config, self.evaluation = config, config.validation
+        self.config, self.evaluation, self.store = config, config.validation, store
         self.problems = load_problems(config, config.validation.dataset)
         self.leakage = guard_leakage(train_problems, self.problems, config.validation)
 
@@ -240,7 +247,7 @@ class Validator:
         return await evaluate_conditions(
             self.config, self.evaluation, self.problems, [Condition(ref, ref, library)],
             key=f"{self.config.run_id}/{step}", eval_id=f"{self.config.run_id}-step{step}",
-            fingerprint=fingerprint, leaked_ids=self.leakage.eval_ids)
+            fingerprint=fingerprint, leaked_ids=self.leakage.eval_ids, store=self.store)
 
     async def publish(self, step: int, outputs: Outputs) -> None:
         summary: EvalSummary = outputs["evaluations"][0]

@@ -36,6 +36,8 @@ from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from flows.rollout_gpu import rollout_on_pool
 from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
+from clgrpo.quality import describe_quality, library_quality
+from clgrpo.retrieval import route_library
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
@@ -202,7 +204,7 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
         step, cfg, problems = planned.step, self.cfg, planned.problems
-        version = library.to_version()
+        version = (await route_library(cfg, self.store, library, problems)).to_version()  # what each prompt shows
         rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
 
         run_chunk = (partial(rollout_on_pool, db_id=self.store.db_id) if cfg.rollout.placement == "pool"
@@ -273,7 +275,8 @@ class Trainer:
 
         async def do_apply() -> Outputs:
             near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), plan.operations)
-            applied = apply_operations_task(cfg, step, version, plan.operations, problems, near)
+            usefulness = {s.exp_id: s for s in self.experience_stats(step, [e.id for e in library])}
+            applied = apply_operations_task(cfg, step, version, plan.operations, problems, near, usefulness)
             applied_version.append(applied.library)
             over = rejected_results(over_group + plan.over, first_seq=len(applied.results))
             if over:
@@ -359,7 +362,7 @@ class Trainer:
         step = planned.step
         paths = checkpoint_task(self.cfg, step, library.to_version())
         report = reports[-1]
-        stats = self.experience_stats(step, library)
+        stats = self.experience_stats(step, [e.id for e in library])
         await acreate_table_artifact(library_table(library, stats) or [{"id": "", "text": "(empty library)"}],
                                      key=artifact_key(self.run_id, "library"),
                                      description=f"Library after step {step} (version {library.version})")
@@ -368,7 +371,15 @@ class Trainer:
                                         description=f"Operations applied and rejected at step {step}")
         await acreate_table_artifact([r.as_row() for r in reports], key=artifact_key(self.run_id, "counts"),
                                      description="Per-step counts: groups, proposals, operations, tokens, cost")
-        self.store.write_stage(self.run_id, step, CHECKPOINT, {"experience_stats": stats})
+        quality = library_quality(self.store.load_library(self.run_id, step - 1), library, stats,
+                                  self.store.records("operations", self.run_id, step),
+                                  self.store.records("summaries", self.run_id, step))
+        self.store.write_stage(self.run_id, step, CHECKPOINT, {"experience_stats": stats, "library_quality": [quality]})
+        await acreate_table_artifact([q.model_dump() for q in self.store.records("library_quality", self.run_id)],
+                                     key=artifact_key(self.run_id, "quality"),
+                                     description="Library quality per version: size, tokens, duplicates, "
+                                                 "confidence, coverage, churn")
+        self.log.info("step %d: %s", step, describe_quality(quality))
         self.log.info(
             "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
             "operations %d applied / %d rejected, library %d, %d calls (%d requests), tokens %d in / %d out, "
@@ -379,10 +390,11 @@ class Trainer:
         if problems := step_problems(report, agent=self.cfg.rollout.agent_settings()):
             self.log.warning("step %d: %s (details: clgrpo report %s)", step, "; ".join(problems), self.run_id)
 
-    def experience_stats(self, step: int, library: ExperienceLibrary) -> list[ExperienceStat]:
-        """Usefulness and confidence of the lessons live after ``step`` (``clgrpo.usefulness``)."""
+    def experience_stats(self, step: int, live_ids: list[str]) -> list[ExperienceStat]:
+        """Usefulness and confidence of the lessons ``live_ids`` with the citations of ``step`` counted
+        (``clgrpo.usefulness``)."""
         shown = self.store.load_library(self.run_id, step - 1) if step > 0 else ExperienceLibrary()
-        return step_stats(self.store.records("experience_stats", self.run_id, step - 1), [e.id for e in library],
+        return step_stats(self.store.records("experience_stats", self.run_id, step - 1), live_ids,
                           [e.id for e in shown], self.store.records("summaries", self.run_id, step),
                           self.store.records("rewards", self.run_id, step),
                           self.store.records("group_advantages", self.run_id, step))
@@ -424,7 +436,7 @@ class Trainer:
         steps_artifact = await acreate_progress_artifact(0.0, key=artifact_key(self.run_id, "progress"),
                                                          description=f"{len(planned_steps)} steps")
         reports: list[StepReport] = []
-        validator = Validator(self.cfg, problems) if self.cfg.validation else None
+        validator = Validator(self.cfg, problems, self.store) if self.cfg.validation else None
         if validator:
             await self.validate(validator, 0, library)
         self.journal.discard_step(0)

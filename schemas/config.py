@@ -65,6 +65,9 @@ class DatasetConfig(Section):
     hf_split: str = "train"
     hf_config: str | None = None
     id_field: str | None = "id"  # None or a missing column: ids are derived from the row number
+    # a mixed dataset: the column naming each problem's domain (e.g. "algebra", "web"); a problem's prompt gets its
+    # domain's experiences and the shared ones, and lessons learned from one domain's problems are tagged with it
+    domain_field: str | None = None
     problem_field: str = "problem"
     answer_field: str | None = "answer"  # None: no ground truth in this dataset
     limit: int | None = Field(None, ge=1)
@@ -112,17 +115,35 @@ class LibraryConfig(Section):
     # duplicates only (always refused)
     near_duplicates: Literal["off", "reject", "merge"] = "off"
     near_duplicate_similarity: float = Field(0.9, gt=0.0, le=1.0)
+    # what a rollout prompt gets: "all" the (domain's) experiences, identical for every problem (best for prefix
+    # caching), or the "top_k" most similar to the problem (embeddings) plus the ``pinned`` ids
+    injection: Literal["all", "top_k"] = "all"
+    top_k: int = Field(8, ge=1)
+    pinned: list[str] = Field(default_factory=list)  # ids always shown with top_k (if live)
+    # a hard budget on the whole rendered library (estimated tokens, ``clgrpo.tokens``): after each step's
+    # operations, the least useful experiences are evicted (``evict`` operations) until it fits
+    max_tokens: int | None = Field(None, ge=1)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
 
+    @property
+    def uses_embeddings(self) -> bool:
+        return self.near_duplicates != "off" or self.injection == "top_k"
+
     def result_settings(self) -> dict[str, Any] | None:
-        """What of this section shapes results (for fingerprints): None when near-duplicate control is off;
-        else the mode, the threshold and which model embeds (not where it is served or how fast)."""
-        if self.near_duplicates == "off":
-            return None
-        model = self.embedding.model_dump(mode="json", include={"backend", "model", "model_path", "dimensions",
-                                                                 "max_seq_length"})
-        return {"near_duplicates": self.near_duplicates, "similarity": self.near_duplicate_similarity,
-                "embedding": model}
+        """What of this section shapes results (for fingerprints): None with every default; else the settings
+        that differ from it and, when embeddings are used, which model embeds (not where it is served or how
+        fast). A run made before a setting existed keeps its fingerprint."""
+        settings: dict[str, Any] = {}
+        if self.near_duplicates != "off":
+            settings |= {"near_duplicates": self.near_duplicates, "similarity": self.near_duplicate_similarity}
+        if self.injection != "all":
+            settings |= {"injection": self.injection, "top_k": self.top_k, "pinned": self.pinned}
+        if self.max_tokens is not None:
+            settings["max_tokens"] = self.max_tokens
+        if self.uses_embeddings:
+            settings["embedding"] = self.embedding.model_dump(
+                mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"})
+        return settings or None
 
 
 class GRPOConfig(Section):
@@ -280,6 +301,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "max_problem_chars"): 20_000,
     ("dataset", "max_answer_chars"): 1_000,
     ("dataset", "oversize"): "error",
+    ("dataset", "domain_field"): None,
 }
 
 class StageTolerances(Section):
@@ -362,7 +384,7 @@ class RunConfig(Section):
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
         payload.pop("library", None)
-        if (library := self.library.result_settings()) is not None:  # only when near-duplicate control is on
+        if (library := self.library.result_settings()) is not None:  # only when a library setting is changed
             payload["library"] = library
         return text_hash(json.dumps(payload, sort_keys=True))
 

@@ -170,6 +170,24 @@ TABLE_DDL: dict[str, str] = {
         confidence DOUBLE NOT NULL,
         ci_low DOUBLE NOT NULL,
         ci_high DOUBLE NOT NULL""",
+    # per step (stage checkpoint): the library version as a whole (clgrpo.quality)
+    "library_quality": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        size INTEGER NOT NULL,
+        tokens INTEGER NOT NULL,
+        near_duplicates INTEGER NOT NULL,
+        duplicate_ratio DOUBLE NOT NULL,
+        mean_confidence DOUBLE,
+        never_cited_share DOUBLE,
+        coverage DOUBLE,
+        coverage_problems INTEGER NOT NULL,
+        added INTEGER NOT NULL,
+        modified INTEGER NOT NULL,
+        deleted INTEGER NOT NULL,
+        evicted INTEGER NOT NULL""",
     # embeddings of texts (lessons, operation texts), computed once per text and model and shared by all runs
     "embeddings": """
         model VARCHAR NOT NULL,
@@ -280,6 +298,7 @@ TABLE_DDL: dict[str, str] = {
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
+STAGE_TABLES += ("library_quality",)
 
 
 # Columns added after the first release: files created before get them on open.
@@ -288,6 +307,8 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
                  "tool_time_s DOUBLE"],
     "rewards": ["verified BOOLEAN"],
+    "problems": ["domain_tag VARCHAR"],
+    "library_experiences": ["domain_tag VARCHAR"],
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
                   "turn INTEGER"],

@@ -45,6 +45,7 @@ class ProblemsFrame(StageKeyed):
     problem: Series[str] = pa.Field(str_length={"min_value": 1})
     answer: Series[str] = pa.Field(nullable=True)
     source: Series[str]
+    domain_tag: Series[str] = pa.Field(nullable=True)
 
 
 class RolloutsFrame(StageKeyed):
@@ -110,7 +111,7 @@ class ProposalsFrame(StageKeyed):
 
 class OperationsFrame(StageKeyed):
     seq: Series[int] = pa.Field(ge=0)
-    op: Series[str] = pa.Field(isin=["add", "modify", "delete", "merge", "keep"])
+    op: Series[str] = pa.Field(isin=["add", "modify", "delete", "merge", "keep", "evict"])
     target_ids_json: Series[str]
     text: Series[str] = pa.Field(nullable=True)
     rationale: Series[str]
@@ -161,6 +162,7 @@ class LibraryExperiencesFrame(Frame):
     updated_step: Series[int] = pa.Field(ge=0)
     parent_ids_json: Series[str]
     source_groups_json: Series[str]
+    domain_tag: Series[str] = pa.Field(nullable=True)
 
 
 class EvaluationsFrame(StageKeyed):
@@ -268,6 +270,22 @@ class DbMetaFrame(Frame):
     value: Series[str]
 
 
+class LibraryQualityFrame(StageKeyed):
+    version: Series[int] = pa.Field(ge=0)
+    size: Series[int] = pa.Field(ge=0)
+    tokens: Series[int] = pa.Field(ge=0)
+    near_duplicates: Series[int] = pa.Field(ge=0)
+    duplicate_ratio: Series[float] = pa.Field(ge=0)
+    mean_confidence: Series[float] = pa.Field(ge=0, le=1, nullable=True)
+    never_cited_share: Series[float] = pa.Field(ge=0, le=1, nullable=True)
+    coverage: Series[float] = pa.Field(ge=0, le=1, nullable=True)
+    coverage_problems: Series[int] = pa.Field(ge=0)
+    added: Series[int] = pa.Field(ge=0)
+    modified: Series[int] = pa.Field(ge=0)
+    deleted: Series[int] = pa.Field(ge=0)
+    evicted: Series[int] = pa.Field(ge=0)
+
+
 class ExperienceStatsFrame(StageKeyed):
     exp_id: Series[str] = pa.Field(str_length={"min_value": 1})
     cited: Series[int] = pa.Field(ge=0)
@@ -311,6 +329,7 @@ FRAMES: dict[str, type[Frame]] = {
     "library_experiences": LibraryExperiencesFrame,
     "embeddings": EmbeddingsFrame,
     "experience_stats": ExperienceStatsFrame,
+    "library_quality": LibraryQualityFrame,
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,
     "eval_comparisons": EvalComparisonsFrame,

@@ -32,6 +32,7 @@ class Problem(Record):
     problem: str = Field(min_length=1)
     answer: str | None = None  # None when the dataset has no ground truth
     source: str = ""
+    domain_tag: str | None = None  # the problem's domain in a mixed dataset (``dataset.domain_field``)
 
 
 class Turn(Record):
@@ -120,6 +121,7 @@ class OpKind(StrEnum):
     DELETE = "delete"
     MERGE = "merge"
     KEEP = "keep"
+    EVICT = "evict"  # never proposed by the learner: the token budget's removals (``library.max_tokens``)
 
 
 class Operation(Record):
@@ -170,6 +172,7 @@ class Experience(Record):
     updated_step: int = 0
     parent_ids: list[str] = Field(default_factory=list)  # merged or modified-from ids
     source_groups: list[str] = Field(default_factory=list)  # groups (problem ids) that produced it
+    domain_tag: str | None = None  # shown only to problems of this domain; None: shared by all domains
 
 
 class ExperienceStat(Record):
@@ -186,6 +189,24 @@ class ExperienceStat(Record):
     ci_high: float = 1.0
 
 
+class LibraryQuality(Record):
+    """The library after a step, as a whole (``clgrpo.quality``): stored per version at the checkpoint."""
+
+    version: int = Field(ge=0)
+    size: int = Field(ge=0)  # live experiences
+    tokens: int = Field(ge=0)  # estimated tokens of the whole rendered library (``clgrpo.tokens``)
+    near_duplicates: int = Field(0, ge=0)  # adds / modifies of the step rejected or merged as near-duplicates
+    duplicate_ratio: float = Field(0.0, ge=0)  # near_duplicates / adds and modifies applied or rejected
+    mean_confidence: float | None = None  # over live experiences (None: empty library)
+    never_cited_share: float | None = None  # live experiences no summary has cited yet
+    coverage: float | None = None  # share of the step's summarized problems whose attempts cited >= 1 lesson
+    coverage_problems: int = Field(0, ge=0)  # the denominator: problems with summaries (groups with variance)
+    added: int = Field(0, ge=0)  # churn against the previous version, by id: new ids (adds, merge results)
+    modified: int = Field(0, ge=0)  # same id, new text
+    deleted: int = Field(0, ge=0)  # ids gone by delete or merge
+    evicted: int = Field(0, ge=0)  # ids gone by the token budget
+
+
 class LibraryVersion(Record):
     version: int = Field(ge=0)
     step: int = Field(ge=0)
@@ -195,6 +216,9 @@ class LibraryVersion(Record):
     next_id: int = Field(ge=0)
     id_prefix: str = "E"
     created_at: datetime = Field(default_factory=utcnow)
+    # problem id -> the experience ids its rollout prompt shows (``clgrpo.retrieval``); None: the whole library.
+    # Travels to the rollout and summarize tasks with the version; never stored with it.
+    shown: dict[str, list[str]] | None = None
 
 
 class LLMCall(Record):

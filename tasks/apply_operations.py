@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from clgrpo.embeddings import Embedder, make_embedder
-from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen, normalize_text
+from clgrpo.embeddings import make_embedder
+from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen
+from clgrpo.retrieval import embed_cached
 from clgrpo.store import Store
 from domains import get_domain
 from domains.guard import LessonGuard, first_rejection
 from domains.learner import LessonScreen
 from schemas.config import LearningConfig, RunConfig
-from schemas.records import LibraryVersion, Operation, OperationResult, Problem, text_hash
+from schemas.records import ExperienceStat, LibraryVersion, Operation, OperationResult, Problem
 from tasks.common import stage_task
 
 STAGE = "apply_operations"
@@ -26,10 +27,11 @@ class Applied:
 
 def apply_operations(library: ExperienceLibrary, operations: list[Operation], *, step: int,
                      cfg: LearningConfig, screen: Screen | None = None,
-                     near: NearDuplicates | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
+                     near: NearDuplicates | None = None,
+                     domains: Mapping[str, str | None] | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
     """Every operation comes back applied or rejected with its reason; the new version's number is ``step``."""
     return library.apply(operations, step=step, max_words=cfg.max_words, min_words=cfg.min_words,
-                         max_size=cfg.max_library_size, screen=screen, near=near)
+                         max_size=cfg.max_library_size, screen=screen, near=near, domains=domains)
 
 
 def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
@@ -39,19 +41,6 @@ def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
     return first_rejection(
         LessonScreen(get_domain(config.domain).learner_prompts, problems, config.learning.lesson_pattern),
         LessonGuard(config.learning.guard, problems))
-
-
-async def embed_cached(store: Store, embedder: Embedder, texts: Sequence[str]) -> dict[str, list[float]]:
-    """Unit-length embeddings of ``texts`` keyed by ``normalize_text``: read from DuckDB (``embeddings``, by model
-    and text hash), the missing ones computed once and stored."""
-    keys = {normalize_text(t): text_hash(normalize_text(t)) for t in texts if t and t.strip()}
-    known = store.cached_vectors(embedder.name, sorted(set(keys.values())))
-    missing = [k for k, h in keys.items() if h not in known]
-    if missing:
-        fresh = {keys[k]: v for k, v in zip(missing, await embedder.embed(missing))}
-        store.store_vectors(embedder.name, fresh)
-        known.update(fresh)
-    return {k: [float(x) for x in known[h]] for k, h in keys.items()}
 
 
 async def near_duplicates_for(config: RunConfig, store: Store, library: ExperienceLibrary,
@@ -72,9 +61,16 @@ async def near_duplicates_for(config: RunConfig, store: Store, library: Experien
 
 @stage_task(STAGE, run_name="apply-operations-step{step}")
 def apply_operations_task(config: RunConfig, step: int, library: LibraryVersion, operations: list[Operation],
-                          problems: list[Problem], near: NearDuplicates | None = None) -> Applied:
-    """``problems``: the step's training problems (a lesson may not copy one or state its answer); ``near``:
-    the near-duplicate control (``near_duplicates_for``)."""
+                          problems: list[Problem], near: NearDuplicates | None = None,
+                          usefulness: Mapping[str, ExperienceStat] | None = None) -> Applied:
+    """``problems``: the step's training problems (a lesson may not copy one or state its answer; a lesson takes
+    their domain tag); ``near``: the near-duplicate control (``near_duplicates_for``); ``usefulness``: each live
+    experience's stats so far, which the token budget (``library.max_tokens``) evicts by."""
+    domains = {p.problem_id: p.domain_tag for p in problems} if any(p.domain_tag for p in problems) else None
     new, results = apply_operations(ExperienceLibrary.from_version(library), operations, step=step,
-                                    cfg=config.learning, screen=lesson_screen(config, problems), near=near)
+                                    cfg=config.learning, screen=lesson_screen(config, problems), near=near,
+                                    domains=domains)
+    if config.library.max_tokens is not None:
+        new, evicted = new.evict_to_budget(config.library.max_tokens, usefulness or {}, first_seq=len(results))
+        results += evicted
     return Applied(new.to_version(), results)

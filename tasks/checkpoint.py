@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
+from clgrpo.library import ExperienceLibrary
+from clgrpo.quality import near_duplicate_counts
 from clgrpo.usefulness import describe
 from schemas.config import RunConfig
 from schemas.ddl import CHECKPOINT_STAGE
@@ -17,7 +18,6 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     OperationResult,
-    OpKind,
     OpStatus,
     Proposal,
     Reward,
@@ -104,8 +104,8 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
         tool_calls=sum(r.tool_calls for r in rollouts),
         tool_errors=sum(r.tool_errors for r in rollouts),
         model_turns=sum(r.n_turns for r in rollouts),
-        near_duplicates=(near := sum(r.reason.startswith(NEAR_DUPLICATE) for r in results)),
-        duplicate_ratio=near / max(1, sum(r.operation.op in (OpKind.ADD, OpKind.MODIFY) for r in results)),
+        near_duplicates=near_duplicate_counts(results)[0],
+        duplicate_ratio=near_duplicate_counts(results)[1],
     )
 
 
@@ -134,7 +134,7 @@ def library_table(library: ExperienceLibrary, stats: Sequence[ExperienceStat] = 
     usefulness = {s.exp_id: describe(s) for s in stats}
     return [{"id": e.id, "text": e.text, "created_step": e.created_step, "updated_step": e.updated_step,
              "parents": ", ".join(e.parent_ids), "sources": ", ".join(e.source_groups),
-             "usefulness": usefulness.get(e.id, "")} for e in library]
+             "domain": e.domain_tag or "", "usefulness": usefulness.get(e.id, "")} for e in library]
 
 
 def export_dir(config: RunConfig) -> Path:

@@ -36,7 +36,7 @@ async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: 
     """G rollouts of one problem (agent rollouts when ``agent`` is set). Samples already in the work journal (an
     earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
     own samples."""
-    messages = domain.rollout_messages(problem, library.render_for_prompt())
+    messages = domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id))
     prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     done = StageItems(STAGE, Rollout)

@@ -57,9 +57,8 @@ async def summarize(groups: list[Group], library: ExperienceLibrary, prompts: Le
                     use_groundtruth: bool) -> SummaryBatch:
     """One summary per rollout; a failed call leaves a summary with ``error`` (the extractor then reads the
     trajectory itself)."""
-    library_text = library.render_for_prompt()
     parts = await asyncio.gather(*[
-        _summarize_one(g.problem, r, w, library_text, prompts, llm, use_groundtruth)
+        _summarize_one(g.problem, r, w, library.prompt_text_for(g.problem.problem_id), prompts, llm, use_groundtruth)
         for g in groups for r, w in zip(g.rollouts, g.rewards)
     ])
     return SummaryBatch([s for p in parts for s in p.summaries], [c for p in parts for c in p.calls])

@@ -137,7 +137,10 @@ def operation_from_item(item: Any, allowed: Iterable[OpKind]) -> Operation:
         raise StructuredOutputError(f"invalid operation {item}: {exc.errors()[0]['msg']}") from exc
 
 
-def parse_operations(text: str, allowed: Iterable[OpKind] = tuple(OpKind)) -> list[Operation]:
+LEARNER_OPS = tuple(k for k in OpKind if k != OpKind.EVICT)  # evictions come from the token budget only
+
+
+def parse_operations(text: str, allowed: Iterable[OpKind] = LEARNER_OPS) -> list[Operation]:
     """``{"operations": [...]}`` (or a bare list) -> validated operations; raises on any invalid item."""
     payload = extract_json(text)
     if isinstance(payload, dict):

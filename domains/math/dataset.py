@@ -345,6 +345,9 @@ def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
     if cfg.answer_field is not None:
         checks = _cell_checks(_is_text_or_number)
         columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=False)
+    if cfg.domain_field is not None:  # a missing or blank domain: the problem is untagged (sees every lesson)
+        columns[cfg.domain_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
+                                                                     name="wrong type")], nullable=True)
     if id_col is not None:
         checks = _cell_checks(_is_text_or_number)
         checks.append(pa.Check(_first_occurrences, name="duplicate"))
@@ -376,6 +379,8 @@ def _translate(raw: _Raw, cfg: DatasetConfig, case: dict[str, Any]) -> _Issue:
         what = "empty"
     elif check == "wrong type":
         expected = "text" if column == cfg.problem_field else "text or a number"
+        if column == cfg.domain_field:
+            expected += " (or empty: shared)"
         what = f"wrong type: expected {expected}, got {type(value).__name__}"
     elif check == "duplicate":
         key = _scalar_text(value)
@@ -406,8 +411,16 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
         answer = _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None
         text = row[cfg.problem_field].strip()
-        problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source))
+        problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
+                                domain_tag=_domain_tag(row, cfg)))
     return problems
+
+
+def _domain_tag(row: pd.Series, cfg: DatasetConfig) -> str | None:
+    value = row[cfg.domain_field] if cfg.domain_field else None
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return None
+    return _scalar_text(value) or None
 
 
 def _dedupe(problems: list[Problem]) -> tuple[list[Problem], list[str]]:

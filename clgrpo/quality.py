@@ -1,0 +1,72 @@
+"""Quality of a library version as a whole, per step: size, tokens, duplicates, confidence, coverage, churn.
+
+- ``tokens``: the estimated tokens of the whole rendered library (``clgrpo.tokens``; what ``library.max_tokens``
+  bounds).
+- ``near_duplicates`` / ``duplicate_ratio``: the step's adds and modifies rejected or merged as near-duplicates
+  of live experiences, and their share of all adds and modifies of the step's plan.
+- ``mean_confidence`` and ``never_cited_share``: over the live experiences' stats (``clgrpo.usefulness``).
+- ``coverage``: of the step's problems with summaries (groups with reward variance: only they are summarized),
+  the share where at least one attempt's summary cited a lesson it was shown.
+- churn, by id against the previous version: ``added`` (adds, merge results), ``modified`` (same id, new
+  text), ``deleted`` (by delete or merge), ``evicted`` (by the token budget).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary, diff
+from clgrpo.usefulness import cited_ids
+from schemas.records import ExperienceStat, LibraryQuality, OperationResult, OpKind, OpStatus, Summary
+
+
+def near_duplicate_counts(results: Sequence[OperationResult]) -> tuple[int, float]:
+    """Near-duplicate outcomes of a step's operations, and their share of its adds and modifies."""
+    near = sum(r.reason.startswith(NEAR_DUPLICATE) for r in results)
+    edits = sum(r.operation.op in (OpKind.ADD, OpKind.MODIFY) for r in results)
+    return near, near / max(1, edits)
+
+
+def coverage(summaries: Sequence[Summary], shown_ids: Sequence[str]) -> tuple[float | None, int]:
+    """Share of the summarized problems where some attempt cited a shown lesson, and how many were summarized."""
+    problems: dict[str, bool] = {}
+    for summary in summaries:
+        if summary.error is not None:
+            continue
+        cited = bool(cited_ids(summary.text, shown_ids))
+        problems[summary.problem_id] = problems.get(summary.problem_id, False) or cited
+    if not problems:
+        return None, 0
+    return sum(problems.values()) / len(problems), len(problems)
+
+
+def library_quality(previous: ExperienceLibrary, library: ExperienceLibrary, stats: Sequence[ExperienceStat],
+                    results: Sequence[OperationResult], summaries: Sequence[Summary]) -> LibraryQuality:
+    """The quality row of ``library`` (the version after a step) from the step's operations and summaries;
+    ``previous``: the version the step's rollouts were shown."""
+    live = {s.exp_id: s for s in stats if s.exp_id in library}
+    evicted = {r.result_id for r in results if r.operation.op == OpKind.EVICT and r.status == OpStatus.APPLIED}
+    changes = diff(previous, library)
+    near, ratio = near_duplicate_counts(results)
+    share, summarized = coverage(summaries, [e.id for e in previous])
+    return LibraryQuality(
+        version=library.version, size=len(library), tokens=library.prompt_tokens(),
+        near_duplicates=near, duplicate_ratio=ratio,
+        mean_confidence=statistics.fmean(s.confidence for s in live.values()) if live else None,
+        never_cited_share=sum(not s.cited for s in live.values()) / len(live) if live else None,
+        coverage=share, coverage_problems=summarized,
+        added=len(changes.added), modified=len(changes.modified),
+        deleted=sum(e.id not in evicted for e in changes.removed), evicted=len(evicted))
+
+
+def describe_quality(q: LibraryQuality) -> str:
+    """One line for the step log."""
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    confidence = "-" if q.mean_confidence is None else f"{q.mean_confidence:.2f}"
+    return (f"library v{q.version}: {q.size} lessons, {q.tokens} tokens, duplicate ratio {q.duplicate_ratio:.0%}, "
+            f"mean confidence {confidence}, never cited {share(q.never_cited_share)}, coverage "
+            f"{share(q.coverage)} of {q.coverage_problems} summarized problems, churn +{q.added} ~{q.modified} "
+            f"-{q.deleted} evicted {q.evicted}")
