@@ -7,8 +7,9 @@
 - ``mean_confidence`` and ``never_cited_share``: over the live experiences' stats (``clgrpo.usefulness``).
 - ``coverage``: of the step's problems with summaries (groups with reward variance: only they are summarized),
   the share where at least one attempt's summary cited a lesson it was shown.
-- churn, by id against the previous version: ``added`` (adds, merge results), ``modified`` (same id, new
-  text), ``deleted`` (by delete or merge), ``evicted`` (by the token budget).
+- churn, the step's applied operations: ``added`` (new ids: adds, merge results), ``modified``, ``deleted`` (ids
+  removed by delete or merge), ``evicted`` (by the token budget); the previous size + added - deleted - evicted
+  is the new size (a lesson added and evicted in the same step counts in both).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary, diff
+from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
 from clgrpo.usefulness import cited_ids
 from schemas.records import ExperienceStat, LibraryQuality, OperationResult, OpKind, OpStatus, Summary
 
@@ -41,13 +42,25 @@ def coverage(summaries: Sequence[Summary], shown_ids: Sequence[str]) -> tuple[fl
     return sum(problems.values()) / len(problems), len(problems)
 
 
+def churn(previous: ExperienceLibrary, results: Sequence[OperationResult]) -> dict[str, int]:
+    """Applied changes by kind: new ids (adds, merge results), modified texts, ids removed by delete or merge,
+    ids evicted by the budget; ``len(previous) + added - deleted - evicted`` is the new size."""
+    applied = [r for r in results if r.status == OpStatus.APPLIED]
+
+    def count(kind: OpKind) -> int:
+        return sum(r.operation.op == kind for r in applied)
+
+    fresh_adds = sum(r.operation.op == OpKind.ADD and r.result_id not in previous for r in applied)
+    merged_away = sum(len(r.operation.target_ids) for r in applied if r.operation.op == OpKind.MERGE)
+    return {"added": fresh_adds + count(OpKind.MERGE), "modified": count(OpKind.MODIFY),
+            "deleted": count(OpKind.DELETE) + merged_away, "evicted": count(OpKind.EVICT)}
+
+
 def library_quality(previous: ExperienceLibrary, library: ExperienceLibrary, stats: Sequence[ExperienceStat],
                     results: Sequence[OperationResult], summaries: Sequence[Summary]) -> LibraryQuality:
     """The quality row of ``library`` (the version after a step) from the step's operations and summaries;
     ``previous``: the version the step's rollouts were shown."""
     live = {s.exp_id: s for s in stats if s.exp_id in library}
-    evicted = {r.result_id for r in results if r.operation.op == OpKind.EVICT and r.status == OpStatus.APPLIED}
-    changes = diff(previous, library)
     near, ratio = near_duplicate_counts(results)
     share, summarized = coverage(summaries, [e.id for e in previous])
     return LibraryQuality(
@@ -55,9 +68,7 @@ def library_quality(previous: ExperienceLibrary, library: ExperienceLibrary, sta
         near_duplicates=near, duplicate_ratio=ratio,
         mean_confidence=statistics.fmean(s.confidence for s in live.values()) if live else None,
         never_cited_share=sum(not s.cited for s in live.values()) / len(live) if live else None,
-        coverage=share, coverage_problems=summarized,
-        added=len(changes.added), modified=len(changes.modified),
-        deleted=sum(e.id not in evicted for e in changes.removed), evicted=len(evicted))
+        coverage=share, coverage_problems=summarized, **churn(previous, results))
 
 
 def describe_quality(q: LibraryQuality) -> str:

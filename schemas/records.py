@@ -201,8 +201,8 @@ class LibraryQuality(Record):
     never_cited_share: float | None = None  # live experiences no summary has cited yet
     coverage: float | None = None  # share of the step's summarized problems whose attempts cited >= 1 lesson
     coverage_problems: int = Field(0, ge=0)  # the denominator: problems with summaries (groups with variance)
-    added: int = Field(0, ge=0)  # churn against the previous version, by id: new ids (adds, merge results)
-    modified: int = Field(0, ge=0)  # same id, new text
+    added: int = Field(0, ge=0)  # churn, the step's applied operations: new ids (adds, merge results)
+    modified: int = Field(0, ge=0)  # modified texts
     deleted: int = Field(0, ge=0)  # ids gone by delete or merge
     evicted: int = Field(0, ge=0)  # ids gone by the token budget
 
