@@ -8,6 +8,8 @@
 2. Retrieval: ``nearest`` top-k over 100 / 1,000 / 10,000 random unit vectors of 384 dimensions (what the
    library's lessons would be), one query at a time and 100 queries at once (``normalized=True``: stored rows
    are unit length already; and ``normalized=False`` once, the cost of re-normalising).
+3. Routing: ``clgrpo.retrieval.select_experiences`` for a step of 100 problems (``library.injection: top_k``)
+   over the same library sizes, vectors already stored: the per-step cost of retrieval injection.
 
     python benchmarks/embeddings.py [--threads 1,2] [--batch-sizes 32,64] [--repeats 3] [--json out.json]
 
@@ -103,6 +105,31 @@ def bench_retrieval(sizes: list[int], k: int, dim: int = 384) -> list[dict]:
     return rows
 
 
+def bench_routing(sizes: list[int], k: int, problems: int = 100, dim: int = 384) -> list[dict]:
+    """``select_experiences`` for one step (``problems`` problems, top-``k``) over libraries of ``sizes`` lessons:
+    what ``library.injection: top_k`` adds to a step once the vectors are stored (lookups by text, ranking)."""
+    from clgrpo.library import ExperienceLibrary, normalize_text
+    from clgrpo.retrieval import select_experiences
+    from schemas.records import Experience, Problem
+
+    rng = np.random.default_rng(1)
+    rows = []
+    for n in sizes:
+        library = ExperienceLibrary([Experience(id=f"E{i}", text=f"lesson number {i} about topic {i % 97}")
+                                     for i in range(n)])
+        todo = [Problem(problem_id=f"p{j}", problem=f"problem number {j}") for j in range(problems)]
+        texts = [e.text for e in library] + [p.problem for p in todo]
+        vectors = {normalize_text(t): v.tolist() for t, v in zip(texts, normalize_rows(rng.normal(size=(len(texts), dim))))}
+        samples = []
+        for _ in range(5):
+            t = time.perf_counter()
+            shown = select_experiences(library, todo, top_k=k, vectors=vectors)
+            samples.append(time.perf_counter() - t)
+        assert shown is not None and all(len(ids) == k for ids in shown.values())
+        rows.append({"lessons": n, "problems": problems, "k": k, "median_ms": 1e3 * statistics.median(samples)})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default="1,2")
@@ -131,9 +158,14 @@ def main() -> int:
     print(f"{'vectors':>8} {'queries':<22} {'p50 ms':>8} {'p99 ms':>8}")
     for r in ret_rows:
         print(f"{r['vectors']:>8} {r['queries']:<22} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f}")
+    routing = bench_routing([int(x) for x in args.sizes.split(",")], args.k)
+    print(f"\nrouting one step (select_experiences, top-{args.k}, vectors already stored)")
+    print(f"{'lessons':>8} {'problems':>8} {'median ms':>10}")
+    for r in routing:
+        print(f"{r['lessons']:>8} {r['problems']:>8} {r['median_ms']:>10.1f}")
     if args.json:
         args.json.write_text(json.dumps({"embedding": emb_rows, "load_s": load_s, "texts": shape,
-                                         "retrieval": ret_rows}, indent=1))
+                                         "retrieval": ret_rows, "routing": routing}, indent=1))
     return 0
 
 

@@ -349,3 +349,34 @@ async def test_real_minilm_semantics(request):
     assert abs(sims[1] - 0.9116) < 0.005, sims  # sentence-transformers' own encode() gives 0.9116 for this pair
     one_by_one = np.concatenate([await embedder.embed([t]) for t in [first, "The capital of France is Paris."]])
     assert np.allclose(one_by_one, vecs[[0, 2]], atol=1e-5)
+
+
+@pytest.mark.slow
+async def test_real_minilm_retrieval_routes_each_problem_to_its_topic(request, tmp_path):
+    """``library.injection: top_k`` with the embedded model: each problem's prompt gets the lesson of its topic."""
+    pytest.importorskip("transformers", reason="the local extra (torch, transformers) is not installed")
+    if not embeddings.is_fetched(embeddings.embedded_model_dir()):
+        pytest.skip("the embedded embedding model is not cached; `pytest -m slow` downloads it (83 MB) once")
+    from clgrpo.library import ExperienceLibrary
+    from clgrpo.retrieval import route_library
+    from clgrpo.store import Store
+    from schemas.config import DatasetConfig, LibraryConfig, RunConfig
+    from schemas.records import Problem
+
+    library = ExperienceLibrary.from_mapping({
+        "E0": "For remainders of large powers, reduce the base modulo n and look for a repeating cycle.",
+        "E1": "For circles and tangent lines, draw the radii to the points of tangency and use right angles.",
+        "E2": "For counting arrangements, decide whether order matters before choosing permutations or combinations.",
+        "E3": "For probability, divide the favourable outcomes by all equally likely outcomes."})
+    problems = [Problem(problem_id="mod", problem="Find the remainder when 7^2024 is divided by 13."),
+                Problem(problem_id="geo", problem="A circle of radius 5 is tangent to two perpendicular lines. "
+                                                  "Find the distance from its center to their intersection."),
+                Problem(problem_id="count", problem="In how many ways can 4 of 9 students be seated in a row?")]
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
+    config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)), library=LibraryConfig(injection="top_k", top_k=1))
+    with Store(tmp_path / "s.duckdb") as store:
+        routed = await route_library(config, store, library, problems)
+        cached = int(store.query("SELECT count(*) FROM embeddings").iloc[0, 0])
+    assert routed.shown == {"mod": ["E0"], "geo": ["E1"], "count": ["E2"]}
+    assert cached == len(library) + len(problems)  # each text embedded once and kept
