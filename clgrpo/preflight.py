@@ -243,8 +243,11 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
 
 
 async def check_policy(config: RunConfig) -> None:
-    """An evaluation needs only the policy model (and, in agent mode, its tools)."""
+    """An evaluation needs only the policy model (and, in agent mode, its tools; with ``injection: top_k``, the
+    embedding model that routes its prompts)."""
     check_agent(config)
+    if config.library.injection == "top_k":
+        check_embeddings(config)
     await check_models([Endpoint(("policy",), config.policy)])
 
 
