@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from clgrpo.cli import main
 from clgrpo.library import ExperienceLibrary
@@ -98,6 +100,11 @@ async def test_a_budgeted_run_never_exceeds_its_budget_and_lists_its_evictions(t
     with Store(cfg.db_path, read_only=True) as store:
         report = write_report(store, cfg.run_id, tmp_path / "report", fmt="md").read_text()
     assert "## Library quality per step" in report and "evicted" in report
+    async with get_client() as client:  # the step artifact, as the Prefect UI shows it
+        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=["budget-quality"])))
+    rows = json.loads(max(artifacts, key=lambda a: a.created).data)  # the latest version of the artifact
+    assert [r["version"] for r in rows] == [q.version for q in quality] and rows[-1]["tokens"] <= budget
 
 
 async def test_top_k_shows_each_problem_its_nearest_lessons_and_the_pinned_one(tmp_path):
