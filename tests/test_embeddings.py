@@ -49,6 +49,39 @@ def local(folder: Path, **kwargs) -> LocalEmbedder:
 # --- local (transformers) backend --------------------------------------------------------------------------
 
 
+async def test_top_k_routing_with_the_tiny_local_model_agrees_with_its_vectors_and_caches_them(tiny_folder, tmp_path):
+    """``library.injection: top_k`` end to end through a real (tiny, random) transformers model: each problem is
+    shown the k lessons its own embedding ranks highest, and every text is embedded once and stored."""
+    from clgrpo.library import ExperienceLibrary
+    from clgrpo.retrieval import route_library
+    from clgrpo.store import Store
+    from schemas.config import DatasetConfig, LibraryConfig, RunConfig
+    from schemas.records import Problem
+
+    lessons = ["when adding numbers carry the tens digit", "check the units of the answer first",
+               "multiply then subtract the fraction", "write the answer and check it", "divide first then add"]
+    library = ExperienceLibrary.from_mapping({f"E{i}": t for i, t in enumerate(lessons)})
+    problems = [Problem(problem_id=f"p{i}", problem=t) for i, t in
+                enumerate(["what is 2 + 3 ?", "divide 8 by 2", "the capital of france is paris"])]
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
+    settings = LibraryConfig(injection="top_k", top_k=2, embedding=EmbeddingConfig(
+        backend="transformers", model_path=str(tiny_folder), cpu_threads=1))
+    config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)), library=settings)
+    with Store(tmp_path / "s.duckdb") as store:
+        routed = await route_library(config, store, library, problems)
+        again = await route_library(config, store, library, problems)  # from the stored vectors
+        cached = int(store.query("SELECT count(*) FROM embeddings").iloc[0, 0])
+    vectors = await local(tiny_folder).embed(lessons + [p.problem for p in problems])
+    for j, p in enumerate(problems):
+        scores = vectors[:len(lessons)] @ vectors[len(lessons) + j]
+        best = sorted(np.argsort(-scores)[:2].tolist())
+        assert routed.shown[p.problem_id] == [f"E{i}" for i in best]
+    assert again.shown == routed.shown and cached == len(lessons) + len(problems)
+
+
+
+
 async def test_local_shape_normalised_and_named(tiny_folder):
     embedder = local(tiny_folder)
     assert embedder.dim == DIM and embedder.name == f"local:{tiny_folder.resolve()}" and embedder.pooling == "mean"
