@@ -119,7 +119,8 @@ def bench_routing(sizes: list[int], k: int, problems: int = 100, dim: int = 384)
                                      for i in range(n)])
         todo = [Problem(problem_id=f"p{j}", problem=f"problem number {j}") for j in range(problems)]
         texts = [e.text for e in library] + [p.problem for p in todo]
-        vectors = {normalize_text(t): v.tolist() for t, v in zip(texts, normalize_rows(rng.normal(size=(len(texts), dim))))}
+        units = normalize_rows(rng.normal(size=(len(texts), dim)))
+        vectors = {normalize_text(t): v.tolist() for t, v in zip(texts, units)}
         samples = []
         for _ in range(5):
             t = time.perf_counter()

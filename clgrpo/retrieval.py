@@ -42,7 +42,8 @@ def eligible(experience: Experience, problem: Problem) -> bool:
 
 
 def select_experiences(library: ExperienceLibrary, problems: Sequence[Problem], *, top_k: int | None = None,
-                       pinned: Sequence[str] = (), vectors: Mapping[str, Sequence[float]] | None = None) -> Shown | None:
+                       pinned: Sequence[str] = (),
+                       vectors: Mapping[str, Sequence[float]] | None = None) -> Shown | None:
     """The ids each problem's prompt shows; None when that is the whole library for every problem (the prompt,
     and its hash, stay exactly as without routing). ``top_k``: retrieval (``vectors`` keyed by
     ``normalize_text`` of every lesson and problem text); None: all eligible experiences."""

@@ -28,7 +28,8 @@ class Applied:
 def apply_operations(library: ExperienceLibrary, operations: list[Operation], *, step: int,
                      cfg: LearningConfig, screen: Screen | None = None,
                      near: NearDuplicates | None = None,
-                     domains: Mapping[str, str | None] | None = None) -> tuple[ExperienceLibrary, list[OperationResult]]:
+                     domains: Mapping[str, str | None] | None = None,
+                     ) -> tuple[ExperienceLibrary, list[OperationResult]]:
     """Every operation comes back applied or rejected with its reason; the new version's number is ``step``."""
     return library.apply(operations, step=step, max_words=cfg.max_words, min_words=cfg.min_words,
                          max_size=cfg.max_library_size, screen=screen, near=near, domains=domains)

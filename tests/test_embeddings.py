@@ -407,7 +407,8 @@ async def test_real_minilm_retrieval_routes_each_problem_to_its_topic(request, t
                 Problem(problem_id="count", problem="In how many ways can 4 of 9 students be seated in a row?")]
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
-    config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)), library=LibraryConfig(injection="top_k", top_k=1))
+    config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)),
+                       library=LibraryConfig(injection="top_k", top_k=1))
     with Store(tmp_path / "s.duckdb") as store:
         routed = await route_library(config, store, library, problems)
         cached = int(store.query("SELECT count(*) FROM embeddings").iloc[0, 0])

@@ -20,7 +20,15 @@ from clgrpo.store import Store
 from clgrpo.testing.fake_embeddings import EmbeddingServer
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from flows.train import train
-from schemas.config import DatasetConfig, EmbeddingConfig, GRPOConfig, LearningConfig, LibraryConfig, ModelConfig, RunConfig
+from schemas.config import (
+    DatasetConfig,
+    EmbeddingConfig,
+    GRPOConfig,
+    LearningConfig,
+    LibraryConfig,
+    ModelConfig,
+    RunConfig,
+)
 from schemas.records import OpKind
 from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, ScriptedWorld, find_problem, make_problems, write_jsonl
 
@@ -82,7 +90,7 @@ async def test_a_budgeted_run_never_exceeds_its_budget_and_lists_its_evictions(t
     assert all(v.prompt_tokens() <= budget for v in versions)
     evictions = [r for _, r in results if r.operation.op == OpKind.EVICT]
     assert evictions and all(r.status.value == "applied" for r in evictions)
-    assert all(r.reason.startswith(f"over the token budget: library ") and f"library.max_tokens={budget}" in r.reason
+    assert all(r.reason.startswith("over the token budget: library ") and f"library.max_tokens={budget}" in r.reason
                and "lowest usefulness: confidence" in r.reason for r in evictions)
     created = [r.result_id for _, r in results if r.operation.op == OpKind.ADD and r.status.value == "applied"]
     assert len(created) == len(set(created))  # ids are never reused
