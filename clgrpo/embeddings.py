@@ -268,6 +268,7 @@ class _LoadedEncoder:
                                  "'clgrpo[local]'") from exc
         self.torch = torch
         torch.set_num_threads(cpu_threads or _auto_cpu_threads())  # process-wide, as for the chat engine
+        models.quiet_transformers()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             self.model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()

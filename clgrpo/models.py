@@ -78,6 +78,13 @@ class FetchReport:
     seconds: dict[str, float] = field(default_factory=dict)  # download, verify, convert
 
 
+def quiet_transformers() -> None:
+    """No per-load "Loading weights" progress bars on the user's terminal (the logs say what loads)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 # --- cache layout ------------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
 from clgrpo.llm.local import Engine, Result, auto_cpu_threads, available_cpus, get_engine
-from clgrpo.models import ModelError, ModelLocation, resolve_model_path
+from clgrpo.models import ModelError, ModelLocation, quiet_transformers, resolve_model_path
 from schemas.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: in
     if location.gguf_file:
         log.warning("loading GGUF %s: transformers dequantizes it on every load; convert it once for fast loads",
                     location)
+    quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(location.folder, dtype=getattr(torch, dtype), **kwargs)
     model = model.to(device).eval()
