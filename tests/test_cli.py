@@ -115,3 +115,23 @@ def test_a_failed_first_step_can_be_rerun_with_a_fixed_config_and_an_id_is_gener
                      "--set", f"policy.base_url={fixed.base_url}"]) == 0
     out = capsys.readouterr().out
     assert f"run {run_id}: 1 steps" in out and f"next: clgrpo report {run_id}" in out
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
+    """``clgrpo library show RUN | head -1``: the closed pipe ends the command quietly, exit 0."""
+    import subprocess
+    import sys
+
+    from clgrpo.library import ExperienceLibrary
+    from clgrpo.store import Store
+
+    db = tmp_path / "runs.duckdb"
+    with Store(db) as store:
+        store.save_library("big", ExperienceLibrary.from_mapping(
+            {f"E{i}": f"Lesson number {i} says to check the work twice before answering." for i in range(3000)}))
+    show = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "library", "show", "big", "--db", str(db)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = show.stdout.readline()
+    show.stdout.close()  # the reader goes away while the command still writes
+    _, err = show.communicate(timeout=60)
+    assert first.startswith(b"# run big") and show.returncode == 0 and b"error" not in err, err
