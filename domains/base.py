@@ -142,6 +142,8 @@ def register_domain(name: str, factory: Callable[[], Domain]) -> None:
 def get_domain(name: str) -> Domain:
     if name not in _REGISTRY and name == "math":
         import domains.math  # noqa: F401  (registers itself)
+    if name not in _REGISTRY and name == "web":
+        import domains.web  # noqa: F401  (registers itself)
     if name not in _REGISTRY:
         raise KeyError(f"unknown domain {name!r}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY[name]()

@@ -68,6 +68,9 @@ class DatasetConfig(Section):
     # a mixed dataset: the column naming each problem's domain (e.g. "algebra", "web"); a problem's prompt gets its
     # domain's experiences and the shared ones, and lessons learned from one domain's problems are tagged with it
     domain_field: str | None = None
+    # the web domain: the column with a question's start page (WebWalkerQA: root_url); added to the question as
+    # "Start page: URL"; a missing or blank cell: no start page
+    url_field: str | None = None
     problem_field: str = "problem"
     answer_field: str | None = "answer"  # None: no ground truth in this dataset
     limit: int | None = Field(None, ge=1)
@@ -207,6 +210,47 @@ class SandboxConfig(Section):
     max_file_mb: int = Field(64, ge=1)  # largest file a call may write in its temporary directory
 
 
+class OpenConfig(Section):
+    """The web domain's ``open(url)`` tool (``domains/web/fetch.py``): its limits and safety rules."""
+
+    timeout_s: float = Field(15.0, gt=0)  # the whole fetch, redirects and robots.txt included
+    max_bytes: int = Field(2_000_000, ge=1_000)  # of a page's body; the rest is cut and marked
+    max_redirects: int = Field(5, ge=0)
+    respect_robots: bool = True
+    user_agent: str = "clgrpo-web/0.1 (research agent; obeys robots.txt)"
+    # private, loopback and other non-public addresses are refused unless listed: "host", "host:port", an IP or
+    # a CIDR ("127.0.0.1", "10.0.0.0/8")
+    allow_hosts: list[str] = Field(default_factory=list)
+    max_links: int = Field(60, ge=0)  # links listed to the agent after a page's text
+
+
+class SearchConfig(Section):
+    """The web domain's ``search(query)`` tool (``domains/web/search.py``): a local index or an HTTP search API."""
+
+    backend: Literal["local", "http"] = "local"
+    # local: a directory of pages (.html/.htm/.txt/.md; a file's URL is base_url + its relative path) or a DuckDB
+    # file whose ``table`` has url, title and text columns
+    index: str | None = None
+    base_url: str | None = None
+    table: str = "documents"
+    # http: a GET to url_template with {query} (URL-encoded) and {k}; the key from api_key_env goes in
+    # api_key_header ("Authorization" gets "Bearer <key>"); results are read from the JSON reply at results_path
+    url_template: str | None = None
+    api_key_env: str | None = None
+    api_key_header: str = "Authorization"
+    results_path: str = "results"  # dotted path to the list of results ("web.results" for Brave)
+    title_field: str = "title"
+    url_field: str = "url"
+    snippet_field: str = "content"  # SearxNG: content; Brave: description
+    timeout_s: float = Field(15.0, gt=0)
+    top_k: int = Field(5, ge=1, le=50)
+
+
+class WebToolsConfig(Section):
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    open: OpenConfig = Field(default_factory=OpenConfig)
+
+
 class AgentConfig(Section):
     """Agent rollouts: a ReAct loop over the one LLM client. Each turn is one model call; a reply with a tool
     call runs the tool and feeds its result back, a reply without one is the final answer. The last turn
@@ -221,6 +265,7 @@ class AgentConfig(Section):
     rollout_timeout_s: float = Field(1800.0, gt=0)  # a whole rollout; beyond it the rollout fails (not graded)
     tool_result_chars: int = Field(2_000, ge=100)  # of a tool result shown to the model (stored in full)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    web: WebToolsConfig = Field(default_factory=WebToolsConfig)  # the web domain's search and open tools
 
 
 class RolloutPlacement(Section):
@@ -250,6 +295,8 @@ class RolloutPlacement(Section):
         settings = self.agent.model_dump(mode="json")
         for key in ("pool_size", "spares"):
             settings["sandbox"].pop(key, None)
+        if self.agent.web == WebToolsConfig():  # math agent runs keep the fingerprint they had before web tools
+            settings.pop("web")
         return settings
 
 
@@ -302,6 +349,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "max_answer_chars"): 1_000,
     ("dataset", "oversize"): "error",
     ("dataset", "domain_field"): None,
+    ("dataset", "url_field"): None,
 }
 
 class StageTolerances(Section):

@@ -61,8 +61,12 @@ def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:
     """What besides the messages shapes an agent rollout (a journaled rollout is reused only if it matches)."""
     if agent is None:
         return None
-    return {"tools": [t.spec() for t in domain.tools()], "agent": agent.model_dump(mode="json", exclude={"sandbox"}),
-            "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"})}
+    signature = {"tools": [t.spec() for t in domain.tools()],
+                 "agent": agent.model_dump(mode="json", exclude={"sandbox", "web"}),
+                 "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"})}
+    if domain.name == "web":  # the web tools' settings shape what its agent sees
+        signature["web"] = agent.web.model_dump(mode="json")
+    return signature
 
 
 async def _direct_samples(messages: list[dict], llm: LLMClient, base: dict, missing: list[int], group_size: int,

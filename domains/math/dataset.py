@@ -345,6 +345,9 @@ def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
     if cfg.answer_field is not None:
         checks = _cell_checks(_is_text_or_number)
         columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=False)
+    if cfg.url_field is not None:  # a missing or blank start page: none
+        columns[cfg.url_field] = pa.Column(None, checks=[pa.Check(_is_text, element_wise=True, name="wrong type")],
+                                           nullable=True)
     if cfg.domain_field is not None:  # a missing or blank domain: the problem is untagged (sees every lesson)
         columns[cfg.domain_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
                                                                      name="wrong type")], nullable=True)
@@ -381,6 +384,8 @@ def _translate(raw: _Raw, cfg: DatasetConfig, case: dict[str, Any]) -> _Issue:
         expected = "text" if column == cfg.problem_field else "text or a number"
         if column == cfg.domain_field:
             expected += " (or empty: shared)"
+        if column == cfg.url_field:
+            expected = "a URL as text (or empty)"
         what = f"wrong type: expected {expected}, got {type(value).__name__}"
     elif check == "duplicate":
         key = _scalar_text(value)
@@ -411,16 +416,23 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
         answer = _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None
         text = row[cfg.problem_field].strip()
+        if start := _optional_text(row, cfg.url_field):
+            text += f"\n\nStart page: {start}"
         problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
                                 domain_tag=_domain_tag(row, cfg)))
     return problems
 
 
-def _domain_tag(row: pd.Series, cfg: DatasetConfig) -> str | None:
-    value = row[cfg.domain_field] if cfg.domain_field else None
+def _optional_text(row: pd.Series, column: str | None) -> str | None:
+    """The cell's text, or None for no column, a missing cell or a blank one."""
+    value = row[column] if column else None
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
     return _scalar_text(value) or None
+
+
+def _domain_tag(row: pd.Series, cfg: DatasetConfig) -> str | None:
+    return _optional_text(row, cfg.domain_field)
 
 
 def _dedupe(problems: list[Problem]) -> tuple[list[Problem], list[str]]:

@@ -1,0 +1,74 @@
+"""The web domain: questions answered by searching and browsing pages (WebWalkerQA-style), with an optional
+reference answer and an optional start page.
+
+Datasets use the math loader's validation and field settings (``dataset.problem_field: question``,
+``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``: the start page is added to the question
+as "Start page: URL"). Agent rollouts get two tools (``domains/web/tools.py``). Without a judge, an answer is
+graded by normalized match: the reference's words, in order, inside the final answer (``Final answer: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Sequence
+
+from domains.base import Message, Tool, VerifyResult, register_domain
+from domains.learner import LearnerPrompts
+from domains.math.dataset import LoadReport, load_problems_with_report
+from domains.web.prompts import final_answer, rollout_messages
+from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
+from schemas.config import DatasetConfig
+from schemas.records import Problem
+
+EXAMPLE_LESSONS = (
+    "When a question names an organisation, open its home page first and follow the menu link that matches the "
+    "topic instead of searching the whole web.",
+    "When a page lists several dates, check which event each date belongs to before answering with one.",
+)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, accents and punctuation removed, articles dropped, whitespace collapsed."""
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    text = re.sub(r"(?<=\d)[,_](?=\d{3})", "", text)  # 1,889 -> 1889
+    text = re.sub(r"[^\w\s]", " ", text)
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+def match_answer(output: str, answer: str) -> VerifyResult:
+    found = final_answer(output)
+    if found is None:
+        return VerifyResult(0.0, None, "no 'Final answer:' line")
+    got, want = normalize_answer(found), normalize_answer(str(answer))
+    if not want:
+        return VerifyResult(0.0, found, "the reference answer is empty", verified=False)
+    correct = re.search(rf"(^| ){re.escape(want)}( |$)", got) is not None
+    return VerifyResult(1.0 if correct else 0.0, found, None if correct else "does not match the reference")
+
+
+class WebDomain:
+    name = "web"
+    grade_truncated = False  # a reply cut off before its final answer line is not an answer
+
+    def __init__(self) -> None:
+        self.learner_prompts = LearnerPrompts(domain="web navigation and question answering",
+                                              examples=EXAMPLE_LESSONS)
+
+    def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
+        return load_problems_with_report(cfg)
+
+    def verify(self, output: str, answer: str) -> VerifyResult:
+        return match_answer(output, answer)
+
+    def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
+        return [match_answer(output, answer) for output, answer in items]
+
+    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
+        return rollout_messages(problem, library_text)
+
+    def tools(self) -> list[Tool]:
+        return [SEARCH_TOOL, OPEN_TOOL]
+
+
+register_domain("web", WebDomain)

@@ -1,0 +1,64 @@
+"""The web domain's tools, ``search(query)`` and ``open(url)``, with their settings from ``rollout.agent.web``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from domains.base import Tool, ToolContext, ToolFailure, ToolOutput
+from domains.web.fetch import FetchRefused, fetch_page
+from domains.web.search import SearchError, render_hits, search
+from schemas.config import AgentConfig
+
+
+async def run_search(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
+    query = arguments.get("query")
+    if not isinstance(query, str) or not query.strip():
+        return ToolOutput("", error="missing argument 'query' (what to search for)")
+    try:
+        hits = await search(query.strip(), context.agent.web.search)
+    except SearchError as exc:  # the backend itself is broken: not the model's doing
+        raise ToolFailure(f"search tool unavailable: {exc}") from exc
+    return ToolOutput(render_hits(query.strip(), hits))
+
+
+async def run_open(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
+    url = arguments.get("url")
+    if not isinstance(url, str) or not url.strip():
+        return ToolOutput("", error="missing argument 'url' (the page to open)")
+    settings = context.agent.web.open
+    try:
+        page = await fetch_page(url, settings)
+    except FetchRefused as exc:  # a refused or unreachable URL is part of the attempt: the agent sees why
+        return ToolOutput("", error=str(exc))
+    return ToolOutput(page.render(settings.max_links), truncated=page.truncated)
+
+
+def check_search(agent: AgentConfig) -> str:
+    from domains.web.search import local_index
+
+    settings = agent.web.search
+    if settings.backend == "local":
+        try:
+            index = local_index(settings)
+        except SearchError as exc:
+            raise ToolFailure(f"search tool unavailable: {exc}") from exc
+        return f"search tool: local BM25 index of {len(index.documents)} documents ({settings.index})"
+    if not settings.url_template:
+        raise ToolFailure("search tool unavailable: search.backend http needs search.url_template")
+    return f"search tool: HTTP API {settings.url_template.split('?')[0]}"
+
+
+SEARCH_TOOL = Tool(
+    name="search",
+    description="Search the web. Returns numbered results, each with a title, a URL and a snippet.",
+    parameters={"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
+                "required": ["query"], "additionalProperties": False},
+    run=run_search, text_argument="query", check=check_search)
+
+OPEN_TOOL = Tool(
+    name="open",
+    description=("Open a web page (http or https). Returns its title, its text and its links, numbered, so you can "
+                 "open a link next."),
+    parameters={"type": "object", "properties": {"url": {"type": "string", "description": "the page's URL"}},
+                "required": ["url"], "additionalProperties": False},
+    run=run_open, text_argument="url")
