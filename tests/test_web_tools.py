@@ -38,7 +38,7 @@ async def test_open_returns_the_text_and_every_link_of_a_page(site):
     _, server = site
     town = TOWNS[0]
     page = await fetch_page(f"{server.base_url}/towns/{town.slug}.html", LOOPBACK)
-    assert page.title == town.name and f"Its mayor is" in page.text and town.mayor in page.text
+    assert page.title == town.name and "Its mayor is" in page.text and town.mayor in page.text
     urls = [link.url for link in page.links]
     mayor = f"{server.base_url}/mayors/{town.mayor.lower().replace(' ', '-')}.html"
     assert f"{server.base_url}/index.html" in urls and mayor in urls  # the navigation menu too
