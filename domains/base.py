@@ -30,6 +30,7 @@ class VerifyResult:
     extracted: str | None = None  # the answer the verifier read from the output
     error: str | None = None  # why the reward is 0 (no answer found, ...) or why there is no grade
     verified: bool = True  # False: no grade (see above); the reward is then meaningless
+    reason: str | None = None  # an LLM judge's one-sentence reason for its grade (``tasks/judge.py``)
 
 
 @dataclass(frozen=True)

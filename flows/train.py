@@ -223,9 +223,11 @@ class Trainer:
                 verify_task(cfg, step, i, c, [r for r in rollouts if r.problem_id in {p.problem_id for p in c}])
                 for i, c in enumerate(rollout_chunks)])
             return {"rewards": [r for p in parts for r in p.rewards],
-                    "group_advantages": [a for p in parts for a in p.advantages]}
+                    "group_advantages": [a for p in parts for a in p.advantages],
+                    "llm_calls": []}  # an LLM judge's calls, from the work journal
 
-        verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages"], expect=(len(rollouts), "samples"))
+        verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages", "llm_calls"],
+                                    expect=(len(rollouts), "samples"))
         rewards, advantages = verified["rewards"], verified["group_advantages"]
         selected_ids = [a.problem_id for a in advantages if a.selected]
         group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
@@ -313,7 +315,7 @@ class Trainer:
         merged = PipelineBatch.merge(parts)
         self.precomputed.update({
             (step, ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
-            (step, VERIFY): {"rewards": merged.rewards, "group_advantages": merged.advantages},
+            (step, VERIFY): {"rewards": merged.rewards, "group_advantages": merged.advantages, "llm_calls": []},
             (step, SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
             (step, GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
         })

@@ -251,6 +251,13 @@ class WebToolsConfig(Section):
     open: OpenConfig = Field(default_factory=OpenConfig)
 
 
+class JudgeConfig(Section):
+    """An LLM judge (``tasks/judge.py``) grades free-text final answers against the reference, with the learner
+    model (stage ``verify``, accounted like any call); problems without ground truth are not judged."""
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+
+
 class AgentConfig(Section):
     """Agent rollouts: a ReAct loop over the one LLM client. Each turn is one model call; a reply with a tool
     call runs the tool and feeds its result back, a reply without one is the final answer. The last turn
@@ -413,6 +420,7 @@ class RunConfig(Section):
     tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
     budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
+    judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -421,7 +429,7 @@ class RunConfig(Section):
     def fingerprint(self) -> str:
         """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
         the first release count only when changed from their default, so older runs keep their fingerprint."""
-        unset = {"validation"} if self.validation is None else set()
+        unset = {name for name in ("validation", "judge") if getattr(self, name) is None}
         payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
         for section in ("policy", "learner"):
             if isinstance(payload.get(section), dict):

@@ -306,10 +306,10 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
     "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
                  "tool_time_s DOUBLE"],
-    "rewards": ["verified BOOLEAN"],
+    "rewards": ["verified BOOLEAN", "judge_reason VARCHAR"],
     "problems": ["domain_tag VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
-    "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER"],
+    "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
                   "turn INTEGER"],
 }

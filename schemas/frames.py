@@ -77,6 +77,7 @@ class RewardsFrame(StageKeyed):
     extracted: Series[str] = pa.Field(nullable=True)
     error: Series[str] = pa.Field(nullable=True)
     verified: Series[bool] = pa.Field(nullable=True)
+    judge_reason: Series[str] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     def graded_or_explained(cls, df: pd.DataFrame) -> bool:
@@ -197,6 +198,7 @@ class EvalResultsFrame(StageKeyed):
     seed: Series[int]
     reward: Series[float] = pa.Field(ge=0.0, le=1.0)
     extracted: Series[str] = pa.Field(nullable=True)
+    judge_reason: Series[str] = pa.Field(nullable=True)
     error: Series[str] = pa.Field(nullable=True)
     final_text: Series[str]
     tokens_in: Series[int] = pa.Field(ge=0)

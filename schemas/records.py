@@ -90,6 +90,7 @@ class Reward(Record):
     extracted: str | None = None
     error: str | None = None
     verified: bool = True  # False: the verifier could not grade this sample (a failed item of the verify stage)
+    judge_reason: str | None = None  # graded by the LLM judge: its reason
 
     @property
     def graded(self) -> bool:
@@ -253,6 +254,7 @@ class EvalSample(Record):
     reward: float = Field(ge=0.0, le=1.0)
     extracted: str | None = None
     error: str | None = None  # failed policy call or verifier error (reward is then 0)
+    judge_reason: str | None = None  # graded by the LLM judge: its reason
     final_text: str = ""
     tokens_in: int = 0
     tokens_out: int = 0

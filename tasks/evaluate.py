@@ -9,7 +9,6 @@ bootstrap confidence intervals (``clgrpo.metrics``).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +23,8 @@ from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
 from tasks.common import stage_task
 from tasks.rollout import rollout
-from tasks.verify import verify
+from tasks.judge import Judge, make_judge
+from tasks.verify import grade
 
 STAGE = EVALUATE_STAGE
 _SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
@@ -44,16 +44,16 @@ def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
 
 async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
                            condition: str, k: int, temperature: float, seed: int,
-                           agent: AgentConfig | None = None) -> EvalBatch:
+                           agent: AgentConfig | None = None, judge: Judge | None = None) -> EvalBatch:
     """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set."""
     seeds = sample_seeds(problems, seed)
     batch = await rollout(problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds,
                           agent=agent)
-    rewards = await asyncio.to_thread(verify, problems, batch.rollouts, domain)
+    rewards = await grade(problems, batch.rollouts, domain, judge)
     samples = [
         EvalSample(condition=condition, problem_id=r.problem_id, sample_idx=r.sample_idx,
                    seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward or 0.0, extracted=g.extracted,
-                   error=g.error, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
+                   error=g.error, judge_reason=g.judge_reason, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
                    latency_s=r.latency_s, n_turns=r.n_turns, tool_calls=r.tool_calls, tool_errors=r.tool_errors)
         for r, g in zip(batch.rollouts, rewards)
     ]
@@ -64,10 +64,11 @@ async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, 
 async def evaluate_task(config: RunConfig, evaluation: EvalConfig, key: str, condition: str, chunk: int,
                         problems: list[Problem], library: LibraryVersion) -> EvalBatch:
     """``key`` (the evaluation id, or run/step of a validation) only keys the cache."""
-    return await evaluate_library(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
+    domain = get_domain(config.domain)
+    return await evaluate_library(problems, ExperienceLibrary.from_version(library), domain,
                                   shared_client(config), condition=condition, k=evaluation.k,
                                   temperature=evaluation.temperature, seed=evaluation.seed,
-                                  agent=config.rollout.agent_settings())
+                                  agent=config.rollout.agent_settings(), judge=make_judge(config, domain, STAGE))
 
 
 # --- metrics over graded samples -------------------------------------------------------------------------

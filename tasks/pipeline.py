@@ -23,7 +23,8 @@ from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
 from tasks.summarize import STAGE as SUMMARIZE, summarize
-from tasks.verify import verify
+from tasks.judge import Judge, make_judge
+from tasks.verify import STAGE as VERIFY, grade
 
 STAGE = "pipeline"
 
@@ -73,9 +74,9 @@ class PipelineBatch:
 
 async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
                      group_size: int, temperature: float, cfg: LearningConfig,
-                     agent: AgentConfig | None = None) -> GroupOutcome:
+                     agent: AgentConfig | None = None, judge: Judge | None = None) -> GroupOutcome:
     batch = await rollout_problem(problem, library, domain, llm, group_size, temperature, agent=agent)
-    rewards = await asyncio.to_thread(verify, [problem], batch.rollouts, domain)
+    rewards = await grade([problem], batch.rollouts, domain, judge)
     advantages = compute_group_advantages([problem], batch.rollouts, rewards, use_groundtruth=cfg.use_groundtruth)
     outcome = GroupOutcome(batch, rewards, advantages[0] if advantages else None)
     groups = build_groups([problem], batch.rollouts, rewards, advantages)
@@ -93,10 +94,11 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
 
 async def pipeline(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
                    group_size: int, temperature: float, cfg: LearningConfig,
-                   agent: AgentConfig | None = None) -> PipelineBatch:
+                   agent: AgentConfig | None = None, judge: Judge | None = None) -> PipelineBatch:
     """Every group runs its own chain; raises, like ``rollout``, if every policy call failed."""
     outcomes = await asyncio.gather(*[
-        _one_group(p, library, domain, llm, group_size=group_size, temperature=temperature, cfg=cfg, agent=agent)
+        _one_group(p, library, domain, llm, group_size=group_size, temperature=temperature, cfg=cfg, agent=agent,
+                   judge=judge)
         for p in problems])
     batch = PipelineBatch.of(outcomes)
     raise_if_all_failed(problems, batch.rollouts)
@@ -109,4 +111,5 @@ async def pipeline_task(config: RunConfig, step: int, chunk: int, problems: list
     domain = get_domain(config.domain)
     return await pipeline(problems, ExperienceLibrary.from_version(library), domain, shared_client(config),
                           group_size=config.grpo.group_size, temperature=config.grpo.rollout_temperature,
-                          cfg=config.learning, agent=config.rollout.agent_settings())
+                          cfg=config.learning, agent=config.rollout.agent_settings(),
+                          judge=make_judge(config, domain, VERIFY))

@@ -43,7 +43,8 @@ class ScriptedWebWorld:
             self.counts[role] += 1
         if role == "policy":
             return [self._agent(request, i) for i in range(request.n)]
-        handler = {"trajectory summarizer": self._summarize, "experience extractor": self._extract}.get(role)
+        handler = {"trajectory summarizer": self._summarize, "experience extractor": self._extract,
+                   "answer judge": self._judge}.get(role)
         return [handler(request) if handler else json.dumps({"operations": []}) for _ in range(request.n)]
 
     # --- the browsing agent -----------------------------------------------------------------------------------
@@ -89,6 +90,14 @@ class ScriptedWebWorld:
         return Reply(content=text, tool_calls=(("open", {"url": url}),))
 
     # --- learner roles ----------------------------------------------------------------------------------------
+    def _judge(self, request: ChatRequest) -> str:
+        user = next(m["content"] for m in request.messages if m.get("role") == "user")
+        reference = re.search(r"<answer>\n(.*?)\n</answer>", user, re.DOTALL).group(1).strip()
+        candidate = re.search(r"<attempt>\n(.*?)\n</attempt>", user, re.DOTALL).group(1).strip()
+        same = reference.casefold() in candidate.casefold()
+        reason = "it states the reference value" if same else f"{candidate!r} is not {reference!r}"
+        return json.dumps({"correct": same, "reason": reason})
+
     def _summarize(self, request: ChatRequest) -> str:
         user = next(m["content"] for m in request.messages if m.get("role") == "user")
         attempt = user.split("<attempt", 1)[-1]

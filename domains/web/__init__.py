@@ -64,6 +64,10 @@ class WebDomain:
     def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         return [match_answer(output, answer) for output, answer in items]
 
+    def final_answer(self, output: str) -> str | None:
+        """What an LLM judge compares with the reference (``tasks/judge.py``)."""
+        return final_answer(output)
+
     def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
         return rollout_messages(problem, library_text)
 
