@@ -283,6 +283,27 @@ def cmd_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_web_world(args: argparse.Namespace) -> int:
+    """Generate the test web (a linked site, questions, served on loopback) and serve it until interrupted."""
+    from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
+
+    out = Path(args.out)
+    towns = make_towns(args.towns, seed=args.seed)
+    folder = build_site(out / "site", towns)
+    server = SiteServer(folder, port=args.port)
+    questions = write_questions(make_questions(towns, server.base_url), out / "questions.jsonl")
+    print(f"site: {folder} ({sum(1 for _ in folder.rglob('*.html'))} pages), served at {server.base_url}")
+    print(f"questions: {questions} ({2 * len(towns)}, 3 hops each from {server.base_url}/index.html)")
+    print("train on it:  clgrpo train --config configs/web.yaml      (Ctrl-C here stops the site)")
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from clgrpo.demo import DemoOptions, run_demo, summary
 
@@ -310,6 +331,14 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     path.set_defaults(func=cmd_model_path)
     for p in (fetch, path):
         p.add_argument("--cache-dir", help="cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
+
+    world = sub.add_parser("web-world", help="generate a small linked website with questions and serve it on "
+                                            "127.0.0.1 (the web domain's offline playground)")
+    world.add_argument("--out", default="runs/web-world", help="where the site and questions.jsonl go")
+    world.add_argument("--port", type=int, default=8765, help="loopback port (default 8765, as configs/web.yaml)")
+    world.add_argument("--towns", type=int, default=12, help="towns in the site: 2 questions each (default 12)")
+    world.add_argument("--seed", type=int, default=0)
+    world.set_defaults(func=cmd_web_world)
 
     demo = sub.add_parser("demo", help="offline demo: the real training flow on the embedded model, no API key")
     demo.add_argument("--problems", type=int, default=8, help="generated arithmetic problems (default 8)")
@@ -349,8 +378,14 @@ def _with_mode(config: RunConfig, mode: str | None) -> RunConfig:
     return config.model_copy(update={"rollout": config.rollout.model_copy(update={"mode": mode})})
 
 
-def _eval_settings(args: argparse.Namespace) -> tuple[EvalConfig, DatasetConfig | None]:
-    fields = dict(problem_field=args.problem_field, answer_field=args.answer_field, id_field=args.id_field)
+FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_field")
+
+
+def _eval_settings(args: argparse.Namespace, config: RunConfig) -> tuple[EvalConfig, DatasetConfig | None]:
+    """The evaluation dataset's column names: the flags given, else the run config's dataset settings (so a web
+    config's question / root_url columns carry over)."""
+    fields = {name: getattr(args, name) if getattr(args, name) is not None else getattr(config.dataset, name)
+              for name in FIELD_ARGS}
     try:
         evaluation = EvalConfig(
             dataset=DatasetConfig(path=args.dataset, limit=args.limit, **fields), k=args.k, pass_k=args.pass_k,
@@ -391,7 +426,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     refs = [*args.library, *args.compare]
     config = _with_mode(_eval_model_config(args, refs), args.mode)
-    evaluation, train_dataset = _eval_settings(args)
+    evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config.domain, evaluation.dataset, "--dataset")
     asyncio.run(check_policy(config))
     remember_db(config.db_path)
@@ -435,9 +470,11 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--resample-samples", action="store_true",
                     help="two-level bootstrap: also resample samples within problems (Mean@k)")
     ev.add_argument("--limit", type=int, help="evaluate only the first N problems")
-    ev.add_argument("--problem-field", default="problem")
-    ev.add_argument("--answer-field", default="answer")
-    ev.add_argument("--id-field", default="id")
+    ev.add_argument("--problem-field", help="column of the question (default: the config's, else problem)")
+    ev.add_argument("--answer-field", help="column of the reference answer (default: the config's, else answer)")
+    ev.add_argument("--id-field", help="column of the id (default: the config's, else id)")
+    ev.add_argument("--url-field", help="web: column of the start page (default: the config's)")
+    ev.add_argument("--domain-field", help="column of the domain tag (default: the config's)")
     ev.add_argument("--train-dataset", help="training problems for the leakage guard (default: the training set "
                                             "of the evaluated run)")
     ev.add_argument("--leakage-threshold", type=float, default=0.8,

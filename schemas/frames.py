@@ -198,7 +198,6 @@ class EvalResultsFrame(StageKeyed):
     seed: Series[int]
     reward: Series[float] = pa.Field(ge=0.0, le=1.0)
     extracted: Series[str] = pa.Field(nullable=True)
-    judge_reason: Series[str] = pa.Field(nullable=True)
     error: Series[str] = pa.Field(nullable=True)
     final_text: Series[str]
     tokens_in: Series[int] = pa.Field(ge=0)
@@ -207,6 +206,7 @@ class EvalResultsFrame(StageKeyed):
     n_turns: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
     tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
     tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    judge_reason: Series[str] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:

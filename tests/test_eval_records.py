@@ -70,10 +70,11 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
-    excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation", "library")} | {"grpo": {"max_steps": True}} | {
+    excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation", "library", "judge")} | {"grpo": {"max_steps": True}} | {
         "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
                      "guard": True, "max_learner_tokens": True},
-        "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True},
+        "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True,
+                    "url_field": True},
         # where and how the model is reached is not part of what a run computes
         "policy": {"repetition_penalty": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)

@@ -120,10 +120,10 @@ class _Quiet(SimpleHTTPRequestHandler):
 
 
 class SiteServer:
-    """Serves ``folder`` on 127.0.0.1 (a free port) in a thread; ``requests`` records every GET."""
+    """Serves ``folder`` on 127.0.0.1 (``port``; 0: a free one) in a thread; ``requests`` records every GET."""
 
-    def __init__(self, folder: Path) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=str(folder)))
+    def __init__(self, folder: Path, port: int = 0) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), partial(_Quiet, directory=str(folder)))
         self.httpd.requests = []  # type: ignore[attr-defined]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
