@@ -111,10 +111,18 @@ def rollout_mode_line(config: RunConfig) -> str:
         return ""
     from domains import get_domain
 
-    tools = ", ".join(t.name for t in get_domain(config.domain).tools())
-    return (f"rollouts: agent (tools: {tools}; protocol {agent.protocol}; at most {agent.max_turns} turns; "
-            f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
-            f"{agent.sandbox.memory_mb} MB per call)")
+    names = [t.name for t in get_domain(config.domain).tools()]
+    limits = []
+    if "python" in names:
+        limits.append(f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
+                      f"{agent.sandbox.memory_mb} MB per call")
+    if "open" in names:
+        web = agent.web.open
+        limits.append(f"open: {web.timeout_s:g} s, {web.max_bytes // 1000} kB, robots.txt "
+                      f"{'obeyed' if web.respect_robots else 'ignored'}, private hosts allowed: "
+                      f"{', '.join(web.allow_hosts) or 'none'}")
+    return (f"rollouts: agent (tools: {', '.join(names)}; protocol {agent.protocol}; at most {agent.max_turns} "
+            f"turns{''.join(f'; {item}' for item in limits)})")
 
 
 def print_steps(result: TrainResult) -> None:
