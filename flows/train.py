@@ -479,6 +479,9 @@ def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[
     problems = [f"{n} {what}" for n, what in found if n]
     if report.consolidation_failed:
         problems.append("the consolidation reply was unusable: no operations")
+    elif report.operations_proposed and not (report.operations_applied or report.operations_rejected):
+        problems.append(f"the consolidation plan kept none of the {report.operations_proposed} proposed operations "
+                        f"(the learner's decision; learning.consolidation: passthrough applies the group proposals)")
     if agent is not None and report.tool_calls == 0 and report.model_turns:
         hint = ("the endpoint may ignore `tools` (some local servers accept and drop them): try "
                 "rollout.agent.protocol: text" if agent.protocol != "text" else "the model wrote no action")

@@ -44,7 +44,7 @@ class ScriptedWebWorld:
         if role == "policy":
             return [self._agent(request, i) for i in range(request.n)]
         handler = {"trajectory summarizer": self._summarize, "experience extractor": self._extract,
-                   "answer judge": self._judge}.get(role)
+                   "answer judge": self._judge, "library consolidator": self._consolidate}.get(role)
         return [handler(request) if handler else json.dumps({"operations": []}) for _ in range(request.n)]
 
     # --- the browsing agent -----------------------------------------------------------------------------------
@@ -106,6 +106,14 @@ class ScriptedWebWorld:
         cite = next((f" It followed {i}." for i, text in listed.items() if WEB_KEY in text and opened), "")
         how = "It opened pages and followed links." if opened else "It answered without opening any page."
         return f"{how}{cite}"
+
+    def _consolidate(self, request: ChatRequest) -> str:
+        """The proposed web lesson once, unless the library has it."""
+        user = next(m["content"] for m in request.messages if m.get("role") == "user")
+        library, _, proposals = user.partition("Proposals:")
+        if WEB_LESSON not in proposals or WEB_KEY in library:
+            return json.dumps({"operations": []})
+        return json.dumps({"operations": [{"op": "add", "text": WEB_LESSON, "sources": []}]})
 
     def _extract(self, request: ChatRequest) -> str:
         user = next(m["content"] for m in request.messages if m.get("role") == "user")

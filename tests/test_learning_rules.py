@@ -149,3 +149,18 @@ def test_new_learning_settings_count_in_the_fingerprint_only_when_changed():
     assert changed.fingerprint() != base.fingerprint()
     with pytest.raises(ValueError, match="not a regular expression"):
         LearningConfig(lesson_pattern="(")
+
+
+def test_a_plan_that_keeps_none_of_the_proposed_operations_is_named():
+    from dataclasses import replace
+
+    from flows.train import step_problems
+    from tasks.checkpoint import step_report
+
+    empty = step_report(run_id="r", step=1, epoch=0, rollouts=[], rewards=[], advantages=[], summaries=[],
+                        proposals=[], consolidation_plans=[], results=[], library_size=0, calls=[])
+    assert step_problems(empty) == []
+    kept_none = replace(empty, operations_proposed=3)
+    assert step_problems(kept_none) == ["the consolidation plan kept none of the 3 proposed operations (the learner's "
+                                        "decision; learning.consolidation: passthrough applies the group proposals)"]
+    assert step_problems(replace(kept_none, operations_rejected=1)) == []
