@@ -226,3 +226,26 @@ def test_questions_with_a_start_page_load_and_are_graded_by_their_final_answer(t
     assert web.verify("Final answer: 1850", rows[0]["answer"]).reward == 0
     assert web.verify("I think it is 1850.", "1850").error == "no 'Final answer:' line"
     assert asyncio.iscoroutinefunction(SEARCH_TOOL.run) and [t.name for t in web.tools()] == ["search", "open"]
+
+
+def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path):
+    """``clgrpo web-world``: the site and questions.jsonl on disk, served on loopback until interrupted."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    world = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port", "0",
+                              "--towns", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = world.stdout.readline()
+        base = first.split("served at ")[1].strip()
+        assert first.startswith(f"site: {tmp_path / 'site'} (12 pages)")
+        assert "Disallow: /private/" in httpx.get(f"{base}/robots.txt", timeout=10).text
+        rows = [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
+        assert len(rows) == 6 and all(r["root_url"] == f"{base}/index.html" for r in rows)
+    finally:
+        world.send_signal(signal.SIGINT)
+        _, err = world.communicate(timeout=30)
+    assert world.returncode == 0 and "Traceback" not in err, err
