@@ -234,11 +234,6 @@ class ExperienceLibrary:
                                  parent_version=self.parent_version, next_id=self.next_id,
                                  id_prefix=self.id_prefix, retired_ids=self.retired_ids, shown=shown)
 
-    @staticmethod
-    def id_order(exp: Experience) -> tuple[int, str]:
-        """The order of ids in the library (numeric part, then the id)."""
-        return _sort_key(exp)
-
     def prompt_tokens(self) -> int:
         """Estimated tokens of the whole rendered library (``clgrpo.tokens``): what ``library.max_tokens`` bounds."""
         return sum(estimate_tokens(_prompt_line(e)) for e in self._items)

@@ -73,12 +73,11 @@ def _by_tag(problems: Sequence[Problem]) -> dict[str | None, list[Problem]]:
 
 def _most_similar(candidates: list[Experience], problems: list[Problem], k: int,
                   vectors: Mapping[str, Sequence[float]]) -> Shown:
+    """``candidates`` in library (id) order, so ``nearest``'s ties go to the lower id."""
     lessons = np.asarray([_vector(vectors, e.text) for e in candidates], dtype=np.float32)
     queries = np.asarray([_vector(vectors, p.problem) for p in problems], dtype=np.float32)
-    order = sorted(range(len(candidates)), key=lambda i: ExperienceLibrary.id_order(candidates[i]))
-    lessons = lessons[order]  # ties go to the lower id
     index, _ = nearest(queries, lessons, k, normalized=True)
-    return {p.problem_id: [candidates[order[j]].id for j in row] for p, row in zip(problems, index.tolist())}
+    return {p.problem_id: [candidates[j].id for j in row] for p, row in zip(problems, index.tolist())}
 
 
 def _vector(vectors: Mapping[str, Sequence[float]], text: str) -> Sequence[float]:

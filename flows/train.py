@@ -277,7 +277,8 @@ class Trainer:
 
         async def do_apply() -> Outputs:
             near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), plan.operations)
-            usefulness = {s.exp_id: s for s in self.experience_stats(step, [e.id for e in library])}
+            usefulness = ({s.exp_id: s for s in self.experience_stats(step, [e.id for e in library])}
+                          if cfg.library.max_tokens is not None else None)  # what the token budget evicts by
             applied = apply_operations_task(cfg, step, version, plan.operations, problems, near, usefulness)
             applied_version.append(applied.library)
             over = rejected_results(over_group + plan.over, first_seq=len(applied.results))

@@ -74,6 +74,7 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
                 advantages: list[GroupAdvantage], summaries: list[Summary], proposals: list[Proposal],
                 consolidation_plans: list[Proposal], results: list[OperationResult], library_size: int,
                 calls: list[LLMCall]) -> StepReport:
+    near, duplicate_ratio = near_duplicate_counts(results)
     return StepReport(
         run_id=run_id, step=step, epoch=epoch,
         n_problems=len({r.problem_id for r in rollouts}),
@@ -104,8 +105,8 @@ def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], 
         tool_calls=sum(r.tool_calls for r in rollouts),
         tool_errors=sum(r.tool_errors for r in rollouts),
         model_turns=sum(r.n_turns for r in rollouts),
-        near_duplicates=near_duplicate_counts(results)[0],
-        duplicate_ratio=near_duplicate_counts(results)[1],
+        near_duplicates=near,
+        duplicate_ratio=duplicate_ratio,
     )
 
 

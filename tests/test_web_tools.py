@@ -134,7 +134,7 @@ async def test_a_missing_robots_txt_allows_and_a_failing_one_disallows(status, a
     if allowed:
         assert (await fetch_page(url, settings, transport=httpx.MockTransport(handler))).title == "Ok"
     else:
-        with pytest.raises(FetchRefused, match="robots.txt"):
+        with pytest.raises(FetchRefused, match="robots.txt of 127.0.0.1:10 answered HTTP 503, so nothing there"):
             await fetch_page(url, settings, transport=httpx.MockTransport(handler))
 
 

@@ -148,27 +148,33 @@ def _client(settings: OpenConfig, transport: httpx.AsyncBaseTransport | None = N
                              timeout=timeout, trust_env=False, transport=transport)
 
 
-_robots: dict[str, tuple[float, RobotFileParser | None]] = {}  # origin -> (fetched at, rules; None: disallow all)
+# origin -> (fetched at, rules or why robots.txt could not be read: then everything is disallowed, RFC 9309)
+_robots: dict[str, tuple[float, RobotFileParser | str]] = {}
 
 
-async def _robots_allow(client: httpx.AsyncClient, url: str, settings: OpenConfig) -> bool:
+async def _robots_block(client: httpx.AsyncClient, url: str, settings: OpenConfig) -> str | None:
+    """Why robots.txt keeps ``url`` closed to clgrpo's user agent, or None when it may be fetched."""
     parts = urlsplit(url)
     origin = f"{parts.scheme}://{parts.netloc}"
     cached = _robots.get(origin)
     if cached is None or time.monotonic() - cached[0] > _ROBOTS_TTL_S:
-        rules: RobotFileParser | None
+        rules: RobotFileParser | str
         try:
             _, response, body, _ = await _follow(client, f"{origin}/robots.txt", settings, _ROBOTS_MAX_BYTES)
             if response.status_code >= 500:
-                rules = None
+                rules = f"robots.txt of {parts.netloc} answered HTTP {response.status_code}"
             else:
                 rules = RobotFileParser()
                 rules.parse(body.decode("utf-8", "replace").splitlines() if response.status_code < 400 else [])
-        except (httpx.HTTPError, FetchRefused):
-            rules = None
+        except (httpx.HTTPError, FetchRefused) as exc:
+            rules = f"robots.txt of {parts.netloc} could not be read ({type(exc).__name__}: {exc})"
         cached = _robots[origin] = (time.monotonic(), rules)
     rules = cached[1]
-    return rules is not None and rules.can_fetch(settings.user_agent, url)
+    if isinstance(rules, str):
+        return f"{rules}, so nothing there is fetched"
+    if not rules.can_fetch(settings.user_agent, url):
+        return f"robots.txt of {parts.netloc} disallows it for {settings.user_agent.split('/')[0]}"
+    return None
 
 
 async def fetch_page(url: str, settings: OpenConfig, transport: httpx.AsyncBaseTransport | None = None) -> Page:
@@ -186,9 +192,8 @@ async def fetch_page(url: str, settings: OpenConfig, transport: httpx.AsyncBaseT
 
 
 async def _fetch(client: httpx.AsyncClient, url: str, settings: OpenConfig) -> Page:
-    if settings.respect_robots and not await _robots_allow(client, url, settings):
-        raise FetchRefused(f"refused {url}: robots.txt of {urlsplit(url).netloc} disallows it for "
-                           f"{settings.user_agent.split('/')[0]}")
+    if settings.respect_robots and (blocked := await _robots_block(client, url, settings)):
+        raise FetchRefused(f"refused {url}: {blocked}")
     final, response, body, truncated = await _follow(client, url, settings, settings.max_bytes)
     kind = response.headers.get("content-type", "text/html").split(";")[0].strip().lower()
     if response.status_code >= 400:

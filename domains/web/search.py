@@ -9,6 +9,7 @@ https://api.search.brave.com/res/v1/web/search?q={query}&count={k}``, ``api_key_
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from dataclasses import dataclass
@@ -175,7 +176,5 @@ async def http_search(query: str, settings: SearchConfig, transport: httpx.Async
 async def search(query: str, settings: SearchConfig, transport: httpx.AsyncBaseTransport | None = None) -> list[Hit]:
     if settings.backend == "http":
         return await http_search(query, settings, transport)
-    import asyncio
-
     index = await asyncio.to_thread(local_index, settings)
     return index.search(query, settings.top_k)
