@@ -84,15 +84,20 @@ class AsyncLatencyApp:
             await asyncio.sleep(self.responder.model.first_token_s(chat))
             return completion_body(asked, [self.canned] * asked.n)
         responder = self.responder
-        drawn = responder.latency(asked)
-        await asyncio.sleep(max(0.0, drawn))
+        drawn = max(0.0, responder.latency(asked))
+        await asyncio.sleep(drawn)
         responder._drawn.value = drawn  # what latency() set for this request (other requests ran meanwhile)
         model = responder.model
-        responder.model = replace(model, tokens_per_s=0.0) if model.tokens_per_s else model  # no blocking sleep
+        responder.model = replace(model, tokens_per_s=0.0)  # the generation time is slept below, not blocking
         try:
             contents = responder(asked)
         finally:
             responder.model = model
+        record = responder.records.pop()
+        generation = model.generation_s(contents)
+        if generation:
+            await asyncio.sleep(generation)
+        responder.records.append(replace(record, service_s=drawn + generation, ended=time.monotonic()))
         return completion_body(asked, contents)
 
     async def models(self, request) -> object:

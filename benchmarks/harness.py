@@ -159,7 +159,8 @@ class Probe:
 
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("duckdb", ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/store.py", "/schemas/frames.py")),
-    ("llm client", ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/clgrpo/llm/")),
+    ("llm client", ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/aiohttp/", "/multidict/", "/yarl/",
+                    "/clgrpo/llm/")),
     ("prefect", ("/prefect/", "/tasks/common.py", "/cloudpickle/")),
     ("verify", ("/domains/math/verify.py",)),
     ("sandbox", ("/clgrpo/sandbox.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py")),

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -657,5 +659,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if user else 1
 
 
+def run() -> None:
+    """The ``clgrpo`` console script: ``main()``, then exit without tearing the interpreter down.
+
+    After a run, freeing every object of the imported stack (Prefect, pandas, DuckDB, ...) one by one takes
+    about 0.6 s on two cores and does nothing a user needs. The exit work that matters still runs, in the order
+    Python runs it (threads that must finish, Prefect's log and event workers draining to the API, every
+    ``atexit`` handler: the verifier pool, a temporary Prefect server, logging), and then the process ends."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    join_threads = getattr(threading, "_shutdown", None)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if join_threads is None or run_exit_handlers is None:  # another Python: the usual exit
+        sys.exit(code)
+    join_threads()
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

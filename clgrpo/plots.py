@@ -11,11 +11,11 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn (a third of a second a run need not wait for)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _SIZE = (7.0, 3.6)
@@ -42,6 +42,9 @@ class ConditionPoint:
 
 
 def _figure() -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=_SIZE, dpi=_DPI)
     FigureCanvasAgg(fig)
     return fig
@@ -139,6 +142,8 @@ def conditions_plot(metric_label: str, points: Sequence[ConditionPoint], *, titl
 
 
 def _integer_steps(ax: Axes, *, y: bool = False) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if y:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -9,6 +9,7 @@ less often, which cuts pauses without letting reference cycles pile up.
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 YOUNG_THRESHOLD = 20_000  # allocations between young collections (CPython's default: 700)
@@ -23,5 +24,6 @@ def tune_gc() -> None:
         return
     _tuned = True
     gc.freeze()
+    atexit.register(gc.unfreeze)  # frozen objects are never finalized: give them back before the interpreter exits
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)

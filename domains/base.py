@@ -7,30 +7,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from clgrpo.verify_child import VerifyResult  # noqa: F401 - re-exported: domains grade with it
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
 from schemas.records import Problem
 
 Message = dict[str, Any]
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """One grade, or the verifier's admission that it could not grade.
-
-    ``verified`` True: ``reward`` is a genuine grade (1.0 correct, 0.0 wrong, no answer found, empty output; ``error``
-    may say why it is 0). ``verified`` False: the verifier could not do its work (it could not start, the item
-    timed out, a worker crashed or hung, the pool kept restarting, an unexpected error, the reference answer is
-    missing or unparseable); the cause is in ``error`` and ``reward`` is 0.0 only as a placeholder -- callers must
-    not use it as a grade (store an error, retry).
-    """
-
-    reward: float  # in [0, 1]
-    extracted: str | None = None  # the answer the verifier read from the output
-    error: str | None = None  # why the reward is 0 (no answer found, ...) or why there is no grade
-    verified: bool = True  # False: no grade (see above); the reward is then meaningless
-    reason: str | None = None  # an LLM judge's one-sentence reason for its grade (``tasks/judge.py``)
 
 
 @dataclass(frozen=True)

@@ -367,13 +367,13 @@ def test_timeout_kills_the_pool_and_the_next_call_works(monkeypatch: pytest.Monk
     (result,) = verify_batch([("\\boxed{1}", "1")], timeout_s=0.5, worker=_slow_worker)
     assert time.monotonic() - start < 10
     assert result.verified is False and "timeout" in (result.error or "")
-    assert verify("\\boxed{1}", "1") == VerifyResult(1.0, "1", None, verified=True)
+    assert verify("\\boxed{1.0}", "1") == VerifyResult(1.0, "1.0", None, verified=True)  # graded in the pool
 
 
 def test_queueing_behind_other_threads_is_not_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short item queued behind another thread's long batch waits longer than its limit, yet is not hung."""
     monkeypatch.setattr(verify_mod, "DEADLINE_MARGIN_S", 0.2)
-    verify("\\boxed{1}", "1")  # pool started before the clock matters
+    verify("\\boxed{1.0}", "1")  # pool started before the clock matters
     long_batch = [(f"a{n}", "1") for n in range(30)]  # about 1.5 s on two children
     with ThreadPoolExecutor(max_workers=2) as pool:
         first = pool.submit(verify_batch, long_batch, 0.3, _sleepy_worker)
@@ -390,7 +390,7 @@ def test_timeout_of_one_item_keeps_the_others(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(verify_mod, "DEADLINE_MARGIN_S", 0.2)
     hung = verify_batch([("\\boxed{1}", "1")] * 2, timeout_s=0.5, worker=_slow_worker)
     assert all(r.verified is False and "timeout" in (r.error or "") for r in hung)
-    results = verify_batch([("\\boxed{1}", "1"), ("\\boxed{2}", "3"), ("", "1")])
+    results = verify_batch([("\\boxed{1.0}", "1"), ("\\boxed{2.0}", "3"), ("", "1")])
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
     assert all(r.verified for r in results)
 
@@ -441,3 +441,33 @@ def test_math_domain_is_registered_and_complete(tmp_path: Path) -> None:
     assert [p.problem_id for p in problems] == ["p1", "p2", "p3"] and report.n_after_limit == 3
     assert domain.verify("\\boxed{2}", "2").reward == 1.0
     assert [r.reward for r in domain.verify_batch([("\\boxed{2}", "2"), ("\\boxed{3}", "2")])] == [1.0, 0.0]
+
+
+INTEGER_CASES = [
+    ("So the answer is \\boxed{42}.", "42"), ("\\boxed{42}", "17"), ("We get $\\boxed{ 204 }$", "204"),
+    ("\\boxed{042}", "42"), ("\\boxed{-3}", "-3"), ("\\boxed{-3}", "3"), ("answer: \\boxed{+7}", "7"),
+    ("First 12, then 15, finally \\boxed{15}", "15"), ("Final: \\boxed{15} though 12 looked right", "12"),
+    ("\\boxed{0}", "0"), ("x = 5 so \\boxed{25}", "025"), ("The total is \\boxed{1000}.", "1000"),
+]
+SLOW_PATH_CASES = [  # not decided by the integer rule: math-verify grades them
+    ("\\boxed{3} or \\boxed{4}", "4"), ("\\boxed{\\frac{1}{2}}", "1/2"), ("\\boxed{42}", "42.0"),
+    ("The answer is 42.", "42"), ("\\boxed{x=5}", "5"), ("\\fbox{7} and \\boxed{7}", "7"), ("\\boxed{2^{10}}", "1024"),
+]
+
+
+@pytest.mark.parametrize("output, answer", INTEGER_CASES)
+def test_integer_answers_are_graded_without_a_child_exactly_as_math_verify_grades_them(output, answer):
+    from clgrpo.verify_child import warm_up
+    from domains.math.verify import _grade_one, integer_answer
+
+    warm_up()  # in this process too: math-verify loaded, its no-timeout notice silenced as in the children
+    fast, slow = integer_answer(output, answer), _grade_one(output, answer, 5.0)
+    assert fast is not None and fast.verified
+    assert (fast.reward, fast.extracted) == (slow.reward, slow.extracted), (fast, slow)
+
+
+@pytest.mark.parametrize("output, answer", SLOW_PATH_CASES)
+def test_anything_but_one_boxed_integer_against_an_integer_goes_to_math_verify(output, answer):
+    from domains.math.verify import integer_answer
+
+    assert integer_answer(output, answer) is None

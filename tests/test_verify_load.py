@@ -165,7 +165,7 @@ def test_an_item_over_its_cpu_budget_is_unverified_and_the_pool_survives() -> No
         assert result.verified is False and result.reward == 0.0
         assert result.error is not None and "timeout" in result.error and "CPU" in result.error
     assert verify_mod._POOL.current() is before  # the child stopped itself: nothing was killed
-    assert verify_batch([("\\boxed{2}", "2")]) == [VerifyResult(1.0, "2", None, verified=True)]
+    assert verify_batch([("\\boxed{2.0}", "2")]) == [VerifyResult(1.0, "2.0", None, verified=True)]
 
 
 def test_a_hung_worker_is_unverified_and_the_rest_of_the_batch_is_graded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +181,7 @@ def test_a_hung_worker_is_unverified_and_the_rest_of_the_batch_is_graded(monkeyp
     others = results[:3] + results[4:]
     assert all(r.verified for r in others), others
     assert [r.reward for r in others] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
-    assert verify_batch([("\\boxed{2}", "2")])[0].reward == 1.0  # a fresh pool took over
+    assert verify_batch([("\\boxed{2.0}", "2")])[0].reward == 1.0  # a fresh pool took over
 
 
 def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
@@ -196,7 +196,7 @@ def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
     warm_pool()  # a no-op once up
     assert verify_mod._POOL.current() is generation
     started = time.monotonic()
-    results = verify_batch(CORRECT[:10])
+    results = verify_batch(CORRECT[12:22])  # no boxed integers: graded in the pool
     first_batch = time.monotonic() - started
     print(f"\nwarm_pool: pool up after {up_after:.2f}s (start {pool_start_seconds():.2f}s); first batch {first_batch:.3f}s")
     assert all(r.verified and r.reward == 1.0 for r in results)
@@ -213,10 +213,10 @@ def test_a_failed_start_is_reported_as_unverified_then_retried(monkeypatch: pyte
         assert time.monotonic() < deadline
         time.sleep(0.02)
     monkeypatch.undo()
-    (result,) = verify_batch([("\\boxed{1}", "1")])  # the warm-up's failure, reported on first use
+    (result,) = verify_batch([("\\boxed{1.0}", "1")])  # the warm-up's failure, reported on first use
     assert result.verified is False and result.reward == 0.0
     assert (result.error or "").startswith("verifier unavailable: TimeoutError")
-    assert verify_batch([("\\boxed{1}", "1")])[0] == VerifyResult(1.0, "1", None, verified=True)
+    assert verify_batch([("\\boxed{1.0}", "1")])[0] == VerifyResult(1.0, "1.0", None, verified=True)
 
 
 def test_unparseable_reference_is_unverified() -> None:
