@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 
 YOUNG_THRESHOLD = 20_000  # allocations between young collections (CPython's default: 700)
 
 _tuned = False
 
 
+DISABLE_ENV = "CLGRPO_TUNE_GC"  # "0": leave the garbage collector as Python set it (the test suite does)
+
+
 def tune_gc() -> None:
-    """Once per process, after the heavy imports: freeze the survivors and raise the young threshold."""
+    """Once per process, after the heavy imports (the flows call it when they start): freeze the survivors and
+    raise the young threshold."""
     global _tuned
-    if _tuned:
+    if _tuned or os.environ.get(DISABLE_ENV) == "0":
         return
     _tuned = True
     gc.freeze()

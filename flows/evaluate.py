@@ -28,6 +28,7 @@ from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact,
 
 from clgrpo import plots
 from clgrpo.errors import EvaluationError
+from clgrpo.runtime import tune_gc
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_policy
@@ -303,8 +304,9 @@ async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[st
     """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
     The first library is the baseline of the paired comparisons."""
     log = get_run_logger()
+    tune_gc()
+    warm_verifier(config.domain)  # starts while the endpoint is checked
     await check_policy(config)  # the endpoint answers and serves the model, before any sampling
-    warm_verifier(config.domain)
     with Store(config.db_path) as store:
         conditions = resolve_conditions(store, libraries)
         problems = load_problems(config, evaluation.dataset)

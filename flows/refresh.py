@@ -32,6 +32,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
+from clgrpo.runtime import tune_gc
 from clgrpo.report import markdown_table
 from clgrpo.sources import read_arrivals, select_new
 from clgrpo.store import Store
@@ -240,6 +241,7 @@ async def refresh(config: RefreshConfig, as_of: datetime | None = None) -> Refre
     """Nightly experience refresh of ``config.name`` for the date of ``as_of`` (default: this run's
     scheduled start) in ``config.timezone``."""
     log = get_run_logger()
+    tune_gc()
     check_refresh(config)
     cutoff = refresh_cutoff(config, as_of)
     date = refresh_date(config, cutoff)

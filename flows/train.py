@@ -30,6 +30,7 @@ from prefect.artifacts import (
 
 from clgrpo import progress
 from clgrpo.journal import RunJournal, recording
+from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
@@ -414,7 +415,7 @@ class Trainer:
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         self.store.set_run_status(self.run_id, "running")
         self.keep_unrecorded_calls()  # of an attempt that was killed
-        warm_verifier(self.cfg.domain)
+        warm_verifier(self.cfg.domain)  # started by the flow already; a no-op then
         try:
             result = await self.steps()
         except BaseException as exc:
@@ -529,6 +530,8 @@ async def train(config: RunConfig, preflight: bool = True) -> TrainResult:
     """Learn an experience library for a frozen policy (Training-Free GRPO). ``preflight``: check the dataset,
     API keys, endpoints and models before the first stage (the CLI has already done it when False)."""
     config = with_run_id(config)
+    tune_gc()
+    warm_verifier(config.domain)  # first: it starts while the checks, the store and the first rollouts wait
     if preflight:
         await check_run(config)
     with Store(config.db_path) as store:  # the DuckDB write lock: no other live process runs this run id here
