@@ -83,6 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"db_path={args.db}")
     if args.mode:
         overrides.append(f"rollout.mode={args.mode}")
+    if args.plots:
+        overrides.append("plots=true")
     config = load_config(args.config, overrides)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
@@ -584,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mode", choices=["direct", "agent"],
                        help="rollouts: direct answers or an agent with the domain's tools (shortcut for "
                             "--set rollout.mode=...; default: the config's)")
+    train.add_argument("--plots", action="store_true",
+                       help="draw the run's plots at the end (shortcut for --set plots=true; `clgrpo report` "
+                            "draws them any time)")
     train.set_defaults(func=cmd_train)
 
     library = sub.add_parser("library", help="inspect and export learned libraries").add_subparsers(

@@ -213,16 +213,18 @@ async def publish_evaluation(key: str, summaries: list[EvalSummary], comparisons
 
 
 async def publish_run_report(store: Store, config: RunConfig) -> dict[str, Path]:
-    """The run's plots (accuracy with CI, library size, tokens/cost per step) as PNGs next to the run's
-    exported libraries and as image artifacts, plus the step table as markdown."""
+    """The step table as a markdown artifact; with ``config.plots`` also the run's plots (accuracy with CI,
+    library size, tokens/cost per step) as PNGs next to the run's exported libraries and as image artifacts."""
     data = collect_run(store, config.run_id)
+    await acreate_markdown_artifact(markdown_table(step_table(data)), key=artifact_key(config.run_id, "learning-curve"),
+                                    description="Per step: accuracy and held-out Mean@k with CIs, library, cost")
+    if not config.plots:
+        return {}
     images = run_plots(data)
     files = write_plots(images, export_dir(config) / "plots")
     for name, png in images.items():
         await acreate_image_artifact(plots.data_uri(png), key=artifact_key(config.run_id, f"plot-{name}"),
                                      description=f"{config.run_id}: {name.replace('_', ' ')} per step")
-    await acreate_markdown_artifact(markdown_table(step_table(data)), key=artifact_key(config.run_id, "learning-curve"),
-                                    description="Per step: accuracy and held-out Mean@k with CIs, library, cost")
     get_run_logger().info("plots written to %s", files["accuracy"].parent)
     return files
 

@@ -34,7 +34,6 @@ from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
-from flows.rollout_gpu import rollout_on_pool
 from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.quality import describe_quality, library_quality
@@ -208,8 +207,11 @@ class Trainer:
         version = (await route_library(cfg, self.store, library, problems)).to_version()  # what each prompt shows
         rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
 
-        run_chunk = (partial(rollout_on_pool, db_id=self.store.db_id) if cfg.rollout.placement == "pool"
-                     else rollout_task)
+        run_chunk = rollout_task
+        if cfg.rollout.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+            from flows.rollout_gpu import rollout_on_pool
+
+            run_chunk = partial(rollout_on_pool, db_id=self.store.db_id)
         await self.pipeline(step, rollout_chunks, version)
 
         async def do_rollout() -> Outputs:

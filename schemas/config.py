@@ -390,7 +390,7 @@ class ToleranceConfig(Section):
 
 
 # Settings that change where or how fast a run executes, or when it stops, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget"}
+NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
 # Model settings that say where and how a model is reached, not what it computes: moving the same model to
 # another port or key, or changing timeouts and retries, does not block a resume.
 NOT_FINGERPRINTED_MODEL = {"base_url", "api_key_env", "api_key_secret_block", "timeout_s", "max_retries",
@@ -413,6 +413,9 @@ class RunConfig(Section):
     # a group's summaries and advantage start once its own rollouts are verified (no batch-wide barrier);
     # same results as stage by stage (see benchmarks/REPORT.md)
     pipeline: bool = True
+    # at the end of the run: the plots (PNG files + Prefect image artifacts); off by default, because drawing
+    # them costs about half a second per run (matplotlib): `clgrpo report RUN` draws them whenever asked
+    plots: bool = False
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)

@@ -144,7 +144,7 @@ def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys
             "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4},
             "validation": {"dataset": {"path": str(heldout_path)}, "k": 4, "every_n_steps": 1,
                            "bootstrap_samples": 500},
-            "concurrency": 8}))
+            "concurrency": 8, "plots": True}))
         assert main(["train", "--config", str(config), "--db", str(db)]) == 0
         policy_calls = server.stats.by_role["policy"]
         assert main(["train", "--config", str(config), "--db", str(db)]) == 0  # resume: all read back

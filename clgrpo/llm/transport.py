@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
+import aiohttp  # at import, not on the first call's critical path (~0.15 s)
+
 try:  # orjson: ~5x faster JSON both ways; plain json when it is missing
     import orjson
 
@@ -64,16 +66,12 @@ class AiohttpTransport:
         self._session: Any = None
 
     def _open(self) -> Any:
-        import aiohttp
-
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
         self._session = aiohttp.ClientSession(
             connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout_s))
         return self._session
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
-        import aiohttp
-
         session = self._session or self._open()
         try:
             async with session.post(self.base_url + path, data=dumps(body)) as response:
