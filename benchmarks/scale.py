@@ -6,6 +6,8 @@ process, the real training flow with pipelining, one DuckDB file):
   small    40 problems x G=5, one step, concurrency 256 (never binds), the step benchmark's latency model
            (median 0.8 s + 100 tokens/s): wall and LLM span against the critical path of the calls made; the
            gap between a group's last rollout and its first summary (where a cold verifier would show).
+  small-mv the same, every answer graded by math-verify in the verifier pool (started cold with the run),
+           as for answers that are not a single boxed integer.
   1k       1,000 problems x G=5, one step, concurrency 256 and 512, a fast server (median 0.2 s, no generation
            time, admits 1,024 at once): the flow process's CPU per LLM call and the client's share of it, the
            server's requests in flight over time (a plot) against the calls the flow had waiting or running,
@@ -13,7 +15,7 @@ process, the real training flow with pipelining, one DuckDB file):
   10k      10,000 problems x G=5 in steps of 1,000, concurrency 256, the same fast server: whether the figures
            hold over a long run (CPU per call, pauses, memory).
 
-    python benchmarks/scale.py                         # small x3, 1k at 256 and 512 x3, 10k once; ~12 min
+    python benchmarks/scale.py                         # small (x2 kinds) x3, 1k at 256 and 512 x3, 10k once; ~15 min
     python benchmarks/scale.py --scenarios small 1k --repeats 1 --json scale.json --plot-dir plots
 
 Acceptance figures (issue 18): client CPU <= 1 ms per call, >= 90% of the configured concurrency in flight while
@@ -54,6 +56,7 @@ class Scenario:
     batch_size: int
     latency: dict
     critical_path: bool = True
+    math_verify_all: bool = False  # grade every answer in the math-verify pool (no integer shortcut)
 
 
 def scenarios(names: list[str], concurrencies: list[int]) -> list[Scenario]:
@@ -61,12 +64,14 @@ def scenarios(names: list[str], concurrencies: list[int]) -> list[Scenario]:
     for name in names:
         if name == "small":
             out.append(Scenario("small", 40, 256, 40, STEP))
+        elif name == "small-mv":
+            out.append(Scenario("small-mv", 40, 256, 40, STEP, math_verify_all=True))
         elif name == "1k":
             out += [Scenario("1k", 1000, c, 1000, FAST) for c in concurrencies]
         elif name == "10k":
             out.append(Scenario("10k", 10_000, 256, 1000, FAST, critical_path=False))
         else:
-            raise SystemExit(f"unknown scenario {name!r} (small, 1k, 10k)")
+            raise SystemExit(f"unknown scenario {name!r} (small, small-mv, 1k, 10k)")
     return out
 
 
@@ -168,6 +173,10 @@ def child(scenario: Scenario, out: Path, plot: Path | None, repeat: int) -> None
     from flows import train as train_module
 
     tune_gc()  # as `clgrpo train` does after its imports
+    if scenario.math_verify_all:  # answers that need math-verify (fractions, expressions): the pool grades all
+        import domains.math.verify as verify_module
+
+        verify_module.integer_answer = lambda output, answer: None
     spec = RunSpec(n_problems=scenario.problems, concurrency=scenario.concurrency, batch_size=scenario.batch_size,
                    latency_seed=repeat)
     workdir = Path(tempfile.mkdtemp(prefix="clgrpo-bench-scale-"))
@@ -246,7 +255,7 @@ def draw(path: Path, scenario: Scenario, times: list[float], flying: list[int], 
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     ax.plot(times, [min(d, 2 * scenario.concurrency) for d in wanted], color="0.6", lw=1,
-            label="calls the flow had started (waiting or in service)")
+            label="calls the flow had started (waiting or in service; clipped at 2x)")
     ax.plot(times, flying, color="C0", lw=1.2, label="in service at the server")
     ax.axhline(scenario.concurrency, color="C3", ls="--", lw=1, label=f"concurrency {scenario.concurrency}")
     ax.set_xlabel("s since the first request")
@@ -275,7 +284,7 @@ def run_child(scenario: Scenario, repeat: int, plot_dir: Path | None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", nargs="+", default=["small", "1k", "10k"])
+    parser.add_argument("--scenarios", nargs="+", default=["small", "small-mv", "1k", "10k"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[256, 512], help="for the 1k scenario")
     parser.add_argument("--repeats", type=int, default=3, help="runs of small and 1k (10k runs once)")
     parser.add_argument("--json", type=Path)
