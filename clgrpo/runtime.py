@@ -1,6 +1,6 @@
 """Process settings for long runs with many concurrent LLM calls.
 
-The imports of a run (Prefect, pandas, pandera, DuckDB, the HTTP stack) leave several hundred thousand objects
+The imports of a run (Prefect, pandas, pandera, DuckDB, the HTTP stack) leave about 200,000 objects
 that the garbage collector would rescan in every full collection: at thousands of calls per second that froze
 the event loop for 0.3-0.45 s about every 4 s (REPORT.md, "Scale"). ``tune_gc`` moves what is alive after the
 imports into the permanent generation (never scanned; it is not garbage) and collects the youngest generation
