@@ -103,6 +103,7 @@ def _retry_after_seconds(headers: object) -> float | None:
 
 
 CHAT_PATH = "chat/completions"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
 
 class OpenAIBackend:
@@ -169,9 +170,6 @@ class OpenAIBackend:
         await self._transport.aclose()
 
 
-DEFAULT_BASE_URL = "https://api.openai.com/v1"
-
-
 def generation(reply: object, where: str) -> Generation:
     """A usable chat completion, else a transient error naming what is wrong with it (retried, recorded)."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
@@ -192,8 +190,13 @@ def generation(reply: object, where: str) -> Generation:
         calls.append(tool_calls)
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
-    return Generation(texts=texts, tokens_in=usage.get("prompt_tokens") or 0,
-                      tokens_out=usage.get("completion_tokens") or 0, finish_reasons=reasons, tool_calls=calls)
+    return Generation(texts=texts, tokens_in=_count(usage.get("prompt_tokens")),
+                      tokens_out=_count(usage.get("completion_tokens")), finish_reasons=reasons, tool_calls=calls)
+
+
+def _count(value: object) -> int:
+    """A token count from ``usage``; anything but a non-negative integer (a missing or odd field) is 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _error_message(data: bytes) -> str:
