@@ -303,11 +303,11 @@ def cmd_web_world(args: argparse.Namespace) -> int:
     towns = make_towns(args.towns, seed=args.seed)
     folder = build_site(out / "site", towns)
     server = SiteServer(folder, port=args.port)
-    questions = write_questions(make_questions(towns, server.base_url), out / "questions.jsonl")
-    print(f"site: {folder} ({sum(1 for _ in folder.rglob('*.html'))} pages), served at {server.base_url}")
-    print(f"questions: {questions} ({2 * len(towns)}, 3 hops each from {server.base_url}/index.html)")
-    print("train on it:  clgrpo train --config configs/web.yaml      (Ctrl-C here stops the site)")
-    try:
+    try:  # from here on a Ctrl-C, whenever it comes, stops the site and ends the command cleanly
+        questions = write_questions(make_questions(towns, server.base_url), out / "questions.jsonl")
+        print(f"site: {folder} ({sum(1 for _ in folder.rglob('*.html'))} pages), served at {server.base_url}")
+        print(f"questions: {questions} ({2 * len(towns)}, 3 hops each from {server.base_url}/index.html)")
+        print("train on it:  clgrpo train --config configs/web.yaml      (Ctrl-C here stops the site)", flush=True)
         server.thread.join()
     except KeyboardInterrupt:
         pass
