@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import multiprocessing
-import os
 import re
 import sys
 import threading
@@ -44,9 +43,10 @@ from typing import Any
 from clgrpo import verify_child as child
 from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR, VerifyResult, Worker
 
-# half the cores, 1-4: a child grades ~600 short answers/s, and on a small machine each child's start (~0.5 s of
-# CPU for math-verify) competes with the flow's first rollouts (benchmarks/REPORT.md "Fixed overhead")
-POOL_PROCESSES = max(1, min(4, (os.cpu_count() or 2) // 2))
+# two children: one child alone was tried (its ~0.5 s start competes less with a run's start on two cores), but
+# after the flow tests of the default test run the lone child started nothing for 150 s and a batch was
+# reported unverified; with two, one stuck child does not stall grading (benchmarks/REPORT.md "Scale")
+POOL_PROCESSES = 2
 STARTUP_TIMEOUT_S = 120.0  # starting the pool (spawn + import math-verify + warm-up); charged to no sample
 HANG_FACTOR = 4.0  # parent backstop: an item running HANG_FACTOR * timeout_s + DEADLINE_MARGIN_S (wall clock,
 DEADLINE_MARGIN_S = 10.0  # from the moment a child started it) without finishing counts as hung
