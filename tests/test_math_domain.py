@@ -472,3 +472,22 @@ def test_anything_but_one_boxed_integer_against_an_integer_goes_to_math_verify(o
     from domains.math.verify import integer_answer
 
     assert integer_answer(output, answer) is None
+
+
+def test_start_markers_are_read_even_when_every_item_finished_before_it_was_collected() -> None:
+    """Each item's child writes a start marker to a pipe; a batch whose items were all done before the parent
+    looked used to leave them unread, and ~2,000 unread markers filled the pipe until the children blocked (the
+    pool then "started nothing" and batches came back unverified)."""
+    import itertools
+
+    generation = verify_mod._POOL.acquire()
+    for round_ in range(3):
+        tokens = itertools.count(round_ * 1000)
+        handles = [(i, token, generation.submit(_tagging_worker, token, f"o{i}", "a", 5.0))
+                   for i, token in zip(range(200), tokens)]
+        for _, _, handle in handles:
+            handle.wait(30)
+        results: list = [None] * len(handles)
+        assert verify_mod._collect(handles, generation, 5.0, results) == ([], "done")
+        assert generation._events.empty() and not generation._started
+        assert [r.extracted for r in results] == [f"tagged:o{i}:a" for i in range(200)]

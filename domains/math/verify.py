@@ -43,9 +43,6 @@ from typing import Any
 from clgrpo import verify_child as child
 from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR, VerifyResult, Worker
 
-# two children: one child alone was tried (its ~0.5 s start competes less with a run's start on two cores), but
-# after the flow tests of the default test run the lone child started nothing for 150 s and a batch was
-# reported unverified; with two, one stuck child does not stall grading (benchmarks/REPORT.md "Scale")
 POOL_PROCESSES = 2
 STARTUP_TIMEOUT_S = 120.0  # starting the pool (spawn + import math-verify + warm-up); charged to no sample
 HANG_FACTOR = 4.0  # parent backstop: an item running HANG_FACTOR * timeout_s + DEADLINE_MARGIN_S (wall clock,
@@ -414,6 +411,11 @@ def _collect(
             else:
                 unfinished.append(j)
         return unfinished, outcome
+    # Read the children's start markers even when every item was done before we looked: a marker is written to a
+    # pipe for each item, and markers nobody reads fill it (~2,000 items) until the children block writing them
+    generation.drain()
+    for _, token, _ in handles:
+        generation.forget(token)  # markers read just now (their items are done)
     return [], "done"
 
 
