@@ -308,7 +308,8 @@ def cmd_web_world(args: argparse.Namespace) -> int:
         print(f"site: {folder} ({sum(1 for _ in folder.rglob('*.html'))} pages), served at {server.base_url}")
         print(f"questions: {questions} ({2 * len(towns)}, 3 hops each from {server.base_url}/index.html)")
         print("train on it:  clgrpo train --config configs/web.yaml      (Ctrl-C here stops the site)", flush=True)
-        server.thread.join()
+        while server.thread.is_alive():  # timed waits: a Ctrl-C the kernel hands to a server thread instead of
+            server.thread.join(0.5)  # this one is noticed here within 0.5 s (an untimed join never wakes for it)
     except KeyboardInterrupt:
         pass
     finally:

@@ -230,7 +230,6 @@ def test_questions_with_a_start_page_load_and_are_graded_by_their_final_answer(t
 
 def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path):
     """``clgrpo web-world``: the site and questions.jsonl on disk, served on loopback until interrupted."""
-    import signal
     import subprocess
     import sys
 
@@ -246,6 +245,22 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
         rows = [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
         assert len(rows) == 6 and all(r["root_url"] == f"{base}/index.html" for r in rows)
     finally:
-        world.send_signal(signal.SIGINT)
+        _interrupt_a_thread_other_than_main(world)
         _, err = world.communicate(timeout=30)
     assert world.returncode == 0 and "Traceback" not in err, err
+
+
+def _interrupt_a_thread_other_than_main(process) -> None:
+    """Ctrl-C, as the kernel may deliver it: to any of the process's threads. The main thread blocked in an untimed
+    ``Thread.join`` never woke when a server thread got it (the command then hung), so send it to one of those."""
+    import ctypes
+    import os
+    import platform
+    import signal
+
+    tgkill = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+    others = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+    if tgkill is None or not others:
+        process.send_signal(signal.SIGINT)
+        return
+    assert ctypes.CDLL(None, use_errno=True).syscall(tgkill, process.pid, others[0], signal.SIGINT) == 0
