@@ -54,6 +54,12 @@ def _sleepy_worker(output: str, answer: str, timeout_s: float) -> VerifyResult:
     return VerifyResult(1.0, output)
 
 
+def _one_second_worker(output: str, answer: str, timeout_s: float) -> VerifyResult:
+    """Keeps its child busy for a second (sleeping: no CPU budget used)."""
+    time.sleep(1.0)
+    return VerifyResult(1.0, output)
+
+
 def _thread_probe_worker(output: str, answer: str, timeout_s: float) -> VerifyResult:
     """Reports whether the child runs items in its main thread (where math-verify's alarms work)."""
     return VerifyResult(1.0, str(threading.current_thread() is threading.main_thread()))
@@ -488,6 +494,27 @@ def test_start_markers_are_read_even_when_every_item_finished_before_it_was_coll
         for _, _, handle in handles:
             handle.wait(30)
         results: list = [None] * len(handles)
-        assert verify_mod._collect(handles, generation, 5.0, results) == ([], "done")
+        assert verify_mod._collect(handles, generation, 5.0, results, time.monotonic()) == ([], "done")
         assert generation._events.empty() and not generation._started
         assert [r.extracted for r in results] == [f"tagged:o{i}:a" for i in range(200)]
+
+
+def test_a_pool_idle_longer_than_the_stall_limit_still_grades_the_next_batch(monkeypatch) -> None:
+    """The stall limit counts from the batch's submission: a pool whose last activity is older than the limit
+    (a long learner stage between two verification phases) is idle, not stalled. It used to fail the next batch
+    at once as "the worker pool started nothing for 150s" whenever its first item did not start at once."""
+    generation = verify_mod._POOL.acquire()
+    monkeypatch.setattr(verify_mod, "_stall_limit", lambda timeout_s: 3.0)
+    busy = [(next(verify_mod._TOKENS), None) for _ in range(verify_mod.POOL_PROCESSES)]
+    busy = [(token, generation.submit(_one_second_worker, token, "busy", "a", 5.0)) for token, _ in busy]
+    deadline = time.monotonic() + 30
+    while any(generation.started_at(token) is None for token, _ in busy):  # every child is busy for ~1 s
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    generation.last_sign_of_life = time.monotonic() - 1000.0  # and before that the pool was idle for long
+    results = verify_batch([(f"o{i}", "a") for i in range(20)], worker=_tagging_worker)
+    assert [(r.verified, r.extracted) for r in results] == [(True, f"tagged:o{i}:a") for i in range(20)]
+    assert verify_mod._POOL.current() is generation  # not discarded as stalled
+    for token, handle in busy:
+        handle.wait(30)
+        generation.forget(token)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import multiprocessing
+import os
 import re
 import sys
 import threading
@@ -43,7 +44,15 @@ from typing import Any
 from clgrpo import verify_child as child
 from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR, VerifyResult, Worker
 
-POOL_PROCESSES = 2
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# one child per two usable cores (at most 4): the flow process needs a core of its own, and on a 2-core machine a
+# second child's ~0.5 s of start-up CPU competed with the run's start (benchmarks/REPORT.md "Fixed overhead")
+POOL_PROCESSES = max(1, min(4, _usable_cores() // 2))
 STARTUP_TIMEOUT_S = 120.0  # starting the pool (spawn + import math-verify + warm-up); charged to no sample
 HANG_FACTOR = 4.0  # parent backstop: an item running HANG_FACTOR * timeout_s + DEADLINE_MARGIN_S (wall clock,
 DEADLINE_MARGIN_S = 10.0  # from the moment a child started it) without finishing counts as hung
@@ -321,7 +330,7 @@ def verify_batch(
         except ValueError:  # "Pool not running": another thread killed it between acquire and submit
             outcome = "lost"
         else:
-            todo, outcome = _collect(handles, generation, timeout_s, results)
+            todo, outcome = _collect(handles, generation, timeout_s, results, submitted_at=time.monotonic())
         if outcome == "stalled":
             _fail(todo, results, f"verifier unavailable: the worker pool started nothing for {_stall_limit(timeout_s):g}s")
             break
@@ -380,14 +389,15 @@ def _collect(
     generation: _Generation,
     timeout_s: float,
     results: list[VerifyResult | None],
+    submitted_at: float,
 ) -> tuple[list[int], str]:
-    """Wait for each handle in turn and store its result.
+    """Wait for each handle in turn and store its result (``submitted_at``: when the batch went to the pool).
 
     Returns the items still to grade and how the round ended: 'done'; 'timeout' (an item hung: our pool was
     killed, the rest go to a fresh one); 'lost' (another thread killed the pool); 'stalled' (the pool ran nothing).
     """
     for k, (i, token, handle) in enumerate(handles):
-        outcome, waited = _wait(handle, token, generation, timeout_s)
+        outcome, waited = _wait(handle, token, generation, timeout_s, submitted_at)
         if outcome == "done":
             results[i] = _result_of(handle)
             generation.forget(token)
@@ -419,10 +429,13 @@ def _collect(
     return [], "done"
 
 
-def _wait(handle: AsyncResult, token: int, generation: _Generation, timeout_s: float) -> tuple[str, float]:
+def _wait(
+    handle: AsyncResult, token: int, generation: _Generation, timeout_s: float, submitted_at: float
+) -> tuple[str, float]:
     """Wait for one item: ('done', _); ('timeout', seconds it ran) when a child started it more than the hang
-    limit ago; ('stalled', _) when it never started and the pool showed no sign of life for the stall limit;
-    ('lost', _) when another thread killed the pool meanwhile."""
+    limit ago; ('stalled', _) when it never started and the pool showed no sign of life for the stall limit since
+    the batch was submitted (an idle pool's last sign of life is old: idleness is no stall); ('lost', _) when
+    another thread killed the pool meanwhile."""
     hang_s = _hang_limit(timeout_s)
     stall_s = _stall_limit(timeout_s)
     while True:
@@ -437,7 +450,7 @@ def _wait(handle: AsyncResult, token: int, generation: _Generation, timeout_s: f
             if remaining <= 0:
                 return "timeout", now - started
         else:
-            remaining = generation.last_sign_of_life + stall_s - now
+            remaining = max(generation.last_sign_of_life, submitted_at) + stall_s - now
             if remaining <= 0:
                 return "stalled", 0.0
         handle.wait(min(_POLL_S, remaining))
