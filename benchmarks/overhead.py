@@ -54,8 +54,14 @@ def timed(command: list[str], env: dict[str, str]) -> float:
     return wall
 
 
+def _script(name: str) -> str:
+    """The console script installed beside this interpreter (the venv need not be on PATH), else PATH's."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name) or name
+
+
 def prefect_server(env: dict[str, str], port: int) -> subprocess.Popen:
-    server = subprocess.Popen([shutil.which("prefect") or "prefect", "server", "start", "--port", str(port)],
+    server = subprocess.Popen([_script("prefect"), "server", "start", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "DO_NOT_TRACK": "1", "CLGRPO_STATE_DIR": str(workdir / "state")}
     env.pop("PREFECT_API_URL", None)
-    clgrpo = shutil.which("clgrpo") or "clgrpo"
+    clgrpo = _script("clgrpo")
     results: dict[str, list[float]] = {"python -c pass": [], "running server": [], "temporary server": []}
     model = LatencyModel(median_s=0.001, sigma=0.1, tail_p=0.0, tokens_per_s=0.0)
     with AsyncLatencyServerProcess(model, supports_n=False) as llm:

@@ -246,7 +246,10 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
         assert len(rows) == 6 and all(r["root_url"] == f"{base}/index.html" for r in rows)
     finally:
         _interrupt_a_thread_other_than_main(world)
-        _, err = world.communicate(timeout=30)
+        try:
+            _, err = world.communicate(timeout=30)
+        finally:
+            world.kill()  # a no-op once it has exited; never left running when it did not
     assert world.returncode == 0 and "Traceback" not in err, err
 
 
