@@ -4,6 +4,7 @@ extraction with links, ``search`` over a local BM25 index and over an HTTP searc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -235,8 +236,9 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
 
     import httpx
 
-    world = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port", "0",
-                              "--towns", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _ctrl_c_not_ignored():
+        world = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port",
+                                  "0", "--towns", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = world.stdout.readline()
         base = first.split("served at ")[1].strip()
@@ -251,6 +253,20 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
         finally:
             world.kill()  # a no-op once it has exited; never left running when it did not
     assert world.returncode == 0 and "Traceback" not in err, err
+
+
+@contextlib.contextmanager
+def _ctrl_c_not_ignored():
+    """Start children as a terminal would: a test run started in the background without job control ignores
+    SIGINT, and children inherit an ignored signal (Python then installs no KeyboardInterrupt handler). A handled
+    signal is reset to the default at exec, so handle it here while the child starts."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_a_thread_other_than_main(process) -> None:
