@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
+import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -26,8 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from latency_server import (  # noqa: E402
-    Collected,
     LatencyModel,
+    LatencyServerProcess,
     PacedResponder,
     SeededWorld,
 )
@@ -143,49 +143,19 @@ def _serve(conn, model: LatencyModel, supports_n: bool, world_seed: int, world_o
     uvloop.run(main())
 
 
-class AsyncLatencyServerProcess:
+class AsyncLatencyServerProcess(LatencyServerProcess):
     """``with AsyncLatencyServerProcess(LatencyModel(...)) as srv: ... srv.base_url ... srv.collect()``."""
+
+    _serve = staticmethod(_serve)
 
     def __init__(self, model: LatencyModel, *, supports_n: bool = False, world_seed: int = 0,
                  world_options: dict | None = None, canned: str | None = None) -> None:
-        self.model = model
-        self._args = (model, supports_n, world_seed, world_options, canned)
-        self._conn = None
-        self._process: multiprocessing.Process | None = None
-        self.base_url = ""
-
-    def __enter__(self) -> "AsyncLatencyServerProcess":
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, *self._args), daemon=True)
-        self._process.start()
-        self._conn = parent
-        self.base_url = parent.recv()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._conn is not None:
-            self._conn.send("stop")
-            self._conn.recv()
-        if self._process is not None:
-            self._process.join(timeout=10)
-
-    def reset(self, latency_seed: int = 0) -> None:
-        self._conn.send(("reset", latency_seed))
-        self._conn.recv()
-
-    def collect(self) -> Collected:
-        sent = time.monotonic()
-        self._conn.send("collect")
-        records, log, max_in_flight, server_now = self._conn.recv()
-        received = time.monotonic()
-        return Collected(records, log, max_in_flight, (sent + received) / 2 - server_now)
+        super().__init__(model, supports_n=supports_n, world_seed=world_seed, world_options=world_options)
+        self._args = (*self._args, canned)
 
     def cpu_s(self) -> float:
         """CPU seconds the server process has used so far (user + system, from /proc)."""
         fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        import os
-
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -253,10 +253,12 @@ class LatencyServerProcess:
         self._process: multiprocessing.Process | None = None
         self.base_url = ""
 
+    _serve = staticmethod(_serve)  # what runs in the child (benchmarks/async_server.py passes its own)
+
     def __enter__(self) -> "LatencyServerProcess":
-        parent, child = multiprocessing.get_context("spawn").Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(target=_serve, args=(child, *self._args),
-                                                                     daemon=True)
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self._process = context.Process(target=self._serve, args=(child, *self._args), daemon=True)
         self._process.start()
         self._conn = parent
         self.base_url = parent.recv()
