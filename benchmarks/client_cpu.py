@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import resource
 import subprocess
@@ -37,6 +36,8 @@ for path in (str(HERE), str(ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from gc_pauses import GCPauses  # noqa: E402
+
 DEFAULT_VARIANTS = ["sdk", "sdk-limits", "httpx", "aiohttp", "aiohttp+gc", "aiohttp+gc+uvloop"]
 LIBRARY_WORDS = 900  # a system message the size of a 30-lesson library (~1,200 tokens)
 
@@ -44,33 +45,6 @@ LIBRARY_WORDS = 900  # a system message the size of a 30-lesson library (~1,200 
 def cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-class GCPauses:
-    """Total and longest garbage-collection pause, by generation, from ``gc.callbacks``."""
-
-    def __init__(self) -> None:
-        self.total = {0: 0.0, 1: 0.0, 2: 0.0}
-        self.count = {0: 0, 1: 0, 2: 0}
-        self.longest = 0.0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        pause = time.perf_counter() - self._started
-        generation = info.get("generation", 2)
-        self.total[generation] += pause
-        self.count[generation] += 1
-        self.longest = max(self.longest, pause)
-
-    def __enter__(self) -> "GCPauses":
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self)
 
 
 def sdk_backend_factory(tuned_limits: bool):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import math
 import statistics
@@ -42,6 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+from gc_pauses import GCPauses  # noqa: E402
 
 FAST = dict(median_s=0.2, sigma=0.5, tail_p=0.0, tokens_per_s=0.0, max_concurrency=1024)
 STEP = dict(median_s=0.8, sigma=0.5, tail_p=0.02, tokens_per_s=100.0, max_concurrency=1024)
@@ -114,28 +115,6 @@ class Demand:
         self._thread.join()
 
 
-class Pauses:
-    """Garbage-collection pauses of the flow process (``gc.callbacks``)."""
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self.full = 0
-        self.full_s = 0.0
-        self.longest_s = 0.0
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-            return
-        pause = time.perf_counter() - self._t0
-        self.total_s += pause
-        self.longest_s = max(self.longest_s, pause)
-        if info.get("generation") == 2:
-            self.full += 1
-            self.full_s += pause
-
-
 def in_flight_at(log, offset: float, times: list[float]) -> list[int]:
     """Requests in service at the server at each time (the server's own start/end stamps)."""
     events = sorted([(e.started + offset, 1) for e in log] + [(e.ended + offset, -1) for e in log])
@@ -189,14 +168,12 @@ def child(scenario: Scenario, out: Path, plot: Path | None, repeat: int) -> None
         shutdown_pool()  # the measured run starts its verifier pool cold, as a fresh `clgrpo train` does
         server.reset(repeat)
         cfg = make_config(spec, server.base_url, workdir, "scale")
-        probe, pauses = Probe(), Pauses()
+        probe = Probe()
         server_cpu0 = server.cpu_s()
-        with probe.installed(), LoopSampler(probe) as sampler, Demand() as demand:
-            gc.callbacks.append(pauses)
+        with probe.installed(), LoopSampler(probe) as sampler, Demand() as demand, GCPauses() as pauses:
             cpu0, t0 = time.process_time(), time.monotonic()
             asyncio.run(train_module.train(cfg))
             wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-            gc.callbacks.remove(pauses)
         server_cpu = server.cpu_s() - server_cpu0
         served = server.collect()
     figures = measure(scenario, served, demand, probe, sampler, wall, cpu, pauses, limits, plot)
@@ -229,8 +206,8 @@ def measure(scenario, served, demand, probe, sampler, wall, cpu, pauses, limits,
         "usable_share": sum(flying) / usable if usable else math.nan,
         "server_max_in_flight": served.max_in_flight,
         "server_mean_in_flight": statistics.fmean(flying) if flying else 0.0,
-        "gc_pause_s": pauses.total_s, "gc_full": pauses.full, "gc_full_s": pauses.full_s,
-        "gc_longest_ms": 1000 * pauses.longest_s,
+        "gc_pause_s": sum(pauses.total.values()), "gc_full": pauses.count[2], "gc_full_s": pauses.total[2],
+        "gc_longest_ms": 1000 * pauses.longest,
         "store_s": probe.store_s,
         "median_service_s": statistics.median(r.service_s for r in served.records),
     }
