@@ -15,13 +15,15 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 class Echo:
-    """Replies 'reply i' per choice; remembers response_format of each request."""
+    """Replies 'reply i' per choice; remembers each request's response_format and its body as sent on the wire."""
 
     def __init__(self) -> None:
         self.formats: list[object] = []
+        self.bodies: list[dict] = []
 
     def __call__(self, request: ChatRequest) -> list[str]:
         self.formats.append(request.response_format)
+        self.bodies.append(request.raw)
         return [f"reply {i}" for i in range(request.n)]
 
 
@@ -222,23 +224,12 @@ async def test_repetition_penalty_is_sent_only_when_set():
     assert "repetition_penalty" not in seen[0] and seen[1]["repetition_penalty"] == 1.1
 
 
-class Raw:
-    """Remembers every request body as sent on the wire."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-
-    def __call__(self, request: ChatRequest) -> list[str]:
-        self.bodies.append(request.raw)
-        return [f"reply {i}" for i in range(request.n)]
-
-
 async def test_request_body_on_the_wire_is_what_the_openai_sdk_sends():
     """clgrpo sends its own JSON instead of going through the openai SDK (a tenth of the CPU per call): the body
     must stay the SDK's, field for field, for every kind of request the stages make."""
     import openai
 
-    raw = Raw()
+    raw = Echo()
     tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     response_format = {"type": "json_schema", "json_schema": {"name": "operations", "schema": schema, "strict": False}}
