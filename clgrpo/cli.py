@@ -665,6 +665,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if user else 1
 
 
+def _flush_standard_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone (a pipe whose reader left): nothing more to write
+            pass
+
+
 def run() -> None:
     """The ``clgrpo`` console script: ``main()``, then exit without tearing the interpreter down.
 
@@ -673,22 +681,14 @@ def run() -> None:
     Python runs it (threads that must finish, Prefect's log and event workers draining to the API, every
     ``atexit`` handler: the verifier pool, a temporary Prefect server, logging), and then the process ends."""
     code = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_standard_streams()
     join_threads = getattr(threading, "_shutdown", None)
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
     if join_threads is None or run_exit_handlers is None:  # another Python: the usual exit
         sys.exit(code)
     join_threads()
     run_exit_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_standard_streams()
     os._exit(code)
 
 

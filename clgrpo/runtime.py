@@ -14,11 +14,9 @@ import gc
 import os
 
 YOUNG_THRESHOLD = 20_000  # allocations between young collections (CPython's default: 700)
+DISABLE_ENV = "CLGRPO_TUNE_GC"  # "0": leave the garbage collector as Python set it (the test suite does)
 
 _tuned = False
-
-
-DISABLE_ENV = "CLGRPO_TUNE_GC"  # "0": leave the garbage collector as Python set it (the test suite does)
 
 
 def tune_gc() -> None:

@@ -9,25 +9,18 @@ connections and queued requests on every request): ``benchmarks/client_cpu.py``,
 
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol
 
 import aiohttp  # at import, not on the first call's critical path (~0.15 s)
+import orjson  # ~5x faster than json both ways
 
-try:  # orjson: ~5x faster JSON both ways; plain json when it is missing
-    import orjson
 
-    def dumps(value: Any) -> bytes:
-        return orjson.dumps(value)
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value)
 
-    def loads(data: bytes | str) -> Any:
-        return orjson.loads(data)
-except ImportError:  # pragma: no cover - orjson is a dependency
-    def dumps(value: Any) -> bytes:
-        return json.dumps(value, ensure_ascii=False).encode("utf-8")
 
-    def loads(data: bytes | str) -> Any:
-        return json.loads(data)
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
 
 
 def dumps_text(value: Any) -> str:
