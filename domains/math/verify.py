@@ -45,7 +45,6 @@ from clgrpo import verify_child as child
 from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR, VerifyResult, Worker
 
 
-
 def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
