@@ -1,7 +1,16 @@
-"""A seeded generator of small arithmetic and word problems with exact integer answers.
+"""Seeded generators of problem families with exact integer answers: datasets that need no download.
 
-Used by the offline demo (a dataset that needs no download) and handy for smoke tests of any model. The
-same ``(n, seed)`` always gives the same problems; ids are ``arith-<seed>-<k>``; problem texts are unique.
+A *family* is a kind of problem sharing one idea, in several phrasings and with varied numbers, so that a lesson
+learned on some of its problems can help on others (and a lesson learned on another family should not). The
+same ``(family, n, seed)`` always gives the same problems; ids are ``<family>-<seed>-<k>``; texts are unique.
+
+- ``arithmetic``: small sums, differences, products and two-step word problems (the original demo set).
+- ``ranges``: how many whole numbers (pages, seats, days) lie in a range that includes both ends.
+- ``percent``: by what percent a price rose or fell (the change over the original amount).
+- ``units``: square and cubic metric unit conversions (the length factor squared or cubed).
+- ``shares``: a fraction given away, then a fraction of what remains (not of the original).
+
+``split_sets`` draws a training set and a held-out set of one family with no problem text in common.
 """
 
 from __future__ import annotations
@@ -12,11 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 Problem = tuple[str, int]
+Generator = Callable[[random.Random], Problem]
 
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jade", "Kofi", "Lena"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
 
 
+# --- arithmetic (the original demo set) ---------------------------------------------------------------------
 def _add(rng: random.Random) -> Problem:
     a, b = rng.randint(2, 60), rng.randint(2, 60)
     return f"What is {a} + {b}?", a + b
@@ -60,12 +71,102 @@ def _two_steps(rng: random.Random) -> Problem:
             f"How many {item} does {name} have?"), total
 
 
-KINDS: list[Callable[[random.Random], Problem]] = [_add, _subtract, _multiply, _buy_more, _give_away, _groups,
-                                                   _two_steps]
+KINDS: list[Generator] = [_add, _subtract, _multiply, _buy_more, _give_away, _groups, _two_steps]
+
+
+# --- ranges: both ends count ----------------------------------------------------------------------------------
+def _range(rng: random.Random) -> Problem:
+    first = rng.randint(3, 60)
+    last = first + rng.randint(6, 60)
+    count = last - first + 1
+    phrasing = rng.randrange(4)
+    if phrasing == 0:
+        return f"How many integers are there from {first} to {last}, inclusive?", count
+    if phrasing == 1:
+        return (f"A chapter of a book starts on page {first} and ends on page {last}. How many pages does the "
+                f"chapter have?"), count
+    if phrasing == 2:
+        return f"The seats in a row are numbered {first} through {last}. How many seats are in the row?", count
+    name = rng.choice(NAMES)
+    return (f"{name} reads one story a day, from day {first} to day {last} of a challenge, both days included. "
+            f"On how many days does {name} read?"), count
+
+
+# --- percent: change over the original ------------------------------------------------------------------------
+def _percent(rng: random.Random) -> Problem:
+    while True:
+        original = rng.choice([20, 25, 40, 50, 60, 80, 120, 150, 200, 250, 400])
+        percent = rng.choice([10, 20, 25, 40, 50, 75])
+        if (original * percent) % 100 == 0:
+            break
+    change = original * percent // 100
+    if rng.random() < 0.5:
+        return (f"A price rises from {original} dollars to {original + change} dollars. By what percent did it "
+                f"rise?"), percent
+    return (f"A price falls from {original} dollars to {original - change} dollars. By what percent did it "
+            f"fall?"), percent
+
+
+# --- units: squared and cubed factors -------------------------------------------------------------------------
+def _units(rng: random.Random) -> Problem:
+    amount = rng.randint(2, 9)
+    big, small, factor, power = rng.choice([("meters", "centimeters", 100, 2), ("centimeters", "millimeters", 10, 2),
+                                            ("kilometers", "meters", 1000, 2), ("decimeters", "centimeters", 10, 3),
+                                            ("meters", "decimeters", 10, 3), ("meters", "centimeters", 100, 3)])
+    shape = "square" if power == 2 else "cubic"
+    return f"How many {shape} {small} are in {amount} {shape} {big}?", amount * factor**power
+
+
+# --- shares: a fraction of what remains -----------------------------------------------------------------------
+def _shares(rng: random.Random) -> Problem:
+    while True:
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        first, second = rng.choice([2, 3, 4, 5]), rng.choice([2, 3, 4])
+        total = rng.randint(2, 8) * first * second
+        remaining = total - total // first
+        if remaining % second == 0:
+            break
+    left = remaining - remaining // second
+    return (f"{name} has {total} {item}. {name} gives 1/{first} of them to a friend, then gives 1/{second} of the "
+            f"remaining {item} to a neighbor. How many {item} does {name} have left?"), left
+
+
+FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
+    "arithmetic": lambda rng, k: KINDS[k % len(KINDS)](rng),
+    "ranges": lambda rng, k: _range(rng),
+    "percent": lambda rng, k: _percent(rng),
+    "units": lambda rng, k: _units(rng),
+    "shares": lambda rng, k: _shares(rng),
+}
+MAX_DRAWS = 200  # draws per problem before a family is out of unique problems
+
+
+def generate_family(family: str, n: int, seed: int = 0, *, exclude: set[str] | frozenset[str] = frozenset(),
+                    ids: str | None = None) -> list[dict[str, str]]:
+    """``n`` unique problems of ``family`` (none of whose texts is in ``exclude``): ``{"id", "problem",
+    "answer"}`` rows with ids ``<ids>-<k>`` (default ``<family>-<seed>``)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    rng, prefix = random.Random(f"{family}:{seed}"), ids or f"{family}-{seed}"
+    rows: list[dict[str, str]] = []
+    seen = set(exclude)
+    draws = 0
+    while len(rows) < n:
+        text, answer = FAMILIES[family](rng, len(rows))
+        draws += 1
+        if draws > MAX_DRAWS * n:
+            raise ValueError(f"family {family!r} has fewer than {n} distinct problems for seed {seed}")
+        if text in seen:
+            continue
+        seen.add(text)
+        rows.append({"id": f"{prefix}-{len(rows)}", "problem": text, "answer": str(answer)})
+    return rows
 
 
 def generate_problems(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """``n`` unique problems cycling through the kinds above: ``{"id", "problem", "answer"}`` rows."""
+    """``n`` unique arithmetic problems cycling through its kinds (ids ``arith-<seed>-<k>``)."""
     if n < 1:
         raise ValueError("n must be at least 1")
     rng = random.Random(seed)
@@ -80,9 +181,22 @@ def generate_problems(n: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-def write_problems(path: str | Path, n: int, seed: int = 0) -> Path:
-    """Write the problems as JSON lines (the format ``dataset.path`` reads)."""
+def split_sets(family: str, n_train: int, n_heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """A training set and a held-out set of ``family`` drawn from different seeds, with no text in common."""
+    train = generate_family(family, n_train, seed, ids=f"{family}-train{seed}")
+    heldout = generate_family(family, n_heldout, seed + 10_000, exclude={r["problem"] for r in train},
+                              ids=f"{family}-heldout{seed}")
+    return train, heldout
+
+
+def write_rows(path: str | Path, rows: list[dict[str, str]]) -> Path:
+    """Write problems as JSON lines (the format ``dataset.path`` reads)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in generate_problems(n, seed)), encoding="utf-8")
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+def write_problems(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Write ``n`` arithmetic problems as JSON lines."""
+    return write_rows(path, generate_problems(n, seed))
