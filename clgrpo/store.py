@@ -37,6 +37,7 @@ from schemas.records import (
     EvalSummary,
     Experience,
     ExperienceStat,
+    LessonTrial,
     LibraryQuality,
     GroupAdvantage,
     LibraryVersion,
@@ -50,6 +51,7 @@ from schemas.records import (
     Reward,
     Rollout,
     Summary,
+    TrialSample,
     Turn,
     utcnow,
 )
@@ -106,6 +108,11 @@ def _proposal_row(p: Proposal) -> dict:
             "raw_text": p.raw_text, "parse_error": p.parse_error}
 
 
+def _trial_row(t: LessonTrial) -> dict:
+    return {**t.model_dump(exclude={"operation", "problem_ids"}),
+            "operation_json": _dumps(t.operation.model_dump(mode="json")), "problem_ids_json": _dumps(t.problem_ids)}
+
+
 def _operation_row(r: OperationResult) -> dict:
     op = r.operation
     return {"seq": r.seq, "op": op.op.value, "target_ids_json": _dumps(op.target_ids), "text": op.text,
@@ -137,6 +144,8 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "refreshes": lambda items: [_refresh_row(d) for d in items],
     "experience_stats": lambda items: [s.model_dump() for s in items],
     "library_quality": lambda items: [q.model_dump() for q in items],
+    "lesson_trials": lambda items: [_trial_row(t) for t in items],
+    "trial_samples": lambda items: [t.model_dump() for t in items],
 }
 
 
@@ -198,6 +207,10 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "refresh_inputs": _plain(RefreshInput),
     "experience_stats": _plain(ExperienceStat),
     "library_quality": _plain(LibraryQuality),
+    "lesson_trials": lambda row: LessonTrial(**_fields(LessonTrial, row, skip=("operation", "problem_ids")),
+                                             operation=Operation(**json.loads(row["operation_json"])),
+                                             problem_ids=json.loads(row["problem_ids_json"])),
+    "trial_samples": _plain(TrialSample),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
 }
@@ -217,6 +230,8 @@ _ORDER = {
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
     "experience_stats": "exp_id",
+    "lesson_trials": "seq",
+    "trial_samples": "seq, problem_id, sample_idx",
     "library_quality": "version",
 }
 

@@ -85,6 +85,19 @@ def operations_schema(max_items: int | None = None, *, kinds: Sequence[str] = tu
 
 OPERATIONS_SCHEMA: dict = operations_schema()  # every kind, any ids
 
+DIFFERENCE_CHARS = 400  # of the "difference" a contrast reply names (a rambling one eats the token budget)
+
+
+def contrast_schema(live_ids: Sequence[str] = (), *, min_words: int = 1, max_words: int = 64) -> dict:
+    """A contrast reply: ``{"difference": ..., "lesson": ..., "revises": id or null}`` (``revises`` only when
+    the library has lessons, and then only one of ``live_ids``)."""
+    properties: dict = {"difference": {"type": "string", "maxLength": DIFFERENCE_CHARS},
+                        "lesson": _lesson_text(min_words, max_words, None)}
+    if live_ids:
+        properties["revises"] = {"anyOf": [{"type": "null"}, {"enum": list(live_ids)}]}
+    return {"type": "object", "properties": properties, "required": ["difference", "lesson"],
+            "additionalProperties": False}
+
 
 # untrusted text ---------------------------------------------------------------------------------------------
 
@@ -188,6 +201,35 @@ Proposals:
 
 Task: turn these proposals into the final list of edits (JSON only)."""
 
+_CONTRAST_SYSTEM = """ROLE: experience extractor (contrast)
+You improve a library of short, general lessons for solving {domain} problems. You are shown the current
+library, one problem{answer_note}, and two attempts at it side by side: one graded correct, one graded wrong.
+""" + DATA_NOTICE + """
+Find the first step where the wrong attempt did something different from the correct one, and write one lesson
+that would have kept it from going wrong: a general rule for every problem of this kind, one sentence of
+{min_words} to {max_words} words, without this problem's numbers, names or answer.{revise_note}
+Reply with JSON only: {{"difference": what the correct attempt did at that step and the wrong one did not,
+"lesson": the lesson{revise_field}}}.{example_block}"""
+
+_CONTRAST_REVISE_NOTE = """
+If a library lesson already covers this step but did not prevent the mistake, improve that lesson instead and
+give its id in "revises"."""
+
+_CONTRAST_USER = """Current library:
+{library}
+
+Problem:
+{problem}
+{answer_block}
+Attempt graded correct:
+{right}
+
+Attempt graded wrong:
+{wrong}
+
+Task: what did the correct attempt do at the step where the wrong one went wrong? Write it as a general lesson
+for this kind of problem (JSON only)."""
+
 _EXAMPLE_BLOCK = """
 An example of a reply (about other attempts; write your own lessons):
 {example}"""
@@ -195,6 +237,13 @@ An example of a reply (about other attempts; write your own lessons):
 _REPAIR = """Your previous reply could not be used:
 {error}
 Reply again with JSON only, shorter if it ran out of room.{example_block}"""
+
+_GENERALIZE = """A lesson drafted from the problem above cannot be kept as it is: {reason}.
+Rewrite it as one general sentence of {min_words} to {max_words} words that holds for every problem of this kind:
+name the kind of problem and what to do, with no number, name or answer of this problem.
+The draft:
+{lesson}
+Reply with JSON only: {{"lesson": the rewritten lesson}}."""
 
 _DEFAULT_EXAMPLES = (
     "When a problem states several conditions, list each one and check the final answer against all of them.",
@@ -272,15 +321,17 @@ class Attempt:
     """One rollout as the learner sees it."""
 
     sample_idx: int
-    text: str  # the trajectory (summarize) or its summary (extract)
+    text: str  # the trajectory (the attempt itself, its tool calls and results)
     reward: float | None  # None when grades are hidden (no ground truth)
     truncated: bool = False  # the reply was cut off at the token limit before it finished
     tools: str = ""  # the attempt's tool calls (``tool_trace``); empty: no tool was called
+    summary: str = ""  # the summarizer's account of it (extractor), when there is one
 
     @property
     def with_tools(self) -> str:
-        """The text followed by the tool trace (the extractor's view; the summarizer's text already has it)."""
-        return f"{self.text}\nTool calls:\n{self.tools}" if self.tools else self.text
+        """What the extractor is shown: the summary (if any), the attempt itself, then its tool trace."""
+        body = f"Summary: {self.summary}\n\nThe attempt itself:\n{self.text}" if self.summary else self.text
+        return f"{body}\nTool calls:\n{self.tools}" if self.tools else body
 
     @property
     def mark(self) -> str:
@@ -332,6 +383,41 @@ class LearnerPrompts:
             max_words=max_words)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
+    def contrast(self, problem: Problem, right: Attempt, wrong: Attempt, library_text: str, *, live_ids: Sequence[str],
+                 use_groundtruth: bool, min_words: int, max_words: int, show_example: bool = True) -> list[Message]:
+        """The contrast ask: one correct and one wrong attempt side by side (their trajectories, tool calls
+        included), the step where they part, and one lesson (``CONTRAST_SCHEMA``). ``live_ids``: the lessons
+        it may revise (none: it can only add)."""
+        revise = bool(live_ids)
+        system = _CONTRAST_SYSTEM.format(
+            domain=self.domain, min_words=min_words, max_words=max_words,
+            answer_note=" with its reference answer" if use_groundtruth else "",
+            revise_note=_CONTRAST_REVISE_NOTE if revise else "",
+            revise_field=', "revises": the id of the lesson it improves, or null' if revise else "",
+            example_block=_EXAMPLE_BLOCK.format(example=self.contrast_example(revise)) if show_example else "")
+        user = _CONTRAST_USER.format(
+            library=_library_block(library_text), problem=quote("problem", problem.problem, id=problem.problem_id),
+            answer_block=_answer_block(problem, use_groundtruth),
+            right=quote("attempt", right.with_tools, id=right.sample_idx) + right.mark,
+            wrong=quote("attempt", wrong.with_tools, id=wrong.sample_idx) + wrong.mark)
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def generalize(self, asked: list[Message], draft: str, reason: str, *, min_words: int,
+                   max_words: int) -> list[Message]:
+        """The follow-up to a contrast reply whose lesson is not general (too long, or about its own problem):
+        the same conversation, then a request to rewrite the lesson."""
+        ask = _GENERALIZE.format(reason=reason, min_words=min_words, max_words=max_words,
+                                 lesson=quote("proposals", draft))
+        return [*asked, {"role": "assistant", "content": json.dumps({"lesson": draft})}, {"role": "user", "content": ask}]
+
+    def contrast_example(self, revise: bool) -> str:
+        reply: dict = {"difference": "The correct attempt listed every condition and checked its answer against "
+                                     "each one; the wrong attempt checked only the first condition.",
+                       "lesson": self.examples[0]}
+        if revise:
+            reply["revises"] = None
+        return json.dumps(reply)
+
     def consolidate(self, proposals_text: str, library_text: str, *, min_words: int, max_words: int,
                     show_example: bool = True) -> list[Message]:
         system = _CONSOLIDATE_SYSTEM.format(domain=self.domain, min_words=min_words, max_words=max_words,
@@ -372,7 +458,8 @@ class LearnerPrompts:
 
 
 COPY_OVERLAP = 0.6  # share of a lesson's word trigrams found in the prompt's own wording
-_INSTRUCTION_TEXT = " ".join([_EXTRACT_SYSTEM, _EXTRACT_KINDS_MODIFY, _EXTRACT_USER, _CONSOLIDATE_SYSTEM,
+_INSTRUCTION_TEXT = " ".join([_EXTRACT_SYSTEM, _EXTRACT_KINDS_MODIFY, _EXTRACT_USER, _CONTRAST_SYSTEM, _GENERALIZE,
+                              _CONTRAST_REVISE_NOTE, _CONTRAST_USER, _CONSOLIDATE_SYSTEM,
                               _CONSOLIDATE_USER, _EXAMPLE_BLOCK, _REPAIR, _SUMMARIZE_SYSTEM, _SUMMARIZE_GRADED,
                               _SUMMARIZE_UNGRADED])
 _WORD_RE = re.compile(r"[a-z0-9]+")
@@ -409,7 +496,20 @@ class LessonScreen:
             answer = (answers.get(group) or "").strip()
             if len(answer) >= 2 and answer in numbers:
                 return f"states the answer {answer} of problem {group}"
+        for problem in (p for p in self.problems if p.problem_id in op.source_groups):
+            if shared := problem_numbers(text, problem.problem):
+                return (f"names numbers of problem {problem.problem_id} ({', '.join(shared)}): a lesson must hold "
+                        f"for every problem of its kind")
         return None
+
+
+def problem_numbers(text: str, problem: str) -> list[str]:
+    """The numbers of ``problem`` that ``text`` repeats, when they make it about that problem: any number of two
+    or more digits, or two or more one-digit numbers (a lone "1" in "add 1" is a rule, not the problem)."""
+    mine = set(_NUMBER_RE.findall(problem))
+    shared = sorted(n for n in set(_NUMBER_RE.findall(text)) & mine)
+    long = [n for n in shared if len(n.lstrip("-").replace(".", "")) >= 2]
+    return shared if long or len(shared) >= 2 else []
 
 
 _NUMBER_WORDS = {w: str(i) for i, w in enumerate(

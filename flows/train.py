@@ -43,7 +43,7 @@ from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import ExperienceStat, LibraryVersion, Problem, Proposal
+from schemas.records import ExperienceStat, GroupAdvantage, LibraryVersion, Operation, Problem, Proposal
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task, near_duplicates_for
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -65,6 +65,7 @@ from tasks.load_dataset import STAGE as LOAD, load_dataset_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
 from tasks.summarize import STAGE as SUMMARIZE, summarize_task
+from tasks.validate_lessons import STAGE as VALIDATE_LESSONS, plan_after, validate_lessons_task
 from tasks.verify import STAGE as VERIFY, verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -247,7 +248,8 @@ class Trainer:
                                            for i, ids in enumerate(group_chunks)])
             return {"summaries": [s for p in parts for s in p.summaries], "llm_calls": [c for p in parts for c in p.calls]}
 
-        to_summarize = sum(r.error is None and r.problem_id in set(selected_ids) for r in rollouts)
+        to_summarize = sum(r.error is None and r.problem_id in set(selected_ids) for r in rollouts
+                           ) if cfg.learning.summarize else 0
         summaries = (await self.stage(step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"],
                                       expect=(to_summarize, "summaries")))["summaries"]
 
@@ -275,19 +277,20 @@ class Trainer:
                                                   expect=(calls, "learner calls")))["proposals"]
         final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
         plan = limit_plan(final_ops, bound=plan_bound(limited_proposals, len(library)), cfg=cfg.learning)
+        operations, failed_trials = await self.validated(step, version, plan.operations, problems, advantages)
 
         applied_version: list[LibraryVersion] = []
 
         async def do_apply() -> Outputs:
-            near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), plan.operations)
+            near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), operations)
             usefulness = ({s.exp_id: s for s in self.experience_stats(step, [e.id for e in library])}
                           if cfg.library.max_tokens is not None else None)  # what the token budget evicts by
-            applied = apply_operations_task(cfg, step, version, plan.operations, problems, near, usefulness)
+            applied = apply_operations_task(cfg, step, version, operations, problems, near, usefulness)
             applied_version.append(applied.library)
-            over = rejected_results(over_group + plan.over, first_seq=len(applied.results))
-            if over:
+            if over_limits := over_group + plan.over:
                 self.log.warning("step %d: %d operations over the learning limits rejected (first: %s)", step,
-                                 len(over), over[0].reason)
+                                 len(over_limits), over_limits[0][1])
+            over = rejected_results(over_limits + failed_trials, first_seq=len(applied.results))
             return {"operations": applied.results + over}
 
         def save_version(_: Outputs) -> None:
@@ -295,6 +298,26 @@ class Trainer:
 
         await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
         return self.store.load_library(self.run_id, step)
+
+    async def validated(self, step: int, version: LibraryVersion, plan: list[Operation], problems: list[Problem],
+                        advantages: list[GroupAdvantage]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
+        """The plan after lesson validation (``learning.lesson_validation``; off: the plan as it is), and the
+        operations it rejected with their reasons."""
+        if not self.cfg.learning.lesson_validation.enabled:
+            return plan, []
+
+        async def do_validate() -> Outputs:
+            result = await validate_lessons_task(self.cfg, step, version, plan, problems, advantages)
+            return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
+
+        trials = (await self.stage(step, VALIDATE_LESSONS, do_validate,
+                                   ["lesson_trials", "trial_samples", "llm_calls"]))["lesson_trials"]
+        kept = sum(t.verdict == "kept" for t in trials)
+        rejected = sum(t.verdict == "rejected" for t in trials)
+        self.log.info("step %d lesson validation: %d candidate lessons kept, %d rejected (clgrpo library ops %s:%d "
+                      "lists each with its numbers)%s", step, kept, rejected, self.run_id, step,
+                      "".join(f"; {t.reason}" for t in trials if t.verdict == "kept"))
+        return plan_after(trials)
 
     async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion) -> None:
         """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and

@@ -158,6 +158,22 @@ class GRPOConfig(Section):
     max_steps: int | None = Field(None, ge=1)  # stop after this many steps (None: all epochs x batches)
 
 
+class LessonValidation(Section):
+    """Lesson validation (stage ``validate_lessons``): before an add, modify or merge is applied, the problems it
+    came from are attempted again ``samples`` times without it (the library as it is) and with it, on the same
+    seeds; it is kept only if the mean reward rises by more than ``min_gain``, else rejected with the numbers.
+    Among the candidates of one group only the best is kept. ``problems``: how many problems each candidate is
+    tried on: its source problems first, then other problems of the step (ones with mixed rewards first), so a
+    lesson must also help beyond the attempt it came from. Its calls are recorded and count against the
+    budget like every other."""
+
+    enabled: bool = False
+    samples: int = Field(4, ge=1)  # per problem and arm (without / with the lesson)
+    problems: int = Field(3, ge=1)
+    min_gain: float = Field(0.0, ge=-1.0, le=1.0)  # kept if mean(with) - mean(without) > min_gain
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: grpo.rollout_temperature
+
+
 class LearningConfig(Section):
     """How the learner turns attempts into library edits, and what a lesson may be."""
 
@@ -178,6 +194,16 @@ class LearningConfig(Section):
     # llm: a learner call turns all group proposals into one plan; passthrough: the group proposals are the plan,
     # after de-duplication (as the reference implementation lets adds through unless merged)
     consolidation: Literal["llm", "passthrough"] = "llm"
+    # how a group's lessons are asked for: "operations": the group's attempts (their summaries and trajectories)
+    # and a JSON edit list; "contrast": one correct and one wrong attempt side by side, the step where they part
+    # and one lesson per ask (what small learners manage)
+    extract: Literal["operations", "contrast"] = "operations"
+    candidates: int = Field(1, ge=1, le=8)  # contrast asks per group (other attempt pairs, other draws)
+    # an operations reply with no usable operation (empty, unparseable, or every one copying the prompt) gets
+    # contrast asks instead ("contrast"), or is kept as it is ("none")
+    fallback: Literal["none", "contrast"] = "none"
+    summarize: bool = True  # the per-rollout summaries (False: the stage runs and stores none, saying so)
+    lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
 
     @field_validator("lesson_pattern")
     @classmethod
@@ -190,6 +216,16 @@ class LearningConfig(Section):
         return value
     consolidate_chunk_size: int = Field(20, ge=2)  # proposals per consolidation call before a final pass
     summarize_chunk_size: int = Field(16, ge=1)  # groups per summarize / advantage task run
+
+    @model_validator(mode="after")
+    def _candidates_need_validation(self) -> "LearningConfig":
+        if self.candidates > 1 and not self.lesson_validation.enabled:
+            raise ValueError("learning.candidates > 1 needs learning.lesson_validation.enabled: true (validation "
+                             "chooses among a group's candidates; without it every one would be applied)")
+        return self
+
+    def asks_contrast(self) -> bool:
+        return self.extract == "contrast" or self.fallback == "contrast"
 
 
 class SandboxConfig(Section):
@@ -357,6 +393,11 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "oversize"): "error",
     ("dataset", "domain_field"): None,
     ("dataset", "url_field"): None,
+    ("learning", "extract"): "operations",
+    ("learning", "candidates"): 1,
+    ("learning", "fallback"): "none",
+    ("learning", "summarize"): True,
+    ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
 }
 
 class StageTolerances(Section):
@@ -370,6 +411,7 @@ class StageTolerances(Section):
     group_advantage: float = Field(0.0, ge=0.0, le=1.0)
     consolidate: float = Field(0.0, ge=0.0, le=1.0)
     validation: float = Field(0.1, ge=0.0, le=1.0)  # held-out validation samples (stage "validate")
+    validate_lessons: float = Field(0.1, ge=0.0, le=1.0)  # lesson validation attempts that could not be graded
 
 
 class BudgetConfig(Section):

@@ -134,7 +134,36 @@ TABLE_DDL: dict[str, str] = {
         finish_reason VARCHAR,
         rate_limited BOOLEAN,
         final BOOLEAN,
-        turn INTEGER""",
+        turn INTEGER,
+        reply VARCHAR""",
+    "lesson_trials": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        seq INTEGER NOT NULL,
+        operation_json VARCHAR NOT NULL,
+        problem_ids_json VARCHAR NOT NULL,
+        samples INTEGER NOT NULL,
+        pairs INTEGER NOT NULL,
+        mean_without DOUBLE,
+        mean_with DOUBLE,
+        gain DOUBLE,
+        verdict VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL""",
+    "trial_samples": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        seq INTEGER NOT NULL,
+        problem_id VARCHAR NOT NULL,
+        sample_idx INTEGER NOT NULL,
+        seed BIGINT NOT NULL,
+        reward DOUBLE,
+        extracted VARCHAR,
+        error VARCHAR,
+        final_text VARCHAR NOT NULL,
+        tokens_in INTEGER NOT NULL,
+        tokens_out INTEGER NOT NULL""",
     "library_versions": """
         run_id VARCHAR NOT NULL,
         version INTEGER NOT NULL,
@@ -298,7 +327,7 @@ TABLE_DDL: dict[str, str] = {
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
-STAGE_TABLES += ("library_quality",)
+STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples")
 
 
 # Columns added after the first release: files created before get them on open.
@@ -311,7 +340,7 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "library_experiences": ["domain_tag VARCHAR"],
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
-                  "turn INTEGER"],
+                  "turn INTEGER", "reply VARCHAR"],
 }
 # NOT NULL constraints lifted after the first release
 DROPPED_NOT_NULL: dict[str, list[str]] = {"rewards": ["reward"]}

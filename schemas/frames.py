@@ -138,6 +138,41 @@ class LLMCallsFrame(StageKeyed):
     rate_limited: Series[bool] = pa.Field(nullable=True)
     final: Series[bool] = pa.Field(nullable=True)
     turn: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    reply: Series[str] = pa.Field(nullable=True)
+
+
+class LessonTrialsFrame(StageKeyed):
+    seq: Series[int] = pa.Field(ge=0, unique=True)
+    operation_json: Series[str]
+    problem_ids_json: Series[str]
+    samples: Series[int] = pa.Field(ge=0)
+    pairs: Series[int] = pa.Field(ge=0)
+    mean_without: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    mean_with: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    gain: Series[float] = pa.Field(ge=-1.0, le=1.0, nullable=True)
+    verdict: Series[str] = pa.Field(isin=["kept", "rejected", "untested"])
+    reason: Series[str]
+
+    @pa.dataframe_check
+    def kept_trials_gained(cls, df: pd.DataFrame) -> pd.Series:
+        return (df["verdict"] != "kept") | df["gain"].notna()
+
+
+class TrialSamplesFrame(StageKeyed):
+    seq: Series[int] = pa.Field(ge=-1)
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    seed: Series[int]
+    reward: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    extracted: Series[str] = pa.Field(nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
+    final_text: Series[str]
+    tokens_in: Series[int] = pa.Field(ge=0)
+    tokens_out: Series[int] = pa.Field(ge=0)
+
+    @pa.dataframe_check
+    def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["seq", "problem_id", "sample_idx"]).any()
 
 
 class LibraryVersionsFrame(Frame):
@@ -331,6 +366,8 @@ FRAMES: dict[str, type[Frame]] = {
     "library_experiences": LibraryExperiencesFrame,
     "embeddings": EmbeddingsFrame,
     "experience_stats": ExperienceStatsFrame,
+    "lesson_trials": LessonTrialsFrame,
+    "trial_samples": TrialSamplesFrame,
     "library_quality": LibraryQualityFrame,
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,

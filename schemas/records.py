@@ -166,6 +166,39 @@ class Proposal(Record):
     parse_error: str | None = None  # set when the reply could not be parsed even after the repair re-ask
 
 
+class LessonTrial(Record):
+    """Lesson validation of one planned operation (stage ``validate_lessons``): its problems attempted without
+    and with it on the same seeds, and the verdict. ``verdict``: kept, rejected (no gain, or a better candidate
+    of its group), or untested (not a lesson text, or refused by the library's rules before any trial)."""
+
+    seq: int = Field(ge=0)  # position of the operation in the step's plan
+    operation: Operation
+    problem_ids: list[str] = Field(default_factory=list)
+    samples: int = 0  # per problem and arm
+    pairs: int = 0  # (problem, sample) pairs graded in both arms: what the means are over
+    mean_without: float | None = None
+    mean_with: float | None = None
+    gain: float | None = None
+    verdict: Literal["kept", "rejected", "untested"]
+    reason: str = ""
+
+
+class TrialSample(Record):
+    """One graded attempt of lesson validation: ``seq`` -1 is the library as it is (shared by every candidate of
+    the step), else the plan's operation ``seq`` applied."""
+
+    seq: int = Field(ge=-1)
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    seed: int
+    reward: float | None = Field(None, ge=0.0, le=1.0)  # None: failed or not gradable (left out of the means)
+    extracted: str | None = None
+    error: str | None = None
+    final_text: str = ""
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
 class Experience(Record):
     id: str = Field(min_length=1)
     text: str = Field(min_length=1)
@@ -242,6 +275,8 @@ class LLMCall(Record):
     rate_limited: bool = False  # this attempt was answered 429
     final: bool = True  # the call's last attempt (its outcome); False: an attempt that was retried
     turn: int | None = None  # agent rollouts: the model call's turn (0-based) in its rollout
+    # a learner call's reply text, usable or not (a policy reply is stored with its rollout)
+    reply: str | None = None
 
 
 class EvalSample(Record):

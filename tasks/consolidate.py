@@ -57,15 +57,16 @@ def render_proposals(proposals: list[Proposal]) -> str:
 async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
                 llm: LLMClient, cfg: LearningConfig) -> tuple[Proposal, list[LLMCall]]:
     known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
-    show_example = not llm.constrains_json("learner")
-    messages = prompts.consolidate(render_proposals(proposals), library.render_for_prompt(), min_words=cfg.min_words,
-                                   max_words=cfg.max_words, show_example=show_example)
+    def messages(constrained: bool) -> list[dict[str, str]]:
+        return prompts.consolidate(render_proposals(proposals), library.render_for_prompt(),
+                                   min_words=cfg.min_words, max_words=cfg.max_words, show_example=not constrained)
+
     # a final plan needs at most one operation per proposed one plus one per library entry
     bound = sum(len(p.operations) for p in proposals) + len(library)
     schema = operations_schema(bound, live_ids=[e.id for e in library], sources=sorted(known_groups),
                                min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
     reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
-                                          repair=partial(prompts.repair, show_example=show_example, sources=True))
+                                          repair=partial(prompts.repair, sources=True))
     progress.advance(STAGE)
     operations = attribute_sources([
         op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups and not _plan_id(g)]})

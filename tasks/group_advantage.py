@@ -2,15 +2,21 @@
 
 Numeric: (r - mean) / std per group, recorded for every group. Selection: with ground truth and G > 1 only
 groups with 0 < mean < 1 carry a learning signal; without ground truth or with G = 1 every group with a
-usable rollout goes on. Semantic: the learner compares the attempts (their summaries) and proposes
-operations on the library, returned as a ``Proposal`` per group (parse failures kept with the raw text).
+usable rollout goes on. Semantic: the learner compares the attempts and proposes operations on the library,
+returned as a ``Proposal`` per group (parse failures kept with the raw text). Two ways to ask
+(``learning.extract``): ``operations`` shows every attempt (the attempt itself and its summary) and asks for a
+JSON edit list; ``contrast`` shows one correct and one wrong attempt side by side and asks for the step where
+they part and one lesson, ``learning.candidates`` times over other pairs and draws (lesson validation then
+chooses among them). ``learning.fallback: contrast`` asks the contrast way when an operations reply has no
+usable operation. Every learner reply of a group is kept in its proposal's ``raw_text``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from functools import partial
+import json
 import statistics
+from functools import partial
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,14 +25,36 @@ from clgrpo.journal import StageItems
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from domains import get_domain
-from domains.learner import GROUP_KINDS, Attempt, LearnerPrompts, operations_schema, tool_trace, trajectory_text
+from clgrpo.llm.structured import StructuredOutputError, parse_contrast
+from clgrpo.library import word_count
+from domains.learner import (
+    GROUP_KINDS,
+    Attempt,
+    LearnerPrompts,
+    LessonScreen,
+    clip,
+    contrast_schema,
+    operations_schema,
+    tool_trace,
+    trajectory_text,
+)
 from schemas.config import LearningConfig, RunConfig
-from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
+from schemas.records import (
+    GroupAdvantage,
+    LibraryVersion,
+    LLMCall,
+    Operation,
+    Problem,
+    Proposal,
+    Reward,
+    Rollout,
+    Summary,
+)
 from tasks.common import stage_task
 
 STAGE = "group_advantage"
 CALL_FAILED = "learner call failed: "
-_MAX_ATTEMPT_CHARS = 4000  # a failed summary falls back to the trajectory, cut to this length
+ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
 
 
 def _selection(valid: list[float], usable: int, use_groundtruth: bool, group_size: int) -> tuple[bool, str]:
@@ -103,13 +131,32 @@ class ProposalBatch:
 
 
 def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groundtruth: bool) -> list[Attempt]:
+    """Each attempt as the extractor sees it: the trajectory itself (tool calls and results inline for agent
+    rollouts), with its summary when there is one."""
     attempts = []
     for rollout, reward in zip(group.rollouts, group.rewards):
         summary = summaries.get((rollout.problem_id, rollout.sample_idx))
-        text = summary.text if summary and not summary.error else trajectory_text(rollout.turns)[-_MAX_ATTEMPT_CHARS:]
-        attempts.append(Attempt(rollout.sample_idx, text, reward.reward if use_groundtruth else None,
-                                truncated=rollout.truncated, tools=tool_trace(rollout.turns)))
+        agent = any(t.kind != "assistant" for t in rollout.turns)
+        attempts.append(Attempt(rollout.sample_idx, clip(trajectory_text(rollout.turns), ATTEMPT_CHARS),
+                                reward.reward if use_groundtruth else None, truncated=rollout.truncated,
+                                tools="" if agent else tool_trace(rollout.turns),
+                                summary=summary.text if summary and not summary.error else ""))
     return attempts
+
+
+def contrast_pairs(group: Group) -> list[tuple[int, int]]:
+    """(better, worse) attempt positions for contrast asks: every attempt rewarded above the group mean against
+    every one below it, finished attempts before cut-off ones, ordered so that consecutive asks see other
+    attempts."""
+    values = [r.reward for r in group.rewards]
+    graded = [v for v in values if v is not None]
+    if not graded:
+        return []
+    mean = statistics.fmean(graded)
+    order = sorted(range(len(values)), key=lambda i: group.rollouts[i].truncated)
+    better = [i for i in order if values[i] is not None and values[i] > mean]
+    worse = [i for i in order if values[i] is not None and values[i] < mean]
+    return [(better[(k + j) % len(better)], worse[j]) for k in range(len(better)) for j in range(len(worse))]
 
 
 async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], library: ExperienceLibrary,
@@ -120,26 +167,145 @@ async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], 
     if reused is not None:
         progress.advance(STAGE)
         return ProposalBatch([reused])
-    use_gt = cfg.use_groundtruth
-    show_example = not llm.constrains_json("learner")
-    messages = prompts.extract(group.problem, _attempts(group, summaries, use_gt), library.render_for_prompt(),
-                               use_groundtruth=use_gt, max_ops=cfg.max_ops_per_group, min_words=cfg.min_words,
-                               max_words=cfg.max_words, show_example=show_example)
+    attempts = _attempts(group, summaries, cfg.use_groundtruth)
+    try:
+        if cfg.extract == "contrast":
+            batch = await _contrast_candidates(group, attempts, library, prompts, llm, cfg)
+        else:
+            batch = await _operations_proposal(group, attempts, library, prompts, llm, cfg)
+    finally:
+        progress.advance(STAGE)
+    proposal = batch.proposals[0]
+    summarized = not cfg.summarize or all(_has_summary(r, summaries) for r in group.rollouts)
+    if summarized and not call_failed(proposal):  # else redo it once the summaries or the calls are redone
+        done.put(group_id, proposal)
+    return batch
+
+
+async def _operations_proposal(group: Group, attempts: list[Attempt], library: ExperienceLibrary,
+                               prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+    """The group's edit list as JSON; with ``fallback: contrast`` a reply with no usable operation is followed by
+    contrast asks, whose candidates replace it (both kinds of reply kept in the raw text)."""
+    group_id = group.problem.problem_id
+    messages = partial(_extract_prompt, prompts, group.problem, attempts, library.render_for_prompt(), cfg)
     schema = operations_schema(cfg.max_ops_per_group, kinds=GROUP_KINDS, live_ids=[e.id for e in library],
                                min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
     try:
-        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
-                                              repair=partial(prompts.repair, show_example=show_example))
+        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema, repair=prompts.repair)
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
-    finally:
-        progress.advance(STAGE)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
     proposal = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text,
                         parse_error=reply.parse_error)
-    if all(_has_summary(r, summaries) for r in group.rollouts):  # else redo it once the summaries are redone
-        done.put(group_id, proposal)
-    return ProposalBatch([proposal], reply.calls)
+    unusable = _unusable(operations, prompts)
+    if cfg.fallback != "contrast" or unusable is None:
+        return ProposalBatch([proposal], reply.calls)
+    fallback = await _contrast_candidates(group, attempts, library, prompts, llm, cfg)
+    contrast = fallback.proposals[0]
+    raw = json.dumps({"operations_reply": reply.raw_text, "why_contrast": unusable,
+                      "contrast_replies": json.loads(contrast.raw_text or "[]")}, ensure_ascii=False)
+    return ProposalBatch([contrast.model_copy(update={"raw_text": raw})], [*reply.calls, *fallback.calls])
+
+
+def _extract_prompt(prompts: LearnerPrompts, problem: Problem, attempts: list[Attempt], library_text: str,
+                    cfg: LearningConfig, constrained: bool) -> list[dict[str, str]]:
+    """The operations ask; an unconstrained reply gets a complete example reply to follow."""
+    return prompts.extract(problem, attempts, library_text, use_groundtruth=cfg.use_groundtruth,
+                           max_ops=cfg.max_ops_per_group, min_words=cfg.min_words, max_words=cfg.max_words,
+                           show_example=not constrained)
+
+
+def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | None:
+    """Why an operations reply has nothing to apply (what the contrast fallback answers), or None."""
+    if not operations:
+        return "the reply proposed no operation"
+    if all(op.text and prompts.copied_from_prompt(op.text) for op in operations):
+        return "every proposed lesson copies the prompt"
+    return None
+
+
+async def _contrast_candidates(group: Group, attempts: list[Attempt], library: ExperienceLibrary,
+                               prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+    """``cfg.candidates`` contrast asks, each over the next (better, worse) pair with its own draw: one
+    candidate operation per usable reply; every reply kept (raw text: a JSON list)."""
+    group_id, pairs = group.problem.problem_id, contrast_pairs(group)
+    if not pairs:
+        return ProposalBatch([Proposal(group_id=group_id, parse_error="no contrast: no attempt is rewarded above "
+                                                                      "or below the group mean")])
+    live_ids = [e.id for e in library]
+    schema = contrast_schema(live_ids, min_words=cfg.min_words, max_words=cfg.max_words)
+    asks = [pairs[c % len(pairs)] for c in range(cfg.candidates)]
+    def ask(better: Attempt, worse: Attempt, constrained: bool) -> list[dict[str, str]]:
+        return prompts.contrast(group.problem, better, worse, library.render_for_prompt(), live_ids=live_ids,
+                                use_groundtruth=cfg.use_groundtruth, min_words=cfg.min_words,
+                                max_words=cfg.max_words, show_example=not constrained)
+
+    replies = await asyncio.gather(*[
+        llm.complete(partial(ask, attempts[b], attempts[w]), stage=STAGE, json_schema=schema, schema_name="lesson",
+                     redraw=c)
+        for c, (b, w) in enumerate(asks)], return_exceptions=True)
+    operations, kept, errors, calls = [], [], [], []
+    for c, ((b, w), reply) in enumerate(zip(asks, replies)):
+        entry: dict = {"candidate": c + 1, "attempts": [attempts[b].sample_idx, attempts[w].sample_idx]}
+        kept.append(entry)
+        if isinstance(reply, LLMCallError):
+            calls += reply.calls
+            entry["error"] = f"{CALL_FAILED}{reply}"
+            errors.append(entry["error"])
+            continue
+        if isinstance(reply, BaseException):
+            raise reply
+        calls += reply.calls
+        entry["reply"] = reply.text
+        try:
+            op = parse_contrast(reply.text, live_ids)
+        except StructuredOutputError as exc:
+            entry["error"] = str(exc)
+            errors.append(f"candidate {c + 1}: {exc}")
+            continue
+        op = op.model_copy(update={"source_groups": [group_id]})
+        if (why := not_general(op, group.problem, prompts, cfg)) is not None:
+            asked = ask(attempts[b], attempts[w], llm.constrains_json("learner"))
+            op, rewrite_calls, entry["generalized"] = await _generalize(op, asked, why, prompts, llm, cfg, c)
+            calls += rewrite_calls
+        note = f"[contrast, candidate {c + 1}: attempt {attempts[b].sample_idx} vs {attempts[w].sample_idx}]"
+        operations.append(op.model_copy(update={"rationale": f"{op.rationale} {note}".strip()}))
+    all_calls_failed = all(e.startswith(CALL_FAILED) for e in errors) and len(errors) == len(asks)
+    error = None if operations else errors[0] if all_calls_failed else "no usable candidate: " + "; ".join(errors)
+    return ProposalBatch([Proposal(group_id=group_id, operations=operations,
+                                   raw_text=json.dumps(kept, ensure_ascii=False), parse_error=error)], calls)
+
+
+def not_general(op: Operation, problem: Problem, prompts: LearnerPrompts, cfg: LearningConfig) -> str | None:
+    """Why a candidate's lesson cannot be kept as written and a rewrite may fix it: too long, or about its own
+    problem (its numbers, its text, its answer); None when it reads as a general lesson."""
+    words = word_count(op.text or "")
+    if words > cfg.max_words:
+        return f"it has {words} words, more than {cfg.max_words}"
+    return LessonScreen(prompts, [problem])(op)
+
+
+async def _generalize(op: Operation, asked: list[dict[str, str]], why: str, prompts: LearnerPrompts,
+                      llm: LLMClient, cfg: LearningConfig, draw: int) -> tuple[Operation, list[LLMCall], dict]:
+    """One request to rewrite a candidate as a general lesson; the rewrite replaces it when it parses (the
+    draft, the reason and the reply are kept)."""
+    record: dict = {"draft": op.text, "why": why}
+    messages = prompts.generalize(asked, op.text or "", why, min_words=cfg.min_words, max_words=cfg.max_words)
+    schema = contrast_schema(min_words=cfg.min_words, max_words=cfg.max_words)
+    schema = {**schema, "properties": {"lesson": schema["properties"]["lesson"]}, "required": ["lesson"]}
+    try:
+        reply = await llm.complete(messages, stage=STAGE, json_schema=schema, schema_name="lesson", redraw=draw)
+    except LLMCallError as exc:
+        record["error"] = str(exc)
+        return op, exc.calls, record
+    record["reply"] = reply.text
+    try:
+        rewritten = parse_contrast(reply.text)
+    except StructuredOutputError as exc:
+        record["error"] = str(exc)
+        return op, reply.calls, record
+    note = f"{op.rationale} [rewritten as a general lesson: the draft {why}]".strip()
+    return op.model_copy(update={"text": rewritten.text, "rationale": note}), reply.calls, record
 
 
 def _has_summary(rollout: Rollout, summaries: dict[tuple[str, int], Summary]) -> bool:

@@ -17,6 +17,7 @@ from schemas.ddl import VALIDATE_STAGE
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, call_failed
 from tasks.rollout import STAGE as ROLLOUT
 from tasks.summarize import STAGE as SUMMARIZE
+from tasks.validate_lessons import STAGE as VALIDATE_LESSONS
 from tasks.verify import STAGE as VERIFY
 
 UNGRADED_CAUSES = ("rollout failed", "could not verify")
@@ -62,6 +63,9 @@ def failed_items(stage: str, outputs: dict[str, list[Any]]) -> FailedItems | Non
         return _count(stage, "summaries", outputs["summaries"], lambda s: s.error is not None, lambda s: s.error)
     if stage == GROUP_ADVANTAGE:
         return _count(stage, "group proposals", outputs["proposals"], call_failed, lambda p: p.parse_error)
+    if stage == VALIDATE_LESSONS:
+        return _count(stage, "lesson validation attempts", outputs["trial_samples"], lambda s: s.reward is None,
+                      lambda s: s.error)
     if stage == VALIDATE_STAGE:
         return _count(stage, "validation samples", outputs["eval_results"],
                       lambda s: (s.error or "").startswith(UNGRADED_CAUSES), lambda s: s.error)

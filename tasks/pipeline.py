@@ -22,7 +22,7 @@ from tasks.common import stage_task
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import STAGE as SUMMARIZE, summarize
+from tasks.summarize import STAGE as SUMMARIZE, SummaryBatch, summarize
 from tasks.judge import Judge, make_judge
 from tasks.verify import STAGE as VERIFY, grade
 
@@ -82,10 +82,11 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
     groups = build_groups([problem], batch.rollouts, rewards, advantages)
     if not groups:
         return outcome
-    progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups))
+    progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
     progress.expect(GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
-    summaries = await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
+    summaries = (await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
+                 if cfg.summarize else SummaryBatch([]))
     proposals = await extract_group_advantage(groups, summaries.summaries, library, prompts, llm, cfg)
     outcome.summaries, outcome.summary_calls = summaries.summaries, summaries.calls
     outcome.proposals, outcome.proposal_calls = proposals.proposals, proposals.calls

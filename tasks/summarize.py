@@ -1,4 +1,5 @@
-"""Stage: the learner summarizes each rollout of the selected groups."""
+"""Stage: the learner summarizes each rollout of the selected groups (``learning.summarize: false``: none; the
+stage still runs and is stored, empty, and the extractor reads the attempts themselves)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ async def summarize(groups: list[Group], library: ExperienceLibrary, prompts: Le
 async def summarize_task(config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout],
                          rewards: list[Reward], advantages: list[GroupAdvantage],
                          library: LibraryVersion) -> SummaryBatch:
+    if not config.learning.summarize:
+        return SummaryBatch([])
     groups = build_groups(problems, rollouts, rewards, advantages)
     return await summarize(groups, ExperienceLibrary.from_version(library),
                            get_domain(config.domain).learner_prompts, shared_client(config),

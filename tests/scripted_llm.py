@@ -37,6 +37,10 @@ from pathlib import Path
 from clgrpo.testing.fake_openai import ChatRequest, Reply, message_text, role_of
 
 REPAIR_PREFIX = "Your previous reply could not be used"
+# a lesson that sounds general but leads the scripted policy astray (it answers wrongly when shown it): what
+# lesson validation must catch
+MISLEADING_LESSON = "When a problem looks routine, answer from memory at once without working anything out."
+MISLEADING_KEY = "answer from memory at once"
 
 
 @dataclass(frozen=True)
@@ -236,8 +240,9 @@ class ScriptedWorld:
     models = ("scripted",)  # the model name it serves (GET /models of the fake server lists it)
 
     def __init__(self, seed: int = 0, p_base: float = 0.2, p_lesson: float = 0.9, p_malformed: float = 0.2,
-                 p_garbage: float = 0.1, compliant: bool = False) -> None:
+                 p_garbage: float = 0.1, compliant: bool = False, p_misleading: float = 0.0) -> None:
         self.seed = seed
+        self.p_misleading = p_misleading  # contrast asks: the share answered with ``MISLEADING_LESSON``
         self.compliant = compliant  # obey planted instructions found outside declared data blocks
         self.p_base = p_base
         self.p_lesson = p_lesson
@@ -256,6 +261,7 @@ class ScriptedWorld:
             "policy": self._policy,
             "trajectory summarizer": self._summarize,
             "experience extractor": self._extract,
+            "experience extractor (contrast)": self._contrast,
             "library consolidator": self._consolidate,
         }.get(role)
         if handler is None:
@@ -340,6 +346,7 @@ class ScriptedWorld:
         everything = "\n".join(m["content"] for m in request.messages).casefold()
         has_lesson = family.key.casefold() in everything
         correct = rng.random() < (self.p_lesson if has_lesson else self.p_base)
+        correct = correct and MISLEADING_KEY not in everything  # a misled policy never gets it right
         truth = family.compute(a, b)
         value = truth if correct else truth + rng.choice((1, -1, 10, 2))
         with self._lock:
@@ -383,6 +390,17 @@ class ScriptedWorld:
         with self._lock:
             self.stats.extract_clean += 1
         return json.dumps({"operations": operations})
+
+    def _contrast(self, request: ChatRequest, rng: random.Random) -> str:
+        """A contrast ask: the family's lesson, or with ``p_misleading`` the misleading one, as JSON."""
+        user = _user_messages(request)[0]
+        found = find_problem(user)
+        if found is None:
+            return json.dumps({"difference": "I cannot tell.", "lesson": ""})
+        family = found[0]
+        lesson = MISLEADING_LESSON if rng.random() < self.p_misleading else family.lesson
+        return json.dumps({"difference": f"The correct attempt worked the {family.name} step carefully.",
+                           "lesson": lesson})
 
     @staticmethod
     def _extract_operations(user: str) -> list[dict]:

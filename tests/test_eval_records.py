@@ -72,7 +72,8 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
     excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation", "library", "judge")} | {"grpo": {"max_steps": True}} | {
         "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
-                     "guard": True, "max_learner_tokens": True},
+                     "guard": True, "max_learner_tokens": True, "extract": True, "candidates": True,
+                     "fallback": True, "summarize": True, "lesson_validation": True},
         "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True,
                     "url_field": True},
         # where and how the model is reached is not part of what a run computes

@@ -270,8 +270,11 @@ async def test_an_injected_problem_does_not_reach_the_library_or_the_next_rollou
 @pytest.mark.usefixtures("prefect_harness")
 async def test_without_the_delimiters_the_same_run_is_poisoned(tmp_path, monkeypatch):
     """The control: the same run with ``quote`` writing text as is (the prompts before the delimiters) lets the
-    compliant learner add the injected lesson, and every rollout prompt of the next step carries it."""
+    compliant learner add the injected lesson, and every rollout prompt of the next step carries it. (The lesson
+    screen would also refuse this lesson, since its "42" is a number of its own problem: that defence is turned
+    off here too, so the delimiters are what the two tests compare.)"""
     monkeypatch.setattr(domains.learner, "quote", lambda tag, text, **attrs: text)
+    monkeypatch.setattr(domains.learner, "problem_numbers", lambda text, problem: [])
     monkeypatch.setattr(domains.math.prompts, "quote", lambda tag, text, **attrs: text)
     world, lessons, _ = await train_on_injected_problem(tmp_path, "poisoned")
     assert INJECTED_LESSON in lessons and world.stats.injections_followed > 0

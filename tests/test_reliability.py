@@ -225,6 +225,57 @@ async def test_a_500_that_rejects_response_format_falls_back_to_prompt_and_parse
     assert [(c.ok, "response_format refused" in (c.error or "")) for c in done.calls] == [(False, True), (True, False)]
 
 
+async def test_an_unusable_first_reply_that_a_repair_replaced_is_kept():
+    replies = iter(["I think a lesson about pairs would help.",
+                    '{"operations": [{"op": "add", "text": "When a sum has many terms, add them in pairs first."}]}'])
+
+    with FakeOpenAIServer(lambda request: [next(replies)]) as server:
+        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
+        from domains.learner import LearnerPrompts
+
+        done = await client.complete_operations([{"role": "user", "content": "edits?"}], stage="group_advantage",
+                                                json_schema={"type": "object"}, repair=LearnerPrompts().repair)
+        await client.aclose()
+    assert len(done.operations) == 1 and done.parse_error is None
+    assert [c.reply for c in done.calls] == ["I think a lesson about pairs would help.", done.raw_text]
+
+
+async def test_a_refused_schema_switches_the_learner_prompts_to_the_example_style():
+    """The call that finds the schema refused is asked again with the prompt written for an unconstrained reply
+    (its example reply shown), and so is every later learner prompt of that model: the grammar no longer shows
+    the shape, the example must."""
+    from domains.learner import LearnerPrompts
+    from schemas.records import Problem
+
+    seen: list[tuple[bool, bool]] = []  # (response_format sent, example reply in the prompt)
+
+    def old_llama(request):
+        seen.append((request.response_format is not None, "An example of a reply" in request.messages[0]["content"]))
+        if (request.response_format or {}).get("type") == "json_schema":
+            raise ValueError("response_format.type: Input should be 'text' or 'json_object'")
+        return ['{"operations": [{"op": "add", "text": "When a sum has many terms, add them in pairs first."}]}']
+
+    prompts, problem = LearnerPrompts(), Problem(problem_id="p1", problem="What is 2+2?", answer="4")
+
+    def messages(constrained: bool):
+        return prompts.extract(problem, [], "", use_groundtruth=True, max_ops=1, min_words=3, max_words=30,
+                               show_example=not constrained)
+
+    with FakeOpenAIServer(old_llama) as server:
+        client = LLMClient(ModelConfig(model="schema-less", base_url=server.base_url, api_key_env=None, max_retries=0))
+        assert client.constrains_json("learner")
+        first = await client.complete_operations(messages, stage="group_advantage", json_schema={"type": "object"},
+                                                 repair=prompts.repair)
+        assert not client.constrains_json("learner")
+        later = await client.complete_operations(messages, stage="group_advantage", json_schema={"type": "object"},
+                                                 repair=prompts.repair)
+        await client.aclose()
+    assert seen == [(True, False), (False, True), (False, True)]
+    assert len(first.operations) == len(later.operations) == 1
+    assert [(c.ok, "response_format refused" in (c.error or "")) for c in first.calls] == [(False, True), (True, False)]
+    assert [c.reply for c in first.calls] == [None, first.raw_text]  # a learner reply is stored with its call
+
+
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 async def test_failures_within_the_tolerance_are_stored_counted_and_the_run_goes_on(tmp_path):

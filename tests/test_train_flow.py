@@ -36,7 +36,7 @@ def policy_requests(server: FakeOpenAIServer) -> int:
 
 
 async def test_two_epochs_learn_a_library(dataset, tmp_path):
-    world = ScriptedWorld(seed=8)
+    world = ScriptedWorld(seed=8, p_garbage=0.3)  # 17 extractor asks: both kinds of bad reply occur
     with FakeOpenAIServer(world) as server:
         cfg = make_config(server, dataset, tmp_path, "e2e")
         result = await train(cfg)

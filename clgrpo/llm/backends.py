@@ -61,6 +61,11 @@ class TransientLLMError(RuntimeError):
         self.counted = counted  # False: retry at once, not against max_retries (the request was adapted)
 
 
+class SchemaRefused(TransientLLMError):
+    """The endpoint refused the request's ``response_format`` (no structured output): asked again without it,
+    and from then on the model's prompts are written for unconstrained replies (``schema_refused``)."""
+
+
 class PermanentLLMError(RuntimeError):
     """Retrying will not help: bad request, authentication, unknown model."""
 
@@ -105,6 +110,19 @@ def _retry_after_seconds(headers: object) -> float | None:
 CHAT_PATH = "chat/completions"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
+# (base_url, model) pairs whose endpoint refused response_format in this process: every backend and client of
+# the process asks them without it, and learner prompts show their example reply again
+_SCHEMA_REFUSED: set[tuple[str, str]] = set()
+
+
+def _endpoint_key(cfg: ModelConfig) -> tuple[str, str]:
+    return (cfg.base_url or DEFAULT_BASE_URL).rstrip("/"), cfg.model
+
+
+def schema_refused(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s endpoint refused a JSON schema (``response_format``) in this process."""
+    return cfg.backend == "openai" and _endpoint_key(cfg) in _SCHEMA_REFUSED
+
 
 class OpenAIBackend:
     """Any OpenAI-compatible chat completions endpoint (OpenAI, DeepSeek, a vLLM or local server).
@@ -121,7 +139,7 @@ class OpenAIBackend:
         self.cfg = cfg
         self.base_url = (cfg.base_url or DEFAULT_BASE_URL).rstrip("/") + "/"
         self._transport = make_transport(self.base_url, key or "not-needed", cfg.timeout_s)
-        self.json_schema_supported = cfg.json_schema
+        self.json_schema_supported = cfg.json_schema and not schema_refused(cfg)
 
     def body(self, request: GenRequest) -> dict[str, Any]:
         """The chat completions request body (what the openai SDK sends for the same arguments)."""
@@ -156,8 +174,9 @@ class OpenAIBackend:
         message = f"HTTP {status} from {self.base_url}: {_error_message(data)}"
         if "response_format" in body and _rejects_response_format(status, message):
             self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
-            return TransientLLMError(f"HTTP {status} from {self.base_url}: response_format refused, asking again "
-                                     f"without it: {_error_message(data)}", retry_after=0.0, counted=False)
+            _SCHEMA_REFUSED.add(_endpoint_key(self.cfg))
+            return SchemaRefused(f"HTTP {status} from {self.base_url}: response_format refused, asking again "
+                                 f"without it: {_error_message(data)}", retry_after=0.0, counted=False)
         if "tools" in body and _rejects_tools(status, message):
             return ToolsRefused(f"HTTP {status} from {self.base_url}: tool calling refused: {_error_message(data)}")
         if status == 429:

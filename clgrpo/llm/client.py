@@ -31,9 +31,11 @@ from clgrpo.llm.backends import (
     Generation,
     Message,
     PermanentLLMError,
+    SchemaRefused,
     ToolCall,
     TransientLLMError,
     make_backend,
+    schema_refused,
 )
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from schemas.config import ModelConfig, RunConfig
@@ -41,6 +43,7 @@ from schemas.records import LLMCall, Operation, utcnow
 
 Role = Literal["policy", "learner"]
 RepairFn = Callable[[list[Message], str, str], list[Message]]
+PromptFn = Callable[[bool], list[Message]]  # constrained -> the messages (an unconstrained reply needs the example)
 
 
 class LLMCallError(RuntimeError):
@@ -166,16 +169,24 @@ class LLMClient:
                 samples[i] = Sample(i, outcome.texts[0] if outcome.texts else "", _at(outcome.finish_reasons, 0))
         return Sampled([samples[i] for i in wanted], calls)
 
-    async def complete(self, messages: list[Message], *, stage: str, role: Role = "learner",
+    async def complete(self, messages: list[Message] | PromptFn, *, stage: str, role: Role = "learner",
                        json_schema: dict | None = None, schema_name: str = "reply",
                        temperature: float | None = None, redraw: int = 0) -> Completed:
-        """One reply; ``redraw`` k > 0 asks for the k-th other draw (a seeded config uses seed + k)."""
+        """One reply; ``redraw`` k > 0 asks for the k-th other draw (a seeded config uses seed + k). ``messages``
+        may be a function of whether the reply is constrained to ``json_schema``: when the endpoint refuses the
+        schema, the call is asked again with the unconstrained prompt (and every later one is written so)."""
         cfg = self.configs[role]
         seed = None if cfg.seed is None else cfg.seed + redraw
-        request = _request(cfg, messages, temperature=temperature, seed=seed, schema_name=schema_name,
-                           json_schema=json_schema if cfg.json_schema else None)
+        constrained = json_schema is not None and self.constrains_json(role)
+        prompt = messages(constrained) if callable(messages) else messages
+        request = _request(cfg, prompt, temperature=temperature, seed=seed, schema_name=schema_name,
+                           json_schema=json_schema if constrained else None)
         calls: list[LLMCall] = []
-        gen = await self._call(role, request, stage, calls)
+        try:
+            gen = await self._call(role, request, stage, calls, refusal_raises=callable(messages))
+        except SchemaRefused:  # the prompt was written for a constrained reply: ask with the other one
+            request = dataclasses.replace(request, messages=messages(False), json_schema=None)  # type: ignore[operator]
+            gen = await self._call(role, request, stage, calls)
         return Completed(text=gen.texts[0] if gen.texts else "", calls=calls,
                          finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "")
 
@@ -193,24 +204,27 @@ class LLMClient:
         return TurnReply(text=gen.texts[0] if gen.texts else "", tool_calls=gen.tool_calls[0] if gen.tool_calls else [],
                          calls=calls, finish_reason=_at(gen.finish_reasons, 0))
 
-    async def complete_operations(self, messages: list[Message], *, stage: str, json_schema: dict,
-                                  repair: RepairFn) -> OperationsReply:
+    async def complete_operations(self, messages: list[Message] | PromptFn, *, stage: str, json_schema: dict,
+                                  repair: Callable[..., list[Message]]) -> OperationsReply:
         """Ask for operations as JSON; one second ask on an unusable reply: a repair re-ask that shows the reply
         and its error, or, for a reply cut off at max_tokens (usually a loop, which a model shown its own loop
         continues), a fresh draw of the same prompt. What still fails comes back with its raw text and
-        ``parse_error`` set (never raised, never dropped)."""
+        ``parse_error`` set (never raised, never dropped). ``messages`` as in ``complete``; ``repair(messages,
+        reply, error, show_example=...)`` is told whether replies are still constrained."""
         first = await self.complete(messages, stage=stage, json_schema=json_schema, schema_name="operations")
         try:
             return OperationsReply(parse_operations(first.text), first.text, None, first.calls)
         except StructuredOutputError as exc:
             error = self._why_unusable(exc, first)
+        asked = messages(self.constrains_json("learner")) if callable(messages) else messages
         try:
             if first.finish_reason == "length":
                 second = await self.complete(messages, stage=stage, json_schema=json_schema,
                                              schema_name="operations", redraw=1)
             else:
-                second = await self.complete(repair(messages, first.text, error), stage=stage,
-                                             json_schema=json_schema, schema_name="operations")
+                second = await self.complete(
+                    repair(asked, first.text, error, show_example=not self.constrains_json("learner")),
+                    stage=stage, json_schema=json_schema, schema_name="operations")
         except LLMCallError as exc:
             raise LLMCallError(str(exc), [*first.calls, *exc.calls]) from exc
         calls = [*first.calls, *second.calls]
@@ -229,8 +243,10 @@ class LLMClient:
 
     def constrains_json(self, role: Role) -> bool:
         """Whether ``role``'s replies are constrained to the JSON schema sent with them (``json_schema: true``:
-        the endpoint or local engine enforces it), so prompts need not show an example reply."""
-        return self.configs[role].json_schema
+        the endpoint or local engine enforces it, and it has not refused one in this process), so prompts need
+        not show an example reply."""
+        cfg = self.configs[role]
+        return cfg.json_schema and not schema_refused(cfg)
 
     async def aclose(self) -> None:
         for state in list(self._states.values()):
@@ -257,9 +273,11 @@ class LLMClient:
         return state.backends[role]
 
     async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall], *,
-                    turn: int | None = None) -> Generation:
+                    turn: int | None = None, refusal_raises: bool = False) -> Generation:
         """One call: attempts until success, a permanent error, ``max_retries`` transient errors, or
-        ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal)."""
+        ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal).
+        ``refusal_raises``: a refused JSON schema raises ``SchemaRefused`` (recorded) instead of being retried
+        without it, so the caller can rewrite its prompt."""
         cfg, state = self.configs[role], self._state()
         call_id, attempt, errors, limited_since = uuid.uuid4().hex[:16], 0, 0, None
         while True:
@@ -289,8 +307,11 @@ class LLMClient:
                     gave_up = now - limited_since > cfg.max_rate_limit_wait_s
                 else:
                     gave_up = counted and errors >= cfg.max_retries
+                refused = refusal_raises and isinstance(exc, SchemaRefused)
                 self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, reason,
-                                               rate_limited=limited, final=gave_up, turn=turn))
+                                               rate_limited=limited, final=gave_up or refused, turn=turn))
+                if refused:
+                    raise exc
                 if gave_up:
                     budget = (f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
                               f"{cfg.max_rate_limit_wait_s:g})" if limited else f"gave up after {errors} retries")
@@ -331,10 +352,11 @@ class LLMClient:
                 final: bool = True, turn: int | None = None) -> LLMCall:
         tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
         cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
+        reply = _at(gen.texts, 0) if gen and role == "learner" else None
         return LLMCall(stage=stage, role=role, model=cfg.model, tokens_in=tokens_in, tokens_out=tokens_out,
                        latency_s=time.monotonic() - t0, retries=attempt, cost_usd=cost, ok=gen is not None,
                        error=error, started_at=started, call_id=call_id, rate_limited=rate_limited, final=final,
-                       finish_reason=_at(gen.finish_reasons, 0) if gen else "", turn=turn)
+                       finish_reason=_at(gen.finish_reasons, 0) if gen else "", turn=turn, reply=reply)
 
 
 def _request(cfg: ModelConfig, messages: list[Message], *, n: int = 1, temperature: float | None,

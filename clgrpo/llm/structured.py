@@ -79,8 +79,17 @@ def _balanced_spans(text: str) -> Iterable[str]:
                     break
 
 
+# a lone backslash before b, f, r or t and another letter is LaTeX (\\text, \\frac, \\boxed, \\right), not a
+# JSON escape: models write it unescaped, and json.loads would turn "\\text" into a tab and "ext"
+_LATEX_ESCAPE_RE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?=[bfrt][A-Za-z])")
+
+
+def _latex_escapes(text: str) -> str:
+    return _LATEX_ESCAPE_RE.sub(lambda m: m.group(1) + "\\\\", text)
+
+
 def _loads_lenient(candidate: str) -> Any:
-    cleaned = _TRAILING_COMMA_RE.sub(r"\1", _strip_comments(candidate)).strip()
+    cleaned = _latex_escapes(_TRAILING_COMMA_RE.sub(r"\1", _strip_comments(candidate)).strip())
     return json.loads(cleaned)
 
 
@@ -153,3 +162,40 @@ def parse_operations(text: str, allowed: Iterable[OpKind] = LEARNER_OPS) -> list
         raise StructuredOutputError('"operations" must be a list')
     allowed = tuple(allowed)
     return [operation_from_item(item, allowed) for item in items]
+
+
+_LESSON_LINE_RE = re.compile(r"^\s*(?:\*\*)?lesson(?:\*\*)?\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+_DIFFERENCE_LINE_RE = re.compile(r"^\s*(?:\*\*)?(?:difference|mistake)(?:\*\*)?\s*:\s*(.+)$",
+                                 re.IGNORECASE | re.MULTILINE)
+
+
+def parse_contrast(text: str, live_ids: Iterable[str] = ()) -> Operation:
+    """A contrast reply -> one operation: ``{"difference", "lesson", "revises"}`` as JSON (or, from a model
+    that ignored the format, ``Lesson: ...`` and ``Difference: ...`` lines). A lesson that revises a live id is
+    a modify of it, else an add; the difference becomes the rationale. Raises when there is no lesson."""
+    lesson, difference, revises = _contrast_fields(text)
+    lesson = " ".join(lesson.split())
+    if not lesson:
+        raise StructuredOutputError("the reply has no lesson")
+    rationale = " ".join(difference.split())
+    if revises and revises in set(live_ids):
+        return Operation(op=OpKind.MODIFY, target_ids=[revises], text=lesson, rationale=rationale)
+    return Operation(op=OpKind.ADD, text=lesson, rationale=rationale)
+
+
+def _contrast_fields(text: str) -> tuple[str, str, str]:
+    try:
+        payload = extract_json(text)
+    except StructuredOutputError:
+        payload = None
+    if isinstance(payload, dict):
+        lesson = _pick(payload, ("lesson", "rule", "experience", "text"))
+        if isinstance(lesson, str):
+            difference = _pick(payload, ("difference", "mistake", "why", "rationale"))
+            revises = _pick(payload, ("revises", "modifies", "id"))
+            return lesson, str(difference or ""), str(revises or "").strip()
+    found = _LESSON_LINE_RE.search(text or "")
+    if found is None:
+        raise StructuredOutputError("no JSON object with a \"lesson\" and no \"Lesson:\" line in the reply")
+    difference = _DIFFERENCE_LINE_RE.search(text)
+    return found.group(1), difference.group(1) if difference else "", ""

@@ -1,0 +1,245 @@
+"""Stage: lesson validation. Before the plan is applied, each candidate lesson must show that it helps.
+
+For every add, modify or merge of the step's plan that the library's rules would accept (the same screen and
+guard as ``apply_operations``; a refused one is left for that stage to reject with its reason), the policy
+attempts the candidate's problems ``samples`` times without it (the library as it is) and with it (the plan's
+operation applied alone), on the same seeds: its source problems first, then other problems of the step (those
+with mixed rewards first), up to ``problems``. A candidate that says (nearly) what an earlier one says is not
+tried again: it is rejected as a repeat. It is kept only if the mean reward over the (problem, sample)
+pairs graded in both arms rises by more than ``min_gain``; else it is rejected with the numbers. Of the kept
+candidates of one group, only the one with the largest gain goes on (a group's contrast candidates are
+alternatives). The attempts without the lesson are shared by every candidate of the step.
+
+Delete and keep operations are not validated. Outputs: one ``LessonTrial`` per plan operation, every graded
+attempt as a ``TrialSample``, the calls, and the plan that goes on to ``apply_operations`` with the rejections
+to store there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from clgrpo.journal import active, recording
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient, shared_client
+from domains import Domain, get_domain
+from schemas.config import LessonValidation, RunConfig
+from schemas.records import (
+    GroupAdvantage,
+    LessonTrial,
+    LibraryVersion,
+    LLMCall,
+    Operation,
+    OpKind,
+    OpStatus,
+    Problem,
+    Rollout,
+    TrialSample,
+    text_hash,
+)
+from domains.learner import overlap
+from tasks.apply_operations import apply_operations, lesson_screen
+from tasks.common import stage_task
+from tasks.judge import make_judge
+from tasks.rollout import rollout
+from tasks.verify import grade
+
+STAGE = "validate_lessons"
+VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
+BASELINE = -1  # TrialSample.seq of the attempts without any candidate
+_SEED_SPACE = 2**31 - 2**16
+
+
+@dataclass
+class Validated:
+    plan: list[Operation]  # what goes on to apply_operations (kept, untested), in plan order
+    rejected: list[tuple[Operation, str]]  # rejected by validation, with the reason (stored as operations)
+    trials: list[LessonTrial]
+    samples: list[TrialSample] = field(default_factory=list)
+    calls: list[LLMCall] = field(default_factory=list)
+
+
+@dataclass
+class _Candidate:
+    seq: int
+    operation: Operation
+    library: ExperienceLibrary  # the library with this operation applied
+    problems: list[Problem]
+
+
+def trial_problems(op: Operation, problems: Sequence[Problem], advantages: Sequence[GroupAdvantage],
+                   count: int, salt: str) -> list[Problem]:
+    """The candidate's source problems, then other step problems (mixed rewards first, then the rest, each in
+    a fixed pseudo-random order), ``count`` in all."""
+    mixed = {a.problem_id for a in advantages if a.selected}
+    sources = [p for p in problems if p.problem_id in op.source_groups]
+    others = sorted((p for p in problems if p.problem_id not in op.source_groups),
+                    key=lambda p: (p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}")))
+    return [*sources, *others][:count]
+
+
+def trial_seeds(problems: Sequence[Problem], step: int, seed: int) -> dict[str, int]:
+    """One base seed per problem (sample i uses base + i), the same in both arms."""
+    return {p.problem_id: int(text_hash(f"trial:{seed}:{step}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
+
+
+SAME_LESSON = 0.8  # word-trigram overlap, both ways, at which two candidates are one lesson (tried once)
+
+
+def _same_as(op: Operation, tried: list[_Candidate]) -> _Candidate | None:
+    """An earlier candidate with (nearly) the same text and the same kind and target."""
+    for other in tried:
+        same_target = (other.operation.op, other.operation.target_ids) == (op.op, op.target_ids)
+        if same_target and min(overlap(op.text or "", other.operation.text or ""),
+                               overlap(other.operation.text or "", op.text or "")) >= SAME_LESSON:
+            return other
+    return None
+
+
+def _candidates(config: RunConfig, library: ExperienceLibrary, plan: list[Operation], problems: list[Problem],
+                advantages: list[GroupAdvantage], step: int) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
+    """The plan's operations worth a trial (applied alone, they pass the library's rules, and no earlier
+    candidate says the same), why each other one is not tried, and the repeats (rejected: tried once)."""
+    settings = config.learning.lesson_validation
+    screen = lesson_screen(config, problems)
+    candidates, untested, repeats = [], {}, {}
+    for seq, op in enumerate(plan):
+        if op.op not in VALIDATED:
+            untested[seq] = f"{op.op.value} operations are not validated"
+            continue
+        if (first := _same_as(op, candidates)) is not None:
+            repeats[seq] = f"lesson validation: the same lesson as plan #{first.seq}, which is tried instead"
+            continue
+        alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen)
+        if results[0].status != OpStatus.APPLIED:
+            untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
+            continue
+        tried = alone if library.shown is None else alone.with_shown(
+            _shown_with(library.shown, alone, results[0].result_id))
+        candidates.append(_Candidate(seq, op, tried, trial_problems(op, problems, advantages, settings.problems,
+                                                                    f"{step}:{op.text}")))
+    return candidates, untested, repeats
+
+
+def _shown_with(shown: dict[str, list[str]], library: ExperienceLibrary, new_id: str | None) -> dict[str, list[str]]:
+    """Routed prompts (``library.injection: top_k``) keep what they were shown that is still live, plus the
+    candidate's lesson."""
+    live = {e.id for e in library}
+    return {pid: [i for i in ids if i in live] + ([new_id] if new_id and new_id not in ids else [])
+            for pid, ids in shown.items()}
+
+
+async def _attempts(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient,
+                    config: RunConfig, seeds: dict[str, int], seq: int) -> tuple[list[TrialSample], list[LLMCall]]:
+    settings = config.learning.lesson_validation
+    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
+    batch = await rollout(problems, library, domain, llm, group_size=settings.samples, temperature=temperature,
+                          seeds=seeds, agent=config.rollout.agent_settings())
+    rewards = await grade(problems, batch.rollouts, domain, make_judge(config, domain, STAGE))
+    return [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)], \
+        [c.model_copy(update={"stage": STAGE}) for c in batch.calls]
+
+
+def _sample(seq: int, rollout_: Rollout, reward: float | None, extracted: str | None, error: str | None,
+            seeds: dict[str, int]) -> TrialSample:
+    return TrialSample(seq=seq, problem_id=rollout_.problem_id, sample_idx=rollout_.sample_idx,
+                       seed=seeds[rollout_.problem_id] + rollout_.sample_idx, reward=reward, extracted=extracted,
+                       error=rollout_.error or error, final_text=rollout_.final_text,
+                       tokens_in=rollout_.tokens_in, tokens_out=rollout_.tokens_out)
+
+
+def judge_trial(candidate: _Candidate, without: list[TrialSample], with_: list[TrialSample],
+                settings: LessonValidation) -> LessonTrial:
+    """The verdict on one candidate from its paired attempts (kept or rejected; ties go against it)."""
+    before = {(s.problem_id, s.sample_idx): s.reward for s in without}
+    pairs = [(before[(s.problem_id, s.sample_idx)], s.reward) for s in with_
+             if s.reward is not None and before.get((s.problem_id, s.sample_idx)) is not None]
+    base = dict(seq=candidate.seq, operation=candidate.operation, problem_ids=[p.problem_id for p in candidate.problems],
+                samples=settings.samples, pairs=len(pairs))
+    if not pairs:
+        return LessonTrial(**base, verdict="rejected",
+                           reason="lesson validation: no attempt could be graded in both arms")
+    mean_without = sum(a for a, _ in pairs) / len(pairs)
+    mean_with = sum(b for _, b in pairs) / len(pairs)
+    gain = mean_with - mean_without
+    numbers = (f"reward {mean_without:.2f} -> {mean_with:.2f} ({gain:+.2f}) on {len(candidate.problems)} problems x "
+               f"{settings.samples} samples ({len(pairs)} pairs)")
+    kept = gain > settings.min_gain
+    reason = (f"validated: {numbers}" if kept else
+              f"lesson validation: {numbers}, not above learning.lesson_validation.min_gain={settings.min_gain:g}")
+    return LessonTrial(**base, mean_without=mean_without, mean_with=mean_with, gain=gain,
+                       verdict="kept" if kept else "rejected", reason=reason)
+
+
+def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
+    """Of the kept trials that share a source group, only the one with the largest gain stays kept (ties: the
+    first in the plan); the others become rejections naming it."""
+    best: dict[str, LessonTrial] = {}
+    for t in trials:
+        if t.verdict == "kept":
+            for group in t.operation.source_groups or [f"#{t.seq}"]:
+                if group not in best or t.gain > best[group].gain:  # type: ignore[operator]
+                    best[group] = t
+    out = []
+    for t in trials:
+        winners = {best[g].seq for g in t.operation.source_groups if g in best}
+        if t.verdict == "kept" and winners and winners != {t.seq}:
+            other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
+            t = t.model_copy(update={"verdict": "rejected", "reason": (
+                f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained more "
+                f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})")})
+        out.append(t)
+    return out
+
+
+async def validate_lessons(config: RunConfig, step: int, library: ExperienceLibrary, plan: list[Operation],
+                           problems: list[Problem], advantages: list[GroupAdvantage], domain: Domain,
+                           llm: LLMClient) -> Validated:
+    settings = config.learning.lesson_validation
+    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step)
+    trials = [LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why)
+              for seq, why in untested.items()]
+    trials += [LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why)
+               for seq, why in repeats.items()]
+    if not candidates:
+        trials.sort(key=lambda t: t.seq)
+        return Validated(*plan_after(trials), trials)
+    tried = list({p.problem_id: p for c in candidates for p in c.problems}.values())
+    seeds = trial_seeds(tried, step, config.seed)
+    with recording(active(), stage=STAGE, items=False):  # trials are redone whole by a retry of the stage
+        baseline = _attempts(tried, library, domain, llm, config, seeds, BASELINE)
+        arms = [_attempts(c.problems, c.library, domain, llm, config, seeds, c.seq) for c in candidates]
+        results = await asyncio.gather(baseline, *arms)
+    without, calls = results[0]
+    samples = list(without)
+    for candidate, (with_, arm_calls) in zip(candidates, results[1:]):
+        samples += with_
+        calls += arm_calls
+        mine = {p.problem_id for p in candidate.problems}
+        trials.append(judge_trial(candidate, [s for s in without if s.problem_id in mine], with_, settings))
+    trials = best_per_group(sorted(trials, key=lambda t: t.seq))
+    return Validated(*plan_after(trials), trials, samples, calls)
+
+
+def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
+    """The plan that goes on (kept operations carry their numbers in their rationale; untested ones as they
+    were) and the rejected operations with their reasons, from the stored trials (so a resumed step gets the
+    same)."""
+    plan, rejected = [], []
+    for t in sorted(trials, key=lambda t: t.seq):
+        if t.verdict == "rejected":
+            rejected.append((t.operation, t.reason))
+        elif t.verdict == "kept":
+            plan.append(t.operation.model_copy(update={"rationale": f"{t.operation.rationale} [{t.reason}]".strip()}))
+        else:
+            plan.append(t.operation)
+    return plan, rejected
+
+
+@stage_task(STAGE, run_name="validate-lessons-step{step}")
+async def validate_lessons_task(config: RunConfig, step: int, library: LibraryVersion, plan: list[Operation],
+                                problems: list[Problem], advantages: list[GroupAdvantage]) -> Validated:
+    return await validate_lessons(config, step, ExperienceLibrary.from_version(library), plan, problems,
+                                  advantages, get_domain(config.domain), shared_client(config))

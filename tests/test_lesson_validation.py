@@ -1,0 +1,171 @@
+"""Contrast extraction and lesson validation: a group's candidates are tried on their problems without and
+with them before anything is applied; helpful lessons are kept with their numbers, misleading ones rejected
+with theirs. The flow tests run the real training flow against the scripted world over HTTP."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from clgrpo.store import Store
+from clgrpo.testing.fake_openai import FakeOpenAIServer
+from flows.train import train
+from clgrpo.library import ExperienceLibrary
+from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
+from schemas.records import LessonTrial, Operation, OpKind, TrialSample
+from tasks.validate_lessons import _Candidate, best_per_group, judge_trial, plan_after
+from tests.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
+
+FAMILY_LESSONS = {f.lesson for f in FAMILIES}
+
+
+def contrast_learning(**validation) -> LearningConfig:
+    return LearningConfig(extract="contrast", candidates=2, summarize=False, consolidation="passthrough",
+                          summarize_chunk_size=4,
+                          lesson_validation=LessonValidation(enabled=True, samples=4, problems=2, **validation))
+
+
+def make_config(server: FakeOpenAIServer, dataset, tmp_path, run_id: str, learning: LearningConfig) -> RunConfig:
+    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
+                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10, seed=11)
+    return RunConfig(run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path=str(dataset), seed=1),
+                     policy=model, grpo=GRPOConfig(group_size=4, epochs=1, batch_size=16, rollout_chunk_size=8),
+                     learning=learning, concurrency=8, pipeline=False)
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_validation_keeps_the_helpful_candidates_and_rejects_the_misleading_ones(tmp_path):
+    dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")
+    world = ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.5)
+    with FakeOpenAIServer(world) as server:
+        cfg = make_config(server, dataset, tmp_path, "validated", contrast_learning())
+        result = await train(cfg)
+
+    assert world.stats.by_role["experience extractor (contrast)"] > 0
+    with Store(cfg.db_path, read_only=True) as store:
+        library = store.load_library("validated")
+        trials = store.records("lesson_trials", "validated", 1)
+        samples = store.records("trial_samples", "validated", 1)
+        operations = store.records("operations", "validated", 1)
+        proposals = store.records("proposals", "validated", 1, "group_advantage")
+        summaries = store.records("summaries", "validated", 1)
+        calls = store.query("SELECT stage, count(*) AS n FROM llm_calls WHERE run_id='validated' GROUP BY stage")
+        stages = set(store.query("SELECT stage FROM stage_runs WHERE run_id='validated' AND step=1")["stage"])
+        replies = store.query("SELECT reply FROM llm_calls WHERE run_id='validated' AND role='learner' AND ok")
+
+    # every candidate of every group was proposed, every reply kept with the attempts it compared
+    assert all(len(json.loads(p.raw_text)) == 2 for p in proposals if p.raw_text)
+    assert all("attempts" in entry and "reply" in entry for p in proposals if p.raw_text for entry in json.loads(p.raw_text))
+    assert len(replies) > 0 and replies["reply"].notna().all()  # and every learner reply is in its call's row
+    misleading = [t for t in trials if t.operation.text == MISLEADING_LESSON]
+    helpful = [t for t in trials if t.operation.text in FAMILY_LESSONS]
+    assert misleading and helpful
+    # the misleading lesson makes every attempt wrong: never kept, rejected with its numbers
+    assert all(t.verdict == "rejected" and t.gain is not None and t.gain <= 0 for t in misleading)
+    rejected = {r.operation.text: r.reason for r in operations if r.status.value == "rejected"}
+    assert rejected[MISLEADING_LESSON].startswith("lesson validation: reward ") and "->" in rejected[MISLEADING_LESSON]
+    # what was applied is the family lessons, each with its validation numbers, at most one per group
+    applied = [r for r in operations if r.status.value == "applied"]
+    assert applied and {r.operation.text for r in applied} <= FAMILY_LESSONS
+    assert all("[validated: reward " in r.operation.rationale for r in applied)
+    assert {e.text for e in library} == {r.operation.text for r in applied}
+    kept = [t for t in trials if t.verdict == "kept"]
+    groups = [g for t in kept for g in t.operation.source_groups]
+    assert len(groups) == len(set(groups)) and all(t.gain > 0 and t.mean_with > t.mean_without for t in kept)
+    # the attempts: a shared baseline (seq -1) and one arm per tried candidate, on the same seeds
+    tried = {t.seq for t in trials if t.verdict != "untested"}
+    assert {s.seq for s in samples} == tried | {-1}
+    baseline = {(s.problem_id, s.sample_idx): s.seed for s in samples if s.seq == -1}
+    assert all(baseline[(s.problem_id, s.sample_idx)] == s.seed for s in samples)
+    # summaries off: the stage ran and stored nothing; validation is a stage of its own, its calls counted
+    assert not summaries and {"summarize", "validate_lessons"} <= stages
+    by_stage = dict(zip(calls.stage, calls.n))
+    assert by_stage["validate_lessons"] > 0 and "summarize" not in by_stage
+    assert result.steps[0].operations_rejected >= len(misleading)
+
+
+def test_candidates_need_validation():
+    with pytest.raises(ValidationError, match="lesson_validation.enabled"):
+        LearningConfig(candidates=3)
+    assert LearningConfig(candidates=3, lesson_validation=LessonValidation(enabled=True)).candidates == 3
+
+
+def _samples(seq: int, rewards: list[float | None]) -> list[TrialSample]:
+    return [TrialSample(seq=seq, problem_id=f"p{i // 2}", sample_idx=i % 2, seed=100 + i, reward=r)
+            for i, r in enumerate(rewards)]
+
+
+def _candidate(seq: int, groups: list[str]) -> _Candidate:
+    op = Operation(op=OpKind.ADD, text=f"lesson {seq}", source_groups=groups)
+    return _Candidate(seq, op, None, [])  # type: ignore[arg-type]
+
+
+def test_the_verdict_is_paired_and_ties_go_against_the_lesson():
+    settings = LessonValidation(enabled=True, samples=2)
+    without = _samples(-1, [0.0, 1.0, 0.0, None])
+    better = judge_trial(_candidate(0, ["g"]), without, _samples(0, [1.0, 1.0, 0.0, 1.0]), settings)
+    assert (better.verdict, better.pairs, better.mean_without, better.mean_with) == ("kept", 3, 1 / 3, 2 / 3)
+    assert better.reason.startswith("validated: reward 0.33 -> 0.67 (+0.33)")
+    same = judge_trial(_candidate(1, ["g"]), without, _samples(1, [1.0, 0.0, 0.0, 1.0]), settings)
+    assert same.verdict == "rejected" and "not above learning.lesson_validation.min_gain=0" in same.reason
+    ungraded = judge_trial(_candidate(2, ["g"]), without, _samples(2, [None, None, None, None]), settings)
+    assert ungraded.verdict == "rejected" and "no attempt could be graded" in ungraded.reason
+
+
+def test_only_the_best_candidate_of_a_group_goes_on():
+    def trial(seq: int, groups: list[str], gain: float, verdict: str = "kept") -> LessonTrial:
+        op = Operation(op=OpKind.ADD, text=f"lesson {seq}", source_groups=groups)
+        return LessonTrial(seq=seq, operation=op, gain=gain, verdict=verdict, reason="validated: ...")
+
+    trials = best_per_group([trial(0, ["a"], 0.25), trial(1, ["a"], 0.5), trial(2, ["b"], 0.25),
+                             trial(3, ["b"], -0.25, "rejected"),
+                             LessonTrial(seq=4, operation=Operation(op=OpKind.DELETE, target_ids=["E0"]),
+                                         verdict="untested", reason="delete operations are not validated")])
+    assert [t.verdict for t in trials] == ["rejected", "kept", "kept", "rejected", "untested"]
+    assert "another candidate of group a gained more (plan #1: +0.50 against +0.25)" in trials[0].reason
+    plan, rejected = plan_after(trials)
+    assert [op.text for op in plan] == ["lesson 1", "lesson 2", None]
+    assert plan[0].rationale.endswith("[validated: ...]") and len(rejected) == 2
+
+
+def test_a_lesson_naming_its_problems_numbers_is_not_general():
+    from domains.learner import problem_numbers
+
+    problem = "The seats in a row are numbered 50 through 79. How many seats are in the row?"
+    assert problem_numbers("Subtract 50 from 79 and add 1.", problem) == ["50", "79"]
+    assert problem_numbers("Subtract the first seat number from the last and add 1.", problem) == []
+    assert problem_numbers("Use 5 and 7.", "Pick 5 of 7 cards.") == ["5", "7"]
+    assert problem_numbers("Add 1 to the difference.", "Count from 1 to 9.") == []
+
+
+async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_are_kept():
+    from clgrpo.llm import LLMClient
+    from domains.learner import LearnerPrompts
+    from schemas.records import Problem, Reward, Rollout, Turn
+    from tasks.group_advantage import Group, extract_group_advantage
+
+    general = "When both ends of a range count, subtract the first number from the last and add one."
+
+    def learner(request):
+        if request.messages[-1]["content"].startswith("A lesson drafted from the problem above"):
+            return [json.dumps({"lesson": general})]
+        return [json.dumps({"difference": "It added one.", "lesson": "Seats 50 through 79 make 79 - 50 + 1 seats."})]
+
+    problem = Problem(problem_id="p1", problem="The seats in a row are numbered 50 through 79. How many seats?",
+                      answer="30")
+    rollouts = [Rollout(problem_id="p1", sample_idx=i, prompt_hash="h", library_version=0,
+                        turns=[Turn(kind="assistant", content=f"79 - 50 {'+ 1 ' if i == 0 else ''}= \\boxed{{{a}}}")])
+                for i, a in enumerate((30, 29))]
+    rewards = [Reward(problem_id="p1", sample_idx=0, reward=1.0), Reward(problem_id="p1", sample_idx=1, reward=0.0)]
+    cfg = LearningConfig(extract="contrast", candidates=1, min_words=6, max_words=30)
+    with FakeOpenAIServer(learner) as server:
+        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
+        batch = await extract_group_advantage([Group(problem, rollouts, rewards)], [], ExperienceLibrary(),
+                                              LearnerPrompts(), client, cfg)
+        await client.aclose()
+    proposal = batch.proposals[0]
+    assert [op.text for op in proposal.operations] == [general]
+    assert "[rewritten as a general lesson: the draft copied from training problem p1]" in proposal.operations[0].rationale
+    record = json.loads(proposal.raw_text)[0]
+    assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.calls) == 2
