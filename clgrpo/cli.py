@@ -459,9 +459,9 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="offline demo: a real small model (Qwen2.5-Coder-0.5B) learns a lesson, then a "
                                        "held-out check with and without it, with CIs; no API key")
     demo.add_argument("--family", default="ranges", help="problem family (clgrpo data make --help; default ranges)")
-    demo.add_argument("--problems", type=int, default=12, help="training problems (default 12)")
+    demo.add_argument("--problems", type=int, default=10, help="training problems (default 10)")
     demo.add_argument("--heldout", type=int, default=20, help="held-out problems, never trained on (default 20)")
-    demo.add_argument("--k", type=int, default=4, help="samples per held-out problem and condition (default 4)")
+    demo.add_argument("--k", type=int, default=2, help="samples per held-out problem and condition (default 2)")
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per problem, G (default 4)")
     demo.add_argument("--steps", type=int, default=1, help="passes over the training problems (default 1)")
     demo.add_argument("--candidates", type=int, default=2, help="lesson candidates per group, chosen among by "

@@ -46,9 +46,9 @@ ENGINES = ("auto", "llama-server", "transformers")
 
 @dataclass
 class DemoOptions:
-    problems: int = 12  # training problems
+    problems: int = 10  # training problems
     heldout: int = 20  # held-out problems, none of them trained on
-    k: int = 4  # samples per held-out problem and condition
+    k: int = 2  # samples per held-out problem and condition (the benchmark uses more)
     group_size: int = 4
     steps: int = 1  # epochs over the training problems
     candidates: int = 2  # contrast candidates per group, chosen among by lesson validation

@@ -107,8 +107,9 @@ def generate(families: list[Family], per_family: int, prefix: str, seed: int) ->
                 continue
             seen.add(problem)
             made += 1
-            rows.append({"id": f"{prefix}-{family.__name__.replace('_', '-')}-{made}", "problem": problem,
-                         "answer": str(answer)})
+            topic = family.__name__.replace("_", "-")
+            rows.append({"id": f"{prefix}-{topic}-{made}", "problem": problem, "answer": str(answer),
+                         "topic": topic})
     return rows
 
 

@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import re
 import typing
 from pathlib import Path
 
@@ -44,3 +45,25 @@ def test_nightly_refresh_is_scheduled_and_never_overlaps():
     assert nightly["concurrency_limit"] == 1
     (schedule,) = nightly["schedules"]
     assert schedule["cron"] == "0 2 * * *" and schedule["timezone"] == nightly["parameters"]["config"]["timezone"]
+
+
+# a path in the README under one of the project's own folders, or one of its top-level files
+_README_PATH = re.compile(r"(?<![\w./~-])((?:data|configs|tests|benchmarks|deployments|flows|tasks|domains|schemas|clgrpo"
+                          r"|\.ci)/[\w.*/-]*[\w*]|prefect\.yaml|pyproject\.toml)")
+
+
+def readme_paths(text: str) -> set[str]:
+    return {m.group(1) for m in _README_PATH.finditer(text)}
+
+
+def test_every_path_the_readme_names_exists():
+    paths = readme_paths((ROOT / "README.md").read_text())
+    assert "data/train.jsonl" in paths and "benchmarks/learning.py" in paths  # the pattern finds paths at all
+    missing = sorted(p for p in paths if not list(ROOT.glob(p)))
+    assert not missing, f"README names files that do not exist: {missing}"
+
+
+def test_readme_path_finder_catches_a_missing_file():
+    assert readme_paths("run `clgrpo eval --dataset data/test.jsonl` (see data/README.md).") == {
+        "data/test.jsonl", "data/README.md"}
+    assert not list(ROOT.glob("data/test.jsonl"))
