@@ -13,7 +13,9 @@ Two protocols (``agent.protocol``):
   arguments}</tool>``. The first action is run; text after it is dropped (a model writing its own "output"
   must not be believed); the result comes back as a user message inside ``<tool_result>``.
 ``auto`` uses ``tools`` for OpenAI-compatible endpoints and ``text`` for the local engines; an endpoint that
-refuses ``tools`` switches this process to ``text`` for that model (the refused request is recorded).
+refuses ``tools``, or that accepts them but answers with the call written as JSON text and no ``tool_calls``
+(llama-cpp-python's server does), switches this process to ``text`` for that model and the rollout starts
+over (the refused or ignored request is recorded).
 
 A rollout whose model call failed after its retries, that ran past ``turn_timeout_s`` / ``rollout_timeout_s``,
 or whose tool could not work at all (``ToolFailure``) is a failed rollout (``error`` set, its turns kept): not
@@ -65,6 +67,35 @@ _TAG_RE = re.compile(r'<tool\s+name\s*=\s*"([^"]+)"\s*>(.*?)</tool>', re.DOTALL)
 
 # protocol "tools" refused by an endpoint: (model, base_url) pairs that use "text" from then on
 _NO_TOOL_CALLING: set[tuple[str, str | None]] = set()
+
+
+class ToolsIgnored(Exception):
+    """A ``tools`` request came back without ``tool_calls`` but with a tool call written as text: the endpoint
+    does not do tool calling (it only showed the model the tools)."""
+
+
+def tool_call_in_text(text: str, tool_names: set[str]) -> bool:
+    """Whether ``text`` holds a tool call written as JSON: ``{"name": TOOL, "arguments"|"parameters": ...}``,
+    possibly under ``function`` or ``tool_calls``, in a code fence or ``<tool_call>`` tags or bare."""
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"[{\[]", text)):
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if _names_a_tool(value, tool_names):
+            return True
+    return False
+
+
+def _names_a_tool(value: Any, tool_names: set[str]) -> bool:
+    if isinstance(value, list):
+        return any(_names_a_tool(v, tool_names) for v in value)
+    if not isinstance(value, dict):
+        return False
+    if value.get("name") in tool_names and ("arguments" in value or "parameters" in value):
+        return True
+    return any(_names_a_tool(value.get(key), tool_names) for key in ("function", "tool_calls", "tool_call"))
 
 
 @dataclass(frozen=True)
@@ -213,6 +244,8 @@ class AgentLoop:
 
     def _actions(self, text: str, tool_calls: list[ToolCall], turn: int) -> tuple[list[Action], str]:
         if self.protocol == "tools":
+            if not tool_calls and self.agent.protocol == "auto" and tool_call_in_text(text, set(self.tools)):
+                raise ToolsIgnored(text)
             return [_tool_calling_action(c) for c in tool_calls], text
         parsed = parse_text_action(text, self.tools, turn)
         return ([parsed[1]], parsed[0]) if parsed else ([], text)
@@ -264,6 +297,13 @@ class AgentLoop:
                        tool_time_s=round(self.tool_time_s, 6))
 
 
+def _without_tool_calling(llm: LLMClient) -> Protocol:
+    """Remember that the policy endpoint has no tool calling; the rollout starts over with the text protocol."""
+    cfg = llm.configs["policy"]
+    _NO_TOOL_CALLING.add((cfg.model, cfg.base_url))
+    return "text"
+
+
 async def agent_rollout(messages: list[Message], tools: list[Tool], llm: LLMClient, agent: AgentConfig, *,
                         base: dict[str, Any], temperature: float, seed: int | None) -> AgentOutcome:
     """One agent rollout of ``messages`` (the domain's rollout prompt). Never raises for a failed model call,
@@ -274,12 +314,14 @@ async def agent_rollout(messages: list[Message], tools: list[Tool], llm: LLMClie
         loop = AgentLoop(messages, tools, llm, agent, protocol=protocol, temperature=temperature, seed=seed)
         try:
             await asyncio.wait_for(loop.run(), agent.rollout_timeout_s)
+        except ToolsIgnored:
+            calls += loop.calls  # the reply that wrote its call as text stays recorded
+            protocol = _without_tool_calling(llm)
+            continue
         except LLMCallError as exc:
             calls += loop.calls
             if isinstance(exc.__cause__, ToolsRefused) and agent.protocol == "auto" and protocol == "tools":
-                cfg = llm.configs["policy"]
-                _NO_TOOL_CALLING.add((cfg.model, cfg.base_url))
-                protocol = "text"  # the endpoint has no tool calling: start over with the text protocol
+                protocol = _without_tool_calling(llm)
                 continue
             return AgentOutcome(loop.rollout(base, error=str(exc)), calls)
         except asyncio.TimeoutError:

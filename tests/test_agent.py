@@ -27,6 +27,7 @@ from tasks.agent import (
     agent_messages,
     agent_rollout,
     parse_text_action,
+    tool_call_in_text,
 )
 from tests.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 
@@ -182,6 +183,40 @@ async def test_an_endpoint_without_tool_calling_gets_the_text_protocol():
     assert len(refused) == 1 and "tool calling refused" in refused[0].error  # recorded, not hidden
     assert log[0].status == 400 and all(e.status == 200 for e in log[1:])
     assert all(c.ok for c in later.calls)  # remembered: no second refusal
+    _NO_TOOL_CALLING.clear()
+
+
+def test_a_tool_call_written_as_text_is_recognised():
+    names = {"python"}
+    assert tool_call_in_text('{"name": "python", "arguments": {"code": "print(1)"}}', names)
+    assert tool_call_in_text('I will compute.\n```json\n{"name": "python", "parameters": {"code": "x"}}\n```', names)
+    assert tool_call_in_text('<tool_call>\n{"function": {"name": "python", "arguments": "{}"}}\n</tool_call>', names)
+    assert tool_call_in_text('{"tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {}}}]}',
+                             names)
+    assert not tool_call_in_text('{"name": "search", "arguments": {}}', names)  # not one of the tools
+    assert not tool_call_in_text('The set {1, 2} has \\boxed{2} elements; {"name": "python"} alone is no call.', names)
+
+
+async def test_an_endpoint_that_writes_tool_calls_as_text_gets_the_text_protocol():
+    """llama-cpp-python's server: a ``tools`` request gets HTTP 200, no ``tool_calls``, the call as JSON text."""
+    _NO_TOOL_CALLING.clear()
+    world = always_tool_world()
+    offered: list[bool] = []  # per request: were tools offered
+
+    def responder(request: ChatRequest):
+        offered.append(bool(request.raw.get("tools")))
+        if offered[-1]:
+            return ['{"name": "python", "arguments": {"code": "print(47 * 23)"}}']
+        return world(request)
+
+    with FakeOpenAIServer(responder) as server:
+        outcome = await run_agent(server, AgentConfig(protocol="auto", max_turns=4))
+        later = await run_agent(server, AgentConfig(protocol="auto", max_turns=4))
+    assert outcome.rollout.error is None and f"\\boxed{{{47 * 23}}}" in outcome.rollout.final_text
+    assert outcome.rollout.tool_calls >= 1  # the text protocol ran the tool
+    assert outcome.calls[0].ok and outcome.calls[0].turn == 0 and len(outcome.calls) > outcome.rollout.n_turns
+    assert offered[0] and not any(offered[1:])  # one tools request, then text, remembered for the next rollout
+    assert len(later.calls) == later.rollout.n_turns
     _NO_TOOL_CALLING.clear()
 
 
