@@ -1,0 +1,497 @@
+"""Learning quality: does a real small model answer held-out problems better with the library it learned?
+
+For each task family (seeded generators, ``domains/math/synthetic.py``) and training seed, ``clgrpo train``
+learns a library on a small training set with a real model behind a real OpenAI-compatible server
+(llama.cpp's ``llama-server``, started and stopped here), then one ``clgrpo eval`` per family samples a
+held-out set (disjoint from every training set; the leakage guard refuses any overlap) under three kinds of
+condition with the same prompt apart from the library: no library; each seed's learned library; each seed's
+*placebo*, a library of the same number of lessons of about the same length, learned on another task (drawn
+from the released reference library, ``data/reference_library_math.json``, learned on competition math: a
+longer prompt or any advice must not pass for learning). Reported per family: Mean@k of every condition with
+95% bootstrap CIs, learned-minus-none and learned-minus-placebo with 95% paired-bootstrap CIs per seed and
+pooled over seeds, the baseline's parse rate, the tokens and wall time each training run cost (and tokens per
+point of gain), and every final lesson. Everything goes through the CLI as a user runs it; results land in
+``--out`` (DuckDB, configs, datasets, results.json) and, with ``--report``, in benchmarks/REPORT.md and
+benchmarks/plots/learning.png.
+
+Learners: ``same`` (the policy learns for itself: Qwen2.5-Coder-0.5B) and ``qwen2.5-coder-1.5b`` (a stronger
+learner for the same 0.5B policy, served by a second llama-server; a real configuration, e.g. an API learner
+for a local model, but not the same claim). Completed training runs and evaluations are read back, so an
+interrupted benchmark resumes where it stopped.
+
+    python benchmarks/learning.py --report                       # the full benchmark (hours on 2 cores)
+    python benchmarks/learning.py --families ranges --seeds 0 --heldout 12 --k 2    # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clgrpo import metrics  # noqa: E402
+from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
+from clgrpo.llama_server import LlamaServer, build_server, find_binary  # noqa: E402
+from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
+from clgrpo.store import Store  # noqa: E402
+from domains.math.synthetic import generate_family, write_rows  # noqa: E402
+
+POLICY = QWEN_05B
+LEARNERS = {"same": None, QWEN_15B.fetch_key: QWEN_15B}
+REPORT_BEGIN, REPORT_END = "<!-- learning:begin -->", "<!-- learning:end -->"
+HELDOUT_SEED = 1000
+
+
+@dataclass
+class Settings:
+    families: list[str]
+    seeds: list[int]
+    learners: list[str]
+    train: int
+    heldout: int
+    k: int
+    group_size: int
+    epochs: int
+    candidates: int
+    trial_samples: int
+    trial_problems: int
+    min_gain: float
+    eval_temperature: float
+    out: Path
+    cache_dir: str | None = None
+
+
+@dataclass
+class TrainRun:
+    family: str
+    learner: str
+    seed: int
+    run_id: str
+    seconds: float
+    tokens_policy: int = 0
+    tokens_learner: int = 0
+    tokens_validation: int = 0
+    lessons: list[str] = field(default_factory=list)
+    kept: int = 0
+    rejected_by_validation: int = 0
+    rejected_other: int = 0
+    heldout_in_training: int = -1  # held-out problems among the problems the run trained on (must be 0)
+    lessons_without_learner: int = -1  # applied lessons that no learner call proposed (hand-written: must be 0)
+
+
+def run_id(family: str, learner: str, seed: int) -> str:
+    return f"{family}-{'self' if learner == 'same' else 'l15'}-s{seed}"
+
+
+# --- data ------------------------------------------------------------------------------------------------
+def write_datasets(s: Settings) -> dict[str, dict]:
+    """Per family: a training file per seed and one held-out file disjoint from all of them (and their union,
+    for the leakage guard)."""
+    out = {}
+    for family in s.families:
+        folder = s.out / "data" / family
+        trains = {seed: generate_family(family, s.train, seed, ids=f"{family}-train{seed}") for seed in s.seeds}
+        seen = {r["problem"] for rows in trains.values() for r in rows}
+        heldout = generate_family(family, s.heldout, HELDOUT_SEED, exclude=seen, ids=f"{family}-heldout")
+        out[family] = {
+            "train": {seed: str(write_rows(folder / f"train-s{seed}.jsonl", rows)) for seed, rows in trains.items()},
+            "all_train": str(write_rows(folder / "train-all.jsonl", [r for rows in trains.values() for r in rows])),
+            "heldout": str(write_rows(folder / "heldout.jsonl", heldout)),
+        }
+    return out
+
+
+# --- configs ---------------------------------------------------------------------------------------------
+def model_section(alias: str, url: str, *, temperature: float, max_tokens: int) -> dict:
+    return {"model": alias, "base_url": url, "api_key_env": None, "temperature": temperature,
+            "max_tokens": max_tokens, "timeout_s": 1800, "supports_n": False, "json_schema": True}
+
+
+def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_url: str, learner_alias: str) -> dict:
+    return {
+        "db_path": str(s.out / "learning.duckdb"), "domain": "math", "seed": seed,
+        "dataset": {"path": dataset, "seed": seed},
+        "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400),
+        "learner": model_section(learner_alias, learner_url, temperature=0.8, max_tokens=300),
+        "grpo": {"group_size": s.group_size, "epochs": s.epochs, "batch_size": s.train, "rollout_chunk_size": s.train},
+        "learning": {"extract": "contrast", "candidates": s.candidates, "summarize": False,
+                     "consolidation": "passthrough", "min_words": 6, "max_words": 40,
+                     "summarize_chunk_size": s.train,
+                     "lesson_validation": {"enabled": True, "samples": s.trial_samples, "problems": s.trial_problems,
+                                           "min_gain": s.min_gain}},
+        "concurrency": 8, "pipeline": False,
+    }
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def clgrpo(*args: str, log: Path) -> float:
+    """Run the clgrpo CLI as a user would; its output goes to ``log``; returns the wall time."""
+    started = time.monotonic()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out:
+        out.write(f"\n$ clgrpo {' '.join(args)}\n")
+        out.flush()
+        done = subprocess.run([str(Path(sys.executable).with_name("clgrpo")), *args], stdout=out,
+                              stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"clgrpo {args[0]} failed (exit {done.returncode}); see {log}")
+    return time.monotonic() - started
+
+
+# --- training --------------------------------------------------------------------------------------------
+def train_family(s: Settings, family: str, data: dict, urls: dict[str, tuple[str, str]]) -> list[TrainRun]:
+    """Train (or read back) every seed of ``family`` for every learner."""
+    runs = []
+    timings_file = s.out / "train-seconds.json"
+    timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
+    for learner in s.learners:
+        learner_url, alias = urls[learner]
+        for seed in s.seeds:
+            rid = run_id(family, learner, seed)
+            if rid not in timings or not _completed(s, rid):
+                config = write_yaml(s.out / "configs" / f"{rid}.yaml",
+                                    train_config(s, data[family]["train"][seed], seed, urls["policy"][0],
+                                                 learner_url, alias))
+                print(f"training {rid} ...", flush=True)
+                timings[rid] = clgrpo("train", "--config", str(config), "--run-id", rid,
+                                      log=s.out / "logs" / f"{rid}.out")
+                timings_file.write_text(json.dumps(timings, indent=1))
+            runs.append(describe_run(s, TrainRun(family, learner, seed, rid, timings[rid]), data[family]["heldout"]))
+    return runs
+
+
+def _completed(s: Settings, rid: str) -> bool:
+    if not (s.out / "learning.duckdb").is_file():
+        return False
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        status = store.query("SELECT status FROM runs WHERE run_id = ?", [rid])
+    return len(status) == 1 and status["status"][0] == "completed"
+
+
+def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
+    """Costs, outcome counts and the provenance checks of one finished training run."""
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        tokens = store.query("SELECT stage, role, sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = ? "
+                             "GROUP BY stage, role", [run.run_id])
+        run.lessons = [e.text for e in store.load_library(run.run_id)]
+        ops = store.records("operations", run.run_id)
+        trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
+        first_library = store.load_library(run.run_id, 0)
+    held = {json.loads(line)["problem"] for line in Path(heldout).read_text().splitlines() if line.strip()}
+    run.heldout_in_training = len(held & trained_on)
+    proposed = [r for r in ops if r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge")]
+    run.lessons_without_learner = len(first_library) + sum(not r.operation.source_groups for r in proposed)
+    for stage, role, t in zip(tokens["stage"], tokens["role"], tokens["t"]):
+        if stage == "validate_lessons":
+            run.tokens_validation += int(t)
+        elif role == "learner":
+            run.tokens_learner += int(t)
+        else:
+            run.tokens_policy += int(t)
+    run.kept = sum(r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge") for r in ops)
+    run.rejected_by_validation = sum(r.status.value == "rejected" and r.reason.startswith("lesson validation")
+                                     for r in ops)
+    run.rejected_other = sum(r.status.value == "rejected" for r in ops) - run.rejected_by_validation
+    return run
+
+
+# --- placebos --------------------------------------------------------------------------------------------
+PLACEBO_POOL = ROOT / "data" / "reference_library_math.json"  # lessons learned on competition math (AIME-style)
+
+
+def placebo(learned: list[str], pool: list[str]) -> list[str]:
+    """As many lessons as ``learned`` from ``pool`` (lessons learned on another task), each the closest in
+    length to one of the learned lessons (no lesson used twice)."""
+    left, chosen = list(pool), []
+    for lesson in learned:
+        if not left:
+            break
+        best = min(left, key=lambda other: (abs(word_count(other) - word_count(lesson)), other))
+        left.remove(best)
+        chosen.append(best)
+    return chosen
+
+
+def placebo_files(s: Settings, runs: list[TrainRun]) -> dict[str, Path]:
+    """For each run, a library file of its placebo: as many lessons, of about the same lengths, drawn from the
+    released reference library (learned by the reference implementation on competition math, not on these
+    families). One fixed pool keeps each placebo independent of which other families ran."""
+    pool = [e.text for e in ExperienceLibrary.load(PLACEBO_POOL)]
+    files = {}
+    for run in runs:
+        library = ExperienceLibrary.from_mapping({f"E{i}": t for i, t in enumerate(placebo(run.lessons, pool))})
+        files[run.run_id] = library.dump(s.out / "placebo" / f"{run.run_id}.json")
+    return files
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], placebos: dict[str, Path],
+                    policy_url: str) -> dict[str, str]:
+    """One ``clgrpo eval`` per condition (each its own eval id, so an interrupted benchmark keeps the conditions
+    it finished): no library, then each run's learned library and its placebo. Returns condition -> eval id."""
+    config = write_yaml(s.out / "configs" / f"eval-{family}.yaml", {
+        "db_path": str(s.out / "learning.duckdb"), "domain": "math",
+        "dataset": {"path": data[family]["heldout"]},
+        "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400), "concurrency": 8})
+    conditions = {"none": "none"}
+    for run in runs:
+        conditions[run.run_id] = f"{run.run_id}:latest"
+        conditions[f"placebo-{run.run_id}"] = str(placebos[run.run_id])
+    eval_ids = {}
+    for label, ref in conditions.items():
+        eval_id = f"eval-{family}-{label}-n{s.heldout}-k{s.k}"
+        print(f"evaluating {family} / {label}: {s.heldout} problems x k={s.k} ...", flush=True)
+        clgrpo("eval", "--config", str(config), "--dataset", data[family]["heldout"], "--k", str(s.k),
+               "--temperature", str(s.eval_temperature), "--train-dataset", data[family]["all_train"],
+               "--refuse-on-leakage", "--eval-id", eval_id, "--library", ref, log=s.out / "logs" / f"{eval_id}.out")
+        eval_ids[label] = eval_id
+    return eval_ids
+
+
+def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.ndarray]:
+    """Condition -> (problems x k) rewards, problems in one order for every condition (paired comparisons)."""
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        frames = {label: store.query("SELECT problem_id, sample_idx, reward, extracted FROM eval_results "
+                                     "WHERE run_id = ?", [eval_id]) for label, eval_id in eval_ids.items()}
+    problems = sorted(frames["none"]["problem_id"].unique())
+    index = {p: i for i, p in enumerate(problems)}
+    out = {}
+    for label, frame in frames.items():
+        matrix = np.full((len(problems), s.k), np.nan)
+        for p, j, r in zip(frame["problem_id"], frame["sample_idx"], frame["reward"]):
+            matrix[index[p], j] = r
+        out[label] = matrix
+    out["__parsed__"] = np.array([frames["none"]["extracted"].notna().mean()])
+    return out
+
+
+def ci(values: np.ndarray, seed: int = 0) -> dict:
+    interval = metrics.bootstrap_ci(values, "mean_at_k", n_boot=4000, seed=seed)
+    return {"value": interval.value, "low": interval.low, "high": interval.high}
+
+
+def paired(baseline: np.ndarray, candidate: np.ndarray, seed: int = 0) -> dict:
+    interval = metrics.paired_difference(baseline, candidate, "mean_at_k", n_boot=4000, seed=seed)
+    return {"value": interval.value, "low": interval.low, "high": interval.high}
+
+
+def analyze_family(s: Settings, family: str, learner: str, eval_ids: dict[str, str], runs: list[TrainRun],
+                   placebos: dict[str, Path]) -> dict:
+    m = condition_matrices(s, eval_ids)
+    none = m["none"]
+    seeds = []
+    learned_all, placebo_all = [], []
+    for run in runs:
+        learned = m[run.run_id]
+        fake = m[f"placebo-{run.run_id}"]
+        learned_all.append(learned)
+        placebo_all.append(fake)
+        gain = paired(none, learned)
+        seeds.append({"seed": run.seed, "run_id": run.run_id, "learned": ci(learned), "placebo": ci(fake),
+                      "learned_minus_none": gain, "learned_minus_placebo": paired(fake, learned),
+                      "lessons": run.lessons, "placebo_lessons": _lessons(placebos[run.run_id]),
+                      "train_seconds": run.seconds, "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation,
+                      "tokens_by_part": {"rollouts": run.tokens_policy, "learner": run.tokens_learner,
+                                         "validation": run.tokens_validation},
+                      "kept": run.kept, "rejected_by_validation": run.rejected_by_validation,
+                      "rejected_other": run.rejected_other, "heldout_in_training": run.heldout_in_training,
+                      "lessons_without_learner": run.lessons_without_learner})
+    n = len(runs)
+    pooled_gain = paired(np.tile(none, (1, n)), np.hstack(learned_all))
+    pooled_vs_placebo = paired(np.hstack(placebo_all), np.hstack(learned_all))
+    tokens = sum(x["tokens"] for x in seeds)
+    points = 100 * pooled_gain["value"]
+    return {"family": family, "learner": learner, "eval_ids": eval_ids, "problems": int(none.shape[0]), "k": s.k,
+            "none": ci(none), "baseline_parsed": float(m["__parsed__"][0]), "seeds": seeds,
+            "pooled": {"learned": ci(np.hstack(learned_all)), "placebo": ci(np.hstack(placebo_all)),
+                       "learned_minus_none": pooled_gain, "learned_minus_placebo": pooled_vs_placebo},
+            "tokens_per_point": tokens / points if points > 0 else None,
+            "train_seconds": sum(x["train_seconds"] for x in seeds)}
+
+
+def _lessons(path: Path) -> list[str]:
+    return [e.text for e in ExperienceLibrary.load(path)]
+
+
+# --- report ----------------------------------------------------------------------------------------------
+def fmt(x: dict, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    return f"{x['value']:{sign}.3f} [{x['low']:{sign}.3f}, {x['high']:{sign}.3f}]"
+
+
+def markdown(results: list[dict], s: Settings, minutes: float, command: str) -> str:
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on this project's 2-core machine: policy {POLICY.name} "
+             f"(llama-server, 8 slots), {s.train} training problems per seed, G={s.group_size}, {s.epochs} epoch(s), "
+             f"{s.candidates} contrast candidates per group, lesson validation on {s.trial_problems} problems x "
+             f"{s.trial_samples} samples (min gain {s.min_gain:g}); held-out {s.heldout} problems x k={s.k} at "
+             f"temperature {s.eval_temperature:g}; seeds {', '.join(map(str, s.seeds))}; placebo lessons length-matched "
+             f"from {PLACEBO_POOL.relative_to(ROOT)}. Wall time {minutes:.0f} min. Command: `{command}`.", "",
+             "| family | learner | none | placebo (pooled) | learned (pooled) | learned - none | learned - placebo | "
+             "baseline parsed |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p = r["pooled"]
+        lines.append(f"| {r['family']} | {r['learner']} | {fmt(r['none'])} | {fmt(p['placebo'])} | {fmt(p['learned'])} "
+                     f"| {fmt(p['learned_minus_none'], True)} | {fmt(p['learned_minus_placebo'], True)} | "
+                     f"{r['baseline_parsed']:.0%} |")
+    lines += ["", "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):", "",
+              "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
+              "| training time | tokens (rollouts / learner / validation) |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for x in r["seeds"]:
+            t = x["tokens_by_part"]
+            lines.append(f"| {r['family']} | {r['learner']} | {x['seed']} | {x['kept']} / {x['rejected_by_validation']} "
+                         f"| {fmt(x['learned_minus_none'], True)} | {fmt(x['learned_minus_placebo'], True)} "
+                         f"| {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / {t['learner']:,} / "
+                         f"{t['validation']:,}) |")
+    checks = [x for r in results for x in r["seeds"]]
+    lines += ["", f"Provenance checks over {len(checks)} training runs: held-out problems among the problems "
+              f"trained on: {sum(x['heldout_in_training'] for x in checks)}; applied lessons that no learner call "
+              f"proposed (hand-written, or a non-empty starting library): "
+              f"{sum(x['lessons_without_learner'] for x in checks)}. The learner's prompts are built from the run's own "
+              "rollouts of its training problems; `clgrpo eval --refuse-on-leakage` refused any held-out problem "
+              "near-duplicating a training problem (none did)."]
+    lines += ["", "Tokens per point of pooled gain (learned - none, in percentage points): " + "; ".join(
+        f"{r['family']}/{r['learner']}: {r['tokens_per_point']:,.0f}" if r["tokens_per_point"] else
+        f"{r['family']}/{r['learner']}: no gain" for r in results), "", "Every final lesson:", ""]
+    for r in results:
+        for x in r["seeds"]:
+            shown = "; ".join(f'"{t}"' for t in x["lessons"]) or "(none kept)"
+            lines.append(f"- {r['family']} / {r['learner']} / seed {x['seed']}: {shown}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        labels, values, errors = ["none"], [r["none"]], []
+        for x in r["seeds"]:
+            labels += [f"placebo s{x['seed']}", f"learned s{x['seed']}"]
+            values += [x["placebo"], x["learned"]]
+        labels += ["placebo pooled", "learned pooled"]
+        values += [r["pooled"]["placebo"], r["pooled"]["learned"]]
+        means = [v["value"] for v in values]
+        errors = [[v["value"] - v["low"] for v in values], [v["high"] - v["value"] for v in values]]
+        colors = ["#888888"] + ["#d9a441" if "placebo" in label else "#3a7bd5" for label in labels[1:]]
+        ax.bar(range(len(values)), means, yerr=errors, color=colors, capsize=3)
+        ax.set_xticks(range(len(values)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{r['family']} (learner: {r['learner']})", fontsize=9)
+        ax.set_ylabel(f"held-out Mean@{r['k']} (95% CI)", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def update_report(section: str, report: Path) -> None:
+    text = report.read_text()
+    block = f"{REPORT_BEGIN}\n{section}\n{REPORT_END}"
+    if REPORT_BEGIN in text:
+        head, rest = text.split(REPORT_BEGIN, 1)
+        text = head + block + rest.split(REPORT_END, 1)[1]
+    else:
+        text += f"\n## Learning quality (benchmarks/learning.py)\n\n{block}\n"
+    report.write_text(text)
+
+
+# --- main ------------------------------------------------------------------------------------------------
+def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, str]]]:
+    if find_binary(s.cache_dir) is None:
+        build_server(s.cache_dir)
+    policy = LlamaServer(fetch_model(POLICY, s.cache_dir).gguf, POLICY.fetch_key, slots=8, cache=s.cache_dir,
+                         log_path=s.out / "logs" / "policy-server.log").start()
+    servers, urls = [policy], {"policy": (policy.base_url, POLICY.fetch_key), "same": (policy.base_url, POLICY.fetch_key)}
+    for key in s.learners:
+        model = LEARNERS[key]
+        if model is not None:
+            server = LlamaServer(fetch_model(model, s.cache_dir).gguf, model.fetch_key, slots=2, cache=s.cache_dir,
+                                 context_per_slot=8192, log_path=s.out / "logs" / f"{key}-server.log").start()
+            servers.append(server)
+            urls[key] = (server.base_url, model.fetch_key)
+    return servers, urls
+
+
+def parse(argv: Sequence[str] | None = None) -> Settings:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default="ranges,percent")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--learners", default="same", help=f"same and/or {QWEN_15B.fetch_key}")
+    ap.add_argument("--train", type=int, default=20, help="training problems per seed (<= 50)")
+    ap.add_argument("--heldout", type=int, default=24)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--candidates", type=int, default=2)
+    ap.add_argument("--trial-samples", type=int, default=3)
+    ap.add_argument("--trial-problems", type=int, default=2)
+    ap.add_argument("--min-gain", type=float, default=0.1)
+    ap.add_argument("--eval-temperature", type=float, default=0.3)
+    ap.add_argument("--out", default="runs/learning-benchmark")
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
+    a = ap.parse_args(argv)
+    if a.train > 50:
+        ap.error("--train: at most 50 training problems per seed")
+    return Settings(a.families.split(","), [int(x) for x in a.seeds.split(",")], a.learners.split(","), a.train,
+                    a.heldout, a.k, a.group_size, a.epochs, a.candidates, a.trial_samples, a.trial_problems,
+                    a.min_gain, a.eval_temperature, Path(a.out).resolve(), a.cache_dir), a.report
+
+
+def save_results(s: Settings, results: list[dict], minutes: float) -> None:
+    (s.out / "results.json").write_text(json.dumps({"settings": {**asdict(s), "out": str(s.out)},
+                                                    "results": results, "minutes": minutes}, indent=1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    s, report = parse(argv)
+    started = time.monotonic()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    data = write_datasets(s)
+    servers, urls = start_servers(s)
+    try:
+        results = []
+        for family in s.families:  # one evaluation per family: "none" is sampled once for every learner
+            mine = train_family(s, family, data, urls)
+            placebos = placebo_files(s, mine)
+            eval_ids = evaluate_family(s, family, data, mine, placebos, urls["policy"][0])
+            results += [analyze_family(s, family, learner, eval_ids, [r for r in mine if r.learner == learner],
+                                       placebos) for learner in s.learners]
+            save_results(s, results, (time.monotonic() - started) / 60)  # a family at a time: partial runs count
+    finally:
+        for server in servers:
+            server.stop()
+    minutes = (time.monotonic() - started) / 60
+    save_results(s, results, minutes)
+    command = "python benchmarks/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    section = markdown(results, s, minutes, command.strip())
+    print(section)
+    if report:
+        plot(results, ROOT / "benchmarks" / "plots" / "learning.png")
+        update_report(section + "\n\n![held-out Mean@k per condition](plots/learning.png)", ROOT / "benchmarks" / "REPORT.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
