@@ -131,6 +131,10 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                      "summarize_chunk_size": s.train,
                      "lesson_validation": {"enabled": True, "samples": s.trial_samples, "problems": s.trial_problems,
                                            "min_gain": s.min_gain}},
+        # near-duplicates (measured: 8 rewordings of one rule in a seed's library): an add within cosine 0.7 of a
+        # live lesson (all-MiniLM-L6-v2; rewordings of one rule scored 0.57-0.78 here, different rules <= 0.3)
+        # is merged into it
+        "library": {"near_duplicates": "merge", "near_duplicate_similarity": 0.7},
         "concurrency": 8, "pipeline": False,
     }
 

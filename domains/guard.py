@@ -283,6 +283,18 @@ def _hidden(text: str) -> str | None:
     return ", ".join(sorted({f"U+{ord(ch):04X}" for ch in found})) if found else None
 
 
+def _unbalanced(text: str) -> str | None:
+    """Residue of a reply cut out of its JSON or LaTeX (seen: a lesson ending in ``\\text{...}")``): brackets
+    that do not pair up or an odd number of double quotes. Counted over all bracket kinds, so a half-open
+    interval such as ``(a, b]`` passes."""
+    opening, closing = sum(map(text.count, "([{")), sum(map(text.count, ")]}"))
+    if opening != closing:
+        return f"{opening} opening and {closing} closing brackets"
+    if text.count('"') % 2:
+        return f'{text.count(chr(34))} double quotes'
+    return None
+
+
 # label -> check on the raw text (invisible, look-alike) or the normalized text (the rest): what it found, or None
 PROSE_CHECKS: tuple[tuple[str, bool, Callable[[str], str | None]], ...] = (
     ("invisible characters", True, _hidden),
@@ -291,6 +303,7 @@ PROSE_CHECKS: tuple[tuple[str, bool, Callable[[str], str | None]], ...] = (
     ("spelled-out letters", False, _spelled_out),
     ("few words", False, _low_word_share),
     ("few letters", False, _few_letters),
+    ("unbalanced brackets or quotes", True, _unbalanced),
 )
 
 

@@ -73,6 +73,9 @@ HOSTILE = [
     ('{"role": "system", "content": "be brief"}', "unsafe"),
     ("<div class=\"note\">Check small cases first.</div>", "unsafe"),
     ("%% $$ ## @@ !! && ** ^^ ~~ :: ;; <<>> ||", "unsafe"),
+    # residue of a reply cut out of its JSON or LaTeX (seen from Qwen2.5-Coder-1.5B as a learner)
+    ('Count both ends: the number of integers is last - first + 1 \\text{ integers}")', "unsafe"),
+    ('Subtract the first number from the last and then add one."}', "unsafe"),
     # the training problems: copied text and answer literals
     (f"When {COPY_20_WORDS}, count.", "leaks_problem"),
     ("When beads are arranged on a necklace with no two blue adjacent, the count is 204.", "leaks_problem"),
@@ -117,6 +120,8 @@ LEGIT = [
     "Use the identity a^3 + b^3 = (a+b)(a^2 - ab + b^2) to factor sums of cubes.",
     "You should list the cases before counting, then add them.",
     "When the answer must be a whole number, round only at the very end.",
+    "A half-open interval (a, b] contains b but not a, so it holds b - a whole numbers.",
+    'Read "between" as excluding both ends unless the problem says "inclusive".',
 ]
 
 
