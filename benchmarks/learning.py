@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clgrpo import metrics  # noqa: E402
+from clgrpo.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
 from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.llama_server import LlamaServer, build_server, find_binary  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
@@ -131,10 +132,8 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                      "summarize_chunk_size": s.train,
                      "lesson_validation": {"enabled": True, "samples": s.trial_samples, "problems": s.trial_problems,
                                            "min_gain": s.min_gain}},
-        # near-duplicates (measured: 8 rewordings of one rule in a seed's library): an add within cosine 0.7 of a
-        # live lesson (all-MiniLM-L6-v2; rewordings of one rule scored 0.57-0.78 here, different rules <= 0.3)
-        # is merged into it
-        "library": {"near_duplicates": "merge", "near_duplicate_similarity": 0.7},
+        # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
+        "library": {"near_duplicates": "merge", "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY},
         "concurrency": 8, "pipeline": False,
     }
 

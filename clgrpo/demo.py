@@ -35,6 +35,7 @@ from schemas.config import (
     GRPOConfig,
     LearningConfig,
     LessonValidation,
+    LibraryConfig,
     ModelConfig,
     RunConfig,
 )
@@ -42,6 +43,9 @@ from schemas.records import EvalComparison, EvalSummary, OperationResult, Propos
 
 Print = Callable[[str], None]
 ENGINES = ("auto", "llama-server", "transformers")
+# an added lesson within this cosine (all-MiniLM-L6-v2) of a live one is merged into it: rewordings of one rule
+# scored 0.57-0.78, different rules <= 0.3 (measured on ranges lessons); the benchmark uses the same
+NEAR_DUPLICATE_SIMILARITY = 0.7
 
 
 @dataclass
@@ -159,6 +163,7 @@ def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine
         learning=LearningConfig(min_words=6, max_words=40, extract="contrast", candidates=opts.candidates,
                                 summarize=False, consolidation="passthrough", summarize_chunk_size=opts.problems,
                                 lesson_validation=validation),
+        library=LibraryConfig(near_duplicates="merge", near_duplicate_similarity=NEAR_DUPLICATE_SIMILARITY),
         concurrency=8 if engine == "llama-server" else 64,
         pipeline=False,  # stage by stage: a stage's requests arrive together (batched by either engine)
         seed=opts.seed,

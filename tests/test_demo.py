@@ -55,7 +55,8 @@ def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
     assert cfg.policy.backend == cfg.learner.backend == "openai" and cfg.policy.base_url == "http://127.0.0.1:1/v1"
     assert cfg.learning.extract == "contrast" and cfg.learning.lesson_validation.enabled
     assert cfg.learning.lesson_pattern is None  # no grammar shapes the lessons
-    assert cfg.grpo.batch_size == 12 and cfg.policy.max_tokens > cfg.learner.max_tokens
+    assert cfg.grpo.batch_size == DemoOptions().problems and cfg.policy.max_tokens > cfg.learner.max_tokens
+    assert cfg.library.near_duplicates == "merge"  # rewordings of a kept lesson join it
     local = demo_config(DemoOptions(out=tmp_path, engine="transformers"), data, "demo-y")
     assert local.policy.backend == "transformers" and local.policy.model_path == "qwen2.5-coder-0.5b"
 
