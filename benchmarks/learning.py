@@ -285,6 +285,15 @@ def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.nd
     return out
 
 
+def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
+    """Wall time the evaluations spent sampling: first call's start to last call's end, per eval id, summed
+    (read from ``llm_calls``, so an evaluation read back by a resumed benchmark keeps its real cost)."""
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        spans = store.query("SELECT run_id, epoch(max(started_at + to_seconds(latency_s)) - min(started_at)) AS s "
+                            "FROM llm_calls WHERE list_contains(?, run_id) GROUP BY run_id", [list(eval_ids.values())])
+    return float(spans["s"].sum()) / 60
+
+
 def ci(values: np.ndarray, seed: int = 0) -> dict:
     interval = metrics.bootstrap_ci(values, "mean_at_k", n_boot=4000, seed=seed)
     return {"value": interval.value, "low": interval.low, "high": interval.high}
@@ -296,7 +305,7 @@ def paired(baseline: np.ndarray, candidate: np.ndarray, seed: int = 0) -> dict:
 
 
 def analyze_family(s: Settings, family: str, learner: str, eval_ids: dict[str, str], runs: list[TrainRun],
-                   placebos: dict[str, Path]) -> dict:
+                   placebos: dict[str, Path], command: str) -> dict:
     m = condition_matrices(s, eval_ids)
     none = m["none"]
     seeds = []
@@ -321,11 +330,14 @@ def analyze_family(s: Settings, family: str, learner: str, eval_ids: dict[str, s
     pooled_vs_placebo = paired(np.hstack(placebo_all), np.hstack(learned_all))
     tokens = sum(x["tokens"] for x in seeds)
     points = 100 * pooled_gain["value"]
-    return {"family": family, "learner": learner, "eval_ids": eval_ids, "problems": int(none.shape[0]), "k": s.k,
+    return {"family": family, "learner": learner, "command": command, "measured": time.strftime("%Y-%m-%d"),
+            "settings": {k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners")},
+            "eval_ids": eval_ids, "problems": int(none.shape[0]), "k": s.k,
             "none": ci(none), "baseline_parsed": float(m["__parsed__"][0]), "seeds": seeds,
             "pooled": {"learned": ci(np.hstack(learned_all)), "placebo": ci(np.hstack(placebo_all)),
                        "learned_minus_none": pooled_gain, "learned_minus_placebo": pooled_vs_placebo},
             "tokens_per_point": tokens / points if points > 0 else None,
+            "eval_minutes": sampling_minutes(s, eval_ids),
             "train_seconds": sum(x["train_seconds"] for x in seeds)}
 
 
@@ -339,20 +351,28 @@ def fmt(x: dict, signed: bool = False) -> str:
     return f"{x['value']:{sign}.3f} [{x['low']:{sign}.3f}, {x['high']:{sign}.3f}]"
 
 
-def markdown(results: list[dict], s: Settings, minutes: float, command: str) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on this project's 2-core machine: policy {POLICY.name} "
-             f"(llama-server, 8 slots), {s.train} training problems per seed, G={s.group_size}, {s.epochs} epoch(s), "
-             f"{s.candidates} contrast candidates per group, lesson validation on {s.trial_problems} problems x "
-             f"{s.trial_samples} samples (min gain {s.min_gain:g}); held-out {s.heldout} problems x k={s.k} at "
-             f"temperature {s.eval_temperature:g}; seeds {', '.join(map(str, s.seeds))}; placebo lessons length-matched "
-             f"from {PLACEBO_POOL.relative_to(ROOT)}. Wall time {minutes:.0f} min. Command: `{command}`.", "",
-             "| family | learner | none | placebo (pooled) | learned (pooled) | learned - none | learned - placebo | "
-             "baseline parsed |", "|---|---|---|---|---|---|---|---|"]
+def markdown(results: list[dict]) -> str:
+    """The report section for every (family, learner) result in ``results`` (one or several invocations)."""
+    first = results[0]["settings"]
+    lines = [f"Measured on this project's 2-core machine (no GPU): policy {POLICY.name} (llama-server, 8 slots), "
+             f"G={first['group_size']}, {first['epochs']} epoch(s), {first['candidates']} contrast candidates per group, "
+             f"lesson validation on {first['trial_problems']} problems x {first['trial_samples']} samples (min gain "
+             f"{first['min_gain']:g}); held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
+             f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}. Mean@k with 95% bootstrap CIs; "
+             "differences with 95% paired-bootstrap CIs over held-out problems, pooled over the seeds.", "",
+             "| family | learner | seeds | train / held-out x k | none | placebo (pooled) | learned (pooled) "
+             "| learned - none | learned - placebo | baseline parsed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        p = r["pooled"]
-        lines.append(f"| {r['family']} | {r['learner']} | {fmt(r['none'])} | {fmt(p['placebo'])} | {fmt(p['learned'])} "
-                     f"| {fmt(p['learned_minus_none'], True)} | {fmt(p['learned_minus_placebo'], True)} | "
-                     f"{r['baseline_parsed']:.0%} |")
+        p, cfg = r["pooled"], r["settings"]
+        lines.append(f"| {r['family']} | {r['learner']} | {', '.join(map(str, cfg['seeds']))} "
+                     f"| {cfg['train']} / {r['problems']} x {r['k']} | {fmt(r['none'])} | {fmt(p['placebo'])} "
+                     f"| {fmt(p['learned'])} | {fmt(p['learned_minus_none'], True)} "
+                     f"| {fmt(p['learned_minus_placebo'], True)} | {r['baseline_parsed']:.0%} |")
+    lines += ["", "Commands (each resumes from its `--out` folder) and what the result cost in wall time:", ""]
+    lines += [f"- {r['family']} / {r['learner']}, measured {r['measured']}: `{r['command']}`; training "
+              f"{r['train_seconds'] / 60:.0f} min over {len(r['seeds'])} seeds, evaluation {r['eval_minutes']:.0f} min "
+              f"of sampling over {len(r['eval_ids'])} conditions (the \"none\" condition is shared by every learner "
+              "of a family)" for r in results]
     lines += ["", "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):", "",
               "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
               "| training time | tokens (rollouts / learner / validation) |", "|---|---|---|---|---|---|---|---|"]
@@ -461,9 +481,17 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
                     a.min_gain, a.eval_temperature, Path(a.out).resolve(), a.cache_dir), a.report
 
 
-def save_results(s: Settings, results: list[dict], minutes: float) -> None:
-    (s.out / "results.json").write_text(json.dumps({"settings": {**asdict(s), "out": str(s.out)},
-                                                    "results": results, "minutes": minutes}, indent=1))
+def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]:
+    """Merge this invocation's results into ``results.json`` (a (family, learner) measured again replaces the
+    earlier one), so later invocations, e.g. another family or learner, extend one report. Returns them all."""
+    path = s.out / "results.json"
+    earlier = json.loads(path.read_text())["results"] if path.is_file() else []
+    for r in results:
+        r["command_minutes"] = minutes
+    mine = {(r["family"], r["learner"]) for r in results}
+    merged = [r for r in earlier if (r["family"], r["learner"]) not in mine and "settings" in r] + results
+    path.write_text(json.dumps({"results": merged}, indent=1))
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -471,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    command = "python benchmarks/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data = write_datasets(s)
     servers, urls = start_servers(s)
     try:
@@ -480,18 +509,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             placebos = placebo_files(s, mine)
             eval_ids = evaluate_family(s, family, data, mine, placebos, urls["policy"][0])
             results += [analyze_family(s, family, learner, eval_ids, [r for r in mine if r.learner == learner],
-                                       placebos) for learner in s.learners]
+                                       placebos, command.strip()) for learner in s.learners]
             save_results(s, results, (time.monotonic() - started) / 60)  # a family at a time: partial runs count
     finally:
         for server in servers:
             server.stop()
-    minutes = (time.monotonic() - started) / 60
-    save_results(s, results, minutes)
-    command = "python benchmarks/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    section = markdown(results, s, minutes, command.strip())
+    every = save_results(s, results, (time.monotonic() - started) / 60)
+    section = markdown(every)
     print(section)
     if report:
-        plot(results, ROOT / "benchmarks" / "plots" / "learning.png")
+        plot(every, ROOT / "benchmarks" / "plots" / "learning.png")
         update_report(section + "\n\n![held-out Mean@k per condition](plots/learning.png)", ROOT / "benchmarks" / "REPORT.md")
     return 0
 
