@@ -17,7 +17,8 @@ benchmarks/plots/learning.png.
 Learners: ``same`` (the policy learns for itself: Qwen2.5-Coder-0.5B) and ``qwen2.5-coder-1.5b`` (a stronger
 learner for the same 0.5B policy, served by a second llama-server; a real configuration, e.g. an API learner
 for a local model, but not the same claim). Completed training runs and evaluations are read back, so an
-interrupted benchmark resumes where it stopped.
+interrupted benchmark resumes where it stopped; ``results.json`` in ``--out`` keeps every (family, learner)
+measured there, so separate invocations (another family, another learner) add up to one report.
 
     python benchmarks/learning.py --report                       # the full benchmark (hours on 2 cores)
     python benchmarks/learning.py --families ranges --seeds 0 --heldout 12 --k 2    # a small smoke run
