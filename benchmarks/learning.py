@@ -181,10 +181,13 @@ def train_family(s: Settings, family: str, data: dict, urls: dict[str, tuple[str
     return runs
 
 
-def _completed(s: Settings, rid: str) -> bool:
+def _completed(s: Settings, rid: str, table: str = "runs") -> bool:
+    """A training run (``runs``) or an evaluation (``stage_runs``: its one stage) finished and stored."""
     if not (s.out / "learning.duckdb").is_file():
         return False
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        if table == "stage_runs":
+            return bool(len(store.query("SELECT 1 FROM stage_runs WHERE run_id = ?", [rid])))
         status = store.query("SELECT status FROM runs WHERE run_id = ?", [rid])
     return len(status) == 1 and status["status"][0] == "completed"
 
@@ -249,7 +252,9 @@ def placebo_files(s: Settings, runs: list[TrainRun]) -> dict[str, Path]:
 def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], placebos: dict[str, Path],
                     policy_url: str) -> dict[str, str]:
     """One ``clgrpo eval`` per condition (each its own eval id, so an interrupted benchmark keeps the conditions
-    it finished): no library, then each run's learned library and its placebo. Returns condition -> eval id."""
+    it finished): no library, then each run's learned library and its placebo. An id already stored in ``--out``
+    is read from there (ids name the family, condition, problems and k: other settings need another ``--out``).
+    Returns condition -> eval id."""
     config = write_yaml(s.out / "configs" / f"eval-{family}.yaml", {
         "db_path": str(s.out / "learning.duckdb"), "domain": "math",
         "dataset": {"path": data[family]["heldout"]},
@@ -261,11 +266,13 @@ def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], 
     eval_ids = {}
     for label, ref in conditions.items():
         eval_id = f"eval-{family}-{label}-n{s.heldout}-k{s.k}"
+        eval_ids[label] = eval_id
+        if _completed(s, eval_id, table="stage_runs"):
+            continue  # stored by an earlier invocation
         print(f"evaluating {family} / {label}: {s.heldout} problems x k={s.k} ...", flush=True)
         clgrpo("eval", "--config", str(config), "--dataset", data[family]["heldout"], "--k", str(s.k),
                "--temperature", str(s.eval_temperature), "--train-dataset", data[family]["all_train"],
                "--refuse-on-leakage", "--eval-id", eval_id, "--library", ref, log=s.out / "logs" / f"{eval_id}.out")
-        eval_ids[label] = eval_id
     return eval_ids
 
 

@@ -397,7 +397,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = DemoOptions(problems=args.problems, heldout=args.heldout, k=args.k, group_size=args.group_size,
                        steps=args.steps, candidates=args.candidates, family=args.family, out=out,
                        run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
-                       engine=args.engine, verbose=args.verbose)
+                       engine=args.engine, learner=args.learner, verbose=args.verbose)
     remember_db(out / "clgrpo.duckdb")
     with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo"):
         result = run_demo(opts)
@@ -469,6 +469,9 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--engine", choices=["auto", "llama-server", "transformers"], default="auto",
                       help="llama-server (built once from PyPI sources: cmake and a C++ compiler) or the in-process "
                            "transformers backend (slower); auto: llama-server when it can be built")
+    demo.add_argument("--learner", choices=["qwen2.5-coder-1.5b", "same"], default="qwen2.5-coder-1.5b",
+                      help="who writes the lessons: Qwen2.5-Coder-1.5B on a second llama-server (default; fetched "
+                           "once, 1.1 GB) or the 0.5B policy itself (same; always so with --engine transformers)")
     demo.add_argument("--out", default="runs/demo", help="where the DuckDB file, datasets and library go")
     demo.add_argument("--run-id", help="resume or name a run (default: a fresh demo-<time> id)")
     demo.add_argument("--cache-dir", help="model cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from clgrpo.llm.local import BatchReport
-from clgrpo.models import CACHE_ENV, QWEN_05B, EmbeddedModel, fetch_model
+from clgrpo.models import CACHE_ENV, MODELS, QWEN_05B, QWEN_15B, EmbeddedModel, fetch_model
 from domains.math.synthetic import FAMILIES, generate_family, write_rows
 from schemas.config import (
     DatasetConfig,
@@ -43,6 +43,8 @@ from schemas.records import EvalComparison, EvalSummary, OperationResult, Propos
 
 Print = Callable[[str], None]
 ENGINES = ("auto", "llama-server", "transformers")
+SAME = "same"  # the learner option for "the policy writes its own lessons"
+LEARNERS = (QWEN_15B.fetch_key, SAME)
 # an added lesson within this cosine (all-MiniLM-L6-v2) of a live one is merged into it: rewordings of one rule
 # scored 0.57-0.78, different rules <= 0.3 (measured on ranges lessons); the benchmark uses the same
 NEAR_DUPLICATE_SIMILARITY = 0.7
@@ -66,6 +68,10 @@ class DemoOptions:
     learner_tokens: int = 256
     model_path: str | None = None  # transformers engine: a model folder (default: the converted Qwen 0.5B)
     model_name: str = QWEN_05B.fetch_key
+    # who writes the lessons: Qwen2.5-Coder-1.5B on its own llama-server (the configuration the benchmark
+    # measured to help: the 0.5B's own candidates were too long or restated the problem), or "same" (the
+    # policy learns for itself; always so with the transformers engine)
+    learner: str = QWEN_15B.fetch_key
     verbose: bool = False  # show Prefect's own console logs too
 
 
@@ -84,6 +90,7 @@ class DemoResult:
     failed_proposals: list[tuple[int, Proposal]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     datasets: dict[str, str] = field(default_factory=dict)
+    learner: str = SAME  # who wrote the lessons
 
 
 def say(line: str) -> None:
@@ -138,26 +145,34 @@ def write_datasets(opts: DemoOptions) -> dict[str, str]:
 
 
 def model_config(opts: DemoOptions, engine: str, base_url: str | None, *, temperature: float,
-                 max_tokens: int) -> ModelConfig:
+                 max_tokens: int, name: str | None = None) -> ModelConfig:
     if engine == "llama-server":
-        return ModelConfig(backend="openai", model=opts.model_name, base_url=base_url, api_key_env=None,
+        return ModelConfig(backend="openai", model=name or opts.model_name, base_url=base_url, api_key_env=None,
                            temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=2,
                            supports_n=False)
     return ModelConfig(backend="transformers", model=opts.model_name, model_path=opts.model_path or opts.model_name,
                        api_key_env=None, temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=1)
 
 
+def learner_of(opts: DemoOptions, engine: str) -> str:
+    """The learner model's key, or ``SAME``: only llama-server serves a second model here."""
+    return opts.learner if engine == "llama-server" else SAME
+
+
 def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine: str = "transformers",
-                base_url: str | None = None) -> RunConfig:
-    """The demo's run: the model is policy and learner; contrast candidates, lesson validation, no summaries
-    (the learner reads the attempts themselves), the group proposals applied without a consolidation call."""
+                base_url: str | None = None, learner_url: str | None = None) -> RunConfig:
+    """The demo's run: contrast candidates, lesson validation, no summaries (the learner reads the attempts
+    themselves), the group proposals applied without a consolidation call. The learner is the policy itself or,
+    with ``learner_url``, the model ``opts.learner`` served there."""
+    learner = learner_of(opts, engine)
     validation = LessonValidation(enabled=True, samples=3, problems=2, min_gain=0.0)
     return RunConfig(
         run_id=run_id,
         db_path=str(opts.out / "clgrpo.duckdb"),
         dataset=DatasetConfig(path=datasets["train"], seed=opts.seed),
         policy=model_config(opts, engine, base_url, temperature=0.7, max_tokens=opts.rollout_tokens),
-        learner=model_config(opts, engine, base_url, temperature=0.8, max_tokens=opts.learner_tokens),
+        learner=model_config(opts, engine, learner_url or base_url, temperature=0.8, max_tokens=opts.learner_tokens,
+                             name=None if learner == SAME else learner),
         grpo=GRPOConfig(group_size=opts.group_size, epochs=opts.steps, batch_size=opts.problems,
                         rollout_temperature=0.7, rollout_chunk_size=opts.problems),
         learning=LearningConfig(min_words=6, max_words=40, extract="contrast", candidates=opts.candidates,
@@ -183,17 +198,20 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     if opts.cache_dir:
         os.environ[CACHE_ENV] = str(Path(opts.cache_dir).expanduser().resolve())
     engine = pick_engine(opts)
-    out(f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size}, "
-        f"then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned "
+    learner = learner_of(opts, engine)
+    writer = "its own lessons" if learner == SAME else f"lessons written by {learner} from its attempts"
+    out(f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size} "
+        f"({writer}), then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned "
         f"(engine: {engine})")
     datasets = write_datasets(opts)
     out(f"  datasets: {datasets['train']} (training), {datasets['heldout']} (held out, disjoint)")
-    server = _start_engine(opts, engine, out, seconds)
+    servers = _start_engine(opts, engine, out, seconds)
     try:
-        config = demo_config(opts, datasets, run_id, engine, server.base_url if server else None)
+        urls = [server.base_url for server in servers] + [None, None]
+        config = demo_config(opts, datasets, run_id, engine, urls[0], urls[1])
         result, evaluation = _run_flows(opts, config, datasets, out, started, seconds)
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
     seconds["total"] = time.monotonic() - started
     library, operations, failed = _outcome(result.db_path, result.run_id)
@@ -201,34 +219,51 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     return DemoResult(run_id=result.run_id, model=opts.model_name, engine=engine, db_path=result.db_path,
                       export_dir=result.export_dir, steps=result.steps, library=library,
                       evaluation=evaluation.summaries, comparison=comparison, operations=operations,
-                      failed_proposals=failed, seconds=seconds, datasets=datasets)
+                      failed_proposals=failed, seconds=seconds, datasets=datasets, learner=learner)
 
 
-def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str, float]) -> Any:
-    """Fetch the model; with llama-server, build it if needed and start it (returned, to be stopped)."""
+def _fetch(opts: DemoOptions, model: EmbeddedModel, convert: bool, out: Print, seconds: dict[str, float]) -> Path:
     t0 = time.monotonic()
-    model: EmbeddedModel = QWEN_05B
-    report = fetch_model(model, opts.cache_dir, log=lambda m: out(f"  model: {m}"),
-                         convert=engine == "transformers" and opts.model_path is None)
-    seconds["fetch"] = time.monotonic() - t0
+    report = fetch_model(model, opts.cache_dir, log=lambda m: out(f"  model: {m}"), convert=convert)
+    seconds["fetch"] = seconds.get("fetch", 0.0) + time.monotonic() - t0
     how = "already cached" if report.source == "cache" else f"fetched from {report.source}"
-    out(f"  model: {model.name} ({how}, {seconds['fetch']:.0f} s)")
+    out(f"  model: {model.name} ({how}, {time.monotonic() - t0:.0f} s)")
+    return report.gguf
+
+
+def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str, float]) -> list[Any]:
+    """Fetch the model(s); with llama-server, build it if needed and start one server for the policy and, for
+    another learner, one for it (returned, policy first, to be stopped)."""
+    gguf = _fetch(opts, QWEN_05B, engine == "transformers" and opts.model_path is None, out, seconds)
     if engine != "llama-server":
-        return None
+        return []
     from clgrpo.llama_server import LlamaServer, build_server, find_binary
 
+    learner = learner_of(opts, engine)
+    learner_gguf = None if learner == SAME else _fetch(opts, MODELS[learner], False, out, seconds)
     if find_binary(opts.cache_dir) is None:
         t0 = time.monotonic()
         build_server(opts.cache_dir, log=lambda m: out(f"  engine: {m}"))
         seconds["build"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    server = LlamaServer(report.gguf, opts.model_name, slots=8, cache=opts.cache_dir,
-                         log_path=opts.out / "logs" / "llama-server.log")
     opts.out.joinpath("logs").mkdir(parents=True, exist_ok=True)
-    server.start()
+    t0 = time.monotonic()
+    servers = [LlamaServer(gguf, opts.model_name, slots=8, cache=opts.cache_dir,
+                           log_path=opts.out / "logs" / "llama-server.log")]
+    if learner_gguf is not None:  # two slots: the learner's prompts are long, its calls few
+        servers.append(LlamaServer(learner_gguf, learner, slots=2, cache=opts.cache_dir, context_per_slot=8192,
+                                   log_path=opts.out / "logs" / "llama-server-learner.log"))
+    try:
+        for server in servers:
+            server.start()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
     seconds["serve"] = time.monotonic() - t0
-    out(f"  engine: llama-server at {server.base_url} (8 slots, started in {seconds['serve']:.1f} s)")
-    return server
+    out(f"  engine: llama-server at {servers[0].base_url} (policy, 8 slots)"
+        + (f", {servers[1].base_url} (learner, 2 slots)" if len(servers) > 1 else "")
+        + f"; started in {seconds['serve']:.1f} s")
+    return servers
 
 
 def _run_flows(opts: DemoOptions, config: RunConfig, datasets: dict[str, str], out: Print, started: float,
@@ -311,7 +346,8 @@ def verdict(comparison: EvalComparison | None) -> str:
 def summary(result: DemoResult) -> str:
     s = result.seconds
     lines = [f"\n== demo finished in {s.get('total', 0):.0f} s (training {s.get('train', 0):.0f} s, held-out "
-             f"evaluation {s.get('evaluate', 0):.0f} s; engine {result.engine}) =="]
+             f"evaluation {s.get('evaluate', 0):.0f} s; engine {result.engine}; lessons written by "
+             f"{result.model if result.learner == SAME else result.learner}) =="]
     lines += _operations_section(result)
     lines.append(f"learned library ({len(result.library)} lessons):")
     lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]

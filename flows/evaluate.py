@@ -130,11 +130,20 @@ def guard_leakage(train: list[Problem], problems: list[Problem], evaluation: Eva
     return report
 
 
+# how the policy is reached, not what it answers: a server restarted on another port, a longer timeout or
+# another key still gives the same evaluation (a resumed benchmark's llama-server gets a new port)
+TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_s", "max_retries",
+                    "max_rate_limit_wait_s", "retry_base_delay_s", "retry_max_delay_s", "price", "cpu_threads",
+                    "max_batch_rows"}
+
+
 def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
-                     problems: list[Problem]) -> str:
-    """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems."""
+                     problems: list[Problem], *, legacy: bool = False) -> str:
+    """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
+    ``legacy``: as stored before the transport fields were left out (read back, never written)."""
     payload = {
-        "policy": config.policy.model_dump(mode="json"), "domain": config.domain,
+        "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
+        "domain": config.domain,
         "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
                                                                   "refuse_on_leakage", "every_n_steps"}),
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
@@ -284,11 +293,11 @@ def _training_problems(store: Store, config: RunConfig, conditions: list[Conditi
     return None
 
 
-def _read_back(store: Store, eval_id: str, fingerprint: str) -> Outputs | None:
+def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | None:
     if not store.stage_done(eval_id, 0, EVALUATE_STAGE):
         return None
     outputs = {t: store.records(t, eval_id, 0, EVALUATE_STAGE) for t in EVAL_TABLES}
-    if any(s.fingerprint != fingerprint for s in outputs["evaluations"]):
+    if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
         raise EvaluationError(f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
                               "dataset, model or settings) in this database: choose another eval id")
     return outputs
@@ -318,7 +327,8 @@ async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[st
         eval_id = eval_id or f"eval-{fingerprint}"
         if not _ID_RE.match(eval_id) or store.is_run(eval_id):
             raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
-        outputs = _read_back(store, eval_id, fingerprint)
+        outputs = _read_back(store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions, problems,
+                                                                           legacy=True)})
         reused = outputs is not None
         if outputs is None:
             outputs = await _evaluate_recorded(store, config, evaluation, problems, conditions, eval_id=eval_id,

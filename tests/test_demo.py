@@ -29,6 +29,7 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
                        model_name="tiny", verbose=True)
     result = run_demo(opts)
     assert [s.step for s in result.steps] == [1] and result.engine == "transformers"
+    assert result.learner == "same"  # one in-process model: it writes its own lessons
     assert result.seconds["train"] > 0 and result.seconds["evaluate"] > 0
     with Store(result.db_path, read_only=True) as store:
         calls = store.query("SELECT stage, model FROM llm_calls WHERE run_id='demo-test'")
@@ -51,8 +52,15 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
 
 def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
     data = {"train": str(tmp_path / "t.jsonl"), "heldout": str(tmp_path / "h.jsonl")}
-    cfg = demo_config(DemoOptions(out=tmp_path), data, "demo-x", "llama-server", "http://127.0.0.1:1/v1")
+    cfg = demo_config(DemoOptions(out=tmp_path), data, "demo-x", "llama-server", "http://127.0.0.1:1/v1",
+                      "http://127.0.0.1:2/v1")
     assert cfg.policy.backend == cfg.learner.backend == "openai" and cfg.policy.base_url == "http://127.0.0.1:1/v1"
+    # by default the 1.5B writes the lessons on its own server; "same": the policy learns for itself
+    assert (cfg.learner.model, cfg.learner.base_url) == ("qwen2.5-coder-1.5b", "http://127.0.0.1:2/v1")
+    assert cfg.policy.model == "qwen2.5-coder-0.5b"
+    same = demo_config(DemoOptions(out=tmp_path, learner="same"), data, "demo-s", "llama-server",
+                       "http://127.0.0.1:1/v1")
+    assert (same.learner.model, same.learner.base_url) == ("qwen2.5-coder-0.5b", "http://127.0.0.1:1/v1")
     assert cfg.learning.extract == "contrast" and cfg.learning.lesson_validation.enabled
     assert cfg.learning.lesson_pattern is None  # no grammar shapes the lessons
     assert cfg.grpo.batch_size == DemoOptions().problems and cfg.policy.max_tokens > cfg.learner.max_tokens

@@ -14,6 +14,7 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from clgrpo.errors import EvaluationError
 from flows.evaluate import evaluate
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from tests.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
@@ -64,6 +65,16 @@ async def test_library_with_the_lessons_beats_none_with_a_paired_ci(tmp_path):
         n_requests = len(world.policy_requests)
         again = await evaluate(cfg, evaluation, ["none", lessons_library(tmp_path)])
         assert again.reused and len(world.policy_requests) == n_requests  # read back, nothing sampled
+        first_url = server.base_url
+    with FakeOpenAIServer(world) as moved:  # the same model behind a restarted server: another port
+        cfg = model_config(moved, tmp_path).model_copy(update={"policy": model_config(moved, tmp_path).policy.model_copy(
+            update={"timeout_s": 99.0, "max_retries": 1})})
+        assert cfg.policy.base_url != first_url
+        moved_again = await evaluate(cfg, evaluation, ["none", lessons_library(tmp_path)], eval_id=outcome.eval_id)
+        assert moved_again.reused and len(world.policy_requests) == n_requests
+        hotter = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"max_tokens": 128})})
+        with pytest.raises(EvaluationError, match="already holds a different evaluation"):
+            await evaluate(hotter, evaluation, ["none", lessons_library(tmp_path)], eval_id=outcome.eval_id)
 
     none, lessons = outcome.summaries
     assert (none.condition, lessons.condition) == ("none", "lessons.json")
