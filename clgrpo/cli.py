@@ -216,6 +216,9 @@ def cmd_library_ops(args: argparse.Namespace) -> int:
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     db = _db(args)
+    if not args.db and not Path(db).exists():  # a fresh install: no run has made its database yet
+        print(f"no runs yet ({db} does not exist: `clgrpo train` or `clgrpo demo` creates it)")
+        return 0
     with _open(db) as store:
         runs = store.runs()
     if runs.empty:

@@ -135,3 +135,13 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
     show.stdout.close()  # the reader goes away while the command still writes
     _, err = show.communicate(timeout=60)
     assert first.startswith(b"# run big") and show.returncode == 0 and b"error" not in err, err
+
+
+def test_runs_list_on_a_fresh_install_says_there_are_no_runs_yet(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CLGRPO_STATE_DIR", str(tmp_path / "state"))  # no database remembered
+    monkeypatch.chdir(tmp_path)
+    assert main(["runs", "list"]) == 0
+    assert "no runs yet" in capsys.readouterr().out
+    # a database named explicitly must exist: one error line naming it
+    assert main(["runs", "list", "--db", str(tmp_path / "typo.duckdb")]) == 2
+    assert "typo.duckdb: no such DuckDB file" in capsys.readouterr().err
