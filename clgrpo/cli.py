@@ -659,7 +659,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh_history(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = resolve_db(args.db, refresh=args.name)
     with _open(db) as store:
         decisions = store.refresh_decisions(args.name)
     if not decisions:
@@ -681,7 +681,8 @@ def _add_refresh_commands(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(func=cmd_refresh_run)
     history = commands.add_parser("history", help="the decisions of past refreshes, with their reasons")
     history.add_argument("--name", default="nightly", help="the refresh name (default nightly)")
-    history.add_argument("--db", help="DuckDB file (default: the most recent database)")
+    history.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh, "
+                                      "else the most recent one)")
     history.set_defaults(func=cmd_refresh_history)
 
 

@@ -52,30 +52,31 @@ def recent_dbs() -> list[Path]:
     return [Path(p) for p in _read() if Path(p).is_file()]
 
 
-def resolve_db(explicit: str | None, run_id: str | None = None) -> str:
-    """``--db`` when given; else the most recent database holding ``run_id``; else the most recent database;
-    else ``runs/clgrpo.duckdb``."""
+def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str | None = None) -> str:
+    """``--db`` when given; else the most recent database holding ``run_id`` (or the refresh named
+    ``refresh``); else the most recent database; else ``runs/clgrpo.duckdb``."""
     if explicit:
         return explicit
     recent = recent_dbs()
-    if run_id:
+    if run_id or refresh:
         for db in recent:
-            if _holds(db, run_id):
+            if _holds(db, run_id) if run_id else _holds(db, refresh, column="name", tables=("refreshes",)):
                 return str(db)
     if recent:
         return str(recent[0])
     return DEFAULT_DB
 
 
-def _holds(db: Path, run_id: str) -> bool:
-    """Whether ``db`` has rows of ``run_id`` (a training run, an evaluation or a refresh); False when it
-    cannot be opened (e.g. a run is writing it)."""
+def _holds(db: Path, value: str, *, column: str = "run_id",
+           tables: tuple[str, ...] = ("runs", "stage_runs", "library_versions")) -> bool:
+    """Whether ``db`` has rows with ``column = value`` in one of ``tables`` (by default: of the run, evaluation
+    or refresh ``value``); False when it cannot be opened (e.g. a run is writing it)."""
     import duckdb
 
     try:
         with duckdb.connect(str(db), read_only=True) as con:
-            tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-            return any(con.execute(f"SELECT 1 FROM {t} WHERE run_id = ? LIMIT 1", [run_id]).fetchone()
-                       for t in ("runs", "stage_runs", "library_versions") if t in tables)
+            present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+            return any(con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
+                       for t in tables if t in present)
     except duckdb.Error:
         return False

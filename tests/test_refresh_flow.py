@@ -10,6 +10,7 @@ import yaml
 
 from clgrpo.cli import main
 from clgrpo.library import ExperienceLibrary
+from clgrpo.state import remember_db
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
 from flows.refresh import decide, refresh, refresh_date
@@ -156,6 +157,12 @@ def test_refresh_from_the_command_line(tmp_path, capsys):
         assert main(["refresh", "history", "--name", "cli", "--db", config.training.db_path]) == 0
         out = capsys.readouterr().out
         assert "started from none" in out and "no new problems arrived" in out
+        # without --db: the database that holds the refresh, not the most recent one (here a demo's)
+        with Store(str(tmp_path / "demo.duckdb")):
+            pass
+        remember_db(tmp_path / "demo.duckdb")
+        assert main(["refresh", "history", "--name", "cli"]) == 0
+        assert "no new problems arrived" in capsys.readouterr().out
         assert main(["refresh", "run", "--config", str(path), "--as-of", "tomorrow"]) == 2
         assert "use an ISO date-time" in capsys.readouterr().err
 
