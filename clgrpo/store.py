@@ -9,6 +9,7 @@ process gets ``StoreLockedError`` naming the file.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -267,8 +268,10 @@ class Store:
             self.con = duckdb.connect(str(self.path), read_only=read_only)
         except duckdb.IOException as exc:
             if "lock" in str(exc).lower():
+                holder = re.search(r"\(PID (\d+)\)", str(exc))
+                who = f"process {holder.group(1)}" if holder else "another process"
                 raise StoreLockedError(
-                    f"{self.path} is in use: another process (a run already holds it) has this DuckDB file open "
+                    f"{self.path} is in use: {who} (a run already holds it) has this DuckDB file open "
                     "for writing, and DuckDB allows one writer process. Wait for that run to finish or use "
                     "another db_path."
                 ) from exc

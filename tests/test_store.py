@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import textwrap
@@ -190,4 +191,5 @@ def test_second_process_gets_a_clear_lock_error(tmp_path):
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert str(path) in proc.stdout and "a run already holds it" in proc.stdout
+    assert f"process {os.getpid()} (a run" in proc.stdout  # the holder is named
     assert StoreLockedError.__mro__[1] is StoreError
