@@ -187,8 +187,9 @@ def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
         winners = {best[g].seq for g in t.operation.source_groups if g in best}
         if t.verdict == "kept" and winners and winners != {t.seq}:
             other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
+            how = "more" if other.gain > t.gain else "as much and comes first in the plan"  # type: ignore[operator]
             t = t.model_copy(update={"verdict": "rejected", "reason": (
-                f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained more "
+                f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained {how} "
                 f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})")})
         out.append(t)
     return out
