@@ -49,6 +49,7 @@ from clgrpo.llama_server import LlamaServer, build_server, find_binary  # noqa: 
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
+from schemas.ddl import EVALUATE_STAGE  # noqa: E402
 
 POLICY = QWEN_05B
 LEARNERS = {"same": None, QWEN_15B.fetch_key: QWEN_15B}
@@ -181,15 +182,19 @@ def train_family(s: Settings, family: str, data: dict, urls: dict[str, tuple[str
     return runs
 
 
-def _completed(s: Settings, rid: str, table: str = "runs") -> bool:
-    """A training run (``runs``) or an evaluation (``stage_runs``: its one stage) finished and stored."""
+def _completed(s: Settings, rid: str) -> bool:
     if not (s.out / "learning.duckdb").is_file():
         return False
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        if table == "stage_runs":
-            return bool(len(store.query("SELECT 1 FROM stage_runs WHERE run_id = ?", [rid])))
         status = store.query("SELECT status FROM runs WHERE run_id = ?", [rid])
     return len(status) == 1 and status["status"][0] == "completed"
+
+
+def _evaluated(s: Settings, eval_id: str) -> bool:
+    if not (s.out / "learning.duckdb").is_file():
+        return False
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        return store.stage_done(eval_id, 0, EVALUATE_STAGE)
 
 
 def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
@@ -267,7 +272,7 @@ def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], 
     for label, ref in conditions.items():
         eval_id = f"eval-{family}-{label}-n{s.heldout}-k{s.k}"
         eval_ids[label] = eval_id
-        if _completed(s, eval_id, table="stage_runs"):
+        if _evaluated(s, eval_id):
             continue  # stored by an earlier invocation
         print(f"evaluating {family} / {label}: {s.heldout} problems x k={s.k} ...", flush=True)
         clgrpo("eval", "--config", str(config), "--dataset", data[family]["heldout"], "--k", str(s.k),

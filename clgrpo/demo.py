@@ -207,8 +207,9 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     out(f"  datasets: {datasets['train']} (training), {datasets['heldout']} (held out, disjoint)")
     servers = _start_engine(opts, engine, out, seconds)
     try:
-        urls = [server.base_url for server in servers] + [None, None]
-        config = demo_config(opts, datasets, run_id, engine, urls[0], urls[1])
+        policy_url = servers[0].base_url if servers else None
+        learner_url = servers[1].base_url if len(servers) > 1 else None
+        config = demo_config(opts, datasets, run_id, engine, policy_url, learner_url)
         result, evaluation = _run_flows(opts, config, datasets, out, started, seconds)
     finally:
         for server in servers:

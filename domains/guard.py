@@ -290,9 +290,8 @@ def _unbalanced(text: str) -> str | None:
     opening, closing = sum(map(text.count, "([{")), sum(map(text.count, ")]}"))
     if opening != closing:
         return f"{opening} opening and {closing} closing brackets"
-    if text.count('"') % 2:
-        return f'{text.count(chr(34))} double quotes'
-    return None
+    quotes = text.count('"')
+    return f"{quotes} double quotes" if quotes % 2 else None
 
 
 # label -> check on the raw text (invisible, look-alike) or the normalized text (the rest): what it found, or None
