@@ -21,6 +21,7 @@ from typing import Any, TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from clgrpo import stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.leakage import LeakageError
@@ -90,8 +91,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
     from clgrpo.preflight import check_run
 
-    asyncio.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
     remember_db(config.db_path)
+    stopping.set_resume_hint(resume_command(config.run_id))
     _prefect_defaults()
     from flows.train import train
 
@@ -99,13 +101,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"run {config.run_id} (resume it with --run-id {config.run_id}); log: {terminal.log_path}")
         if line := rollout_mode_line(config):
             print(line)
-        result = asyncio.run(train(config, preflight=False))
+        result = stopping.run(train(config, preflight=False))
     print_steps(result)
     print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}\n{report_hint(result.run_id, result.db_path)}")
     if result.stopped:
         print(f"stopped early: {result.stopped}")
         return 3
     return 0
+
+
+def resume_command(run_id: str | None) -> str:
+    """This command line again, naming the run id (how a stopped run is resumed)."""
+    import shlex
+
+    words = ["clgrpo", *sys.argv[1:]]
+    if run_id and "--run-id" not in words and not any(w.startswith("--run-id=") for w in words):
+        words += ["--run-id", run_id]
+    return shlex.join(words)
 
 
 def rollout_mode_line(config: RunConfig) -> str:
@@ -342,7 +354,8 @@ def cmd_model_serve(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         raise ConfigError(f"llama-server stopped by itself (exit {server.process.returncode if server.process else '?'}); "
                           f"see {server.log_path}")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, stopping.Stopped):  # how a server command ends
+        stopping.reset()
         return 0
     finally:
         server.stop()
@@ -385,8 +398,8 @@ def cmd_web_world(args: argparse.Namespace) -> int:
         print("train on it:  clgrpo train --config configs/web.yaml      (Ctrl-C here stops the site)", flush=True)
         while server.thread.is_alive():  # timed waits: a Ctrl-C the kernel hands to a server thread instead of
             server.thread.join(0.5)  # this one is noticed here within 0.5 s (an untimed join never wakes for it)
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, stopping.Stopped):  # how a server command ends
+        stopping.reset()
     finally:
         server.close()
     return 0
@@ -556,13 +569,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = _with_mode(_eval_model_config(args, refs), args.mode)
     evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config.domain, evaluation.dataset, "--dataset")
-    asyncio.run(check_policy(config))
+    stopping.run(check_policy(config))
     remember_db(config.db_path)
     _prefect_defaults()
     from flows.evaluate import evaluate
 
     with session(config.db_path, args.eval_id or default_run_id("eval")):
-        outcome = asyncio.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
+        outcome = stopping.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
     print_evaluation(outcome)
     if line := rollout_mode_line(config):
         print(line)
@@ -651,7 +664,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     from flows.refresh import refresh, work_dir
 
     with session(config.training.db_path, f"refresh-{config.name}"):
-        decision = asyncio.run(refresh(config, as_of=as_of))
+        decision = stopping.run(refresh(config, as_of=as_of))
     print_decision(decision)
     if decision.promoted:
         print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
@@ -762,18 +775,27 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     from clgrpo.terminal import last_log
 
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        code = args.func(args)
+        if (signum := stopping.requested()) is not None:  # it came as the work ended: still say so
+            print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
+            return stopping.exit_code(signum)
+        return code
+    except (stopping.Stopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, stopping.Stopped) else stopping.requested() or 2
+        print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
+        return stopping.exit_code(signum)
     except BrokenPipeError:  # the reader went away (`clgrpo library show RUN | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 0
     except Exception as exc:
+        if (signum := stopping.requested()) is not None and stopping.is_stop(exc):
+            print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
+            return stopping.exit_code(signum)
         user = isinstance(exc, user_errors())
         log = last_log()
         where = f" (details: {log})" if log and not user else ""

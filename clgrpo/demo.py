@@ -14,7 +14,6 @@ leakage guard refuses any overlap).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from clgrpo import stopping
 from clgrpo.llm.local import BatchReport
 from clgrpo.models import CACHE_ENV, MODELS, QWEN_05B, QWEN_15B, EmbeddedModel, fetch_model
 from domains.math.synthetic import FAMILIES, generate_family, write_rows
@@ -286,11 +286,11 @@ def _run_flows(opts: DemoOptions, config: RunConfig, datasets: dict[str, str], o
     try:
         out(f"running the Prefect flow 'train' (run id {config.run_id}) ...")
         t0 = time.monotonic()
-        result = asyncio.run(train(config))
+        result = stopping.run(train(config))
         seconds["train"] = time.monotonic() - t0
         out(f"running the Prefect flow 'evaluate' on {opts.heldout} held-out problems: no library vs learned ...")
         t0 = time.monotonic()
-        evaluation = asyncio.run(evaluate(config, eval_settings(opts, datasets), ["none", f"{config.run_id}:latest"],
+        evaluation = stopping.run(evaluate(config, eval_settings(opts, datasets), ["none", f"{config.run_id}:latest"],
                                           eval_id=f"{config.run_id}-heldout",
                                           train_dataset=DatasetConfig(path=datasets["train"])))
         seconds["evaluate"] = time.monotonic() - t0

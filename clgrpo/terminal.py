@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clgrpo import progress
+from clgrpo import progress, stopping
 
 PROJECT_LOGGERS = ("clgrpo", "domains", "tasks", "flows")
 _last_log: list[Path] = []  # the log file of the most recent session in this process
@@ -38,9 +38,12 @@ class NoTraceback(logging.Formatter):
 
 
 class TerminalFilter(logging.Filter):
-    """Prefect's records and warnings from anything else; not the engine's failure lines."""
+    """Prefect's records and warnings from anything else; not the engine's failure lines, nor, once a stop
+    signal came, the engine's lines about what it cancelled (the command's ``error:`` line says it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if stopping.stopping() and record.levelno >= logging.WARNING:
+            return False
         if record.name.startswith("prefect") and record.levelno >= logging.ERROR:
             message = record.getMessage()
             if message.startswith(_ENGINE_FAILURE_LINES):

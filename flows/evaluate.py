@@ -20,13 +20,14 @@ import asyncio
 import json
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
-from clgrpo import plots
+from clgrpo import plots, stopping
 from clgrpo.errors import EvaluationError
 from clgrpo.runtime import tune_gc
 from clgrpo.leakage import LeakageReport, check_leakage
@@ -309,13 +310,20 @@ def _flow_run_name() -> str:
     return f"evaluate-{flow_run.parameters.get('eval_id') or 'auto'}"
 
 
-@flow(name="evaluate", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+@flow(name="evaluate", flow_run_name=_flow_run_name, persist_result=True, log_prints=True,
+      on_crashed=[stopping.cancelled_not_crashed])
 async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[str], eval_id: str | None = None,
                    train_dataset: DatasetConfig | None = None) -> EvalOutcome:
     """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
     The first library is the baseline of the paired comparisons."""
-    log = get_run_logger()
     tune_gc()
+    return await stopping.flow_body(partial(_evaluate, config, evaluation, libraries, eval_id, train_dataset))
+
+
+async def _evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[str], eval_id: str | None,
+                    train_dataset: DatasetConfig | None) -> EvalOutcome:
+    log = get_run_logger()
+    stopping.note_stage("evaluation")
     warm_verifier(config.domain)  # starts while the endpoint is checked
     await check_policy(config)  # the endpoint answers and serves the model, before any sampling
     with Store(config.db_path) as store:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -30,6 +31,7 @@ from zoneinfo import ZoneInfo
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
+from clgrpo import stopping
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
 from clgrpo.runtime import tune_gc
@@ -236,12 +238,17 @@ async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list
             "ci_level": comparison.ci_level, "reasons": reasons}
 
 
-@flow(name="refresh", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+@flow(name="refresh", flow_run_name=_flow_run_name, persist_result=True, log_prints=True,
+      on_crashed=[stopping.cancelled_not_crashed])
 async def refresh(config: RefreshConfig, as_of: datetime | None = None) -> RefreshDecision:
     """Nightly experience refresh of ``config.name`` for the date of ``as_of`` (default: this run's
     scheduled start) in ``config.timezone``."""
-    log = get_run_logger()
     tune_gc()
+    return await stopping.flow_body(partial(_refresh, config, as_of))
+
+
+async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDecision:
+    log = get_run_logger()
     check_refresh(config)
     cutoff = refresh_cutoff(config, as_of)
     date = refresh_date(config, cutoff)

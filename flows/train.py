@@ -28,7 +28,7 @@ from prefect.artifacts import (
     aupdate_progress_artifact,
 )
 
-from clgrpo import progress
+from clgrpo import progress, stopping
 from clgrpo.journal import RunJournal, recording
 from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
@@ -126,6 +126,7 @@ class Trainer:
         outputs = self.precomputed.pop((step, name), None)
         if outputs is None:
             self.check_budget(step, name)
+            stopping.note_stage(f"step {step} {name}" if step else name)
             if expect:
                 progress.start(step, name, *expect)
             try:
@@ -328,6 +329,7 @@ class Trainer:
                 or any(self.store.stage_done(self.run_id, step, n) for n in names)):
             return
         self.check_budget(step, ROLLOUT)
+        stopping.note_stage(f"step {step} rollout (pipelined with verify, summarize, group_advantage)")
         samples = sum(len(c) for c in rollout_chunks) * self.cfg.grpo.group_size
         for name, total, unit in ((ROLLOUT, samples, "samples"), (VERIFY, samples, "samples"),
                                   (SUMMARIZE, 0, "summaries"), (GROUP_ADVANTAGE, 0, "groups")):
@@ -445,7 +447,12 @@ class Trainer:
             result = await self.steps()
         except BaseException as exc:
             self.keep_unrecorded_calls()
-            self.store.set_run_status(self.run_id, "failed", error_line(exc))
+            if stopping.is_stop(exc):  # a signal or a cancel from the UI: resumable, not a failure
+                self.store.set_run_status(self.run_id, "cancelled", stopping.describe())
+                self.log.warning("run %s %s: finished work is stored; the same run id resumes it", self.run_id,
+                                 stopping.describe())
+            else:
+                self.store.set_run_status(self.run_id, "failed", error_line(exc))
             raise
         finally:
             self.journal.close()
@@ -550,12 +557,17 @@ def _flow_run_name() -> str:
     return f"train-{config.run_id}" if config.run_id else str(with_run_id(config).run_id)
 
 
-@flow(name="train", flow_run_name=_flow_run_name, persist_result=True, log_prints=True)
+@flow(name="train", flow_run_name=_flow_run_name, persist_result=True, log_prints=True,
+      on_crashed=[stopping.cancelled_not_crashed])
 async def train(config: RunConfig, preflight: bool = True) -> TrainResult:
     """Learn an experience library for a frozen policy (Training-Free GRPO). ``preflight``: check the dataset,
     API keys, endpoints and models before the first stage (the CLI has already done it when False)."""
     config = with_run_id(config)
     tune_gc()
+    return await stopping.flow_body(partial(_train, config, preflight))
+
+
+async def _train(config: RunConfig, preflight: bool) -> TrainResult:
     warm_verifier(config.domain)  # first: it starts while the checks, the store and the first rollouts wait
     if preflight:
         await check_run(config)

@@ -24,3 +24,12 @@ def prefect_harness():
     install()  # the harness's server dies with this process, even a SIGKILLed one
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """One real ``prefect server`` for the session, for tests whose CLI subprocesses (and workers) talk to it
+    through PREFECT_API_URL."""
+    from tests.processes import real_prefect_server
+
+    yield from real_prefect_server(tmp_path_factory.mktemp("prefect-server"))

@@ -7,7 +7,10 @@ import signal
 import socket
 import subprocess
 import time
+import sys
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -57,3 +60,26 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"prefect server not healthy after {timeout}s: {log.read_text()[-3000:]}")
+
+
+@dataclass
+class PrefectApi:
+    url: str
+    home: Path
+
+
+def real_prefect_server(home: Path) -> Iterator[PrefectApi]:
+    """A real ``prefect server`` in its own session, healthy, until the generator is closed (then stopped with
+    its process group)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home / "server-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = home / "server.log"
+    server = start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port), "--no-ui"], env, log, cwd=home)
+    try:
+        wait_healthy(url, server, log, timeout=180)
+        yield PrefectApi(url, home)
+    finally:
+        stop_group(server, timeout=30)  # its own session: the server and its uvicorn child

@@ -49,7 +49,7 @@ import yaml
 from clgrpo.journal import run_journal_dir
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
-from tests.processes import free_port, gone, start_detached, stop_group, wait_healthy
+from tests.processes import PrefectApi, gone
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,30 +127,6 @@ def describe(proc: psutil.Process) -> str:
         return f"pid {proc.pid}: {' '.join(proc.cmdline())[:160]}"
     except psutil.Error:
         return f"pid {proc.pid}"
-
-
-@dataclass
-class PrefectApi:
-    url: str
-    home: Path
-
-
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """One real Prefect server for the module; stopped by its pid (and its process group) at teardown."""
-    home = tmp_path_factory.mktemp("kill-points-prefect")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home / "server-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    log = home / "server.log"
-    server = start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port), "--no-ui"], env, log, cwd=home)
-    try:
-        wait_healthy(url, server, log, timeout=180)
-        yield PrefectApi(url, home)
-    finally:
-        stop_group(server, timeout=30)  # its own session: the server and its uvicorn child
 
 
 def cli_env(api: PrefectApi, where: Path) -> dict[str, str]:

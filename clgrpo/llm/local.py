@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError, TransientLLMError
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,10 @@ class Engine:
                     self._cond.wait()
             time.sleep(GATHER_S)
             jobs = [j for j in self._take() if j.future.set_running_or_notify_cancel()]
-            if jobs:
+            if jobs and stopping.stopping():  # a stop signal: hand out no new generation
+                for job in jobs:
+                    job.future.set_exception(RuntimeError(f"{self.name}: not generated, a stop signal arrived"))
+            elif jobs:
                 self._run(jobs)
 
     def _take(self) -> list[_Job]:

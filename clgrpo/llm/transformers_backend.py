@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
 from clgrpo.llm.local import Engine, Result, auto_cpu_threads, available_cpus, get_engine
 from clgrpo.models import ModelError, ModelLocation, quiet_transformers, resolve_model_path
@@ -201,6 +202,10 @@ class Row:
     truncated: bool = False
 
 
+class GenerationStopped(RuntimeError):
+    """A stop signal arrived while a batch was generating."""
+
+
 @dataclass
 class RowSampler:
     """A logits processor that samples each row itself (temperature, top-p, its own generator, grammar mask,
@@ -215,6 +220,8 @@ class RowSampler:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
+        if stopping.stopping():  # a stop signal: end this batch now, not after max_new_tokens more tokens
+            raise GenerationStopped("generation stopped by a signal")
         step = input_ids.shape[1] - self.prompt_len
         if step > 0:
             self._advance(input_ids[:, -1].tolist())

@@ -1,0 +1,258 @@
+"""SIGTERM, SIGINT and SIGHUP stop a real `clgrpo train --mode agent` cleanly at seeded points, and the run
+then resumes to the same library as an uninterrupted run.
+
+Each stop: exit 128 + signal within STOP_LIMIT_S of the signal, exactly one ``error: terminated (SIG...)``
+line, no traceback, the flow run Cancelled (never Crashed or left Running), the run listed as ``cancelled``, no
+process of the attempt alive and no sandbox directory left in its TMPDIR. Then a rerun completes and its
+results equal the uninterrupted reference run's (rollouts, rewards, proposals, operations, every library
+version), with no duplicated row.
+
+Points (seeded): ``interpreters``: once the sandbox's python interpreters are alive (its directories exist),
+mid-rollout; ``setup``: between the process start and its first model request (imports, preflight, the
+Prefect flow run, reading stored stages back); ``work``: after a seeded number of distinct model requests,
+plus up to 0.5 s (learner stages, stage writes). The scripted model is ``SeededWorld`` (tests/test_kill_points.py):
+a redone request gets the same reply, so the resumed run can be compared with the reference.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clgrpo.store import Store
+from tests.processes import PrefectApi
+from tests.scripted_llm import make_problems, write_jsonl
+from tests.test_kill_points import (
+    ORPHAN_LIMIT_S,
+    POLICY_SEED,
+    RUN_LIMIT_S,
+    Attempt,
+    cli_env,
+    duplicates,
+    flow_runs_of,
+    frames,
+    llm_server,
+    run_to_completion,
+    run_until,
+    start_attempt,
+    survivors_of,
+)
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_LIMIT_S = 10.0  # signal -> exit
+SANDBOX_PREFIX = "clgrpo-py-"
+
+
+@dataclass
+class StopPoint:
+    number: int
+    kind: str  # interpreters | setup | work
+    sig: signal.Signals
+    offset_s: float
+    target: int = 0  # work: distinct requests answered
+    outcome: str = ""
+    exit_s: float | None = None
+    line: str = ""
+
+
+def sandbox_tmpdir() -> Path:
+    """A TMPDIR of its own that uid nobody (the sandbox's interpreters) can enter."""
+    path = Path(tempfile.mkdtemp(prefix="clgrpo-stoptest-"))
+    path.chmod(0o755)
+    return path
+
+
+def sandbox_dirs(tmpdir: Path) -> list[str]:
+    return sorted(p.name for p in tmpdir.glob(f"{SANDBOX_PREFIX}*"))
+
+
+def agent_config(path: Path, db: Path, dataset: Path, base_url: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "dataset": {"path": str(dataset)}, "db_path": str(db),
+        "policy": {"model": "scripted", "base_url": base_url, "api_key_env": None, "seed": POLICY_SEED,
+                   "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.05, "timeout_s": 30},
+        "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
+        "rollout": {"mode": "agent", "agent": {"max_turns": 4}},
+        "concurrency": 8}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def agent_dataset(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("stop-data")
+    return write_jsonl(make_problems(n_per_family=4, seed=5), where / "train.jsonl")  # 16 problems: 4 steps
+
+
+@dataclass
+class AgentReference:
+    db: Path
+    first_request_s: float
+    distinct: int
+
+
+@pytest.fixture(scope="module")
+def agent_reference(prefect_api: PrefectApi, agent_dataset, tmp_path_factory) -> AgentReference:
+    where = tmp_path_factory.mktemp("stop-ref")
+    db = where / "db" / "ref.duckdb"
+    tmpdir = sandbox_tmpdir()
+    try:
+        with llm_server() as server:
+            config = agent_config(where / "run.yaml", db, agent_dataset, server.base_url)
+            env = {**cli_env(prefect_api, where), "TMPDIR": str(tmpdir)}
+            attempt = start_attempt(config, "ref", env, where / "ref.out", server)
+            run_to_completion(attempt, server)
+            distinct = server.responder.progress()
+        assert attempt.first_request_s is not None
+        assert not sandbox_dirs(tmpdir), "a completed run left sandbox directories"
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return AgentReference(db, attempt.first_request_s, distinct)
+
+
+def plan_stop_points(kinds: list[str], sigs: list[signal.Signals], seed: int, ref: AgentReference) -> list[StopPoint]:
+    rng = random.Random(seed)
+    targets = iter(sorted(rng.randint(ref.distinct // 4, ref.distinct) for k in kinds if k == "work"))
+    points = []
+    for i, (kind, sig) in enumerate(zip(kinds, sigs, strict=True)):
+        if kind == "setup":
+            points.append(StopPoint(i + 1, kind, sig, rng.uniform(1.0, max(ref.first_request_s, 1.5))))
+        elif kind == "interpreters":
+            points.append(StopPoint(i + 1, kind, sig, rng.uniform(0.0, 0.3)))
+        else:
+            points.append(StopPoint(i + 1, kind, sig, rng.uniform(0.0, 0.5), next(targets)))
+    return points
+
+
+def wait_for_point(point: StopPoint, attempt: Attempt, server, tmpdir: Path) -> None:  # noqa: ANN001
+    world = server.responder
+    if point.kind == "setup":
+        at = attempt.started + point.offset_s
+        run_until(attempt, server, lambda: time.monotonic() >= at, RUN_LIMIT_S)
+        return
+    if point.kind == "interpreters":
+        run_until(attempt, server, lambda: bool(sandbox_dirs(tmpdir)), RUN_LIMIT_S)
+    elif world.progress() < point.target:
+        run_until(attempt, server, lambda: world.progress() >= point.target, RUN_LIMIT_S)
+    else:  # an earlier attempt got past the target: inside this attempt's first unfinished stage
+        run_until(attempt, server, lambda: attempt.first_request_s is not None, RUN_LIMIT_S)
+    at = time.monotonic() + point.offset_s
+    run_until(attempt, server, lambda: time.monotonic() >= at, RUN_LIMIT_S)
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def check_stopped(point: StopPoint, attempt: Attempt, tmpdir: Path) -> None:
+    output = attempt.output()
+    lines = error_lines(output)
+    assert len(lines) == 1, f"stop point {point.number}: {len(lines)} error lines:\n{output[-3000:]}"
+    point.line = lines[0]
+    assert f"terminated ({point.sig.name})" in lines[0], lines[0]
+    assert "resume with: clgrpo train" in lines[0] and "--run-id stopped" in lines[0], lines[0]
+    assert "Traceback" not in output, output[-3000:]
+    orphans = survivors_of(attempt, time.monotonic() + ORPHAN_LIMIT_S)
+    assert not orphans, f"stop point {point.number}: processes outlived the stopped CLI: {orphans}"
+    assert not sandbox_dirs(tmpdir), f"stop point {point.number}: left {sandbox_dirs(tmpdir)}"
+
+
+def runs_list(env: dict[str, str], db: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def stop_points_scenario(points: list[StopPoint], prefect_api: PrefectApi, dataset: Path, ref: AgentReference,
+                         where: Path) -> None:
+    run_id = "stopped"
+    db = where / "db" / "stopped.duckdb"
+    tmpdir = sandbox_tmpdir()
+    env = {**cli_env(prefect_api, where), "TMPDIR": str(tmpdir)}
+    listed = ""
+    try:
+        with llm_server() as server:
+            config = agent_config(where / "run.yaml", db, dataset, server.base_url)
+            for point in points:
+                attempt = start_attempt(config, run_id, env, where / f"attempt-{point.number:02d}.out", server)
+                wait_for_point(point, attempt, server, tmpdir)
+                progress = server.responder.progress()
+                if attempt.proc.poll() is not None:
+                    point.outcome = f"finished {attempt.proc.returncode}"
+                    assert attempt.proc.returncode == 0, attempt.output()[-4000:]
+                    continue
+                sent = time.monotonic()
+                attempt.proc.send_signal(point.sig)
+                try:
+                    rc = attempt.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    attempt.proc.kill()
+                    pytest.fail(f"stop point {point.number}: still running 60 s after {point.sig.name}")
+                point.exit_s = time.monotonic() - sent
+                point.outcome = f"exit {rc}"
+                settle = time.monotonic() + ORPHAN_LIMIT_S  # requests the stopped attempt left in the server
+                while server.stats.in_flight and time.monotonic() < settle:
+                    time.sleep(0.02)
+                server.responder.forget_after(progress)
+                assert rc == 128 + point.sig, f"stop point {point.number}: exit {rc}\n{attempt.output()[-3000:]}"
+                assert point.exit_s <= STOP_LIMIT_S, f"stop point {point.number}: exited {point.exit_s:.1f} s after"
+                check_stopped(point, attempt, tmpdir)
+                states = {r["state"] for r in flow_runs_of(prefect_api, db)}
+                assert states <= {"CANCELLED", "COMPLETED"}, f"stop point {point.number}: flow runs {states}"
+                if db.exists():
+                    with Store(db, read_only=True) as store:
+                        runs = store.runs().set_index("run_id")
+                    if run_id in runs.index:
+                        assert runs.loc[run_id, "status"] == "cancelled", runs.loc[run_id].to_dict()
+                        if not listed:
+                            listed = runs_list(env, db)
+            final = start_attempt(config, run_id, env, where / "final.out", server)
+            run_to_completion(final, server)
+        assert not sandbox_dirs(tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    print(f"\n{len(points)} stop points:")
+    for p in points:
+        took = f"{p.exit_s:.2f} s" if p.exit_s is not None else "-"
+        print(f"{p.number:>3} {p.kind:12} {p.sig.name:7} {p.outcome:9} {took:>7}  {p.line[:110]}")
+    stopped = [p for p in points if p.exit_s is not None]
+    assert stopped, "no attempt was stopped"
+    if listed:
+        assert re.search(rf"{run_id}\s+cancelled", listed), listed
+    with Store(db, read_only=True) as store:
+        assert not {t: n for t, n in duplicates(store, run_id).items() if n}
+        assert store.runs().set_index("run_id").loc[run_id, "status"] == "completed"
+    ours, theirs = frames(db, run_id), frames(ref.db, "ref")
+    for name in ("stage_runs", "library_versions", "libraries", "operations", "proposals", "rollouts", "rewards",
+                 "summaries"):
+        assert ours[name] == theirs[name], f"{name} differs from the uninterrupted run's"
+    states = sorted(r["state"] for r in flow_runs_of(prefect_api, db))
+    assert states.count("COMPLETED") >= 1 and set(states) <= {"CANCELLED", "COMPLETED"}, states
+
+
+def test_sigterm_sigint_sighup_stop_an_agent_run_cleanly_and_it_resumes_to_the_same_library(
+        prefect_api, agent_dataset, agent_reference, tmp_path):
+    points = plan_stop_points(["interpreters", "setup", "work"], [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                              seed=5, ref=agent_reference)
+    stop_points_scenario(points, prefect_api, agent_dataset, agent_reference, tmp_path)
+
+
+@pytest.mark.long
+def test_ten_sigterms_at_seeded_points_of_an_agent_run(prefect_api, agent_dataset, agent_reference, tmp_path):
+    kinds = ["interpreters", "work", "setup", "work", "interpreters", "work", "setup", "work", "interpreters", "work"]
+    points = plan_stop_points(kinds, [signal.SIGTERM] * len(kinds), seed=17, ref=agent_reference)
+    stop_points_scenario(points, prefect_api, agent_dataset, agent_reference, tmp_path)
