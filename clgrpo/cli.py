@@ -65,11 +65,11 @@ def default_run_id(prefix: str) -> str:
     return f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def session(db_path: str, name: str):  # noqa: ANN201 - a context manager
+def session(db_path: str, name: str, *, flow_lines: bool = True):  # noqa: ANN201 - a context manager
     """The terminal and log file of a command that runs a flow: ``<db dir>/logs/<name>.log``."""
     from clgrpo.terminal import Session
 
-    return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log")
+    return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log", flow_lines=flow_lines)
 
 
 def report_hint(run_id: str, db_path: str) -> str:
@@ -415,7 +415,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
                        engine=args.engine, learner=args.learner, verbose=args.verbose)
     remember_db(out / "clgrpo.duckdb")
-    with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo"):
+    with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo", flow_lines=False):
         result = run_demo(opts)
     print(summary(result))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from clgrpo import progress, stopping
 
 PROJECT_LOGGERS = ("clgrpo", "domains", "tasks", "flows")
+ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a flow's get_run_logger() lines go
 _last_log: list[Path] = []  # the log file of the most recent session in this process
 _ENGINE_FAILURE_LINES = ("Encountered exception during execution", "Finished in state Failed",
                          "Finished in state Crashed")
@@ -51,6 +53,30 @@ class TerminalFilter(logging.Filter):
         return record.name.startswith("prefect") or record.levelno >= logging.WARNING
 
 
+class FlowLines(logging.Handler):
+    """The flows' own INFO lines (a stage stored, a step's summary), plain, without Prefect's timestamps; the
+    engine's own INFO lines (task runs started and finished) stay in the log file."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.engine_dir = _prefect_dir()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING or record.pathname.startswith(self.engine_dir):
+            return  # warnings reach the terminal through Prefect's console handler
+        try:
+            sys.stderr.write(f"{record.getMessage()}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _prefect_dir() -> str:
+    import prefect
+
+    return str(Path(prefect.__file__).parent)
+
+
 def last_log() -> Path | None:
     """The log file of the most recent command session in this process (where a failure's traceback is)."""
     return _last_log[0] if _last_log else None
@@ -68,7 +94,9 @@ class Session:
 
     log_path: Path
     bars: bool | None = None  # None: rich bars when stderr is a terminal
+    flow_lines: bool = True  # the flows' own INFO lines on the terminal (the demo draws its own)
     _file: logging.Handler | None = field(default=None, init=False)
+    _lines: FlowLines | None = field(default=None, init=False)
     _renderer: object | None = field(default=None, init=False)
 
     def __enter__(self) -> "Session":
@@ -84,10 +112,18 @@ class Session:
             if logger.level == logging.NOTSET or logger.level > logging.INFO:
                 logger.setLevel(logging.INFO)
         for handler in console_handlers():
+            handler.setLevel(max(handler.level, logging.WARNING))  # Prefect's INFO lines: in the log file
             if not isinstance(handler.formatter, NoTraceback):
                 handler.setFormatter(NoTraceback(handler.formatter))
             if not any(isinstance(f, TerminalFilter) for f in handler.filters):
                 handler.addFilter(TerminalFilter())
+        if self.flow_lines:
+            self._lines = FlowLines()
+            for name in ENGINE_LOGGERS:
+                logger = logging.getLogger(name)
+                logger.addHandler(self._lines)
+                if logger.getEffectiveLevel() > logging.INFO:
+                    logger.setLevel(logging.INFO)
         handlers = console_handlers()
         console = handlers[0].console if handlers else None
         use_bars = self.bars if self.bars is not None else bool(console and console.is_terminal)
@@ -102,8 +138,10 @@ class Session:
                                                 (exc,), (type(exc), exc, exc.__traceback__)))
         if self._renderer is not None:
             progress.remove_listener(self._renderer)  # type: ignore[arg-type]
-            if isinstance(self._renderer, RichBars):
-                self._renderer.stop()
+            self._renderer.stop()  # type: ignore[attr-defined]
+        if self._lines is not None:
+            for name in ENGINE_LOGGERS:
+                logging.getLogger(name).removeHandler(self._lines)
         if self._file is not None:
             logging.getLogger().removeHandler(self._file)
             self._file.close()
@@ -143,28 +181,69 @@ class RichBars:
 
 
 class MilestoneLines:
-    """Without a terminal: a line when a stage has passed another quarter of its expected items, printed at the
-    next update at least ``settle_s`` later, so a batch that finishes many items at once prints nothing (its
-    stage line says it) while calls that finish one by one show their progress."""
+    """Without a terminal: a line when a stage starts, then when it has passed another quarter of its expected
+    items (printed at the next update at least ``settle_s`` later, so a batch that finishes many items at once
+    prints nothing: its stage line says it), and, while a stage prints nothing for ``heartbeat_s`` (a local
+    model generating its first batch), a line with how long it has been running."""
 
-    def __init__(self, quarters: int = 4, settle_s: float = 1.0) -> None:
+    def __init__(self, quarters: int = 4, settle_s: float = 1.0, heartbeat_s: float = 30.0) -> None:
         self.quarters = quarters
         self.settle_s = settle_s
+        self.heartbeat_s = heartbeat_s
         self.printed: dict[str, int] = {}  # label -> quarters printed
         self.pending: dict[str, float] = {}  # label -> when an unprinted quarter was reached
+        self.open: dict[str, tuple[progress.StageProgress, float, float]] = {}  # label -> (last, started, printed)
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        threading.Thread(target=self._heartbeat, name="clgrpo-progress-heartbeat", daemon=True).start()
 
     def __call__(self, p: progress.StageProgress) -> None:
         now = time.monotonic()
-        if p.finished or p.total <= 0:
-            self.printed.pop(p.label, None)
-            self.pending.pop(p.label, None)
-            return
-        reached = min(self.quarters - 1, p.done * self.quarters // p.total)
-        if reached <= self.printed.get(p.label, 0):
-            return
-        since = self.pending.setdefault(p.label, now)
-        if now - since >= self.settle_s:
-            self.printed[p.label] = reached
-            del self.pending[p.label]
-            sys.stderr.write(f"  {p.label}: {p.done}/{p.total} {p.unit}\n")
+        with self.lock:
+            if p.finished:
+                self.printed.pop(p.label, None)
+                self.pending.pop(p.label, None)
+                self.open.pop(p.label, None)
+                return
+            if p.label not in self.open:
+                self.open[p.label] = (p, now, now)
+                self._write(f"  {p.label}: started" + (f", {p.total} {p.unit} expected" if p.total else ""))
+                return
+            _, started, last = self.open[p.label]
+            self.open[p.label] = (p, started, last)
+            if p.total <= 0:
+                return
+            reached = min(self.quarters - 1, p.done * self.quarters // p.total)
+            if reached <= self.printed.get(p.label, 0):
+                return
+            since = self.pending.setdefault(p.label, now)
+            if now - since >= self.settle_s:
+                self.printed[p.label] = reached
+                del self.pending[p.label]
+                self.open[p.label] = (p, started, now)
+                self._write(f"  {p.label}: {p.done}/{p.total} {p.unit}")
+
+    def _heartbeat(self) -> None:
+        while not self.closed.wait(min(self.heartbeat_s, 5.0)):
+            now = time.monotonic()
+            with self.lock:
+                for label, (p, started, last) in list(self.open.items()):
+                    if now - last >= self.heartbeat_s:
+                        self.open[label] = (p, started, now)
+                        self._write(f"  {label}: {p.done}/{p.total} {p.unit} after {_duration(now - started)}")
+
+    def stop(self) -> None:
+        self.closed.set()
+
+    @staticmethod
+    def _write(line: str) -> None:
+        try:
+            sys.stderr.write(line + "\n")
             sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"

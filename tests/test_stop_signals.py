@@ -256,3 +256,63 @@ def test_ten_sigterms_at_seeded_points_of_an_agent_run(prefect_api, agent_datase
     kinds = ["interpreters", "work", "setup", "work", "interpreters", "work", "setup", "work", "interpreters", "work"]
     points = plan_stop_points(kinds, [signal.SIGTERM] * len(kinds), seed=17, ref=agent_reference)
     stop_points_scenario(points, prefect_api, agent_dataset, agent_reference, tmp_path)
+
+
+# --- in-process models: generation in a worker thread stops at the first signal -----------------------------
+def tiny_model_config(path: Path, db: Path, dataset: Path, model: Path) -> Path:
+    local = {"backend": "transformers", "model": "tiny", "model_path": str(model), "api_key_env": None,
+             "temperature": 1.0, "max_tokens": 600, "timeout_s": 900, "max_retries": 0, "cpu_threads": 1}
+    path.write_text(yaml.safe_dump({
+        "dataset": {"path": str(dataset)}, "db_path": str(db), "policy": {**local, "max_batch_rows": 64},
+        "learner": local, "grpo": {"group_size": 8, "epochs": 1, "batch_size": 8}, "concurrency": 64,
+        "pipeline": False}))
+    return path
+
+
+def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_path):
+    """Three SIGTERMs to `clgrpo train` with the transformers backend (a tiny random model, long replies):
+    as the rollout stage starts (the model loading), and twice inside the first batched generate call, which
+    checks for a stop between two tokens."""
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=3), tmp_path / "train.jsonl")
+    config = tiny_model_config(tmp_path / "run.yaml", tmp_path / "db" / "tiny.duckdb", dataset, model)
+    env = cli_env(prefect_api, tmp_path)
+    log = tmp_path / "db" / "logs" / "tiny.log"
+    results = []
+    # (what to wait for, then how long): the model loading, then inside its first batched generate call
+    points = [("rollout", 0.0), ("loaded", 0.2), ("loaded", 0.8)]
+    for number, (marker, wait_s) in enumerate(points, start=1):
+        loads_before = log.read_text(errors="replace").count(": loaded in ") if log.exists() else 0
+        out = tmp_path / f"attempt-{number}.out"
+        argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config), "--run-id", "tiny"]
+        with open(out, "w") as handle:
+            proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + RUN_LIMIT_S
+        def reached() -> bool:
+            if marker == "rollout":
+                return "step 1 rollout: started" in out.read_text(errors="replace")
+            return log.exists() and log.read_text(errors="replace").count(": loaded in ") > loads_before
+
+        while not reached():
+            assert proc.poll() is None, out.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"attempt {number}: never reached {marker}"
+            time.sleep(0.02)
+        time.sleep(wait_s)
+        assert proc.poll() is None, f"attempt {number} finished before its signal: {out.read_text()[-2000:]}"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        output = out.read_text(errors="replace")
+        results.append((number, marker, wait_s, rc, round(took, 2)))
+        assert rc == 143 and took <= STOP_LIMIT_S, (rc, took, output[-3000:])
+        lines = error_lines(output)
+        assert len(lines) == 1 and "terminated (SIGTERM) during step 1 rollout" in lines[0], output[-3000:]
+        assert "Traceback" not in output
+    print("\nin-process model, SIGTERM (attempt, after what, + seconds, exit, seconds to exit):", results)
+    states = {r["state"] for r in flow_runs_of(prefect_api, tmp_path / "db" / "tiny.duckdb")}
+    assert states == {"CANCELLED"}, states
+    with Store(tmp_path / "db" / "tiny.duckdb", read_only=True) as store:
+        assert store.runs().set_index("run_id").loc["tiny", "status"] == "cancelled"
