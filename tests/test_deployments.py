@@ -348,3 +348,55 @@ def test_the_scheduler_service_runs_an_interval_refresh_end_to_end(stack, tmp_pa
         decisions = {d.refresh_date: d for d in store.refresh_decisions("every-few-seconds")}
     assert date in decisions, (date, decisions)
     assert decisions[date].status == "no_new_data" and decisions[date].refresh_id == f"every-few-seconds-{date}"
+
+
+def _wait_state(stack: Stack, flow_run_id, done: Callable[["FlowRun"], bool], what: str, timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.id == flow_run_id]
+        if runs and done(runs[0]):
+            return runs[0]
+        time.sleep(0.5)
+    raise AssertionError(f"flow run {flow_run_id}: not {what} after {timeout}s: {_logs(stack)}")
+
+
+def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without_duplicates(stack, tmp_path):
+    """`prefect flow-run cancel` (what the UI's Cancel does) of a deployment run executing on the cpu worker:
+    the flow run ends Cancelled (not Crashed or Failed), the run is stored as cancelled with its stage, the
+    worker stays healthy (it executes the rerun), and the rerun resumes: no stored stage is redone, no row is
+    duplicated."""
+    with FakeOpenAIServer(ScriptedWorld(seed=11), latency=lambda _r: 0.3) as server:
+        config = {**_config(server, tmp_path, "ui-cancelled", epochs=2), "rollout": {}}  # rollouts in the flow
+        started = stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
+                                timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        run_id = UUID(started.stdout.split("UUID:")[1].split()[0])
+        run = _wait_state(stack, run_id, lambda r: r.state.is_running(), "running")
+        deadline = time.monotonic() + 240
+        while server.stats.by_role.get("trajectory summarizer", 0) == 0:  # step 1's learner stages have begun
+            assert time.monotonic() < deadline, _logs(stack)
+            time.sleep(0.1)
+        cancel = stack.prefect("flow-run", "cancel", str(run.id), timeout=60)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        cancelled = _wait_state(stack, run.id, lambda r: r.state.is_final(), "final", timeout=120)
+        assert cancelled.state.is_cancelled(), (cancelled.state, _logs(stack))
+        with Store(config["db_path"], read_only=True) as store:
+            status = store.runs().set_index("run_id").loc["ui-cancelled"]
+            stored_before = store.query("SELECT step, stage FROM stage_runs WHERE run_id='ui-cancelled'")
+        assert status["status"] == "cancelled" and "terminated (SIGTERM) during step 1" in status["error"], status
+        policy_before = server.stats.by_role["policy"]
+
+        rerun = _run(stack, config)  # the same parameters again: the same run id resumes
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr + _logs(stack)
+    with Store(config["db_path"], read_only=True) as store:
+        assert store.library_versions("ui-cancelled") == [0, 1, 2]
+        assert store.runs().set_index("run_id").loc["ui-cancelled", "status"] == "completed"
+        for table, key in (("rollouts", "step, problem_id, sample_idx"), ("stage_runs", "step, stage"),
+                           ("llm_calls", "call_id, retries"), ("operations", "step, seq")):
+            extra = store.query(f"SELECT count(*) - count(DISTINCT ({key})) AS n FROM {table} "
+                                "WHERE run_id = 'ui-cancelled'")["n"][0]
+            assert extra == 0, f"{table}: {extra} duplicated rows"
+        step1_rollouts = store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='ui-cancelled' AND step=1")
+    assert step1_rollouts["n"][0] == 32
+    if ((stored_before.step == 1) & (stored_before.stage == "rollout")).any():  # stored: never sampled again
+        assert server.stats.by_role["policy"] - policy_before == 32 // 4  # only step 2's 8 requests
