@@ -624,12 +624,33 @@ class Store:
             ORDER BY r.created_at""", [CHECKPOINT_STAGE]).df()
 
     @_connected
+    def run_summary(self, run_id: str) -> dict[str, Any] | None:
+        """The run's row of ``runs()`` (missing values None) with its last stored stage: ``last_step``,
+        ``last_stage``, ``last_completed_at`` (None before any); None when there is no such run."""
+        frame = self.runs()
+        frame = frame[frame["run_id"] == run_id]
+        if frame.empty:
+            return None
+        row = {k: _clean(v) for k, v in frame.iloc[0].to_dict().items()}
+        last = self.con.execute("SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? "
+                                "ORDER BY completed_at DESC, step DESC LIMIT 1", [run_id]).fetchone()
+        return {**row, **dict(zip(("last_step", "last_stage", "last_completed_at"), last or (None, None, None)))}
+
+    @_connected
     def evaluations_of(self, run_id: str) -> list[str]:
         """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""
         rows = self.con.execute(
             "SELECT run_id FROM evaluations WHERE stage = ? AND starts_with(library_ref, ?) "
             "GROUP BY run_id ORDER BY min(created_at)", [EVALUATE_STAGE, f"{run_id}:"]).fetchall()
         return [r[0] for r in rows]
+
+    @_connected
+    def has_rows(self, column: str, value: str, tables: Sequence[str]) -> bool:
+        """Whether one of ``tables`` (those this file has) holds a row with ``column = value``."""
+        present = {r[0] for r in self.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()").fetchall()}
+        return any(self.con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
+                   for t in tables if t in present)
 
     @_connected
     def is_run(self, run_id: str) -> bool:
