@@ -235,12 +235,12 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def live_status(db: str, run_id: str, status: str) -> str:
-    """``running (pid N)`` while a live process holds the run's lock; a run stored as running whose lock is free
-    was killed or crashed: ``interrupted``; else the stored status."""
+def live_status(db: str, run_id: str, status: str, *, since: bool = False) -> str:
+    """``running (pid N)`` while a live process holds the run's lock (``since``: and when it took it); a run
+    stored as running whose lock is free was killed or crashed: ``interrupted``; else the stored status."""
     found = holder(db, "train", run_id)
     if found is not None:
-        return f"running (pid {found.pid if found.pid is not None else '?'})"
+        return f"running (pid {found.pid or '?'}{f', since {found.started}' if since else ''})"
     return "interrupted" if status == "running" else status
 
 
@@ -250,14 +250,12 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         run = store.run_summary(args.run_id)
     if run is None:
         raise StoreError(f"{db}: no run {args.run_id!r} (clgrpo runs list shows the runs)")
-    found = holder(db, "train", args.run_id)
-    since = f", since {found.started}" if found is not None else ""
     library = ("none saved" if run["library_version"] is None
-               else f"version {run['library_version']}, {run['library_size']} experiences")
+               else f"version {int(run['library_version'])}, {int(run['library_size'])} experiences")
     stage = ("none stored yet" if run["last_stage"] is None else
              f"step {run['last_step']} {run['last_stage']} (stored {run['last_completed_at']:%Y-%m-%d %H:%M:%S})")
     print(f"run {args.run_id} in {db}")
-    print(f"  status:      {live_status(db, args.run_id, run['status'])}{since}")
+    print(f"  status:      {live_status(db, args.run_id, run['status'], since=True)}")
     print(f"  steps done:  {run['steps_done']}")
     print(f"  last stage:  {stage}")
     print(f"  library:     {library}")
