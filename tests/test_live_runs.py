@@ -83,14 +83,23 @@ HOLDER = textwrap.dedent("""
 """).format(root=str(ROOT))
 
 
-def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path):
+def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path, capsys):
+    from clgrpo.cli import main
+
     db = tmp_path / "runs.duckdb"
+    with Store(db) as store, store.connected() as con:
+        con.execute("INSERT INTO runs (run_id, fingerprint, config_json, created_at, status) "
+                    "VALUES ('r1', 'f', '{}', now(), 'running')")
     assert holder(db, "train", "r1") is None
     owner = subprocess.Popen([sys.executable, "-c", HOLDER, str(db)], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "held"
         found = holder(db, "train", "r1")
         assert found is not None and found.pid == owner.pid
+        assert main(["runs", "list", "--db", str(db)]) == 0
+        assert f"running (pid {owner.pid})" in capsys.readouterr().out
+        assert main(["runs", "delete", "r1", "--yes", "--db", str(db)]) == 2  # never under a live run
+        assert f"error: run r1 is being trained by process {owner.pid}" in capsys.readouterr().err
         with pytest.raises(RunLockedError, match=rf"^run r1 is being trained by process {owner.pid} \(started "
                                                  rf".+\); wait for it or stop it \(kill {owner.pid}\)$"):
             refuse_if_running(db, "train", "r1")
@@ -102,6 +111,9 @@ def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path):
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=30)
     assert holder(db, "train", "r1") is None  # the kernel let go of it
+    assert main(["runs", "show", "r1", "--db", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "status:      interrupted" in shown and "last stage:  none stored yet" in shown, shown
     with RunLock(db, "train", "r1"):
         assert lock_path(db, "train", "r1").read_text().split()[0] == str(os.getpid())
     assert lock_path(db, "train", "r1").read_text() == ""  # released: no owner named
