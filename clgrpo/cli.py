@@ -1,5 +1,5 @@
-"""The ``clgrpo`` command line: train, library show|diff|export|ops, runs list|delete, model fetch|path, demo, eval,
-report, refresh run|history.
+"""The ``clgrpo`` command line: train, library show|diff|export|ops, runs list|show|delete, model fetch|path, demo,
+eval, report, refresh run|history.
 
 Every user error ends a command with one ``error:`` line (what is wrong: file, row and field, URL, environment
 variable, model) and a non-zero exit; commands that run flows keep the full log, tracebacks included, in a log
@@ -28,6 +28,7 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
 from clgrpo.preflight import PreflightError
+from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
@@ -91,6 +92,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
     from clgrpo.preflight import check_run
 
+    refuse_if_running(config.db_path, "train", config.run_id)  # the flow takes the run lock itself
     stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(config.run_id))
@@ -237,8 +239,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         print(f"no runs in {db}")
         return 0
     print(f"runs in {db}:")
-    # a run marked running in a file nobody writes (this command could open it) was killed or crashed
-    runs["status"] = runs["status"].replace({"running": "interrupted"})
+    runs["status"] = [live_status(db, run_id, status) for run_id, status in zip(runs["run_id"], runs["status"])]
     runs["updated_at"] = runs["updated_at"].dt.strftime("%Y-%m-%d %H:%M:%S")
     columns = ["run_id", "status", "steps_done", "library_version", "library_size", "updated_at", "error"]
     view = runs[columns].astype(object).where(runs[columns].notna(), "-")
@@ -246,8 +247,39 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def live_status(db: str, run_id: str, status: str, *, since: bool = False) -> str:
+    """``running (pid N)`` while a live process holds the run's lock (``since``: and when it took it); a run
+    stored as running whose lock is free was killed or crashed: ``interrupted``; else the stored status."""
+    found = holder(db, "train", run_id)
+    if found is not None:
+        return f"running (pid {found.pid or '?'}{f', since {found.started}' if since else ''})"
+    return "interrupted" if status == "running" else status
+
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    db = _db(args, args.run_id)
+    with _open(db) as store:
+        run = store.run_summary(args.run_id)
+    if run is None:
+        raise StoreError(f"{db}: no run {args.run_id!r} (clgrpo runs list shows the runs)")
+    library = ("none saved" if run["library_version"] is None
+               else f"version {int(run['library_version'])}, {int(run['library_size'])} experiences")
+    stage = ("none stored yet" if run["last_stage"] is None else
+             f"step {run['last_step']} {run['last_stage']} (stored {run['last_completed_at']:%Y-%m-%d %H:%M:%S})")
+    print(f"run {args.run_id} in {db}")
+    print(f"  status:      {live_status(db, args.run_id, run['status'], since=True)}")
+    print(f"  steps done:  {run['steps_done']}")
+    print(f"  last stage:  {stage}")
+    print(f"  library:     {library}")
+    if run["error"] is not None:
+        print(f"  error:       {run['error']}")
+    print(f"  updated at:  {run['updated_at']:%Y-%m-%d %H:%M:%S}")
+    return 0
+
+
 def cmd_runs_delete(args: argparse.Namespace) -> int:
     db = _db(args, args.run_id)
+    refuse_if_running(db, "train", args.run_id)
     if not args.yes:
         if not sys.stdin.isatty():
             raise ConfigError(f"runs delete {args.run_id}: pass --yes to delete without a question")
@@ -659,6 +691,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--as-of {args.as_of!r}: use an ISO date-time such as 2026-11-23T02:00") from exc
     check_refresh(config)
+    refuse_if_running(config.training.db_path, "refresh", config.name)  # the flow takes the lock itself
     remember_db(config.training.db_path)
     _prefect_defaults()
     from flows.refresh import refresh, work_dir
@@ -740,10 +773,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--db", help=DB_HELP)
         p.set_defaults(func=func)
 
-    runs = sub.add_parser("runs", help="list or delete runs").add_subparsers(dest="runs_command", required=True)
+    runs = sub.add_parser("runs", help="list, show or delete runs").add_subparsers(dest="runs_command", required=True)
     runs_list = runs.add_parser("list", help="runs in a DuckDB file: status, steps done, library, last update")
     runs_list.add_argument("--db", help="DuckDB file (default: the most recent database)")
     runs_list.set_defaults(func=cmd_runs_list)
+    runs_show = runs.add_parser("show", help="one run: status (and pid while it trains), steps done, last stored "
+                                             "stage, library, error")
+    runs_show.add_argument("run_id")
+    runs_show.add_argument("--db", help=DB_HELP)
+    runs_show.set_defaults(func=cmd_runs_show)
     runs_delete = runs.add_parser("delete", help="remove every row of a run, in one transaction")
     runs_delete.add_argument("run_id")
     runs_delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")

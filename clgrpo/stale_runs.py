@@ -2,9 +2,10 @@
 
 A SIGKILL (or a power cut, an OOM kill) ends a flow run's process before Prefect can report anything, so the
 flow run stays Running (or Pending) in Prefect's database forever. When the same run is started again, the
-new flow run calls ``mark_stale_runs_crashed`` while it holds the DuckDB write lock of the run's database:
-DuckDB refuses a second writer process, so no other live process can be running this run on this database, and
-every other Running/Pending flow run of the same name (and the same database) is a dead one.
+new flow run calls ``mark_stale_runs_crashed`` while it holds the run's lock (``clgrpo.run_lock``: one live
+process per run id and database, released by the kernel when its process dies), so no other live process can
+be running this run on this database, and every other Running/Pending flow run of the same name (and the same
+database) is a dead one.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ async def mark_stale_runs_crashed(
     (both default to the flow run this is called from), and their Running/Pending task runs. Returns how many
     flow runs were marked; never raises (a Prefect API error is logged as a warning and counts as 0).
 
-    Call it only while holding the DuckDB write lock of the run's database (inside ``with Store(db_path)``).
+    Call it only while holding the run's lock (inside ``with RunLock(db_path, "train", run_id)``).
     ``db_path``: only flow runs whose parameters name the same database file are touched (the same run id in
     another database may be live). ``run_id``: named in the Crashed message. ``flow_name``: only flow runs of
     that flow (default: this flow run's flow)."""

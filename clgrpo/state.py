@@ -70,13 +70,13 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
 def _holds(db: Path, value: str, *, column: str = "run_id",
            tables: tuple[str, ...] = ("runs", "stage_runs", "library_versions")) -> bool:
     """Whether ``db`` has rows with ``column = value`` in one of ``tables`` (by default: of the run, evaluation
-    or refresh ``value``); False when it cannot be opened (e.g. a run is writing it)."""
+    or refresh ``value``); False when it cannot be opened (it waits a little while a run writes it)."""
     import duckdb
 
+    from clgrpo.store import Store, StoreError
+
     try:
-        with duckdb.connect(str(db), read_only=True) as con:
-            present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-            return any(con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
-                       for t in tables if t in present)
-    except duckdb.Error:
+        with Store(db, read_only=True) as store:
+            return store.has_rows(column, value, tables)
+    except (StoreError, duckdb.Error):
         return False

@@ -1,20 +1,30 @@
 """The DuckDB store: the only code that touches the database file.
 
-One ``Store`` owns one connection. Every frame is validated with its pandera model before insert, a stage's
-output is written in one transaction keyed by (run_id, step, stage) (a re-write replaces, never
-duplicates), and library versions are saved whole. DuckDB allows one writer process per file: a second
-process gets ``StoreLockedError`` naming the file.
+Every frame is validated with its pandera model before insert, a stage's output is written in one transaction
+keyed by (run_id, step, stage) (a re-write replaces, never duplicates), and library versions are saved whole.
+
+DuckDB lets one process at a time open a file for writing (and then no other process may even read it), so a
+``Store`` holds the file only while one of its methods works: each public method attaches the file to the
+store's own in-memory DuckDB connection and detaches it when it returns (about 2 ms; nested calls reuse the
+attachment, ``connected()`` keeps it for a block). Another process's commands (``clgrpo runs list`` during a run)
+and other runs on the same file get their turn between calls: opening retries with backoff while another
+process holds the file, up to ``wait_s`` (60 s for writers, 10 s read-only), then ``StoreLockedError`` names
+the holder's pid. One live process per run id is ``clgrpo.run_lock``'s job, not DuckDB's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 import re
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
@@ -66,6 +76,13 @@ class StoreLockedError(StoreError):
     pass
 
 
+T = TypeVar("T")
+
+WRITE_WAIT_S = 60.0  # how long a write-mode Store waits for another process to let go of the file
+READ_WAIT_S = 10.0  # the same for read-only Stores (CLI commands): a write holds the file for milliseconds
+_ALIAS = "clgrpo_db"  # the attached file's name inside a Store's in-memory connection
+
+
 class FrameValidationError(StoreError, ValueError):
     pass
 
@@ -82,6 +99,39 @@ def parse_library_ref(ref: str) -> tuple[str, int | None]:
     if not version.isdigit():
         raise StoreError(f"library reference {ref!r}: the version must be a number or 'latest'")
     return run_id, int(version)
+
+
+def _held_elsewhere(exc: duckdb.Error) -> bool:
+    """Whether opening failed only because the file is open elsewhere: another process (DuckDB's file lock)
+    or another connection of this process with another mode."""
+    text = str(exc).lower()
+    return (isinstance(exc, duckdb.IOException) and "lock" in text) or (
+        isinstance(exc, duckdb.ResourceInUseException) and "already attached" in text)
+
+
+def retry_while_locked(attempt: Callable[[], T], path: str | Path, wait_s: float) -> T:
+    """``attempt()`` (an open of ``path``), again with backoff while another process holds the file, for up to
+    ``wait_s`` seconds; then ``StoreLockedError`` naming the holder. The one retry loop of DuckDB opens."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.002
+    while True:
+        try:
+            return attempt()
+        except duckdb.Error as exc:
+            if not _held_elsewhere(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise StoreLockedError(_locked_message(path, exc, wait_s)) from exc
+        time.sleep(min(pause * random.uniform(0.5, 1.5), max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.1)
+
+
+def _locked_message(path: str | Path, exc: duckdb.Error, wait_s: float) -> str:
+    holder = re.search(r"\(PID (\d+)\)", str(exc))
+    who = f"process {holder.group(1)}" if holder else "another connection of this process"
+    return (f"{path} is in use: {who} kept this DuckDB file open for {wait_s:g} s (DuckDB lets one process at a "
+            "time open a file for writing, and clgrpo holds it only while it reads or writes). Is another program "
+            "(a DuckDB shell, a notebook) keeping it open? Close it, or use another db_path.")
 
 
 def _dumps(value: Any) -> str:
@@ -257,31 +307,95 @@ def _describe_failures(table: str, exc: pa.errors.SchemaErrors, limit: int = 10)
     return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
 
 
+def _connected(method: Callable[..., T]) -> Callable[..., T]:
+    """A public method that works on the file: attached for the call (reusing an attachment already open)."""
+    @functools.wraps(method)
+    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> T:
+        with self.connected():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Store:
-    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+    """The DuckDB file ``path``, attached only while a method works on it (see the module docstring)."""
+
+    def __init__(self, path: str | Path, *, read_only: bool = False, wait_s: float | None = None) -> None:
         self.path = Path(path)
+        self.read_only = read_only
+        self.wait_s = wait_s if wait_s is not None else (READ_WAIT_S if read_only else WRITE_WAIT_S)
         if not read_only:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         elif not self.path.exists():
             raise StoreError(f"{self.path}: no such DuckDB file")
-        try:
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except duckdb.IOException as exc:
-            if "lock" in str(exc).lower():
-                holder = re.search(r"\(PID (\d+)\)", str(exc))
-                who = f"process {holder.group(1)}" if holder else "another process"
-                raise StoreLockedError(
-                    f"{self.path} is in use: {who} (a run already holds it) has this DuckDB file open "
-                    "for writing, and DuckDB allows one writer process. Wait for that run to finish or use "
-                    "another db_path."
-                ) from exc
-            raise
+        self._memory: duckdb.DuckDBPyConnection | None = None  # made once; the file is attached to it
+        self._depth = 0  # open connected() blocks (nested calls, interleaved coroutines)
+        self._pinned = False  # attached by a bare ``con`` access: kept until close()
+        self._schema_ready = read_only  # the tables are created on the first attach of a write-mode Store
+        self._guard = threading.RLock()  # one thread at a time works on the file through this Store
         if not read_only:
-            for statement in create_statements():
-                self.con.execute(statement)
-            self.con.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
+            with self.connected():  # create the tables now, and fail here if the file cannot be opened
+                pass
+
+    # --- holding the file -------------------------------------------------------------------------------
+    @contextmanager
+    def connected(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """Keep the file attached for a block (one transaction, or many reads from one snapshot); the
+        store's methods called inside reuse the attachment."""
+        with self._guard:
+            if self._depth == 0 and not self._pinned:
+                self._attach()
+            self._depth += 1
+            try:
+                yield self._connection()
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and not self._pinned:
+                    self._detach()
 
     @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The connection with the file attached (and in use): inside ``connected()`` or a store method; a
+        bare access (tests, scripts) attaches it until ``close()``."""
+        with self._guard:
+            if self._depth == 0 and not self._pinned:
+                self._attach()
+                self._pinned = True
+            return self._connection()
+
+    def _connection(self) -> duckdb.DuckDBPyConnection:
+        assert self._memory is not None, "attached by _attach"
+        return self._memory
+
+    def _attach(self) -> None:
+        if self._memory is None:
+            self._memory = duckdb.connect(":memory:")  # ~10 ms, once: DuckDB's own start-up
+        mode = " (READ_ONLY)" if self.read_only else ""
+        path = str(self.path).replace("'", "''")
+        retry_while_locked(lambda: self._memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"),
+                           self.path, self.wait_s)
+        self._memory.execute(f"USE {_ALIAS}")
+        if not self._schema_ready:
+            self._create_schema()
+
+    def _create_schema(self) -> None:
+        try:
+            for statement in create_statements():
+                self._memory.execute(statement)
+            self._memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING",
+                                 [uuid.uuid4().hex])
+        except BaseException:
+            self._detach()
+            raise
+        self._schema_ready = True
+
+    def _detach(self) -> None:
+        if self._memory is not None:
+            self._memory.execute("USE memory")
+            self._memory.execute(f"DETACH {_ALIAS}")
+
+    @property
+    @_connected
     def db_id(self) -> str:
         """This database's identity: made when the file was created (a re-created file gets a new one)."""
         try:
@@ -292,9 +406,18 @@ class Store:
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close and drop the connection (a Store kept alive by a traceback must not pin DuckDB objects)."""
-        self.con.close()
-        del self.con
+        """Let go of the file and drop the connection (a Store kept alive by a traceback must not pin DuckDB
+        objects)."""
+        with self._guard:
+            if self._memory is None:
+                return
+            try:
+                if self._depth or self._pinned:
+                    self._detach()
+            finally:
+                self._memory.close()
+                self._memory = None
+                self._depth, self._pinned = 0, False
 
     def __enter__(self) -> "Store":
         return self
@@ -358,21 +481,25 @@ class Store:
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            yield
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        self.con.execute("COMMIT")
+        """One transaction, the file attached for it (the frames are validated before, without the file)."""
+        with self.connected() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
 
     # --- reads ----------------------------------------------------------------------------------------
+    @_connected
     def stage_done(self, run_id: str, step: int, stage: str) -> bool:
         row = self.con.execute(
             "SELECT 1 FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
         ).fetchone()
         return row is not None
 
+    @_connected
     def frame(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
         where, params = ["run_id = ?"], [run_id]
         for column, value in (("step", step), ("stage", stage)):
@@ -383,11 +510,13 @@ class Store:
         sql = f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY step, {order}"
         return self.con.execute(sql, params).df()
 
+    @_connected
     def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
         frame = self.frame(table, run_id, step, stage)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS[table](row) for row in rows]
 
+    @_connected
     def operation_results(self, run_id: str, step: int | None = None) -> list[tuple[int, OperationResult]]:
         """Every applied or rejected operation of a run (or one step), with its step, in order."""
         frame = self.frame("operations", run_id, step)
@@ -395,6 +524,7 @@ class Store:
         return [(int(row["step"]), _operation_record(row)) for row in rows]
 
     # --- embeddings (shared by all runs of this file) ----------------------------------------------------
+    @_connected
     def cached_vectors(self, model: str, hashes: Sequence[str]) -> dict[str, np.ndarray]:
         """Stored embeddings of ``model`` by text hash (those not stored are absent)."""
         if not hashes:
@@ -410,16 +540,19 @@ class Store:
         frame = self.validate("embeddings", pd.DataFrame(
             [{"model": model, "text_hash": h, "dim": len(v), "vector": [float(x) for x in v], "created_at": utcnow()}
              for h, v in vectors.items()]))
-        self.con.register("_clgrpo_vectors", frame)
-        try:
-            self.con.execute("INSERT INTO embeddings BY NAME SELECT * FROM _clgrpo_vectors ON CONFLICT DO NOTHING")
-        finally:
-            self.con.unregister("_clgrpo_vectors")
+        with self.connected() as con:
+            con.register("_clgrpo_vectors", frame)
+            try:
+                con.execute("INSERT INTO embeddings BY NAME SELECT * FROM _clgrpo_vectors ON CONFLICT DO NOTHING")
+            finally:
+                con.unregister("_clgrpo_vectors")
 
+    @_connected
     def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
         return self.con.execute(sql, list(params)).df()
 
     # --- runs -----------------------------------------------------------------------------------------
+    @_connected
     def register_run(self, cfg: RunConfig) -> bool:
         """Record a run's config; True if new (or restarted). The same run id with another config is refused
         once the run has completed a step; before that, the run's rows are removed and it starts afresh with
@@ -442,11 +575,13 @@ class Store:
         self._insert("runs", frame)
         return True
 
+    @_connected
     def set_run_status(self, run_id: str, status: str, error: str | None = None) -> None:
         """``running``, ``completed`` or ``failed`` (with the error), stamped with the time."""
         self.con.execute("UPDATE runs SET status = ?, error = ?, updated_at = ? WHERE run_id = ?",
                          [status, error, utcnow(), run_id])
 
+    @_connected
     def steps_done(self, run_id: str) -> int:
         """Training steps whose checkpoint is stored."""
         row = self.con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0",
@@ -464,12 +599,14 @@ class Store:
                     removed[table] = int(count)
         return removed
 
+    @_connected
     def run_config(self, run_id: str) -> RunConfig:
         row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:
             raise StoreError(f"{self.path}: no run {run_id!r}")
         return RunConfig.model_validate_json(row[0])
 
+    @_connected
     def runs(self) -> pd.DataFrame:
         """One row per run: status, training steps done, latest library version and size, last update."""
         return self.con.execute("""
@@ -486,6 +623,20 @@ class Store:
                        FROM library_versions) v ON v.run_id = r.run_id AND v.k = 1
             ORDER BY r.created_at""", [CHECKPOINT_STAGE]).df()
 
+    @_connected
+    def run_summary(self, run_id: str) -> dict[str, Any] | None:
+        """The run's row of ``runs()`` (missing values None) with its last stored stage: ``last_step``,
+        ``last_stage``, ``last_completed_at`` (None before any); None when there is no such run."""
+        frame = self.runs()
+        frame = frame[frame["run_id"] == run_id]
+        if frame.empty:
+            return None
+        row = {k: _clean(v) for k, v in frame.iloc[0].to_dict().items()}
+        last = self.con.execute("SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? "
+                                "ORDER BY completed_at DESC, step DESC LIMIT 1", [run_id]).fetchone()
+        return {**row, **dict(zip(("last_step", "last_stage", "last_completed_at"), last or (None, None, None)))}
+
+    @_connected
     def evaluations_of(self, run_id: str) -> list[str]:
         """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""
         rows = self.con.execute(
@@ -493,10 +644,20 @@ class Store:
             "GROUP BY run_id ORDER BY min(created_at)", [EVALUATE_STAGE, f"{run_id}:"]).fetchall()
         return [r[0] for r in rows]
 
+    @_connected
+    def has_rows(self, column: str, value: str, tables: Sequence[str]) -> bool:
+        """Whether one of ``tables`` (those this file has) holds a row with ``column = value``."""
+        present = {r[0] for r in self.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()").fetchall()}
+        return any(self.con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
+                   for t in tables if t in present)
+
+    @_connected
     def is_run(self, run_id: str) -> bool:
         return self.con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone() is not None
 
     # --- refreshes ------------------------------------------------------------------------------------
+    @_connected
     def refresh_decisions(self, name: str) -> list[RefreshDecision]:
         """Every decided refresh of ``name``, oldest date first."""
         frame = self.con.execute(
@@ -505,6 +666,7 @@ class Store:
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS["refreshes"](row) for row in rows]
 
+    @_connected
     def consumed_problem_keys(self, name: str) -> set[str]:
         """Content keys of the problems taken by decided refreshes of ``name`` (never taken again)."""
         rows = self.con.execute(
@@ -534,11 +696,13 @@ class Store:
             self._insert("library_versions", head)
             self._insert("library_experiences", body)
 
+    @_connected
     def library_versions(self, run_id: str) -> list[int]:
         rows = self.con.execute(
             "SELECT version FROM library_versions WHERE run_id = ? ORDER BY version", [run_id]).fetchall()
         return [r[0] for r in rows]
 
+    @_connected
     def load_library(self, run_id: str, version: int | None = None) -> ExperienceLibrary:
         """Load a version (default: the latest) of a run's library."""
         if version is None:

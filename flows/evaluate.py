@@ -34,6 +34,7 @@ from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_policy
 from clgrpo.retrieval import prompt_routing, route_library
+from clgrpo.run_lock import RunLock
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -335,16 +336,18 @@ async def _evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[s
         eval_id = eval_id or f"eval-{fingerprint}"
         if not _ID_RE.match(eval_id) or store.is_run(eval_id):
             raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
-        outputs = _read_back(store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions, problems,
-                                                                           legacy=True)})
-        reused = outputs is not None
-        if outputs is None:
-            outputs = await _evaluate_recorded(store, config, evaluation, problems, conditions, eval_id=eval_id,
-                                               fingerprint=fingerprint, leaked_ids=leakage.eval_ids if leakage else [])
-            n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
-            log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
-        else:
-            log.info("evaluation %s: already stored, reading it back", eval_id)
+        with RunLock(config.db_path, "eval", eval_id):  # one live process per evaluation id and database
+            outputs = _read_back(store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions,
+                                                                               problems, legacy=True)})
+            reused = outputs is not None
+            if outputs is None:
+                outputs = await _evaluate_recorded(store, config, evaluation, problems, conditions, eval_id=eval_id,
+                                                   fingerprint=fingerprint,
+                                                   leaked_ids=leakage.eval_ids if leakage else [])
+                n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
+                log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
+            else:
+                log.info("evaluation %s: already stored, reading it back", eval_id)
     notes = [leakage.message()] if leakage is not None else []
     await publish_evaluation(eval_id, outputs["evaluations"], outputs["eval_comparisons"], notes,
                              f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}")

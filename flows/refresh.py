@@ -36,6 +36,7 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
 from clgrpo.runtime import tune_gc
 from clgrpo.report import markdown_table
+from clgrpo.run_lock import RunLock
 from clgrpo.sources import read_arrivals, select_new
 from clgrpo.store import Store
 from domains import get_domain
@@ -253,19 +254,21 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
     cutoff = refresh_cutoff(config, as_of)
     date = refresh_date(config, cutoff)
     refresh_id = f"{config.name}-{date}"
-    with Store(config.training.db_path) as store:
-        decided = stored_decision(store, refresh_id)
-        if decided is not None:
-            log.info("refresh %s was already decided at %s: %s (nothing to do)", refresh_id,
-                     decided.decided_at.isoformat(), decided.status)
-            return decided
-        baseline = promoted_baseline(store, config, date)
-        inputs = take_new_problems(store, config, refresh_id, cutoff)
-    log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
-    if not inputs:
-        reason = f"no new problems arrived in {config.source.path} up to {cutoff.isoformat()}: nothing trained"
-        log.info(reason)
-        return await record(config, decision_record(config, refresh_id, date, cutoff, 0, baseline,
-                                                     status="no_new_data", reasons=[reason]))
-    fields = await train_and_compare(config, refresh_id, inputs, baseline)
-    return await record(config, decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields))
+    with RunLock(config.training.db_path, "refresh", config.name):  # one live refresh per name and database
+        with Store(config.training.db_path) as store:
+            decided = stored_decision(store, refresh_id)
+            if decided is not None:
+                log.info("refresh %s was already decided at %s: %s (nothing to do)", refresh_id,
+                         decided.decided_at.isoformat(), decided.status)
+                return decided
+            baseline = promoted_baseline(store, config, date)
+            inputs = take_new_problems(store, config, refresh_id, cutoff)
+        log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
+        if not inputs:
+            reason = f"no new problems arrived in {config.source.path} up to {cutoff.isoformat()}: nothing trained"
+            log.info(reason)
+            return await record(config, decision_record(config, refresh_id, date, cutoff, 0, baseline,
+                                                         status="no_new_data", reasons=[reason]))
+        fields = await train_and_compare(config, refresh_id, inputs, baseline)
+        return await record(config, decision_record(config, refresh_id, date, cutoff, len(inputs), baseline,
+                                                    **fields))

@@ -1,12 +1,13 @@
 """The training flow: epochs x batches of steps, each step the eight stages.
 
-The flow is the only DuckDB writer. Each stage's output is written in one transaction keyed by
-(run_id, step, stage); a stage already in the store is read back instead of recomputed, so rerunning a run id
-after a crash continues where it stopped (no duplicate rollouts, no operation applied twice). Within a stage,
-every model call and finished item is appended to the step's work journal as it completes (``clgrpo.journal``),
-so a UI "Retry" or a rerun of a failed or killed stage redoes only its failed items, and every request sent is
-accounted in ``llm_calls``. A stage whose failed items exceed ``tolerance.max_failed_fraction`` is not stored
-as done (``tasks.integrity``). A run id is bound to its config: a changed config under the same id is refused.
+The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's output is written in
+one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
+recomputed, so rerunning a run id after a crash continues where it stopped (no duplicate rollouts, no operation
+applied twice). Within a stage, every model call and finished item is appended to the step's work journal as it
+completes (``clgrpo.journal``), so a UI "Retry" or a rerun of a failed or killed stage redoes only its failed
+items, and every request sent is accounted in ``llm_calls``. A stage whose failed items exceed
+``tolerance.max_failed_fraction`` is not stored as done (``tasks.integrity``). A run id is bound to its config:
+a changed config under the same id is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.quality import describe_quality, library_quality
 from clgrpo.retrieval import route_library
+from clgrpo.run_lock import RunLock
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
@@ -571,6 +573,8 @@ async def _train(config: RunConfig, preflight: bool) -> TrainResult:
     warm_verifier(config.domain)  # first: it starts while the checks, the store and the first rollouts wait
     if preflight:
         await check_run(config)
-    with Store(config.db_path) as store:  # the DuckDB write lock: no other live process runs this run id here
+    # the run lock: no other live process runs this run id on this database (the store holds the file only
+    # while it works, so other runs and readers share it)
+    with RunLock(config.db_path, "train", config.run_id), Store(config.db_path) as store:
         await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
         return await Trainer(config, store).run()

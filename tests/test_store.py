@@ -175,21 +175,51 @@ def test_runs_list_status_steps_library_and_delete(store):
     assert store.runs()["run_id"].tolist() == ["r2"] and store.library_versions("r1") == []
 
 
-def test_second_process_gets_a_clear_lock_error(tmp_path):
+def test_a_process_holding_the_file_gets_a_clear_lock_error_after_the_wait(tmp_path):
     path = tmp_path / "held.duckdb"
-    with Store(path):
+    with Store(path) as store, store.connected():  # held open, as another program (a DuckDB shell) might
         script = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(ROOT)!r})
             from clgrpo.store import Store, StoreLockedError
             try:
-                Store({str(path)!r})
+                Store({str(path)!r}, wait_s=0.5)
             except StoreLockedError as exc:
                 print(exc)
                 sys.exit(3)
         """)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
-    assert str(path) in proc.stdout and "a run already holds it" in proc.stdout
-    assert f"process {os.getpid()} (a run" in proc.stdout  # the holder is named
+    assert str(path) in proc.stdout and f"process {os.getpid()} kept this DuckDB file open for 0.5 s" in proc.stdout
     assert StoreLockedError.__mro__[1] is StoreError
+
+
+def test_a_store_holds_the_file_only_while_a_method_works(tmp_path):
+    path = tmp_path / "shared.duckdb"
+    with Store(path) as store:
+        store.set_run_status("r1", "running")  # works, then lets go of the file
+        script = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from clgrpo.store import Store
+            with Store({str(path)!r}, read_only=True, wait_s=0) as store:
+                print(store.db_id, len(store.runs()))
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == [store.db_id, "0"]
+        with store.connected() as con:  # nested calls reuse one attachment
+            assert store.is_run("r1") is False and con is store.con
+        assert store._depth == 0 and not store._pinned
+
+
+def test_only_the_first_open_creates_the_tables(tmp_path, monkeypatch):
+    import clgrpo.store as store_module
+
+    calls = []
+    real = store_module.create_statements
+    monkeypatch.setattr(store_module, "create_statements", lambda: calls.append(1) or real())
+    with Store(tmp_path / "once.duckdb") as store:
+        for _ in range(3):
+            store.steps_done("r1")
+    assert calls == [1]
