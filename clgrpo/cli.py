@@ -447,6 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
                        engine=args.engine, learner=args.learner, verbose=args.verbose)
     remember_db(out / "clgrpo.duckdb")
+    stopping.set_resume_hint(resume_command(opts.run_id))
     with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo", flow_lines=False):
         result = run_demo(opts)
     print(summary(result))
@@ -603,6 +604,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_dataset(config.domain, evaluation.dataset, "--dataset")
     stopping.run(check_policy(config))
     remember_db(config.db_path)
+    stopping.set_resume_hint(resume_command(None))  # the same evaluation id: finished samples are read back
     _prefect_defaults()
     from flows.evaluate import evaluate
 
@@ -693,6 +695,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     check_refresh(config)
     refuse_if_running(config.training.db_path, "refresh", config.name)  # the flow takes the lock itself
     remember_db(config.training.db_path)
+    stopping.set_resume_hint(resume_command(None))
     _prefect_defaults()
     from flows.refresh import refresh, work_dir
 

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from uuid import UUID
 
@@ -26,8 +27,9 @@ from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
 from prefect.client.schemas.responses import SetStateStatus
 from prefect.deployments.flow_runs import arun_deployment
-from prefect.states import Scheduled
+from prefect.states import Cancelling, Scheduled
 
+from clgrpo import stopping
 from schemas.config import RolloutPlacement, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
 from tasks.checkpoint import export_dir
@@ -71,6 +73,12 @@ def read_handoff(url: str) -> tuple[RolloutBatch, dict[str, str | None]] | None:
 async def rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion,
                       handoff: str) -> str:
     """Sample one chunk's rollouts on this worker's GPU and leave them at ``handoff``."""
+    return await stopping.flow_body(partial(_rollout_gpu, config, step, chunk, problems, library, handoff))
+
+
+async def _rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion,
+                       handoff: str) -> str:
+    stopping.note_stage(f"step {step} rollout chunk {chunk}")
     batch = await rollout_task(config, step, chunk, problems, library)
     meta = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": os.uname().nodename}
     write_handoff(handoff, batch, meta)
@@ -148,8 +156,22 @@ async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_
 async def wait_until_final(client: PrefectClient, flow_run_id: UUID, placement: RolloutPlacement) -> FlowRun:
     """Poll the run until it is final or ``placement.timeout_s`` passed (then return it as it stands)."""
     deadline = time.monotonic() + placement.timeout_s
-    while True:
-        run = await client.read_flow_run(flow_run_id)
-        if (run.state is not None and run.state.is_final()) or time.monotonic() >= deadline:
-            return run
-        await asyncio.sleep(placement.poll_interval_s)
+    try:
+        while True:
+            run = await client.read_flow_run(flow_run_id)
+            if (run.state is not None and run.state.is_final()) or time.monotonic() >= deadline:
+                return run
+            await asyncio.sleep(placement.poll_interval_s)
+    except asyncio.CancelledError:
+        if stopping.requested() is not None:  # the parent was stopped: its child stops too (a rerun reschedules it)
+            await _cancel_child(client, flow_run_id)
+        raise
+
+
+async def _cancel_child(client: PrefectClient, flow_run_id: UUID) -> None:
+    """Ask the child's worker to stop it (Prefect's Cancelling state, what the UI's Cancel sets)."""
+    try:
+        await asyncio.wait_for(client.set_flow_run_state(
+            flow_run_id, Cancelling(message=f"its parent was {stopping.describe()}")), timeout=5)
+    except Exception as exc:  # noqa: BLE001 - the parent's stop goes on; the child ends on its own
+        get_run_logger().warning("could not cancel rollout child run %s: %s", flow_run_id, exc)

@@ -125,10 +125,10 @@ class Trainer:
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
+        stopping.note_stage(f"step {step} {name}" if step else name)
         outputs = self.precomputed.pop((step, name), None)
         if outputs is None:
             self.check_budget(step, name)
-            stopping.note_stage(f"step {step} {name}" if step else name)
             if expect:
                 progress.start(step, name, *expect)
             try:

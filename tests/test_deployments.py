@@ -400,3 +400,39 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
     assert step1_rollouts["n"][0] == 32
     if ((stored_before.step == 1) & (stored_before.stage == "rollout")).any():  # stored: never sampled again
         assert server.stats.by_role["policy"] - policy_before == 32 // 4  # only step 2's 8 requests
+
+
+def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_runs_that_child_again(stack, tmp_path):
+    """The parent of a pool run is cancelled while its rollout child samples on the cuda worker: the child is
+    cancelled too (no GPU left busy for a stopped run); the parent's rerun schedules the same child run again."""
+    slow_policy = lambda r: 3.0 if role_of(r) == "policy" else 0.05  # noqa: E731 - the child runs a while
+    with FakeOpenAIServer(ScriptedWorld(seed=13), latency=slow_policy) as server:
+        config = _config(server, tmp_path, "parent-cancelled", epochs=1)
+        started = stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
+                                timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        parent_id = UUID(started.stdout.split("UUID:")[1].split()[0])
+        deadline = time.monotonic() + 240
+        while not [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu"))
+                   if "parent-cancelled" in c.name and c.state.is_running()]:
+            assert time.monotonic() < deadline, _logs(stack)
+            time.sleep(0.3)
+        cancel = stack.prefect("flow-run", "cancel", str(parent_id), timeout=60)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        parent = _wait_state(stack, parent_id, lambda r: r.state.is_final(), "final", timeout=120)
+        assert parent.state.is_cancelled(), (parent.state, _logs(stack))
+        deadline = time.monotonic() + 120
+        while True:
+            (child,) = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "parent-cancelled" in c.name]
+            if child.state.is_final() or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert child.state.is_cancelled(), (child.state, _logs(stack))
+
+        rerun = _run(stack, config)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr + _logs(stack)
+    (again,) = [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu")) if "parent-cancelled" in c.name]
+    assert again.id == child.id and again.run_count == 2 and again.state.is_completed()
+    with Store(config["db_path"], read_only=True) as store:
+        assert store.library_versions("parent-cancelled") == [0, 1]
+        assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='parent-cancelled'")["n"][0] == 32

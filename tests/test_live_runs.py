@@ -20,7 +20,7 @@ from clgrpo.run_lock import RunLock, RunLockedError, holder, lock_path, refuse_i
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
-from tests.test_kill_points import cli_env, prefect_api, write_config  # noqa: F401 - prefect_api: a fixture
+from tests.test_kill_points import cli_env, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def stored_step(db: Path) -> bool:
 
 
 @pytest.mark.integration
-def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, tmp_path):  # noqa: F811
+def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, tmp_path):
     dataset = write_jsonl(make_problems(n_per_family=4, seed=5), tmp_path / "train.jsonl")
     db = tmp_path / "db" / "live.duckdb"
     env = cli_env(prefect_api, tmp_path)

@@ -39,14 +39,17 @@ from tests.test_kill_points import (
     RUN_LIMIT_S,
     Attempt,
     cli_env,
+    dataset,  # noqa: F401 - a fixture
     duplicates,
     flow_runs_of,
     frames,
     llm_server,
+    reference,  # noqa: F401 - a fixture
     run_to_completion,
     run_until,
     start_attempt,
     survivors_of,
+    write_config,
 )
 
 pytestmark = pytest.mark.integration
@@ -316,3 +319,69 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
     assert states == {"CANCELLED"}, states
     with Store(tmp_path / "db" / "tiny.duckdb", read_only=True) as store:
         assert store.runs().set_index("run_id").loc["tiny", "status"] == "cancelled"
+
+
+# --- a signal during a stage write: the write finishes, then the run stops ----------------------------------
+SLOW_WRITE_DRIVER = """
+import pathlib, sys, time
+from clgrpo.store import Store
+
+marker = pathlib.Path(sys.argv.pop(1))
+insert = Store._insert
+
+def slow_insert(self, table, frame):
+    if table == "summaries" and not marker.exists():
+        marker.write_text("writing")
+        time.sleep(1.5)  # the test's SIGTERM lands here, inside the stage's transaction
+    return insert(self, table, frame)
+
+Store._insert = slow_insert
+sys.argv[0] = "clgrpo"
+from clgrpo.cli import run
+run()
+"""
+
+
+def test_sigterm_during_a_stage_write_lets_the_write_finish_then_stops(prefect_api, dataset, reference, tmp_path):
+    """`clgrpo train` in a driver that makes the first summaries write take 1.5 s: SIGTERM inside that
+    transaction. The stage is stored whole (its marker's row count equals its rows), the command exits 143
+    with its line, and the resumed run equals the uninterrupted one."""
+    db = tmp_path / "db" / "written.duckdb"
+    marker = tmp_path / "writing"
+    driver = tmp_path / "driver.py"
+    driver.write_text(SLOW_WRITE_DRIVER)
+    env = cli_env(prefect_api, tmp_path)
+    with llm_server() as server:
+        config = write_config(tmp_path / "run.yaml", db, dataset, server)
+        argv = [sys.executable, str(driver), str(marker), "train", "--config", str(config), "--run-id", "written"]
+        out = tmp_path / "attempt.out"
+        with open(out, "w") as handle:
+            proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.02)
+        progress = server.responder.progress()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        output = out.read_text(errors="replace")
+        assert rc == 143, output[-3000:]
+        lines = error_lines(output)
+        assert len(lines) == 1 and "terminated (SIGTERM) during step 1 summarize" in lines[0], output[-3000:]
+        assert "Traceback" not in output
+        with Store(db, read_only=True) as store:
+            marked = store.query("SELECT n_rows FROM stage_runs WHERE run_id='written' AND step=1 "
+                                 "AND stage='summarize'")
+            stored = store.query("SELECT (SELECT count(*) FROM summaries WHERE run_id='written' AND step=1) + "
+                                 "(SELECT count(*) FROM llm_calls WHERE run_id='written' AND step=1 "
+                                 "AND stage='summarize') AS n")
+            assert store.runs().set_index("run_id").loc["written", "status"] == "cancelled"
+        assert len(marked) == 1 and int(marked["n_rows"][0]) == int(stored["n"][0]) > 0
+        while server.stats.in_flight:
+            time.sleep(0.02)
+        server.responder.forget_after(progress)
+        final = start_attempt(config, "written", env, tmp_path / "final.out", server)
+        run_to_completion(final, server)
+    ours, theirs = frames(db, "written"), frames(reference.db, "ref")
+    for name in ("stage_runs", "library_versions", "libraries", "operations", "rollouts", "summaries"):
+        assert ours[name] == theirs[name], f"{name} differs from the uninterrupted run's"
