@@ -104,15 +104,20 @@ def stop_line(signum: int | None = None) -> str:
     return f"{describe(signum)}: finished work is stored{resume}"
 
 
+def _stop_grace_timers() -> None:
+    with _lock:
+        for timer in _timers:
+            timer.cancel()
+        _timers.clear()
+
+
 def reset() -> None:
     """Forget a stop signal that was the expected end of a command (``model serve``: Ctrl-C stops it)."""
     global _signum
     with _lock:
         _signum = None
         _stopping.clear()
-        for timer in _timers:
-            timer.cancel()
-        _timers.clear()
+    _stop_grace_timers()
 
 
 # --- the handler -------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def _usable_cores() -> int:
 # second child's ~0.5 s of start-up CPU competed with the run's start (benchmarks/REPORT.md "Fixed overhead")
 POOL_PROCESSES = max(1, min(4, _usable_cores() // 2))
 STARTUP_TIMEOUT_S = 120.0  # starting the pool (spawn + import math-verify + warm-up); charged to no sample
+POOL_STOP_S = 2.0  # closing the pool: how long terminate() may take before its workers are killed directly
 HANG_FACTOR = 4.0  # parent backstop: an item running HANG_FACTOR * timeout_s + DEADLINE_MARGIN_S (wall clock,
 DEADLINE_MARGIN_S = 10.0  # from the moment a child started it) without finishing counts as hung
 MAX_LOST_ROUNDS = 3  # a batch gives up after its pool was killed this often by other threads' timeouts
@@ -114,7 +115,18 @@ class _Generation:
                 pass
 
     def close(self) -> None:
-        self.pool.terminate()
+        # terminate() first takes the task queue's lock, which an idle worker holds while it waits for a task: a
+        # worker killed there (a signal to the whole process group, as a Prefect worker's cancel sends) holds it
+        # forever. So it gets POOL_STOP_S in a daemon thread; past that the workers are killed directly.
+        stopper = threading.Thread(target=self.pool.terminate, name="math-verify-pool-stop", daemon=True)
+        stopper.start()
+        stopper.join(POOL_STOP_S)
+        if stopper.is_alive():
+            for process in list(getattr(self.pool, "_pool", [])):
+                try:
+                    process.kill()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
         with self._lock:
             self._closed = True
             try:
