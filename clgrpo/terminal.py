@@ -228,7 +228,7 @@ class MilestoneLines:
             now = time.monotonic()
             with self.lock:
                 for label, (p, started, last) in list(self.open.items()):
-                    if now - last >= self.heartbeat_s:
+                    if p.total > 0 and now - last >= self.heartbeat_s:  # (a stage still waiting for work: quiet)
                         self.open[label] = (p, started, now)
                         self._write(f"  {label}: {p.done}/{p.total} {p.unit} after {_duration(now - started)}")
 
