@@ -552,7 +552,7 @@ def _with_mode(config: RunConfig, mode: str | None) -> RunConfig:
     return config.model_copy(update={"rollout": config.rollout.model_copy(update={"mode": mode})})
 
 
-FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_field")
+FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_field", "tag_field")
 
 
 def _eval_settings(args: argparse.Namespace, config: RunConfig) -> tuple[EvalConfig, DatasetConfig | None]:
@@ -650,6 +650,7 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--id-field", help="column of the id (default: the config's, else id)")
     ev.add_argument("--url-field", help="web: column of the start page (default: the config's)")
     ev.add_argument("--domain-field", help="column of the domain tag (default: the config's)")
+    ev.add_argument("--tag-field", help="column of the task tag: also compare per tag (default: the config's, tag)")
     ev.add_argument("--train-dataset", help="training problems for the leakage guard (default: the training set "
                                             "of the evaluated run)")
     ev.add_argument("--leakage-threshold", type=float, default=0.8,

@@ -139,6 +139,11 @@ TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_
                     "max_batch_rows"}
 
 
+def _problem_payload(problem: Problem) -> dict:
+    """A problem as fingerprinted: fields added later count only when set (older evaluations keep theirs)."""
+    return problem.model_dump(exclude={name for name in ("domain_tag", "tag") if getattr(problem, name) is None})
+
+
 def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
                      problems: list[Problem], *, legacy: bool = False) -> str:
     """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
@@ -146,11 +151,12 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
     payload = {
         "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
-        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
-                                                                  "refuse_on_leakage", "every_n_steps"}),
+        # the tag column counts through the problems' tags (below)
+        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size": True, "leakage_threshold": True,
+                                                                  "refuse_on_leakage": True, "every_n_steps": True,
+                                                                  "dataset": {"tag_field"}}),
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
-        "problems": text_hash(json.dumps([p.model_dump(exclude={"domain_tag"} if p.domain_tag is None else None)
-                                          for p in problems], sort_keys=True)),
+        "problems": text_hash(json.dumps([_problem_payload(p) for p in problems], sort_keys=True)),
     }
     if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
         payload["agent"] = agent

@@ -68,6 +68,9 @@ class DatasetConfig(Section):
     # a mixed dataset: the column naming each problem's domain (e.g. "algebra", "web"); a problem's prompt gets its
     # domain's experiences and the shared ones, and lessons learned from one domain's problems are tagged with it
     domain_field: str | None = None
+    # the column with each problem's task tag (e.g. "geometry"): evaluations also compare conditions per tag and
+    # a refresh gates on every tag; a missing column or a blank cell: untagged
+    tag_field: str | None = "tag"
     # the web domain: the column with a question's start page (WebWalkerQA: root_url); added to the question as
     # "Start page: URL"; a missing or blank cell: no start page
     url_field: str | None = None
@@ -393,6 +396,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "oversize"): "error",
     ("dataset", "domain_field"): None,
     ("dataset", "url_field"): None,
+    ("dataset", "tag_field"): "tag",
     ("learning", "extract"): "operations",
     ("learning", "candidates"): 1,
     ("learning", "fallback"): "none",
@@ -482,6 +486,9 @@ class RunConfig(Section):
         for (section, key), default in LATER_SETTINGS.items():
             if isinstance(payload[section], dict) and payload[section].get(key) == default:
                 del payload[section][key]
+        validation = payload.get("validation")
+        if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
+            del validation["dataset"]["tag_field"]
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
         payload.pop("library", None)

@@ -336,7 +336,7 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
                  "tool_time_s DOUBLE"],
     "rewards": ["verified BOOLEAN", "judge_reason VARCHAR"],
-    "problems": ["domain_tag VARCHAR"],
+    "problems": ["domain_tag VARCHAR", "tag VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",

@@ -46,6 +46,7 @@ class ProblemsFrame(StageKeyed):
     answer: Series[str] = pa.Field(nullable=True)
     source: Series[str]
     domain_tag: Series[str] = pa.Field(nullable=True)
+    tag: Series[str] = pa.Field(nullable=True)
 
 
 class RolloutsFrame(StageKeyed):

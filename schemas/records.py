@@ -33,6 +33,9 @@ class Problem(Record):
     answer: str | None = None  # None when the dataset has no ground truth
     source: str = ""
     domain_tag: str | None = None  # the problem's domain in a mixed dataset (``dataset.domain_field``)
+    # the problem's task tag (``dataset.tag_field``, or set by a refresh source): evaluations compare
+    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.gate``)
+    tag: str | None = None
 
 
 class Turn(Record):
