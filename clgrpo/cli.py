@@ -589,7 +589,9 @@ def print_evaluation(outcome: EvalOutcome) -> None:
         name = "Mean" if c.metric == "mean_at_k" else "Pass"
         k = first.k if c.metric == "mean_at_k" else first.pass_k
         verdict = "significant" if c.significant else f"not significant ({level} CI contains 0)"
-        print(f"  {c.candidate} - {c.baseline}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] {verdict}")
+        scope = f" [tag {c.tag}, {c.n_problems} problems]" if c.tag is not None else ""
+        print(f"  {c.candidate} - {c.baseline}{scope}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] "
+              f"{verdict}")
     print(outcome.leakage)
     print(f"DuckDB: {outcome.db_path} (tables evaluations, eval_results, eval_comparisons; "
           f"run_id = {outcome.eval_id})")

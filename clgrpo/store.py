@@ -277,7 +277,7 @@ _ORDER = {
     "llm_calls": "started_at",
     "evaluations": "created_at, condition",
     "eval_results": "condition, problem_id, sample_idx",
-    "eval_comparisons": "baseline, candidate, metric",
+    "eval_comparisons": "baseline, candidate, tag NULLS FIRST, metric",
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
     "experience_stats": "exp_id",

@@ -54,7 +54,7 @@ from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
-from tasks.evaluate import compare_conditions, evaluate_task, summarize_condition
+from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 
 Outputs = dict[str, list[Any]]
 EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
@@ -77,6 +77,11 @@ class EvalOutcome:
     comparisons: list[EvalComparison] = field(default_factory=list)
     leakage: str = ""
     reused: bool = False  # read back from DuckDB instead of sampled
+
+    @property
+    def overall(self) -> list[EvalComparison]:
+        """The comparisons over all problems (``comparisons`` also holds one per task tag)."""
+        return [c for c in self.comparisons if c.tag is None]
 
 
 # --- inputs -------------------------------------------------------------------------------------------
@@ -185,9 +190,9 @@ async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problem
                                      library_ref=c.ref, library=c.library, dataset=dataset_label(evaluation.dataset),
                                      fingerprint=fingerprint, leaked_ids=leaked_ids) for c in conditions]
     baseline = conditions[0].label
-    comparisons = [cmp for c in conditions[1:]
-                   for cmp in compare_conditions((baseline, samples[baseline]), (c.label, samples[c.label]),
-                                                 problem_ids, evaluation, eval_id=eval_id)]
+    comparisons = [cmp for c in conditions[1:]  # overall, then per task tag
+                   for cmp in compare_by_tag((baseline, samples[baseline]), (c.label, samples[c.label]),
+                                             problems, evaluation, eval_id=eval_id)]
     return {"evaluations": summaries, "eval_results": [s for c in conditions for s in samples[c.label]],
             "eval_comparisons": comparisons, "llm_calls": calls}
 

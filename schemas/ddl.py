@@ -338,6 +338,7 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "rewards": ["verified BOOLEAN", "judge_reason VARCHAR"],
     "problems": ["domain_tag VARCHAR", "tag VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
+    "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
                   "turn INTEGER", "reply VARCHAR"],

@@ -261,6 +261,11 @@ class EvalComparisonsFrame(StageKeyed):
     ci_high: Series[float] = pa.Field(ge=-1.0, le=1.0)
     ci_level: Series[float] = pa.Field(gt=0.0, lt=1.0)
     n_problems: Series[int] = pa.Field(ge=1)
+    tag: Series[str] = pa.Field(nullable=True)  # NULL: all problems
+
+    @pa.dataframe_check
+    def one_row_per_comparison(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["run_id", "step", "baseline", "candidate", "metric", "tag"]).any()
 
 
 class RefreshInputsFrame(StageKeyed):

@@ -343,6 +343,7 @@ class EvalComparison(Record):
     ci_high: float
     ci_level: float
     n_problems: int = Field(ge=1)
+    tag: str | None = None  # None: over all problems; else over the problems of this task tag (``Problem.tag``)
 
     @property
     def significant(self) -> bool:
