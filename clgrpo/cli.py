@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from clgrpo import leftovers, stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
+from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
@@ -677,9 +678,11 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     report.set_defaults(func=cmd_report)
 
 
-def print_decision(d: RefreshDecision) -> None:
+def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
+    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.gate.failing_summary``)."""
     gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
-    print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain})")
+    failing = f", failing tags: {failing_tags}" if failing_tags else ""
+    print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain}{failing})")
     print(f"    started from {d.baseline_ref}" + (f", candidate {d.candidate_ref}" if d.candidate_ref else ""))
     for reason in d.reasons:
         print(f"    - {reason}")
@@ -714,10 +717,11 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
     db = resolve_db(args.db, refresh=args.name)
     with _open(db) as store:
         decisions = store.refresh_decisions(args.name)
+        gates = store.refresh_gates(args.name)
     if not decisions:
         print(f"no refreshes named {args.name!r} in {db}")
     for d in decisions:
-        print_decision(d)
+        print_decision(d, failing_summary(gates.get(d.refresh_id, [])))
     return 0
 
 

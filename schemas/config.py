@@ -528,7 +528,8 @@ class TrainingTemplate(RunConfig):
 class RefreshConfig(Section):
     """The nightly experience refresh: train on the problems that arrived since the last refresh, starting
     from the latest promoted library, and promote the result only if it beats that library on a held-out set
-    (the lower bound of the paired gain's CI above ``margin``). One refresh per ``name`` and date."""
+    (the lower bound of the paired gain's CI above ``margin``) and no task tag of that set regressed (the upper
+    bound of the tag's gain's CI below ``-tag_margin``). One refresh per ``name`` and date."""
 
     name: str = Field("nightly", pattern=r"^[A-Za-z0-9_.-]+$")
     source: RefreshSource
@@ -540,6 +541,13 @@ class RefreshConfig(Section):
     max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
     metric: Literal["mean_at_k", "pass_at_k"] = "mean_at_k"
     margin: float = Field(0.0, ge=-1.0, lt=1.0)  # promote iff the gain's CI lower bound > margin
+    # the per-task no-regression gate (``clgrpo.gate``), over the held-out set's task tags (``dataset.tag_field``):
+    # a tag fails when the upper bound of its gain's CI is below -tag_margin (by default: when its CI lies wholly
+    # below 0), and a candidate with a failing tag is not promoted, whatever its overall gain
+    tag_margin: float = Field(0.0, ge=0.0, lt=1.0)
+    # tags with fewer held-out problems are reported but not gated: a bootstrap over a handful of problems gives
+    # intervals too narrow to trust (one problem: a single point)
+    min_tag_problems: int = Field(10, ge=1)
     timezone: str = "UTC"  # the date of a refresh (its idempotency key) is taken in this zone
     initial_library: str | None = None  # the library before the first promotion (a file; None: empty)
     work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>

@@ -368,6 +368,27 @@ class RefreshInput(Record):
         return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source)
 
 
+class RefreshGateRow(Record):
+    """One row of a refresh's promotion gate (``clgrpo.gate``; table ``refresh_gate``): the paired comparison
+    baseline -> candidate over all held-out problems (``tag`` None) or over one task tag's, and its verdict.
+    Overall: pass when the CI lower bound is above ``threshold`` (the margin). A tag: fail when the CI upper
+    bound is below ``threshold`` (-tag_margin), not_gated when it has fewer than ``min_tag_problems``."""
+
+    refresh_id: str
+    tag: str | None = None  # None: all held-out problems
+    metric: Literal["mean_at_k", "pass_at_k"]
+    n_problems: int = Field(ge=1)
+    baseline_value: float
+    candidate_value: float
+    diff: float
+    ci_low: float
+    ci_high: float
+    ci_level: float
+    threshold: float
+    verdict: Literal["pass", "fail", "not_gated"]
+    reason: str
+
+
 class RefreshDecision(Record):
     """What one refresh decided and why. ``status``: no_new_data (nothing trained), promoted, or
     not_promoted (candidate kept out; ``reasons`` say why)."""
