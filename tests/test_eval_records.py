@@ -6,6 +6,7 @@ import duckdb
 import pytest
 
 from clgrpo.library import ExperienceLibrary
+from clgrpo.report import comparison_table
 from clgrpo.store import FrameValidationError, Store
 from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, DatasetConfig, EvalConfig, RunConfig
 from schemas.records import EvalSample, Problem, text_hash
@@ -51,6 +52,14 @@ def test_comparisons_per_task_tag_reuse_the_overall_statistics(tmp_path):
     assert geometry.diff == pytest.approx(-0.5) and geometry.ci_low == geometry.ci_high == pytest.approx(-0.5)
     untagged = [p.model_copy(update={"tag": None}) for p in problems]
     assert compare_by_tag(("none", base), ("lib", better), untagged, CFG, eval_id="e") == comparisons[:2]
+
+    summary = summarize_condition(base, list("abcd"), CFG, eval_id="e", condition="none", library_ref="none",
+                                  library=ExperienceLibrary(), dataset="x", fingerprint="f")
+    headers, rows = comparison_table(comparisons, [summary])
+    assert headers[:3] == ["candidate - baseline", "tag", "problems"]
+    assert [row[1:4] for row in rows[::2]] == [["all", "4", "Mean@4"], ["geometry", "1", "Mean@4"],
+                                               ["sums", "2", "Mean@4"]]
+    assert "tag" not in comparison_table(comparisons[:2], [summary])[0]  # untagged: the table as before
 
     db = tmp_path / "db.duckdb"
     with Store(db) as store:

@@ -188,7 +188,7 @@ def test_task_tags_come_from_the_tag_column_when_there_is_one(tmp_path: Path, su
     assert {p.tag for p in load_problems(_cfg(renamed, tag_field="family"))} == {"algebra"}
     assert {p.tag for p in load_problems(_cfg(renamed))} == {None}  # no "tag" column: no tags
     wrong = _write_jsonl(tmp_path / "wrong.jsonl", [{**ROWS[0], "tag": ["a"]}])
-    with pytest.raises(DatasetError, match="field 'tag': wrong type: expected text or a number \\(or empty: untagged\\)"):
+    with pytest.raises(DatasetError, match=r"field 'tag': wrong type: expected text or a number \(or empty: untagged"):
         load_problems(_cfg(wrong))
 
 

@@ -196,7 +196,8 @@ async def test_a_candidate_that_hurts_no_tag_is_promoted_with_passing_rows(tmp_p
         config = gated_config(server, tmp_path, {f.name: 4 for f in FAMILIES}, min_tag_problems=4)
         decision = await refresh_once(config, tmp_path)
     assert decision.status == "promoted", decision.reasons
-    assert decision.reasons[2] == "per-tag gate: none of 4 gated tag(s) regressed (differences, products, remainders, sums)"
+    assert decision.reasons[2] == ("per-tag gate: none of 4 gated tag(s) regressed "
+                                   "(differences, products, remainders, sums)")
     rows = gate_rows(config, decision.refresh_id)
     assert [r.tag for r in rows] == [None, "differences", "products", "remainders", "sums"]
     assert {r.verdict for r in rows} == {"pass"} and all(r.n_problems == 4 for r in rows[1:])
