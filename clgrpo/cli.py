@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from clgrpo import leftovers, stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
+from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
@@ -552,7 +553,7 @@ def _with_mode(config: RunConfig, mode: str | None) -> RunConfig:
     return config.model_copy(update={"rollout": config.rollout.model_copy(update={"mode": mode})})
 
 
-FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_field")
+FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_field", "tag_field")
 
 
 def _eval_settings(args: argparse.Namespace, config: RunConfig) -> tuple[EvalConfig, DatasetConfig | None]:
@@ -589,7 +590,9 @@ def print_evaluation(outcome: EvalOutcome) -> None:
         name = "Mean" if c.metric == "mean_at_k" else "Pass"
         k = first.k if c.metric == "mean_at_k" else first.pass_k
         verdict = "significant" if c.significant else f"not significant ({level} CI contains 0)"
-        print(f"  {c.candidate} - {c.baseline}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] {verdict}")
+        scope = f" [tag {c.tag}, {c.n_problems} problems]" if c.tag is not None else ""
+        print(f"  {c.candidate} - {c.baseline}{scope}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] "
+              f"{verdict}")
     print(outcome.leakage)
     print(f"DuckDB: {outcome.db_path} (tables evaluations, eval_results, eval_comparisons; "
           f"run_id = {outcome.eval_id})")
@@ -650,6 +653,7 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--id-field", help="column of the id (default: the config's, else id)")
     ev.add_argument("--url-field", help="web: column of the start page (default: the config's)")
     ev.add_argument("--domain-field", help="column of the domain tag (default: the config's)")
+    ev.add_argument("--tag-field", help="column of the task tag: also compare per tag (default: the config's, tag)")
     ev.add_argument("--train-dataset", help="training problems for the leakage guard (default: the training set "
                                             "of the evaluated run)")
     ev.add_argument("--leakage-threshold", type=float, default=0.8,
@@ -674,9 +678,11 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     report.set_defaults(func=cmd_report)
 
 
-def print_decision(d: RefreshDecision) -> None:
+def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
+    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.gate.failing_summary``)."""
     gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
-    print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain})")
+    failing = f", failing tags: {failing_tags}" if failing_tags else ""
+    print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain}{failing})")
     print(f"    started from {d.baseline_ref}" + (f", candidate {d.candidate_ref}" if d.candidate_ref else ""))
     for reason in d.reasons:
         print(f"    - {reason}")
@@ -711,10 +717,11 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
     db = resolve_db(args.db, refresh=args.name)
     with _open(db) as store:
         decisions = store.refresh_decisions(args.name)
+        gates = store.refresh_gates(args.name)
     if not decisions:
         print(f"no refreshes named {args.name!r} in {db}")
     for d in decisions:
-        print_decision(d)
+        print_decision(d, failing_summary(gates.get(d.refresh_id, [])))
     return 0
 
 

@@ -216,7 +216,7 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
             server.stop()
     seconds["total"] = time.monotonic() - started
     library, operations, failed = _outcome(result.db_path, result.run_id)
-    comparison = next((c for c in evaluation.comparisons if c.metric == "mean_at_k"), None)
+    comparison = next((c for c in evaluation.overall if c.metric == "mean_at_k"), None)
     return DemoResult(run_id=result.run_id, model=opts.model_name, engine=engine, db_path=result.db_path,
                       export_dir=result.export_dir, steps=result.steps, library=library,
                       evaluation=evaluation.summaries, comparison=comparison, operations=operations,

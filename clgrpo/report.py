@@ -224,12 +224,17 @@ def metric_name(metric: str, k: int) -> str:
 
 
 def comparison_table(comparisons: list[EvalComparison], summaries: list[EvalSummary]) -> Table:
+    """The paired differences; with task tags, a tag column (``all``: over every problem) and problem counts."""
     k = {"mean_at_k": summaries[0].k, "pass_at_k": summaries[0].pass_k}
     headers = ["candidate - baseline", "metric", "baseline", "candidate", "difference [CI]", "significant"]
     rows = [[f"{c.candidate} - {c.baseline}", metric_name(c.metric, k[c.metric]), f"{c.baseline_value:.3f}",
              f"{c.candidate_value:.3f}",
              _fmt(Estimate(c.diff, c.ci_low, c.ci_high, c.ci_level), signed=True),
              "yes" if c.significant else "no"] for c in comparisons]
+    if any(c.tag is not None for c in comparisons):
+        headers[1:1] = ["tag", "problems"]
+        for row, c in zip(rows, comparisons):
+            row[1:1] = [c.tag or "all", str(c.n_problems)]
     return headers, rows
 
 

@@ -37,6 +37,7 @@ from schemas.ddl import (
     CHECKPOINT_STAGE,
     EVALUATE_STAGE,
     REFRESH_DECIDE_STAGE,
+    REFRESH_GATE_STAGE,
     RUN_TABLES,
     STAGE_TABLES,
     create_statements,
@@ -58,6 +59,7 @@ from schemas.records import (
     Problem,
     Proposal,
     RefreshDecision,
+    RefreshGateRow,
     RefreshInput,
     Reward,
     Rollout,
@@ -193,6 +195,7 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "eval_comparisons": lambda items: [c.model_dump() for c in items],
     "refresh_inputs": lambda items: [i.model_dump() for i in items],
     "refreshes": lambda items: [_refresh_row(d) for d in items],
+    "refresh_gate": lambda items: [r.model_dump() for r in items],
     "experience_stats": lambda items: [s.model_dump() for s in items],
     "library_quality": lambda items: [q.model_dump() for q in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
@@ -262,6 +265,7 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
                                              operation=Operation(**json.loads(row["operation_json"])),
                                              problem_ids=json.loads(row["problem_ids_json"])),
     "trial_samples": _plain(TrialSample),
+    "refresh_gate": _plain(RefreshGateRow),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
 }
@@ -277,9 +281,10 @@ _ORDER = {
     "llm_calls": "started_at",
     "evaluations": "created_at, condition",
     "eval_results": "condition, problem_id, sample_idx",
-    "eval_comparisons": "baseline, candidate, metric",
+    "eval_comparisons": "baseline, candidate, tag NULLS FIRST, metric",
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
+    "refresh_gate": "tag NULLS FIRST",
     "experience_stats": "exp_id",
     "lesson_trials": "seq",
     "trial_samples": "seq, problem_id, sample_idx",
@@ -665,6 +670,19 @@ class Store:
             [name, REFRESH_DECIDE_STAGE]).df()
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS["refreshes"](row) for row in rows]
+
+    @_connected
+    def refresh_gates(self, name: str) -> dict[str, list[RefreshGateRow]]:
+        """The promotion-gate rows of every decided refresh of ``name`` by refresh id (overall row first)."""
+        frame = self.con.execute(
+            "SELECT g.* FROM refresh_gate g JOIN refreshes r ON g.refresh_id = r.refresh_id "
+            "WHERE r.name = ? AND r.stage = ? AND g.stage = ? ORDER BY g.refresh_id, g.tag NULLS FIRST",
+            [name, REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE]).df()
+        gates: dict[str, list[RefreshGateRow]] = {}
+        for row in frame.to_dict(orient="records"):
+            gate = _RECORDS["refresh_gate"]({k: _clean(v) for k, v in row.items()})
+            gates.setdefault(gate.refresh_id, []).append(gate)
+        return gates
 
     @_connected
     def consumed_problem_keys(self, name: str) -> set[str]:

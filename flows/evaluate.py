@@ -54,7 +54,7 @@ from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
-from tasks.evaluate import compare_conditions, evaluate_task, summarize_condition
+from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 
 Outputs = dict[str, list[Any]]
 EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
@@ -77,6 +77,11 @@ class EvalOutcome:
     comparisons: list[EvalComparison] = field(default_factory=list)
     leakage: str = ""
     reused: bool = False  # read back from DuckDB instead of sampled
+
+    @property
+    def overall(self) -> list[EvalComparison]:
+        """The comparisons over all problems (``comparisons`` also holds one per task tag)."""
+        return [c for c in self.comparisons if c.tag is None]
 
 
 # --- inputs -------------------------------------------------------------------------------------------
@@ -139,6 +144,11 @@ TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_
                     "max_batch_rows"}
 
 
+def _problem_payload(problem: Problem) -> dict:
+    """A problem as fingerprinted: fields added later count only when set (older evaluations keep theirs)."""
+    return problem.model_dump(exclude={name for name in ("domain_tag", "tag") if getattr(problem, name) is None})
+
+
 def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
                      problems: list[Problem], *, legacy: bool = False) -> str:
     """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
@@ -146,11 +156,12 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
     payload = {
         "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
-        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
-                                                                  "refuse_on_leakage", "every_n_steps"}),
+        # the tag column counts through the problems' tags (below)
+        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size": True, "leakage_threshold": True,
+                                                                  "refuse_on_leakage": True, "every_n_steps": True,
+                                                                  "dataset": {"tag_field"}}),
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
-        "problems": text_hash(json.dumps([p.model_dump(exclude={"domain_tag"} if p.domain_tag is None else None)
-                                          for p in problems], sort_keys=True)),
+        "problems": text_hash(json.dumps([_problem_payload(p) for p in problems], sort_keys=True)),
     }
     if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
         payload["agent"] = agent
@@ -179,9 +190,9 @@ async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problem
                                      library_ref=c.ref, library=c.library, dataset=dataset_label(evaluation.dataset),
                                      fingerprint=fingerprint, leaked_ids=leaked_ids) for c in conditions]
     baseline = conditions[0].label
-    comparisons = [cmp for c in conditions[1:]
-                   for cmp in compare_conditions((baseline, samples[baseline]), (c.label, samples[c.label]),
-                                                 problem_ids, evaluation, eval_id=eval_id)]
+    comparisons = [cmp for c in conditions[1:]  # overall, then per task tag
+                   for cmp in compare_by_tag((baseline, samples[baseline]), (c.label, samples[c.label]),
+                                             problems, evaluation, eval_id=eval_id)]
     return {"evaluations": summaries, "eval_results": [s for c in conditions for s in samples[c.label]],
             "eval_comparisons": comparisons, "llm_calls": calls}
 

@@ -11,8 +11,10 @@ is its idempotency key, ``<name>-<date>``. A refresh
    runs the training flow for ``steps`` steps as a subflow (run id ``<refresh_id>-train``);
 3. evaluates the promoted library (baseline) against the trained one on the held-out set with the
    evaluation flow (paired samples, eval id ``<refresh_id>-eval``);
-4. promotes only if the lower bound of the gain's confidence interval is above ``margin``, and records the
-   decision with its reasons (table ``refreshes``). No new problems: nothing is trained and that is recorded.
+4. promotes only if the lower bound of the gain's confidence interval is above ``margin`` and no task tag of
+   the held-out set regressed (``clgrpo.gate``: a tag's CI wholly below ``-tag_margin``; the gate's rows in table
+   ``refresh_gate``), and records the decision with its reasons (table ``refreshes``). No new problems: nothing
+   is trained and that is recorded.
 
 A decided date is never run again (its decision is returned); a failed refresh is resumed by retrying its
 flow run or running the same date again: stored stages, the training run and the evaluation are read back.
@@ -32,6 +34,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import stopping
+from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
 from clgrpo.runtime import tune_gc
@@ -43,8 +46,8 @@ from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.train import train
 from schemas.config import DatasetConfig, RefreshConfig, RunConfig
-from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_SELECT_STAGE
-from schemas.records import EvalComparison, RefreshDecision, RefreshInput
+from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE, REFRESH_SELECT_STAGE
+from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
 from tasks.common import artifact_key
 
 METRIC_LABELS = {"mean_at_k": "Mean@k", "pass_at_k": "Pass@k"}
@@ -88,12 +91,13 @@ def _flow_run_name() -> str:
 
 # --- the decision (pure) --------------------------------------------------------------------------------
 def decide(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
-    """Promote iff the lower bound of the gain's CI is above the margin; the reason says which way and why."""
+    """The overall rule: the lower bound of the gain's CI above the margin; the reason says which way and why.
+    (The per-tag gate comes on top: ``clgrpo.gate``.)"""
     label = METRIC_LABELS[comparison.metric]
     measured = (f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
                 f"{comparison.n_problems} held-out problems: gain {comparison.diff:+.3f}, "
                 f"{comparison.ci_level:.0%} CI [{comparison.ci_low:+.3f}, {comparison.ci_high:+.3f}]")
-    if comparison.ci_low > margin:
+    if overall_passes(comparison, margin):
         return True, f"{measured}; its lower bound is above the margin {margin:+.3f}"
     return False, f"{measured}; its lower bound is not above the margin {margin:+.3f}"
 
@@ -170,21 +174,41 @@ def export_promoted(config: RefreshConfig, library: ExperienceLibrary) -> list[P
 
 
 # --- reporting ----------------------------------------------------------------------------------------------
-def decision_markdown(decision: RefreshDecision) -> str:
+def decision_markdown(decision: RefreshDecision, gate: list[RefreshGateRow] | None = None) -> str:
     rows = [["refresh", decision.refresh_id], ["status", decision.status],
             ["new problems", str(decision.n_new_problems)], ["started from", decision.baseline_ref],
             ["candidate", decision.candidate_ref or "-"], ["training run", decision.train_run_id or "-"],
             ["evaluation", decision.eval_id or "-"]]
     reasons = "\n".join(f"- {r}" for r in decision.reasons)
-    return f"# Refresh {decision.refresh_id}: {decision.status}\n\n{markdown_table((['', ''], rows))}\n\n{reasons}\n"
+    text = f"# Refresh {decision.refresh_id}: {decision.status}\n\n{markdown_table((['', ''], rows))}\n\n{reasons}\n"
+    if gate:
+        text += f"\n## Promotion gate ({METRIC_LABELS[gate[0].metric]}, overall and per task tag)\n\n"
+        text += markdown_table(gate_table(gate)) + "\n"
+    return text
+
+
+def stored_gate(store: Store, decision: RefreshDecision) -> list[RefreshGateRow]:
+    """The gate rows of a refresh that evaluated its candidate (none otherwise)."""
+    if decision.eval_id is None:
+        return []
+    return store.records("refresh_gate", decision.refresh_id, 0, REFRESH_GATE_STAGE)
 
 
 async def publish(store: Store, decision: RefreshDecision) -> None:
-    await acreate_markdown_artifact(decision_markdown(decision), key=artifact_key(decision.name, "refresh"),
+    gate = stored_gate(store, decision)
+    await acreate_markdown_artifact(decision_markdown(decision, gate), key=artifact_key(decision.name, "refresh"),
                                     description=f"Refresh {decision.refresh_id}: {decision.status}")
+    if gate:
+        headers, body = gate_table(gate)
+        await acreate_table_artifact([dict(zip(headers, row)) for row in body],
+                                     key=artifact_key(decision.name, "refresh-gate"),
+                                     description=f"Refresh {decision.refresh_id}: the promotion gate, overall and "
+                                                 "per task tag")
+    gates = store.refresh_gates(decision.name)
     history = [{"date": d.refresh_date, "status": d.status, "new problems": d.n_new_problems,
                 "library": d.candidate_ref if d.promoted else d.baseline_ref,
-                "gain": "" if d.diff is None else f"{d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"}
+                "gain": "" if d.diff is None else f"{d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]",
+                "failing tags": failing_summary(gates.get(d.refresh_id, []))}
                for d in store.refresh_decisions(decision.name)]
     await acreate_table_artifact(history, key=artifact_key(decision.name, "refresh-history"),
                                  description=f"Refreshes of {decision.name!r}: decisions and gains")
@@ -199,6 +223,14 @@ async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDec
     for reason in decision.reasons:
         log.info("  %s", reason)
     return decision
+
+
+def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) -> Gate:
+    """The promotion gate over the evaluation's comparisons, stored as its own stage before the decision."""
+    gate = promotion_gate(refresh_id, outcome.comparisons, config)
+    with Store(config.training.db_path) as store:
+        store.write_stage(refresh_id, 0, REFRESH_GATE_STAGE, {"refresh_gate": gate.rows})
+    return gate
 
 
 # --- the flow -------------------------------------------------------------------------------------------
@@ -222,10 +254,12 @@ async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list
     outcome: EvalOutcome = await evaluate(
         run_config, config.evaluation, [baseline.ref, candidate_ref], eval_id=f"{refresh_id}-eval",
         train_dataset=run_config.dataset)
-    comparison = next(c for c in outcome.comparisons if c.metric == config.metric)
+    comparison = next(c for c in outcome.overall if c.metric == config.metric)
     promote, reason = decide(comparison, config.margin)
+    gate = record_gate(config, refresh_id, outcome)
+    promote = promote and gate.tags_pass
     reasons = [f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
-               f"{len(baseline.library)} -> {len(candidate)} experiences", reason]
+               f"{len(baseline.library)} -> {len(candidate)} experiences", reason, *gate.reasons()]
     failed = sum(s.n_failed for s in outcome.summaries)
     if failed:
         reasons.append(f"{failed} evaluation sample(s) failed (scored 0); see evaluation {outcome.eval_id}")

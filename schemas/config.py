@@ -68,6 +68,9 @@ class DatasetConfig(Section):
     # a mixed dataset: the column naming each problem's domain (e.g. "algebra", "web"); a problem's prompt gets its
     # domain's experiences and the shared ones, and lessons learned from one domain's problems are tagged with it
     domain_field: str | None = None
+    # the column with each problem's task tag (e.g. "geometry"): evaluations also compare conditions per tag and
+    # a refresh gates on every tag; a missing column or a blank cell: untagged
+    tag_field: str | None = "tag"
     # the web domain: the column with a question's start page (WebWalkerQA: root_url); added to the question as
     # "Start page: URL"; a missing or blank cell: no start page
     url_field: str | None = None
@@ -393,6 +396,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "oversize"): "error",
     ("dataset", "domain_field"): None,
     ("dataset", "url_field"): None,
+    ("dataset", "tag_field"): "tag",
     ("learning", "extract"): "operations",
     ("learning", "candidates"): 1,
     ("learning", "fallback"): "none",
@@ -482,6 +486,9 @@ class RunConfig(Section):
         for (section, key), default in LATER_SETTINGS.items():
             if isinstance(payload[section], dict) and payload[section].get(key) == default:
                 del payload[section][key]
+        validation = payload.get("validation")
+        if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
+            del validation["dataset"]["tag_field"]
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
         payload.pop("library", None)
@@ -521,7 +528,8 @@ class TrainingTemplate(RunConfig):
 class RefreshConfig(Section):
     """The nightly experience refresh: train on the problems that arrived since the last refresh, starting
     from the latest promoted library, and promote the result only if it beats that library on a held-out set
-    (the lower bound of the paired gain's CI above ``margin``). One refresh per ``name`` and date."""
+    (the lower bound of the paired gain's CI above ``margin``) and no task tag of that set regressed (the upper
+    bound of the tag's gain's CI below ``-tag_margin``). One refresh per ``name`` and date."""
 
     name: str = Field("nightly", pattern=r"^[A-Za-z0-9_.-]+$")
     source: RefreshSource
@@ -533,6 +541,13 @@ class RefreshConfig(Section):
     max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
     metric: Literal["mean_at_k", "pass_at_k"] = "mean_at_k"
     margin: float = Field(0.0, ge=-1.0, lt=1.0)  # promote iff the gain's CI lower bound > margin
+    # the per-task no-regression gate (``clgrpo.gate``), over the held-out set's task tags (``dataset.tag_field``):
+    # a tag fails when the upper bound of its gain's CI is below -tag_margin (by default: when its CI lies wholly
+    # below 0), and a candidate with a failing tag is not promoted, whatever its overall gain
+    tag_margin: float = Field(0.0, ge=0.0, lt=1.0)
+    # tags with fewer held-out problems are reported but not gated: a bootstrap over a handful of problems gives
+    # intervals too narrow to trust (one problem: a single point)
+    min_tag_problems: int = Field(10, ge=1)
     timezone: str = "UTC"  # the date of a refresh (its idempotency key) is taken in this zone
     initial_library: str | None = None  # the library before the first promotion (a file; None: empty)
     work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>

@@ -15,6 +15,7 @@ EVALUATE_STAGE = "evaluate"
 # Stage names of a refresh's rows, keyed by (refresh_id, 0): the problems it took, then its decision.
 REFRESH_SELECT_STAGE = "refresh-select"
 REFRESH_DECIDE_STAGE = "refresh-decide"
+REFRESH_GATE_STAGE = "refresh-gate"  # the promotion gate's rows (overall and per task tag), before the decision
 
 TABLE_DDL: dict[str, str] = {
     # one row: this database's identity (a uuid made when the file is created); work journals and anything
@@ -322,12 +323,30 @@ TABLE_DDL: dict[str, str] = {
         margin DOUBLE NOT NULL,
         reasons_json VARCHAR NOT NULL,
         decided_at TIMESTAMPTZ NOT NULL""",
+    # a refresh's promotion gate, (refresh_id, 0, refresh-gate): the overall row (tag NULL) and one per task tag
+    "refresh_gate": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        refresh_id VARCHAR NOT NULL,
+        tag VARCHAR,
+        metric VARCHAR NOT NULL,
+        n_problems INTEGER NOT NULL,
+        baseline_value DOUBLE NOT NULL,
+        candidate_value DOUBLE NOT NULL,
+        diff DOUBLE NOT NULL,
+        ci_low DOUBLE NOT NULL,
+        ci_high DOUBLE NOT NULL,
+        ci_level DOUBLE NOT NULL,
+        threshold DOUBLE NOT NULL,
+        verdict VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL""",
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
-STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples")
+STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate")
 
 
 # Columns added after the first release: files created before get them on open.
@@ -336,8 +355,9 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
                  "tool_time_s DOUBLE"],
     "rewards": ["verified BOOLEAN", "judge_reason VARCHAR"],
-    "problems": ["domain_tag VARCHAR"],
+    "problems": ["domain_tag VARCHAR", "tag VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
+    "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
                   "turn INTEGER", "reply VARCHAR"],

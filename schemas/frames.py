@@ -46,6 +46,7 @@ class ProblemsFrame(StageKeyed):
     answer: Series[str] = pa.Field(nullable=True)
     source: Series[str]
     domain_tag: Series[str] = pa.Field(nullable=True)
+    tag: Series[str] = pa.Field(nullable=True)
 
 
 class RolloutsFrame(StageKeyed):
@@ -260,6 +261,11 @@ class EvalComparisonsFrame(StageKeyed):
     ci_high: Series[float] = pa.Field(ge=-1.0, le=1.0)
     ci_level: Series[float] = pa.Field(gt=0.0, lt=1.0)
     n_problems: Series[int] = pa.Field(ge=1)
+    tag: Series[str] = pa.Field(nullable=True)  # NULL: all problems
+
+    @pa.dataframe_check
+    def one_row_per_comparison(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["run_id", "step", "baseline", "candidate", "metric", "tag"]).any()
 
 
 class RefreshInputsFrame(StageKeyed):
@@ -300,6 +306,36 @@ class RefreshesFrame(StageKeyed):
         """A promotion always names its candidate and the CI it passed."""
         promoted = df["status"] == "promoted"
         return ~promoted | (df["candidate_ref"].notna() & df["ci_low"].notna() & (df["ci_low"] > df["margin"]))
+
+
+class RefreshGateFrame(StageKeyed):
+    refresh_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    tag: Series[str] = pa.Field(nullable=True)  # NULL: the overall row
+    metric: Series[str] = pa.Field(isin=["mean_at_k", "pass_at_k"])
+    n_problems: Series[int] = pa.Field(ge=1)
+    baseline_value: Series[float] = pa.Field(ge=0.0, le=1.0)
+    candidate_value: Series[float] = pa.Field(ge=0.0, le=1.0)
+    diff: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_low: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_high: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    ci_level: Series[float] = pa.Field(gt=0.0, lt=1.0)
+    threshold: Series[float] = pa.Field(ge=-1.0, le=1.0)
+    verdict: Series[str] = pa.Field(isin=["pass", "fail", "not_gated"])
+    reason: Series[str]
+
+    @pa.dataframe_check
+    def one_row_per_tag(cls, df: pd.DataFrame) -> bool:
+        """One overall row (tag NULL) and one per tag."""
+        return not df.duplicated(["run_id", "step", "tag"]).any()
+
+    @pa.dataframe_check
+    def verdicts_follow_the_rule(cls, df: pd.DataFrame) -> pd.Series:
+        """Overall: pass iff the CI lower bound is above the threshold. A gated tag: fail iff the CI upper
+        bound is below it."""
+        overall = df["tag"].isna()
+        passes = (overall & (df["ci_low"] > df["threshold"])) | (~overall & (df["ci_high"] >= df["threshold"]))
+        expected = passes.map({True: "pass", False: "fail"})
+        return (df["verdict"] == expected) | (~overall & (df["verdict"] == "not_gated"))
 
 
 class DbMetaFrame(Frame):
@@ -374,4 +410,5 @@ FRAMES: dict[str, type[Frame]] = {
     "eval_comparisons": EvalComparisonsFrame,
     "refresh_inputs": RefreshInputsFrame,
     "refreshes": RefreshesFrame,
+    "refresh_gate": RefreshGateFrame,
 }

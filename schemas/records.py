@@ -33,6 +33,9 @@ class Problem(Record):
     answer: str | None = None  # None when the dataset has no ground truth
     source: str = ""
     domain_tag: str | None = None  # the problem's domain in a mixed dataset (``dataset.domain_field``)
+    # the problem's task tag (``dataset.tag_field``, or set by a refresh source): evaluations compare
+    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.gate``)
+    tag: str | None = None
 
 
 class Turn(Record):
@@ -340,6 +343,7 @@ class EvalComparison(Record):
     ci_high: float
     ci_level: float
     n_problems: int = Field(ge=1)
+    tag: str | None = None  # None: over all problems; else over the problems of this task tag (``Problem.tag``)
 
     @property
     def significant(self) -> bool:
@@ -362,6 +366,27 @@ class RefreshInput(Record):
 
     def to_problem(self) -> Problem:
         return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source)
+
+
+class RefreshGateRow(Record):
+    """One row of a refresh's promotion gate (``clgrpo.gate``; table ``refresh_gate``): the paired comparison
+    baseline -> candidate over all held-out problems (``tag`` None) or over one task tag's, and its verdict.
+    Overall: pass when the CI lower bound is above ``threshold`` (the margin). A tag: fail when the CI upper
+    bound is below ``threshold`` (-tag_margin), not_gated when it has fewer than ``min_tag_problems``."""
+
+    refresh_id: str
+    tag: str | None = None  # None: all held-out problems
+    metric: Literal["mean_at_k", "pass_at_k"]
+    n_problems: int = Field(ge=1)
+    baseline_value: float
+    candidate_value: float
+    diff: float
+    ci_low: float
+    ci_high: float
+    ci_level: float
+    threshold: float
+    verdict: Literal["pass", "fail", "not_gated"]
+    reason: str
 
 
 class RefreshDecision(Record):

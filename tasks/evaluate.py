@@ -108,8 +108,10 @@ def summarize_condition(samples: Sequence[EvalSample], problem_ids: Sequence[str
 
 
 def compare_conditions(baseline: tuple[str, Sequence[EvalSample]], candidate: tuple[str, Sequence[EvalSample]],
-                       problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str) -> list[EvalComparison]:
-    """candidate - baseline for Mean@k and Pass@k, paired on the same problems and sample seeds."""
+                       problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str,
+                       tag: str | None = None) -> list[EvalComparison]:
+    """candidate - baseline for Mean@k and Pass@k, paired on the same problems and sample seeds; ``tag`` names
+    the task tag when ``problem_ids`` are that tag's problems."""
     a = reward_matrix(baseline[1], problem_ids, cfg.k)
     b = reward_matrix(candidate[1], problem_ids, cfg.k)
     specs: tuple[tuple[metrics.Metric, int | None], ...] = (("mean_at_k", None), ("pass_at_k", cfg.pass_at))
@@ -119,5 +121,24 @@ def compare_conditions(baseline: tuple[str, Sequence[EvalSample]], candidate: tu
         out.append(EvalComparison(
             eval_id=eval_id, baseline=baseline[0], candidate=candidate[0], metric=metric,
             baseline_value=metrics.metric_value(a, metric, k), candidate_value=metrics.metric_value(b, metric, k),
-            diff=diff.value, ci_low=diff.low, ci_high=diff.high, ci_level=cfg.ci_level, n_problems=len(problem_ids)))
+            diff=diff.value, ci_low=diff.low, ci_high=diff.high, ci_level=cfg.ci_level, n_problems=len(problem_ids),
+            tag=tag))
+    return out
+
+
+def tag_groups(problems: Sequence[Problem]) -> dict[str, list[str]]:
+    """The problem ids of each task tag present, tags sorted (untagged problems count only overall)."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        if p.tag is not None:
+            groups.setdefault(p.tag, []).append(p.problem_id)
+    return dict(sorted(groups.items()))
+
+
+def compare_by_tag(baseline: tuple[str, Sequence[EvalSample]], candidate: tuple[str, Sequence[EvalSample]],
+                   problems: Sequence[Problem], cfg: EvalConfig, *, eval_id: str) -> list[EvalComparison]:
+    """``compare_conditions`` over all problems (tag None), then over each task tag's problems."""
+    out = compare_conditions(baseline, candidate, [p.problem_id for p in problems], cfg, eval_id=eval_id)
+    for tag, problem_ids in tag_groups(problems).items():
+        out += compare_conditions(baseline, candidate, problem_ids, cfg, eval_id=eval_id, tag=tag)
     return out

@@ -2,13 +2,15 @@
 
 import json
 
+import duckdb
 import pytest
 
 from clgrpo.library import ExperienceLibrary
+from clgrpo.report import comparison_table
 from clgrpo.store import FrameValidationError, Store
 from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, DatasetConfig, EvalConfig, RunConfig
 from schemas.records import EvalSample, Problem, text_hash
-from tasks.evaluate import compare_conditions, reward_matrix, sample_seeds, summarize_condition
+from tasks.evaluate import compare_by_tag, compare_conditions, reward_matrix, sample_seeds, summarize_condition
 
 CFG = EvalConfig(dataset=DatasetConfig(path="x.jsonl"), k=4, pass_k=2, bootstrap_samples=500)
 
@@ -32,6 +34,56 @@ def test_summary_and_paired_comparison_from_graded_samples():
     mean_diff, pass_diff = compare_conditions(("none", base), ("lib", better), ids, CFG, eval_id="e")
     assert mean_diff.metric == "mean_at_k" and mean_diff.diff == pytest.approx(8 / 12 - 3 / 12)
     assert pass_diff.metric == "pass_at_k" and pass_diff.candidate_value == pytest.approx((1 + 0.5 + 1) / 3)
+
+
+def test_comparisons_per_task_tag_reuse_the_overall_statistics(tmp_path):
+    base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 0, 0], "d": [0, 1, 0, 0]})
+    better = samples("lib", {"a": [1, 1, 1, 0], "b": [1, 0, 0, 0], "c": [0, 0, 0, 0], "d": [1, 1, 1, 1]})
+    problems = [Problem(problem_id=pid, problem=pid, tag=tag) for pid, tag in
+                (("a", "sums"), ("b", "sums"), ("c", "geometry"), ("d", None))]  # d: untagged, overall only
+    comparisons = compare_by_tag(("none", base), ("lib", better), problems, CFG, eval_id="e")
+    assert [(c.tag, c.metric, c.n_problems) for c in comparisons] == [
+        (None, "mean_at_k", 4), (None, "pass_at_k", 4), ("geometry", "mean_at_k", 1), ("geometry", "pass_at_k", 1),
+        ("sums", "mean_at_k", 2), ("sums", "pass_at_k", 2)]
+    assert comparisons[:2] == compare_conditions(("none", base), ("lib", better), list("abcd"), CFG, eval_id="e")
+    sums = compare_conditions(("none", base), ("lib", better), ["a", "b"], CFG, eval_id="e", tag="sums")
+    assert comparisons[4:] == sums and sums[0].diff == pytest.approx(4 / 8 - 1 / 8)
+    geometry = comparisons[2]
+    assert geometry.diff == pytest.approx(-0.5) and geometry.ci_low == geometry.ci_high == pytest.approx(-0.5)
+    untagged = [p.model_copy(update={"tag": None}) for p in problems]
+    assert compare_by_tag(("none", base), ("lib", better), untagged, CFG, eval_id="e") == comparisons[:2]
+
+    summary = summarize_condition(base, list("abcd"), CFG, eval_id="e", condition="none", library_ref="none",
+                                  library=ExperienceLibrary(), dataset="x", fingerprint="f")
+    headers, rows = comparison_table(comparisons, [summary])
+    assert headers[:3] == ["candidate - baseline", "tag", "problems"]
+    assert [row[1:4] for row in rows[::2]] == [["all", "4", "Mean@4"], ["geometry", "1", "Mean@4"],
+                                               ["sums", "2", "Mean@4"]]
+    assert "tag" not in comparison_table(comparisons[:2], [summary])[0]  # untagged: the table as before
+
+    db = tmp_path / "db.duckdb"
+    with Store(db) as store:
+        store.write_stage("e", 0, "evaluate", {"eval_comparisons": comparisons})
+        assert store.records("eval_comparisons", "e") == comparisons  # overall first, then tags by name
+        with pytest.raises(FrameValidationError, match="one_row_per_comparison"):
+            store.write_stage("e", 1, "evaluate", {"eval_comparisons": comparisons + comparisons[2:3]})
+
+
+def test_comparisons_stored_before_task_tags_read_back_as_overall(tmp_path):
+    """A file written before the tag column existed: opening it adds the column, its rows are overall rows."""
+    db = tmp_path / "old.duckdb"
+    base = samples("none", {"a": [1, 0, 0, 0]})
+    comparisons = compare_conditions(("none", base), ("lib", base), ["a"], CFG, eval_id="old")
+    with Store(db) as store:
+        store.write_stage("old", 0, "evaluate", {"eval_comparisons": comparisons})
+    with duckdb.connect(str(db)) as con:
+        con.execute("ALTER TABLE eval_comparisons DROP COLUMN tag")
+        con.execute("ALTER TABLE problems DROP COLUMN tag")
+    with Store(db) as store:
+        assert store.records("eval_comparisons", "old") == comparisons
+        assert all(c.tag is None for c in comparisons)
+        store.write_stage("p", 0, "select", {"problems": [Problem(problem_id="q", problem="q?", tag="sums")]})
+        assert store.records("problems", "p")[0].tag == "sums"
 
 
 def test_missing_samples_are_an_error_naming_them():
@@ -75,7 +127,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                      "guard": True, "max_learner_tokens": True, "extract": True, "candidates": True,
                      "fallback": True, "summarize": True, "lesson_validation": True},
         "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True,
-                    "url_field": True},
+                    "url_field": True, "tag_field": True},
         # where and how the model is reached is not part of what a run computes
         "policy": {"repetition_penalty": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)

@@ -178,6 +178,20 @@ def test_missing_id_column_derives_ids_and_no_answer_field(tmp_path: Path) -> No
     ]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_task_tags_come_from_the_tag_column_when_there_is_one(tmp_path: Path, suffix: str) -> None:
+    tags = ["geometry", "", 7]  # a blank cell: untagged; a number becomes text
+    path = _write(tmp_path / f"tagged{suffix}", [{**r, "tag": t} for r, t in zip(ROWS, tags)])
+    assert [p.tag for p in load_problems(_cfg(path))] == ["geometry", None, "7"]
+    assert [p.tag for p in load_problems(_cfg(path, tag_field=None))] == [None, None, None]
+    renamed = _write_jsonl(tmp_path / "family.jsonl", [{**r, "family": "algebra"} for r in ROWS])
+    assert {p.tag for p in load_problems(_cfg(renamed, tag_field="family"))} == {"algebra"}
+    assert {p.tag for p in load_problems(_cfg(renamed))} == {None}  # no "tag" column: no tags
+    wrong = _write_jsonl(tmp_path / "wrong.jsonl", [{**ROWS[0], "tag": ["a"]}])
+    with pytest.raises(DatasetError, match=r"field 'tag': wrong type: expected text or a number \(or empty: untagged"):
+        load_problems(_cfg(wrong))
+
+
 def test_numeric_answers_become_text(tmp_path: Path) -> None:
     rows = [
         {"id": 1, "problem": "a?", "answer": 204},

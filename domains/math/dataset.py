@@ -340,7 +340,7 @@ def _first_occurrences(ids: pd.Series) -> pd.Series:
     return keys.isna() | ~keys.duplicated(keep="first")
 
 
-def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
+def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa.DataFrameSchema:
     columns = {cfg.problem_field: pa.Column(None, checks=_cell_checks(_is_text), nullable=False)}
     if cfg.answer_field is not None:
         checks = _cell_checks(_is_text_or_number)
@@ -351,6 +351,9 @@ def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
     if cfg.domain_field is not None:  # a missing or blank domain: the problem is untagged (sees every lesson)
         columns[cfg.domain_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
                                                                      name="wrong type")], nullable=True)
+    if _tag_column(cfg, raw_columns) is not None:  # a blank tag: untagged
+        columns[cfg.tag_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
+                                                                  name="wrong type")], nullable=True)
     if id_col is not None:
         checks = _cell_checks(_is_text_or_number)
         checks.append(pa.Check(_first_occurrences, name="duplicate"))
@@ -360,7 +363,7 @@ def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
 
 def _validate(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[_Issue]:
     try:
-        _schema(cfg, id_col).validate(raw.frame, lazy=True)
+        _schema(cfg, id_col, raw.frame.columns).validate(raw.frame, lazy=True)
     except pa.errors.SchemaErrors as exc:
         return [_translate(raw, cfg, case) for case in exc.failure_cases.to_dict("records")]
     return []
@@ -384,6 +387,8 @@ def _translate(raw: _Raw, cfg: DatasetConfig, case: dict[str, Any]) -> _Issue:
         expected = "text" if column == cfg.problem_field else "text or a number"
         if column == cfg.domain_field:
             expected += " (or empty: shared)"
+        if column == cfg.tag_field:
+            expected += " (or empty: untagged)"
         if column == cfg.url_field:
             expected = "a URL as text (or empty)"
         what = f"wrong type: expected {expected}, got {type(value).__name__}"
@@ -410,6 +415,7 @@ def _render(source: str, issues: list[_Issue]) -> str:
 
 def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
     frame = raw.frame
+    tag_col = _tag_column(cfg, frame.columns)
     problems = []
     for pos in frame.index:
         row = frame.loc[pos]
@@ -419,7 +425,7 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
         if start := _optional_text(row, cfg.url_field):
             text += f"\n\nStart page: {start}"
         problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
-                                domain_tag=_domain_tag(row, cfg)))
+                                domain_tag=_domain_tag(row, cfg), tag=_optional_text(row, tag_col)))
     return problems
 
 
@@ -429,6 +435,11 @@ def _optional_text(row: pd.Series, column: str | None) -> str | None:
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
     return _scalar_text(value) or None
+
+
+def _tag_column(cfg: DatasetConfig, columns: pd.Index) -> str | None:
+    """The task-tag column when the dataset has it (a missing column: no tags)."""
+    return cfg.tag_field if cfg.tag_field and cfg.tag_field in columns else None
 
 
 def _domain_tag(row: pd.Series, cfg: DatasetConfig) -> str | None:
