@@ -19,7 +19,7 @@ import random
 import re
 import string
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import pandera.pandas as pa
 
 from domains.base import LoadReport
 from schemas.config import DatasetConfig
-from schemas.records import Problem
+from schemas.records import ANSWER_SOURCES, Problem
 
 log = logging.getLogger(__name__)
 
@@ -340,17 +340,22 @@ def _first_occurrences(ids: pd.Series) -> pd.Series:
     return keys.isna() | ~keys.duplicated(keep="first")
 
 
-def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
+def _schema(cfg: DatasetConfig, id_col: str | None, frame_columns: Sequence[str]) -> pa.DataFrameSchema:
     columns = {cfg.problem_field: pa.Column(None, checks=_cell_checks(_is_text), nullable=False)}
     if cfg.answer_field is not None:
         checks = _cell_checks(_is_text_or_number)
-        columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=False)
+        columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=cfg.answers_optional)
     if cfg.url_field is not None:  # a missing or blank start page: none
         columns[cfg.url_field] = pa.Column(None, checks=[pa.Check(_is_text, element_wise=True, name="wrong type")],
                                            nullable=True)
     if cfg.domain_field is not None:  # a missing or blank domain: the problem is untagged (sees every lesson)
         columns[cfg.domain_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
                                                                      name="wrong type")], nullable=True)
+    if cfg.tag_field is not None and cfg.tag_field in frame_columns:  # optional: a missing or blank tag is none
+        columns[cfg.tag_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
+                                                                  name="wrong type")], nullable=True)
+    if cfg.answer_source_field is not None:
+        columns[cfg.answer_source_field] = pa.Column(None, checks=[pa.Check.isin(ANSWER_SOURCES)], nullable=True)
     if id_col is not None:
         checks = _cell_checks(_is_text_or_number)
         checks.append(pa.Check(_first_occurrences, name="duplicate"))
@@ -360,7 +365,7 @@ def _schema(cfg: DatasetConfig, id_col: str | None) -> pa.DataFrameSchema:
 
 def _validate(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[_Issue]:
     try:
-        _schema(cfg, id_col).validate(raw.frame, lazy=True)
+        _schema(cfg, id_col, list(raw.frame.columns)).validate(raw.frame, lazy=True)
     except pa.errors.SchemaErrors as exc:
         return [_translate(raw, cfg, case) for case in exc.failure_cases.to_dict("records")]
     return []
@@ -414,18 +419,20 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
     for pos in frame.index:
         row = frame.loc[pos]
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
-        answer = _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None
+        answer = _optional_text(row, cfg.answer_field) if cfg.answers_optional else (
+            _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None)
         text = row[cfg.problem_field].strip()
         if start := _optional_text(row, cfg.url_field):
             text += f"\n\nStart page: {start}"
         problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
-                                domain_tag=_domain_tag(row, cfg)))
+                                domain_tag=_domain_tag(row, cfg), tag=_optional_text(row, cfg.tag_field),
+                                answer_source=_optional_text(row, cfg.answer_source_field)))
     return problems
 
 
 def _optional_text(row: pd.Series, column: str | None) -> str | None:
     """The cell's text, or None for no column, a missing cell or a blank one."""
-    value = row[column] if column else None
+    value = row[column] if column and column in row.index else None
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
     return _scalar_text(value) or None
