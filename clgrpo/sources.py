@@ -203,9 +203,11 @@ def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, 
 
 def select_traces(source: RefreshSource, domain: Domain, cutoff: datetime, consumed: set[str],
                   after: datetime | None, *, name: str, max_problems: int | None = None,
+                  reported: set[tuple[str, int, str]] | frozenset = frozenset(),
                   query: Query | None = None) -> TraceSelection:
     """The traces that arrived after ``after`` (the previous decided refresh's watermark) up to ``cutoff``,
-    not taken before, oldest first, capped at ``max_problems``; the skipped rows; the new watermark."""
+    not taken before, oldest first, capped at ``max_problems``; the skipped rows (less those ``reported`` by an
+    earlier refresh: a row without its own time arrives again when its file grows); the new watermark."""
     try:
         read = read_traces(source, _as_utc(cutoff), after and _as_utc(after), getattr(domain, "reply_answer", None),
                            query)
@@ -217,9 +219,10 @@ def select_traces(source: RefreshSource, domain: Domain, cutoff: datetime, consu
         raise SourceError(f"refresh source {source.path}: cannot read it ({exc})") from exc
     selection = select_new(trace_arrivals(read), consumed, name=name, max_problems=max_problems)
     watermark, rejects = _watermark(read, selection)
-    records = [RefreshReject(name=name, file=r.file, line=r.line, reason=r.reason) for r in rejects]
-    mark = RefreshWatermark(name=name, after=after, watermark=watermark, n_rows=len(read.traces) + len(rejects),
-                            n_rejected=len(rejects), n_redacted=read.redactor.total)
+    records = [RefreshReject(name=name, file=r.file, line=r.line, reason=r.reason) for r in rejects
+               if (r.file, r.line, r.reason) not in reported]
+    mark = RefreshWatermark(name=name, after=after, watermark=watermark, n_rows=len(read.traces) + len(records),
+                            n_rejected=len(records), n_redacted=read.redactor.total)
     return TraceSelection(selection, records, mark)
 
 

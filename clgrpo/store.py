@@ -691,6 +691,14 @@ class Store:
             "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchone()
         return None if row is None or row[0] is None else row[0]
 
+    @_connected
+    def reported_rejects(self, name: str) -> set[tuple[str, int, str]]:
+        """(file, line, reason) of the source rows decided refreshes of ``name`` skipped (reported once)."""
+        rows = self.con.execute(
+            "SELECT DISTINCT j.file, j.line, j.reason FROM refresh_rejects j JOIN refreshes r ON j.run_id = r.run_id "
+            "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchall()
+        return {(f, int(line), reason) for f, line, reason in rows}
+
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:
         """Save one version (replacing that version if it was saved before)."""

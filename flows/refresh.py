@@ -133,7 +133,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
         taken = select_traces(source, get_domain(config.training.domain), cutoff,
                               store.consumed_problem_keys(config.name), store.refresh_watermark(config.name),
                               name=config.name, max_problems=config.max_problems,
-                              query=store.query if same_file else None)
+                              reported=store.reported_rejects(config.name), query=store.query if same_file else None)
         store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, taken.stage_rows())
         get_run_logger().info(taken.message(cutoff))
         return taken.selection.inputs
