@@ -139,6 +139,10 @@ TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_
                     "max_batch_rows"}
 
 
+LATER_PROBLEM_FIELDS = ("domain_tag", "tag", "answer_source")
+LATER_DATASET_FIELDS = ("tag_field", "answer_source_field", "answers_optional")
+
+
 def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
                      problems: list[Problem], *, legacy: bool = False) -> str:
     """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
@@ -149,9 +153,14 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
         "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size", "leakage_threshold",
                                                                   "refuse_on_leakage", "every_n_steps"}),
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
-        "problems": text_hash(json.dumps([p.model_dump(exclude={"domain_tag"} if p.domain_tag is None else None)
+        # fields added later count only when set, so stored evaluations keep their fingerprint
+        "problems": text_hash(json.dumps([p.model_dump(exclude={k for k in LATER_PROBLEM_FIELDS if getattr(p, k) is None})
                                           for p in problems], sort_keys=True)),
     }
+    dataset = payload["evaluation"].get("dataset")
+    for key in LATER_DATASET_FIELDS:
+        if isinstance(dataset, dict) and dataset.get(key) == DatasetConfig.model_fields[key].default:
+            del dataset[key]
     if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
         payload["agent"] = agent
     if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint
