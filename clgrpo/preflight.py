@@ -262,6 +262,13 @@ def check_refresh(config: RefreshConfig) -> None:
                              f"{source.pattern} files; create it, e.g. mkdir -p {source.path})")
     if source.kind == "duckdb" and not path.is_file():
         raise PreflightError(f"source.path {source.path}: no such DuckDB file")
+    if source.kind == "traces":
+        layout = source.traces_layout
+        if layout == "jsonl" and not path.is_dir():
+            raise PreflightError(f"source.path {source.path}: no such directory (traces arrive there as "
+                                 f"{source.pattern} files; create it, e.g. mkdir -p {source.path})")
+        if layout != "jsonl" and not path.is_file():
+            raise PreflightError(f"source.path {source.path}: no such {'Parquet' if layout == 'parquet' else 'DuckDB'} file")
     check_dataset(config.training.domain, config.evaluation.dataset, "evaluation.dataset")
     check_library_file(config.initial_library)
     check_writable_dir(config.training.db_path, "training.db_path")

@@ -1,24 +1,27 @@
 """New problems for the nightly refresh: what arrived up to a cutoff in a directory of dataset files or a
-DuckDB table, minus what earlier refreshes already took.
+DuckDB table, minus what earlier refreshes already took; or the production traces (``clgrpo.traces``) that
+arrived after the previous refresh's watermark.
 
-Every file (or the table's rows, exported to one parquet file) goes through the domain's dataset loader, so
-new problems are validated exactly like a training set: a bad row stops the refresh with the file, row and
-field named. Timestamps without a zone are read as UTC.
+Every dataset file (or the table's rows, exported to one parquet file) goes through the domain's dataset loader,
+so new problems are validated exactly like a training set: a bad row stops the refresh with the file, row and
+field named. Traces are production data: a bad row is skipped and reported (``file:line: reason``) instead.
+Timestamps without a zone are read as UTC.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
 import pandas as pd
 
+from clgrpo.traces import Reject, TraceRead, read_traces
 from domains.base import Domain
 from schemas.config import DatasetConfig, RefreshSource
-from schemas.records import Problem, RefreshInput, text_hash
+from schemas.records import Problem, RefreshInput, RefreshReject, RefreshWatermark, text_hash
 
 Query = Callable[[str, Sequence[object]], pd.DataFrame]
 DATASET_SUFFIXES = {".jsonl", ".json", ".csv", ".parquet"}
@@ -32,6 +35,7 @@ class SourceError(ValueError):
 class Arrival:
     problem: Problem
     arrived_at: datetime
+    rejected_answer: str | None = None  # a trace's thumbs-down answer
 
 
 def problem_key(text: str) -> str:
@@ -120,6 +124,7 @@ class Selection:
     n_arrived: int
     n_taken_before: int  # taken by an earlier refresh, or the same text as an earlier arrival
     n_deferred: int  # over max_problems: left for the next refresh
+    first_deferred: datetime | None = None  # the arrival time of the oldest problem left for the next refresh
 
     def message(self, cutoff: datetime) -> str:
         return (f"{self.n_arrived} problem(s) arrived up to {cutoff.isoformat()}: {len(self.inputs)} taken, "
@@ -134,6 +139,7 @@ def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
     selected: list[RefreshInput] = []
     keys, ids = set(consumed), set()
     repeated = deferred = 0
+    first_deferred: datetime | None = None
     for arrival in sorted(arrivals, key=lambda a: a.arrived_at):
         p = arrival.problem
         key = problem_key(p.problem)
@@ -142,6 +148,7 @@ def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
             continue
         if max_problems is not None and len(selected) >= max_problems:
             deferred += 1
+            first_deferred = first_deferred or _as_utc(arrival.arrived_at)
             continue
         problem_id = p.problem_id
         while problem_id in ids:
@@ -150,5 +157,86 @@ def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
         ids.add(problem_id)
         selected.append(RefreshInput(name=name, position=len(selected), problem_id=problem_id, problem=p.problem,
                                      answer=p.answer, source=p.source, arrived_at=_as_utc(arrival.arrived_at),
-                                     problem_key=key))
-    return Selection(selected, len(arrivals), repeated, deferred)
+                                     problem_key=key, tag=p.tag, answer_source=p.answer_source,
+                                     rejected_answer=arrival.rejected_answer))
+    return Selection(selected, len(arrivals), repeated, deferred, first_deferred)
+
+
+# --- traces ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceSelection:
+    """A traces refresh's input: the problems taken, the rows skipped and the watermark read up to."""
+
+    selection: Selection
+    rejects: list[RefreshReject]
+    watermark: RefreshWatermark
+
+    def stage_rows(self) -> dict[str, list]:
+        return {"refresh_inputs": self.selection.inputs, "refresh_rejects": self.rejects,
+                "refresh_watermarks": [self.watermark]}
+
+    def message(self, cutoff: datetime) -> str:
+        w = self.watermark
+        since = f"after {w.after.isoformat()}" if w.after else "ever"
+        return (f"traces {since}: {self.selection.message(cutoff)}; "
+                f"{'; '.join(trace_notes(self.rejects, w)) or 'no rows skipped, no secrets redacted'}")
+
+
+def trace_arrivals(read: TraceRead) -> list[Arrival]:
+    """The traces as arrivals; a trace without an id gets ``<file stem>-<line>``."""
+    return [Arrival(Problem(problem_id=t.trace_id or f"{Path(t.file).stem}-{t.line:05d}", problem=t.problem,
+                            answer=t.answer, source=t.file, tag=t.tag, answer_source=t.answer_source),
+                    t.arrived_at, t.rejected_answer)
+            for t in read.traces]
+
+
+def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, list[Reject]]:
+    """The latest arrival this refresh consumed, and the rejects up to it. Problems left for the next refresh
+    (max_problems) are after it: rows at the first left one's time are read again (taken ones are skipped by
+    their content key), so none is lost."""
+    limit = selection.first_deferred - timedelta(microseconds=1) if selection.first_deferred else None
+    times = [t.arrived_at for t in read.traces] + [r.arrived_at for r in read.rejects]
+    consumed = [t for t in times if limit is None or t <= limit]
+    rejects = [r for r in read.rejects if limit is None or r.arrived_at <= limit]
+    return max(consumed, default=None), rejects
+
+
+def select_traces(source: RefreshSource, domain: Domain, cutoff: datetime, consumed: set[str],
+                  after: datetime | None, *, name: str, max_problems: int | None = None,
+                  reported: set[tuple[str, int, str]] | frozenset = frozenset(),
+                  query: Query | None = None) -> TraceSelection:
+    """The traces that arrived after ``after`` (the previous decided refresh's watermark) up to ``cutoff``,
+    not taken before, oldest first, capped at ``max_problems``; the skipped rows (less those ``reported`` by an
+    earlier refresh: a row without its own time arrives again when its file grows); the new watermark."""
+    try:
+        read = read_traces(source, _as_utc(cutoff), after and _as_utc(after), getattr(domain, "reply_answer", None),
+                           query)
+    except FileNotFoundError as exc:
+        raise SourceError(str(exc)) from exc
+    except duckdb.CatalogException as exc:
+        raise SourceError(f"refresh source {source.path}: no table or view {source.table!r}") from exc
+    except duckdb.Error as exc:
+        raise SourceError(f"refresh source {source.path}: cannot read it ({exc})") from exc
+    selection = select_new(trace_arrivals(read), consumed, name=name, max_problems=max_problems)
+    watermark, rejects = _watermark(read, selection)
+    records = [RefreshReject(name=name, file=r.file, line=r.line, reason=r.reason) for r in rejects
+               if (r.file, r.line, r.reason) not in reported]
+    mark = RefreshWatermark(name=name, after=after, watermark=watermark, n_rows=len(read.traces) + len(records),
+                            n_rejected=len(records), n_redacted=read.redactor.total)
+    return TraceSelection(selection, records, mark)
+
+
+MAX_NOTED_REJECTS = 5
+
+
+def trace_notes(rejects: list[RefreshReject], watermark: RefreshWatermark | None) -> list[str]:
+    """What a traces refresh reports with its decision: the skipped rows (the first few) and the redactions."""
+    notes = []
+    if rejects:
+        shown = "; ".join(r.render() for r in rejects[:MAX_NOTED_REJECTS])
+        more = f"; ... and {len(rejects) - MAX_NOTED_REJECTS} more (table refresh_rejects)" \
+            if len(rejects) > MAX_NOTED_REJECTS else ""
+        notes.append(f"{len(rejects)} trace row(s) skipped: {shown}{more}")
+    if watermark is not None and watermark.n_redacted:
+        notes.append(f"{watermark.n_redacted} secret(s) redacted from the traces")
+    return notes

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,6 +62,8 @@ from schemas.records import (
     RefreshDecision,
     RefreshGateRow,
     RefreshInput,
+    RefreshReject,
+    RefreshWatermark,
     Reward,
     Rollout,
     Summary,
@@ -196,6 +199,8 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "refresh_inputs": lambda items: [i.model_dump() for i in items],
     "refreshes": lambda items: [_refresh_row(d) for d in items],
     "refresh_gate": lambda items: [r.model_dump() for r in items],
+    "refresh_rejects": lambda items: [r.model_dump() for r in items],
+    "refresh_watermarks": lambda items: [w.model_dump() for w in items],
     "experience_stats": lambda items: [s.model_dump() for s in items],
     "library_quality": lambda items: [q.model_dump() for q in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
@@ -259,6 +264,8 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "eval_results": _plain(EvalSample),
     "eval_comparisons": _plain(EvalComparison),
     "refresh_inputs": _plain(RefreshInput),
+    "refresh_rejects": _plain(RefreshReject),
+    "refresh_watermarks": _plain(RefreshWatermark),
     "experience_stats": _plain(ExperienceStat),
     "library_quality": _plain(LibraryQuality),
     "lesson_trials": lambda row: LessonTrial(**_fields(LessonTrial, row, skip=("operation", "problem_ids")),
@@ -285,6 +292,8 @@ _ORDER = {
     "refresh_inputs": "position",
     "refreshes": "refresh_date",
     "refresh_gate": "tag NULLS FIRST",
+    "refresh_rejects": "file, line",
+    "refresh_watermarks": "name",
     "experience_stats": "exp_id",
     "lesson_trials": "seq",
     "trial_samples": "seq, problem_id, sample_idx",
@@ -691,6 +700,22 @@ class Store:
             "SELECT DISTINCT i.problem_key FROM refresh_inputs i JOIN refreshes r ON i.run_id = r.run_id "
             "WHERE r.name = ?", [name]).fetchall()
         return {r[0] for r in rows}
+
+    @_connected
+    def refresh_watermark(self, name: str) -> datetime | None:
+        """The latest watermark of a decided traces refresh of ``name``: the next one reads rows after it."""
+        row = self.con.execute(
+            "SELECT max(w.watermark) FROM refresh_watermarks w JOIN refreshes r ON w.run_id = r.run_id "
+            "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchone()
+        return None if row is None or row[0] is None else row[0]
+
+    @_connected
+    def reported_rejects(self, name: str) -> set[tuple[str, int, str]]:
+        """(file, line, reason) of the source rows decided refreshes of ``name`` skipped (reported once)."""
+        rows = self.con.execute(
+            "SELECT DISTINCT j.file, j.line, j.reason FROM refresh_rejects j JOIN refreshes r ON j.run_id = r.run_id "
+            "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchall()
+        return {(f, int(line), reason) for f, line, reason in rows}
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:

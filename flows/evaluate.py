@@ -144,9 +144,13 @@ TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_
                     "max_batch_rows"}
 
 
+LATER_PROBLEM_FIELDS = ("domain_tag", "tag", "answer_source")  # fingerprinted only when set
+LATER_DATASET_FIELDS = ("answer_source_field", "answers_optional")  # fingerprinted only when not the default
+
+
 def _problem_payload(problem: Problem) -> dict:
     """A problem as fingerprinted: fields added later count only when set (older evaluations keep theirs)."""
-    return problem.model_dump(exclude={name for name in ("domain_tag", "tag") if getattr(problem, name) is None})
+    return problem.model_dump(exclude={name for name in LATER_PROBLEM_FIELDS if getattr(problem, name) is None})
 
 
 def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
@@ -163,6 +167,10 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
         "conditions": [[c.label, c.library.content_hash()] for c in conditions],
         "problems": text_hash(json.dumps([_problem_payload(p) for p in problems], sort_keys=True)),
     }
+    dataset = payload["evaluation"].get("dataset")
+    for key in LATER_DATASET_FIELDS:
+        if isinstance(dataset, dict) and dataset.get(key) == DatasetConfig.model_fields[key].default:
+            del dataset[key]
     if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
         payload["agent"] = agent
     if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint

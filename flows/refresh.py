@@ -40,7 +40,7 @@ from clgrpo.preflight import check_refresh
 from clgrpo.runtime import tune_gc
 from clgrpo.report import markdown_table
 from clgrpo.run_lock import RunLock
-from clgrpo.sources import read_arrivals, select_new
+from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
 from clgrpo.store import Store
 from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
@@ -132,7 +132,15 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     if store.stage_done(refresh_id, 0, REFRESH_SELECT_STAGE):
         return store.records("refresh_inputs", refresh_id, 0, REFRESH_SELECT_STAGE)
     source = config.source
-    same_file = source.kind == "duckdb" and Path(source.path).resolve() == store.path.resolve()
+    same_file = source.kind != "directory" and Path(source.path).resolve() == store.path.resolve()
+    if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
+        taken = select_traces(source, get_domain(config.training.domain), cutoff,
+                              store.consumed_problem_keys(config.name), store.refresh_watermark(config.name),
+                              name=config.name, max_problems=config.max_problems,
+                              reported=store.reported_rejects(config.name), query=store.query if same_file else None)
+        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, taken.stage_rows())
+        get_run_logger().info(taken.message(cutoff))
+        return taken.selection.inputs
     arrivals = read_arrivals(source, get_domain(config.training.domain), cutoff, work_dir(config) / refresh_id,
                              query=store.query if same_file else None)
     selection = select_new(arrivals, store.consumed_problem_keys(config.name), name=config.name,
@@ -144,23 +152,32 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
 
 
 # --- files for the subflows --------------------------------------------------------------------------------
+def input_notes(store: Store, refresh_id: str) -> list[str]:
+    """What the decision reports about its input beyond the count: a traces source's skipped rows and redactions."""
+    watermarks = store.records("refresh_watermarks", refresh_id, 0, REFRESH_SELECT_STAGE)
+    return trace_notes(store.records("refresh_rejects", refresh_id, 0, REFRESH_SELECT_STAGE),
+                       watermarks[0] if watermarks else None)
+
+
 def write_dataset(inputs: list[RefreshInput], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
         for i in inputs:
-            fh.write(json.dumps({"id": i.problem_id, "problem": i.problem, "answer": i.answer},
-                                ensure_ascii=False) + "\n")
+            fh.write(json.dumps({"id": i.problem_id, "problem": i.problem, "answer": i.answer, "tag": i.tag,
+                                 "answer_source": i.answer_source}, ensure_ascii=False) + "\n")
     return path
 
 
 def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start: Path) -> RunConfig:
     template = config.training
     seed = template.dataset.seed if template.dataset else template.seed
-    has_answers = config.source.answer_field is not None
+    traces = config.source.kind == "traces"  # some traces have an answer (from feedback), some none
+    has_answers = traces or config.source.answer_field is not None
     return RunConfig.model_validate({
         **template.model_dump(exclude={"dataset"}),
         "run_id": f"{refresh_id}-train",
-        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None, seed=seed),
+        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None, seed=seed,
+                                 answers_optional=traces, answer_source_field="answer_source" if traces else None),
         "initial_library": str(start),
         "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
     })
@@ -297,12 +314,14 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                 return decided
             baseline = promoted_baseline(store, config, date)
             inputs = take_new_problems(store, config, refresh_id, cutoff)
+            notes = input_notes(store, refresh_id)
         log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
         if not inputs:
             reason = f"no new problems arrived in {config.source.path} up to {cutoff.isoformat()}: nothing trained"
             log.info(reason)
             return await record(config, decision_record(config, refresh_id, date, cutoff, 0, baseline,
-                                                         status="no_new_data", reasons=[reason]))
+                                                         status="no_new_data", reasons=[reason, *notes]))
         fields = await train_and_compare(config, refresh_id, inputs, baseline)
+        fields["reasons"] = [*fields["reasons"], *notes]  # type: ignore[misc]
         return await record(config, decision_record(config, refresh_id, date, cutoff, len(inputs), baseline,
                                                     **fields))

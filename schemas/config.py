@@ -71,6 +71,9 @@ class DatasetConfig(Section):
     # the column with each problem's task tag (e.g. "geometry"): evaluations also compare conditions per tag and
     # a refresh gates on every tag; a missing column or a blank cell: untagged
     tag_field: str | None = "tag"
+    # the column saying where each answer came from (``Problem.answer_source``; a refresh's traces)
+    answer_source_field: str | None = None
+    answers_optional: bool = False  # True: a missing answer is no ground truth for that problem, not an error
     # the web domain: the column with a question's start page (WebWalkerQA: root_url); added to the question as
     # "Start page: URL"; a missing or blank cell: no start page
     url_field: str | None = None
@@ -181,6 +184,9 @@ class LearningConfig(Section):
     """How the learner turns attempts into library edits, and what a lesson may be."""
 
     use_groundtruth: bool = True
+    # problems without an answer: "compare": ungraded, the learner compares the attempts on their own;
+    # "agreement": the answer most of the group's usable rollouts give (more than half) is the reference
+    unlabeled: Literal["compare", "agreement"] = "compare"
     min_words: int = Field(5, ge=1)  # a lesson is a sentence: shorter texts ("...", "Check.") are rejected
     max_words: int = Field(32, ge=1)
     # a regular expression every lesson must match (whole text): enforced by constrained decoding where the
@@ -397,6 +403,9 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("dataset", "domain_field"): None,
     ("dataset", "url_field"): None,
     ("dataset", "tag_field"): "tag",
+    ("dataset", "answer_source_field"): None,
+    ("dataset", "answers_optional"): False,
+    ("learning", "unlabeled"): "compare",
     ("learning", "extract"): "operations",
     ("learning", "candidates"): 1,
     ("learning", "fallback"): "none",
@@ -500,22 +509,41 @@ class RunConfig(Section):
 class RefreshSource(Section):
     """Where new problems arrive. ``directory``: dataset files (``pattern``) in ``path``; a file's problems
     arrive at its modification time. ``duckdb``: rows of ``table`` in the DuckDB file ``path``; a row arrives
-    at its ``timestamp_column``. Field names are read as in ``DatasetConfig``."""
+    at its ``timestamp_column``. Field names are read as in ``DatasetConfig``. ``traces``: production chat
+    logs (``clgrpo.traces``): JSONL files (``pattern``) in ``path``, or ``table`` in the DuckDB file ``path``,
+    or the Parquet file ``path``; a row arrives at its ``timestamp_field``, else its file's modification time,
+    and each refresh reads only rows after the previous decided refresh's watermark."""
 
-    kind: Literal["directory", "duckdb"] = "directory"
+    kind: Literal["directory", "duckdb", "traces"] = "directory"
     path: str
-    pattern: str = "*.jsonl"  # directory: which files (glob; .jsonl / .json / .csv / .parquet)
-    table: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")  # duckdb: table or view
-    timestamp_column: str = Field("created_at", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    pattern: str = "*.jsonl"  # directory / traces: which files (glob)
+    table: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")  # duckdb / traces: table or view
+    timestamp_column: str = Field("created_at", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")  # duckdb
     id_field: str | None = "id"  # None or a missing column: ids are derived per refresh (<file or table>-<row>)
     problem_field: str = "problem"
     answer_field: str | None = "answer"
+    # traces: a row's arrival time (ISO 8601 text or epoch seconds; without a zone: UTC); a row without it
+    # arrives at its file's modification time
+    timestamp_field: str = Field("created_at", min_length=1)
+    max_line_bytes: int = Field(1_000_000, ge=1_024)  # traces: a longer JSONL line is skipped with its size
+    # traces: earlier turns of a conversation go with its last user message when together at most this long
+    context_chars: int = Field(2_000, ge=0)
 
     @model_validator(mode="after")
     def _table_for_duckdb(self) -> "RefreshSource":
         if self.kind == "duckdb" and not self.table:
             raise ValueError("source: kind 'duckdb' needs `table` (the table or view holding new problems)")
+        if self.kind == "traces" and self.table and self.path.lower().endswith(".parquet"):
+            raise ValueError(f"source: kind 'traces' reads the Parquet file {self.path} whole; leave out `table` "
+                             "(or point `path` at a DuckDB file)")
         return self
+
+    @property
+    def traces_layout(self) -> Literal["jsonl", "duckdb", "parquet"]:
+        """How a traces source is stored: JSONL files in a directory, a DuckDB table, or a Parquet file."""
+        if self.path.lower().endswith(".parquet"):
+            return "parquet"
+        return "duckdb" if self.table else "jsonl"
 
 
 class TrainingTemplate(RunConfig):

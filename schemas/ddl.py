@@ -341,12 +341,32 @@ TABLE_DDL: dict[str, str] = {
         threshold DOUBLE NOT NULL,
         verdict VARCHAR NOT NULL,
         reason VARCHAR NOT NULL""",
+    # a traces refresh (refresh-select stage): the source rows it skipped, and the watermark it read up to
+    "refresh_rejects": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        file VARCHAR NOT NULL,
+        line INTEGER NOT NULL,
+        reason VARCHAR NOT NULL""",
+    "refresh_watermarks": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        after TIMESTAMPTZ,
+        watermark TIMESTAMPTZ,
+        n_rows INTEGER NOT NULL,
+        n_rejected INTEGER NOT NULL,
+        n_redacted INTEGER NOT NULL""",
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
-STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate")
+STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate", "refresh_rejects",
+                 "refresh_watermarks")
 
 
 # Columns added after the first release: files created before get them on open.
@@ -354,8 +374,9 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
     "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
                  "tool_time_s DOUBLE"],
-    "rewards": ["verified BOOLEAN", "judge_reason VARCHAR"],
-    "problems": ["domain_tag VARCHAR", "tag VARCHAR"],
+    "rewards": ["verified BOOLEAN", "judge_reason VARCHAR", "reward_source VARCHAR"],
+    "problems": ["domain_tag VARCHAR", "tag VARCHAR", "answer_source VARCHAR"],
+    "refresh_inputs": ["tag VARCHAR", "answer_source VARCHAR", "rejected_answer VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
     "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],

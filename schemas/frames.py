@@ -9,6 +9,8 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
+from schemas.records import ANSWER_SOURCES, REWARD_SOURCES
+
 _UTC = {"unit": "us", "tz": "UTC"}
 
 
@@ -47,6 +49,7 @@ class ProblemsFrame(StageKeyed):
     source: Series[str]
     domain_tag: Series[str] = pa.Field(nullable=True)
     tag: Series[str] = pa.Field(nullable=True)
+    answer_source: Series[str] = pa.Field(isin=list(ANSWER_SOURCES), nullable=True)
 
 
 class RolloutsFrame(StageKeyed):
@@ -79,6 +82,7 @@ class RewardsFrame(StageKeyed):
     error: Series[str] = pa.Field(nullable=True)
     verified: Series[bool] = pa.Field(nullable=True)
     judge_reason: Series[str] = pa.Field(nullable=True)
+    reward_source: Series[str] = pa.Field(isin=list(REWARD_SOURCES), nullable=True)  # NULL: ungraded or older
 
     @pa.dataframe_check
     def graded_or_explained(cls, df: pd.DataFrame) -> bool:
@@ -277,6 +281,9 @@ class RefreshInputsFrame(StageKeyed):
     source: Series[str]
     arrived_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
     problem_key: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    tag: Series[str] = pa.Field(nullable=True)
+    answer_source: Series[str] = pa.Field(isin=list(ANSWER_SOURCES), nullable=True)
+    rejected_answer: Series[str] = pa.Field(nullable=True)
 
 
 class RefreshesFrame(StageKeyed):
@@ -336,6 +343,22 @@ class RefreshGateFrame(StageKeyed):
         passes = (overall & (df["ci_low"] > df["threshold"])) | (~overall & (df["ci_high"] >= df["threshold"]))
         expected = passes.map({True: "pass", False: "fail"})
         return (df["verdict"] == expected) | (~overall & (df["verdict"] == "not_gated"))
+
+
+class RefreshRejectsFrame(StageKeyed):
+    name: Series[str] = pa.Field(str_length={"min_value": 1})
+    file: Series[str] = pa.Field(str_length={"min_value": 1})
+    line: Series[int] = pa.Field(ge=0)
+    reason: Series[str] = pa.Field(str_length={"min_value": 1})
+
+
+class RefreshWatermarksFrame(StageKeyed):
+    name: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    after: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC, nullable=True)
+    watermark: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC, nullable=True)
+    n_rows: Series[int] = pa.Field(ge=0)
+    n_rejected: Series[int] = pa.Field(ge=0)
+    n_redacted: Series[int] = pa.Field(ge=0)
 
 
 class DbMetaFrame(Frame):
@@ -411,4 +434,6 @@ FRAMES: dict[str, type[Frame]] = {
     "refresh_inputs": RefreshInputsFrame,
     "refreshes": RefreshesFrame,
     "refresh_gate": RefreshGateFrame,
+    "refresh_rejects": RefreshRejectsFrame,
+    "refresh_watermarks": RefreshWatermarksFrame,
 }

@@ -27,6 +27,13 @@ class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# Where a refresh input's answer came from (a production trace's feedback, or none).
+ANSWER_SOURCES = ("ground_truth", "reference", "correction", "thumbs_up_reply", "none")
+# What graded a reward: the problem's answer (by its source), the LLM judge, or agreement among the group.
+REWARD_SOURCES = ("ground_truth", "feedback:reference", "feedback:correction", "feedback:thumbs_up", "judge",
+                  "agreement")
+
+
 class Problem(Record):
     problem_id: str = Field(min_length=1)
     problem: str = Field(min_length=1)
@@ -36,6 +43,8 @@ class Problem(Record):
     # the problem's task tag (``dataset.tag_field``, or set by a refresh source): evaluations compare
     # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.gate``)
     tag: str | None = None
+    # where the answer came from: None (a dataset's ground truth) or one of ANSWER_SOURCES (refresh traces)
+    answer_source: str | None = None
 
 
 class Turn(Record):
@@ -94,6 +103,7 @@ class Reward(Record):
     error: str | None = None
     verified: bool = True  # False: the verifier could not grade this sample (a failed item of the verify stage)
     judge_reason: str | None = None  # graded by the LLM judge: its reason
+    reward_source: str | None = None  # what graded it (REWARD_SOURCES); None: not graded, or an older row
 
     @property
     def graded(self) -> bool:
@@ -363,9 +373,37 @@ class RefreshInput(Record):
     source: str  # file name or table
     arrived_at: datetime
     problem_key: str  # hash of the normalized problem text
+    tag: str | None = None
+    answer_source: str | None = None  # ANSWER_SOURCES; None: a dataset row's answer field
+    rejected_answer: str | None = None  # a trace's thumbs-down answer: known wrong (kept, not used in grading)
 
     def to_problem(self) -> Problem:
-        return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source)
+        return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source,
+                       tag=self.tag, answer_source=self.answer_source)
+
+
+class RefreshReject(Record):
+    """A source row a refresh skipped, and why (``file:line: reason``)."""
+
+    name: str
+    file: str
+    line: int = Field(ge=0)  # 1-based line of a JSONL file; a table's row number (0-based)
+    reason: str
+
+    def render(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+class RefreshWatermark(Record):
+    """What a traces refresh read: rows that arrived after ``after`` up to ``watermark`` (the next refresh
+    starts after it), how many were skipped as malformed and how many secrets were redacted."""
+
+    name: str
+    after: datetime | None = None  # the previous decided refresh's watermark; None: the first
+    watermark: datetime | None = None  # None: nothing arrived (the next refresh starts after ``after``)
+    n_rows: int = Field(0, ge=0)
+    n_rejected: int = Field(0, ge=0)
+    n_redacted: int = Field(0, ge=0)
 
 
 class RefreshGateRow(Record):

@@ -94,8 +94,8 @@ def compute_group_advantages(problems: list[Problem], rollouts: list[Rollout], r
         mean = statistics.fmean(valid) if valid else 0.0
         std = statistics.pstdev(valid) if valid else 0.0
         advantages = [None if v is None else (v - mean) / std if std > 0 else 0.0 for v in values]
-        selected, reason = _selection(valid, usable[problem.problem_id], use_groundtruth and problem.answer is not None,
-                                      len(group))
+        labeled = problem.answer is not None or any(r.reward_source == "agreement" for r in group)
+        selected, reason = _selection(valid, usable[problem.problem_id], use_groundtruth and labeled, len(group))
         out.append(GroupAdvantage(problem_id=problem.problem_id, rewards=values, mean_reward=mean, std_reward=std,
                                   advantages=advantages, selected=selected, reason=reason))
     return out

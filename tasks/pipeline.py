@@ -76,7 +76,7 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
                      group_size: int, temperature: float, cfg: LearningConfig,
                      agent: AgentConfig | None = None, judge: Judge | None = None) -> GroupOutcome:
     batch = await rollout_problem(problem, library, domain, llm, group_size, temperature, agent=agent)
-    rewards = await grade([problem], batch.rollouts, domain, judge)
+    rewards = await grade([problem], batch.rollouts, domain, judge, cfg.unlabeled)
     advantages = compute_group_advantages([problem], batch.rollouts, rewards, use_groundtruth=cfg.use_groundtruth)
     outcome = GroupOutcome(batch, rewards, advantages[0] if advantages else None)
     groups = build_groups([problem], batch.rollouts, rewards, advantages)

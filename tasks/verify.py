@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,16 +28,28 @@ class VerifyBatch:
 Grader = Callable[[list[tuple[Problem, str]]], list[VerifyResult]]  # (problem, output) pairs -> grades
 
 
-def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, grader: Grader | None = None
-           ) -> list[Reward]:
+# what graded a reward against the problem's answer, by where that answer came from (Problem.answer_source)
+ANSWER_REWARD_SOURCE = {None: "ground_truth", "ground_truth": "ground_truth", "reference": "feedback:reference",
+                        "correction": "feedback:correction", "thumbs_up_reply": "feedback:thumbs_up"}
+
+
+def reward_source(problem: Problem, judged: bool) -> str:
+    return "judge" if judged else ANSWER_REWARD_SOURCE.get(problem.answer_source, "ground_truth")
+
+
+def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, grader: Grader | None = None,
+           unlabeled: str = "compare") -> list[Reward]:
     """One reward per rollout, in rollout order; the verifier itself never raises. Not graded (reward None,
     the reason in ``error``): failed rollouts, problems without ground truth, and samples the verifier could
     not grade even on a second try (``verified`` False: a failed item of this stage). A reply cut off at
     max_tokens is graded (the rollout keeps the mark) unless the domain says ``grade_truncated = False``.
     Verified rewards already in the work journal are reused. ``grader``: grades instead of the domain's
-    ``verify_batch`` (the LLM judge)."""
+    ``verify_batch`` (the LLM judge). ``unlabeled="agreement"``: problems without ground truth are graded
+    against their group's majority answer (``agreement_rewards``). Every reward names what graded it
+    (``reward_source``)."""
     answers = {p.problem_id: p.answer for p in problems}
     by_id = {p.problem_id: p for p in problems}
+    judged = grader is not None
     grader = grader or (lambda items: domain.verify_batch([(out, p.answer) for p, out in items]))  # type: ignore
     done = StageItems(STAGE, Reward)
     graded: dict[tuple[str, int], Reward] = {}
@@ -49,7 +62,8 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, gra
                 graded[key] = reused
             elif r.truncated and not getattr(domain, "grade_truncated", True):
                 graded[key] = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=0.0,
-                                     error="cut off at max_tokens (the domain does not grade truncated replies)")
+                                     error="cut off at max_tokens (the domain does not grade truncated replies)",
+                                     reward_source=reward_source(by_id[r.problem_id], False))
             else:
                 todo.append(r)
     for attempt in range(2):  # a sample the verifier could not grade gets a second try
@@ -64,11 +78,14 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, gra
             reward = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx,
                             reward=g.reward if g.verified else None, extracted=g.extracted,
                             error=g.error if g.verified else f"could not verify: {g.error}", verified=g.verified,
-                            judge_reason=g.reason)
+                            judge_reason=g.reason,
+                            reward_source=reward_source(by_id[r.problem_id], judged) if g.verified else None)
             graded[(r.problem_id, r.sample_idx)] = reward
             if g.verified:
                 done.put(sample_key(r.problem_id, r.sample_idx), reward)
         todo = retry
+    if unlabeled == "agreement":
+        graded.update(agreement_rewards([p for p in problems if p.answer is None], rollouts, domain))
     rewards = []
     for r in rollouts:
         key = (r.problem_id, r.sample_idx)
@@ -81,17 +98,48 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, gra
     return rewards
 
 
-async def grade(problems: list[Problem], rollouts: list[Rollout], domain: Domain, judge: Judge | None = None
-                ) -> list[Reward]:
+def _normalized(answer: str | None) -> str | None:
+    return " ".join(answer.split()).rstrip(".").lower() or None if answer else None
+
+
+def agreement_rewards(problems: list[Problem], rollouts: list[Rollout], domain: Domain
+                      ) -> dict[tuple[str, int], Reward]:
+    """Rewards for problems without ground truth by agreement: the final answer (the domain's ``reply_answer``)
+    that more than half of a group's usable rollouts give is taken as right; those rollouts get 1, the other
+    usable ones 0. A group without such a majority (or of fewer than 2 usable rollouts) stays ungraded."""
+    read = getattr(domain, "reply_answer", None)
+    wanted = {p.problem_id for p in problems}
+    groups: dict[str, list[Rollout]] = {}
+    for r in rollouts:
+        if r.problem_id in wanted and r.error is None:
+            groups.setdefault(r.problem_id, []).append(r)
+    out: dict[tuple[str, int], Reward] = {}
+    for problem_id, group in groups.items():
+        answers = [_normalized(read(r.final_text)) if read else None for r in group]
+        counts = Counter(a for a in answers if a is not None)
+        top, n = counts.most_common(1)[0] if counts else (None, 0)
+        if len(group) < 2 or 2 * n <= len(group):
+            continue
+        for r, answer in zip(group, answers):
+            agrees = answer == top
+            out[(problem_id, r.sample_idx)] = Reward(
+                problem_id=problem_id, sample_idx=r.sample_idx, reward=1.0 if agrees else 0.0, extracted=answer,
+                error=None if agrees else f"disagrees with the group's majority answer ({n}/{len(group)})",
+                reward_source="agreement")
+    return out
+
+
+async def grade(problems: list[Problem], rollouts: list[Rollout], domain: Domain, judge: Judge | None = None,
+                unlabeled: str = "compare") -> list[Reward]:
     """``verify`` in a worker thread; with a ``judge``, its calls run on this event loop (the one LLM client)."""
     if judge is None:
-        return await asyncio.to_thread(verify, problems, rollouts, domain)
+        return await asyncio.to_thread(verify, problems, rollouts, domain, None, unlabeled)
     loop = asyncio.get_running_loop()
 
     def judged(items: list[tuple[Problem, str]]) -> list[VerifyResult]:
         return asyncio.run_coroutine_threadsafe(judge.grade_all(items), loop).result()
 
-    return await asyncio.to_thread(verify, problems, rollouts, domain, judged)
+    return await asyncio.to_thread(verify, problems, rollouts, domain, judged, unlabeled)
 
 
 def warm_verifier(domain_name: str) -> None:
@@ -106,6 +154,6 @@ def warm_verifier(domain_name: str) -> None:
 async def verify_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
                       rollouts: list[Rollout]) -> VerifyBatch:
     domain = get_domain(config.domain)
-    rewards = await grade(problems, rollouts, domain, make_judge(config, domain, STAGE))
+    rewards = await grade(problems, rollouts, domain, make_judge(config, domain, STAGE), config.learning.unlabeled)
     advantages = compute_group_advantages(problems, rollouts, rewards, use_groundtruth=config.learning.use_groundtruth)
     return VerifyBatch(rewards, advantages)

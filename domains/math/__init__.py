@@ -20,7 +20,7 @@ from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
 from domains.math.tools import PYTHON_TOOL
 from domains.math.verify import verify as verify_output
 from domains.math.verify import verify_batch as verify_outputs
-from domains.math.verify import warm_pool
+from domains.math.verify import reply_answer, warm_pool
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
@@ -61,6 +61,10 @@ class MathDomain:
 
     def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         return verify_outputs(items, timeout_s=self.verify_timeout_s)
+
+    def reply_answer(self, output: str) -> str | None:
+        """A production reply's final answer (the boxed expression, else the last number): refresh traces."""
+        return reply_answer(output)
 
     def warm(self) -> None:
         """Start the math-verify pool in the background, so the first batch does not wait for it."""

@@ -30,7 +30,7 @@ import pandera.pandas as pa
 
 from domains.base import LoadReport
 from schemas.config import DatasetConfig
-from schemas.records import Problem
+from schemas.records import ANSWER_SOURCES, Problem
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa
     columns = {cfg.problem_field: pa.Column(None, checks=_cell_checks(_is_text), nullable=False)}
     if cfg.answer_field is not None:
         checks = _cell_checks(_is_text_or_number)
-        columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=False)
+        columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=cfg.answers_optional)
     if cfg.url_field is not None:  # a missing or blank start page: none
         columns[cfg.url_field] = pa.Column(None, checks=[pa.Check(_is_text, element_wise=True, name="wrong type")],
                                            nullable=True)
@@ -354,6 +354,8 @@ def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa
     if _tag_column(cfg, raw_columns) is not None:  # a blank tag: untagged
         columns[cfg.tag_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
                                                                   name="wrong type")], nullable=True)
+    if cfg.answer_source_field is not None:
+        columns[cfg.answer_source_field] = pa.Column(None, checks=[pa.Check.isin(ANSWER_SOURCES)], nullable=True)
     if id_col is not None:
         checks = _cell_checks(_is_text_or_number)
         checks.append(pa.Check(_first_occurrences, name="duplicate"))
@@ -420,18 +422,20 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
     for pos in frame.index:
         row = frame.loc[pos]
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
-        answer = _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None
+        answer = _optional_text(row, cfg.answer_field) if cfg.answers_optional else (
+            _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None)
         text = row[cfg.problem_field].strip()
         if start := _optional_text(row, cfg.url_field):
             text += f"\n\nStart page: {start}"
         problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
-                                domain_tag=_domain_tag(row, cfg), tag=_optional_text(row, tag_col)))
+                                domain_tag=_domain_tag(row, cfg), tag=_optional_text(row, tag_col),
+                                answer_source=_optional_text(row, cfg.answer_source_field)))
     return problems
 
 
 def _optional_text(row: pd.Series, column: str | None) -> str | None:
     """The cell's text, or None for no column, a missing cell or a blank one."""
-    value = row[column] if column else None
+    value = row[column] if column and column in row.index else None
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
     return _scalar_text(value) or None

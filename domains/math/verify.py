@@ -382,6 +382,32 @@ def integer_answer(output: str, answer: str) -> VerifyResult | None:
     return VerifyResult(1.0 if int(match.group(1)) == int(gold) else 0.0, match.group(1), None)
 
 
+_NUMBER = re.compile(r"[+-]?\d+(?:[.,]\d+)*(?:/\d+)?")
+
+
+def last_boxed(output: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (nested braces kept), or None."""
+    start = output.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(output)):
+        depth += {"{": 1, "}": -1}.get(output[j], 0)
+        if depth == 0:
+            return output[i + 1:j].strip() or None
+    return None
+
+
+def reply_answer(output: str) -> str | None:
+    """A reply's final answer without a grader: its last boxed expression, else its last number (a production
+    reply need not box its answer); the answer a refresh takes from a thumbs-up trace."""
+    boxed = last_boxed(output)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(output)
+    return numbers[-1].rstrip(".,") if numbers else None
+
+
 def _fail(todo: list[int], results: list[VerifyResult | None], error: str) -> None:
     for i in todo:
         results[i] = VerifyResult(0.0, None, error, verified=False)

@@ -68,6 +68,10 @@ class WebDomain:
         """What an LLM judge compares with the reference (``tasks/judge.py``)."""
         return final_answer(output)
 
+    def reply_answer(self, output: str) -> str | None:
+        """A production reply's final answer (refresh traces): its ``Final answer:`` line."""
+        return final_answer(output)
+
     def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
         return rollout_messages(problem, library_text)
 
