@@ -54,7 +54,8 @@ def stack(tmp_path_factory):
     api_url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     base.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                PYTHONPATH=str(ROOT))
+                PYTHONPATH=str(ROOT),  # the scripts call `prefect`: this interpreter's, activated or not
+                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     env = {**base, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_WORKER_PREFETCH_SECONDS": "5", "CLGRPO_PROJECT_DIR": str(ROOT)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
