@@ -57,7 +57,11 @@ from schemas.records import (
     OperationResult,
     Problem,
     Proposal,
+    LessonChange,
+    LibraryAdoption,
     RefreshDecision,
+    ReviewDecision,
+    ReviewRequest,
     RefreshInput,
     Reward,
     Rollout,
@@ -179,6 +183,17 @@ def _refresh_row(d: RefreshDecision) -> dict:
     return {**d.model_dump(exclude={"reasons"}), "reasons_json": _dumps(d.reasons)}
 
 
+def _review_request_row(r: ReviewRequest) -> dict:
+    return {**r.model_dump(exclude={"changes", "pending"}), "changes_json": _dumps([c.model_dump() for c in r.changes]),
+            "pending_json": r.pending.model_dump_json()}
+
+
+def _review_request_record(row: dict) -> ReviewRequest:
+    fields = {k: row[k] for k in ReviewRequest.model_fields if k not in ("changes", "pending")}
+    return ReviewRequest(**fields, changes=[LessonChange(**c) for c in json.loads(row["changes_json"])],
+                         pending=RefreshDecision.model_validate_json(row["pending_json"]))
+
+
 _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "problems": _problem_rows,
     "rollouts": lambda items: [_rollout_row(r) for r in items],
@@ -197,6 +212,9 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "library_quality": lambda items: [q.model_dump() for q in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
     "trial_samples": lambda items: [t.model_dump() for t in items],
+    "review_requests": lambda items: [_review_request_row(r) for r in items],
+    "review_decisions": lambda items: [d.model_dump() for d in items],
+    "library_adoptions": lambda items: [a.model_dump() for a in items],
 }
 
 
@@ -264,6 +282,9 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "trial_samples": _plain(TrialSample),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
+    "review_requests": _review_request_record,
+    "review_decisions": _plain(ReviewDecision),
+    "library_adoptions": _plain(LibraryAdoption),
 }
 
 _ORDER = {
@@ -284,6 +305,9 @@ _ORDER = {
     "lesson_trials": "seq",
     "trial_samples": "seq, problem_id, sample_idx",
     "library_quality": "version",
+    "review_requests": "refresh_id",
+    "review_decisions": "change_id",
+    "library_adoptions": "seq",
 }
 
 
@@ -673,6 +697,20 @@ class Store:
             "SELECT DISTINCT i.problem_key FROM refresh_inputs i JOIN refreshes r ON i.run_id = r.run_id "
             "WHERE r.name = ?", [name]).fetchall()
         return {r[0] for r in rows}
+
+    @_connected
+    def review_requests(self, name: str) -> list[ReviewRequest]:
+        """Every review requested by refreshes of ``name``, oldest first (answered or not)."""
+        frame = self.con.execute("SELECT * FROM review_requests WHERE name = ? ORDER BY created_at", [name]).df()
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_review_request_record(row) for row in rows]
+
+    @_connected
+    def library_adoptions(self, name: str) -> list[LibraryAdoption]:
+        """Promotions and rollbacks of ``name``'s served library, in order."""
+        frame = self.con.execute("SELECT * FROM library_adoptions WHERE name = ? ORDER BY seq", [name]).df()
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_RECORDS["library_adoptions"](row) for row in rows]
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:
