@@ -1,5 +1,5 @@
-"""The ``clgrpo`` command line: train, library show|diff|export|ops, runs list|show|delete, model fetch|path, demo,
-eval, report, refresh run|history.
+"""The ``clgrpo`` command line: train, library show|diff|export|ops|rollback, runs list|show|delete, model
+fetch|path, demo, eval, report, refresh run|history, review.
 
 Every user error ends a command with one ``error:`` line (what is wrong: file, row and field, URL, environment
 variable, model) and a non-zero exit; commands that run flows keep the full log, tracebacks included, in a log
@@ -710,18 +710,173 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     print_decision(decision)
     if decision.promoted:
         print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
+    if decision.status == "awaiting_review":
+        print(f"next: clgrpo review {decision.refresh_id} --db {config.training.db_path}")
     return 0
 
 
 def cmd_refresh_history(args: argparse.Namespace) -> int:
+    from clgrpo import adopt
+    from clgrpo.review import describe_decision, is_open, stored_decisions
+
     db = resolve_db(args.db, refresh=args.name)
     with _open(db) as store:
         decisions = store.refresh_decisions(args.name)
         gates = store.refresh_gates(args.name)
-    if not decisions:
+        reviews = {d.refresh_id: stored_decisions(store, d.refresh_id) or [] for d in decisions}
+        waiting = [r for r in store.review_requests(args.name) if is_open(store, r)]
+        adoptions = store.library_adoptions(args.name)
+    if not decisions and not waiting:
         print(f"no refreshes named {args.name!r} in {db}")
     for d in decisions:
         print_decision(d, failing_summary(gates.get(d.refresh_id, [])))
+        for row in reviews[d.refresh_id]:
+            print(f"      review {describe_decision(row)}")
+    for r in waiting:
+        print(f"{r.pending.refresh_date}  {r.refresh_id}: awaiting review of {len(r.changes)} change(s) until "
+              f"{r.deadline:%Y-%m-%d %H:%M %Z}: clgrpo review {r.refresh_id}")
+    if adoptions:
+        print("served library (promoted.json):")
+        for a in adoptions:
+            print(f"  {adopt.describe(a)}")
+    return 0
+
+
+# --- review and rollback ------------------------------------------------------------------------------------
+def _reviewer(args: argparse.Namespace) -> str:
+    import getpass
+
+    return args.reviewer or os.environ.get("CLGRPO_REVIEWER") or getpass.getuser()
+
+
+def print_change(c: Any) -> None:
+    print(f"{c.change_id}: {c.op} {c.exp_id}")
+    if c.before is not None:
+        print(f"    before: {c.before}")
+    if c.proposed is not None:
+        print(f"    {'after' if c.before else 'new'}:    {c.proposed}")
+    if c.source_groups:
+        print(f"    from problems: {', '.join(c.source_groups)}")
+    for line in [*c.origin, *c.evidence]:
+        print(f"    {line}")
+
+
+def _ask_terminal(changes: list, reviewer: str) -> dict[str, Any]:
+    """One answer per change from the terminal: approve, edit (then the new text) or reject, and a reason."""
+    from clgrpo.review import field_name
+
+    answers: dict[str, Any] = {"reviewer": reviewer}
+    for c in changes:
+        print_change(c)
+        choice = ""
+        while choice not in {"a", "e", "r"}:
+            choice = input("  [a]pprove, [e]dit or [r]eject? ").strip().lower()[:1]
+        text = input("  new text: ").strip() if choice == "e" else ""
+        reason = input("  reason (optional): ").strip()
+        decision = {"a": "approve", "e": "edit", "r": "reject"}[choice]
+        answers[field_name(c)] = {"decision": decision, "text": text, "reason": reason}
+    return answers
+
+
+def review_answers(args: argparse.Namespace, changes: list) -> dict[str, Any]:
+    """Form data from --decisions FILE, --approve-all / --reject-all, or the terminal."""
+    import json
+
+    from clgrpo.review import uniform_answers
+
+    if args.decisions:
+        try:
+            data = json.loads(Path(args.decisions).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--decisions {args.decisions}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"--decisions {args.decisions}: expected an object of change ids to answers")
+        return {"reviewer": _reviewer(args), **data}
+    if args.approve_all or args.reject_all:
+        choice = "approve" if args.approve_all else "reject"
+        return uniform_answers(changes, choice, _reviewer(args), args.reason or f"{choice} all")
+    return _ask_terminal(changes, _reviewer(args))
+
+
+def _find_request(store: Store, key: str) -> Any:
+    from clgrpo.review import stored_request
+
+    found = stored_request(store, key)
+    if found is None:
+        matches = store.query("SELECT run_id FROM review_requests WHERE flow_run_id = ?", [key])
+        found = stored_request(store, matches["run_id"][0]) if len(matches) else None
+    if found is None:
+        raise StoreError(f"{store.path}: no review requested by refresh or flow run {key!r}")
+    return found
+
+
+def _resume(request: Any, form: dict[str, Any]) -> str:
+    """Resume the suspended flow run with the answers; a message, or raises ReviewError when it cannot."""
+    from uuid import UUID
+
+    from prefect.exceptions import FlowPauseTimeout, NotPausedError
+    from prefect.flow_runs import resume_flow_run
+
+    from clgrpo.review import ReviewError
+
+    try:
+        resume_flow_run(UUID(request.flow_run_id), run_input=form)
+    except (FlowPauseTimeout, NotPausedError, RuntimeError) as exc:
+        raise ReviewError(f"flow run {request.flow_run_id} cannot be resumed: {exc}") from exc
+    return (f"resumed flow run {request.flow_run_id}: a worker applies the review and promotes "
+            f"(clgrpo refresh history --name {request.name})")
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from clgrpo.review import answers_from, conclude, decide_all, field_name, is_open, timed_out, timeout_reason
+    from clgrpo.run_lock import RunLock
+
+    db = resolve_db(args.db, args.refresh)
+    with _open(db) as store:
+        request = _find_request(store, args.refresh)
+        if not is_open(store, request):
+            decided = [d for d in store.refresh_decisions(request.name) if d.refresh_id == request.refresh_id]
+            raise StoreError(f"refresh {request.refresh_id} is already decided: {decided[0].status if decided else '?'}")
+    print(f"refresh {request.refresh_id}: {len(request.changes)} change(s), answer before "
+          f"{request.deadline:%Y-%m-%d %H:%M %Z}")
+    if args.decisions or args.approve_all or args.reject_all:
+        for c in request.changes:
+            print_change(c)
+    form = review_answers(args, request.changes)
+    answers, reviewer = answers_from(form, request.changes)
+    form = {"reviewer": reviewer, **{field_name(c): answers[c.change_id].model_dump() for c in request.changes}}
+    expired = datetime.now(timezone.utc) >= request.deadline
+    if request.flow_run_id and not expired:  # the server of PREFECT_API_URL (the one the deployment runs on)
+        print(_resume(request, form))
+        return 0
+    config = RefreshConfig.model_validate_json(request.config_json)
+    from flows.refresh import work_dir
+    from flows.refresh_review import lesson_guard
+
+    with RunLock(db, "refresh", request.name), Store(db) as store:
+        if expired:
+            decisions = timed_out(request.changes, timeout_reason(request))
+        else:
+            inputs = store.records("refresh_inputs", request.refresh_id)
+            decisions = decide_all(request.changes, answers, reviewer, lesson_guard(config, inputs).check)
+        decision = conclude(store, request, decisions, work_dir(config))
+    print_decision(decision)
+    return 0
+
+
+def cmd_library_rollback(args: argparse.Namespace) -> int:
+    import getpass
+
+    from clgrpo import adopt
+    from clgrpo.run_lock import RunLock
+
+    db = resolve_db(args.db, refresh=args.name)
+    with RunLock(db, "refresh", args.name), Store(db) as store:
+        done = adopt.rollback(store, args.name, args.actor or getpass.getuser(), args.to, args.reason or "")
+    print(f"{args.name}: now serving version {done.version} ({done.library_ref}), was version {done.from_version}")
+    print(f"served file: {Path(done.folder) / 'promoted.json'}")
     return 0
 
 
@@ -740,6 +895,19 @@ def _add_refresh_commands(sub: argparse._SubParsersAction) -> None:
     history.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh, "
                                       "else the most recent one)")
     history.set_defaults(func=cmd_refresh_history)
+    review = sub.add_parser("review", help="answer a refresh's review (approve, edit or reject each change) and "
+                                           "resume its suspended flow run (or, for a terminal refresh, promote)")
+    review.add_argument("refresh", metavar="REFRESH_ID_OR_FLOW_RUN", help="e.g. nightly-2026-11-22, or the flow run id")
+    answer = review.add_mutually_exclusive_group()
+    answer.add_argument("--approve-all", action="store_true", help="approve every change")
+    answer.add_argument("--reject-all", action="store_true", help="reject every change")
+    answer.add_argument("--decisions", metavar="FILE.json",
+                        help='answers as JSON: {"c1": {"decision": "approve", "reason": "..."}, "c2": {"decision": '
+                             '"edit", "text": "..."}, ..., "reviewer": "ana"}')
+    review.add_argument("--reviewer", help="your name (default: $CLGRPO_REVIEWER, else the login name)")
+    review.add_argument("--reason", help="the reason stored with --approve-all / --reject-all")
+    review.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh)")
+    review.set_defaults(func=cmd_review)
 
 
 DB_HELP = "DuckDB file (default: the most recent database that holds the run, else the most recent one)"
@@ -782,6 +950,16 @@ def build_parser() -> argparse.ArgumentParser:
                     (ops, cmd_library_ops)):
         p.add_argument("--db", help=DB_HELP)
         p.set_defaults(func=func)
+    rollback = library.add_parser("rollback", help="serve an earlier promoted version of a refresh's library again "
+                                                    "(its promoted.json, replaced atomically; recorded)")
+    rollback.add_argument("name", metavar="REFRESH_NAME", help="the refresh name (config name, e.g. nightly)")
+    rollback.add_argument("--to", type=int, metavar="VERSION",
+                          help="the promoted version to serve (default: the one before the version in place; "
+                               "see clgrpo refresh history)")
+    rollback.add_argument("--actor", help="who rolls back (default: the login name)")
+    rollback.add_argument("--reason", help="why (stored with the rollback)")
+    rollback.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh)")
+    rollback.set_defaults(func=cmd_library_rollback)
 
     runs = sub.add_parser("runs", help="list, show or delete runs").add_subparsers(dest="runs_command", required=True)
     runs_list = runs.add_parser("list", help="runs in a DuckDB file: status, steps done, library, last update")
@@ -815,11 +993,12 @@ def package_version() -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
     from clgrpo.errors import EvaluationError
+    from clgrpo.review import ReviewError
     from clgrpo.sources import SourceError
     from domains.math.dataset import DatasetError
 
     return (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError, PreflightError, DatasetError,
-            SourceError, EvaluationError)
+            SourceError, EvaluationError, ReviewError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

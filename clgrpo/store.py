@@ -59,8 +59,12 @@ from schemas.records import (
     OperationResult,
     Problem,
     Proposal,
+    LessonChange,
+    LibraryAdoption,
     RefreshDecision,
     RefreshGateRow,
+    ReviewDecision,
+    ReviewRequest,
     RefreshInput,
     RefreshReject,
     RefreshWatermark,
@@ -184,6 +188,17 @@ def _refresh_row(d: RefreshDecision) -> dict:
     return {**d.model_dump(exclude={"reasons"}), "reasons_json": _dumps(d.reasons)}
 
 
+def _review_request_row(r: ReviewRequest) -> dict:
+    return {**r.model_dump(exclude={"changes", "pending"}), "changes_json": _dumps([c.model_dump() for c in r.changes]),
+            "pending_json": r.pending.model_dump_json()}
+
+
+def _review_request_record(row: dict) -> ReviewRequest:
+    fields = {k: row[k] for k in ReviewRequest.model_fields if k not in ("changes", "pending")}
+    return ReviewRequest(**fields, changes=[LessonChange(**c) for c in json.loads(row["changes_json"])],
+                         pending=RefreshDecision.model_validate_json(row["pending_json"]))
+
+
 _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "problems": _problem_rows,
     "rollouts": lambda items: [_rollout_row(r) for r in items],
@@ -205,6 +220,9 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "library_quality": lambda items: [q.model_dump() for q in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
     "trial_samples": lambda items: [t.model_dump() for t in items],
+    "review_requests": lambda items: [_review_request_row(r) for r in items],
+    "review_decisions": lambda items: [d.model_dump() for d in items],
+    "library_adoptions": lambda items: [a.model_dump() for a in items],
 }
 
 
@@ -275,6 +293,9 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "refresh_gate": _plain(RefreshGateRow),
     "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
                                              reasons=json.loads(row["reasons_json"])),
+    "review_requests": _review_request_record,
+    "review_decisions": _plain(ReviewDecision),
+    "library_adoptions": _plain(LibraryAdoption),
 }
 
 _ORDER = {
@@ -298,6 +319,9 @@ _ORDER = {
     "lesson_trials": "seq",
     "trial_samples": "seq, problem_id, sample_idx",
     "library_quality": "version",
+    "review_requests": "refresh_id",
+    "review_decisions": "change_id",
+    "library_adoptions": "seq",
 }
 
 
@@ -716,6 +740,18 @@ class Store:
             "SELECT DISTINCT j.file, j.line, j.reason FROM refresh_rejects j JOIN refreshes r ON j.run_id = r.run_id "
             "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchall()
         return {(f, int(line), reason) for f, line, reason in rows}
+    def review_requests(self, name: str) -> list[ReviewRequest]:
+        """Every review requested by refreshes of ``name``, oldest first (answered or not)."""
+        frame = self.con.execute("SELECT * FROM review_requests WHERE name = ? ORDER BY created_at", [name]).df()
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_review_request_record(row) for row in rows]
+
+    @_connected
+    def library_adoptions(self, name: str) -> list[LibraryAdoption]:
+        """Promotions and rollbacks of ``name``'s served library, in order."""
+        frame = self.con.execute("SELECT * FROM library_adoptions WHERE name = ? ORDER BY seq", [name]).df()
+        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+        return [_RECORDS["library_adoptions"](row) for row in rows]
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:

@@ -13,8 +13,10 @@ is its idempotency key, ``<name>-<date>``. A refresh
    evaluation flow (paired samples, eval id ``<refresh_id>-eval``);
 4. promotes only if the lower bound of the gain's confidence interval is above ``margin`` and no task tag of
    the held-out set regressed (``clgrpo.gate``: a tag's CI wholly below ``-tag_margin``; the gate's rows in table
-   ``refresh_gate``), and records the decision with its reasons (table ``refreshes``). No new problems: nothing
-   is trained and that is recorded.
+   ``refresh_gate``) (with ``review: required``, only the changes a person approves, see
+   ``flows.refresh_review``), and records the decision with its reasons (table ``refreshes``). No new problems:
+   nothing is trained and that is recorded. A promotion is a new version of the served files
+   (``promoted.json``...), kept in ``backups/`` for a rollback (``clgrpo.adopt``).
 
 A decided date is never run again (its decision is returned); a failed refresh is resumed by retrying its
 flow run or running the same date again: stored stages, the training run and the evaluation are read back.
@@ -34,16 +36,19 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import stopping
+from clgrpo.adopt import adoptions
 from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
 from clgrpo.runtime import tune_gc
 from clgrpo.report import markdown_table
+from clgrpo.review import ReviewPendingError, library_at, settle_expired
 from clgrpo.run_lock import RunLock
 from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
 from clgrpo.store import Store
 from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
+from flows.refresh_review import promote
 from flows.train import train
 from schemas.config import DatasetConfig, RefreshConfig, RunConfig
 from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE, REFRESH_SELECT_STAGE
@@ -116,8 +121,13 @@ def stored_decision(store: Store, refresh_id: str) -> RefreshDecision | None:
     return store.records("refreshes", refresh_id, 0, REFRESH_DECIDE_STAGE)[0]
 
 
-def promoted_baseline(store: Store, config: RefreshConfig, before_date: str) -> Baseline:
-    """The latest library promoted by a refresh of an earlier date; else the initial library or none."""
+def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, refresh_id: str = "") -> Baseline:
+    """The library served now (the latest promotion or rollback by another refresh, ``clgrpo.adopt``); in a
+    database without adoptions, the latest library promoted by a refresh of an earlier date; else the initial
+    library or none."""
+    served = [a for a in adoptions(store, config.name) if a.refresh_id != refresh_id]
+    if served:
+        return Baseline(served[-1].library_ref, library_at(store, served[-1].library_ref))
     promoted = [d for d in store.refresh_decisions(config.name) if d.promoted and d.refresh_date < before_date]
     if promoted and promoted[-1].candidate_ref:
         run_id, _, version = promoted[-1].candidate_ref.partition(":")
@@ -151,6 +161,19 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     return selection.inputs
 
 
+def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None:
+    """Earlier refreshes of this name whose review timed out are decided (not promoted); one still waiting for
+    its review stops this refresh (run it again once that review is answered or timed out)."""
+    settled, waiting = settle_expired(store, config.name, datetime.now(ZoneInfo("UTC")), work_dir(config), refresh_id)
+    for decision in settled:
+        get_run_logger().info("refresh %s: %s", decision.refresh_id, decision.reasons[-1])
+    if waiting:
+        w = waiting[0]
+        raise ReviewPendingError(
+            f"refresh {w.refresh_id} still waits for its review (until {w.deadline:%Y-%m-%d %H:%M %Z}): answer it "
+            f"in the Prefect UI or with `clgrpo review {w.refresh_id}`, then run this refresh again")
+
+
 # --- files for the subflows --------------------------------------------------------------------------------
 def input_notes(store: Store, refresh_id: str) -> list[str]:
     """What the decision reports about its input beyond the count: a traces source's skipped rows and redactions."""
@@ -181,13 +204,6 @@ def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start
         "initial_library": str(start),
         "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
     })
-
-
-def export_promoted(config: RefreshConfig, library: ExperienceLibrary) -> list[Path]:
-    """The promoted library as files users take away: reference JSON, seed JSON (ids and next id) and text."""
-    folder = work_dir(config)
-    return [library.dump(folder / "promoted.json"), library.dump(folder / "promoted.seed.json", "seed"),
-            library.dump(folder / "promoted.txt", "text")]
 
 
 # --- reporting ----------------------------------------------------------------------------------------------
@@ -282,8 +298,6 @@ async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list
         reasons.append(f"{failed} evaluation sample(s) failed (scored 0); see evaluation {outcome.eval_id}")
     if any(s.leaked_ids for s in outcome.summaries):
         reasons.append(outcome.leakage)
-    if promote:
-        export_promoted(config, candidate)
     return {**fields, "eval_id": outcome.eval_id, "status": "promoted" if promote else "not_promoted",
             "baseline_value": comparison.baseline_value, "candidate_value": comparison.candidate_value,
             "diff": comparison.diff, "ci_low": comparison.ci_low, "ci_high": comparison.ci_high,
@@ -312,7 +326,8 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                 log.info("refresh %s was already decided at %s: %s (nothing to do)", refresh_id,
                          decided.decided_at.isoformat(), decided.status)
                 return decided
-            baseline = promoted_baseline(store, config, date)
+            settle_reviews(store, config, refresh_id)
+            baseline = promoted_baseline(store, config, date, refresh_id)
             inputs = take_new_problems(store, config, refresh_id, cutoff)
             notes = input_notes(store, refresh_id)
         log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
@@ -323,5 +338,9 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                                                          status="no_new_data", reasons=[reason, *notes]))
         fields = await train_and_compare(config, refresh_id, inputs, baseline)
         fields["reasons"] = [*fields["reasons"], *notes]  # type: ignore[misc]
-        return await record(config, decision_record(config, refresh_id, date, cutoff, len(inputs), baseline,
-                                                    **fields))
+        decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)
+        if decision.promoted:
+            decision = await promote(config, decision, baseline.library, inputs, work_dir(config))
+        if decision.status == "awaiting_review":
+            return decision
+        return await record(config, decision)

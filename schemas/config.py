@@ -579,6 +579,11 @@ class RefreshConfig(Section):
     timezone: str = "UTC"  # the date of a refresh (its idempotency key) is taken in this zone
     initial_library: str | None = None  # the library before the first promotion (a file; None: empty)
     work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>
+    # a person reviews each change of a candidate that passed the gate before it is promoted ("required"):
+    # a deployment run suspends (answer in the Prefect UI or `clgrpo review`); a terminal run stores the review
+    # and returns. No answer within review_timeout_s: nothing is promoted.
+    review: Literal["none", "required"] = "none"
+    review_timeout_s: int = Field(86400, ge=60)
 
     @model_validator(mode="after")
     def _known_timezone(self) -> "RefreshConfig":

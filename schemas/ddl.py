@@ -16,6 +16,11 @@ EVALUATE_STAGE = "evaluate"
 REFRESH_SELECT_STAGE = "refresh-select"
 REFRESH_DECIDE_STAGE = "refresh-decide"
 REFRESH_GATE_STAGE = "refresh-gate"  # the promotion gate's rows (overall and per task tag), before the decision
+# Human review of a refresh's changes, keyed by (refresh_id, 0): the request, then the reviewer's answers;
+# and the adopted library's history, keyed by (name, seq): promotions and rollbacks.
+REVIEW_REQUEST_STAGE = "review-request"
+REVIEW_DECIDE_STAGE = "review-decide"
+ADOPT_STAGE = "adopt"
 
 TABLE_DDL: dict[str, str] = {
     # one row: this database's identity (a uuid made when the file is created); work journals and anything
@@ -360,6 +365,53 @@ TABLE_DDL: dict[str, str] = {
         n_rows INTEGER NOT NULL,
         n_rejected INTEGER NOT NULL,
         n_redacted INTEGER NOT NULL""",
+    # a refresh's changes waiting for a person (changes and the pending decision as JSON)
+    "review_requests": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        refresh_id VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        flow_run_id VARCHAR,
+        timeout_s INTEGER NOT NULL,
+        deadline TIMESTAMPTZ NOT NULL,
+        changes_json VARCHAR NOT NULL,
+        pending_json VARCHAR NOT NULL,
+        config_json VARCHAR NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL""",
+    # one row per reviewed change: the reviewer's decision and what it did
+    "review_decisions": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        change_id VARCHAR NOT NULL,
+        op VARCHAR NOT NULL,
+        exp_id VARCHAR NOT NULL,
+        before VARCHAR,
+        proposed VARCHAR,
+        after VARCHAR,
+        decision VARCHAR NOT NULL,
+        adopted BOOLEAN NOT NULL,
+        reason VARCHAR NOT NULL,
+        reviewer VARCHAR NOT NULL,
+        decided_at TIMESTAMPTZ NOT NULL""",
+    # promotions and rollbacks of the library a refresh name serves (its exported promoted.json)
+    "library_adoptions": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        name VARCHAR NOT NULL,
+        seq INTEGER NOT NULL,
+        action VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        from_version INTEGER,
+        refresh_id VARCHAR NOT NULL,
+        library_ref VARCHAR NOT NULL,
+        content_hash VARCHAR NOT NULL,
+        folder VARCHAR NOT NULL,
+        actor VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL,
+        adopted_at TIMESTAMPTZ NOT NULL""",
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
@@ -367,6 +419,7 @@ STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summarie
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
 STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate", "refresh_rejects",
                  "refresh_watermarks")
+STAGE_TABLES += ("review_requests", "review_decisions", "library_adoptions")
 
 
 # Columns added after the first release: files created before get them on open.

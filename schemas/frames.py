@@ -409,6 +409,47 @@ class EmbeddingsFrame(Frame):
         return bool((df["vector"].map(len) == df["dim"]).all())
 
 
+class ReviewRequestsFrame(StageKeyed):
+    refresh_id: Series[str] = pa.Field(str_length={"min_value": 1}, unique=True)
+    name: Series[str] = pa.Field(str_length={"min_value": 1})
+    flow_run_id: Series[str] = pa.Field(nullable=True)
+    timeout_s: Series[int] = pa.Field(ge=1)
+    deadline: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    changes_json: Series[str]
+    pending_json: Series[str]
+    config_json: Series[str]
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class ReviewDecisionsFrame(StageKeyed):
+    change_id: Series[str] = pa.Field(str_matches=r"^c\d+$", unique=True)
+    op: Series[str] = pa.Field(isin=["add", "modify", "delete"])
+    exp_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    before: Series[str] = pa.Field(nullable=True)
+    proposed: Series[str] = pa.Field(nullable=True)
+    after: Series[str] = pa.Field(nullable=True)
+    decision: Series[str] = pa.Field(isin=["approve", "edit", "reject", "refused_edit", "timed_out"])
+    adopted: Series[bool]
+    reason: Series[str]
+    reviewer: Series[str] = pa.Field(str_length={"min_value": 1})
+    decided_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
+class LibraryAdoptionsFrame(StageKeyed):
+    name: Series[str] = pa.Field(str_length={"min_value": 1})
+    seq: Series[int] = pa.Field(ge=0)
+    action: Series[str] = pa.Field(isin=["promote", "rollback"])
+    version: Series[int] = pa.Field(ge=1)
+    from_version: Series[pd.Int64Dtype] = pa.Field(nullable=True, ge=1)
+    refresh_id: Series[str] = pa.Field(str_length={"min_value": 1})
+    library_ref: Series[str] = pa.Field(str_length={"min_value": 1})
+    content_hash: Series[str] = pa.Field(str_length={"min_value": 1})
+    folder: Series[str] = pa.Field(str_length={"min_value": 1})
+    actor: Series[str] = pa.Field(str_length={"min_value": 1})
+    reason: Series[str]
+    adopted_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+
 FRAMES: dict[str, type[Frame]] = {
     "db_meta": DbMetaFrame,
     "runs": RunsFrame,
@@ -436,4 +477,7 @@ FRAMES: dict[str, type[Frame]] = {
     "refresh_gate": RefreshGateFrame,
     "refresh_rejects": RefreshRejectsFrame,
     "refresh_watermarks": RefreshWatermarksFrame,
+    "review_requests": ReviewRequestsFrame,
+    "review_decisions": ReviewDecisionsFrame,
+    "library_adoptions": LibraryAdoptionsFrame,
 }

@@ -429,13 +429,14 @@ class RefreshGateRow(Record):
 
 class RefreshDecision(Record):
     """What one refresh decided and why. ``status``: no_new_data (nothing trained), promoted, or
-    not_promoted (candidate kept out; ``reasons`` say why)."""
+    not_promoted (candidate kept out; ``reasons`` say why). awaiting_review is never stored: what a refresh
+    returns while its changes wait for a person (``review: required``)."""
 
     refresh_id: str
     name: str
     refresh_date: str  # YYYY-MM-DD in the refresh's timezone: one refresh per name and date
     cutoff: datetime  # problems that arrived up to this instant were considered
-    status: Literal["no_new_data", "promoted", "not_promoted"]
+    status: Literal["no_new_data", "promoted", "not_promoted", "awaiting_review"]
     n_new_problems: int = Field(ge=0)
     baseline_ref: str  # the promoted library the refresh started from ("none", a file, or RUN_ID:VERSION)
     candidate_ref: str | None = None  # RUN_ID:VERSION of the trained library
@@ -455,3 +456,70 @@ class RefreshDecision(Record):
     @property
     def promoted(self) -> bool:
         return self.status == "promoted"
+
+
+# --- human review and adoption of a refresh's library ----------------------------------------------------------
+class LessonChange(Record):
+    """One change a refresh's candidate makes to the promoted library, as a reviewer sees it: ``change_id``
+    (``c1``, ``c2``...), the lesson it touches, its text before (baseline) and as proposed (candidate), and
+    where it came from (training operations, their source problems) and how it fared (trials, citations)."""
+
+    change_id: str = Field(pattern=r"^c\d+$")
+    op: Literal["add", "modify", "delete"]
+    exp_id: str = Field(min_length=1)
+    before: str | None = None
+    proposed: str | None = None
+    source_groups: list[str] = Field(default_factory=list)  # the problems whose groups produced it
+    origin: list[str] = Field(default_factory=list)  # the training operations that made it, one line each
+    evidence: list[str] = Field(default_factory=list)  # validation trials and citation statistics, if stored
+
+
+class ReviewRequest(Record):
+    """A refresh's changes waiting for a person: stored before the flow suspends (or, outside a deployment,
+    before it returns ``awaiting_review``); ``pending`` is the decision it would record if every change were
+    approved. ``flow_run_id``: the suspended Prefect flow run (None: a terminal refresh)."""
+
+    refresh_id: str
+    name: str
+    flow_run_id: str | None = None
+    timeout_s: int = Field(ge=1)
+    deadline: datetime
+    changes: list[LessonChange]
+    pending: RefreshDecision
+    config_json: str  # the RefreshConfig, so `clgrpo review` can finish a terminal refresh
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ReviewDecision(Record):
+    """A reviewer's answer for one change and what it did: ``after`` is the lesson text promoted (None: the
+    change was not adopted, or a delete was); ``reason`` is the reviewer's, or the guard's for a refused edit."""
+
+    change_id: str
+    op: Literal["add", "modify", "delete"]
+    exp_id: str
+    before: str | None = None
+    proposed: str | None = None
+    after: str | None = None
+    decision: Literal["approve", "edit", "reject", "refused_edit", "timed_out"]
+    adopted: bool
+    reason: str = ""
+    reviewer: str
+    decided_at: datetime = Field(default_factory=utcnow)
+
+
+class LibraryAdoption(Record):
+    """One change of the library that serving reads (the refresh's exported ``promoted.json``): a promotion
+    (a new ``version``) or a rollback (back to an earlier ``version``)."""
+
+    name: str  # the refresh name (RefreshConfig.name)
+    seq: int = Field(ge=0)  # order of events of this name
+    action: Literal["promote", "rollback"]
+    version: int = Field(ge=1)  # the version now in place
+    from_version: int | None = None  # the version it replaced (None: nothing was promoted before)
+    refresh_id: str  # the refresh that produced the version now in place
+    library_ref: str  # RUN_ID:VERSION in DuckDB
+    content_hash: str
+    folder: str  # where the served files and backups are
+    actor: str
+    reason: str = ""
+    adopted_at: datetime = Field(default_factory=utcnow)

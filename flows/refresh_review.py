@@ -1,0 +1,157 @@
+"""After a refresh's gate passed: promote the candidate, or first have a person review it change by change.
+
+``review: none``: the candidate is adopted (``clgrpo.adopt``). ``review: required``: the changes are stored as a
+review request and published as a markdown artifact, then
+
+* a deployment run suspends (``suspend_flow_run`` with a form built from the changes, ``clgrpo.review``): the
+  Prefect UI shows the form on the paused run, ``clgrpo review`` answers it from a terminal. Resumed, a worker
+  starts the flow again: every stage before this one is read back from DuckDB, the same suspend (same key)
+  returns the answers, and the baseline plus the adopted changes is promoted. Not resumed within
+  ``review_timeout_s``, Prefect fails the run; the next refresh of the name (or ``clgrpo review``) records the
+  refresh as not promoted, "review timed out".
+* a run outside a deployment (``clgrpo refresh run``) cannot be suspended: it returns ``awaiting_review`` and
+  ``clgrpo review REFRESH_ID`` takes the answers and promotes.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import acreate_markdown_artifact
+
+from clgrpo.adopt import adopt
+from clgrpo.library import ExperienceLibrary
+from clgrpo.report import markdown_table
+from clgrpo.review import (
+    answer_form,
+    answers_from,
+    changes_between,
+    conclude,
+    decide_all,
+    field_name,
+    library_at,
+    review_sources,
+    stored_decisions,
+    stored_request,
+)
+from clgrpo.store import Store
+from domains.guard import LessonGuard
+from schemas.config import RefreshConfig
+from schemas.ddl import REVIEW_REQUEST_STAGE
+from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewRequest, utcnow
+from tasks.common import artifact_key
+
+
+def review_key(refresh_id: str) -> str:
+    return f"review-{refresh_id}"
+
+
+def deployment_run_id() -> str | None:
+    """This flow run's id when it comes from a deployment (only those can be suspended), else None."""
+    from prefect.runtime import deployment, flow_run
+
+    return str(flow_run.id) if deployment.id else None
+
+
+def lesson_guard(config: RefreshConfig, inputs: list[RefreshInput]) -> LessonGuard:
+    """The guard training applied, with the refresh's problems as the texts a lesson may not leak."""
+    return LessonGuard(config.training.learning.guard, [i.to_problem() for i in inputs])
+
+
+# --- the request ---------------------------------------------------------------------------------------------------
+def open_request(store: Store, config: RefreshConfig, pending: RefreshDecision, baseline: ExperienceLibrary) -> ReviewRequest:
+    """The stored request of this refresh, else a new one (stored)."""
+    found = stored_request(store, pending.refresh_id)
+    if found is not None:
+        return found
+    candidate = library_at(store, pending.candidate_ref or "none")
+    changes = changes_between(baseline, candidate, **review_sources(store, pending.train_run_id or "", candidate))
+    now = utcnow()
+    request = ReviewRequest(refresh_id=pending.refresh_id, name=config.name, flow_run_id=deployment_run_id(),
+                            timeout_s=config.review_timeout_s, deadline=now + timedelta(seconds=config.review_timeout_s),
+                            changes=changes, pending=pending, config_json=config.model_dump_json(), created_at=now)
+    store.write_stage(pending.refresh_id, 0, REVIEW_REQUEST_STAGE, {"review_requests": [request]})
+    return request
+
+
+def _change_markdown(c: LessonChange) -> str:
+    lines = [f"### {c.change_id}: {c.op} {c.exp_id}  (form field `{field_name(c)}`)"]
+    if c.before is not None:
+        lines.append(f"- before: {c.before}")
+    if c.proposed is not None:
+        lines.append(f"- {'after' if c.before else 'new'}: {c.proposed}")
+    if c.source_groups:
+        lines.append(f"- from problems: {', '.join(c.source_groups)}")
+    lines += [f"- operation: `{o}`" for o in c.origin]
+    lines += [f"- evidence: {e}" for e in c.evidence]
+    return "\n".join(lines)
+
+
+def review_markdown(request: ReviewRequest) -> str:
+    d = request.pending
+    gate = [["refresh", d.refresh_id], ["baseline (promoted)", d.baseline_ref], ["candidate", d.candidate_ref or "-"],
+            ["training run", d.train_run_id or "-"], ["evaluation", d.eval_id or "-"],
+            [d.metric, f"{d.baseline_value:.3f} -> {d.candidate_value:.3f}"],
+            ["gain", f"{d.diff:+.3f}, {d.ci_level:.0%} CI [{d.ci_low:+.3f}, {d.ci_high:+.3f}], margin {d.margin:+.3f}"]]
+    changes = "\n\n".join(_change_markdown(c) for c in request.changes)
+    return (f"# Review {d.refresh_id}: {len(request.changes)} change(s)\n\n"
+            f"Answer each change (approve / edit / reject) in the paused run's **Resume** form, or with "
+            f"`clgrpo review {d.refresh_id}`, before {request.deadline:%Y-%m-%d %H:%M %Z}.\n\n"
+            f"{markdown_table((['', ''], gate))}\n\n" + "\n".join(f"- {r}" for r in d.reasons)
+            + f"\n\n## Changes\n\n{changes}\n")
+
+
+async def publish_request(request: ReviewRequest) -> None:
+    await acreate_markdown_artifact(review_markdown(request), key=artifact_key(request.name, "review"),
+                                    description=f"Refresh {request.refresh_id}: changes awaiting review")
+
+
+# --- after the gate --------------------------------------------------------------------------------------------------
+async def promote(config: RefreshConfig, pending: RefreshDecision, baseline: ExperienceLibrary,
+                  inputs: list[RefreshInput], folder: Path) -> RefreshDecision:
+    """A candidate that passed the gate: adopted at once, or reviewed first (see the module notes); ``folder``
+    holds the served files. Returns the decision to record, or an ``awaiting_review`` one (not recorded) for a
+    terminal run."""
+    with Store(config.training.db_path) as store:
+        if config.review == "none":
+            candidate = library_at(store, pending.candidate_ref or "none")
+            adopt(store, config.name, folder, candidate, pending.candidate_ref or "none",
+                  pending.refresh_id, actor="refresh", reason="passed the gate (no review required)")
+            return pending
+        request = open_request(store, config, pending, baseline)
+        decided = stored_decisions(store, pending.refresh_id)
+        if decided is not None:  # answered before this run stopped: finish the same way
+            return conclude(store, request, decided, folder)
+    await publish_request(request)
+    answers = await _ask(config, request)
+    if answers is None:
+        return _awaiting(request)
+    decisions = decide_all(request.changes, *answers, check=lesson_guard(config, inputs).check)
+    with Store(config.training.db_path) as store:
+        return conclude(store, request, decisions, folder)
+
+
+async def _ask(config: RefreshConfig, request: ReviewRequest) -> tuple[dict, str] | None:
+    """The reviewer's answers: suspends a deployment run until they come; None outside a deployment."""
+    from prefect.flow_runs import asuspend_flow_run
+    from prefect.input import RunInput
+
+    log = get_run_logger()
+    if deployment_run_id() is None:
+        return None
+    log.info("refresh %s: %d change(s) await review; answer in the UI (Resume) or with `clgrpo review %s` "
+             "within %d s", request.refresh_id, len(request.changes), request.refresh_id, config.review_timeout_s)
+    form = answer_form(request.changes, base=RunInput)
+    filled: Any = await asuspend_flow_run(wait_for_input=form, timeout=config.review_timeout_s,
+                                          key=review_key(request.refresh_id))
+    return answers_from(filled, request.changes)
+
+
+def _awaiting(request: ReviewRequest) -> RefreshDecision:
+    hint = (f"{len(request.changes)} change(s) await review: run `clgrpo review {request.refresh_id}` before "
+            f"{request.deadline:%Y-%m-%d %H:%M %Z} (a run outside a deployment cannot be suspended)")
+    get_run_logger().info(hint)
+    return request.pending.model_copy(update={"status": "awaiting_review", "reasons": [*request.pending.reasons, hint]})
