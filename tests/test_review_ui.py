@@ -1,6 +1,7 @@
-"""Acceptance: lesson-by-lesson review in the Prefect UI. A real `prefect server` (with its UI), a process
-worker, the refresh flow deployed with a schedule and `review: required`; a deployment run trains on new
-problems against the scripted model, passes the gate and suspends with the review form; headless Chromium
+"""Acceptance: lesson-by-lesson review in the Prefect UI. A real `prefect server` (with its UI and its scheduler
+service), a process worker, the refresh flow deployed with a schedule and `review: required` on a production
+traces file; the run the scheduler creates trains on the traces against the scripted model, passes the gate
+and suspends with the review form; headless Chromium
 opens the paused run, approves one change, edits one, rejects the rest and submits; the worker resumes the run
 to completion; the served library has exactly those changes, the decisions and the backup are stored, and
 `clgrpo library rollback` puts the previous library back. Screenshots of the review go to docs/images/."""
@@ -14,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from tests.processes import free_port, start_detached, stop_group, wait_healthy
 from tests.scripted_llm import ScriptedWorld, make_problems
-from tests.test_refresh_flow import NIGHT, arrive, refresh_config
+from tests.test_refresh_flow import refresh_config
+from tests.test_refresh_traces import land, traces_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -48,12 +50,16 @@ pytestmark = [
 DEPLOY = """
 import json, sys
 from prefect import flow
-from prefect.schedules import Cron
+from datetime import datetime, timedelta
+from prefect.schedules import Interval
 params = json.loads(sys.argv[1])
+first = datetime.fromisoformat(sys.argv[3])  # the first scheduled run: soon, so the test sees the scheduler's run
 flow.from_source(source=sys.argv[2], entrypoint="flows/refresh.py:refresh").deploy(
-    name="nightly-review", work_pool_name="review-cpu", schedules=[Cron("0 2 * * *", timezone="UTC")],
+    name="nightly-review", work_pool_name="review-cpu",
+    schedules=[Interval(timedelta(days=1), anchor_date=first, timezone="UTC")],
     parameters=params, print_next_steps=False)
 """
+SCHEDULER_ENV = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}  # the scheduler looks every 5 s
 
 
 def _prefect(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -97,7 +103,7 @@ def ui_stack(tmp_path):
     procs = []
     try:
         procs.append(start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                     "--port", str(port)], {**base, "PREFECT_UI_API_URL": api_url},
+                                     "--port", str(port)], {**base, **SCHEDULER_ENV, "PREFECT_UI_API_URL": api_url},
                                     home / "server.log", ROOT))
         wait_healthy(api_url, procs[0], home / "server.log")
         _prefect(env, "work-pool", "create", "review-cpu", "--type", "process")
@@ -107,6 +113,29 @@ def ui_stack(tmp_path):
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+
+
+async def _runs_of_deployment(api_url: str) -> list:
+    from prefect.client.orchestration import PrefectClient
+
+    async with PrefectClient(api_url) as client:
+        deployment = await client.read_deployment_by_name("refresh/nightly-review")
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+        return await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+
+
+def _scheduled_run(api_url: str, first: datetime, logs: Path, timeout: float = 180) -> str:
+    """The flow run the server's scheduler created for the schedule's first time (no `deployment run` here)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = [r for r in asyncio.run(_runs_of_deployment(api_url))
+                if r.expected_start_time and abs((r.expected_start_time - first).total_seconds()) < 1]
+        if runs:
+            assert runs[0].auto_scheduled, "the run was not created by the scheduler"
+            return str(runs[0].id)
+        time.sleep(2)
+    raise AssertionError(f"the scheduler created no run for {first}: {(logs / 'server.log').read_text()[-3000:]}")
 
 
 def _screenshot(page, name: str) -> None:
@@ -122,7 +151,8 @@ def _choose(page, dialog, index: int, choice: str) -> None:
     page.get_by_role("option", name=choice, exact=True).click()
 
 
-def review_in_browser(ui_url: str, flow_run_id: str, answers: list[tuple[str, str, str]], dump: Path) -> None:
+def review_in_browser(ui_url: str, flow_run_id: str, refresh_id: str, answers: list[tuple[str, str, str]],
+                      dump: Path) -> None:
     """Open the paused run, press Resume and answer each change in form order: (decision, text for edit,
     reason); name the reviewer; submit. Screenshots: the artifact listing the changes, the empty and the
     filled form."""
@@ -134,7 +164,7 @@ def review_in_browser(ui_url: str, flow_run_id: str, answers: list[tuple[str, st
         try:
             page.goto(f"{ui_url}/artifacts/key/nightly-review", wait_until="networkidle")
             page.locator("a[href*='/artifacts/artifact/']").first.click()
-            page.get_by_text("Review nightly-2026-11-21").first.wait_for()
+            page.get_by_text(f"Review {refresh_id}").first.wait_for()
             _screenshot(page, "review-artifact.png")
             page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
             page.get_by_role("button", name="Resume").first.click()
@@ -162,29 +192,34 @@ def review_in_browser(ui_url: str, flow_run_id: str, answers: list[tuple[str, st
 
 def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
     env, ui_url, home = ui_stack
+    now = datetime.now(timezone.utc)
     with FakeOpenAIServer(ScriptedWorld(seed=11)) as server:
         config = refresh_config(server, tmp_path, review="required", review_timeout_s=3600)
-        arrive(tmp_path / "incoming" / "day2.jsonl", make_problems(n_per_family=3, seed=5), NIGHT - timedelta(hours=12))
-        params = {"config": config.model_dump(mode="json"), "as_of": NIGHT.isoformat()}
-        deployed = subprocess.run([sys.executable, "-c", DEPLOY, json.dumps(params), str(ROOT)], env=env, cwd=ROOT,
-                                  text=True, capture_output=True, timeout=180)
+        config = config.model_copy(update={"source": config.source.model_copy(update={"kind": "traces"})})
+        land(tmp_path / "incoming" / "traces.jsonl", traces_of(make_problems(n_per_family=3, seed=5),
+                                                               now - timedelta(hours=3)), now - timedelta(hours=1))
+        params = {"config": config.model_dump(mode="json")}  # no as_of: the refresh takes its scheduled start
+        first = now + timedelta(seconds=40)
+        deployed = subprocess.run([sys.executable, "-c", DEPLOY, json.dumps(params), str(ROOT), first.isoformat()],
+                                  env=env, cwd=ROOT, text=True, capture_output=True, timeout=180)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        started = _prefect(env, "deployment", "run", "refresh/nightly-review")
-        flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
+        flow_run_id = _scheduled_run(env["PREFECT_API_URL"], first, home)
         _wait_state(env["PREFECT_API_URL"], flow_run_id, lambda s: s.is_paused(), home)
         db = config.training.db_path
         with Store(db, read_only=True) as store:
             request = store.review_requests("nightly")[0]
+            taken = store.records("refresh_inputs", request.refresh_id)
         assert request.flow_run_id == flow_run_id and len(request.changes) >= 3
+        assert request.refresh_id == f"nightly-{first:%Y-%m-%d}" and len(taken) == 12  # the traces, all of them
         changes = request.changes
         answers = [("approve", "", "clear and general"), ("edit", EDITED, "say what to write down"),
                    *[("reject", "", "too narrow") for _ in changes[2:]]]
-        review_in_browser(ui_url, flow_run_id, answers, tmp_path / "form.html")
+        review_in_browser(ui_url, flow_run_id, request.refresh_id, answers, tmp_path / "form.html")
         run = _wait_state(env["PREFECT_API_URL"], flow_run_id, lambda s: s.is_final(), home)
         assert run.state.is_completed(), run.state.message
 
     with Store(db, read_only=True) as store:
-        rows = store.records("review_decisions", "nightly-2026-11-21")
+        rows = store.records("review_decisions", request.refresh_id)
         decision = store.refresh_decisions("nightly")[0]
         history = store.library_adoptions("nightly")
     assert [(r.change_id, r.decision, r.reviewer) for r in rows] == [
