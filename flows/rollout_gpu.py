@@ -2,9 +2,10 @@
 
 With ``rollout.placement: pool`` the training flow starts one ``rollout-gpu`` child run per chunk through
 ``run_deployment``. The idempotency key is derived from (run, config, step, chunk, inputs), so a retried parent
-finds the child it already started instead of launching a duplicate; if that child ended Failed, Crashed or
-Cancelled, the same child run is scheduled again (as ``prefect flow-run retry`` does), so retrying the parent
-after a GPU failure re-runs the chunk without a second child; so does a child that completed but left failed
+finds the child it already started instead of launching a duplicate; if that child ended Failed or Crashed, the
+same child run is scheduled again (as ``prefect flow-run retry`` does), so retrying the parent after a GPU
+failure re-runs the chunk without a second child (a child cancelled with its stopped parent is followed by a
+new child run instead: see ``start_or_rerun_child``); so does a child that completed but left failed
 samples (its ingested hand-off is moved aside, so failures are never replayed). The child writes its batch as JSON to
 the hand-off storage (a local path shared with the workers, or any fsspec URL) at a path fixed by the same
 key; the orchestrator reads it back and alone writes DuckDB. A hand-off file that already exists (a parent
@@ -139,6 +140,13 @@ async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_
     again (same run, its run count goes up). Waits for it to end, at most ``rollout.timeout_s``."""
     child = await arun_deployment(config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key,
                                   timeout=0)
+    if child.state is not None and child.state.is_cancelled():
+        # stopped with its parent: a new child run (the same run scheduled again races the worker's cancellation
+        # of it); its key derives from the cancelled one, so a later attempt of the parent finds it again
+        get_run_logger().warning("rollout child run %s (%s) was cancelled: starting a new child run for its chunk",
+                                 child.name, child.id)
+        return await start_or_rerun_child(config, parameters, f"{idempotency_key}-after-{child.id}",
+                                          rerun_completed=rerun_completed)
     async with get_client() as client:
         state = child.state
         if state is not None and state.is_final() and (not state.is_completed() or rerun_completed):
