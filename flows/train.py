@@ -35,6 +35,7 @@ from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
+from clgrpo.adapters import resolve_policy_adapter
 from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.quality import describe_quality, library_quality
@@ -45,7 +46,8 @@ from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import ExperienceStat, GroupAdvantage, LibraryVersion, Operation, Problem, Proposal
+from schemas.records import (AdapterVersion, ExperienceStat, GroupAdvantage, LibraryVersion, Operation, Problem,
+                             Proposal, Rollout)
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task, near_duplicates_for
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -64,6 +66,7 @@ from domains.guard import LessonGuard
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
 from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
+from tasks.numeric_update import STAGE as NUMERIC_UPDATE, numeric_inputs, numeric_update_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
 from tasks.summarize import STAGE as SUMMARIZE, summarize_task
@@ -236,6 +239,8 @@ class Trainer:
         verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages", "llm_calls"],
                                     expect=(len(rollouts), "samples"))
         rewards, advantages = verified["rewards"], verified["group_advantages"]
+        if cfg.hybrid.enabled:
+            await self.numeric_update(step, problems, rollouts, advantages, version)
         selected_ids = [a.problem_id for a in advantages if a.selected]
         group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
 
@@ -301,6 +306,37 @@ class Trainer:
 
         await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
         return self.store.load_library(self.run_id, step)
+
+    async def numeric_update(self, step: int, problems: list[Problem], rollouts: list[Rollout],
+                             advantages: list[GroupAdvantage], version: LibraryVersion) -> AdapterVersion:
+        """Hybrid learning's numeric GRPO step on this step's stored completions (``tasks.numeric_update``):
+        in this process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
+        cfg = self.cfg
+
+        async def do_update() -> Outputs:
+            inputs = numeric_inputs(cfg, problems, rollouts, advantages, version)
+            run = numeric_update_task
+            if cfg.hybrid.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+                from flows.numeric_gpu import numeric_update_on_pool
+
+                run = partial(numeric_update_on_pool, db_id=self.store.db_id)
+            record = await run(cfg, step, inputs.items, inputs.skipped, self.parent_adapter(step), version.version,
+                               str(export_dir(cfg)))
+            return {"adapters": [record]}
+
+        record = (await self.stage(step, NUMERIC_UPDATE, do_update, ["adapters"]))["adapters"][0]
+        self.log.info("step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
+                      "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s", step, record.rows_used,
+                      record.rows_skipped, _num(record.loss_before), _num(record.loss_after),
+                      _num(record.logprob_change_pos), _num(record.logprob_change_neg), record.seconds,
+                      record.device, record.path)
+        return record
+
+    def parent_adapter(self, step: int) -> str | None:
+        """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
+        earlier = self.store.query("SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC "
+                                   "LIMIT 1", [self.run_id, step])
+        return str(earlier["path"][0]) if len(earlier) else self.cfg.policy.adapter
 
     async def validated(self, step: int, version: LibraryVersion, plan: list[Operation], problems: list[Problem],
                         advantages: list[GroupAdvantage]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
@@ -527,6 +563,10 @@ def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[
     return problems
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.4f}"
+
+
 def describe_rows(outputs: Outputs) -> str:
     """``{"rollouts": [32 items], "llm_calls": [8 items]}`` -> "32 rollouts, 8 llm calls"."""
     parts = [f"{len(rows)} {table.replace('_', ' ')}" for table, rows in outputs.items()]
@@ -577,4 +617,5 @@ async def _train(config: RunConfig, preflight: bool) -> TrainResult:
     # while it works, so other runs and readers share it)
     with RunLock(config.db_path, "train", config.run_id), Store(config.db_path) as store:
         await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
+        config = resolve_policy_adapter(config, store)  # RUN:STEP -> the stored adapter's folder, checked
         return await Trainer(config, store).run()

@@ -1,0 +1,154 @@
+"""Hybrid learning: the numeric GRPO step (LoRA, peft) on the tiny random model, fed from stored trajectories."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from clgrpo import hybrid
+from clgrpo.adapters import AdapterError, adapter_base, check_adapter, model_identity, resolve_adapter
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm.client import shared_client
+from clgrpo.models import resolve_model_path
+from domains import get_domain
+from schemas.config import DatasetConfig, GRPOConfig, HybridConfig, ModelConfig, RunConfig
+from schemas.records import GroupAdvantage, NumericItem, Problem
+from tasks.numeric_update import numeric_inputs, train_step
+from tasks.rollout import rollout
+from tests.tiny_model import build_tiny_model
+
+PROBLEMS = [Problem(problem_id=f"p{i}", problem=f"What is {i} + 3?", answer=str(i + 3)) for i in range(2)]
+SETTINGS = HybridConfig(enabled=True, rank=4, alpha=8, lr=2e-2, epochs=4, batch_rows=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def config_for(model: Path, tmp_path: Path, **hybrid_settings) -> RunConfig:
+    policy = ModelConfig(backend="transformers", model="tiny", model_path=str(model), device="cpu", cpu_threads=1,
+                         max_tokens=6)
+    return RunConfig(run_id="hy", db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path="unused.jsonl"),
+                     policy=policy, grpo=GRPOConfig(group_size=4),
+                     hybrid=SETTINGS.model_copy(update=hybrid_settings))
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_model, tmp_path_factory):
+    """Real rollouts of the tiny model (through the transformers backend), as the rollout stage stores them."""
+    cfg = config_for(tiny_model, tmp_path_factory.mktemp("sampled"))
+    library = ExperienceLibrary()
+    batch = asyncio.run(rollout(PROBLEMS, library, get_domain("math"), shared_client(cfg), group_size=4,
+                                temperature=1.0, seeds={p.problem_id: 7 for p in PROBLEMS}))
+    assert all(r.error is None and r.final_text for r in batch.rollouts)
+    return batch.rollouts, library.to_version()
+
+
+def groups(signs: list[float]) -> list[GroupAdvantage]:
+    """The stored group advantages: samples 0, 1 of each group rewarded (``signs`` per sample)."""
+    rewards = [None if s is None else 1.0 if s > 0 else 0.0 for s in signs]
+    return [GroupAdvantage(problem_id=p.problem_id, rewards=rewards, mean_reward=0.5, std_reward=0.5,
+                           advantages=signs, selected=True, reason="variance") for p in PROBLEMS]
+
+
+def mean_logprobs(model, items: list[NumericItem], tokenizer) -> list[float]:
+    examples = hybrid.examples_from(items, tokenizer)
+    return [float(lp.mean()) for lp in hybrid._logprobs(model, examples, 8, tokenizer.pad_token_id)]
+
+
+def test_the_loss_decreases_on_a_fixed_batch(tiny_model):
+    location = resolve_model_path(str(tiny_model))
+    model, tokenizer = hybrid.load_trainable(location, "cpu", SETTINGS, None)
+    items = [NumericItem(problem_id="p", sample_idx=i, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                         completion=text, advantage=a)
+             for i, (text, a) in enumerate([("The answer is 5.", 1.0), ("lesson lesson", -1.0),
+                                            ("boxed 5", 1.0), ("system user", -1.0)])]
+    outcome = hybrid.train_adapter(model, hybrid.examples_from(items, tokenizer), SETTINGS, tokenizer.pad_token_id)
+    assert outcome.rows_used == 4 and outcome.device == "cpu"
+    assert outcome.loss_before == pytest.approx(0.0, abs=1e-6)  # ratio 1: minus the mean advantage (here 0)
+    assert outcome.loss_after < outcome.loss_before - 0.05
+    assert outcome.logprob_change_pos > 0 > outcome.logprob_change_neg
+
+
+def test_advantages_come_from_the_stored_groups_and_flipping_them_flips_the_change(tiny_model, sampled, tmp_path):
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path)
+    signs = [1.0, 1.0, -1.0, -1.0]
+    changes = []
+    for flip, stored in ((1, signs), (-1, [-s for s in signs])):
+        inputs = numeric_inputs(cfg, PROBLEMS, rollouts, groups(stored), version)
+        assert [i.advantage for i in inputs.items] == stored * 2 and inputs.skipped == 0
+        assert [i.completion for i in inputs.items] == [r.final_text for r in rollouts]
+        location = resolve_model_path(str(tiny_model))
+        model, tokenizer = hybrid.load_trainable(location, "cpu", cfg.hybrid, None)
+        before = mean_logprobs(model, inputs.items, tokenizer)
+        hybrid.train_adapter(model, hybrid.examples_from(inputs.items, tokenizer), cfg.hybrid,
+                             tokenizer.pad_token_id)
+        after = mean_logprobs(model, inputs.items, tokenizer)
+        changes.append([a - b for a, b in zip(after, before)])
+    first, flipped = changes
+    # the completions rewarded in the stored groups gained on average, the others lost; flipped: the reverse
+    up = [c for c, s in zip(first, signs * 2) if s > 0]
+    down = [c for c, s in zip(first, signs * 2) if s < 0]
+    assert sum(up) / len(up) > 0 > sum(down) / len(down)
+    up_flipped = [c for c, s in zip(flipped, signs * 2) if s > 0]
+    down_flipped = [c for c, s in zip(flipped, signs * 2) if s < 0]
+    assert sum(up_flipped) / len(up_flipped) < 0 < sum(down_flipped) / len(down_flipped)
+
+
+def test_zero_advantage_groups_and_changed_prompts_are_skipped(tiny_model, sampled, tmp_path):
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path)
+    stored = groups([1.0, -1.0, 0.0, None])
+    stored[1] = stored[1].model_copy(update={"advantages": [0.0] * 4})  # p1: no variance
+    inputs = numeric_inputs(cfg, PROBLEMS, rollouts, stored, version)
+    assert [(i.problem_id, i.sample_idx, i.advantage) for i in inputs.items] == [("p0", 0, 1.0), ("p0", 1, -1.0)]
+    assert inputs.skipped == 6
+    # not the library the rollouts were sampled with: their prompts no longer match
+    other = ExperienceLibrary.from_mapping({"E1": "Check units before the final answer."})
+    assert numeric_inputs(cfg, PROBLEMS, rollouts, groups([1.0, 1.0, -1.0, -1.0]), other.to_version()).items == []
+
+
+def test_a_saved_adapter_continues_and_is_refused_on_another_base(tiny_model, sampled, tmp_path):
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path)
+    items = numeric_inputs(cfg, PROBLEMS, rollouts, groups([1.0, 1.0, -1.0, -1.0]), version).items
+    first = train_step(cfg, 1, items, 0, None, 0, tmp_path / "adapter_step1")
+    assert (tmp_path / "adapter_step1" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "adapter_step1.partial").exists()
+    assert adapter_base(first.path) == model_identity(resolve_model_path(str(tiny_model))) == first.base_model
+    location = resolve_model_path(str(tiny_model))
+    fresh, tokenizer = hybrid.load_trainable(location, "cpu", cfg.hybrid, None)
+    continued, _ = hybrid.load_trainable(location, "cpu", cfg.hybrid, first.path)
+    base_lp, first_lp = mean_logprobs(fresh, items, tokenizer), mean_logprobs(continued, items, tokenizer)
+    gained = [a - b for a, b, i in zip(first_lp, base_lp, items) if i.advantage > 0]
+    assert sum(gained) / len(gained) == pytest.approx(first.logprob_change_pos, abs=1e-4)  # the saved weights
+    second = train_step(cfg, 2, items, 0, first.path, 0, tmp_path / "adapter_step2")
+    assert second.parent_path == first.path and second.rows_used == len(items) == 8
+    check_adapter(first.path, cfg.policy)
+    other = build_tiny_model(tmp_path / "other-model")
+    (other / "config.json").write_text((other / "config.json").read_text().replace('"hidden_size": 32',
+                                                                                 '"hidden_size": 64'))
+    with pytest.raises(AdapterError, match=r"trained on base model tiny-model\d*@\w+, but the policy is "
+                                           r"other-model@\w+"):
+        check_adapter(first.path, cfg.policy.model_copy(update={"model_path": str(other)}))
+    with pytest.raises(AdapterError, match="needs the run's database"):
+        resolve_adapter("hy:1", None)
+
+
+def test_hybrid_settings_count_in_the_fingerprint_only_when_enabled(tmp_path):
+    cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
+    off = cfg.model_copy(update={"hybrid": HybridConfig(rank=32)})  # disabled: its settings shape nothing
+    assert off.fingerprint() == cfg.fingerprint()
+    on = cfg.model_copy(update={"hybrid": HybridConfig(enabled=True)})
+    assert on.fingerprint() != cfg.fingerprint()
+    pooled = cfg.model_copy(update={"hybrid": HybridConfig(enabled=True, placement="pool")})
+    assert pooled.fingerprint() == on.fingerprint()  # where it runs never changes results
+    adapted = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"adapter": "runs/x/adapter_step1"})})
+    assert adapted.fingerprint() != cfg.fingerprint()
