@@ -152,3 +152,50 @@ def test_hybrid_settings_count_in_the_fingerprint_only_when_enabled(tmp_path):
     assert pooled.fingerprint() == on.fingerprint()  # where it runs never changes results
     adapted = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"adapter": "runs/x/adapter_step1"})})
     assert adapted.fingerprint() != cfg.fingerprint()
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_stored_step_is_read_back_and_a_killed_one_leaves_no_row(tiny_model, sampled, tmp_path, monkeypatch):
+    from prefect import flow
+
+    import tasks.numeric_update as stage
+    from clgrpo.adapters import adapter_dir
+    from clgrpo.store import Store
+    from flows.train import Trainer
+    from tasks.checkpoint import export_dir
+
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path)
+    stored = groups([1.0, 1.0, -1.0, -1.0])
+
+    @flow
+    async def numeric_step(step: int):
+        with Store(cfg.db_path) as store:
+            return await Trainer(cfg, store).numeric_update(step, PROBLEMS, rollouts, stored, version)
+
+    def killed(model, folder):
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt("killed while saving")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hybrid, "save_adapter", killed)
+        with pytest.raises(BaseException, match="killed while saving"):
+            await numeric_step(1)
+    with Store(cfg.db_path, read_only=True) as store:
+        assert not store.stage_done("hy", 1, "numeric_update") and store.records("adapters", "hy") == []
+    assert not adapter_dir(export_dir(cfg), 1).exists()
+
+    first = await numeric_step(1)
+    assert first.rows_used == 8 and Path(first.path) == adapter_dir(export_dir(cfg), 1)
+    assert (Path(first.path) / "adapter_model.safetensors").stat().st_size > 100
+    with monkeypatch.context() as patch:
+        patch.setattr(stage, "train_step", lambda *a, **k: pytest.fail("a stored step was trained again"))
+        again = await numeric_step(1)
+    assert again == first
+    second = await numeric_step(2)
+    assert second.parent_path == first.path  # each step continues from the previous step's adapter
+    with Store(cfg.db_path, read_only=True) as store:
+        rows = store.query("SELECT step, rows_used, library_version FROM adapters WHERE run_id = 'hy' ORDER BY step")
+    assert rows["step"].tolist() == [1, 2] and rows["rows_used"].tolist() == [8, 8]
