@@ -92,6 +92,27 @@ def resolve_adapter(ref: str, store: Store | None) -> str:
     return rows[-1].path
 
 
+CONDITION_KINDS = ("adapter", "both")  # evaluation conditions with the adapter: alone (no library), or with it
+
+
+def split_condition(ref: str) -> tuple[str | None, str]:
+    """``adapter:RUN:STEP`` -> ("adapter", "RUN:STEP"); ``both:RUN:STEP`` -> ("both", ...); a library
+    reference (``none``, a file, ``RUN:VERSION``) -> (None, ref)."""
+    kind, sep, rest = ref.partition(":")
+    return (kind, rest) if sep and kind in CONDITION_KINDS and rest else (None, ref)
+
+
+def adapter_step(folder: str) -> int | None:
+    """The training step of a stored adapter folder (``adapter_step<N>``), None for another folder."""
+    match = re.fullmatch(r"adapter_step(\d+)", Path(folder).name)
+    return int(match[1]) if match else None
+
+
+def adapter_hash(folder: str) -> str:
+    """Content hash of an adapter's weights (evaluation fingerprints)."""
+    return hashlib.sha256((Path(folder) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+
+
 def with_adapter(config: RunConfig, adapter: str | None) -> RunConfig:
     """The config whose policy uses ``adapter`` (a resolved folder; None: the base weights)."""
     return config.model_copy(update={"policy": config.policy.model_copy(update={"adapter": adapter})})

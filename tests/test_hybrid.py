@@ -199,3 +199,42 @@ async def test_a_stored_step_is_read_back_and_a_killed_one_leaves_no_row(tiny_mo
     with Store(cfg.db_path, read_only=True) as store:
         rows = store.query("SELECT step, rows_used, library_version FROM adapters WHERE run_id = 'hy' ORDER BY step")
     assert rows["step"].tolist() == [1, 2] and rows["rows_used"].tolist() == [8, 8]
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_model, sampled, tmp_path):
+    import json
+
+    from clgrpo.adapters import adapter_dir
+    from clgrpo.store import Store
+    from flows.evaluate import evaluate
+    from schemas.config import EvalConfig
+    from tasks.checkpoint import export_dir
+
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path, lr=5e-2)
+    items = numeric_inputs(cfg, PROBLEMS, rollouts, groups([1.0, 1.0, -1.0, -1.0]), version).items
+    record = train_step(cfg, 1, items, 0, None, 0, adapter_dir(export_dir(cfg), 1))
+    library = ExperienceLibrary.from_mapping({"E1": "Add the two numbers, then check the sum."}, step=1)
+    library = ExperienceLibrary.from_version(library.to_version().model_copy(update={"version": 1}))
+    with Store(cfg.db_path) as store:
+        store.register_run(cfg)
+        store.save_library("hy", ExperienceLibrary())
+        store.save_library("hy", library)
+        store.write_stage("hy", 1, "numeric_update", {"adapters": [record]})
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": f"h{i}", "problem": f"What is {i} + 4?", "answer": str(i + 4)})
+                               + "\n" for i in range(3)))
+    evaluation = EvalConfig(dataset=DatasetConfig(path=str(heldout)), k=2, temperature=1.0, bootstrap_samples=100)
+    outcome = await evaluate(cfg, evaluation, ["none", "adapter:hy:1", "both:hy:latest", "hy:1"], eval_id="ev")
+    assert [s.condition for s in outcome.summaries] == ["none", "adapter:hy:1", "both:hy:1", "hy:1"]
+    with Store(cfg.db_path, read_only=True) as store:
+        texts = {}
+        for row in store.records("eval_results", "ev", 0, "evaluate"):
+            texts.setdefault(row.condition, []).append(row.final_text)
+    # the same seeds: the base model repeats itself without a library; the adapter changes what it samples
+    assert texts["none"] != texts["adapter:hy:1"]
+    assert texts["both:hy:1"] != texts["hy:1"]
+    with pytest.raises(AdapterError, match="has no adapter of run 'hy' at step 2"):
+        await evaluate(cfg, evaluation, ["none", "adapter:hy:2"], eval_id="ev2")
