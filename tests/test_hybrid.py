@@ -238,3 +238,35 @@ async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_mode
     assert texts["both:hy:1"] != texts["hy:1"]
     with pytest.raises(AdapterError, match="has no adapter of run 'hy' at step 2"):
         await evaluate(cfg, evaluation, ["none", "adapter:hy:2"], eval_id="ev2")
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(tiny_model, tmp_path):
+    from clgrpo.store import Store
+    from clgrpo.testing.fake_openai import FakeOpenAIServer
+    from flows.train import train
+    from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+    from tests.stored_steps import seed_first_step
+
+    dataset = write_jsonl(make_problems(n_per_family=1, seed=2), tmp_path / "train.jsonl")
+    with FakeOpenAIServer(ScriptedWorld(seed=1)) as server:
+        learner = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
+                              retry_base_delay_s=0.01, timeout_s=10)
+        cfg = config_for(tiny_model, tmp_path).model_copy(update={
+            "dataset": DatasetConfig(path=str(dataset), seed=1), "learner": learner,
+            "grpo": GRPOConfig(group_size=4, batch_size=2, max_steps=2, rollout_chunk_size=2)})
+        seeded = seed_first_step(cfg)  # step 1: two right and two wrong answers per group
+        result = await train(cfg)
+    assert [s.step for s in result.steps] == [1, 2]
+    with Store(cfg.db_path, read_only=True) as store:
+        first, second = store.records("adapters", "hy")
+        stages = store.query("SELECT stage FROM stage_runs WHERE run_id = 'hy' AND step = 1")["stage"].tolist()
+        step2 = store.records("rollouts", "hy", 2)
+    assert "numeric_update" in stages
+    assert first.rows_used == len(seeded) == 8 and first.library_version == 0
+    assert first.logprob_change_pos > 0 > first.logprob_change_neg and first.loss_after < first.loss_before
+    # step 2: the tiny model's own answers, all wrong (no variance: nothing to learn), the adapter carried on
+    assert all(r.error is None for r in step2) and second.rows_used == 0
+    assert second.parent_path == first.path and Path(second.path).name == "adapter_step2"
+    assert (Path(second.path) / "adapter_model.safetensors").is_file()
