@@ -242,7 +242,7 @@ def check_hybrid(config: RunConfig) -> None:
     if config.rollout.mode != "direct":
         raise PreflightError("hybrid.enabled: the numeric step learns from direct rollouts only; "
                              "use rollout.mode direct")
-    if importlib.util.find_spec("peft") is None:
+    if config.hybrid.placement == "local" and importlib.util.find_spec("peft") is None:  # pool: the GPU worker's
         raise PreflightError("hybrid.enabled: the numeric step needs peft: pip install 'clgrpo[local]'")
 
 
