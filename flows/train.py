@@ -34,6 +34,7 @@ from clgrpo.journal import RunJournal, recording
 from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
+from clgrpo.llm.local import release_engines
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from clgrpo.adapters import resolve_policy_adapter
 from clgrpo.errors import error_line
@@ -219,10 +220,12 @@ class Trainer:
             from flows.rollout_gpu import rollout_on_pool
 
             run_chunk = partial(rollout_on_pool, db_id=self.store.db_id)
-        await self.pipeline(step, rollout_chunks, version)
+        sampling = self.sampling_config(step)  # the config, or with hybrid learning the latest adapter on the policy
+        await self.pipeline(step, rollout_chunks, version, sampling)
 
         async def do_rollout() -> Outputs:
-            parts = await asyncio.gather(*[run_chunk(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
+            parts = await asyncio.gather(*[run_chunk(sampling, step, i, c, version)
+                                           for i, c in enumerate(rollout_chunks)])
             return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
 
         samples = (len(problems) * cfg.grpo.group_size, "samples")
@@ -332,6 +335,21 @@ class Trainer:
                       record.device, record.path)
         return record
 
+    def sampling_config(self, step: int) -> RunConfig:
+        """What the step's rollouts sample with: with ``hybrid.rollout_adapter``, the policy carrying the
+        latest adapter (the learner keeps its own settings); engines of older adapters are released."""
+        cfg = self.cfg
+        if not (cfg.hybrid.enabled and cfg.hybrid.rollout_adapter):
+            return cfg
+        adapter = self.parent_adapter(step)
+        # local engine keys end with their adapter (clgrpo.llm.transformers_backend, vllm_backend)
+        release_engines(lambda key: isinstance(key, tuple) and key[-1] not in (None, cfg.policy.adapter, adapter))
+        if adapter == cfg.policy.adapter:
+            return cfg
+        self.log.info("step %d: rollouts sample with the adapter %s", step, adapter)
+        return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"adapter": adapter}),
+                                      "learner": cfg.learner_model})
+
     def parent_adapter(self, step: int) -> str | None:
         """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
         earlier = self.store.query("SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC "
@@ -358,7 +376,8 @@ class Trainer:
                       "".join(f"; {t.reason}" for t in trials if t.verdict == "kept"))
         return plan_after(trials)
 
-    async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion) -> None:
+    async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion,
+                       sampling: RunConfig) -> None:
         """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and
         leave the four stages' outputs for ``stage`` to write, in order and one transaction each. Off, with
         rollouts on the GPU pool, or when any of the four is already stored (resume): stage by stage."""
@@ -374,7 +393,7 @@ class Trainer:
             progress.start(step, name, total, unit)
         try:
             with recording(self.journal.step(step)):
-                parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
+                parts = await asyncio.gather(*[pipeline_task(sampling, step, i, c, version)
                                                for i, c in enumerate(rollout_chunks)])
         finally:
             for name in names:

@@ -372,6 +372,9 @@ class HybridConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0)  # KL to the frozen base (adapter disabled); 0: no reference pass
     max_rows: int = Field(256, ge=1)  # completions used per step (non-zero advantage, in problem order)
     seed: int = 0
+    # sample each step's rollouts with the latest adapter (on-policy, one adapted copy of the policy loaded);
+    # False: every step samples with the policy as configured (the updates are then off-policy)
+    rollout_adapter: bool = True
     placement: Literal["local", "pool"] = "local"  # pool: the numeric-update-gpu deployment on the cuda pool
     deployment: str = "numeric-update-gpu/numeric-update-gpu"
     handoff_storage: str | None = None  # None: <db dir>/<run_id>/handoff (shared with the GPU workers)

@@ -243,6 +243,7 @@ async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_mode
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(tiny_model, tmp_path):
+    from clgrpo.llm.local import loaded_engines
     from clgrpo.store import Store
     from clgrpo.testing.fake_openai import FakeOpenAIServer
     from flows.train import train
@@ -270,3 +271,18 @@ async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(t
     assert all(r.error is None for r in step2) and second.rows_used == 0
     assert second.parent_path == first.path and Path(second.path).name == "adapter_step2"
     assert (Path(second.path) / "adapter_model.safetensors").is_file()
+    # on-policy: step 2 sampled with step 1's adapter (merged into a second loaded copy of the tiny model)
+    adapted = [e for e in loaded_engines() if first.path in e.name]
+    assert len(adapted) == 1 and adapted[0].stats.rows == len(step2)
+
+
+def test_released_engines_free_their_models_and_reload_on_demand(tiny_model):
+    from clgrpo.llm.local import loaded_engines, release_engines
+    from clgrpo.llm.transformers_backend import TransformersBackend
+
+    cfg = ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model), device="cpu", cpu_threads=1)
+    engine = TransformersBackend(cfg).engine
+    engine.load()
+    assert release_engines(lambda key: key[-1] is None and str(tiny_model) in str(key)) == 1
+    assert engine not in loaded_engines() and engine._model is None
+    assert engine.load() is not None  # a client still holding it loads it again
