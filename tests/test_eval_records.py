@@ -122,7 +122,8 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
-    excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid")} | {"grpo": {"max_steps": True}} | {
+    sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid")
+    excluded = {key: True for key in sections} | {"grpo": {"max_steps": True}} | {
         "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
                      "guard": True, "max_learner_tokens": True, "extract": True, "candidates": True,
                      "fallback": True, "summarize": True, "lesson_validation": True, "unlabeled": True},
