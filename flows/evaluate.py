@@ -4,8 +4,8 @@ Each condition (a stored library version ``RUN_ID:VERSION`` / ``RUN_ID:latest``,
 with hybrid learning also ``adapter:RUN_ID:STEP`` (the step's LoRA adapter, no library) and ``both:RUN_ID:STEP``
 (the step's library and adapter), ``STEP`` also ``latest``) samples k rollouts per problem at the evaluation
 temperature (its own setting, never the training one) with the library placed in the prompt exactly as in
-training. All conditions get the same problems and the same per-(problem, sample) seeds, so the difference of each condition to the first one is a paired comparison.
-Conditions are evaluated one after the other (one library prefix at a time for the server's prefix cache),
+training. All conditions get the same problems and the same per-(problem, sample) seeds, so the difference of
+each condition to the first one is a paired comparison. Conditions are evaluated one after the other (one library prefix at a time for the server's prefix cache),
 each in batch-sized task runs.
 
 Before sampling, the leakage guard compares the evaluation problems with the training problems (``--train-dataset``
