@@ -5,8 +5,8 @@ with hybrid learning also ``adapter:RUN_ID:STEP`` (the step's LoRA adapter, no l
 (the step's library and adapter), ``STEP`` also ``latest``) samples k rollouts per problem at the evaluation
 temperature (its own setting, never the training one) with the library placed in the prompt exactly as in
 training. All conditions get the same problems and the same per-(problem, sample) seeds, so the difference of
-each condition to the first one is a paired comparison. Conditions are evaluated one after the other (one library prefix at a time for the server's prefix cache),
-each in batch-sized task runs.
+each condition to the first one is a paired comparison. Conditions are evaluated one after the other (one
+library prefix at a time for the server's prefix cache), each in batch-sized task runs.
 
 Before sampling, the leakage guard compares the evaluation problems with the training problems (``--train-dataset``
 or the training set of a run whose library is evaluated); matches are logged with their ids, and
