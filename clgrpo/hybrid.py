@@ -65,10 +65,11 @@ def training_device(requested: str) -> str:
     """The policy's device setting for training; a CPU fallback is logged (it works, slowly)."""
     import torch
 
+    cuda = torch.cuda.is_available()
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        requested = "cuda" if cuda else "cpu"
     if requested == "cpu":
-        log.warning("numeric_update on cpu: no CUDA device")
+        log.warning("numeric_update on cpu: %s", "policy.device is cpu" if cuda else "no CUDA device")
     return requested
 
 
@@ -197,17 +198,15 @@ def train_adapter(model: Any, examples: list[Example], settings: HybridConfig, p
     old = _logprobs(model, examples, settings.batch_rows, pad_id)
     ref = _logprobs(model, examples, settings.batch_rows, pad_id, adapter=False) if settings.kl_coef > 0 else None
     loss_before, _ = _full_loss(model, examples, old, ref, settings, pad_id)
-    index = {id(e): i for i, e in enumerate(examples)}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
-    order = list(examples)
+    order = list(range(len(examples)))
     model.train()
     for epoch in range(settings.epochs):
         random.Random(settings.seed * 7919 + epoch).shuffle(order)
-        for batch in _batches(order, settings.batch_rows):
-            rows = [index[id(e)] for e in batch]
-            new = completion_logprobs(model, batch, pad_id)
+        for rows in [order[i : i + settings.batch_rows] for i in range(0, len(order), settings.batch_rows)]:
+            new = completion_logprobs(model, [examples[i] for i in rows], pad_id)
             loss = grpo_loss(new, [old[i] for i in rows], None if ref is None else [ref[i] for i in rows],
-                             [e.advantage for e in batch], settings.clip_eps, settings.kl_coef)
+                             [examples[i].advantage for i in rows], settings.clip_eps, settings.kl_coef)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
