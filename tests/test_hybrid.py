@@ -286,3 +286,46 @@ def test_released_engines_free_their_models_and_reload_on_demand(tiny_model):
     assert release_engines(lambda key: key[-1] is None and str(tiny_model) in str(key)) == 1
     assert engine not in loaded_engines() and engine._model is None
     assert engine.load() is not None  # a client still holding it loads it again
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny_model, sampled, tmp_path,
+                                                                            monkeypatch):
+    """A parent that crashed after its numeric-update-gpu child finished: the retry copies the handed-off adapter
+    into the export dir and starts nothing."""
+    import json
+
+    from prefect import flow
+
+    import flows.numeric_gpu as pool
+    from clgrpo.adapters import adapter_dir
+    from tasks.checkpoint import export_dir
+
+    rollouts, version = sampled
+    cfg = config_for(tiny_model, tmp_path, placement="pool", handoff_storage=str(tmp_path / "handoff"))
+    items = numeric_inputs(cfg, PROBLEMS, rollouts, groups([1.0, 1.0, -1.0, -1.0]), version).items
+    parent = train_step(cfg, 1, items, 0, None, 0, tmp_path / "elsewhere" / "adapter_step1")
+    key = pool.inputs_hash({"fingerprint": cfg.fingerprint(), "run_id": cfg.run_id, "step": 2, "items": items,
+                            "parent": parent.path, "library_version": 0, "db_id": "db"})
+    url = pool.handoff_folder(cfg, 2, key)
+    worker_side = train_step(cfg, 2, items, 0, parent.path, 0, tmp_path / "worker" / "adapter_step2")
+    pool.upload_folder(Path(worker_side.path), f"{url}/adapter")
+    Path(url, pool.RECORD).write_text(json.dumps({"record": worker_side.model_dump(mode="json"),
+                                                  "meta": {"host": "gpu-1", "cuda_visible_devices": "0"}}))
+
+    async def no_child(*args, **kwargs):
+        raise AssertionError("a finished hand-off started another child run")
+
+    monkeypatch.setattr(pool, "start_or_rerun_child", no_child)
+
+    @flow
+    async def ingest():
+        return await pool.numeric_update_on_pool(cfg, 2, items, 0, parent.path, 0, str(export_dir(cfg)), db_id="db")
+
+    record = await ingest()
+    target = adapter_dir(export_dir(cfg), 2)
+    assert record.path == str(target) and record.parent_path == parent.path
+    assert record.rows_used == worker_side.rows_used == 8
+    assert (target / "adapter_model.safetensors").read_bytes() == \
+        (Path(worker_side.path) / "adapter_model.safetensors").read_bytes()
