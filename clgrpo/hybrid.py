@@ -92,6 +92,9 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
         model = get_peft_model(base, LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
                                                 lora_dropout=settings.dropout, target_modules=settings.target_modules,
                                                 task_type="CAUSAL_LM"))
+    if settings.gradient_checkpointing:  # recompute each layer's activations in the backward pass
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     return model, tokenizer
 
 
@@ -125,7 +128,7 @@ def completion_logprobs(model: Any, batch: Sequence[Example], pad_id: int) -> li
         seq = e.prompt + e.completion
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits.float()
     out = []
     for row, e in enumerate(batch):
         start, end = len(e.prompt), len(e.prompt) + len(e.completion)

@@ -375,6 +375,9 @@ class HybridConfig(Section):
     # sample each step's rollouts with the latest adapter (on-policy, one adapted copy of the policy loaded);
     # False: every step samples with the policy as configured (the updates are then off-policy)
     rollout_adapter: bool = True
+    # recompute activations in the backward pass: SmolLM2-135M, 4 x 345 tokens on CPU: peak RSS 4.6 -> 3.0 GB,
+    # +17% time (benchmarks/REPORT.md); the same gradients, so not part of the fingerprint
+    gradient_checkpointing: bool = True
     placement: Literal["local", "pool"] = "local"  # pool: the numeric-update-gpu deployment on the cuda pool
     deployment: str = "numeric-update-gpu/numeric-update-gpu"
     handoff_storage: str | None = None  # None: <db dir>/<run_id>/handoff (shared with the GPU workers)
@@ -386,7 +389,7 @@ class HybridConfig(Section):
         if not self.enabled:
             return None
         return self.model_dump(mode="json", exclude={"placement", "deployment", "handoff_storage", "timeout_s",
-                                                     "poll_interval_s"})
+                                                     "poll_interval_s", "gradient_checkpointing"})
 
 
 class EvalConfig(Section):

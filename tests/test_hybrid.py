@@ -150,6 +150,8 @@ def test_hybrid_settings_count_in_the_fingerprint_only_when_enabled(tmp_path):
     assert on.fingerprint() != cfg.fingerprint()
     pooled = cfg.model_copy(update={"hybrid": HybridConfig(enabled=True, placement="pool")})
     assert pooled.fingerprint() == on.fingerprint()  # where it runs never changes results
+    recomputed = cfg.model_copy(update={"hybrid": HybridConfig(enabled=True, gradient_checkpointing=False)})
+    assert recomputed.fingerprint() == on.fingerprint()  # nor how the gradients are computed
     adapted = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"adapter": "runs/x/adapter_step1"})})
     assert adapted.fingerprint() != cfg.fingerprint()
 
