@@ -537,6 +537,9 @@ def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     if args.config:
         config = load_config(args.config, args.overrides)
         return config.model_copy(update={"db_path": args.db or config.db_path})
+    from clgrpo.adapters import split_condition
+
+    refs = [split_condition(r)[1] for r in refs]  # adapter:RUN:STEP / both:RUN:STEP: that run's policy
     run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
     if not run_refs:
         raise ConfigError("no model settings: pass --config FILE (a run config whose policy is evaluated)")
@@ -636,7 +639,8 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="Mean@k / Pass@k of libraries on a dataset, with confidence intervals")
     ev.add_argument("--library", action="append", required=True, metavar="REF",
                     help="RUN_ID:latest, RUN_ID:VERSION, a library file, or 'none' (repeatable; the first is the "
-                         "baseline of the paired comparisons)")
+                         "baseline of the paired comparisons); with hybrid learning also adapter:RUN_ID:STEP (the "
+                         "step's LoRA adapter, no library) and both:RUN_ID:STEP (that step's library and adapter)")
     ev.add_argument("--compare", action="append", default=[], metavar="REF", help="another library to compare")
     ev.add_argument("--dataset", required=True, help="evaluation problems (.jsonl/.json/.csv/.parquet)")
     ev.add_argument("--k", type=int, default=8, help="samples per problem (default 8)")
@@ -992,13 +996,14 @@ def package_version() -> str:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
+    from clgrpo.adapters import AdapterError
     from clgrpo.errors import EvaluationError
     from clgrpo.review import ReviewError
     from clgrpo.sources import SourceError
     from domains.math.dataset import DatasetError
 
     return (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError, PreflightError, DatasetError,
-            SourceError, EvaluationError, ReviewError)
+            SourceError, EvaluationError, ReviewError, AdapterError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -228,10 +228,48 @@ def check_embeddings(config: RunConfig) -> None:
         raise PreflightError(f"{what}: {exc}") from exc
 
 
+def check_hybrid(config: RunConfig) -> None:
+    """The numeric step trains a LoRA adapter of the policy's own weights: a local transformers model with
+    peft, making direct rollouts (an agent's multi-turn trajectories are not learned from numerically)."""
+    if not config.hybrid.enabled:
+        return
+    policy = config.policy
+    if policy.backend != "transformers":
+        where = f" at {policy.base_url}" if policy.backend == "openai" and policy.base_url else ""
+        raise PreflightError(f"hybrid.enabled: the numeric step needs a local transformers model as the policy "
+                             f"(policy.backend: transformers, policy.model_path: a folder or 'embedded'), but "
+                             f"policy {policy.model!r} is backend {policy.backend}{where}: no weights to train here")
+    if config.rollout.mode != "direct":
+        raise PreflightError("hybrid.enabled: the numeric step learns from direct rollouts only; "
+                             "use rollout.mode direct")
+    if config.hybrid.placement == "local" and importlib.util.find_spec("peft") is None:  # pool: the GPU worker's
+        raise PreflightError("hybrid.enabled: the numeric step needs peft: pip install 'clgrpo[local]'")
+
+
+def check_policy_adapter(config: RunConfig) -> None:
+    """``policy.adapter`` given as a folder: a peft adapter trained on this policy (a ``RUN:STEP`` reference is
+    resolved and checked when the run opens its database)."""
+    adapter = config.policy.adapter
+    if adapter is None or not Path(adapter).expanduser().is_dir():
+        return
+    if config.policy.backend == "openai":
+        raise PreflightError(f"policy.adapter {adapter}: an adapter needs a local policy (backend transformers "
+                             f"or vllm); with an OpenAI-compatible server, load it in the server instead")
+    if config.policy.backend == "transformers":
+        from clgrpo.adapters import AdapterError, check_adapter
+
+        try:
+            check_adapter(adapter, config.policy)
+        except AdapterError as exc:
+            raise PreflightError(f"policy.adapter: {exc}") from exc
+
+
 # --- whole configs ---------------------------------------------------------------------------------------
 async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
     """Everything a training run needs before its first stage."""
     check_writable_dir(config.db_path, "db_path")
+    check_hybrid(config)
+    check_policy_adapter(config)
     check_agent(config)
     check_embeddings(config)
     if dataset:
@@ -245,6 +283,7 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
 async def check_policy(config: RunConfig) -> None:
     """An evaluation needs only the policy model (and, in agent mode, its tools; with ``injection: top_k``, the
     embedding model that routes its prompts)."""
+    check_policy_adapter(config)
     check_agent(config)
     if config.library.injection == "top_k":
         check_embeddings(config)

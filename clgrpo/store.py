@@ -45,6 +45,7 @@ from schemas.ddl import (
 )
 from schemas.frames import FRAMES
 from schemas.records import (
+    AdapterVersion,
     EvalComparison,
     EvalSample,
     EvalSummary,
@@ -218,6 +219,7 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "refresh_watermarks": lambda items: [w.model_dump() for w in items],
     "experience_stats": lambda items: [s.model_dump() for s in items],
     "library_quality": lambda items: [q.model_dump() for q in items],
+    "adapters": lambda items: [a.model_dump() for a in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
     "trial_samples": lambda items: [t.model_dump() for t in items],
     "review_requests": lambda items: [_review_request_row(r) for r in items],
@@ -286,6 +288,7 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "refresh_watermarks": _plain(RefreshWatermark),
     "experience_stats": _plain(ExperienceStat),
     "library_quality": _plain(LibraryQuality),
+    "adapters": _plain(AdapterVersion),
     "lesson_trials": lambda row: LessonTrial(**_fields(LessonTrial, row, skip=("operation", "problem_ids")),
                                              operation=Operation(**json.loads(row["operation_json"])),
                                              problem_ids=json.loads(row["problem_ids_json"])),
@@ -322,6 +325,7 @@ _ORDER = {
     "review_requests": "refresh_id",
     "review_decisions": "change_id",
     "library_adoptions": "seq",
+    "adapters": "step",
 }
 
 

@@ -1,11 +1,12 @@
 """The evaluation flow: Mean@k / Pass@k of one or more libraries on a dataset, with confidence intervals.
 
-Each condition (a stored library version ``RUN_ID:VERSION`` / ``RUN_ID:latest``, a library file, or ``none``)
-samples k rollouts per problem at the evaluation temperature (its own setting, never the training one) with the
-library placed in the prompt exactly as in training. All conditions get the same problems and the same
-per-(problem, sample) seeds, so the difference of each condition to the first one is a paired comparison.
-Conditions are evaluated one after the other (one library prefix at a time for the server's prefix cache),
-each in batch-sized task runs.
+Each condition (a stored library version ``RUN_ID:VERSION`` / ``RUN_ID:latest``, a library file, or ``none``;
+with hybrid learning also ``adapter:RUN_ID:STEP`` (the step's LoRA adapter, no library) and ``both:RUN_ID:STEP``
+(the step's library and adapter), ``STEP`` also ``latest``) samples k rollouts per problem at the evaluation
+temperature (its own setting, never the training one) with the library placed in the prompt exactly as in
+training. All conditions get the same problems and the same per-(problem, sample) seeds, so the difference of
+each condition to the first one is a paired comparison. Conditions are evaluated one after the other (one
+library prefix at a time for the server's prefix cache), each in batch-sized task runs.
 
 Before sampling, the leakage guard compares the evaluation problems with the training problems (``--train-dataset``
 or the training set of a run whose library is evaluated); matches are logged with their ids, and
@@ -28,6 +29,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import plots, stopping
+from clgrpo.adapters import (adapter_hash, adapter_step, check_adapter, resolve_adapter, resolve_policy_adapter,
+                             split_condition, with_adapter)
 from clgrpo.errors import EvaluationError
 from clgrpo.runtime import tune_gc
 from clgrpo.leakage import LeakageReport, check_leakage
@@ -49,7 +52,7 @@ from domains import get_domain
 from clgrpo.journal import RunJournal, recording
 from tasks.load_dataset import log_oversize
 from tasks.verify import warm_verifier
-from schemas.config import DatasetConfig, EvalConfig, RunConfig
+from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
 from tasks.checkpoint import export_dir
@@ -65,8 +68,9 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 @dataclass(frozen=True)
 class Condition:
     label: str  # unique within an evaluation
-    ref: str  # as resolved: "none", a file path, or RUN_ID:VERSION
+    ref: str  # as resolved: "none", a file path, RUN_ID:VERSION, adapter:RUN_ID:STEP or both:RUN_ID:STEP
     library: ExperienceLibrary
+    adapter: str | None = None  # a LoRA adapter folder on the policy (adapter / both conditions)
 
 
 @dataclass
@@ -100,18 +104,43 @@ def resolve_library(store: Store, ref: str) -> Condition:
     return Condition(resolved, resolved, library)
 
 
-def resolve_conditions(store: Store, refs: list[str]) -> list[Condition]:
+def resolve_condition(store: Store, ref: str, policy: ModelConfig | None = None) -> Condition:
+    """A library reference, or ``adapter:RUN:STEP`` / ``both:RUN:STEP`` (the adapter checked against
+    ``policy``'s base model when given)."""
+    kind, rest = split_condition(ref)
+    if kind is None:
+        return resolve_library(store, ref)
+    folder = resolve_adapter(rest, store)
+    if policy is not None:
+        if policy.backend == "openai":
+            raise EvaluationError(f"condition {ref!r}: an adapter needs a local policy (backend transformers or "
+                                  f"vllm), not the endpoint of {policy.model!r}")
+        if policy.backend == "transformers":
+            check_adapter(folder, policy)
+    step = adapter_step(folder)
+    run_id = rest.partition(":")[0]
+    label = f"{kind}:{run_id}:{step}" if step is not None and ":" in rest else f"{kind}:{Path(folder).name}"
+    library = ExperienceLibrary()
+    if kind == "both":
+        if step is None or not store.library_versions(run_id):
+            raise EvaluationError(f"condition {ref!r}: both needs a stored run's adapter (RUN_ID:STEP), whose "
+                                  f"library of the same step is evaluated with it")
+        library = store.load_library(run_id, step)
+    return Condition(label, label, library, folder)
+
+
+def resolve_conditions(store: Store, refs: list[str], policy: ModelConfig | None = None) -> list[Condition]:
     if not refs:
         raise EvaluationError("nothing to evaluate: give at least one library reference (or 'none')")
     conditions, seen = [], set()
     for ref in refs:
-        c = resolve_library(store, ref)
+        c = resolve_condition(store, ref, policy)
         label, n = c.label, 1
         while label in seen:  # the same library twice (e.g. none vs none): still two conditions
             n += 1
             label = f"{c.label}#{n}"
         seen.add(label)
-        conditions.append(Condition(label, c.ref, c.library))
+        conditions.append(Condition(label, c.ref, c.library, c.adapter))
     return conditions
 
 
@@ -164,7 +193,8 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
         "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size": True, "leakage_threshold": True,
                                                                   "refuse_on_leakage": True, "every_n_steps": True,
                                                                   "dataset": {"tag_field"}}),
-        "conditions": [[c.label, c.library.content_hash()] for c in conditions],
+        "conditions": [[c.label, c.library.content_hash(), *([adapter_hash(c.adapter)] if c.adapter else [])]
+                       for c in conditions],
         "problems": text_hash(json.dumps([_problem_payload(p) for p in problems], sort_keys=True)),
     }
     dataset = payload["evaluation"].get("dataset")
@@ -189,7 +219,8 @@ async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problem
     calls = []
     for condition in conditions:
         version = (await route_library(config, store, condition.library, problems)).to_version()
-        batches = await asyncio.gather(*[evaluate_task(config, evaluation, key, condition.label, i, chunk, version)
+        policy = with_adapter(config, condition.adapter) if condition.adapter else config
+        batches = await asyncio.gather(*[evaluate_task(policy, evaluation, key, condition.label, i, chunk, version)
                                          for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))])
         samples[condition.label] = [s for b in batches for s in b.samples]
         calls += [c for b in batches for c in b.calls]
@@ -302,8 +333,9 @@ def _training_problems(store: Store, config: RunConfig, conditions: list[Conditi
         return load_problems(config, train_dataset)
     log = get_run_logger()
     for c in conditions:
-        run_id = c.ref.partition(":")[0]
-        if c.ref != NO_LIBRARY and not Path(c.ref).is_file() and store.is_run(run_id):
+        ref = split_condition(c.ref)[1]
+        run_id = ref.partition(":")[0]
+        if ref != NO_LIBRARY and not Path(ref).is_file() and store.is_run(run_id):
             try:
                 return load_problems(config, store.run_config(run_id).dataset)
             except (OSError, ValueError) as exc:
@@ -347,7 +379,8 @@ async def _evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[s
     warm_verifier(config.domain)  # starts while the endpoint is checked
     await check_policy(config)  # the endpoint answers and serves the model, before any sampling
     with Store(config.db_path) as store:
-        conditions = resolve_conditions(store, libraries)
+        config = resolve_policy_adapter(config, store)  # policy.adapter RUN:STEP -> its folder, checked
+        conditions = resolve_conditions(store, libraries, config.policy)
         problems = load_problems(config, evaluation.dataset)
         train = _training_problems(store, config, conditions, train_dataset)
         leakage = guard_leakage(train, problems, evaluation) if train is not None else None

@@ -31,7 +31,7 @@ from prefect.deployments.flow_runs import arun_deployment
 from prefect.states import Cancelling, Scheduled
 
 from clgrpo import stopping
-from schemas.config import RolloutPlacement, RunConfig
+from schemas.config import HybridConfig, RolloutPlacement, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
 from tasks.checkpoint import export_dir
 from tasks.common import inputs_hash
@@ -134,34 +134,41 @@ def _exists(url: str) -> bool:
 
 
 async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str, *,
-                               rerun_completed: bool = False) -> FlowRun:
+                               rerun_completed: bool = False, deployment: str | None = None,
+                               placement: Placement | None = None) -> FlowRun:
     """Start the chunk's child run, or find the one an earlier attempt of the parent started; a found child
     that ended unsuccessfully (or, with ``rerun_completed``, one whose hand-off held failed samples) is scheduled
-    again (same run, its run count goes up). Waits for it to end, at most ``rollout.timeout_s``."""
-    child = await arun_deployment(config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key,
-                                  timeout=0)
+    again (same run, its run count goes up). Waits for it to end, at most ``rollout.timeout_s``. ``deployment``
+    and ``placement`` (timeout, poll interval): another stage's (hybrid's numeric_update), else the rollout's."""
+    placement = placement or config.rollout
+    child = await arun_deployment(deployment or config.rollout.deployment, parameters=parameters,
+                                  idempotency_key=idempotency_key, timeout=0)
     if child.state is not None and child.state.is_cancelled():
         # stopped with its parent: a new child run (the same run scheduled again races the worker's cancellation
         # of it); its key derives from the cancelled one, so a later attempt of the parent finds it again
-        get_run_logger().warning("rollout child run %s (%s) was cancelled: starting a new child run for its chunk",
+        get_run_logger().warning("child run %s (%s) was cancelled: starting a new child run for its work",
                                  child.name, child.id)
         return await start_or_rerun_child(config, parameters, f"{idempotency_key}-after-{child.id}",
-                                          rerun_completed=rerun_completed)
+                                          rerun_completed=rerun_completed, deployment=deployment,
+                                          placement=placement)
     async with get_client() as client:
         state = child.state
         if state is not None and state.is_final() and (not state.is_completed() or rerun_completed):
             why = "left failed samples" if state.is_completed() else f"ended {state.name}"
-            get_run_logger().warning("rollout child run %s (%s) %s in an earlier attempt: running it again",
+            get_run_logger().warning("child run %s (%s) %s in an earlier attempt: running it again",
                                      child.name, child.id, why)
             result = await client.set_flow_run_state(child.id, Scheduled(message="re-run by its retried parent"),
                                                      force=True)
             if result.status != SetStateStatus.ACCEPT:
-                raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) could not be scheduled "
+                raise RemoteRolloutError(f"child run {child.name} ({child.id}) could not be scheduled "
                                          f"again: {result.status.value} {result.details}")
-        return await wait_until_final(client, child.id, config.rollout)
+        return await wait_until_final(client, child.id, placement)
 
 
-async def wait_until_final(client: PrefectClient, flow_run_id: UUID, placement: RolloutPlacement) -> FlowRun:
+Placement = RolloutPlacement | HybridConfig  # where a child run's timeout and poll interval come from
+
+
+async def wait_until_final(client: PrefectClient, flow_run_id: UUID, placement: Placement) -> FlowRun:
     """Poll the run until it is final or ``placement.timeout_s`` passed (then return it as it stands)."""
     deadline = time.monotonic() + placement.timeout_s
     try:

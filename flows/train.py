@@ -34,7 +34,9 @@ from clgrpo.journal import RunJournal, recording
 from clgrpo.runtime import tune_gc
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
+from clgrpo.llm.local import release_engines
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
+from clgrpo.adapters import resolve_policy_adapter
 from clgrpo.errors import error_line
 from clgrpo.preflight import check_run
 from clgrpo.quality import describe_quality, library_quality
@@ -45,7 +47,8 @@ from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from schemas.config import AgentConfig, RunConfig
 from schemas.ddl import VALIDATE_STAGE
-from schemas.records import ExperienceStat, GroupAdvantage, LibraryVersion, Operation, Problem, Proposal
+from schemas.records import (AdapterVersion, ExperienceStat, GroupAdvantage, LibraryVersion, Operation, Problem,
+                             Proposal, Rollout)
 from tasks.apply_operations import STAGE as APPLY, apply_operations_task, near_duplicates_for
 from tasks.common import artifact_key, chunks
 from tasks.checkpoint import (
@@ -64,6 +67,7 @@ from domains.guard import LessonGuard
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
 from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import STAGE as LOAD, load_dataset_task
+from tasks.numeric_update import STAGE as NUMERIC_UPDATE, numeric_inputs, numeric_update_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.rollout import STAGE as ROLLOUT, rollout_task
 from tasks.summarize import STAGE as SUMMARIZE, summarize_task
@@ -216,10 +220,12 @@ class Trainer:
             from flows.rollout_gpu import rollout_on_pool
 
             run_chunk = partial(rollout_on_pool, db_id=self.store.db_id)
-        await self.pipeline(step, rollout_chunks, version)
+        sampling = self.sampling_config(step)  # the config, or with hybrid learning the latest adapter on the policy
+        await self.pipeline(step, rollout_chunks, version, sampling)
 
         async def do_rollout() -> Outputs:
-            parts = await asyncio.gather(*[run_chunk(cfg, step, i, c, version) for i, c in enumerate(rollout_chunks)])
+            parts = await asyncio.gather(*[run_chunk(sampling, step, i, c, version)
+                                           for i, c in enumerate(rollout_chunks)])
             return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
 
         samples = (len(problems) * cfg.grpo.group_size, "samples")
@@ -236,6 +242,8 @@ class Trainer:
         verified = await self.stage(step, VERIFY, do_verify, ["rewards", "group_advantages", "llm_calls"],
                                     expect=(len(rollouts), "samples"))
         rewards, advantages = verified["rewards"], verified["group_advantages"]
+        if cfg.hybrid.enabled:
+            await self.numeric_update(step, problems, rollouts, advantages, version)
         selected_ids = [a.problem_id for a in advantages if a.selected]
         group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
 
@@ -302,6 +310,52 @@ class Trainer:
         await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
         return self.store.load_library(self.run_id, step)
 
+    async def numeric_update(self, step: int, problems: list[Problem], rollouts: list[Rollout],
+                             advantages: list[GroupAdvantage], version: LibraryVersion) -> AdapterVersion:
+        """Hybrid learning's numeric GRPO step on this step's stored completions (``tasks.numeric_update``):
+        in this process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
+        cfg = self.cfg
+
+        async def do_update() -> Outputs:
+            inputs = numeric_inputs(cfg, problems, rollouts, advantages, version)
+            run = numeric_update_task
+            if cfg.hybrid.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+                from flows.numeric_gpu import numeric_update_on_pool
+
+                run = partial(numeric_update_on_pool, db_id=self.store.db_id)
+            record = await run(cfg, step, inputs.items, inputs.skipped, self.parent_adapter(step), version.version,
+                               str(export_dir(cfg)))
+            return {"adapters": [record]}
+
+        record = (await self.stage(step, NUMERIC_UPDATE, do_update, ["adapters"]))["adapters"][0]
+        self.log.info("step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
+                      "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s", step, record.rows_used,
+                      record.rows_skipped, _num(record.loss_before), _num(record.loss_after),
+                      _num(record.logprob_change_pos), _num(record.logprob_change_neg), record.seconds,
+                      record.device, record.path)
+        return record
+
+    def sampling_config(self, step: int) -> RunConfig:
+        """What the step's rollouts sample with: with ``hybrid.rollout_adapter``, the policy carrying the
+        latest adapter (the learner keeps its own settings); engines of older adapters are released."""
+        cfg = self.cfg
+        if not (cfg.hybrid.enabled and cfg.hybrid.rollout_adapter):
+            return cfg
+        adapter = self.parent_adapter(step)
+        # local engine keys end with their adapter (clgrpo.llm.transformers_backend, vllm_backend)
+        release_engines(lambda key: isinstance(key, tuple) and key[-1] not in (None, cfg.policy.adapter, adapter))
+        if adapter == cfg.policy.adapter:
+            return cfg
+        self.log.info("step %d: rollouts sample with the adapter %s", step, adapter)
+        return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"adapter": adapter}),
+                                      "learner": cfg.learner_model})
+
+    def parent_adapter(self, step: int) -> str | None:
+        """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
+        earlier = self.store.query("SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC "
+                                   "LIMIT 1", [self.run_id, step])
+        return str(earlier["path"][0]) if len(earlier) else self.cfg.policy.adapter
+
     async def validated(self, step: int, version: LibraryVersion, plan: list[Operation], problems: list[Problem],
                         advantages: list[GroupAdvantage]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
         """The plan after lesson validation (``learning.lesson_validation``; off: the plan as it is), and the
@@ -322,7 +376,8 @@ class Trainer:
                       "".join(f"; {t.reason}" for t in trials if t.verdict == "kept"))
         return plan_after(trials)
 
-    async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion) -> None:
+    async def pipeline(self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion,
+                       sampling: RunConfig) -> None:
         """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and
         leave the four stages' outputs for ``stage`` to write, in order and one transaction each. Off, with
         rollouts on the GPU pool, or when any of the four is already stored (resume): stage by stage."""
@@ -338,7 +393,7 @@ class Trainer:
             progress.start(step, name, total, unit)
         try:
             with recording(self.journal.step(step)):
-                parts = await asyncio.gather(*[pipeline_task(self.cfg, step, i, c, version)
+                parts = await asyncio.gather(*[pipeline_task(sampling, step, i, c, version)
                                                for i, c in enumerate(rollout_chunks)])
         finally:
             for name in names:
@@ -527,6 +582,10 @@ def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[
     return problems
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.4f}"
+
+
 def describe_rows(outputs: Outputs) -> str:
     """``{"rollouts": [32 items], "llm_calls": [8 items]}`` -> "32 rollouts, 8 llm calls"."""
     parts = [f"{len(rows)} {table.replace('_', ' ')}" for table, rows in outputs.items()]
@@ -577,4 +636,5 @@ async def _train(config: RunConfig, preflight: bool) -> TrainResult:
     # while it works, so other runs and readers share it)
     with RunLock(config.db_path, "train", config.run_id), Store(config.db_path) as store:
         await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
+        config = resolve_policy_adapter(config, store)  # RUN:STEP -> the stored adapter's folder, checked
         return await Trainer(config, store).run()

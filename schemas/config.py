@@ -57,6 +57,9 @@ class ModelConfig(Section):
     cpu_threads: int | None = Field(None, ge=1)  # torch threads on CPU; None: the cores not busy at load time
     max_batch_rows: int | None = Field(None, ge=1)  # sequences per batched generate call; None: backend default
     engine_options: dict[str, Any] = Field(default_factory=dict)  # extra vllm.LLM(...) arguments
+    # a LoRA adapter on top of the weights (transformers: peft; vllm: LoRARequest): a folder with
+    # adapter_model.safetensors, or RUN_ID:STEP / RUN_ID:latest (an adapter the numeric step stored)
+    adapter: str | None = None
 
 
 class DatasetConfig(Section):
@@ -352,6 +355,43 @@ class RolloutPlacement(Section):
         return settings
 
 
+class HybridConfig(Section):
+    """Hybrid learning: after verify, a numeric GRPO step (stage ``numeric_update``) trains a LoRA adapter of the
+    local transformers policy on the step's stored completions and group advantages (``clgrpo.hybrid``). Off by
+    default; where it runs (``placement``, the pool's deployment and hand-off) never changes results."""
+
+    enabled: bool = False
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | None = None  # None: peft's default for the architecture (q_proj, v_proj, ...)
+    lr: float = Field(1e-4, gt=0)
+    epochs: int = Field(1, ge=1)  # passes over the step's completions
+    batch_rows: int = Field(8, ge=1)  # completions per optimizer step
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # PPO/GRPO ratio clip
+    kl_coef: float = Field(0.0, ge=0.0)  # KL to the frozen base (adapter disabled); 0: no reference pass
+    max_rows: int = Field(256, ge=1)  # completions used per step (non-zero advantage, in problem order)
+    seed: int = 0
+    # sample each step's rollouts with the latest adapter (on-policy, one adapted copy of the policy loaded);
+    # False: every step samples with the policy as configured (the updates are then off-policy)
+    rollout_adapter: bool = True
+    # recompute activations in the backward pass: SmolLM2-135M, 4 x 345 tokens on CPU: peak RSS 4.6 -> 3.0 GB,
+    # +17% time (benchmarks/REPORT.md); the same gradients, so not part of the fingerprint
+    gradient_checkpointing: bool = True
+    placement: Literal["local", "pool"] = "local"  # pool: the numeric-update-gpu deployment on the cuda pool
+    deployment: str = "numeric-update-gpu/numeric-update-gpu"
+    handoff_storage: str | None = None  # None: <db dir>/<run_id>/handoff (shared with the GPU workers)
+    timeout_s: float = Field(3600.0, gt=0)  # per child run
+    poll_interval_s: float = Field(2.0, gt=0)
+
+    def result_settings(self) -> dict[str, Any] | None:
+        """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
+        if not self.enabled:
+            return None
+        return self.model_dump(mode="json", exclude={"placement", "deployment", "handoff_storage", "timeout_s",
+                                                     "poll_interval_s", "gradient_checkpointing"})
+
+
 class EvalConfig(Section):
     """Evaluating a library on a dataset: k samples per problem at the evaluation temperature, which is its
     own setting (never the training temperature). Every condition gets the same per-(problem, sample) seeds."""
@@ -411,7 +451,11 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "fallback"): "none",
     ("learning", "summarize"): True,
     ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
+    ("policy", "adapter"): None,
+    ("learner", "adapter"): None,
 }
+# whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
+LATER_SECTIONS = ("library", "hybrid")
 
 class StageTolerances(Section):
     """The fraction of a stage's items that may fail (a call that failed after its retries, a sample the
@@ -479,6 +523,7 @@ class RunConfig(Section):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
+    hybrid: HybridConfig = Field(default_factory=HybridConfig)  # a numeric LoRA step on the same trajectories
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -500,9 +545,10 @@ class RunConfig(Section):
             del validation["dataset"]["tag_field"]
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
-        payload.pop("library", None)
-        if (library := self.library.result_settings()) is not None:  # only when a library setting is changed
-            payload["library"] = library
+        for name in LATER_SECTIONS:  # only when a setting of the section is changed (hybrid: when enabled)
+            payload.pop(name, None)
+            if (settings := getattr(self, name).result_settings()) is not None:
+                payload[name] = settings
         return text_hash(json.dumps(payload, sort_keys=True))
 
 

@@ -15,6 +15,7 @@ EVALUATE_STAGE = "evaluate"
 # Stage names of a refresh's rows, keyed by (refresh_id, 0): the problems it took, then its decision.
 REFRESH_SELECT_STAGE = "refresh-select"
 REFRESH_DECIDE_STAGE = "refresh-decide"
+NUMERIC_UPDATE_STAGE = "numeric_update"  # hybrid learning's LoRA step, after verify (table adapters)
 REFRESH_GATE_STAGE = "refresh-gate"  # the promotion gate's rows (overall and per task tag), before the decision
 # Human review of a refresh's changes, keyed by (refresh_id, 0): the request, then the reviewer's answers;
 # and the adopted library's history, keyed by (name, seq): promotions and rollbacks.
@@ -355,6 +356,25 @@ TABLE_DDL: dict[str, str] = {
         file VARCHAR NOT NULL,
         line INTEGER NOT NULL,
         reason VARCHAR NOT NULL""",
+    # per training step with hybrid learning (stage numeric_update): the LoRA adapter it saved
+    "adapters": """
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        stage VARCHAR NOT NULL,
+        base_model VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        rows_used INTEGER NOT NULL,
+        rows_skipped INTEGER NOT NULL,
+        loss_before DOUBLE,
+        loss_after DOUBLE,
+        logprob_change_pos DOUBLE,
+        logprob_change_neg DOUBLE,
+        library_version INTEGER NOT NULL,
+        parent_path VARCHAR,
+        path VARCHAR NOT NULL,
+        device VARCHAR NOT NULL,
+        seconds DOUBLE NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL""",
     "refresh_watermarks": """
         run_id VARCHAR NOT NULL,
         step INTEGER NOT NULL,
@@ -418,7 +438,7 @@ TABLE_DDL: dict[str, str] = {
 STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
 STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate", "refresh_rejects",
-                 "refresh_watermarks")
+                 "refresh_watermarks", "adapters")
 STAGE_TABLES += ("review_requests", "review_decisions", "library_adoptions")
 
 

@@ -382,6 +382,27 @@ class LibraryQualityFrame(StageKeyed):
     evicted: Series[int] = pa.Field(ge=0)
 
 
+class AdaptersFrame(StageKeyed):
+    base_model: Series[str] = pa.Field(str_length={"min_value": 1})
+    rank: Series[int] = pa.Field(ge=1)
+    rows_used: Series[int] = pa.Field(ge=0)
+    rows_skipped: Series[int] = pa.Field(ge=0)
+    loss_before: Series[float] = pa.Field(nullable=True)
+    loss_after: Series[float] = pa.Field(nullable=True)
+    logprob_change_pos: Series[float] = pa.Field(nullable=True)
+    logprob_change_neg: Series[float] = pa.Field(nullable=True)
+    library_version: Series[int] = pa.Field(ge=0)
+    parent_path: Series[str] = pa.Field(nullable=True)
+    path: Series[str] = pa.Field(str_length={"min_value": 1})
+    device: Series[str] = pa.Field(str_length={"min_value": 1})
+    seconds: Series[float] = pa.Field(ge=0)
+    created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+
+    @pa.dataframe_check
+    def one_adapter_per_step(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["run_id", "step"]).any()
+
+
 class ExperienceStatsFrame(StageKeyed):
     exp_id: Series[str] = pa.Field(str_length={"min_value": 1})
     cited: Series[int] = pa.Field(ge=0)
@@ -480,4 +501,5 @@ FRAMES: dict[str, type[Frame]] = {
     "review_requests": ReviewRequestsFrame,
     "review_decisions": ReviewDecisionsFrame,
     "library_adoptions": LibraryAdoptionsFrame,
+    "adapters": AdaptersFrame,
 }

@@ -122,6 +122,39 @@ class GroupAdvantage(Record):
     reason: str  # why it was or was not selected
 
 
+class NumericItem(Record):
+    """One completion the numeric step learns from: its prompt rebuilt as the rollout built it (checked against
+    the rollout's ``prompt_hash``), the stored completion text, and its group advantage."""
+
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    messages: list[dict[str, str]]
+    completion: str
+    truncated: bool = False  # cut at max_tokens: no end-of-sequence token is appended
+    advantage: float
+
+
+class AdapterVersion(Record):
+    """A LoRA adapter the numeric step saved after a training step (table ``adapters``, stage
+    ``numeric_update``); versioned beside the library versions. ``logprob_change_*``: mean change of the mean
+    token log-prob of the step's positive / negative-advantage completions (None: no such completion)."""
+
+    base_model: str  # the policy's identity (``clgrpo.adapters.model_identity``): an adapter loads on it only
+    rank: int = Field(ge=1)
+    rows_used: int = Field(ge=0)
+    rows_skipped: int = Field(0, ge=0)  # zero-advantage, failed, over max_rows, or prompt not reproducible
+    loss_before: float | None = None
+    loss_after: float | None = None
+    logprob_change_pos: float | None = None
+    logprob_change_neg: float | None = None
+    library_version: int = Field(ge=0)  # the library the completions were sampled with
+    parent_path: str | None = None  # the adapter this one continued from (None: a fresh LoRA)
+    path: str
+    device: str = "cpu"
+    seconds: float = 0.0
+    created_at: datetime = Field(default_factory=utcnow)
+
+
 class Summary(Record):
     problem_id: str
     sample_idx: int = Field(ge=0)

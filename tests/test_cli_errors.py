@@ -156,3 +156,28 @@ def test_the_terminal_of_a_real_process_shows_one_line(tmp_path, good_dataset):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"error: dataset: dataset file not found: {tmp_path / 'missing.jsonl'}"]
+
+
+def test_hybrid_learning_refuses_an_api_policy_and_an_adapter_of_another_base(capsys, tmp_path, good_dataset):
+    config = write_config(tmp_path, good_dataset)
+    with_hybrid = yaml.safe_load(config.read_text()) | {"hybrid": {"enabled": True}}
+    config.write_text(yaml.safe_dump(with_hybrid))
+    line = one_error_line(capsys, ["train", "--config", str(config)])
+    assert line.startswith("error: hybrid.enabled: the numeric step needs a local transformers model as the "
+                           "policy") and "policy 'scripted' is backend openai at http://127.0.0.1:9/v1" in line
+
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    capsys.readouterr()  # the model build's own progress bar
+    adapter = tmp_path / "adapter_step3"
+    adapter.mkdir()
+    for name, text in (("adapter_model.safetensors", ""), ("adapter_config.json", "{}"),
+                       ("clgrpo_adapter.json", json.dumps({"base_model": "SmolLM2-135M-Instruct@0123abcd"}))):
+        (adapter / name).write_text(text)
+    local = write_config(tmp_path, good_dataset, backend="transformers", model_path=str(model),
+                         adapter=str(adapter))
+    line = one_error_line(capsys, ["eval", "--library", "none", "--dataset", str(good_dataset),
+                                   "--config", str(local)])
+    assert line.startswith(f"error: policy.adapter: adapter {adapter} was trained on base model "
+                           f"SmolLM2-135M-Instruct@0123abcd, but the policy is tiny@"), line

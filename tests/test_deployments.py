@@ -438,3 +438,35 @@ def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_starts_a_new_on
     with Store(config["db_path"], read_only=True) as store:
         assert store.library_versions("parent-cancelled") == [0, 1]
         assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='parent-cancelled'")["n"][0] == 32
+
+
+def test_hybrid_numeric_update_runs_as_its_own_child_on_the_cuda_pool(stack, tmp_path):
+    pytest.importorskip("peft")
+    from schemas.config import RunConfig
+    from tests.stored_steps import seed_first_step
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-model")
+    with FakeOpenAIServer(ScriptedWorld(seed=5)) as server:
+        config = _config(server, tmp_path, "hybrid-pool", epochs=1)
+        config.update(learner=config["policy"], rollout={"placement": "local"},
+                      policy={"backend": "transformers", "model": "tiny", "model_path": str(model),
+                              "device": "cpu", "cpu_threads": 1, "max_tokens": 6},
+                      grpo={"group_size": 4, "epochs": 1, "batch_size": 2, "max_steps": 1},
+                      hybrid={"enabled": True, "rank": 4, "lr": 0.02, "placement": "pool",
+                              "handoff_storage": str(tmp_path / "handoff"), "poll_interval_s": 1})
+        seed_first_step(RunConfig.model_validate(config))  # groups with variance for the numeric step
+        run = _run(stack, config)
+        assert run.returncode == 0, run.stdout + run.stderr + _logs(stack)
+
+    with Store(config["db_path"], read_only=True) as store:
+        (adapter,) = store.records("adapters", "hybrid-pool")
+    assert adapter.rows_used == 8 and adapter.device == "cpu"
+    assert adapter.logprob_change_pos > 0 > adapter.logprob_change_neg
+    local = tmp_path / "hybrid-pool" / "adapter_step1"
+    assert Path(adapter.path) == local and (local / "adapter_model.safetensors").is_file()
+    (child,) = asyncio.run(_flow_runs(stack, "numeric-update-gpu"))
+    assert child.work_pool_name == "cuda" and child.state.is_completed()
+    (record,) = (tmp_path / "handoff" / "hybrid-pool").glob("numeric-step0001-*/record.json")
+    assert json.loads(record.read_text())["meta"]["cuda_visible_devices"] == "0"
+    assert "numeric_update on cpu: no CUDA device" in (stack.logs / "worker-cuda.log").read_text()

@@ -122,14 +122,15 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
-    excluded = {key: True for key in (*NOT_FINGERPRINTED, "validation", "library", "judge")} | {"grpo": {"max_steps": True}} | {
+    sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid")
+    excluded = {key: True for key in sections} | {"grpo": {"max_steps": True}} | {
         "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
                      "guard": True, "max_learner_tokens": True, "extract": True, "candidates": True,
                      "fallback": True, "summarize": True, "lesson_validation": True, "unlabeled": True},
         "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True,
                     "url_field": True, "tag_field": True, "answer_source_field": True, "answers_optional": True},
         # where and how the model is reached is not part of what a run computes
-        "policy": {"repetition_penalty": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
+        "policy": {"repetition_penalty": True, "adapter": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)
     assert cfg.fingerprint() == text_hash(json.dumps(before_they_existed, sort_keys=True))
     capped = RunConfig.model_validate({**cfg.model_dump(), "grpo": {"max_steps": 2}})

@@ -144,3 +144,35 @@ def test_sampling_params_request_mapping(stub):
 
     p = sampling_params(GenRequest(MESSAGES, n=5, temperature=0.0, top_p=0.9, max_tokens=64, seed=None))
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.seed) == (5, 0.0, 0.9, 64, None)
+
+
+async def test_an_adapter_is_served_with_a_lora_request(stub, monkeypatch, tmp_path):
+    requests = []
+
+    class LoRARequest:
+        def __init__(self, name, lora_id, path):
+            requests.append((name, lora_id, path))
+
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    chat = sys.modules["vllm"].LLM.chat
+
+    def chat_with_lora(self, messages, sampling_params=None, use_tqdm=True, lora_request=None):
+        assert isinstance(lora_request, LoRARequest)
+        return chat(self, messages, sampling_params, use_tqdm)
+
+    monkeypatch.setattr(sys.modules["vllm"].LLM, "chat", chat_with_lora)
+    adapter = tmp_path / "adapter_step1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    client = LLMClient(config(adapter=str(adapter)))
+    await client.sample(MESSAGES, 2, stage="rollout")
+    assert stub.engines[0]["enable_lora"] is True and stub.engines[0]["max_lora_rank"] == 8
+    assert requests == [("clgrpo-adapter", 1, str(adapter))]
+    await client.aclose()
+    with pytest.raises(PermanentLLMError, match="not a LoRA folder"):
+        from clgrpo.llm.vllm_backend import VLLMBackend
+
+        VLLMBackend(config(adapter=str(tmp_path)))

@@ -90,6 +90,11 @@ class Engine:
                 log.info("%s: loaded in %.1f s", self.name, self.stats.load_s)
             return self._model
 
+    def unload(self) -> None:
+        """Drop the loaded model (a batch running now finishes with it); the next request loads it again."""
+        with self._load_lock:
+            self._model = None
+
     async def generate(self, request: GenRequest) -> Generation:
         job = _Job(request)
         with self._cond:
@@ -193,6 +198,19 @@ def get_engine(key: Hashable, factory: Callable[[], Engine]) -> Engine:
         if key not in _ENGINES:
             _ENGINES[key] = factory()
         return _ENGINES[key]
+
+
+def release_engines(drop: Callable[[Hashable], bool]) -> int:
+    """Remove the engines whose key ``drop`` selects from the registry and free their models (a client still
+    holding one loads it again on its next request): how a training run with per-step adapters keeps one
+    adapted copy of the policy, not one per step. The number released."""
+    with _REGISTRY_LOCK:
+        dropped = [(key, engine) for key, engine in _ENGINES.items() if drop(key)]
+        for key, _ in dropped:
+            del _ENGINES[key]
+    for _, engine in dropped:
+        engine.unload()
+    return len(dropped)
 
 
 def loaded_engines() -> list[Engine]:

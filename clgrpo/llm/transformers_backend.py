@@ -44,12 +44,14 @@ class TransformersBackend:
             location = resolve_model_path(cfg.model_path or cfg.model)
         except ModelError as exc:
             raise PermanentLLMError(str(exc)) from exc
+        adapter = checked_adapter(cfg)
         device = pick_device(cfg.device)
         dtype = pick_dtype(cfg.dtype, device)
-        key = ("transformers", str(location), device, dtype)
+        key = ("transformers", str(location), device, dtype, adapter)
+        name = f"{location.gguf_file or location.folder.name}{'+' + adapter if adapter else ''}"
         self.engine = get_engine(key, lambda: Engine(
-            f"transformers:{location.gguf_file or location.folder.name}@{device}",
-            load=partial(load_model, location, device, dtype, cfg.cpu_threads),
+            f"transformers:{name}@{device}",
+            load=partial(load_model, location, device, dtype, cfg.cpu_threads, adapter),
             run_batch=run_batch, max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS))
 
     async def generate(self, request: GenRequest) -> Generation:
@@ -57,6 +59,21 @@ class TransformersBackend:
 
     async def aclose(self) -> None:
         """The loaded model stays in the process registry for the next client."""
+
+
+def checked_adapter(cfg: ModelConfig) -> str | None:
+    """``policy.adapter`` as a folder trained on this model (a RUN:STEP reference is resolved by the flow that
+    opened the run's database before it gets here)."""
+    if cfg.adapter is None:
+        return None
+    from clgrpo.adapters import AdapterError, check_adapter, resolve_adapter
+
+    try:
+        folder = resolve_adapter(cfg.adapter, None)
+        check_adapter(folder, cfg)
+    except AdapterError as exc:
+        raise PermanentLLMError(str(exc)) from exc
+    return folder
 
 
 # --- device and dtype ------------------------------------------------------------------------------------
@@ -111,7 +128,8 @@ class LoadedModel:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: int | None) -> LoadedModel:
+def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: int | None,
+               adapter: str | None = None) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,6 +143,8 @@ def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: in
     quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(location.folder, dtype=getattr(torch, dtype), **kwargs)
+    if adapter is not None:
+        model = with_lora(model, adapter)
     model = model.to(device).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -138,6 +158,16 @@ def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: in
                          getattr(model.config, "max_position_embeddings", None) or 1 << 30)
     loaded.grammars = Grammars.create(tokenizer, vocab_size, sorted(eos_ids))
     return loaded
+
+
+def with_lora(model: Any, adapter: str) -> Any:
+    """The model with the LoRA adapter merged into its weights (peft): generation runs at the base's speed."""
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise PermanentLLMError("policy.adapter needs peft: pip install 'clgrpo[local]'") from exc
+    log.info("loading LoRA adapter %s (merged into the weights)", adapter)
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 class Grammars:

@@ -10,6 +10,10 @@ model's own (``LLM.chat`` applies it).
 ``model_path`` may be a local HF folder, ``embedded`` (the cached SmolLM2 folder) or a hub id; the device is
 vLLM's own choice (``device`` is not used). Extra ``vllm.LLM`` arguments (``gpu_memory_utilization``,
 ``tensor_parallel_size``, ``max_model_len``, ...) come from ``engine_options``.
+
+``adapter`` (a LoRA folder, e.g. one the numeric step of hybrid learning saved) is served with vLLM's multi-LoRA
+support: the engine starts with ``enable_lora=True`` and ``max_lora_rank`` from the adapter's config, and every
+chat call passes ``lora_request=LoRARequest("clgrpo-adapter", 1, folder)``; the base weights are not merged.
 """
 
 from __future__ import annotations
@@ -40,9 +44,14 @@ class VLLMBackend:
         options = {"enable_prefix_caching": True, "dtype": cfg.dtype, **cfg.engine_options}
         if cfg.seed is not None:
             options.setdefault("seed", cfg.seed)
-        key = ("vllm", model, json.dumps(options, sort_keys=True, default=str))
+        adapter = lora_folder(cfg.adapter)
+        if adapter is not None:
+            options.update(enable_lora=True)
+            options.setdefault("max_lora_rank", lora_rank(adapter))
+        key = ("vllm", model, json.dumps(options, sort_keys=True, default=str), adapter)
         self.engine = get_engine(key, lambda: Engine(
-            f"vllm:{Path(model).name}", load=partial(load_engine, model, options), run_batch=run_batch,
+            f"vllm:{Path(model).name}", load=partial(load_engine, model, options),
+            run_batch=partial(run_batch, lora=adapter),
             max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS))
 
     async def generate(self, request: GenRequest) -> Generation:
@@ -62,6 +71,26 @@ def model_reference(spec: str) -> str:
     return spec
 
 
+def lora_folder(adapter: str | None) -> str | None:
+    """``policy.adapter`` as a folder (a RUN:STEP reference is resolved by the flow before it gets here)."""
+    if adapter is None:
+        return None
+    folder = Path(adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise PermanentLLMError(f"adapter {adapter}: not a LoRA folder (no adapter_config.json)")
+    return str(folder.resolve())
+
+
+def lora_rank(folder: str) -> int:
+    return int(json.loads((Path(folder) / "adapter_config.json").read_text()).get("r", 16))
+
+
+def lora_request(folder: str) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("clgrpo-adapter", 1, folder)
+
+
 def load_engine(model: str, options: dict[str, Any]) -> Any:
     from vllm import LLM
 
@@ -78,10 +107,12 @@ def sampling_params(request: GenRequest) -> Any:
                           repetition_penalty=request.repetition_penalty or 1.0)
 
 
-def run_batch(llm: Any, requests: list[GenRequest]) -> list[Result]:
-    """All waiting requests in one ``LLM.chat`` call; outputs come back in request order."""
+def run_batch(llm: Any, requests: list[GenRequest], lora: str | None = None) -> list[Result]:
+    """All waiting requests in one ``LLM.chat`` call; outputs come back in request order. ``lora``: every
+    request uses that adapter."""
+    extra = {"lora_request": lora_request(lora)} if lora is not None else {}
     outputs = llm.chat([r.messages for r in requests], sampling_params=[sampling_params(r) for r in requests],
-                       use_tqdm=False)
+                       use_tqdm=False, **extra)
     return [
         Generation(texts=[c.text for c in out.outputs], tokens_in=len(out.prompt_token_ids or []),
                    tokens_out=sum(len(c.token_ids) for c in out.outputs),
