@@ -11,6 +11,7 @@ from.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,8 @@ from clgrpo.library import ExperienceLibrary, LibraryFormatError
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.ddl import ADOPT_STAGE
 from schemas.records import LibraryAdoption, utcnow
+
+log = logging.getLogger("clgrpo.adopt")
 
 SERVED_FILES = (("promoted.seed.json", "seed"), ("promoted.txt", "text"), ("promoted.json", "reference"))
 
@@ -120,8 +123,11 @@ def restore_library(store: Store, folder: Path, target: LibraryAdoption) -> Expe
         library = ExperienceLibrary.load(backup)
         if library.content_hash() == target.content_hash:
             return library
-    except (OSError, LibraryFormatError):
-        pass
+        why = "its content differs from the promoted version's"
+    except (OSError, LibraryFormatError) as exc:
+        why = str(exc)
+    log.warning("backup %s not used (%s): version %d restored from DuckDB (%s)", backup, why, target.version,
+                target.library_ref)
     return store.load_library(*parse_library_ref(target.library_ref))
 
 

@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 
 from clgrpo import stopping
 from clgrpo.adapters import adapter_dir
-from flows.rollout_gpu import RemoteRolloutError, start_or_rerun_child
+from flows.rollout_gpu import RemoteRolloutError, ensure_completed, start_or_rerun_child
 from schemas.config import RunConfig
 from schemas.records import AdapterVersion, NumericItem
 from tasks.checkpoint import export_dir
@@ -112,13 +112,7 @@ async def numeric_update_on_pool(config: RunConfig, step: int, items: list[Numer
                       "has_parent": parent is not None, "library_version": library_version, "handoff": url}
         child = await start_or_rerun_child(config, parameters, f"clgrpo-numeric-{key}",
                                            deployment=config.hybrid.deployment, placement=config.hybrid)
-        if child.state is None or not child.state.is_final():
-            raise RemoteRolloutError(f"numeric_update child run {child.name} ({child.id}) still "
-                                     f"{child.state.name if child.state else 'unknown'} after hybrid.timeout_s="
-                                     f"{config.hybrid.timeout_s:g}s: is a worker polling the cuda pool?")
-        if not child.state.is_completed():
-            raise RemoteRolloutError(f"numeric_update child run {child.name} ({child.id}) ended "
-                                     f"{child.state.name}: {child.state.message or ''}")
+        ensure_completed(child, "numeric_update", f"hybrid.timeout_s={config.hybrid.timeout_s:g}s")
         if not _exists(f"{url}/{RECORD}"):
             raise RemoteRolloutError(f"numeric_update child run {child.name} completed but left nothing at {url}: "
                                      "is hybrid.handoff_storage shared between the GPU workers and the orchestrator?")

@@ -249,7 +249,8 @@ async def publish(store: Store, decision: RefreshDecision) -> None:
 
 async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDecision:
     with Store(config.training.db_path) as store:
-        store.write_stage(decision.refresh_id, 0, REFRESH_DECIDE_STAGE, {"refreshes": [decision]})
+        if not store.stage_done(decision.refresh_id, 0, REFRESH_DECIDE_STAGE):  # a concluded review stored it
+            store.write_stage(decision.refresh_id, 0, REFRESH_DECIDE_STAGE, {"refreshes": [decision]})
         await publish(store, decision)
     log = get_run_logger()
     log.info("refresh %s: %s", decision.refresh_id, decision.status)

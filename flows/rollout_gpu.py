@@ -103,13 +103,7 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
                       "library": library.model_dump(mode="json"), "handoff": url}
         child = await start_or_rerun_child(config, parameters, f"clgrpo-rollout-{key}",
                                            rerun_completed=_exists(failed_marker(url)))
-        if child.state is None or not child.state.is_final():
-            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) still "
-                                     f"{child.state.name if child.state else 'unknown'} after rollout.timeout_s="
-                                     f"{config.rollout.timeout_s:g}s: is a worker polling the pool?")
-        if not child.state.is_completed():
-            raise RemoteRolloutError(f"rollout child run {child.name} ({child.id}) ended {child.state.name}: "
-                                     f"{child.state.message or ''}")
+        ensure_completed(child, "rollout", f"rollout.timeout_s={config.rollout.timeout_s:g}s")
         found = read_handoff(url)
         if found is None:
             raise RemoteRolloutError(f"rollout child run {child.name} completed but left nothing at {url}: "
@@ -121,6 +115,17 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
         fs, path = fsspec.core.url_to_fs(url)
         fs.mv(path, fsspec.core.url_to_fs(failed_marker(url))[1])
     return batch
+
+
+def ensure_completed(child: FlowRun, stage: str, limit: str) -> None:
+    """Raise ``RemoteRolloutError`` unless the child run ended Completed (``limit``: the wait it was given)."""
+    if child.state is None or not child.state.is_final():
+        raise RemoteRolloutError(f"{stage} child run {child.name} ({child.id}) still "
+                                 f"{child.state.name if child.state else 'unknown'} after {limit}: is a worker "
+                                 "polling the pool?")
+    if not child.state.is_completed():
+        raise RemoteRolloutError(f"{stage} child run {child.name} ({child.id}) ended {child.state.name}: "
+                                 f"{child.state.message or ''}")
 
 
 def failed_marker(url: str) -> str:
