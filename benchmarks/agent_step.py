@@ -55,6 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from critical_path import dependencies, longest_chain, makespan  # noqa: E402
 from harness import (  # noqa: E402  (sets up Prefect's environment first)
     RunSpec,
     fmt,
@@ -65,7 +66,6 @@ from harness import (  # noqa: E402  (sets up Prefect's environment first)
     spread,
     table,
 )
-from critical_path import dependencies, longest_chain, makespan  # noqa: E402
 from latency_server import LatencyModel, LatencyServerProcess  # noqa: E402
 
 import clgrpo.sandbox as sandbox_module  # noqa: E402
@@ -106,8 +106,14 @@ class ToolProbe:
         async def timed_run(self_: Any, code: str) -> Any:
             t0 = time.monotonic()
             result = await run(self_, code)
-            probe.calls[_ROLLOUT.get()].append({"s": time.monotonic() - t0, "wait_s": result.wait_s,
-                                                "exec_s": result.wall_s, "error": result.error is not None})
+            probe.calls[_ROLLOUT.get()].append(
+                {
+                    "s": time.monotonic() - t0,
+                    "wait_s": result.wait_s,
+                    "exec_s": result.wall_s,
+                    "error": result.error is not None,
+                }
+            )
             return result
 
         async def timed_close(self_: Any) -> None:
@@ -135,14 +141,18 @@ class ToolProbe:
 def read_rollouts(db_path: str, run_id: str) -> tuple[list[Any], dict[str, Any]]:
     with Store(db_path, read_only=True) as store:
         rollouts = store.records("rollouts", run_id)
-        calls = store.query("SELECT count(*) AS n, sum(latency_s) AS latency, max(turn) AS max_turn, "
-                            "count(DISTINCT call_id) AS distinct_calls FROM llm_calls "
-                            "WHERE run_id = ? AND stage = 'rollout'", [run_id])
+        calls = store.query(
+            "SELECT count(*) AS n, sum(latency_s) AS latency, max(turn) AS max_turn, "
+            "count(DISTINCT call_id) AS distinct_calls FROM llm_calls "
+            "WHERE run_id = ? AND stage = 'rollout'",
+            [run_id],
+        )
     return rollouts, calls.to_dict(orient="records")[0]
 
 
-def agent_figures(spec: RunSpec, server: LatencyServerProcess, cfg_db: str, run_id: str, probe: ToolProbe,
-                  base: dict[str, Any]) -> dict[str, Any]:
+def agent_figures(
+    spec: RunSpec, server: LatencyServerProcess, cfg_db: str, run_id: str, probe: ToolProbe, base: dict[str, Any]
+) -> dict[str, Any]:
     served = server.collect()
     rollouts, policy = read_rollouts(cfg_db, run_id)
     # the tool time before each later turn: the k-th tagged reply of a rollout made its k-th tool call
@@ -162,8 +172,9 @@ def agent_figures(spec: RunSpec, server: LatencyServerProcess, cfg_db: str, run_
     deps = dependencies(records, "pipelined")
     cp = makespan(records, deps, spec.concurrency)
     chain = longest_chain(records, deps)
-    cp_no_wait = makespan([replace(c, gap_s=exec_gaps.get(c.parent, 0.0)) for c in served_records], deps,
-                          spec.concurrency)
+    cp_no_wait = makespan(
+        [replace(c, gap_s=exec_gaps.get(c.parent, 0.0)) for c in served_records], deps, spec.concurrency
+    )
     policy_calls = [c for c in records if c.role == "policy"]
     policy_deps = dependencies(policy_calls, "pipelined")
     rollout_cp = makespan(policy_calls, policy_deps, spec.concurrency)
@@ -181,8 +192,10 @@ def agent_figures(spec: RunSpec, server: LatencyServerProcess, cfg_db: str, run_
         chains[id(root)] += length
     wall = base["step_wall_s"]
     return {
-        "rollouts": len(rollouts), "failed_rollouts": sum(r.error is not None for r in rollouts),
-        "turns_mean": statistics.mean(r.n_turns for r in rollouts), "turns_max": max(r.n_turns for r in rollouts),
+        "rollouts": len(rollouts),
+        "failed_rollouts": sum(r.error is not None for r in rollouts),
+        "turns_mean": statistics.mean(r.n_turns for r in rollouts),
+        "turns_max": max(r.n_turns for r in rollouts),
         "tool_calls_mean": statistics.mean(r.tool_calls for r in rollouts),
         "tool_calls_total": sum(r.tool_calls for r in rollouts),
         "tool_errors_total": sum(r.tool_errors for r in rollouts),
@@ -197,18 +210,26 @@ def agent_figures(spec: RunSpec, server: LatencyServerProcess, cfg_db: str, run_
         "tool_wait_total_s": sum(c["wait_s"] for c in tool_calls),
         "tool_exec_p50_ms": 1e3 * pct([c["exec_s"] for c in tool_calls], 50),
         "tool_exec_p99_ms": 1e3 * pct([c["exec_s"] for c in tool_calls], 99),
-        "session_close_p50_ms": 1e3 * pct(probe.closes, 50), "session_close_p99_ms": 1e3 * pct(probe.closes, 99),
-        "sessions": len(probe.closes), "interpreter_starts": len(probe.spawns),
+        "session_close_p50_ms": 1e3 * pct(probe.closes, 50),
+        "session_close_p99_ms": 1e3 * pct(probe.closes, 99),
+        "sessions": len(probe.closes),
+        "interpreter_starts": len(probe.spawns),
         "interpreter_start_p50_ms": 1e3 * pct(probe.spawns, 50),
         "interpreter_start_p99_ms": 1e3 * pct(probe.spawns, 99),
         "unmatched_rollouts": unmatched,
-        "policy_calls": int(policy["n"]), "max_turn": int(policy["max_turn"]),
+        "policy_calls": int(policy["n"]),
+        "max_turn": int(policy["max_turn"]),
         "llm_time_s": float(policy["latency"]),  # client-measured, sum over policy calls
         "llm_served_s": sum(c.service_s for c in policy_calls),  # drawn at the server
-        "rollout_chain_p50_s": pct(list(chains.values()), 50), "rollout_chain_max_s": max(chains.values()),
-        "cp_s": cp, "cp_chain_s": chain, "ratio": wall / cp,
-        "cp_no_wait_s": cp_no_wait, "ratio_no_wait": wall / cp_no_wait,
-        "rollout_phase_s": last_policy_end - start, "rollout_cp_s": rollout_cp,
+        "rollout_chain_p50_s": pct(list(chains.values()), 50),
+        "rollout_chain_max_s": max(chains.values()),
+        "cp_s": cp,
+        "cp_chain_s": chain,
+        "ratio": wall / cp,
+        "cp_no_wait_s": cp_no_wait,
+        "ratio_no_wait": wall / cp_no_wait,
+        "rollout_phase_s": last_policy_end - start,
+        "rollout_cp_s": rollout_cp,
         "rollout_ratio": (last_policy_end - start) / rollout_cp,
     }
 
@@ -242,15 +263,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--problems", type=int, default=40)
     parser.add_argument("--group-size", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=256, help="LLM concurrency (256 never binds for 40 x 5)")
-    parser.add_argument("--pool-size", type=int, default=16,
-                        help="sandbox interpreters alive at once (rollout.agent.sandbox.pool_size; default 16)")
+    parser.add_argument(
+        "--pool-size",
+        type=int,
+        default=16,
+        help="sandbox interpreters alive at once (rollout.agent.sandbox.pool_size; default 16)",
+    )
     parser.add_argument("--spares", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs of the main cell (new latency draws each)")
-    parser.add_argument("--extra", nargs="*", default=["32:16", "256:200"], metavar="CONC:POOL",
-                        help="further cells, one run each: a binding cap, one interpreter per rollout")
-    parser.add_argument("--p-base", type=float, default=0.8,
-                        help="scripted policy without the lesson: share of first turns that call the tool (and of "
-                             "direct answers that are right)")
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=["32:16", "256:200"],
+        metavar="CONC:POOL",
+        help="further cells, one run each: a binding cap, one interpreter per rollout",
+    )
+    parser.add_argument(
+        "--p-base",
+        type=float,
+        default=0.8,
+        help="scripted policy without the lesson: share of first turns that call the tool (and of "
+        "direct answers that are right)",
+    )
     parser.add_argument("--protocol", default="auto", choices=["auto", "tools", "text"])
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--median-s", type=float, default=LatencyModel.median_s, help="median time to first token")
@@ -268,82 +302,150 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict] = []
     workdir = Path(tempfile.mkdtemp(prefix="clgrpo-bench-agent-"))
     began = time.monotonic()
-    common = dict(group_size=args.group_size, mode="agent", max_turns=args.max_turns, protocol=args.protocol,
-                  spares=args.spares)
+    common = dict(
+        group_size=args.group_size, mode="agent", max_turns=args.max_turns, protocol=args.protocol, spares=args.spares
+    )
     with prefect_harness(), LatencyServerProcess(model, world_options=options) as server:
         run(RunSpec(n_problems=8, pool_size=args.pool_size, **common), server, workdir, "warmup")
         cells = [(args.concurrency, args.pool_size, r) for r in range(args.repeats)]
         cells += [(*map(int, cell.split(":")), 0) for cell in args.extra]
         for concurrency, pool, repeat in cells:
-            spec = RunSpec(n_problems=args.problems, concurrency=concurrency, pool_size=pool, latency_seed=repeat,
-                           **common)
+            spec = RunSpec(
+                n_problems=args.problems, concurrency=concurrency, pool_size=pool, latency_seed=repeat, **common
+            )
             figures = run(spec, server, workdir, f"agent-c{concurrency}-p{pool}-r{repeat}")
             figures.update(repeat=repeat, pool_size=pool)
             runs.append(figures)
-            print(f"c={concurrency} pool={pool} run {repeat}: step {figures['step_wall_s']:.2f}s, critical path "
-                  f"{figures['cp_s']:.2f}s, ratio {figures['ratio']:.3f}; rollout phase "
-                  f"{figures['rollout_phase_s']:.2f}s vs {figures['rollout_cp_s']:.2f}s", flush=True)
+            print(
+                f"c={concurrency} pool={pool} run {repeat}: step {figures['step_wall_s']:.2f}s, critical path "
+                f"{figures['cp_s']:.2f}s, ratio {figures['ratio']:.3f}; rollout phase "
+                f"{figures['rollout_phase_s']:.2f}s vs {figures['rollout_cp_s']:.2f}s",
+                flush=True,
+            )
     print(report(runs, args, model, time.monotonic() - began))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "latency_model": asdict(model), "args": vars(args),
-                                         "runs": runs}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"machine": machine(), "latency_model": asdict(model), "args": vars(args), "runs": runs},
+                indent=1,
+                default=str,
+            )
+        )
 
 
 def report(runs: list[dict], args: argparse.Namespace, model: LatencyModel, elapsed: float) -> str:
     cells: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for r in runs:
         cells[(r["concurrency"], r["pool_size"])].append(r)
-    out = [f"\n{machine()}; {args.problems} problems x G={args.group_size}, agent mode ({args.protocol}), "
-           f"main cell {args.repeats} runs, others 1, median [min-max]; p_base {args.p_base}; "
-           f"latency model {asdict(model)}; "
-           f"benchmark wall {elapsed:.0f}s"]
+    out = [
+        f"\n{machine()}; {args.problems} problems x G={args.group_size}, agent mode ({args.protocol}), "
+        f"main cell {args.repeats} runs, others 1, median [min-max]; p_base {args.p_base}; "
+        f"latency model {asdict(model)}; "
+        f"benchmark wall {elapsed:.0f}s"
+    ]
 
     def col(group: list[dict], key: str, digits: int = 2) -> str:
         return fmt(spread([g[key] for g in group]), digits)
 
     rows = []
     for (conc, pool), g in cells.items():
-        rows.append([conc, pool, col(g, "step_wall_s"), col(g, "cp_s"), col(g, "ratio", 3),
-                     col(g, "cp_no_wait_s"), col(g, "ratio_no_wait", 3),
-                     col(g, "rollout_phase_s"), col(g, "rollout_cp_s"), col(g, "rollout_ratio", 3),
-                     col(g, "llm_time_s", 1), col(g, "llm_served_s", 1),
-                     f"{max(r['server_max_in_flight'] for r in g)} / "
-                     f"{spread([r['server_mean_in_flight'] for r in g])['median']:.1f}",
-                     col(g, "loop_busy_share"),
-                     f"{spread([r['loop_shares'].get('sandbox', 0.0) for r in g])['median']:.2f}",
-                     f"{max(r['peak_rss_mib'] for r in g):.0f}"])
-    out.append(table(["conc", "pool", "step wall s", "CP s", "wall / CP", "CP s, tools w/o wait", "wall / that CP",
-                      "rollout phase s", "rollout CP s",
-                      "phase / CP", "LLM time s (client)", "LLM time s (served)", "server max / mean in flight",
-                      "loop busy", "loop in sandbox", "peak RSS MiB"], rows))
+        rows.append(
+            [
+                conc,
+                pool,
+                col(g, "step_wall_s"),
+                col(g, "cp_s"),
+                col(g, "ratio", 3),
+                col(g, "cp_no_wait_s"),
+                col(g, "ratio_no_wait", 3),
+                col(g, "rollout_phase_s"),
+                col(g, "rollout_cp_s"),
+                col(g, "rollout_ratio", 3),
+                col(g, "llm_time_s", 1),
+                col(g, "llm_served_s", 1),
+                f"{max(r['server_max_in_flight'] for r in g)} / "
+                f"{spread([r['server_mean_in_flight'] for r in g])['median']:.1f}",
+                col(g, "loop_busy_share"),
+                f"{spread([r['loop_shares'].get('sandbox', 0.0) for r in g])['median']:.2f}",
+                f"{max(r['peak_rss_mib'] for r in g):.0f}",
+            ]
+        )
+    out.append(
+        table(
+            [
+                "conc",
+                "pool",
+                "step wall s",
+                "CP s",
+                "wall / CP",
+                "CP s, tools w/o wait",
+                "wall / that CP",
+                "rollout phase s",
+                "rollout CP s",
+                "phase / CP",
+                "LLM time s (client)",
+                "LLM time s (served)",
+                "server max / mean in flight",
+                "loop busy",
+                "loop in sandbox",
+                "peak RSS MiB",
+            ],
+            rows,
+        )
+    )
     rows = []
     for (conc, pool), g in cells.items():
         turns = f"{spread([r['turns_mean'] for r in g])['median']:.2f} / {max(r['turns_max'] for r in g)}"
-        rows.append([conc, pool, turns,
-                     col(g, "tool_calls_mean"), f"{spread([r['tool_errors_total'] for r in g])['median']:.0f}",
-                     col(g, "tool_time_total_s"),
-                     f"{spread([r['tool_per_call_table_p50_ms'] for r in g])['median']:.1f} / "
-                     f"{spread([r['tool_per_call_table_p99_ms'] for r in g])['median']:.1f}",
-                     f"{spread([r['tool_call_p50_ms'] for r in g])['median']:.1f} / "
-                     f"{spread([r['tool_call_p99_ms'] for r in g])['median']:.1f}",
-                     f"{spread([r['tool_wait_p50_ms'] for r in g])['median']:.1f} / "
-                     f"{spread([r['tool_wait_p99_ms'] for r in g])['median']:.1f}",
-                     f"{spread([r['tool_exec_p50_ms'] for r in g])['median']:.2f} / "
-                     f"{spread([r['tool_exec_p99_ms'] for r in g])['median']:.2f}",
-                     f"{spread([r['interpreter_start_p50_ms'] for r in g])['median']:.0f} / "
-                     f"{spread([r['interpreter_start_p99_ms'] for r in g])['median']:.0f}",
-                     f"{spread([r['session_close_p50_ms'] for r in g])['median']:.1f} / "
-                     f"{spread([r['session_close_p99_ms'] for r in g])['median']:.1f}"])
+        rows.append(
+            [
+                conc,
+                pool,
+                turns,
+                col(g, "tool_calls_mean"),
+                f"{spread([r['tool_errors_total'] for r in g])['median']:.0f}",
+                col(g, "tool_time_total_s"),
+                f"{spread([r['tool_per_call_table_p50_ms'] for r in g])['median']:.1f} / "
+                f"{spread([r['tool_per_call_table_p99_ms'] for r in g])['median']:.1f}",
+                f"{spread([r['tool_call_p50_ms'] for r in g])['median']:.1f} / "
+                f"{spread([r['tool_call_p99_ms'] for r in g])['median']:.1f}",
+                f"{spread([r['tool_wait_p50_ms'] for r in g])['median']:.1f} / "
+                f"{spread([r['tool_wait_p99_ms'] for r in g])['median']:.1f}",
+                f"{spread([r['tool_exec_p50_ms'] for r in g])['median']:.2f} / "
+                f"{spread([r['tool_exec_p99_ms'] for r in g])['median']:.2f}",
+                f"{spread([r['interpreter_start_p50_ms'] for r in g])['median']:.0f} / "
+                f"{spread([r['interpreter_start_p99_ms'] for r in g])['median']:.0f}",
+                f"{spread([r['session_close_p50_ms'] for r in g])['median']:.1f} / "
+                f"{spread([r['session_close_p99_ms'] for r in g])['median']:.1f}",
+            ]
+        )
     out.append("\nPer rollout and per tool call (medians over runs; p50 / p99 within a run)")
-    out.append(table(["conc", "pool", "turns mean / max", "tool calls / rollout", "tool errors", "tool time total s",
-                      "tool per call ms (table)", "run() ms", "wait ms", "exec ms", "interp start ms",
-                      "session close ms"], rows))
+    out.append(
+        table(
+            [
+                "conc",
+                "pool",
+                "turns mean / max",
+                "tool calls / rollout",
+                "tool errors",
+                "tool time total s",
+                "tool per call ms (table)",
+                "run() ms",
+                "wait ms",
+                "exec ms",
+                "interp start ms",
+                "session close ms",
+            ],
+            rows,
+        )
+    )
     last = runs[-1]
-    out.append(f"\nper run: {last['rollouts']} rollouts ({last['rollouts_with_tools']} with tool calls, "
-               f"{last['failed_rollouts']} failed), {last['policy_calls']} policy calls, "
-               f"{last['sessions']} sandbox sessions, {last['interpreter_starts']} interpreter starts; "
-               f"rollout chain p50 {last['rollout_chain_p50_s']:.2f}s max {last['rollout_chain_max_s']:.2f}s; "
-               f"rollouts whose tool calls did not match their tags: {max(r['unmatched_rollouts'] for r in runs)}")
+    out.append(
+        f"\nper run: {last['rollouts']} rollouts ({last['rollouts_with_tools']} with tool calls, "
+        f"{last['failed_rollouts']} failed), {last['policy_calls']} policy calls, "
+        f"{last['sessions']} sandbox sessions, {last['interpreter_starts']} interpreter starts; "
+        f"rollout chain p50 {last['rollout_chain_p50_s']:.2f}s max {last['rollout_chain_max_s']:.2f}s; "
+        f"rollouts whose tool calls did not match their tags: {max(r['unmatched_rollouts'] for r in runs)}"
+    )
     loads = [x for r in runs for x in r["load_avg_1m"]]
     out.append(f"1-minute load average at run starts/ends: {min(loads):.1f}-{max(loads):.1f}")
     return "\n".join(out)

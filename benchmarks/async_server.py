@@ -31,6 +31,7 @@ from latency_server import (  # noqa: E402
     PacedResponder,
     SeededWorld,
 )
+
 from clgrpo.testing.fake_openai import (  # noqa: E402
     BadRequest,
     RequestLogEntry,
@@ -44,8 +45,15 @@ from clgrpo.testing.fake_openai import (  # noqa: E402
 class AsyncLatencyApp:
     """The request handler and its bookkeeping (one event loop, so no locks are needed)."""
 
-    def __init__(self, model: LatencyModel, *, supports_n: bool, world_seed: int = 0, canned: str | None = None,
-                 world_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        model: LatencyModel,
+        *,
+        supports_n: bool,
+        world_seed: int = 0,
+        canned: str | None = None,
+        world_options: dict | None = None,
+    ) -> None:
         self.supports_n = supports_n
         self.world_seed, self.world_options, self.canned = world_seed, world_options, canned
         self.responder = PacedResponder(SeededWorld(seed=world_seed, **(world_options or {})), model)
@@ -74,8 +82,16 @@ class AsyncLatencyApp:
                 body = await self._answer(chat)
             finally:
                 self.in_flight -= 1
-            self.log.append(RequestLogEntry(role=role_of(chat), n=chat.n, status=200, started=started,
-                                            ended=time.monotonic(), choices=len(body["choices"])))
+            self.log.append(
+                RequestLogEntry(
+                    role=role_of(chat),
+                    n=chat.n,
+                    status=200,
+                    started=started,
+                    ended=time.monotonic(),
+                    choices=len(body["choices"]),
+                )
+            )
         return web.json_response(body)
 
     async def _answer(self, chat) -> dict:
@@ -107,14 +123,22 @@ class AsyncLatencyApp:
         return web.json_response({"object": "list", "data": data})
 
 
-def _serve(conn, model: LatencyModel, supports_n: bool, world_seed: int, world_options: dict | None,
-           canned: str | None, port: int = 0) -> None:
+def _serve(
+    conn,
+    model: LatencyModel,
+    supports_n: bool,
+    world_seed: int,
+    world_options: dict | None,
+    canned: str | None,
+    port: int = 0,
+) -> None:
     import uvloop
     from aiohttp import web
 
     async def main() -> None:
-        app_state = AsyncLatencyApp(model, supports_n=supports_n, world_seed=world_seed, canned=canned,
-                                    world_options=world_options)
+        app_state = AsyncLatencyApp(
+            model, supports_n=supports_n, world_seed=world_seed, canned=canned, world_options=world_options
+        )
         app = web.Application(client_max_size=64 * 2**20)
         app.add_routes([web.post("/v1/chat/completions", app_state.chat), web.get("/v1/models", app_state.models)])
         runner = web.AppRunner(app, access_log=None)
@@ -130,8 +154,9 @@ def _serve(conn, model: LatencyModel, supports_n: bool, world_seed: int, world_o
         while True:
             command = await loop.run_in_executor(None, conn.recv)
             if command == "collect":
-                conn.send((list(app_state.responder.records), list(app_state.log), app_state.max_in_flight,
-                           time.monotonic()))
+                conn.send(
+                    (list(app_state.responder.records), list(app_state.log), app_state.max_in_flight, time.monotonic())
+                )
             elif isinstance(command, tuple) and command[0] == "reset":
                 app_state.reset(command[1])
                 conn.send("ok")
@@ -148,8 +173,15 @@ class AsyncLatencyServerProcess(LatencyServerProcess):
 
     _serve = staticmethod(_serve)
 
-    def __init__(self, model: LatencyModel, *, supports_n: bool = False, world_seed: int = 0,
-                 world_options: dict | None = None, canned: str | None = None) -> None:
+    def __init__(
+        self,
+        model: LatencyModel,
+        *,
+        supports_n: bool = False,
+        world_seed: int = 0,
+        world_options: dict | None = None,
+        canned: str | None = None,
+    ) -> None:
         super().__init__(model, supports_n=supports_n, world_seed=world_seed, world_options=world_options)
         self._args = (*self._args, canned)
 

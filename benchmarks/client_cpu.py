@@ -58,21 +58,37 @@ def sdk_backend_factory(tuned_limits: bool):
         def __init__(self, cfg) -> None:
             http_client = None
             if tuned_limits:
-                http_client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
-                                                                    max_keepalive_connections=None))
-            self._client = openai.AsyncOpenAI(api_key="x", base_url=cfg.base_url, max_retries=0,
-                                              timeout=cfg.timeout_s, http_client=http_client)
+                http_client = httpx.AsyncClient(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+                )
+            self._client = openai.AsyncOpenAI(
+                api_key="x", base_url=cfg.base_url, max_retries=0, timeout=cfg.timeout_s, http_client=http_client
+            )
             self.cfg = cfg
 
         async def generate(self, request) -> Generation:
             response = await self._client.chat.completions.create(
-                model=self.cfg.model, messages=request.messages, n=request.n, temperature=request.temperature,
-                top_p=request.top_p, max_tokens=request.max_tokens, seed=request.seed)
+                model=self.cfg.model,
+                messages=request.messages,
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed,
+            )
             # the attribute walk the old backend did, on the SDK's parsed objects
-            choices = [{"index": c.index, "finish_reason": c.finish_reason,
-                        "message": {"content": c.message.content, "tool_calls": None}} for c in response.choices]
-            usage = {"prompt_tokens": response.usage.prompt_tokens,
-                     "completion_tokens": response.usage.completion_tokens}
+            choices = [
+                {
+                    "index": c.index,
+                    "finish_reason": c.finish_reason,
+                    "message": {"content": c.message.content, "tool_calls": None},
+                }
+                for c in response.choices
+            ]
+            usage = {
+                "prompt_tokens": response.usage.prompt_tokens,
+                "completion_tokens": response.usage.completion_tokens,
+            }
             return generation({"choices": choices, "usage": usage}, str(self._client.base_url))
 
         async def aclose(self) -> None:
@@ -91,8 +107,12 @@ def httpx_backend_factory(concurrency: int):
     class HttpxTransport:
         def __init__(self, base_url: str) -> None:
             limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-            self._client = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(300),
-                                             headers={"Content-Type": "application/json"})
+            self._client = httpx.AsyncClient(
+                base_url=base_url,
+                limits=limits,
+                timeout=httpx.Timeout(300),
+                headers={"Content-Type": "application/json"},
+            )
 
         async def post(self, path: str, body: dict):
             try:
@@ -120,16 +140,22 @@ def child(variant: str, problems: int, concurrency: int, base_url: str, out: Pat
 
     if "gc" in settings:
         runtime.tune_gc()
-    cfg = ModelConfig(model="bench", base_url=base_url, api_key_env=None, supports_n=False, max_tokens=256,
-                      timeout_s=300)
-    factory = {"sdk": sdk_backend_factory(False), "sdk-limits": sdk_backend_factory(True),
-               "httpx": httpx_backend_factory(concurrency)}.get(stack)
+    cfg = ModelConfig(
+        model="bench", base_url=base_url, api_key_env=None, supports_n=False, max_tokens=256, timeout_s=300
+    )
+    factory = {
+        "sdk": sdk_backend_factory(False),
+        "sdk-limits": sdk_backend_factory(True),
+        "httpx": httpx_backend_factory(concurrency),
+    }.get(stack)
     client = LLMClient(cfg, concurrency=concurrency, **({"backend_factory": factory} if factory else {}))
     library = " ".join(f"lesson{i % 97}" for i in range(LIBRARY_WORDS))
 
     async def one(i: int) -> int:
-        messages = [{"role": "system", "content": f"Experiences:\n{library}"},
-                    {"role": "user", "content": f"Problem {i}: what is {i} + {i}?"}]
+        messages = [
+            {"role": "system", "content": f"Experiences:\n{library}"},
+            {"role": "user", "content": f"Problem {i}: what is {i} + {i}?"},
+        ]
         sampled = await client.sample(messages, 5, stage="rollout")
         return len(sampled.failed)
 
@@ -141,11 +167,23 @@ def child(variant: str, problems: int, concurrency: int, base_url: str, out: Pat
             wall, cpu = time.perf_counter() - t0, cpu_s() - cpu0
         await client.aclose()
         calls = problems * 5
-        return {"variant": variant, "concurrency": concurrency, "calls": calls, "failed": failed, "wall_s": wall,
-                "cpu_s": cpu, "cpu_ms_per_call": 1000 * cpu / calls, "calls_per_s": calls / wall,
-                "gc_pause_s": sum(pauses.total.values()), "gc_gen2_pause_s": pauses.total[2],
-                "gc_gen2_count": pauses.count[2], "gc_longest_pause_ms": 1000 * pauses.longest,
-                "t0": t0, "t1": t0 + wall, "clock": time.monotonic() - time.perf_counter()}
+        return {
+            "variant": variant,
+            "concurrency": concurrency,
+            "calls": calls,
+            "failed": failed,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cpu_ms_per_call": 1000 * cpu / calls,
+            "calls_per_s": calls / wall,
+            "gc_pause_s": sum(pauses.total.values()),
+            "gc_gen2_pause_s": pauses.total[2],
+            "gc_gen2_count": pauses.count[2],
+            "gc_longest_pause_ms": 1000 * pauses.longest,
+            "t0": t0,
+            "t1": t0 + wall,
+            "clock": time.monotonic() - time.perf_counter(),
+        }
 
     if "uvloop" in settings:
         import uvloop
@@ -182,34 +220,70 @@ def main(argv: list[str] | None = None) -> None:
                 for variant in args.variants:
                     server.reset(repeat)
                     with tempfile.NamedTemporaryFile(suffix=".json") as handle:
-                        subprocess.run([sys.executable, __file__, "--json", handle.name, "--child", variant,
-                                        str(args.problems), str(concurrency), server.base_url], check=True)
+                        subprocess.run(
+                            [
+                                sys.executable,
+                                __file__,
+                                "--json",
+                                handle.name,
+                                "--child",
+                                variant,
+                                str(args.problems),
+                                str(concurrency),
+                                server.base_url,
+                            ],
+                            check=True,
+                        )
                         figures = json.loads(Path(handle.name).read_text())
                     served = server.collect()
                     lo, hi = figures["t0"] + figures["clock"], figures["t1"] + figures["clock"]
                     figures["server_mean_in_flight"] = sum(
-                        max(0.0, min(e.ended, hi) - max(e.started, lo)) for e in served.log) / (hi - lo)
+                        max(0.0, min(e.ended, hi) - max(e.started, lo)) for e in served.log
+                    ) / (hi - lo)
                     runs.append(figures)
-                    print(f"{variant:>20} conc {concurrency:>4}: {figures['cpu_ms_per_call']:.2f} ms CPU/call, "
-                          f"{figures['calls_per_s']:.0f} calls/s, in flight {figures['server_mean_in_flight']:.0f}, "
-                          f"GC {figures['gc_pause_s']:.2f}s (gen2 {figures['gc_gen2_count']}x, "
-                          f"longest {figures['gc_longest_pause_ms']:.0f} ms), failed {figures['failed']}", flush=True)
-    headers = ["variant", "conc", "CPU ms / call", "calls / s", "server mean in flight", "GC pauses s",
-               "full GCs", "longest GC ms"]
+                    print(
+                        f"{variant:>20} conc {concurrency:>4}: {figures['cpu_ms_per_call']:.2f} ms CPU/call, "
+                        f"{figures['calls_per_s']:.0f} calls/s, in flight {figures['server_mean_in_flight']:.0f}, "
+                        f"GC {figures['gc_pause_s']:.2f}s (gen2 {figures['gc_gen2_count']}x, "
+                        f"longest {figures['gc_longest_pause_ms']:.0f} ms), failed {figures['failed']}",
+                        flush=True,
+                    )
+    headers = [
+        "variant",
+        "conc",
+        "CPU ms / call",
+        "calls / s",
+        "server mean in flight",
+        "GC pauses s",
+        "full GCs",
+        "longest GC ms",
+    ]
     rows = []
     for concurrency in args.concurrency:
         for variant in args.variants:
             group = [r for r in runs if r["variant"] == variant and r["concurrency"] == concurrency]
             pick = lambda key: fmt(spread([r[key] for r in group]), 2)  # noqa: E731
-            rows.append([variant, concurrency, pick("cpu_ms_per_call"), fmt(spread([r["calls_per_s"] for r in group]), 0),
-                         fmt(spread([r["server_mean_in_flight"] for r in group]), 0), pick("gc_pause_s"),
-                         fmt(spread([r["gc_gen2_count"] for r in group]), 0), pick("gc_longest_pause_ms")])
-    print(f"\n{machine()}; {args.problems} problems x G=5 calls per run, server median {args.median_s}s; "
-          f"{args.repeats} run(s), median [min-max]")
+            rows.append(
+                [
+                    variant,
+                    concurrency,
+                    pick("cpu_ms_per_call"),
+                    fmt(spread([r["calls_per_s"] for r in group]), 0),
+                    fmt(spread([r["server_mean_in_flight"] for r in group]), 0),
+                    pick("gc_pause_s"),
+                    fmt(spread([r["gc_gen2_count"] for r in group]), 0),
+                    pick("gc_longest_pause_ms"),
+                ]
+            )
+    print(
+        f"\n{machine()}; {args.problems} problems x G=5 calls per run, server median {args.median_s}s; "
+        f"{args.repeats} run(s), median [min-max]"
+    )
     print(table(headers, rows))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args), "runs": runs}, indent=1,
-                                        default=str))
+        args.json.write_text(
+            json.dumps({"machine": machine(), "args": vars(args), "runs": runs}, indent=1, default=str)
+        )
 
 
 if __name__ == "__main__":

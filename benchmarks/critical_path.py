@@ -124,5 +124,9 @@ def limits(calls: Sequence[CallRecord], concurrency: int) -> Limits:
     pipelined = dependencies(calls, "pipelined")
     chain = longest_chain(calls, pipelined)
     work = sum(c.service_s for c in calls)
-    return Limits(barrier_s=makespan(calls, barrier, concurrency), pipelined_s=makespan(calls, pipelined, concurrency),
-                  lower_bound_s=max(chain, work / concurrency), chain_s=chain)
+    return Limits(
+        barrier_s=makespan(calls, barrier, concurrency),
+        pipelined_s=makespan(calls, pipelined, concurrency),
+        lower_bound_s=max(chain, work / concurrency),
+        chain_s=chain,
+    )

@@ -49,7 +49,7 @@ def lesson_texts(n: int = 1000, seed: int = 0) -> list[str]:
         while len(base) < target:
             other = rng.choice(words)
             start = rng.randrange(len(other))
-            base += other[start:start + rng.randint(4, 12)]
+            base += other[start : start + rng.randint(4, 12)]
         texts.append(" ".join(base[:target]))
     return texts
 
@@ -76,10 +76,21 @@ def bench_embedding(threads: list[int], batch_sizes: list[int], repeats: int) ->
                 vecs = asyncio.run(embedder.embed(texts))
                 times.append(time.perf_counter() - t)
             assert vecs.shape == (len(texts), 384)
-            rows.append({"threads": n_threads, "batch_size": batch, "best_s": min(times),
-                         "median_s": statistics.median(times), "texts_per_s": len(texts) / min(times)})
-    shape = {"texts": len(texts), "words_mean": statistics.mean(lengths), "tokens_mean": statistics.mean(tokens),
-             "tokens_max": max(tokens)}
+            rows.append(
+                {
+                    "threads": n_threads,
+                    "batch_size": batch,
+                    "best_s": min(times),
+                    "median_s": statistics.median(times),
+                    "texts_per_s": len(texts) / min(times),
+                }
+            )
+    shape = {
+        "texts": len(texts),
+        "words_mean": statistics.mean(lengths),
+        "tokens_mean": statistics.mean(tokens),
+        "tokens_max": max(tokens),
+    }
     return rows, load_s, shape
 
 
@@ -89,8 +100,11 @@ def bench_retrieval(sizes: list[int], k: int, dim: int = 384) -> list[dict]:
     for n in sizes:
         vecs = normalize_rows(rng.normal(size=(n, dim)))
         queries = normalize_rows(rng.normal(size=(100, dim)))
-        for label, q, normalized in (("1 query", queries[:1], True), ("1 query, re-normalise", queries[:1], False),
-                                     ("100 queries", queries, True)):
+        for label, q, normalized in (
+            ("1 query", queries[:1], True),
+            ("1 query, re-normalise", queries[:1], False),
+            ("100 queries", queries, True),
+        ):
             reps = max(5, min(2000, int(2e7 / (n * dim * len(q)))))
             for _ in range(3):
                 nearest(q, vecs, k, normalized=normalized)
@@ -100,8 +114,16 @@ def bench_retrieval(sizes: list[int], k: int, dim: int = 384) -> list[dict]:
                 nearest(q, vecs, k, normalized=normalized)
                 samples.append(time.perf_counter() - t)
             samples.sort()
-            rows.append({"vectors": n, "queries": label, "k": k, "p50_ms": 1e3 * samples[len(samples) // 2],
-                         "p99_ms": 1e3 * samples[min(len(samples) - 1, int(len(samples) * 0.99))], "reps": reps})
+            rows.append(
+                {
+                    "vectors": n,
+                    "queries": label,
+                    "k": k,
+                    "p50_ms": 1e3 * samples[len(samples) // 2],
+                    "p99_ms": 1e3 * samples[min(len(samples) - 1, int(len(samples) * 0.99))],
+                    "reps": reps,
+                }
+            )
     return rows
 
 
@@ -115,8 +137,9 @@ def bench_routing(sizes: list[int], k: int, problems: int = 100, dim: int = 384)
     rng = np.random.default_rng(1)
     rows = []
     for n in sizes:
-        library = ExperienceLibrary([Experience(id=f"E{i}", text=f"lesson number {i} about topic {i % 97}")
-                                     for i in range(n)])
+        library = ExperienceLibrary(
+            [Experience(id=f"E{i}", text=f"lesson number {i} about topic {i % 97}") for i in range(n)]
+        )
         todo = [Problem(problem_id=f"p{j}", problem=f"problem number {j}") for j in range(problems)]
         texts = [e.text for e in library] + [p.problem for p in todo]
         units = normalize_rows(rng.normal(size=(len(texts), dim)))
@@ -148,12 +171,16 @@ def main() -> int:
     except EmbeddingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"\nall-MiniLM-L6-v2 on CPU: {shape['texts']} lesson-like texts, {shape['words_mean']:.1f} words / "
-          f"{shape['tokens_mean']:.1f} tokens on average (max {shape['tokens_max']}); model load {load_s:.2f} s")
+    print(
+        f"\nall-MiniLM-L6-v2 on CPU: {shape['texts']} lesson-like texts, {shape['words_mean']:.1f} words / "
+        f"{shape['tokens_mean']:.1f} tokens on average (max {shape['tokens_max']}); model load {load_s:.2f} s"
+    )
     print(f"{'threads':>7} {'batch':>5} {'s/1000 best':>12} {'median':>8} {'texts/s':>8}")
     for r in emb_rows:
-        print(f"{r['threads']:>7} {r['batch_size']:>5} {r['best_s']:>12.2f} {r['median_s']:>8.2f} "
-              f"{r['texts_per_s']:>8.0f}")
+        print(
+            f"{r['threads']:>7} {r['batch_size']:>5} {r['best_s']:>12.2f} {r['median_s']:>8.2f} "
+            f"{r['texts_per_s']:>8.0f}"
+        )
     ret_rows = bench_retrieval([int(x) for x in args.sizes.split(",")], args.k)
     print(f"\ntop-{args.k} retrieval (nearest, numpy, 384 dims)")
     print(f"{'vectors':>8} {'queries':<22} {'p50 ms':>8} {'p99 ms':>8}")
@@ -165,8 +192,12 @@ def main() -> int:
     for r in routing:
         print(f"{r['lessons']:>8} {r['problems']:>8} {r['median_ms']:>10.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"embedding": emb_rows, "load_s": load_s, "texts": shape,
-                                         "retrieval": ret_rows, "routing": routing}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"embedding": emb_rows, "load_s": load_s, "texts": shape, "retrieval": ret_rows, "routing": routing},
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -32,10 +32,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from clgrpo.store import Store  # noqa: E402
 from critical_path import limits  # noqa: E402
-from flows import train as train_module  # noqa: E402
 from latency_server import Collected, LatencyModel, LatencyServerProcess  # noqa: E402
+
+from clgrpo.store import Store  # noqa: E402
+from flows import train as train_module  # noqa: E402
 from schemas.config import (  # noqa: E402
     AgentConfig,
     DatasetConfig,
@@ -58,6 +59,7 @@ def prefect_harness() -> Iterator[None]:
 
 
 # --- run specification ----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -84,21 +86,42 @@ class RunSpec:
 def make_config(spec: RunSpec, base_url: str, workdir: Path, run_id: str) -> RunConfig:
     per_family = math.ceil(spec.n_problems * 1.1 / len(FAMILIES)) + 1  # the loader drops rare duplicates
     dataset = write_jsonl(make_problems(per_family, seed=spec.seed), workdir / f"problems-{spec.n_problems}.jsonl")
-    model = ModelConfig(model="scripted", base_url=base_url, api_key_env=None, max_tokens=512, timeout_s=120,
-                        supports_n=spec.supports_n, seed=spec.seed)
+    model = ModelConfig(
+        model="scripted",
+        base_url=base_url,
+        api_key_env=None,
+        max_tokens=512,
+        timeout_s=120,
+        supports_n=spec.supports_n,
+        seed=spec.seed,
+    )
     return RunConfig(
-        run_id=run_id, db_path=str(workdir / f"{run_id}.duckdb"),
+        run_id=run_id,
+        db_path=str(workdir / f"{run_id}.duckdb"),
         dataset=DatasetConfig(path=str(dataset), limit=spec.n_problems, seed=spec.seed),
         policy=model,
-        grpo=GRPOConfig(group_size=spec.group_size, epochs=1, batch_size=spec.batch_size or spec.n_problems,
-                        rollout_chunk_size=spec.rollout_chunk_size),
-        concurrency=spec.concurrency, pipeline=spec.pipeline, seed=spec.seed,
-        rollout=RolloutPlacement(mode=spec.mode, agent=AgentConfig(
-            max_turns=spec.max_turns, protocol=spec.protocol,
-            sandbox=SandboxConfig(pool_size=spec.pool_size, spares=spec.spares))))
+        grpo=GRPOConfig(
+            group_size=spec.group_size,
+            epochs=1,
+            batch_size=spec.batch_size or spec.n_problems,
+            rollout_chunk_size=spec.rollout_chunk_size,
+        ),
+        concurrency=spec.concurrency,
+        pipeline=spec.pipeline,
+        seed=spec.seed,
+        rollout=RolloutPlacement(
+            mode=spec.mode,
+            agent=AgentConfig(
+                max_turns=spec.max_turns,
+                protocol=spec.protocol,
+                sandbox=SandboxConfig(pool_size=spec.pool_size, spares=spec.spares),
+            ),
+        ),
+    )
 
 
 # --- instrumentation --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Probe:
@@ -119,6 +142,7 @@ class Probe:
                 self._depth -= 1
                 if self._depth == 0:
                     self.store_s += time.perf_counter() - t0
+
         return wrapper
 
     @contextmanager
@@ -130,8 +154,16 @@ class Probe:
             originals[(owner, name)] = getattr(owner, name)
             setattr(owner, name, replacement)
 
-        for name in ("write_stage", "records", "stage_done", "save_library", "load_library", "library_versions",
-                     "register_run", "query"):
+        for name in (
+            "write_stage",
+            "records",
+            "stage_done",
+            "save_library",
+            "load_library",
+            "library_versions",
+            "register_run",
+            "query",
+        ):
             patch(Store, name, self.timed(getattr(Store, name)))
         run_step, checkpoint = trainer.run_step, trainer.checkpoint
         probe = self
@@ -159,8 +191,10 @@ class Probe:
 
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("duckdb", ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/store.py", "/schemas/frames.py")),
-    ("llm client", ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/aiohttp/", "/multidict/", "/yarl/",
-                    "/clgrpo/llm/")),
+    (
+        "llm client",
+        ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/aiohttp/", "/multidict/", "/yarl/", "/clgrpo/llm/"),
+    ),
     ("prefect", ("/prefect/", "/tasks/common.py", "/cloudpickle/")),
     ("verify", ("/domains/math/verify.py",)),
     ("sandbox", ("/clgrpo/sandbox.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py")),
@@ -240,17 +274,24 @@ def mean_in_flight(intervals: Sequence[tuple[float, float]], lo: float, hi: floa
 
 # --- one run ------------------------------------------------------------------------------------------------------
 
+
 def stage_calls(cfg: RunConfig) -> dict[str, dict[str, int]]:
     with Store(cfg.db_path, read_only=True) as store:
-        frame = store.query("SELECT stage, count(*) AS calls, sum(tokens_in) AS tokens_in, "
-                            "sum(tokens_out) AS tokens_out FROM llm_calls WHERE run_id = ? GROUP BY stage "
-                            "ORDER BY min(started_at)", [cfg.run_id])
-    return {row["stage"]: {k: int(row[k]) for k in ("calls", "tokens_in", "tokens_out")}
-            for row in frame.to_dict(orient="records")}
+        frame = store.query(
+            "SELECT stage, count(*) AS calls, sum(tokens_in) AS tokens_in, "
+            "sum(tokens_out) AS tokens_out FROM llm_calls WHERE run_id = ? GROUP BY stage "
+            "ORDER BY min(started_at)",
+            [cfg.run_id],
+        )
+    return {
+        row["stage"]: {k: int(row[k]) for k in ("calls", "tokens_in", "tokens_out")}
+        for row in frame.to_dict(orient="records")
+    }
 
 
-def run_once(spec: RunSpec, server: LatencyServerProcess, workdir: Path, run_id: str,
-             critical_path: bool = True) -> dict[str, Any]:
+def run_once(
+    spec: RunSpec, server: LatencyServerProcess, workdir: Path, run_id: str, critical_path: bool = True
+) -> dict[str, Any]:
     """One training run (one epoch) against the latency server, with its figures."""
     server.reset(spec.latency_seed)
     load_before = os.getloadavg()[0]
@@ -271,11 +312,17 @@ def run_once(spec: RunSpec, server: LatencyServerProcess, workdir: Path, run_id:
     llm_busy = union_length(intervals, lo, hi)
     shares = sampler.shares()
     figures: dict[str, Any] = {
-        "design": spec.design, "n_problems": spec.n_problems, "group_size": spec.group_size,
-        "concurrency": spec.concurrency, "steps": len(probe.steps),
-        "flow_wall_s": t1 - t0, "step_wall_s": steps_s,
-        "llm_busy_s": llm_busy, "outside_llm_s": steps_s - llm_busy,
-        "store_s": probe.store_s, "cpu_s": cpu,
+        "design": spec.design,
+        "n_problems": spec.n_problems,
+        "group_size": spec.group_size,
+        "concurrency": spec.concurrency,
+        "steps": len(probe.steps),
+        "flow_wall_s": t1 - t0,
+        "step_wall_s": steps_s,
+        "llm_busy_s": llm_busy,
+        "outside_llm_s": steps_s - llm_busy,
+        "store_s": probe.store_s,
+        "cpu_s": cpu,
         "loop_busy_share": 1.0 - shares.get("idle", 0.0),
         "loop_prefect_s": shares.get("prefect", 0.0) * steps_s,
         "loop_shares": shares,
@@ -295,11 +342,18 @@ def run_once(spec: RunSpec, server: LatencyServerProcess, workdir: Path, run_id:
 def critical_figures(served: Collected, spec: RunSpec, wall_s: float) -> dict[str, float]:
     bound = limits(served.records, spec.concurrency)
     own = bound.pipelined_s if spec.pipeline else bound.barrier_s
-    return {"cp_barrier_s": bound.barrier_s, "cp_pipelined_s": bound.pipelined_s, "cp_lower_bound_s": bound.lower_bound_s,
-            "cp_chain_s": bound.chain_s, "ratio_own": wall_s / own, "ratio_ideal": wall_s / bound.pipelined_s}
+    return {
+        "cp_barrier_s": bound.barrier_s,
+        "cp_pipelined_s": bound.pipelined_s,
+        "cp_lower_bound_s": bound.lower_bound_s,
+        "cp_chain_s": bound.chain_s,
+        "ratio_own": wall_s / own,
+        "ratio_ideal": wall_s / bound.pipelined_s,
+    }
 
 
 # --- aggregation and tables --------------------------------------------------------------------------------------
+
 
 def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -318,7 +372,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def machine() -> str:
     import platform
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+    )
 
 
 def start_server(model: LatencyModel, supports_n: bool) -> LatencyServerProcess:

@@ -40,26 +40,46 @@ EVAL_ID = "hybrid-bench-eval"
 
 
 def run_config(out: Path, train: Path, args: argparse.Namespace) -> dict:
-    model = {"backend": "transformers", "model": "SmolLM2-135M-Instruct", "model_path": "embedded", "device": "auto",
-             "api_key_env": None, "timeout_s": 1800, "max_retries": 1, "max_batch_rows": 32}
+    model = {
+        "backend": "transformers",
+        "model": "SmolLM2-135M-Instruct",
+        "model_path": "embedded",
+        "device": "auto",
+        "api_key_env": None,
+        "timeout_s": 1800,
+        "max_retries": 1,
+        "max_batch_rows": 32,
+    }
     return {
-        "run_id": RUN_ID, "db_path": str(out / "hybrid.duckdb"), "domain": "math",
+        "run_id": RUN_ID,
+        "db_path": str(out / "hybrid.duckdb"),
+        "domain": "math",
         "dataset": {"path": str(train)},
         "policy": {**model, "temperature": 0.7, "max_tokens": args.max_tokens},
         "learner": {**model, "temperature": 0.3, "max_tokens": 200, "json_schema": True},
-        "grpo": {"group_size": args.group_size, "epochs": 1, "batch_size": args.batch_size,
-                 "rollout_chunk_size": args.batch_size},
+        "grpo": {
+            "group_size": args.group_size,
+            "epochs": 1,
+            "batch_size": args.batch_size,
+            "rollout_chunk_size": args.batch_size,
+        },
         "learning": {"max_words": 24, "max_ops_per_group": 2, "summarize": False},
         "hybrid": {"enabled": True, "rank": 8, "alpha": 16, "lr": args.lr, "epochs": 2, "batch_rows": 8},
-        "concurrency": 64, "pipeline": False,
+        "concurrency": 64,
+        "pipeline": False,
     }
 
 
 def clgrpo(*argv: str) -> float:
     """Run the CLI; its wall time in seconds (it must succeed)."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "clgrpo.cli", *argv], cwd=ROOT, text=True, capture_output=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "clgrpo.cli", *argv],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"clgrpo {' '.join(argv)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return time.monotonic() - started
@@ -88,54 +108,90 @@ def measure_numeric_step(config: RunConfig, out: Path) -> dict:
     seconds = time.monotonic() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = max(1, record.rows_used)
-    return {"rows": record.rows_used, "seconds": seconds, "seconds_per_100": 100 * seconds / rows,
-            "train_seconds_per_100": 100 * record.seconds / rows, "rss_before_mb": before, "peak_rss_mb": peak,
-            "extra_mb": peak - before, "device": record.device}
+    return {
+        "rows": record.rows_used,
+        "seconds": seconds,
+        "seconds_per_100": 100 * seconds / rows,
+        "train_seconds_per_100": 100 * record.seconds / rows,
+        "rss_before_mb": before,
+        "peak_rss_mb": peak,
+        "extra_mb": peak - before,
+        "device": record.device,
+    }
 
 
 def read_results(db: str) -> dict:
     with Store(db, read_only=True) as store:
-        adapters = store.query("SELECT step, rows_used, rows_skipped, loss_before, loss_after, logprob_change_pos, "
-                               "logprob_change_neg, seconds, device FROM adapters WHERE run_id = ? ORDER BY step",
-                               [RUN_ID])
-        rollouts = store.query("SELECT step, count(*) AS n, avg(latency_s) AS latency FROM rollouts WHERE run_id = ? "
-                               "GROUP BY step ORDER BY step", [RUN_ID])
-        stages = store.query("SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? ORDER BY completed_at",
-                             [RUN_ID])
-        evals = store.query("SELECT condition, n_problems, k, mean_at_k, mean_ci_low, mean_ci_high FROM evaluations "
-                            "WHERE run_id = ? ORDER BY created_at", [EVAL_ID])
-        comparisons = store.query("SELECT candidate, diff, ci_low, ci_high FROM eval_comparisons WHERE run_id = ? "
-                                  "AND metric = 'mean_at_k' AND tag IS NULL", [EVAL_ID])
-    return {"adapters": adapters.to_dict(orient="records"), "rollouts": rollouts.to_dict(orient="records"),
-            "stages": [(int(r.step), r.stage) for r in stages.itertuples()],
-            "evaluations": evals.to_dict(orient="records"), "comparisons": comparisons.to_dict(orient="records")}
+        adapters = store.query(
+            "SELECT step, rows_used, rows_skipped, loss_before, loss_after, logprob_change_pos, "
+            "logprob_change_neg, seconds, device FROM adapters WHERE run_id = ? ORDER BY step",
+            [RUN_ID],
+        )
+        rollouts = store.query(
+            "SELECT step, count(*) AS n, avg(latency_s) AS latency FROM rollouts WHERE run_id = ? "
+            "GROUP BY step ORDER BY step",
+            [RUN_ID],
+        )
+        stages = store.query(
+            "SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? ORDER BY completed_at", [RUN_ID]
+        )
+        evals = store.query(
+            "SELECT condition, n_problems, k, mean_at_k, mean_ci_low, mean_ci_high FROM evaluations "
+            "WHERE run_id = ? ORDER BY created_at",
+            [EVAL_ID],
+        )
+        comparisons = store.query(
+            "SELECT candidate, diff, ci_low, ci_high FROM eval_comparisons WHERE run_id = ? "
+            "AND metric = 'mean_at_k' AND tag IS NULL",
+            [EVAL_ID],
+        )
+    return {
+        "adapters": adapters.to_dict(orient="records"),
+        "rollouts": rollouts.to_dict(orient="records"),
+        "stages": [(int(r.step), r.stage) for r in stages.itertuples()],
+        "evaluations": evals.to_dict(orient="records"),
+        "comparisons": comparisons.to_dict(orient="records"),
+    }
 
 
 def section(results: dict, settings: dict) -> str:
-    lines = [f"Embedded SmolLM2-135M-Instruct (fp32, CPU, 2 shared cores), family `{settings['family']}`: "
-             f"{settings['n_train']} training problems in steps of {settings['batch_size']} (G = "
-             f"{settings['group_size']}), LoRA rank 8 / alpha 16, lr {settings['lr']}, 2 passes per step; held-out "
-             f"{settings['n_heldout']} problems, k = {settings['k']}. Training run {results['train_seconds']:.0f} s, "
-             f"evaluation {results['eval_seconds']:.0f} s.", "",
-             "| step | completions used (skipped) | GRPO loss before -> after | mean log-prob change, A > 0 | "
-             "A < 0 | numeric step s |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct (fp32, CPU, 2 shared cores), family `{settings['family']}`: "
+        f"{settings['n_train']} training problems in steps of {settings['batch_size']} (G = "
+        f"{settings['group_size']}), LoRA rank 8 / alpha 16, lr {settings['lr']}, 2 passes per step; held-out "
+        f"{settings['n_heldout']} problems, k = {settings['k']}. Training run {results['train_seconds']:.0f} s, "
+        f"evaluation {results['eval_seconds']:.0f} s.",
+        "",
+        "| step | completions used (skipped) | GRPO loss before -> after | mean log-prob change, A > 0 | "
+        "A < 0 | numeric step s |",
+        "|---|---|---|---|---|---|",
+    ]
     fmt = lambda v: "-" if v is None or v != v else f"{v:+.4f}"  # noqa: E731 - NaN from DuckDB NULLs
     for a in results["adapters"]:
-        lines.append(f"| {a['step']} | {a['rows_used']} ({a['rows_skipped']}) | {fmt(a['loss_before'])} -> "
-                     f"{fmt(a['loss_after'])} | {fmt(a['logprob_change_pos'])} | {fmt(a['logprob_change_neg'])} | "
-                     f"{a['seconds']:.1f} |")
+        lines.append(
+            f"| {a['step']} | {a['rows_used']} ({a['rows_skipped']}) | {fmt(a['loss_before'])} -> "
+            f"{fmt(a['loss_after'])} | {fmt(a['logprob_change_pos'])} | {fmt(a['logprob_change_neg'])} | "
+            f"{a['seconds']:.1f} |"
+        )
     m = results["measured"]
-    lines += ["", f"Numeric step measured again on step 1's {m['rows']} stored completions in a fresh load "
-              f"({m['device']}): {m['seconds']:.1f} s including the model load, {m['train_seconds_per_100']:.1f} s "
-              f"of training per 100 completions; peak RSS {m['peak_rss_mb']:.0f} MB "
-              f"({m['extra_mb']:.0f} MB over the {m['rss_before_mb']:.0f} MB before the load).", "",
-              "| condition | Mean@k | 95% CI | minus none (paired 95% CI) |", "|---|---|---|---|"]
+    lines += [
+        "",
+        f"Numeric step measured again on step 1's {m['rows']} stored completions in a fresh load "
+        f"({m['device']}): {m['seconds']:.1f} s including the model load, {m['train_seconds_per_100']:.1f} s "
+        f"of training per 100 completions; peak RSS {m['peak_rss_mb']:.0f} MB "
+        f"({m['extra_mb']:.0f} MB over the {m['rss_before_mb']:.0f} MB before the load).",
+        "",
+        "| condition | Mean@k | 95% CI | minus none (paired 95% CI) |",
+        "|---|---|---|---|",
+    ]
     diffs = {c["candidate"]: c for c in results["comparisons"]}
     for e in results["evaluations"]:
         d = diffs.get(e["condition"])
         versus = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else "(baseline)"
-        lines.append(f"| {e['condition']} | {e['mean_at_k']:.3f} | [{e['mean_ci_low']:.3f}, {e['mean_ci_high']:.3f}] "
-                     f"| {versus} |")
+        lines.append(
+            f"| {e['condition']} | {e['mean_at_k']:.3f} | [{e['mean_ci_low']:.3f}, {e['mean_ci_high']:.3f}] "
+            f"| {versus} |"
+        )
     return "\n".join(lines)
 
 
@@ -171,12 +227,31 @@ def main() -> None:
     config = run_config(out, train, args)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     train_seconds = clgrpo("train", "--config", str(config_path))
-    eval_seconds = clgrpo("eval", "--config", str(config_path), "--dataset", str(heldout), "--k", str(args.k),
-                          "--eval-id", EVAL_ID, "--library", "none", "--compare", f"{RUN_ID}:latest",
-                          "--compare", f"adapter:{RUN_ID}:latest", "--compare", f"both:{RUN_ID}:latest")
+    eval_seconds = clgrpo(
+        "eval",
+        "--config",
+        str(config_path),
+        "--dataset",
+        str(heldout),
+        "--k",
+        str(args.k),
+        "--eval-id",
+        EVAL_ID,
+        "--library",
+        "none",
+        "--compare",
+        f"{RUN_ID}:latest",
+        "--compare",
+        f"adapter:{RUN_ID}:latest",
+        "--compare",
+        f"both:{RUN_ID}:latest",
+    )
     results = read_results(config["db_path"])
-    results.update(train_seconds=train_seconds, eval_seconds=eval_seconds,
-                   measured=measure_numeric_step(RunConfig.model_validate(config), out))
+    results.update(
+        train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
+        measured=measure_numeric_step(RunConfig.model_validate(config), out),
+    )
     settings = {k: getattr(args, k) for k in ("family", "n_train", "n_heldout", "batch_size", "group_size", "k", "lr")}
     (out / "results.json").write_text(json.dumps({"settings": settings, **results}, indent=2, default=str))
     text = section(results, settings)

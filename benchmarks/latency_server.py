@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply, RequestLogEntry, role_of  # noqa: E402
-from tests.scripted_llm import REPAIR_PREFIX, PROBLEM_RE, ScriptedWorld  # noqa: E402
+from tests.scripted_llm import PROBLEM_RE, REPAIR_PREFIX, ScriptedWorld  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,9 @@ class SeededWorld(ScriptedWorld):
     order (G samples sent with one seed still differ). ``tag_tool_calls``: a reply that calls a tool ends its
     text with `` [call N]`` (N counts the world's tool calls)."""
 
-    def __init__(self, seed: int = 0, *, distinct_repeats: bool = False, tag_tool_calls: bool = False,
-                 **kwargs: object) -> None:
+    def __init__(
+        self, seed: int = 0, *, distinct_repeats: bool = False, tag_tool_calls: bool = False, **kwargs: object
+    ) -> None:
         super().__init__(seed=seed, **kwargs)
         self.distinct_repeats = distinct_repeats
         self.tag_tool_calls = tag_tool_calls
@@ -192,23 +193,29 @@ class PacedResponder:
         parents = [t for tags in said for t in tags]
         tags = [t for c in contents for t in _TAG_RE.findall(_reply_text(c))]
         record = CallRecord(
-            role=role_of(request), group=match.group(0) if match else None,
+            role=role_of(request),
+            group=match.group(0) if match else None,
             repair=bool(users) and users[-1].startswith(REPAIR_PREFIX),
             service_s=(self.model.first_token_s(request) if first_token is None else first_token) + generation,
             ended=time.monotonic(),
             tokens_in=sum(len(m["content"].split()) for m in request.messages),
             tokens_out=sum(len(_reply_text(c).split()) for c in contents),
-            turn=len(said), tag=tags[0] if tags else None, parent=parents[-1] if parents else None)
+            turn=len(said),
+            tag=tags[0] if tags else None,
+            parent=parents[-1] if parents else None,
+        )
         with self._lock:
             self.records.append(record)
         return contents
 
 
-def make_server(model: LatencyModel, *, supports_n: bool, world_seed: int = 0, port: int = 0,
-                world_options: dict | None = None) -> tuple[FakeOpenAIServer, PacedResponder]:
+def make_server(
+    model: LatencyModel, *, supports_n: bool, world_seed: int = 0, port: int = 0, world_options: dict | None = None
+) -> tuple[FakeOpenAIServer, PacedResponder]:
     responder = PacedResponder(SeededWorld(seed=world_seed, **(world_options or {})), model)
-    server = FakeOpenAIServer(responder, supports_n=supports_n, port=port, latency=responder.latency,
-                              max_concurrency=model.max_concurrency)
+    server = FakeOpenAIServer(
+        responder, supports_n=supports_n, port=port, latency=responder.latency, max_concurrency=model.max_concurrency
+    )
     return server, responder
 
 
@@ -227,8 +234,9 @@ def _serve(conn, model: LatencyModel, supports_n: bool, world_seed: int, world_o
         while True:
             command = conn.recv()
             if command == "collect":
-                conn.send((list(responder.records), list(server.stats.log), server.stats.max_in_flight,
-                           time.monotonic()))
+                conn.send(
+                    (list(responder.records), list(server.stats.log), server.stats.max_in_flight, time.monotonic())
+                )
             elif isinstance(command, tuple) and command[0] == "reset":
                 model = replace(model, seed=command[1])
                 responder.model = model
@@ -245,8 +253,9 @@ def _serve(conn, model: LatencyModel, supports_n: bool, world_seed: int, world_o
 class LatencyServerProcess:
     """The latency server in a child process, so its threads do not compete with the pipeline for the GIL."""
 
-    def __init__(self, model: LatencyModel, *, supports_n: bool = False, world_seed: int = 0,
-                 world_options: dict | None = None) -> None:
+    def __init__(
+        self, model: LatencyModel, *, supports_n: bool = False, world_seed: int = 0, world_options: dict | None = None
+    ) -> None:
         self.model = model
         self._args = (model, supports_n, world_seed, world_options)
         self._conn = None

@@ -118,25 +118,46 @@ def write_datasets(s: Settings) -> dict[str, dict]:
 
 # --- configs ---------------------------------------------------------------------------------------------
 def model_section(alias: str, url: str, *, temperature: float, max_tokens: int) -> dict:
-    return {"model": alias, "base_url": url, "api_key_env": None, "temperature": temperature,
-            "max_tokens": max_tokens, "timeout_s": 1800, "supports_n": False, "json_schema": True}
+    return {
+        "model": alias,
+        "base_url": url,
+        "api_key_env": None,
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+        "timeout_s": 1800,
+        "supports_n": False,
+        "json_schema": True,
+    }
 
 
 def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_url: str, learner_alias: str) -> dict:
     return {
-        "db_path": str(s.out / "learning.duckdb"), "domain": "math", "seed": seed,
+        "db_path": str(s.out / "learning.duckdb"),
+        "domain": "math",
+        "seed": seed,
         "dataset": {"path": dataset, "seed": seed},
         "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400),
         "learner": model_section(learner_alias, learner_url, temperature=0.8, max_tokens=300),
         "grpo": {"group_size": s.group_size, "epochs": s.epochs, "batch_size": s.train, "rollout_chunk_size": s.train},
-        "learning": {"extract": "contrast", "candidates": s.candidates, "summarize": False,
-                     "consolidation": "passthrough", "min_words": 6, "max_words": 40,
-                     "summarize_chunk_size": s.train,
-                     "lesson_validation": {"enabled": True, "samples": s.trial_samples, "problems": s.trial_problems,
-                                           "min_gain": s.min_gain}},
+        "learning": {
+            "extract": "contrast",
+            "candidates": s.candidates,
+            "summarize": False,
+            "consolidation": "passthrough",
+            "min_words": 6,
+            "max_words": 40,
+            "summarize_chunk_size": s.train,
+            "lesson_validation": {
+                "enabled": True,
+                "samples": s.trial_samples,
+                "problems": s.trial_problems,
+                "min_gain": s.min_gain,
+            },
+        },
         # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
         "library": {"near_duplicates": "merge", "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY},
-        "concurrency": 8, "pipeline": False,
+        "concurrency": 8,
+        "pipeline": False,
     }
 
 
@@ -153,8 +174,9 @@ def clgrpo(*args: str, log: Path) -> float:
     with log.open("a") as out:
         out.write(f"\n$ clgrpo {' '.join(args)}\n")
         out.flush()
-        done = subprocess.run([str(Path(sys.executable).with_name("clgrpo")), *args], stdout=out,
-                              stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("clgrpo")), *args], stdout=out, stderr=subprocess.STDOUT, check=False
+        )
     if done.returncode != 0:
         raise SystemExit(f"clgrpo {args[0]} failed (exit {done.returncode}); see {log}")
     return time.monotonic() - started
@@ -171,12 +193,14 @@ def train_family(s: Settings, family: str, data: dict, urls: dict[str, tuple[str
         for seed in s.seeds:
             rid = run_id(family, learner, seed)
             if rid not in timings or not _completed(s, rid):
-                config = write_yaml(s.out / "configs" / f"{rid}.yaml",
-                                    train_config(s, data[family]["train"][seed], seed, urls["policy"][0],
-                                                 learner_url, alias))
+                config = write_yaml(
+                    s.out / "configs" / f"{rid}.yaml",
+                    train_config(s, data[family]["train"][seed], seed, urls["policy"][0], learner_url, alias),
+                )
                 print(f"training {rid} ...", flush=True)
-                timings[rid] = clgrpo("train", "--config", str(config), "--run-id", rid,
-                                      log=s.out / "logs" / f"{rid}.out")
+                timings[rid] = clgrpo(
+                    "train", "--config", str(config), "--run-id", rid, log=s.out / "logs" / f"{rid}.out"
+                )
                 timings_file.write_text(json.dumps(timings, indent=1))
             runs.append(describe_run(s, TrainRun(family, learner, seed, rid, timings[rid]), data[family]["heldout"]))
     return runs
@@ -200,8 +224,10 @@ def _evaluated(s: Settings, eval_id: str) -> bool:
 def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     """Costs, outcome counts and the provenance checks of one finished training run."""
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        tokens = store.query("SELECT stage, role, sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = ? "
-                             "GROUP BY stage, role", [run.run_id])
+        tokens = store.query(
+            "SELECT stage, role, sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = ? GROUP BY stage, role",
+            [run.run_id],
+        )
         run.lessons = [e.text for e in store.load_library(run.run_id)]
         ops = store.records("operations", run.run_id)
         trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
@@ -218,8 +244,9 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
         else:
             run.tokens_policy += int(t)
     run.kept = sum(r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge") for r in ops)
-    run.rejected_by_validation = sum(r.status.value == "rejected" and r.reason.startswith("lesson validation")
-                                     for r in ops)
+    run.rejected_by_validation = sum(
+        r.status.value == "rejected" and r.reason.startswith("lesson validation") for r in ops
+    )
     run.rejected_other = sum(r.status.value == "rejected" for r in ops) - run.rejected_by_validation
     return run
 
@@ -254,16 +281,23 @@ def placebo_files(s: Settings, runs: list[TrainRun]) -> dict[str, Path]:
 
 
 # --- evaluation ------------------------------------------------------------------------------------------
-def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], placebos: dict[str, Path],
-                    policy_url: str) -> dict[str, str]:
+def evaluate_family(
+    s: Settings, family: str, data: dict, runs: list[TrainRun], placebos: dict[str, Path], policy_url: str
+) -> dict[str, str]:
     """One ``clgrpo eval`` per condition (each its own eval id, so an interrupted benchmark keeps the conditions
     it finished): no library, then each run's learned library and its placebo. An id already stored in ``--out``
     is read from there (ids name the family, condition, problems and k: other settings need another ``--out``).
     Returns condition -> eval id."""
-    config = write_yaml(s.out / "configs" / f"eval-{family}.yaml", {
-        "db_path": str(s.out / "learning.duckdb"), "domain": "math",
-        "dataset": {"path": data[family]["heldout"]},
-        "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400), "concurrency": 8})
+    config = write_yaml(
+        s.out / "configs" / f"eval-{family}.yaml",
+        {
+            "db_path": str(s.out / "learning.duckdb"),
+            "domain": "math",
+            "dataset": {"path": data[family]["heldout"]},
+            "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400),
+            "concurrency": 8,
+        },
+    )
     conditions = {"none": "none"}
     for run in runs:
         conditions[run.run_id] = f"{run.run_id}:latest"
@@ -275,17 +309,37 @@ def evaluate_family(s: Settings, family: str, data: dict, runs: list[TrainRun], 
         if _evaluated(s, eval_id):
             continue  # stored by an earlier invocation
         print(f"evaluating {family} / {label}: {s.heldout} problems x k={s.k} ...", flush=True)
-        clgrpo("eval", "--config", str(config), "--dataset", data[family]["heldout"], "--k", str(s.k),
-               "--temperature", str(s.eval_temperature), "--train-dataset", data[family]["all_train"],
-               "--refuse-on-leakage", "--eval-id", eval_id, "--library", ref, log=s.out / "logs" / f"{eval_id}.out")
+        clgrpo(
+            "eval",
+            "--config",
+            str(config),
+            "--dataset",
+            data[family]["heldout"],
+            "--k",
+            str(s.k),
+            "--temperature",
+            str(s.eval_temperature),
+            "--train-dataset",
+            data[family]["all_train"],
+            "--refuse-on-leakage",
+            "--eval-id",
+            eval_id,
+            "--library",
+            ref,
+            log=s.out / "logs" / f"{eval_id}.out",
+        )
     return eval_ids
 
 
 def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.ndarray]:
     """Condition -> (problems x k) rewards, problems in one order for every condition (paired comparisons)."""
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        frames = {label: store.query("SELECT problem_id, sample_idx, reward, extracted FROM eval_results "
-                                     "WHERE run_id = ?", [eval_id]) for label, eval_id in eval_ids.items()}
+        frames = {
+            label: store.query(
+                "SELECT problem_id, sample_idx, reward, extracted FROM eval_results WHERE run_id = ?", [eval_id]
+            )
+            for label, eval_id in eval_ids.items()
+        }
     problems = sorted(frames["none"]["problem_id"].unique())
     index = {p: i for i, p in enumerate(problems)}
     out = {}
@@ -302,8 +356,11 @@ def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
     """Wall time the evaluations spent sampling: first call's start to last call's end, per eval id, summed
     (read from ``llm_calls``, so an evaluation read back by a resumed benchmark keeps its real cost)."""
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        spans = store.query("SELECT run_id, epoch(max(started_at + to_seconds(latency_s)) - min(started_at)) AS s "
-                            "FROM llm_calls WHERE list_contains(?, run_id) GROUP BY run_id", [list(eval_ids.values())])
+        spans = store.query(
+            "SELECT run_id, epoch(max(started_at + to_seconds(latency_s)) - min(started_at)) AS s "
+            "FROM llm_calls WHERE list_contains(?, run_id) GROUP BY run_id",
+            [list(eval_ids.values())],
+        )
     return float(spans["s"].sum()) / 60
 
 
@@ -317,8 +374,15 @@ def paired(baseline: np.ndarray, candidate: np.ndarray, seed: int = 0) -> dict:
     return {"value": interval.value, "low": interval.low, "high": interval.high}
 
 
-def analyze_family(s: Settings, family: str, learner: str, eval_ids: dict[str, str], runs: list[TrainRun],
-                   placebos: dict[str, Path], command: str) -> dict:
+def analyze_family(
+    s: Settings,
+    family: str,
+    learner: str,
+    eval_ids: dict[str, str],
+    runs: list[TrainRun],
+    placebos: dict[str, Path],
+    command: str,
+) -> dict:
     m = condition_matrices(s, eval_ids)
     none = m["none"]
     seeds = []
@@ -329,29 +393,57 @@ def analyze_family(s: Settings, family: str, learner: str, eval_ids: dict[str, s
         learned_all.append(learned)
         placebo_all.append(fake)
         gain = paired(none, learned)
-        seeds.append({"seed": run.seed, "run_id": run.run_id, "learned": ci(learned), "placebo": ci(fake),
-                      "learned_minus_none": gain, "learned_minus_placebo": paired(fake, learned),
-                      "lessons": run.lessons, "placebo_lessons": _lessons(placebos[run.run_id]),
-                      "train_seconds": run.seconds, "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation,
-                      "tokens_by_part": {"rollouts": run.tokens_policy, "learner": run.tokens_learner,
-                                         "validation": run.tokens_validation},
-                      "kept": run.kept, "rejected_by_validation": run.rejected_by_validation,
-                      "rejected_other": run.rejected_other, "heldout_in_training": run.heldout_in_training,
-                      "lessons_without_learner": run.lessons_without_learner})
+        seeds.append(
+            {
+                "seed": run.seed,
+                "run_id": run.run_id,
+                "learned": ci(learned),
+                "placebo": ci(fake),
+                "learned_minus_none": gain,
+                "learned_minus_placebo": paired(fake, learned),
+                "lessons": run.lessons,
+                "placebo_lessons": _lessons(placebos[run.run_id]),
+                "train_seconds": run.seconds,
+                "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation,
+                "tokens_by_part": {
+                    "rollouts": run.tokens_policy,
+                    "learner": run.tokens_learner,
+                    "validation": run.tokens_validation,
+                },
+                "kept": run.kept,
+                "rejected_by_validation": run.rejected_by_validation,
+                "rejected_other": run.rejected_other,
+                "heldout_in_training": run.heldout_in_training,
+                "lessons_without_learner": run.lessons_without_learner,
+            }
+        )
     n = len(runs)
     pooled_gain = paired(np.tile(none, (1, n)), np.hstack(learned_all))
     pooled_vs_placebo = paired(np.hstack(placebo_all), np.hstack(learned_all))
     tokens = sum(x["tokens"] for x in seeds)
     points = 100 * pooled_gain["value"]
-    return {"family": family, "learner": learner, "command": command, "measured": time.strftime("%Y-%m-%d"),
-            "settings": {k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners")},
-            "eval_ids": eval_ids, "problems": int(none.shape[0]), "k": s.k,
-            "none": ci(none), "baseline_parsed": float(m["__parsed__"][0]), "seeds": seeds,
-            "pooled": {"learned": ci(np.hstack(learned_all)), "placebo": ci(np.hstack(placebo_all)),
-                       "learned_minus_none": pooled_gain, "learned_minus_placebo": pooled_vs_placebo},
-            "tokens_per_point": tokens / points if points > 0 else None,
-            "eval_minutes": sampling_minutes(s, eval_ids),
-            "train_seconds": sum(x["train_seconds"] for x in seeds)}
+    return {
+        "family": family,
+        "learner": learner,
+        "command": command,
+        "measured": time.strftime("%Y-%m-%d"),
+        "settings": {k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners")},
+        "eval_ids": eval_ids,
+        "problems": int(none.shape[0]),
+        "k": s.k,
+        "none": ci(none),
+        "baseline_parsed": float(m["__parsed__"][0]),
+        "seeds": seeds,
+        "pooled": {
+            "learned": ci(np.hstack(learned_all)),
+            "placebo": ci(np.hstack(placebo_all)),
+            "learned_minus_none": pooled_gain,
+            "learned_minus_placebo": pooled_vs_placebo,
+        },
+        "tokens_per_point": tokens / points if points > 0 else None,
+        "eval_minutes": sampling_minutes(s, eval_ids),
+        "train_seconds": sum(x["train_seconds"] for x in seeds),
+    }
 
 
 def _lessons(path: Path) -> list[str]:
@@ -367,45 +459,74 @@ def fmt(x: dict, signed: bool = False) -> str:
 def markdown(results: list[dict]) -> str:
     """The report section for every (family, learner) result in ``results`` (one or several invocations)."""
     first = results[0]["settings"]
-    lines = [f"Measured on this project's 2-core machine (no GPU): policy {POLICY.name} (llama-server, 8 slots), "
-             f"G={first['group_size']}, {first['epochs']} epoch(s), {first['candidates']} contrast candidates per group, "
-             f"lesson validation on {first['trial_problems']} problems x {first['trial_samples']} samples (min gain "
-             f"{first['min_gain']:g}); held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
-             f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}. Mean@k with 95% bootstrap CIs; "
-             "differences with 95% paired-bootstrap CIs over held-out problems, pooled over the seeds.", "",
-             "| family | learner | seeds | train / held-out x k | none | placebo (pooled) | learned (pooled) "
-             "| learned - none | learned - placebo | baseline parsed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Measured on this project's 2-core machine (no GPU): policy {POLICY.name} (llama-server, 8 slots), "
+        f"G={first['group_size']}, {first['epochs']} epoch(s), {first['candidates']} contrast candidates per group, "
+        f"lesson validation on {first['trial_problems']} problems x {first['trial_samples']} samples (min gain "
+        f"{first['min_gain']:g}); held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
+        f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}. Mean@k with 95% bootstrap CIs; "
+        "differences with 95% paired-bootstrap CIs over held-out problems, pooled over the seeds.",
+        "",
+        "| family | learner | seeds | train / held-out x k | none | placebo (pooled) | learned (pooled) "
+        "| learned - none | learned - placebo | baseline parsed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         p, cfg = r["pooled"], r["settings"]
-        lines.append(f"| {r['family']} | {r['learner']} | {', '.join(map(str, cfg['seeds']))} "
-                     f"| {cfg['train']} / {r['problems']} x {r['k']} | {fmt(r['none'])} | {fmt(p['placebo'])} "
-                     f"| {fmt(p['learned'])} | {fmt(p['learned_minus_none'], True)} "
-                     f"| {fmt(p['learned_minus_placebo'], True)} | {r['baseline_parsed']:.0%} |")
+        lines.append(
+            f"| {r['family']} | {r['learner']} | {', '.join(map(str, cfg['seeds']))} "
+            f"| {cfg['train']} / {r['problems']} x {r['k']} | {fmt(r['none'])} | {fmt(p['placebo'])} "
+            f"| {fmt(p['learned'])} | {fmt(p['learned_minus_none'], True)} "
+            f"| {fmt(p['learned_minus_placebo'], True)} | {r['baseline_parsed']:.0%} |"
+        )
     lines += ["", "Commands (each resumes from its `--out` folder) and what the result cost in wall time:", ""]
-    lines += [f"- {r['family']} / {r['learner']}, measured {r['measured']}: `{r['command']}`; training "
-              f"{r['train_seconds'] / 60:.0f} min over {len(r['seeds'])} seeds, evaluation {r['eval_minutes']:.0f} min "
-              f"of sampling over {len(r['eval_ids'])} conditions (the \"none\" condition is shared by every learner "
-              "of a family)" for r in results]
-    lines += ["", "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):", "",
-              "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
-              "| training time | tokens (rollouts / learner / validation) |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"- {r['family']} / {r['learner']}, measured {r['measured']}: `{r['command']}`; training "
+        f"{r['train_seconds'] / 60:.0f} min over {len(r['seeds'])} seeds, evaluation {r['eval_minutes']:.0f} min "
+        f'of sampling over {len(r["eval_ids"])} conditions (the "none" condition is shared by every learner '
+        "of a family)"
+        for r in results
+    ]
+    lines += [
+        "",
+        "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):",
+        "",
+        "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
+        "| training time | tokens (rollouts / learner / validation) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for x in r["seeds"]:
             t = x["tokens_by_part"]
-            lines.append(f"| {r['family']} | {r['learner']} | {x['seed']} | {x['kept']} / {x['rejected_by_validation']} "
-                         f"| {fmt(x['learned_minus_none'], True)} | {fmt(x['learned_minus_placebo'], True)} "
-                         f"| {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / {t['learner']:,} / "
-                         f"{t['validation']:,}) |")
+            lines.append(
+                f"| {r['family']} | {r['learner']} | {x['seed']} | {x['kept']} / {x['rejected_by_validation']} "
+                f"| {fmt(x['learned_minus_none'], True)} | {fmt(x['learned_minus_placebo'], True)} "
+                f"| {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / {t['learner']:,} / "
+                f"{t['validation']:,}) |"
+            )
     checks = [x for r in results for x in r["seeds"]]
-    lines += ["", f"Provenance checks over {len(checks)} training runs: held-out problems among the problems "
-              f"trained on: {sum(x['heldout_in_training'] for x in checks)}; applied lessons that no learner call "
-              f"proposed (hand-written, or a non-empty starting library): "
-              f"{sum(x['lessons_without_learner'] for x in checks)}. The learner's prompts are built from the run's own "
-              "rollouts of its training problems; `clgrpo eval --refuse-on-leakage` refused any held-out problem "
-              "near-duplicating a training problem (none did)."]
-    lines += ["", "Tokens per point of pooled gain (learned - none, in percentage points): " + "; ".join(
-        f"{r['family']}/{r['learner']}: {r['tokens_per_point']:,.0f}" if r["tokens_per_point"] else
-        f"{r['family']}/{r['learner']}: no gain" for r in results), "", "Every final lesson:", ""]
+    lines += [
+        "",
+        f"Provenance checks over {len(checks)} training runs: held-out problems among the problems "
+        f"trained on: {sum(x['heldout_in_training'] for x in checks)}; applied lessons that no learner call "
+        f"proposed (hand-written, or a non-empty starting library): "
+        f"{sum(x['lessons_without_learner'] for x in checks)}. The learner's prompts are built from the run's own "
+        "rollouts of its training problems; `clgrpo eval --refuse-on-leakage` refused any held-out problem "
+        "near-duplicating a training problem (none did).",
+    ]
+    lines += [
+        "",
+        "Tokens per point of pooled gain (learned - none, in percentage points): "
+        + "; ".join(
+            f"{r['family']}/{r['learner']}: {r['tokens_per_point']:,.0f}"
+            if r["tokens_per_point"]
+            else f"{r['family']}/{r['learner']}: no gain"
+            for r in results
+        ),
+        "",
+        "Every final lesson:",
+        "",
+    ]
     for r in results:
         for x in r["seeds"]:
             shown = "; ".join(f'"{t}"' for t in x["lessons"]) or "(none kept)"
@@ -455,14 +576,28 @@ def update_report(section: str, report: Path) -> None:
 def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, str]]]:
     if find_binary(s.cache_dir) is None:
         build_server(s.cache_dir)
-    policy = LlamaServer(fetch_model(POLICY, s.cache_dir).gguf, POLICY.fetch_key, slots=8, cache=s.cache_dir,
-                         log_path=s.out / "logs" / "policy-server.log").start()
-    servers, urls = [policy], {"policy": (policy.base_url, POLICY.fetch_key), "same": (policy.base_url, POLICY.fetch_key)}
+    policy = LlamaServer(
+        fetch_model(POLICY, s.cache_dir).gguf,
+        POLICY.fetch_key,
+        slots=8,
+        cache=s.cache_dir,
+        log_path=s.out / "logs" / "policy-server.log",
+    ).start()
+    servers, urls = (
+        [policy],
+        {"policy": (policy.base_url, POLICY.fetch_key), "same": (policy.base_url, POLICY.fetch_key)},
+    )
     for key in s.learners:
         model = LEARNERS[key]
         if model is not None:
-            server = LlamaServer(fetch_model(model, s.cache_dir).gguf, model.fetch_key, slots=2, cache=s.cache_dir,
-                                 context_per_slot=8192, log_path=s.out / "logs" / f"{key}-server.log").start()
+            server = LlamaServer(
+                fetch_model(model, s.cache_dir).gguf,
+                model.fetch_key,
+                slots=2,
+                cache=s.cache_dir,
+                context_per_slot=8192,
+                log_path=s.out / "logs" / f"{key}-server.log",
+            ).start()
             servers.append(server)
             urls[key] = (server.base_url, model.fetch_key)
     return servers, urls
@@ -489,9 +624,23 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     a = ap.parse_args(argv)
     if a.train > 50:
         ap.error("--train: at most 50 training problems per seed")
-    return Settings(a.families.split(","), [int(x) for x in a.seeds.split(",")], a.learners.split(","), a.train,
-                    a.heldout, a.k, a.group_size, a.epochs, a.candidates, a.trial_samples, a.trial_problems,
-                    a.min_gain, a.eval_temperature, Path(a.out).resolve(), a.cache_dir), a.report
+    return Settings(
+        a.families.split(","),
+        [int(x) for x in a.seeds.split(",")],
+        a.learners.split(","),
+        a.train,
+        a.heldout,
+        a.k,
+        a.group_size,
+        a.epochs,
+        a.candidates,
+        a.trial_samples,
+        a.trial_problems,
+        a.min_gain,
+        a.eval_temperature,
+        Path(a.out).resolve(),
+        a.cache_dir,
+    ), a.report
 
 
 def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]:
@@ -521,8 +670,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             mine = train_family(s, family, data, urls)
             placebos = placebo_files(s, mine)
             eval_ids = evaluate_family(s, family, data, mine, placebos, urls["policy"][0])
-            results += [analyze_family(s, family, learner, eval_ids, [r for r in mine if r.learner == learner],
-                                       placebos, command.strip()) for learner in s.learners]
+            results += [
+                analyze_family(
+                    s, family, learner, eval_ids, [r for r in mine if r.learner == learner], placebos, command.strip()
+                )
+                for learner in s.learners
+            ]
             save_results(s, results, (time.monotonic() - started) / 60)  # a family at a time: partial runs count
     finally:
         for server in servers:
@@ -532,7 +685,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(section)
     if report:
         plot(every, ROOT / "benchmarks" / "plots" / "learning.png")
-        update_report(section + "\n\n![held-out Mean@k per condition](plots/learning.png)", ROOT / "benchmarks" / "REPORT.md")
+        update_report(
+            section + "\n\n![held-out Mean@k per condition](plots/learning.png)", ROOT / "benchmarks" / "REPORT.md"
+        )
     return 0
 
 

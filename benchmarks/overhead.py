@@ -61,8 +61,12 @@ def _script(name: str) -> str:
 
 
 def prefect_server(env: dict[str, str], port: int) -> subprocess.Popen:
-    server = subprocess.Popen([_script("prefect"), "server", "start", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [_script("prefect"), "server", "start", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -82,12 +86,18 @@ def main(argv: list[str] | None = None) -> None:
     from async_server import AsyncLatencyServerProcess
     from harness import machine
     from latency_server import LatencyModel
+
     from tests.scripted_llm import make_problems, write_jsonl
 
     workdir = Path(tempfile.mkdtemp(prefix="clgrpo-bench-overhead-"))
     write_jsonl(make_problems(2, seed=0), workdir / "problems.jsonl")
-    env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "CLGRPO_STATE_DIR": str(workdir / "state")}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(workdir / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "CLGRPO_STATE_DIR": str(workdir / "state"),
+    }
     env.pop("PREFECT_API_URL", None)
     clgrpo = _script("clgrpo")
     results: dict[str, list[float]] = {"python -c pass": [], "running server": [], "temporary server": []}
@@ -104,10 +114,13 @@ def main(argv: list[str] | None = None) -> None:
                 results["python -c pass"].append(timed([sys.executable, "-c", "pass"], env))
                 for setup, setup_env in (("running server", with_server), ("temporary server", env)):
                     run += 1
-                    results[setup].append(timed([clgrpo, "train", "--config", str(config), "--run-id", f"r{run}"],
-                                                setup_env))
-                print(f"run {_ + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results.items()),
-                      flush=True)
+                    results[setup].append(
+                        timed([clgrpo, "train", "--config", str(config), "--run-id", f"r{run}"], setup_env)
+                    )
+                print(
+                    f"run {_ + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results.items()),
+                    flush=True,
+                )
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -77,17 +77,26 @@ def measure(library: ExperienceLibrary, problems_path: Path, group_size: int = 5
     problems, _ = domain.load_dataset(DatasetConfig(path=str(problems_path), shuffle=False))
     if top_k is not None:
         library = routed(library, problems, top_k)
-    prompts = [tokens(domain.rollout_messages(p, library.prompt_text_for(p.problem_id)))
-               for p in problems for _ in range(group_size)]
+    prompts = [
+        tokens(domain.rollout_messages(p, library.prompt_text_for(p.problem_id)))
+        for p in problems
+        for _ in range(group_size)
+    ]
     shared = common_prefix(prompts)
     total = sum(len(p) for p in prompts)
-    return {"problems": len(problems), "rollouts": len(prompts), "library_size": len(library),
-            "injection": "all" if top_k is None else f"top_{top_k}",
-            "shared_prefix_tokens": shared, "mean_prompt_tokens": total / len(prompts),
-            "min_prompt_tokens": min(len(p) for p in prompts), "max_prompt_tokens": max(len(p) for p in prompts),
-            "prefix_share": shared * len(prompts) / total,
-            "median_per_prompt_share": statistics.median(shared / len(p) for p in prompts),
-            "min_per_prompt_share": min(shared / len(p) for p in prompts)}
+    return {
+        "problems": len(problems),
+        "rollouts": len(prompts),
+        "library_size": len(library),
+        "injection": "all" if top_k is None else f"top_{top_k}",
+        "shared_prefix_tokens": shared,
+        "mean_prompt_tokens": total / len(prompts),
+        "min_prompt_tokens": min(len(p) for p in prompts),
+        "max_prompt_tokens": max(len(p) for p in prompts),
+        "prefix_share": shared * len(prompts) / total,
+        "median_per_prompt_share": statistics.median(shared / len(p) for p in prompts),
+        "min_per_prompt_share": min(shared / len(p) for p in prompts),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,13 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = [measure(library_of(args.library, size), args.problems) for size in sorted({0, 10, args.size})]
     if args.top_k:
         rows.append(measure(library_of(args.library, args.size), args.problems, top_k=args.top_k))
-    print(f"{'library':>8} {'injection':>10} {'shared prefix':>14} {'mean prompt':>12} {'prefix share':>13} "
-          f"{'min per prompt':>15}")
+    print(
+        f"{'library':>8} {'injection':>10} {'shared prefix':>14} {'mean prompt':>12} {'prefix share':>13} "
+        f"{'min per prompt':>15}"
+    )
     for r in rows:
-        print(f"{r['library_size']:>8} {r['injection']:>10} {r['shared_prefix_tokens']:>14} "
-              f"{r['mean_prompt_tokens']:>12.0f} {r['prefix_share']:>13.1%} {r['min_per_prompt_share']:>15.1%}")
-    print("tokens: \\w+|[^\\w\\s] over '<|role|>\\ncontent\\n' per message; "
-          f"{rows[-1]['problems']} problems x G=5 rollouts")
+        print(
+            f"{r['library_size']:>8} {r['injection']:>10} {r['shared_prefix_tokens']:>14} "
+            f"{r['mean_prompt_tokens']:>12.0f} {r['prefix_share']:>13.1%} {r['min_per_prompt_share']:>15.1%}"
+        )
+    print(
+        "tokens: \\w+|[^\\w\\s] over '<|role|>\\ncontent\\n' per message; "
+        f"{rows[-1]['problems']} problems x G=5 rollouts"
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -144,8 +144,8 @@ def group_gaps(records) -> list[float]:
 
 def child(scenario: Scenario, out: Path, plot: Path | None, repeat: int) -> None:
     from async_server import AsyncLatencyServerProcess
-    from harness import LoopSampler, Probe, RunSpec, make_config, peak_rss_mib, prefect_harness
     from critical_path import limits
+    from harness import LoopSampler, Probe, RunSpec, make_config, peak_rss_mib, prefect_harness
     from latency_server import LatencyModel
 
     from clgrpo.runtime import tune_gc
@@ -156,8 +156,12 @@ def child(scenario: Scenario, out: Path, plot: Path | None, repeat: int) -> None
         import domains.math.verify as verify_module
 
         verify_module.integer_answer = lambda output, answer: None
-    spec = RunSpec(n_problems=scenario.problems, concurrency=scenario.concurrency, batch_size=scenario.batch_size,
-                   latency_seed=repeat)
+    spec = RunSpec(
+        n_problems=scenario.problems,
+        concurrency=scenario.concurrency,
+        batch_size=scenario.batch_size,
+        latency_seed=repeat,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="clgrpo-bench-scale-"))
     model = LatencyModel(**scenario.latency, seed=repeat)
     with prefect_harness(), AsyncLatencyServerProcess(model, supports_n=False) as server:
@@ -196,9 +200,15 @@ def measure(scenario, served, demand, probe, sampler, wall, cpu, pauses, limits,
     shares = sampler.shares()
     steps_s = sum(end - start for start, end in probe.steps)
     figures = {
-        "scenario": scenario.name, "problems": scenario.problems, "concurrency": cap, "llm_calls": calls,
-        "flow_wall_s": wall, "step_wall_s": steps_s, "llm_span_s": span_hi - span_lo,
-        "cpu_s": cpu, "cpu_ms_per_call": 1000 * cpu / calls,
+        "scenario": scenario.name,
+        "problems": scenario.problems,
+        "concurrency": cap,
+        "llm_calls": calls,
+        "flow_wall_s": wall,
+        "step_wall_s": steps_s,
+        "llm_span_s": span_hi - span_lo,
+        "cpu_s": cpu,
+        "cpu_ms_per_call": 1000 * cpu / calls,
         "client_ms_per_call": 1000 * shares.get("llm client", 0.0) * steps_s / calls,
         "loop_shares": shares,
         "saturated_s": len(saturated) * SAMPLE_S,
@@ -206,7 +216,9 @@ def measure(scenario, served, demand, probe, sampler, wall, cpu, pauses, limits,
         "usable_share": sum(flying) / usable if usable else math.nan,
         "server_max_in_flight": served.max_in_flight,
         "server_mean_in_flight": statistics.fmean(flying) if flying else 0.0,
-        "gc_pause_s": sum(pauses.total.values()), "gc_full": pauses.count[2], "gc_full_s": pauses.total[2],
+        "gc_pause_s": sum(pauses.total.values()),
+        "gc_full": pauses.count[2],
+        "gc_full_s": pauses.total[2],
         "gc_longest_ms": 1000 * pauses.longest,
         "store_s": probe.store_s,
         "median_service_s": statistics.median(r.service_s for r in served.records),
@@ -216,29 +228,40 @@ def measure(scenario, served, demand, probe, sampler, wall, cpu, pauses, limits,
         figures.update(gap_median_s=statistics.median(gaps), gap_max_s=max(gaps))
     if scenario.critical_path:
         bound = limits(served.records, cap)
-        figures.update(cp_s=bound.pipelined_s, span_over_cp=(span_hi - span_lo) / bound.pipelined_s,
-                       wall_over_cp=steps_s / bound.pipelined_s)
+        figures.update(
+            cp_s=bound.pipelined_s,
+            span_over_cp=(span_hi - span_lo) / bound.pipelined_s,
+            wall_over_cp=steps_s / bound.pipelined_s,
+        )
     if plot is not None:
         draw(plot, scenario, [t - span_lo for t in times], flying, wanted, figures)
     return figures
 
 
-def draw(path: Path, scenario: Scenario, times: list[float], flying: list[int], wanted: list[int],
-         figures: dict) -> None:
+def draw(
+    path: Path, scenario: Scenario, times: list[float], flying: list[int], wanted: list[int], figures: dict
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
-    ax.plot(times, [min(d, 2 * scenario.concurrency) for d in wanted], color="0.6", lw=1,
-            label="calls the flow had started (waiting or in service; clipped at 2x)")
+    ax.plot(
+        times,
+        [min(d, 2 * scenario.concurrency) for d in wanted],
+        color="0.6",
+        lw=1,
+        label="calls the flow had started (waiting or in service; clipped at 2x)",
+    )
     ax.plot(times, flying, color="C0", lw=1.2, label="in service at the server")
     ax.axhline(scenario.concurrency, color="C3", ls="--", lw=1, label=f"concurrency {scenario.concurrency}")
     ax.set_xlabel("s since the first request")
     ax.set_ylabel("requests")
-    title = (f"{scenario.problems} problems x G=5, concurrency {scenario.concurrency}: "
-             f"{figures['cpu_ms_per_call']:.2f} ms flow CPU / call, span {figures['llm_span_s']:.1f} s")
+    title = (
+        f"{scenario.problems} problems x G=5, concurrency {scenario.concurrency}: "
+        f"{figures['cpu_ms_per_call']:.2f} ms flow CPU / call, span {figures['llm_span_s']:.1f} s"
+    )
     if "cp_s" in figures:
         title += f" ({figures['span_over_cp']:.2f}x schedule)"
     ax.set_title(title, fontsize=9)
@@ -253,8 +276,16 @@ def run_child(scenario: Scenario, repeat: int, plot_dir: Path | None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = Path(handle.name)
     plot = plot_dir / f"in-flight-{scenario.name}-c{scenario.concurrency}-r{repeat}.png" if plot_dir else None
-    command = [sys.executable, __file__, "--child", json.dumps(scenario.__dict__), "--out", str(out),
-               "--repeat", str(repeat)] + (["--plot", str(plot)] if plot else [])
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps(scenario.__dict__),
+        "--out",
+        str(out),
+        "--repeat",
+        str(repeat),
+    ] + (["--plot", str(plot)] if plot else [])
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
 
@@ -284,16 +315,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         from harness import machine
 
-        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args), "runs": runs}, indent=1,
-                                        default=str))
+        args.json.write_text(
+            json.dumps({"machine": machine(), "args": vars(args), "runs": runs}, indent=1, default=str)
+        )
 
 
 def summary_line(f: dict) -> str:
-    line = (f"{f['scenario']} conc {f['concurrency']}: wall {f['flow_wall_s']:.1f}s, span {f['llm_span_s']:.1f}s, "
-            f"{f['llm_calls']} calls, flow CPU {f['cpu_ms_per_call']:.2f} ms/call (client ~{f['client_ms_per_call']:.2f}), "
-            f"in flight {f['server_mean_in_flight']:.0f} (max {f['server_max_in_flight']}), sustained "
-            f"{f['sustained_share']:.2f} over {f['saturated_s']:.1f}s, GC {f['gc_pause_s']:.2f}s ({f['gc_full']} full, "
-            f"longest {f['gc_longest_ms']:.0f} ms)")
+    line = (
+        f"{f['scenario']} conc {f['concurrency']}: wall {f['flow_wall_s']:.1f}s, span {f['llm_span_s']:.1f}s, "
+        f"{f['llm_calls']} calls, flow CPU {f['cpu_ms_per_call']:.2f} ms/call (client ~{f['client_ms_per_call']:.2f}), "
+        f"in flight {f['server_mean_in_flight']:.0f} (max {f['server_max_in_flight']}), sustained "
+        f"{f['sustained_share']:.2f} over {f['saturated_s']:.1f}s, GC {f['gc_pause_s']:.2f}s ({f['gc_full']} full, "
+        f"longest {f['gc_longest_ms']:.0f} ms)"
+    )
     if "cp_s" in f:
         line += f", CP {f['cp_s']:.2f}s: span/CP {f['span_over_cp']:.3f}, step/CP {f['wall_over_cp']:.3f}"
     if "gap_median_s" in f:
@@ -305,12 +339,21 @@ def report(runs: list[dict]) -> None:
     from harness import fmt, machine, spread, table
 
     print(f"\n{machine()}; median [min-max] per scenario")
-    keys = [("flow_wall_s", "wall s", 1), ("llm_span_s", "LLM span s", 1), ("cp_s", "schedule (CP) s", 2),
-            ("span_over_cp", "span / CP", 3), ("wall_over_cp", "step wall / CP", 3),
-            ("cpu_ms_per_call", "flow CPU ms / call", 2), ("client_ms_per_call", "client ms / call (sampled)", 2),
-            ("sustained_share", "in flight / conc while saturated", 2), ("server_mean_in_flight", "mean in flight", 0),
-            ("gc_pause_s", "GC pauses s", 2), ("gc_longest_ms", "longest GC ms", 0),
-            ("gap_median_s", "rollout->summary gap p50 s", 2), ("peak_rss_mib", "peak RSS MiB", 0)]
+    keys = [
+        ("flow_wall_s", "wall s", 1),
+        ("llm_span_s", "LLM span s", 1),
+        ("cp_s", "schedule (CP) s", 2),
+        ("span_over_cp", "span / CP", 3),
+        ("wall_over_cp", "step wall / CP", 3),
+        ("cpu_ms_per_call", "flow CPU ms / call", 2),
+        ("client_ms_per_call", "client ms / call (sampled)", 2),
+        ("sustained_share", "in flight / conc while saturated", 2),
+        ("server_mean_in_flight", "mean in flight", 0),
+        ("gc_pause_s", "GC pauses s", 2),
+        ("gc_longest_ms", "longest GC ms", 0),
+        ("gap_median_s", "rollout->summary gap p50 s", 2),
+        ("peak_rss_mib", "peak RSS MiB", 0),
+    ]
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault((run["scenario"], run["problems"], run["concurrency"]), []).append(run)

@@ -37,8 +37,18 @@ def child(size: int, batch_size: int, concurrency: int, out: Path) -> None:
 def run_size(size: int, args: argparse.Namespace) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = Path(handle.name)
-    command = [sys.executable, __file__, "--child", str(size), "--batch-size", str(args.batch_size),
-               "--concurrency", str(args.concurrency), "--out", str(out)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(size),
+        "--batch-size",
+        str(args.batch_size),
+        "--concurrency",
+        str(args.concurrency),
+        "--out",
+        str(out),
+    ]
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
 
@@ -62,14 +72,20 @@ def main(argv: list[str] | None = None) -> None:
             figures = run_size(size, args)
             figures["repeat"] = repeat
             runs.append(figures)
-            print(f"run {repeat + 1}/{args.repeats} {size} problems: {figures['flow_wall_s']:.1f}s in "
-                  f"{figures['steps']} steps, peak RSS {figures['peak_rss_mib']:.0f} MiB", flush=True)
+            print(
+                f"run {repeat + 1}/{args.repeats} {size} problems: {figures['flow_wall_s']:.1f}s in "
+                f"{figures['steps']} steps, peak RSS {figures['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     report(runs, args)
     if args.json:
         from harness import machine
 
-        args.json.write_text(json.dumps({"machine": machine(), "latency_model": FAST, "args": vars(args),
-                                         "runs": runs}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"machine": machine(), "latency_model": FAST, "args": vars(args), "runs": runs}, indent=1, default=str
+            )
+        )
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> None:
@@ -78,17 +94,37 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
     by_size = defaultdict(list)
     for run in runs:
         by_size[run["n_problems"]].append(run)
-    print(f"\n{machine()}; G=5, {args.batch_size} problems per step, concurrency {args.concurrency}, "
-          f"server {FAST}; {args.repeats} run(s) per size, median [min-max]")
-    headers = ["problems", "steps", "LLM calls", "wall s", "wall ms / problem", "CPU ms / problem",
-               "DuckDB ms / problem", "server max in flight", "peak RSS MiB"]
+    print(
+        f"\n{machine()}; G=5, {args.batch_size} problems per step, concurrency {args.concurrency}, "
+        f"server {FAST}; {args.repeats} run(s) per size, median [min-max]"
+    )
+    headers = [
+        "problems",
+        "steps",
+        "LLM calls",
+        "wall s",
+        "wall ms / problem",
+        "CPU ms / problem",
+        "DuckDB ms / problem",
+        "server max in flight",
+        "peak RSS MiB",
+    ]
     rows = []
     for size, group in sorted(by_size.items()):
         per = lambda key: spread([1000 * r[key] / size for r in group])  # noqa: E731
-        rows.append([size, group[0]["steps"], group[0]["llm_calls"], fmt(spread([r["flow_wall_s"] for r in group]), 1),
-                     fmt(per("flow_wall_s"), 1), fmt(per("cpu_s"), 1), fmt(per("store_s"), 1),
-                     max(r["server_max_in_flight"] for r in group),
-                     fmt(spread([r["peak_rss_mib"] for r in group]), 0)])
+        rows.append(
+            [
+                size,
+                group[0]["steps"],
+                group[0]["llm_calls"],
+                fmt(spread([r["flow_wall_s"] for r in group]), 1),
+                fmt(per("flow_wall_s"), 1),
+                fmt(per("cpu_s"), 1),
+                fmt(per("store_s"), 1),
+                max(r["server_max_in_flight"] for r in group),
+                fmt(spread([r["peak_rss_mib"] for r in group]), 0),
+            ]
+        )
     print(table(headers, rows))
 
 

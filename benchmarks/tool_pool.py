@@ -54,9 +54,14 @@ async def start_latency(starts: int, spare: bool) -> dict:
                 assert result.error is None, result
     finally:
         await sandbox.aclose()
-    return {"kind": "spare" if spare else "cold", "n": starts, "wait_p50_ms": 1e3 * statistics.median(waits),
-            "wait_p99_ms": 1e3 * pct(waits, 99), "first_call_p50_ms": 1e3 * statistics.median(firsts),
-            "first_call_p99_ms": 1e3 * pct(firsts, 99)}
+    return {
+        "kind": "spare" if spare else "cold",
+        "n": starts,
+        "wait_p50_ms": 1e3 * statistics.median(waits),
+        "wait_p99_ms": 1e3 * pct(waits, 99),
+        "first_call_p50_ms": 1e3 * statistics.median(firsts),
+        "first_call_p99_ms": 1e3 * pct(firsts, 99),
+    }
 
 
 async def throughput(pool_size: int, sessions: int, calls: int) -> dict:
@@ -86,12 +91,21 @@ async def throughput(pool_size: int, sessions: int, calls: int) -> dict:
     total = sessions * calls
     parent_cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     children_cpu = (cpu1.children_user - cpu0.children_user) + (cpu1.children_system - cpu0.children_system)
-    return {"pool_size": pool_size, "sessions": sessions, "calls": total, "wall_s": wall, "calls_per_s": total / wall,
-            "p50_ms": 1e3 * statistics.median(latencies), "p99_ms": 1e3 * pct(latencies, 99),
-            "first_p50_ms": 1e3 * statistics.median(firsts), "first_p99_ms": 1e3 * pct(firsts, 99),
-            "later_p50_ms": 1e3 * statistics.median(later) if later else 0.0,
-            "later_p99_ms": 1e3 * pct(later, 99) if later else 0.0,
-            "parent_cpu_s": parent_cpu, "interpreter_cpu_s": children_cpu}
+    return {
+        "pool_size": pool_size,
+        "sessions": sessions,
+        "calls": total,
+        "wall_s": wall,
+        "calls_per_s": total / wall,
+        "p50_ms": 1e3 * statistics.median(latencies),
+        "p99_ms": 1e3 * pct(latencies, 99),
+        "first_p50_ms": 1e3 * statistics.median(firsts),
+        "first_p99_ms": 1e3 * pct(firsts, 99),
+        "later_p50_ms": 1e3 * statistics.median(later) if later else 0.0,
+        "later_p99_ms": 1e3 * pct(later, 99) if later else 0.0,
+        "parent_cpu_s": parent_cpu,
+        "interpreter_cpu_s": children_cpu,
+    }
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -101,22 +115,32 @@ async def main(args: argparse.Namespace) -> dict:
 
 
 def report(figures: dict) -> str:
-    lines = ["| start | n | wait p50 ms | wait p99 ms | first call p50 ms | first call p99 ms |",
-             "|-------|---|-------------|-------------|-------------------|-------------------|"]
+    lines = [
+        "| start | n | wait p50 ms | wait p99 ms | first call p50 ms | first call p99 ms |",
+        "|-------|---|-------------|-------------|-------------------|-------------------|",
+    ]
     for s in figures["starts"]:
-        lines.append(f"| {s['kind']} | {s['n']} | {s['wait_p50_ms']:.1f} | {s['wait_p99_ms']:.1f} | "
-                     f"{s['first_call_p50_ms']:.1f} | {s['first_call_p99_ms']:.1f} |")
-    lines += ["", "| pool_size | sessions x calls | wall s | calls/s | run() p50 / p99 ms | first call p50 / p99 ms | "
-                  "later calls p50 / p99 ms | parent CPU s | interpreters CPU s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {s['kind']} | {s['n']} | {s['wait_p50_ms']:.1f} | {s['wait_p99_ms']:.1f} | "
+            f"{s['first_call_p50_ms']:.1f} | {s['first_call_p99_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        "| pool_size | sessions x calls | wall s | calls/s | run() p50 / p99 ms | first call p50 / p99 ms | "
+        "later calls p50 / p99 ms | parent CPU s | interpreters CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in figures["throughput"]:
-        lines.append(f"| {r['pool_size']} | {r['sessions']} x {r['calls'] // r['sessions']} | {r['wall_s']:.2f} | "
-                     f"{r['calls_per_s']:.0f} | {r['p50_ms']:.2f} / {r['p99_ms']:.1f} | "
-                     f"{r['first_p50_ms']:.1f} / {r['first_p99_ms']:.1f} | "
-                     f"{r['later_p50_ms']:.2f} / {r['later_p99_ms']:.2f} | {r['parent_cpu_s']:.2f} | "
-                     f"{r['interpreter_cpu_s']:.2f} |")
-    lines.append(f"\nload average at the end: {' / '.join(f'{x:.2f}' for x in figures['load'])}, "
-                 f"{figures['cores']} cores")
+        lines.append(
+            f"| {r['pool_size']} | {r['sessions']} x {r['calls'] // r['sessions']} | {r['wall_s']:.2f} | "
+            f"{r['calls_per_s']:.0f} | {r['p50_ms']:.2f} / {r['p99_ms']:.1f} | "
+            f"{r['first_p50_ms']:.1f} / {r['first_p99_ms']:.1f} | "
+            f"{r['later_p50_ms']:.2f} / {r['later_p99_ms']:.2f} | {r['parent_cpu_s']:.2f} | "
+            f"{r['interpreter_cpu_s']:.2f} |"
+        )
+    lines.append(
+        f"\nload average at the end: {' / '.join(f'{x:.2f}' for x in figures['load'])}, {figures['cores']} cores"
+    )
     return "\n".join(lines)
 
 

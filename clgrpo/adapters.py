@@ -71,8 +71,10 @@ def check_adapter(folder: str | Path, cfg: ModelConfig) -> None:
         raise AdapterError(f"adapter {path}: no {WEIGHTS_FILE} + adapter_config.json there (a peft LoRA folder)")
     base, policy = adapter_base(path), policy_identity(cfg)
     if base is not None and base != policy:
-        raise AdapterError(f"adapter {path} was trained on base model {base}, but the policy is {policy} "
-                           f"({cfg.model_path or cfg.model}): an adapter loads only on its own base model")
+        raise AdapterError(
+            f"adapter {path} was trained on base model {base}, but the policy is {policy} "
+            f"({cfg.model_path or cfg.model}): an adapter loads only on its own base model"
+        )
 
 
 def resolve_adapter(ref: str, store: Store | None) -> str:
@@ -87,8 +89,10 @@ def resolve_adapter(ref: str, store: Store | None) -> str:
     run_id, step = match["run"], match["step"]
     rows = store.records("adapters", run_id, None if step == "latest" else int(step), NUMERIC_UPDATE_STAGE)
     if not rows:
-        raise AdapterError(f"adapter {ref!r}: {store.path} has no adapter of run {run_id!r}"
-                           f"{'' if step == 'latest' else f' at step {step}'} (hybrid.enabled trains one per step)")
+        raise AdapterError(
+            f"adapter {ref!r}: {store.path} has no adapter of run {run_id!r}"
+            f"{'' if step == 'latest' else f' at step {step}'} (hybrid.enabled trains one per step)"
+        )
     return rows[-1].path
 
 

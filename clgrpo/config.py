@@ -38,8 +38,9 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                model: type[ConfigModel] = RunConfig) -> ConfigModel:  # type: ignore[assignment]
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, model: type[ConfigModel] = RunConfig
+) -> ConfigModel:  # type: ignore[assignment]
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

@@ -117,8 +117,10 @@ class Progress(logging.Handler):
 
     def batch(self, report: BatchReport) -> None:
         rate = report.tokens_out / report.seconds if report.seconds else 0.0
-        self.line(f"  generate: {report.requests} requests, {report.rows} sequences in one batch -> "
-                  f"{report.tokens_out} tokens in {report.seconds:.1f} s ({rate:.0f} tokens/s)")
+        self.line(
+            f"  generate: {report.requests} requests, {report.rows} sequences in one batch -> "
+            f"{report.tokens_out} tokens in {report.seconds:.1f} s ({rate:.0f} tokens/s)"
+        )
 
 
 # --- setup -------------------------------------------------------------------------------------------------
@@ -138,20 +140,50 @@ def write_datasets(opts: DemoOptions) -> dict[str, str]:
         raise ValueError(f"unknown family {opts.family!r}: choose one of {', '.join(FAMILIES)}")
     folder = opts.out / "data"
     train = generate_family(opts.family, opts.problems, opts.seed, ids=f"{opts.family}-train{opts.seed}")
-    heldout = generate_family(opts.family, opts.heldout, opts.seed + 1000, exclude={r["problem"] for r in train},
-                              ids=f"{opts.family}-heldout{opts.seed}")
-    return {"train": str(write_rows(folder / f"{opts.family}-train-seed{opts.seed}.jsonl", train)),
-            "heldout": str(write_rows(folder / f"{opts.family}-heldout-seed{opts.seed}.jsonl", heldout))}
+    heldout = generate_family(
+        opts.family,
+        opts.heldout,
+        opts.seed + 1000,
+        exclude={r["problem"] for r in train},
+        ids=f"{opts.family}-heldout{opts.seed}",
+    )
+    return {
+        "train": str(write_rows(folder / f"{opts.family}-train-seed{opts.seed}.jsonl", train)),
+        "heldout": str(write_rows(folder / f"{opts.family}-heldout-seed{opts.seed}.jsonl", heldout)),
+    }
 
 
-def model_config(opts: DemoOptions, engine: str, base_url: str | None, *, temperature: float,
-                 max_tokens: int, name: str | None = None) -> ModelConfig:
+def model_config(
+    opts: DemoOptions,
+    engine: str,
+    base_url: str | None,
+    *,
+    temperature: float,
+    max_tokens: int,
+    name: str | None = None,
+) -> ModelConfig:
     if engine == "llama-server":
-        return ModelConfig(backend="openai", model=name or opts.model_name, base_url=base_url, api_key_env=None,
-                           temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=2,
-                           supports_n=False)
-    return ModelConfig(backend="transformers", model=opts.model_name, model_path=opts.model_path or opts.model_name,
-                       api_key_env=None, temperature=temperature, max_tokens=max_tokens, timeout_s=1800, max_retries=1)
+        return ModelConfig(
+            backend="openai",
+            model=name or opts.model_name,
+            base_url=base_url,
+            api_key_env=None,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            timeout_s=1800,
+            max_retries=2,
+            supports_n=False,
+        )
+    return ModelConfig(
+        backend="transformers",
+        model=opts.model_name,
+        model_path=opts.model_path or opts.model_name,
+        api_key_env=None,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        timeout_s=1800,
+        max_retries=1,
+    )
 
 
 def learner_of(opts: DemoOptions, engine: str) -> str:
@@ -159,8 +191,14 @@ def learner_of(opts: DemoOptions, engine: str) -> str:
     return opts.learner if engine == "llama-server" else SAME
 
 
-def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine: str = "transformers",
-                base_url: str | None = None, learner_url: str | None = None) -> RunConfig:
+def demo_config(
+    opts: DemoOptions,
+    datasets: dict[str, str],
+    run_id: str,
+    engine: str = "transformers",
+    base_url: str | None = None,
+    learner_url: str | None = None,
+) -> RunConfig:
     """The demo's run: contrast candidates, lesson validation, no summaries (the learner reads the attempts
     themselves), the group proposals applied without a consolidation call. The learner is the policy itself or,
     with ``learner_url``, the model ``opts.learner`` served there."""
@@ -171,13 +209,31 @@ def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine
         db_path=str(opts.out / "clgrpo.duckdb"),
         dataset=DatasetConfig(path=datasets["train"], seed=opts.seed),
         policy=model_config(opts, engine, base_url, temperature=0.7, max_tokens=opts.rollout_tokens),
-        learner=model_config(opts, engine, learner_url or base_url, temperature=0.8, max_tokens=opts.learner_tokens,
-                             name=None if learner == SAME else learner),
-        grpo=GRPOConfig(group_size=opts.group_size, epochs=opts.steps, batch_size=opts.problems,
-                        rollout_temperature=0.7, rollout_chunk_size=opts.problems),
-        learning=LearningConfig(min_words=6, max_words=40, extract="contrast", candidates=opts.candidates,
-                                summarize=False, consolidation="passthrough", summarize_chunk_size=opts.problems,
-                                lesson_validation=validation),
+        learner=model_config(
+            opts,
+            engine,
+            learner_url or base_url,
+            temperature=0.8,
+            max_tokens=opts.learner_tokens,
+            name=None if learner == SAME else learner,
+        ),
+        grpo=GRPOConfig(
+            group_size=opts.group_size,
+            epochs=opts.steps,
+            batch_size=opts.problems,
+            rollout_temperature=0.7,
+            rollout_chunk_size=opts.problems,
+        ),
+        learning=LearningConfig(
+            min_words=6,
+            max_words=40,
+            extract="contrast",
+            candidates=opts.candidates,
+            summarize=False,
+            consolidation="passthrough",
+            summarize_chunk_size=opts.problems,
+            lesson_validation=validation,
+        ),
         library=LibraryConfig(near_duplicates="merge", near_duplicate_similarity=NEAR_DUPLICATE_SIMILARITY),
         concurrency=8 if engine == "llama-server" else 64,
         pipeline=False,  # stage by stage: a stage's requests arrive together (batched by either engine)
@@ -186,8 +242,9 @@ def demo_config(opts: DemoOptions, datasets: dict[str, str], run_id: str, engine
 
 
 def eval_settings(opts: DemoOptions, datasets: dict[str, str]) -> EvalConfig:
-    return EvalConfig(dataset=DatasetConfig(path=datasets["heldout"], shuffle=False), k=opts.k, seed=opts.seed,
-                      refuse_on_leakage=True)
+    return EvalConfig(
+        dataset=DatasetConfig(path=datasets["heldout"], shuffle=False), k=opts.k, seed=opts.seed, refuse_on_leakage=True
+    )
 
 
 # --- the run -----------------------------------------------------------------------------------------------
@@ -200,9 +257,11 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     engine = pick_engine(opts)
     learner = learner_of(opts, engine)
     writer = "its own lessons" if learner == SAME else f"lessons written by {learner} from its attempts"
-    out(f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size} "
+    out(
+        f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size} "
         f"({writer}), then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned "
-        f"(engine: {engine})")
+        f"(engine: {engine})"
+    )
     datasets = write_datasets(opts)
     out(f"  datasets: {datasets['train']} (training), {datasets['heldout']} (held out, disjoint)")
     servers = _start_engine(opts, engine, out, seconds)
@@ -217,10 +276,22 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     seconds["total"] = time.monotonic() - started
     library, operations, failed = _outcome(result.db_path, result.run_id)
     comparison = next((c for c in evaluation.overall if c.metric == "mean_at_k"), None)
-    return DemoResult(run_id=result.run_id, model=opts.model_name, engine=engine, db_path=result.db_path,
-                      export_dir=result.export_dir, steps=result.steps, library=library,
-                      evaluation=evaluation.summaries, comparison=comparison, operations=operations,
-                      failed_proposals=failed, seconds=seconds, datasets=datasets, learner=learner)
+    return DemoResult(
+        run_id=result.run_id,
+        model=opts.model_name,
+        engine=engine,
+        db_path=result.db_path,
+        export_dir=result.export_dir,
+        steps=result.steps,
+        library=library,
+        evaluation=evaluation.summaries,
+        comparison=comparison,
+        operations=operations,
+        failed_proposals=failed,
+        seconds=seconds,
+        datasets=datasets,
+        learner=learner,
+    )
 
 
 def _fetch(opts: DemoOptions, model: EmbeddedModel, convert: bool, out: Print, seconds: dict[str, float]) -> Path:
@@ -248,11 +319,22 @@ def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str,
         seconds["build"] = time.monotonic() - t0
     opts.out.joinpath("logs").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    servers = [LlamaServer(gguf, opts.model_name, slots=8, cache=opts.cache_dir,
-                           log_path=opts.out / "logs" / "llama-server.log")]
+    servers = [
+        LlamaServer(
+            gguf, opts.model_name, slots=8, cache=opts.cache_dir, log_path=opts.out / "logs" / "llama-server.log"
+        )
+    ]
     if learner_gguf is not None:  # two slots: the learner's prompts are long, its calls few
-        servers.append(LlamaServer(learner_gguf, learner, slots=2, cache=opts.cache_dir, context_per_slot=8192,
-                                   log_path=opts.out / "logs" / "llama-server-learner.log"))
+        servers.append(
+            LlamaServer(
+                learner_gguf,
+                learner,
+                slots=2,
+                cache=opts.cache_dir,
+                context_per_slot=8192,
+                log_path=opts.out / "logs" / "llama-server-learner.log",
+            )
+        )
     try:
         for server in servers:
             server.start()
@@ -261,14 +343,22 @@ def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str,
             server.stop()
         raise
     seconds["serve"] = time.monotonic() - t0
-    out(f"  engine: llama-server at {servers[0].base_url} (policy, 8 slots)"
+    out(
+        f"  engine: llama-server at {servers[0].base_url} (policy, 8 slots)"
         + (f", {servers[1].base_url} (learner, 2 slots)" if len(servers) > 1 else "")
-        + f"; started in {seconds['serve']:.1f} s")
+        + f"; started in {seconds['serve']:.1f} s"
+    )
     return servers
 
 
-def _run_flows(opts: DemoOptions, config: RunConfig, datasets: dict[str, str], out: Print, started: float,
-               seconds: dict[str, float]) -> tuple[Any, Any]:
+def _run_flows(
+    opts: DemoOptions,
+    config: RunConfig,
+    datasets: dict[str, str],
+    out: Print,
+    started: float,
+    seconds: dict[str, float],
+) -> tuple[Any, Any]:
     if not opts.verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     from flows.evaluate import evaluate
@@ -290,9 +380,15 @@ def _run_flows(opts: DemoOptions, config: RunConfig, datasets: dict[str, str], o
         seconds["train"] = time.monotonic() - t0
         out(f"running the Prefect flow 'evaluate' on {opts.heldout} held-out problems: no library vs learned ...")
         t0 = time.monotonic()
-        evaluation = stopping.run(evaluate(config, eval_settings(opts, datasets), ["none", f"{config.run_id}:latest"],
-                                          eval_id=f"{config.run_id}-heldout",
-                                          train_dataset=DatasetConfig(path=datasets["train"])))
+        evaluation = stopping.run(
+            evaluate(
+                config,
+                eval_settings(opts, datasets),
+                ["none", f"{config.run_id}:latest"],
+                eval_id=f"{config.run_id}-heldout",
+                train_dataset=DatasetConfig(path=datasets["train"]),
+            )
+        )
         seconds["evaluate"] = time.monotonic() - t0
     finally:
         for lg, level in zip(loggers, levels):
@@ -316,8 +412,9 @@ def _local_engine(config: RunConfig) -> Any:
     return engine
 
 
-def _outcome(db_path: str, run_id: str) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]],
-                                                 list[tuple[int, Proposal]]]:
+def _outcome(
+    db_path: str, run_id: str
+) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]], list[tuple[int, Proposal]]]:
     """The learned library, every operation with its outcome, and the group proposals that failed."""
     from clgrpo.store import Store
     from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
@@ -326,8 +423,11 @@ def _outcome(db_path: str, run_id: str) -> tuple[list[tuple[str, str]], list[tup
         library = [(e.id, e.text) for e in store.load_library(run_id)]
         operations = store.operation_results(run_id)
         proposals = store.frame("proposals", run_id, stage=GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
-    failed = [(int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
-              for r in proposals.itertuples() if isinstance(r.parse_error, str)]
+    failed = [
+        (int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
+        for r in proposals.itertuples()
+        if isinstance(r.parse_error, str)
+    ]
     return library, operations, failed
 
 
@@ -346,18 +446,22 @@ def verdict(comparison: EvalComparison | None) -> str:
 
 def summary(result: DemoResult) -> str:
     s = result.seconds
-    lines = [f"\n== demo finished in {s.get('total', 0):.0f} s (training {s.get('train', 0):.0f} s, held-out "
-             f"evaluation {s.get('evaluate', 0):.0f} s; engine {result.engine}; lessons written by "
-             f"{result.model if result.learner == SAME else result.learner}) =="]
+    lines = [
+        f"\n== demo finished in {s.get('total', 0):.0f} s (training {s.get('train', 0):.0f} s, held-out "
+        f"evaluation {s.get('evaluate', 0):.0f} s; engine {result.engine}; lessons written by "
+        f"{result.model if result.learner == SAME else result.learner}) =="
+    ]
     lines += _operations_section(result)
     lines.append(f"learned library ({len(result.library)} lessons):")
     lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
     lines += _evaluation_section(result)
-    lines += [f"DuckDB: {result.db_path}  (run id {result.run_id}, evaluation {result.run_id}-heldout)",
-              f"library files: {result.export_dir}/library_latest.json and .txt",
-              f"next: clgrpo library ops {result.run_id}   (every candidate, kept or rejected, with its numbers)",
-              f"      clgrpo report {result.run_id}        (plots, per-step table, the library and its diff)",
-              "      python benchmarks/learning.py         (the full benchmark: 3 seeds, placebo control)"]
+    lines += [
+        f"DuckDB: {result.db_path}  (run id {result.run_id}, evaluation {result.run_id}-heldout)",
+        f"library files: {result.export_dir}/library_latest.json and .txt",
+        f"next: clgrpo library ops {result.run_id}   (every candidate, kept or rejected, with its numbers)",
+        f"      clgrpo report {result.run_id}        (plots, per-step table, the library and its diff)",
+        "      python benchmarks/learning.py         (the full benchmark: 3 seeds, placebo control)",
+    ]
     return "\n".join(lines)
 
 
@@ -365,9 +469,11 @@ def _evaluation_section(result: DemoResult) -> list[str]:
     if not result.evaluation:
         return ["held-out evaluation: none"]
     first = result.evaluation[0]
-    lines = [f"held-out check: {first.n_problems} problems never trained on, k={first.k} samples each at "
-             f"temperature {first.temperature:g}, the same prompt and seeds apart from the library:",
-             f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI"]
+    lines = [
+        f"held-out check: {first.n_problems} problems never trained on, k={first.k} samples each at "
+        f"temperature {first.temperature:g}, the same prompt and seeds apart from the library:",
+        f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI",
+    ]
     for e in result.evaluation:
         label = "no library" if e.condition == "none" else f"learned ({e.library_size} lessons)"
         lines.append(f"  {label:<26} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")

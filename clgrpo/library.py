@@ -55,6 +55,8 @@ class NearDuplicates:
             if similarity >= self.threshold and (best is None or similarity > best[1]):
                 best = (exp.id, similarity)
         return best
+
+
 _ID_RE = re.compile(r"^([A-Za-z_]*)(\d+)$")
 _PROMPT_LINE_RE = re.compile(r"^\s*\[([^\]]+)\]\.?\s*(.*)$")
 
@@ -98,9 +100,16 @@ class Diff:
 class _Batch:
     """Mutable working state while one batch of operations is applied."""
 
-    def __init__(self, lib: "ExperienceLibrary", step: int, max_words: int, min_words: int = 1,
-                 screen: Screen | None = None, near: NearDuplicates | None = None,
-                 domains: Mapping[str, str | None] | None = None) -> None:
+    def __init__(
+        self,
+        lib: "ExperienceLibrary",
+        step: int,
+        max_words: int,
+        min_words: int = 1,
+        screen: Screen | None = None,
+        near: NearDuplicates | None = None,
+        domains: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.live: dict[str, Experience] = dict(lib.by_id)
         self.retired: set[str] = set(lib.retired_ids)
         self.next_id = lib.next_id
@@ -230,9 +239,16 @@ class ExperienceLibrary:
 
     def with_shown(self, shown: Mapping[str, Sequence[str]]) -> "ExperienceLibrary":
         """This version, routing each problem's prompt to the ids in ``shown`` (``clgrpo.retrieval``)."""
-        return ExperienceLibrary(self._items, version=self.version, step=self.step,
-                                 parent_version=self.parent_version, next_id=self.next_id,
-                                 id_prefix=self.id_prefix, retired_ids=self.retired_ids, shown=shown)
+        return ExperienceLibrary(
+            self._items,
+            version=self.version,
+            step=self.step,
+            parent_version=self.parent_version,
+            next_id=self.next_id,
+            id_prefix=self.id_prefix,
+            retired_ids=self.retired_ids,
+            shown=shown,
+        )
 
     def prompt_tokens(self) -> int:
         """Estimated tokens of the whole rendered library (``clgrpo.tokens``): what ``library.max_tokens`` bounds."""
@@ -260,8 +276,11 @@ class ExperienceLibrary:
         for seq, op in enumerate(operations):
             reason, result_id = self._apply_one(batch, op, seq, max_size)
             status = OpStatus.REJECTED if reason else OpStatus.APPLIED
-            results.append(OperationResult(seq=seq, operation=op, status=status,
-                                           reason=reason or batch.notes.get(seq, ""), result_id=result_id))
+            results.append(
+                OperationResult(
+                    seq=seq, operation=op, status=status, reason=reason or batch.notes.get(seq, ""), result_id=result_id
+                )
+            )
         new = ExperienceLibrary(
             sorted(batch.live.values(), key=_sort_key),
             version=self.version + 1,
@@ -273,9 +292,7 @@ class ExperienceLibrary:
         )
         return new, results
 
-    def _apply_one(
-        self, batch: _Batch, op: Operation, seq: int, max_size: int | None
-    ) -> tuple[str | None, str | None]:
+    def _apply_one(self, batch: _Batch, op: Operation, seq: int, max_size: int | None) -> tuple[str | None, str | None]:
         ids = op.target_ids
         if op.op == OpKind.EVICT:
             return "evict is not an edit: only the token budget evicts (library.max_tokens)", None
@@ -312,7 +329,9 @@ class ExperienceLibrary:
         return None, self._merge(batch, ids, text, op.source_groups, seq)
 
     @staticmethod
-    def _near_duplicate(batch: _Batch, op: Operation, found: tuple[str, float], seq: int) -> tuple[str | None, str | None]:
+    def _near_duplicate(
+        batch: _Batch, op: Operation, found: tuple[str, float], seq: int
+    ) -> tuple[str | None, str | None]:
         """Reject, or (mode "merge", an add) fold the add into its near-duplicate: the text stays, the sources
         join. The reason of an applied merge goes into the result through ``batch.notes``."""
         exp_id, similarity = found
@@ -320,8 +339,9 @@ class ExperienceLibrary:
         if batch.near.mode != "merge" or op.op != OpKind.ADD:
             return where, None
         old = batch.live[exp_id]
-        batch.live[exp_id] = old.model_copy(update={
-            "source_groups": list(dict.fromkeys([*old.source_groups, *op.source_groups]))})
+        batch.live[exp_id] = old.model_copy(
+            update={"source_groups": list(dict.fromkeys([*old.source_groups, *op.source_groups]))}
+        )
         batch.touched[exp_id] = seq
         batch.notes[seq] = f"{where}: merged into it (its text kept, the sources joined)"
         return None, exp_id
@@ -330,8 +350,12 @@ class ExperienceLibrary:
     def _add(batch: _Batch, text: str, parents: list[str], groups: list[str], seq: int) -> str:
         exp_id = batch.new_id()
         batch.live[exp_id] = Experience(
-            id=exp_id, text=text, created_step=batch.step, updated_step=batch.step,
-            parent_ids=parents, source_groups=list(dict.fromkeys(groups)),
+            id=exp_id,
+            text=text,
+            created_step=batch.step,
+            updated_step=batch.step,
+            parent_ids=parents,
+            source_groups=list(dict.fromkeys(groups)),
             domain_tag=batch.domain_tag(groups),
         )
         batch.touched[exp_id] = seq
@@ -341,9 +365,12 @@ class ExperienceLibrary:
     def _modify(batch: _Batch, exp_id: str, text: str, groups: list[str], seq: int) -> str:
         old = batch.live[exp_id]
         batch.live[exp_id] = old.model_copy(
-            update={"text": text, "updated_step": batch.step,
-                    "source_groups": list(dict.fromkeys([*old.source_groups, *groups])),
-                    "domain_tag": batch.domain_tag(groups, [old.domain_tag])}
+            update={
+                "text": text,
+                "updated_step": batch.step,
+                "source_groups": list(dict.fromkeys([*old.source_groups, *groups])),
+                "domain_tag": batch.domain_tag(groups, [old.domain_tag]),
+            }
         )
         batch.touched[exp_id] = seq
         return exp_id
@@ -365,8 +392,9 @@ class ExperienceLibrary:
         return exp_id
 
     # --- the token budget -------------------------------------------------------------------------------
-    def evict_to_budget(self, max_tokens: int, stats: Mapping[str, ExperienceStat],
-                        first_seq: int = 0) -> tuple["ExperienceLibrary", list[OperationResult]]:
+    def evict_to_budget(
+        self, max_tokens: int, stats: Mapping[str, ExperienceStat], first_seq: int = 0
+    ) -> tuple["ExperienceLibrary", list[OperationResult]]:
         """Remove experiences until the rendered library fits ``max_tokens``: lowest confidence first (a lesson
         with no stats counts as never cited), ties the oldest (created first, then lowest id). Each removal is
         an applied ``evict`` result whose reason gives the usefulness and the token counts; evicted ids are
@@ -381,34 +409,57 @@ class ExperienceLibrary:
             if total <= max_tokens:
                 break
             after = total - tokens[exp.id]
-            reason = (f"over the token budget: library {total} tokens > library.max_tokens={max_tokens}; lowest "
-                      f"usefulness: {_usefulness(stats.get(exp.id))}, created step {exp.created_step}; "
-                      f"{after} tokens after")
-            op = Operation(op=OpKind.EVICT, target_ids=[exp.id], text=exp.text, rationale=reason,
-                           source_groups=exp.source_groups)
-            results.append(OperationResult(seq=first_seq + len(results), operation=op, status=OpStatus.APPLIED,
-                                           reason=reason, result_id=exp.id))
+            reason = (
+                f"over the token budget: library {total} tokens > library.max_tokens={max_tokens}; lowest "
+                f"usefulness: {_usefulness(stats.get(exp.id))}, created step {exp.created_step}; "
+                f"{after} tokens after"
+            )
+            op = Operation(
+                op=OpKind.EVICT, target_ids=[exp.id], text=exp.text, rationale=reason, source_groups=exp.source_groups
+            )
+            results.append(
+                OperationResult(
+                    seq=first_seq + len(results), operation=op, status=OpStatus.APPLIED, reason=reason, result_id=exp.id
+                )
+            )
             evicted.add(exp.id)
             total = after
         kept = ExperienceLibrary(
-            [e for e in self._items if e.id not in evicted], version=self.version, step=self.step,
-            parent_version=self.parent_version, next_id=self.next_id, id_prefix=self.id_prefix,
-            retired_ids=self.retired_ids | evicted)
+            [e for e in self._items if e.id not in evicted],
+            version=self.version,
+            step=self.step,
+            parent_version=self.parent_version,
+            next_id=self.next_id,
+            id_prefix=self.id_prefix,
+            retired_ids=self.retired_ids | evicted,
+        )
         return kept, results
 
     # --- versions and diffs -----------------------------------------------------------------------------
     def to_version(self) -> LibraryVersion:
         return LibraryVersion(
-            version=self.version, step=self.step, parent_version=self.parent_version,
-            experiences=list(self._items), retired_ids=sorted(self.retired_ids),
-            next_id=self.next_id, id_prefix=self.id_prefix, created_at=utcnow(), shown=self.shown,
+            version=self.version,
+            step=self.step,
+            parent_version=self.parent_version,
+            experiences=list(self._items),
+            retired_ids=sorted(self.retired_ids),
+            next_id=self.next_id,
+            id_prefix=self.id_prefix,
+            created_at=utcnow(),
+            shown=self.shown,
         )
 
     @classmethod
     def from_version(cls, v: LibraryVersion) -> "ExperienceLibrary":
         return cls(
-            v.experiences, version=v.version, step=v.step, parent_version=v.parent_version,
-            next_id=v.next_id, id_prefix=v.id_prefix, retired_ids=v.retired_ids, shown=v.shown,
+            v.experiences,
+            version=v.version,
+            step=v.step,
+            parent_version=v.parent_version,
+            next_id=v.next_id,
+            id_prefix=v.id_prefix,
+            retired_ids=v.retired_ids,
+            shown=v.shown,
         )
 
     # --- import / export ------------------------------------------------------------------------------
@@ -528,8 +579,10 @@ def _confidence(stat: ExperienceStat | None) -> float:
 def _usefulness(stat: ExperienceStat | None) -> str:
     if stat is None or not stat.cited:
         return "confidence 0.50 (never cited)"
-    return (f"confidence {stat.confidence:.2f} (cited {stat.cited}x: {stat.cited_correct:g} correct / "
-            f"{stat.cited_wrong:g} wrong)")
+    return (
+        f"confidence {stat.confidence:.2f} (cited {stat.cited}x: {stat.cited_correct:g} correct / "
+        f"{stat.cited_wrong:g} wrong)"
+    )
 
 
 def _sort_key(exp: Experience) -> tuple[int, str]:

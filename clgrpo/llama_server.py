@@ -36,9 +36,16 @@ from clgrpo.models import ModelError, cache_root, pip_download_source, sha256_of
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp with the server sources
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                 "-DLLAMA_BUILD_SERVER=ON")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+)
 BINARY_ENV = "CLGRPO_LLAMA_SERVER"  # a llama-server binary of your own instead of the built one
 READY_TIMEOUT_S = 180.0
 _PR_SET_PDEATHSIG = 1
@@ -63,8 +70,13 @@ def find_binary(cache: str | os.PathLike[str] | None = None) -> Path | None:
     return built if built.is_file() else None
 
 
-def build_server(cache: str | os.PathLike[str] | None = None, *, force: bool = False,
-                 log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
+def build_server(
+    cache: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    jobs: int | None = None,
+) -> Path:
     """Build ``llama-server`` once into the cache (see the module text); returns the binary."""
     target = binary_path(cache)
     if target.is_file() and not force:
@@ -77,11 +89,15 @@ def build_server(cache: str | os.PathLike[str] | None = None, *, force: bool = F
         source = _unpacked_source(Path(tmp), log)
         build = Path(tmp) / "build"
         started = time.monotonic()
-        log(f"building llama-server from llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON} sources; about 6 minutes "
-            "on 2 cores, once) ...")
+        log(
+            f"building llama-server from llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON} sources; about 6 minutes "
+            "on 2 cores, once) ..."
+        )
         _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], Path(tmp) / "cmake.log")
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
-             Path(tmp) / "build.log")
+        _run(
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
+            Path(tmp) / "build.log",
+        )
         partial = target.with_name(target.name + ".partial")
         shutil.copy2(build / "bin" / "llama-server", partial)
         partial.replace(target)
@@ -145,9 +161,24 @@ class LlamaServer:
 
     def command(self, binary: Path) -> list[str]:
         threads = self.threads or len(os.sched_getaffinity(0))
-        return [str(binary), "--model", str(self.gguf), "--alias", self.alias, "--host", "127.0.0.1",
-                "--port", str(self.port), "--threads", str(threads), "--parallel", str(self.slots),
-                "--ctx-size", str(self.slots * self.context_per_slot), *self.extra_args]
+        return [
+            str(binary),
+            "--model",
+            str(self.gguf),
+            "--alias",
+            self.alias,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--threads",
+            str(threads),
+            "--parallel",
+            str(self.slots),
+            "--ctx-size",
+            str(self.slots * self.context_per_slot),
+            *self.extra_args,
+        ]
 
     def start(self) -> "LlamaServer":
         binary = find_binary(self.cache)
@@ -159,8 +190,13 @@ class LlamaServer:
         self.log_path = self.log_path or binary.parent / f"llama-server-{self.port}.log"
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with Path(self.log_path).open("w") as out:
-            self.process = subprocess.Popen(self.command(binary), stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                self.command(binary),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
         self._wait_ready()
         return self
 
@@ -168,8 +204,10 @@ class LlamaServer:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise ServerError(f"llama-server exited with {self.process.returncode} while loading "
-                                  f"{self.gguf.name}: {self._log_tail()}")
+                raise ServerError(
+                    f"llama-server exited with {self.process.returncode} while loading "
+                    f"{self.gguf.name}: {self._log_tail()}"
+                )
             if self._healthy():
                 return
             time.sleep(0.25)

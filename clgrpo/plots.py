@@ -98,8 +98,13 @@ def library_size_plot(steps: Sequence[int], sizes: Sequence[int]) -> bytes:
     return _png(fig)
 
 
-def cost_plot(steps: Sequence[int], tokens_in: Sequence[int], tokens_out: Sequence[int], cost_usd: Sequence[float],
-              validation_tokens: Sequence[int] | None = None) -> bytes:
+def cost_plot(
+    steps: Sequence[int],
+    tokens_in: Sequence[int],
+    tokens_out: Sequence[int],
+    cost_usd: Sequence[float],
+    validation_tokens: Sequence[int] | None = None,
+) -> bytes:
     """Stacked tokens per step (training in, training out, held-out validation) as bars, cost (USD) of all
     calls on a second axis."""
     fig = _figure()
@@ -115,8 +120,9 @@ def cost_plot(steps: Sequence[int], tokens_in: Sequence[int], tokens_out: Sequen
         cost_ax.set_ylabel("cost (USD)")
         cost_ax.set_ylim(bottom=0)
         handles = ax.get_legend_handles_labels()[0] + cost_ax.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize="small",
-                  frameon=False)
+        ax.legend(
+            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize="small", frameon=False
+        )
     else:
         _empty_note(ax, "no LLM calls")
     ax.set(xlabel="step", ylabel="tokens", title="Tokens and cost per step")

@@ -87,8 +87,7 @@ def serve(argv: list[str]) -> None:
 def launch_args(args: list[str], parent_pid: int) -> list[str] | None:
     """``[python, -m, uvicorn, *rest]`` -> ``[python, LAUNCHER, --parent-pid, PID, *rest]``; None when ``args``
     is not Prefect's uvicorn command for its API."""
-    if (len(args) >= 3 and list(args[1:3]) == ["-m", "uvicorn"]
-            and "prefect.server.api.server:create_app" in args):
+    if len(args) >= 3 and list(args[1:3]) == ["-m", "uvicorn"] and "prefect.server.api.server:create_app" in args:
         return [args[0], LAUNCHER, "--parent-pid", str(parent_pid), *args[3:]]
     return None
 
@@ -102,8 +101,10 @@ class _ParentBoundPopen(subprocess.Popen):
             if bound is not None:
                 args = bound
             else:
-                _warn_once(f"Prefect's server command {list(args)!r} is not the expected '-m uvicorn' one: "
-                           "started as is, without the parent watchdog")
+                _warn_once(
+                    f"Prefect's server command {list(args)!r} is not the expected '-m uvicorn' one: "
+                    "started as is, without the parent watchdog"
+                )
         super().__init__(args, *rest, **kwargs)
 
 

@@ -100,13 +100,16 @@ def api_key_for(endpoint: Endpoint) -> str | None:
     try:
         key = resolve_api_key(cfg)
     except Exception as exc:  # a Prefect Secret block that cannot be read
-        raise PreflightError(f"{endpoint.label}: cannot read the API key from the Prefect Secret block "
-                             f"{cfg.api_key_secret_block!r}: {exc}") from exc
+        raise PreflightError(
+            f"{endpoint.label}: cannot read the API key from the Prefect Secret block "
+            f"{cfg.api_key_secret_block!r}: {exc}"
+        ) from exc
     url = cfg.base_url or OPENAI_URL
     if key is None and cfg.api_key_env and not is_local_url(url):
         source = f" (or the Prefect Secret block {cfg.api_key_secret_block!r})" if cfg.api_key_secret_block else ""
-        raise PreflightError(f"{endpoint.label} at {url}: no API key: set the environment variable "
-                             f"{cfg.api_key_env}{source}")
+        raise PreflightError(
+            f"{endpoint.label} at {url}: no API key: set the environment variable {cfg.api_key_env}{source}"
+        )
     return key
 
 
@@ -120,19 +123,24 @@ async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             response = await client.get(f"{url}/models", headers=headers)
     except httpx.TimeoutException as exc:
-        raise PreflightError(f"{endpoint.label}: {url} did not answer within {timeout_s:g} s "
-                             f"(check base_url and that the server is up)") from exc
+        raise PreflightError(
+            f"{endpoint.label}: {url} did not answer within {timeout_s:g} s (check base_url and that the server is up)"
+        ) from exc
     except httpx.HTTPError as exc:
-        raise PreflightError(f"{endpoint.label}: cannot reach {url}: {_reason(exc)} "
-                             f"(check base_url and that the server is up)") from exc
+        raise PreflightError(
+            f"{endpoint.label}: cannot reach {url}: {_reason(exc)} (check base_url and that the server is up)"
+        ) from exc
     if response.status_code in (401, 403):
-        hint = f"check ${cfg.api_key_env}" if key else f"set the environment variable {cfg.api_key_env or '(api_key_env)'}"
+        hint = (
+            f"check ${cfg.api_key_env}" if key else f"set the environment variable {cfg.api_key_env or '(api_key_env)'}"
+        )
         raise PreflightError(f"{endpoint.label}: {url} refused the request (HTTP {response.status_code}): {hint}")
     if response.status_code == 404:
         return  # a server without a model list: the model is checked by the first real call
     if response.status_code >= 400:
-        raise PreflightError(f"{endpoint.label}: {url}/models answered HTTP {response.status_code}: "
-                             f"{response.text[:200]}")
+        raise PreflightError(
+            f"{endpoint.label}: {url}/models answered HTTP {response.status_code}: {response.text[:200]}"
+        )
     served = _model_ids(response)
     if served is not None and cfg.model not in served:
         listed = ", ".join(sorted(served)[:10]) + (" ..." if len(served) > 10 else "")
@@ -158,13 +166,16 @@ def check_local_model(endpoint: Endpoint) -> None:
     cfg = endpoint.cfg
     if cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise PreflightError(f"{endpoint.label}: backend 'vllm' needs vLLM (GPU machines): "
-                                 "pip install 'clgrpo[gpu]'")
+            raise PreflightError(
+                f"{endpoint.label}: backend 'vllm' needs vLLM (GPU machines): pip install 'clgrpo[gpu]'"
+            )
         return
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise PreflightError(f"{endpoint.label}: backend 'transformers' needs {' and '.join(missing)}: "
-                             "pip install torch==2.13.0 && pip install 'clgrpo[local]'")
+        raise PreflightError(
+            f"{endpoint.label}: backend 'transformers' needs {' and '.join(missing)}: "
+            "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
+        )
     from clgrpo.models import ModelError, resolve_model_path
 
     try:
@@ -196,11 +207,15 @@ def check_agent(config: RunConfig) -> list[str]:
 
     tools = get_domain(config.domain).tools()
     if not tools:
-        raise PreflightError(f"rollout.mode agent: domain {config.domain!r} has no tools (its tools() is empty); "
-                             f"use rollout.mode direct or add a tool to the domain")
+        raise PreflightError(
+            f"rollout.mode agent: domain {config.domain!r} has no tools (its tools() is empty); "
+            f"use rollout.mode direct or add a tool to the domain"
+        )
     if agent.protocol == "tools" and config.policy.backend != "openai":
-        raise PreflightError(f"rollout.agent.protocol tools: the {config.policy.backend} backend has no tool calling; "
-                             f"use protocol text (or auto)")
+        raise PreflightError(
+            f"rollout.agent.protocol tools: the {config.policy.backend} backend has no tool calling; "
+            f"use protocol text (or auto)"
+        )
     lines = []
     for tool in tools:
         try:
@@ -223,8 +238,11 @@ def check_embeddings(config: RunConfig) -> None:
             fetch_embedded_model()
         make_embedder(settings.embedding)
     except EmbeddingError as exc:
-        what = (f"library.near_duplicates {settings.near_duplicates}" if settings.near_duplicates != "off"
-                else "library.injection top_k")
+        what = (
+            f"library.near_duplicates {settings.near_duplicates}"
+            if settings.near_duplicates != "off"
+            else "library.injection top_k"
+        )
         raise PreflightError(f"{what}: {exc}") from exc
 
 
@@ -236,12 +254,15 @@ def check_hybrid(config: RunConfig) -> None:
     policy = config.policy
     if policy.backend != "transformers":
         where = f" at {policy.base_url}" if policy.backend == "openai" and policy.base_url else ""
-        raise PreflightError(f"hybrid.enabled: the numeric step needs a local transformers model as the policy "
-                             f"(policy.backend: transformers, policy.model_path: a folder or 'embedded'), but "
-                             f"policy {policy.model!r} is backend {policy.backend}{where}: no weights to train here")
+        raise PreflightError(
+            f"hybrid.enabled: the numeric step needs a local transformers model as the policy "
+            f"(policy.backend: transformers, policy.model_path: a folder or 'embedded'), but "
+            f"policy {policy.model!r} is backend {policy.backend}{where}: no weights to train here"
+        )
     if config.rollout.mode != "direct":
-        raise PreflightError("hybrid.enabled: the numeric step learns from direct rollouts only; "
-                             "use rollout.mode direct")
+        raise PreflightError(
+            "hybrid.enabled: the numeric step learns from direct rollouts only; use rollout.mode direct"
+        )
     if config.hybrid.placement == "local" and importlib.util.find_spec("peft") is None:  # pool: the GPU worker's
         raise PreflightError("hybrid.enabled: the numeric step needs peft: pip install 'clgrpo[local]'")
 
@@ -253,8 +274,10 @@ def check_policy_adapter(config: RunConfig) -> None:
     if adapter is None or not Path(adapter).expanduser().is_dir():
         return
     if config.policy.backend == "openai":
-        raise PreflightError(f"policy.adapter {adapter}: an adapter needs a local policy (backend transformers "
-                             f"or vllm); with an OpenAI-compatible server, load it in the server instead")
+        raise PreflightError(
+            f"policy.adapter {adapter}: an adapter needs a local policy (backend transformers "
+            f"or vllm); with an OpenAI-compatible server, load it in the server instead"
+        )
     if config.policy.backend == "transformers":
         from clgrpo.adapters import AdapterError, check_adapter
 
@@ -297,17 +320,23 @@ def check_refresh(config: RefreshConfig) -> None:
     source = config.source
     path = Path(source.path)
     if source.kind == "directory" and not path.is_dir():
-        raise PreflightError(f"source.path {source.path}: no such directory (new problems arrive there as "
-                             f"{source.pattern} files; create it, e.g. mkdir -p {source.path})")
+        raise PreflightError(
+            f"source.path {source.path}: no such directory (new problems arrive there as "
+            f"{source.pattern} files; create it, e.g. mkdir -p {source.path})"
+        )
     if source.kind == "duckdb" and not path.is_file():
         raise PreflightError(f"source.path {source.path}: no such DuckDB file")
     if source.kind == "traces":
         layout = source.traces_layout
         if layout == "jsonl" and not path.is_dir():
-            raise PreflightError(f"source.path {source.path}: no such directory (traces arrive there as "
-                                 f"{source.pattern} files; create it, e.g. mkdir -p {source.path})")
+            raise PreflightError(
+                f"source.path {source.path}: no such directory (traces arrive there as "
+                f"{source.pattern} files; create it, e.g. mkdir -p {source.path})"
+            )
         if layout != "jsonl" and not path.is_file():
-            raise PreflightError(f"source.path {source.path}: no such {'Parquet' if layout == 'parquet' else 'DuckDB'} file")
+            raise PreflightError(
+                f"source.path {source.path}: no such {'Parquet' if layout == 'parquet' else 'DuckDB'} file"
+            )
     check_dataset(config.training.domain, config.evaluation.dataset, "evaluation.dataset")
     check_library_file(config.initial_library)
     check_writable_dir(config.training.db_path, "training.db_path")

@@ -52,32 +52,50 @@ def churn(previous: ExperienceLibrary, results: Sequence[OperationResult]) -> di
 
     fresh_adds = sum(r.operation.op == OpKind.ADD and r.result_id not in previous for r in applied)
     merged_away = sum(len(r.operation.target_ids) for r in applied if r.operation.op == OpKind.MERGE)
-    return {"added": fresh_adds + count(OpKind.MERGE), "modified": count(OpKind.MODIFY),
-            "deleted": count(OpKind.DELETE) + merged_away, "evicted": count(OpKind.EVICT)}
+    return {
+        "added": fresh_adds + count(OpKind.MERGE),
+        "modified": count(OpKind.MODIFY),
+        "deleted": count(OpKind.DELETE) + merged_away,
+        "evicted": count(OpKind.EVICT),
+    }
 
 
-def library_quality(previous: ExperienceLibrary, library: ExperienceLibrary, stats: Sequence[ExperienceStat],
-                    results: Sequence[OperationResult], summaries: Sequence[Summary]) -> LibraryQuality:
+def library_quality(
+    previous: ExperienceLibrary,
+    library: ExperienceLibrary,
+    stats: Sequence[ExperienceStat],
+    results: Sequence[OperationResult],
+    summaries: Sequence[Summary],
+) -> LibraryQuality:
     """The quality row of ``library`` (the version after a step) from the step's operations and summaries;
     ``previous``: the version the step's rollouts were shown."""
     live = {s.exp_id: s for s in stats if s.exp_id in library}
     near, ratio = near_duplicate_counts(results)
     share, summarized = coverage(summaries, [e.id for e in previous])
     return LibraryQuality(
-        version=library.version, size=len(library), tokens=library.prompt_tokens(),
-        near_duplicates=near, duplicate_ratio=ratio,
+        version=library.version,
+        size=len(library),
+        tokens=library.prompt_tokens(),
+        near_duplicates=near,
+        duplicate_ratio=ratio,
         mean_confidence=statistics.fmean(s.confidence for s in live.values()) if live else None,
         never_cited_share=sum(not s.cited for s in live.values()) / len(live) if live else None,
-        coverage=share, coverage_problems=summarized, **churn(previous, results))
+        coverage=share,
+        coverage_problems=summarized,
+        **churn(previous, results),
+    )
 
 
 def describe_quality(q: LibraryQuality) -> str:
     """One line for the step log."""
+
     def share(value: float | None) -> str:
         return "-" if value is None else f"{value:.0%}"
 
     confidence = "-" if q.mean_confidence is None else f"{q.mean_confidence:.2f}"
-    return (f"library v{q.version}: {q.size} lessons, {q.tokens} tokens, duplicate ratio {q.duplicate_ratio:.0%}, "
-            f"mean confidence {confidence}, never cited {share(q.never_cited_share)}, coverage "
-            f"{share(q.coverage)} of {q.coverage_problems} summarized problems, churn +{q.added} ~{q.modified} "
-            f"-{q.deleted} evicted {q.evicted}")
+    return (
+        f"library v{q.version}: {q.size} lessons, {q.tokens} tokens, duplicate ratio {q.duplicate_ratio:.0%}, "
+        f"mean confidence {confidence}, never cited {share(q.never_cited_share)}, coverage "
+        f"{share(q.coverage)} of {q.coverage_problems} summarized problems, churn +{q.added} ~{q.modified} "
+        f"-{q.deleted} evicted {q.evicted}"
+    )

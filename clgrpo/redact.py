@@ -25,8 +25,13 @@ PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("bearer_token", re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=-]{16,}")),
     ("url_password", re.compile(r"(://[^\s:/@]+:)[^\s/@]+(?=@)")),  # scheme://user:password@host
     # key=..., access_token: ..., "secret": "..." followed by a long token with a digit in it
-    ("credential", re.compile(r"(?i)((?:key|token|secret|password|passwd|pwd)[\"']?\s{0,3}[=:]\s{0,3}[\"']?)"
-                              r"(?=[A-Za-z0-9+/_=-]*\d)[A-Za-z0-9+/_=-]{16,}")),
+    (
+        "credential",
+        re.compile(
+            r"(?i)((?:key|token|secret|password|passwd|pwd)[\"']?\s{0,3}[=:]\s{0,3}[\"']?)"
+            r"(?=[A-Za-z0-9+/_=-]*\d)[A-Za-z0-9+/_=-]{16,}"
+        ),
+    ),
 ]
 EMAIL = ("email", re.compile(r"()\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b"))
 

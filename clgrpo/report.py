@@ -95,8 +95,10 @@ def _tool_use(rollouts: pd.DataFrame) -> dict[int, str]:
     out = {}
     for step, group in rollouts.groupby("step"):
         calls, errors = int(group["tool_calls"].fillna(0).sum()), int(group["tool_errors"].fillna(0).sum())
-        out[int(step)] = (f"{group['n_turns'].fillna(1).mean():.1f} turns, {calls / len(group):.1f} tool calls "
-                          f"({errors / max(1, calls):.0%} errors)")
+        out[int(step)] = (
+            f"{group['n_turns'].fillna(1).mean():.1f} turns, {calls / len(group):.1f} tool calls "
+            f"({errors / max(1, calls):.0%} errors)"
+        )
     return out
 
 
@@ -124,23 +126,34 @@ def collect_run(store: Store, run_id: str) -> RunData:
     for step in steps:
         size = sizes.get(step, size)
         v = heldout.get(step)
-        rows.append(StepRow(
-            step=step, train_accuracy=accuracy.get(step),
-            heldout_mean=Estimate(v.mean_at_k, v.mean_ci_low, v.mean_ci_high, v.ci_level) if v else None,
-            heldout_pass=Estimate(v.pass_at_k, v.pass_ci_low, v.pass_ci_high, v.ci_level) if v else None,
-            library_size=size, operations_applied=int(applied.get(step, 0)),
-            operations_rejected=int(rejected.get(step, 0)), tokens_in=int(tokens_in.get(step, 0)),
-            tokens_out=int(tokens_out.get(step, 0)), cost_usd=cost.get(step, 0.0),
-            validation_tokens=int(val_tokens.get(step, 0)), validation_cost_usd=val_cost.get(step, 0.0),
-            tool_use=tool_use.get(step, "")))
+        rows.append(
+            StepRow(
+                step=step,
+                train_accuracy=accuracy.get(step),
+                heldout_mean=Estimate(v.mean_at_k, v.mean_ci_low, v.mean_ci_high, v.ci_level) if v else None,
+                heldout_pass=Estimate(v.pass_at_k, v.pass_ci_low, v.pass_ci_high, v.ci_level) if v else None,
+                library_size=size,
+                operations_applied=int(applied.get(step, 0)),
+                operations_rejected=int(rejected.get(step, 0)),
+                tokens_in=int(tokens_in.get(step, 0)),
+                tokens_out=int(tokens_out.get(step, 0)),
+                cost_usd=cost.get(step, 0.0),
+                validation_tokens=int(val_tokens.get(step, 0)),
+                validation_cost_usd=val_cost.get(step, 0.0),
+                tool_use=tool_use.get(step, ""),
+            )
+        )
     versions = store.library_versions(run_id)
     first = store.load_library(run_id, versions[0]) if versions else ExperienceLibrary()
     last = store.load_library(run_id, versions[-1]) if versions else ExperienceLibrary()
-    evaluations = [Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
-                   for eid in store.evaluations_of(run_id)]
+    evaluations = [
+        Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
+        for eid in store.evaluations_of(run_id)
+    ]
     stats = {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)} if versions else {}
-    return RunData(run_id, config, rows, validation, first, last, evaluations, stats,
-                   store.records("library_quality", run_id))
+    return RunData(
+        run_id, config, rows, validation, first, last, evaluations, stats, store.records("library_quality", run_id)
+    )
 
 
 def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
@@ -151,8 +164,10 @@ def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
         return None
     results = store.frame("eval_results", run_id, stage=VALIDATE_STAGE)
     first, last = validated[0], validated[-1]
-    matrices = [results[results["step"] == s].pivot(index="problem_id", columns="sample_idx", values="reward")
-                for s in (first, last)]
+    matrices = [
+        results[results["step"] == s].pivot(index="problem_id", columns="sample_idx", values="reward")
+        for s in (first, last)
+    ]
     shared = matrices[0].index.intersection(matrices[1].index)
     a, b = (m.loc[shared].to_numpy() for m in matrices)
     if len(shared) == 0 or a.shape != b.shape or np.isnan(a).any() or np.isnan(b).any():
@@ -173,11 +188,31 @@ def _fmt(e: Estimate | None, signed: bool = False) -> str:
 def step_table(data: RunData) -> Table:
     v = data.config.validation
     mean_k, pass_k = (v.k, v.pass_at) if v else ("k", "k")
-    headers = ["step", "train accuracy [95% CI]", f"held-out Mean@{mean_k} [CI]", f"held-out Pass@{pass_k} [CI]",
-               "library", "ops +/-", "train tokens in/out", "validation tokens", "cost $ train/validation"]
-    rows = [[str(r.step), _fmt(r.train_accuracy), _fmt(r.heldout_mean), _fmt(r.heldout_pass), str(r.library_size),
-             f"{r.operations_applied}/{r.operations_rejected}", f"{r.tokens_in}/{r.tokens_out}",
-             str(r.validation_tokens), f"{r.cost_usd:.4f}/{r.validation_cost_usd:.4f}"] for r in data.steps]
+    headers = [
+        "step",
+        "train accuracy [95% CI]",
+        f"held-out Mean@{mean_k} [CI]",
+        f"held-out Pass@{pass_k} [CI]",
+        "library",
+        "ops +/-",
+        "train tokens in/out",
+        "validation tokens",
+        "cost $ train/validation",
+    ]
+    rows = [
+        [
+            str(r.step),
+            _fmt(r.train_accuracy),
+            _fmt(r.heldout_mean),
+            _fmt(r.heldout_pass),
+            str(r.library_size),
+            f"{r.operations_applied}/{r.operations_rejected}",
+            f"{r.tokens_in}/{r.tokens_out}",
+            str(r.validation_tokens),
+            f"{r.cost_usd:.4f}/{r.validation_cost_usd:.4f}",
+        ]
+        for r in data.steps
+    ]
     if any(r.tool_use for r in data.steps):  # agent runs: how the rollouts used their tools
         headers.append("per rollout (agent)")
         for row, r in zip(rows, data.steps):
@@ -187,35 +222,77 @@ def step_table(data: RunData) -> Table:
 
 def quality_table(data: RunData) -> Table:
     """Per step (version N is the library after step N): what ``clgrpo.quality`` measures."""
+
     def share(value: float | None) -> str:
         return "" if value is None else f"{value:.0%}"
 
-    headers = ["version", "lessons", "tokens", "near-duplicates (ratio)", "mean confidence", "never cited",
-               "coverage (of summarized problems)", "churn +added ~modified -deleted", "evicted"]
-    rows = [[str(q.version), str(q.size), str(q.tokens), f"{q.near_duplicates} ({q.duplicate_ratio:.0%})",
-             "" if q.mean_confidence is None else f"{q.mean_confidence:.2f}", share(q.never_cited_share),
-             f"{share(q.coverage)} of {q.coverage_problems}" if q.coverage is not None else "no summaries",
-             f"+{q.added} ~{q.modified} -{q.deleted}", str(q.evicted)] for q in data.quality]
+    headers = [
+        "version",
+        "lessons",
+        "tokens",
+        "near-duplicates (ratio)",
+        "mean confidence",
+        "never cited",
+        "coverage (of summarized problems)",
+        "churn +added ~modified -deleted",
+        "evicted",
+    ]
+    rows = [
+        [
+            str(q.version),
+            str(q.size),
+            str(q.tokens),
+            f"{q.near_duplicates} ({q.duplicate_ratio:.0%})",
+            "" if q.mean_confidence is None else f"{q.mean_confidence:.2f}",
+            share(q.never_cited_share),
+            f"{share(q.coverage)} of {q.coverage_problems}" if q.coverage is not None else "no summaries",
+            f"+{q.added} ~{q.modified} -{q.deleted}",
+            str(q.evicted),
+        ]
+        for q in data.quality
+    ]
     return headers, rows
 
 
 def library_rows(library: ExperienceLibrary, stats: dict[str, ExperienceStat] | None = None) -> Table:
     """The library as a table; with ``stats``, each lesson's usefulness and confidence."""
     stats = stats or {}
-    rows = [[e.id, e.text, str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
-            + ([describe(stats[e.id]) if e.id in stats else ""] if stats else []) for e in library]
+    rows = [
+        [e.id, e.text, str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
+        + ([describe(stats[e.id]) if e.id in stats else ""] if stats else [])
+        for e in library
+    ]
     return ["id", "text", "created", "updated", "from"] + (["usefulness"] if stats else []), rows
 
 
 def evaluation_table(summaries: list[EvalSummary]) -> Table:
     """One row per condition (all conditions of an evaluation share k and Pass@k's k)."""
     first = summaries[0]
-    headers = ["condition", "library", "experiences", "problems", f"Mean@{first.k} [{first.ci_level:.0%} CI]",
-               f"Pass@{first.pass_k} [{first.ci_level:.0%} CI]", "temperature", "failed samples", "leaked problems"]
-    rows = [[s.condition, s.library_ref, str(s.library_size), str(s.n_problems),
-             _fmt(Estimate(s.mean_at_k, s.mean_ci_low, s.mean_ci_high)),
-             _fmt(Estimate(s.pass_at_k, s.pass_ci_low, s.pass_ci_high)),
-             f"{s.temperature:g}", str(s.n_failed), ", ".join(s.leaked_ids) or "0"] for s in summaries]
+    headers = [
+        "condition",
+        "library",
+        "experiences",
+        "problems",
+        f"Mean@{first.k} [{first.ci_level:.0%} CI]",
+        f"Pass@{first.pass_k} [{first.ci_level:.0%} CI]",
+        "temperature",
+        "failed samples",
+        "leaked problems",
+    ]
+    rows = [
+        [
+            s.condition,
+            s.library_ref,
+            str(s.library_size),
+            str(s.n_problems),
+            _fmt(Estimate(s.mean_at_k, s.mean_ci_low, s.mean_ci_high)),
+            _fmt(Estimate(s.pass_at_k, s.pass_ci_low, s.pass_ci_high)),
+            f"{s.temperature:g}",
+            str(s.n_failed),
+            ", ".join(s.leaked_ids) or "0",
+        ]
+        for s in summaries
+    ]
     return headers, rows
 
 
@@ -227,10 +304,17 @@ def comparison_table(comparisons: list[EvalComparison], summaries: list[EvalSumm
     """The paired differences; with task tags, a tag column (``all``: over every problem) and problem counts."""
     k = {"mean_at_k": summaries[0].k, "pass_at_k": summaries[0].pass_k}
     headers = ["candidate - baseline", "metric", "baseline", "candidate", "difference [CI]", "significant"]
-    rows = [[f"{c.candidate} - {c.baseline}", metric_name(c.metric, k[c.metric]), f"{c.baseline_value:.3f}",
-             f"{c.candidate_value:.3f}",
-             _fmt(Estimate(c.diff, c.ci_low, c.ci_high, c.ci_level), signed=True),
-             "yes" if c.significant else "no"] for c in comparisons]
+    rows = [
+        [
+            f"{c.candidate} - {c.baseline}",
+            metric_name(c.metric, k[c.metric]),
+            f"{c.baseline_value:.3f}",
+            f"{c.candidate_value:.3f}",
+            _fmt(Estimate(c.diff, c.ci_low, c.ci_high, c.ci_level), signed=True),
+            "yes" if c.significant else "no",
+        ]
+        for c in comparisons
+    ]
     if any(c.tag is not None for c in comparisons):
         headers[1:1] = ["tag", "problems"]
         for row, c in zip(rows, comparisons):
@@ -256,19 +340,28 @@ def html_table(table: Table) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def evaluation_markdown(summaries: list[EvalSummary], comparisons: list[EvalComparison],
-                        notes: Sequence[str] = ()) -> str:
+def evaluation_markdown(
+    summaries: list[EvalSummary], comparisons: list[EvalComparison], notes: Sequence[str] = ()
+) -> str:
     """An evaluation as markdown: conditions with CIs, paired differences, notes (e.g. leakage)."""
     if not summaries:
         return "(no evaluation)"
     s = summaries[0]
-    lines = [f"## Evaluation {s.eval_id}", "",
-             f"{s.n_problems} problems from `{s.dataset}`, {s.k} samples each at temperature {s.temperature:g} "
-             f"(seed {s.seed}); {s.ci_level:.0%} bootstrap confidence intervals over problems.", "",
-             markdown_table(evaluation_table(summaries))]
+    lines = [
+        f"## Evaluation {s.eval_id}",
+        "",
+        f"{s.n_problems} problems from `{s.dataset}`, {s.k} samples each at temperature {s.temperature:g} "
+        f"(seed {s.seed}); {s.ci_level:.0%} bootstrap confidence intervals over problems.",
+        "",
+        markdown_table(evaluation_table(summaries)),
+    ]
     if comparisons:
-        lines += ["", "### Paired differences (same problems and sample seeds)", "",
-                  markdown_table(comparison_table(comparisons, summaries))]
+        lines += [
+            "",
+            "### Paired differences (same problems and sample seeds)",
+            "",
+            markdown_table(comparison_table(comparisons, summaries)),
+        ]
     lines += [f"\n> {n}" for n in notes]
     return "\n".join(lines)
 
@@ -277,21 +370,38 @@ def evaluation_markdown(summaries: list[EvalSummary], comparisons: list[EvalComp
 def run_plots(data: RunData) -> dict[str, bytes]:
     trained = [r for r in data.steps if r.train_accuracy is not None]
     validated = [r for r in data.steps if r.heldout_mean is not None]
-    series = [plots.Series("training rollouts (mean reward)", [r.step for r in trained],
-                           [r.train_accuracy.value for r in trained], [r.train_accuracy.low for r in trained],
-                           [r.train_accuracy.high for r in trained])]
+    series = [
+        plots.Series(
+            "training rollouts (mean reward)",
+            [r.step for r in trained],
+            [r.train_accuracy.value for r in trained],
+            [r.train_accuracy.low for r in trained],
+            [r.train_accuracy.high for r in trained],
+        )
+    ]
     if validated:
         v = data.config.validation
         label = f"held-out Mean@{v.k} (T={v.temperature:g})" if v else "held-out Mean@k"
-        series.append(plots.Series(label, [r.step for r in validated], [r.heldout_mean.value for r in validated],
-                                   [r.heldout_mean.low for r in validated], [r.heldout_mean.high for r in validated]))
+        series.append(
+            plots.Series(
+                label,
+                [r.step for r in validated],
+                [r.heldout_mean.value for r in validated],
+                [r.heldout_mean.low for r in validated],
+                [r.heldout_mean.high for r in validated],
+            )
+        )
     steps = [r.step for r in data.steps]
     return {
         "accuracy": plots.accuracy_plot(series, title=f"{data.run_id}: accuracy per step (95% CI)"),
         "library_size": plots.library_size_plot(steps, [r.library_size for r in data.steps]),
-        "cost": plots.cost_plot(steps, [r.tokens_in for r in data.steps], [r.tokens_out for r in data.steps],
-                                [r.cost_usd + r.validation_cost_usd for r in data.steps],
-                                [r.validation_tokens for r in data.steps]),
+        "cost": plots.cost_plot(
+            steps,
+            [r.tokens_in for r in data.steps],
+            [r.tokens_out for r in data.steps],
+            [r.cost_usd + r.validation_cost_usd for r in data.steps],
+            [r.validation_tokens for r in data.steps],
+        ),
     }
 
 
@@ -301,16 +411,20 @@ def write_plots(images: dict[str, bytes], directory: Path) -> dict[str, Path]:
 
 def _headline(data: RunData, gain: Gain | None) -> list[str]:
     cfg = data.config
-    lines = [f"policy `{cfg.policy.model}`, dataset `{cfg.dataset.path or cfg.dataset.hf_name}`, "
-             f"group size {cfg.grpo.group_size}, {cfg.grpo.epochs} epoch(s), rollout temperature "
-             f"{cfg.grpo.rollout_temperature:g}; {len([r for r in data.steps if r.step > 0])} steps, final library "
-             f"version {data.last.version} with {len(data.last)} experiences."]
+    lines = [
+        f"policy `{cfg.policy.model}`, dataset `{cfg.dataset.path or cfg.dataset.hf_name}`, "
+        f"group size {cfg.grpo.group_size}, {cfg.grpo.epochs} epoch(s), rollout temperature "
+        f"{cfg.grpo.rollout_temperature:g}; {len([r for r in data.steps if r.step > 0])} steps, final library "
+        f"version {data.last.version} with {len(data.last)} experiences."
+    ]
     if gain is not None:
         first, last, estimate = gain
-        lines.append(f"Held-out Mean@{cfg.validation.k if cfg.validation else 'k'} from step {first} to step {last}: "
-                     f"{estimate.format(3, signed=True)} "
-                     f"(paired, {estimate.level:.0%} CI; "
-                     f"{'significant' if estimate.excludes_zero else 'not significant'}).")
+        lines.append(
+            f"Held-out Mean@{cfg.validation.k if cfg.validation else 'k'} from step {first} to step {last}: "
+            f"{estimate.format(3, signed=True)} "
+            f"(paired, {estimate.level:.0%} CI; "
+            f"{'significant' if estimate.excludes_zero else 'not significant'})."
+        )
     elif cfg.validation is None:
         lines.append("No held-out validation was configured for this run (set `validation:` in the config).")
     return lines
@@ -326,10 +440,18 @@ def render_markdown(data: RunData, files: dict[str, Path], out_dir: Path, gain: 
     lines += ["", "## Steps", "", markdown_table(step_table(data))]
     if data.quality:
         lines += ["", "## Library quality per step", "", markdown_table(quality_table(data))]
-    lines += ["", f"## Final library (version {data.last.version})", "",
-              markdown_table(library_rows(data.last, data.stats)),
-              "", f"## Changes from version {data.first.version} to version {data.last.version}", "", "```",
-              *_diff_lines(data), "```"]
+    lines += [
+        "",
+        f"## Final library (version {data.last.version})",
+        "",
+        markdown_table(library_rows(data.last, data.stats)),
+        "",
+        f"## Changes from version {data.first.version} to version {data.last.version}",
+        "",
+        "```",
+        *_diff_lines(data),
+        "```",
+    ]
     for ev in data.evaluations:
         lines += ["", evaluation_markdown(ev.summaries, ev.comparisons)]
     lines += ["", "## Config", "", "```json", json.dumps(data.config.model_dump(mode="json"), indent=2), "```", ""]
@@ -344,24 +466,32 @@ pre{background:#f6f6f6;padding:1em;overflow-x:auto}.add{color:#176f2c}.del{color
 
 def render_html(data: RunData, images: dict[str, bytes], gain: Gain | None = None) -> str:
     classes = {"+": "add", "-": "del", "~": "mod"}
-    diff_html = "\n".join(f'<span class="{classes.get(line[:1], "")}">{html.escape(line)}</span>'
-                          for line in _diff_lines(data))
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>clgrpo run {html.escape(data.run_id)}</title>"
-             f"<style>{_CSS}</style></head><body>",
-             f"<h1>clgrpo run <code>{html.escape(data.run_id)}</code></h1>",
-             *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _headline(data, gain)),
-             *(f'<img alt="{name}" src="{plots.data_uri(png)}">' for name, png in images.items()),
-             "<h2>Steps</h2>", html_table(step_table(data)),
-             *(["<h2>Library quality per step</h2>", html_table(quality_table(data))] if data.quality else []),
-             f"<h2>Final library (version {data.last.version})</h2>", html_table(library_rows(data.last, data.stats)),
-             f"<h2>Changes from version {data.first.version} to version {data.last.version}</h2>",
-             f"<pre>{diff_html}</pre>"]
+    diff_html = "\n".join(
+        f'<span class="{classes.get(line[:1], "")}">{html.escape(line)}</span>' for line in _diff_lines(data)
+    )
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>clgrpo run {html.escape(data.run_id)}</title>"
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>clgrpo run <code>{html.escape(data.run_id)}</code></h1>",
+        *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _headline(data, gain)),
+        *(f'<img alt="{name}" src="{plots.data_uri(png)}">' for name, png in images.items()),
+        "<h2>Steps</h2>",
+        html_table(step_table(data)),
+        *(["<h2>Library quality per step</h2>", html_table(quality_table(data))] if data.quality else []),
+        f"<h2>Final library (version {data.last.version})</h2>",
+        html_table(library_rows(data.last, data.stats)),
+        f"<h2>Changes from version {data.first.version} to version {data.last.version}</h2>",
+        f"<pre>{diff_html}</pre>",
+    ]
     for ev in data.evaluations:
         parts += [f"<h2>Evaluation {html.escape(ev.eval_id)}</h2>", html_table(evaluation_table(ev.summaries))]
         if ev.comparisons:
             parts.append(html_table(comparison_table(ev.comparisons, ev.summaries)))
-    parts += ["<h2>Config</h2>", f"<pre>{html.escape(json.dumps(data.config.model_dump(mode='json'), indent=2))}</pre>",
-              f"<p><small>generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC</small></p></body></html>"]
+    parts += [
+        "<h2>Config</h2>",
+        f"<pre>{html.escape(json.dumps(data.config.model_dump(mode='json'), indent=2))}</pre>",
+        f"<p><small>generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC</small></p></body></html>",
+    ]
     return "\n".join(parts)
 
 

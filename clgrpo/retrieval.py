@@ -29,8 +29,12 @@ def prompt_routing(config: RunConfig) -> dict[str, Any] | None:
     settings = config.library
     routing: dict[str, Any] = {}
     if settings.injection == "top_k":
-        routing = {"injection": "top_k", "top_k": settings.top_k, "pinned": settings.pinned,
-                   "embedding": settings.result_settings()["embedding"]}  # type: ignore[index]
+        routing = {
+            "injection": "top_k",
+            "top_k": settings.top_k,
+            "pinned": settings.pinned,
+            "embedding": settings.result_settings()["embedding"],
+        }  # type: ignore[index]
     if config.dataset.domain_field:
         routing["domain_field"] = config.dataset.domain_field
     return routing or None
@@ -41,9 +45,14 @@ def eligible(experience: Experience, problem: Problem) -> bool:
     return experience.domain_tag is None or problem.domain_tag is None or experience.domain_tag == problem.domain_tag
 
 
-def select_experiences(library: ExperienceLibrary, problems: Sequence[Problem], *, top_k: int | None = None,
-                       pinned: Sequence[str] = (),
-                       vectors: Mapping[str, Sequence[float]] | None = None) -> Shown | None:
+def select_experiences(
+    library: ExperienceLibrary,
+    problems: Sequence[Problem],
+    *,
+    top_k: int | None = None,
+    pinned: Sequence[str] = (),
+    vectors: Mapping[str, Sequence[float]] | None = None,
+) -> Shown | None:
     """The ids each problem's prompt shows; None when that is the whole library for every problem (the prompt,
     and its hash, stay exactly as without routing). ``top_k``: retrieval (``vectors`` keyed by
     ``normalize_text`` of every lesson and problem text); None: all eligible experiences."""
@@ -71,8 +80,9 @@ def _by_tag(problems: Sequence[Problem]) -> dict[str | None, list[Problem]]:
     return groups
 
 
-def _most_similar(candidates: list[Experience], problems: list[Problem], k: int,
-                  vectors: Mapping[str, Sequence[float]]) -> Shown:
+def _most_similar(
+    candidates: list[Experience], problems: list[Problem], k: int, vectors: Mapping[str, Sequence[float]]
+) -> Shown:
     """``candidates`` in library (id) order, so ``nearest``'s ties go to the lower id."""
     lessons = np.asarray([_vector(vectors, e.text) for e in candidates], dtype=np.float32)
     queries = np.asarray([_vector(vectors, p.problem) for p in problems], dtype=np.float32)
@@ -103,8 +113,9 @@ async def embed_cached(store: Any, embedder: Embedder, texts: Sequence[str]) -> 
     return {k: [float(x) for x in known[h]] for k, h in keys.items()}
 
 
-async def route_library(config: RunConfig, store: Any, library: ExperienceLibrary,
-                        problems: Sequence[Problem]) -> ExperienceLibrary:
+async def route_library(
+    config: RunConfig, store: Any, library: ExperienceLibrary, problems: Sequence[Problem]
+) -> ExperienceLibrary:
     """``library`` carrying which experiences each of ``problems`` is shown (``library.shown``), per the config;
     unchanged when every prompt gets the whole library."""
     settings = config.library

@@ -69,37 +69,58 @@ def _trial_lines(trials: Iterable[tuple[int, LessonTrial]], exp_id: str, text: s
         same_text = key is not None and t.operation.text and normalize_text(t.operation.text) == key
         if same_text or (not t.operation.text and exp_id in t.operation.target_ids):
             gain = "" if t.gain is None else f": {t.mean_without:.2f} -> {t.mean_with:.2f} (gain {t.gain:+.2f})"
-            lines.append(f"step {step} validation {t.verdict} on {t.pairs} pair(s){gain}"
-                         + (f"; {t.reason}" if t.reason else ""))
+            lines.append(
+                f"step {step} validation {t.verdict} on {t.pairs} pair(s){gain}" + (f"; {t.reason}" if t.reason else "")
+            )
     return lines
 
 
-def _change(n: int, op: Literal["add", "modify", "delete"], exp_id: str, before: Experience | None,
-            after: Experience | None, operations: Sequence[tuple[int, OperationResult]],
-            trials: Sequence[tuple[int, LessonTrial]], stats: Mapping[str, ExperienceStat]) -> LessonChange:
+def _change(
+    n: int,
+    op: Literal["add", "modify", "delete"],
+    exp_id: str,
+    before: Experience | None,
+    after: Experience | None,
+    operations: Sequence[tuple[int, OperationResult]],
+    trials: Sequence[tuple[int, LessonTrial]],
+    stats: Mapping[str, ExperienceStat],
+) -> LessonChange:
     made_by = [(step, r) for step, r in operations if _touches(r, exp_id)]
     groups = dict.fromkeys(g for _, r in made_by for g in r.operation.source_groups)
     groups.update(dict.fromkeys(after.source_groups if after else ()))
     evidence = _trial_lines(trials, exp_id, after.text if after else None)
     if exp_id in stats and op != "delete":
         evidence.append(f"in training: {describe_stat(stats[exp_id])}")
-    return LessonChange(change_id=f"c{n}", op=op, exp_id=exp_id, before=before.text if before else None,
-                        proposed=after.text if after else None, source_groups=list(groups),
-                        origin=[describe_operation(step, r).strip() for step, r in made_by], evidence=evidence)
+    return LessonChange(
+        change_id=f"c{n}",
+        op=op,
+        exp_id=exp_id,
+        before=before.text if before else None,
+        proposed=after.text if after else None,
+        source_groups=list(groups),
+        origin=[describe_operation(step, r).strip() for step, r in made_by],
+        evidence=evidence,
+    )
 
 
-def changes_between(baseline: ExperienceLibrary, candidate: ExperienceLibrary,
-                    operations: Sequence[tuple[int, OperationResult]] = (),
-                    trials: Sequence[tuple[int, LessonTrial]] = (),
-                    stats: Mapping[str, ExperienceStat] | None = None) -> list[LessonChange]:
+def changes_between(
+    baseline: ExperienceLibrary,
+    candidate: ExperienceLibrary,
+    operations: Sequence[tuple[int, OperationResult]] = (),
+    trials: Sequence[tuple[int, LessonTrial]] = (),
+    stats: Mapping[str, ExperienceStat] | None = None,
+) -> list[LessonChange]:
     """Every change from ``baseline`` to ``candidate`` (adds, then modifies, then deletes), numbered c1, c2..."""
     d, stats = diff(baseline, candidate), stats or {}
     found: list[tuple[Literal["add", "modify", "delete"], str, Experience | None, Experience | None]] = [
         *(("add", e.id, None, e) for e in d.added),
         *(("modify", old.id, old, new) for old, new in d.modified),
-        *(("delete", e.id, e, None) for e in d.removed)]
-    return [_change(n, op, exp_id, before, after, operations, trials, stats)
-            for n, (op, exp_id, before, after) in enumerate(found, start=1)]
+        *(("delete", e.id, e, None) for e in d.removed),
+    ]
+    return [
+        _change(n, op, exp_id, before, after, operations, trials, stats)
+        for n, (op, exp_id, before, after) in enumerate(found, start=1)
+    ]
 
 
 # --- the answer form ------------------------------------------------------------------------------------------
@@ -123,24 +144,36 @@ def change_summary(change: LessonChange) -> str:
 def _answer_model(change: LessonChange) -> type[BaseModel]:
     """A change's own answer model, so its form group can carry the change's text as the edit default."""
     return create_model(
-        f"Change_{change.change_id}", __base__=ChangeAnswer,
+        f"Change_{change.change_id}",
+        __base__=ChangeAnswer,
         decision=(Choice, Field(title="Decision", description=CHOICE_HELP)),
-        text=(str, Field(change.proposed or "", title="Lesson text (for edit)",
-                         description="the lesson as it will read if you choose edit")),
-        reason=(str, Field("", title="Reason", description="why (stored with the decision)")))
+        text=(
+            str,
+            Field(
+                change.proposed or "",
+                title="Lesson text (for edit)",
+                description="the lesson as it will read if you choose edit",
+            ),
+        ),
+        reason=(str, Field("", title="Reason", description="why (stored with the decision)")),
+    )
 
 
 def answer_form(changes: Sequence[LessonChange], base: type[BaseModel] = BaseModel) -> type[BaseModel]:
     """The review form: one group per change (titled with its id and op) and the reviewer's name."""
     fields: dict[str, Any] = {
-        field_name(c): (_answer_model(c), Field(title=change_title(c), description=change_summary(c)))
-        for c in changes}
-    fields["reviewer"] = (str, Field(title="Reviewer", description="your name, stored with every decision",
-                                     min_length=1))
+        field_name(c): (_answer_model(c), Field(title=change_title(c), description=change_summary(c))) for c in changes
+    }
+    fields["reviewer"] = (
+        str,
+        Field(title="Reviewer", description="your name, stored with every decision", min_length=1),
+    )
     return create_model("LessonReview", __base__=base, **fields)
 
 
-def answers_from(form: BaseModel | Mapping[str, Any], changes: Sequence[LessonChange]) -> tuple[dict[str, ChangeAnswer], str]:
+def answers_from(
+    form: BaseModel | Mapping[str, Any], changes: Sequence[LessonChange]
+) -> tuple[dict[str, ChangeAnswer], str]:
     """Answers by change id and the reviewer, from a filled form or a dict (``--decisions`` file); a dict may key
     changes by their id (``c1``) or form field (``c1_add_E7``)."""
     data = form.model_dump() if isinstance(form, BaseModel) else dict(form)
@@ -160,49 +193,84 @@ def answers_from(form: BaseModel | Mapping[str, Any], changes: Sequence[LessonCh
     known = {field_name(c) for c in changes} | {c.change_id for c in changes} | {"reviewer"}
     unknown = sorted(set(data) - known)
     if missing or unknown:
-        raise ReviewError("the answers do not fit the changes: " + "; ".join(
-            ([f"no answer for {', '.join(missing)}"] if missing else [])
-            + ([f"unknown change(s) {', '.join(unknown)}"] if unknown else [])))
+        raise ReviewError(
+            "the answers do not fit the changes: "
+            + "; ".join(
+                ([f"no answer for {', '.join(missing)}"] if missing else [])
+                + ([f"unknown change(s) {', '.join(unknown)}"] if unknown else [])
+            )
+        )
     return answers, reviewer
 
 
-def uniform_answers(changes: Sequence[LessonChange], choice: Literal["approve", "reject"], reviewer: str,
-                    reason: str) -> dict[str, Any]:
+def uniform_answers(
+    changes: Sequence[LessonChange], choice: Literal["approve", "reject"], reviewer: str, reason: str
+) -> dict[str, Any]:
     """Every change answered alike (``--approve-all`` / ``--reject-all``), as form data."""
     return {**{field_name(c): {"decision": choice, "reason": reason} for c in changes}, "reviewer": reviewer}
 
 
 # --- answers -> library and decision rows ----------------------------------------------------------------------
 def _decide(change: LessonChange, answer: ChangeAnswer, reviewer: str, check: Check) -> ReviewDecision:
-    base = {"change_id": change.change_id, "op": change.op, "exp_id": change.exp_id, "before": change.before,
-            "proposed": change.proposed, "reviewer": reviewer, "reason": answer.reason}
+    base = {
+        "change_id": change.change_id,
+        "op": change.op,
+        "exp_id": change.exp_id,
+        "before": change.before,
+        "proposed": change.proposed,
+        "reviewer": reviewer,
+        "reason": answer.reason,
+    }
     if answer.decision == "reject":
         return ReviewDecision(**base, decision="reject", adopted=False, after=change.before)
     if answer.decision == "approve":
         return ReviewDecision(**base, decision="approve", adopted=True, after=change.proposed)
     text = " ".join(answer.text.split())
-    refusal = ("a deleted lesson has no text to edit: approve or reject the delete" if change.op == "delete"
-               else "the edited text is empty" if not text else check(text, change.source_groups))
+    refusal = (
+        "a deleted lesson has no text to edit: approve or reject the delete"
+        if change.op == "delete"
+        else "the edited text is empty"
+        if not text
+        else check(text, change.source_groups)
+    )
     if refusal:
-        return ReviewDecision(**{**base, "reason": f"edit refused by the lesson guard: {refusal}"},
-                              decision="refused_edit", adopted=False, after=change.before)
+        return ReviewDecision(
+            **{**base, "reason": f"edit refused by the lesson guard: {refusal}"},
+            decision="refused_edit",
+            adopted=False,
+            after=change.before,
+        )
     return ReviewDecision(**base, decision="edit", adopted=True, after=text)
 
 
-def decide_all(changes: Sequence[LessonChange], answers: Mapping[str, ChangeAnswer], reviewer: str,
-               check: Check) -> list[ReviewDecision]:
+def decide_all(
+    changes: Sequence[LessonChange], answers: Mapping[str, ChangeAnswer], reviewer: str, check: Check
+) -> list[ReviewDecision]:
     return [_decide(c, answers[c.change_id], reviewer, check) for c in changes]
 
 
 def timed_out(changes: Sequence[LessonChange], reason: str) -> list[ReviewDecision]:
     """The rows of a review nobody answered in time: nothing adopted."""
-    return [ReviewDecision(change_id=c.change_id, op=c.op, exp_id=c.exp_id, before=c.before, proposed=c.proposed,
-                           after=c.before, decision="timed_out", adopted=False, reason=reason, reviewer="nobody")
-            for c in changes]
+    return [
+        ReviewDecision(
+            change_id=c.change_id,
+            op=c.op,
+            exp_id=c.exp_id,
+            before=c.before,
+            proposed=c.proposed,
+            after=c.before,
+            decision="timed_out",
+            adopted=False,
+            reason=reason,
+            reviewer="nobody",
+        )
+        for c in changes
+    ]
 
 
-def reviewed_library(baseline: ExperienceLibrary, candidate: ExperienceLibrary,
-                     decisions: Sequence[ReviewDecision]) -> ExperienceLibrary:
+def reviewed_library(
+    baseline: ExperienceLibrary, candidate: ExperienceLibrary, decisions: Sequence[ReviewDecision]
+) -> ExperienceLibrary:
     """The baseline with the adopted changes applied; ids as in the candidate, its next id kept."""
     lessons = dict(baseline.by_id)
     retired = set(baseline.retired_ids)
@@ -216,9 +284,17 @@ def reviewed_library(baseline: ExperienceLibrary, candidate: ExperienceLibrary,
             lessons[d.exp_id] = candidate.by_id[d.exp_id].model_copy(update={"text": d.after})
     order = {e.id: i for i, e in enumerate(candidate)}  # the candidate's order, baseline-only lessons after
     ranked = sorted(lessons.values(), key=lambda e: (order.get(e.id, len(order)), e.id))
-    return ExperienceLibrary.from_version(LibraryVersion(
-        version=candidate.version, step=candidate.step, parent_version=baseline.version, experiences=ranked,
-        retired_ids=sorted(retired), next_id=candidate.next_id, id_prefix=candidate.id_prefix))
+    return ExperienceLibrary.from_version(
+        LibraryVersion(
+            version=candidate.version,
+            step=candidate.step,
+            parent_version=baseline.version,
+            experiences=ranked,
+            retired_ids=sorted(retired),
+            next_id=candidate.next_id,
+            id_prefix=candidate.id_prefix,
+        )
+    )
 
 
 def describe_decision(d: ReviewDecision) -> str:
@@ -279,16 +355,22 @@ def _outcome(request: ReviewRequest, decisions: Sequence[ReviewDecision], librar
     reviewer = decisions[0].reviewer if decisions else "nobody"
     if library_ref is None:
         reason = f"review by {reviewer}: no change adopted ({summary}): nothing promoted"
-        return request.pending.model_copy(update={"status": "not_promoted", "decided_at": utcnow(),
-                                                  "reasons": [*request.pending.reasons, reason]})
+        return request.pending.model_copy(
+            update={"status": "not_promoted", "decided_at": utcnow(), "reasons": [*request.pending.reasons, reason]}
+        )
     adopted = sum(d.adopted for d in decisions)
-    reason = (f"review by {reviewer}: {adopted} of {len(decisions)} change(s) adopted ({summary}); "
-              f"promoted library {library_ref}")
-    return request.pending.model_copy(update={"status": "promoted", "decided_at": utcnow(),
-                                              "reasons": [*request.pending.reasons, reason]})
+    reason = (
+        f"review by {reviewer}: {adopted} of {len(decisions)} change(s) adopted ({summary}); "
+        f"promoted library {library_ref}"
+    )
+    return request.pending.model_copy(
+        update={"status": "promoted", "decided_at": utcnow(), "reasons": [*request.pending.reasons, reason]}
+    )
 
 
-def conclude(store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision], folder: Path) -> RefreshDecision:
+def conclude(
+    store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision], folder: Path
+) -> RefreshDecision:
     """Store the decisions, promote the baseline plus the adopted changes (if any) and store the refresh's
     decision. Run again with the same decisions, it does the same (the promotion is kept once)."""
     store.write_stage(request.refresh_id, 0, REVIEW_DECIDE_STAGE, {"review_decisions": list(decisions)})
@@ -301,8 +383,16 @@ def conclude(store: Store, request: ReviewRequest, decisions: Sequence[ReviewDec
         if library.content_hash() != candidate.content_hash():  # not every change as proposed: its own version
             store.save_library(f"{request.refresh_id}-review", library)
             library_ref = f"{request.refresh_id}-review:{library.version}"
-        adopt(store, request.name, folder, library, library_ref, request.refresh_id,
-              actor=decisions[0].reviewer, reason="; ".join(describe_decision(d) for d in decisions))
+        adopt(
+            store,
+            request.name,
+            folder,
+            library,
+            library_ref,
+            request.refresh_id,
+            actor=decisions[0].reviewer,
+            reason="; ".join(describe_decision(d) for d in decisions),
+        )
     decision = _outcome(request, decisions, library_ref)
     if any(d.decision == "timed_out" for d in decisions):
         decision = decision.model_copy(update={"reasons": [*request.pending.reasons, decisions[0].reason]})
@@ -311,11 +401,15 @@ def conclude(store: Store, request: ReviewRequest, decisions: Sequence[ReviewDec
 
 
 def timeout_reason(request: ReviewRequest) -> str:
-    return (f"review timed out after {request.timeout_s} s (no answer by {request.deadline:%Y-%m-%d %H:%M %Z}): "
-            "nothing promoted")
+    return (
+        f"review timed out after {request.timeout_s} s (no answer by {request.deadline:%Y-%m-%d %H:%M %Z}): "
+        "nothing promoted"
+    )
 
 
-def settle_expired(store: Store, name: str, now: datetime, folder: Path, skip: str) -> tuple[list[RefreshDecision], list[ReviewRequest]]:
+def settle_expired(
+    store: Store, name: str, now: datetime, folder: Path, skip: str
+) -> tuple[list[RefreshDecision], list[ReviewRequest]]:
     """Open reviews of ``name`` (other than refresh ``skip``): those past their deadline are decided as timed out
     (returned), the others are returned as still waiting."""
     settled, waiting = [], []

@@ -22,8 +22,11 @@ from clgrpo.store import StoreLockedError
 
 LOCK_DIR = ".locks"
 ACQUIRE_WAIT_S = 1.0  # a reader's probe holds a shared lock for microseconds: wait that out, not a live owner
-_WHAT = {"train": "run {name} is being trained", "eval": "evaluation {name} is being run",
-         "refresh": "refresh {name} is being run"}
+_WHAT = {
+    "train": "run {name} is being trained",
+    "eval": "evaluation {name} is being run",
+    "refresh": "refresh {name} is being run",
+}
 
 
 class RunLockedError(StoreLockedError):

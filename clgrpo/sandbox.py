@@ -101,8 +101,13 @@ IDLE_CHECK_S = 0.5  # how often the parent checks the CPU time of interpreters b
 SYSTEM_READ = ["/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom"]
 DEVICES_RW = ["/dev/null", "/dev/zero"]
 ARCHES = {"x86_64": 317, "aarch64": 277}  # the seccomp syscall's number
-THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS")
+THREAD_VARS = (
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -134,8 +139,7 @@ _probe_result: _Probe | SandboxUnavailable | None = None
 
 
 def _unavailable(what: str) -> SandboxUnavailable:
-    return SandboxUnavailable(f"python sandbox unavailable: {what}; agent mode's python tool refuses to run "
-                              "without it")
+    return SandboxUnavailable(f"python sandbox unavailable: {what}; agent mode's python tool refuses to run without it")
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -207,26 +211,37 @@ def _probe() -> _Probe:
     if abi < 1:
         if err == errno.EOPNOTSUPP:
             raise _unavailable("Landlock is disabled in this kernel (add landlock to the lsm= boot parameter)")
-        raise _unavailable(f"the kernel has no Landlock (needs Linux >= 5.13 with CONFIG_SECURITY_LANDLOCK; "
-                           f"{os.strerror(err)})")
+        raise _unavailable(
+            f"the kernel has no Landlock (needs Linux >= 5.13 with CONFIG_SECURITY_LANDLOCK; {os.strerror(err)})"
+        )
     for action, name in ((0x00050000, "errno"), (0x80000000, "kill_process")):
         err = _seccomp_action_missing(machine, action)
         if err:
-            raise _unavailable(f"the kernel has no seccomp filters with the {name} action "
-                               f"({os.strerror(err)}; needs CONFIG_SECCOMP_FILTER)")
+            raise _unavailable(
+                f"the kernel has no seccomp filters with the {name} action "
+                f"({os.strerror(err)}; needs CONFIG_SECCOMP_FILTER)"
+            )
     read_paths = _python_read_paths()
-    layers = ["files"] + (["tcp bind/connect"] if abi >= 4 else []) + (["signals, abstract unix sockets"]
-                                                                         if abi >= 6 else [])
+    layers = (
+        ["files"]
+        + (["tcp bind/connect"] if abi >= 4 else [])
+        + (["signals, abstract unix sockets"] if abi >= 6 else [])
+    )
     if os.geteuid() == 0:
         keep = not all(_nobody_can_read(p) for p in read_paths)
         uid: int | None = NOBODY
-        who = ("uid nobody + CAP_DAC_READ_SEARCH (the Python installation is under a directory nobody cannot "
-               "enter)" if keep else "uid nobody")
+        who = (
+            "uid nobody + CAP_DAC_READ_SEARCH (the Python installation is under a directory nobody cannot enter)"
+            if keep
+            else "uid nobody"
+        )
     else:
         uid, keep, who = None, False, f"uid {os.geteuid()} (not root: no uid change)"
-    line = (f"landlock abi {abi} ({', '.join(layers)}), seccomp (sockets, io_uring, processes, exec, ptrace, "
-            f"mounts, namespaces, bpf, perf, keyrings, modules), no_new_privs, {who}, rlimits (address space, "
-            "file size, open files, no core), cpu/wall kills, clean env")
+    line = (
+        f"landlock abi {abi} ({', '.join(layers)}), seccomp (sockets, io_uring, processes, exec, ptrace, "
+        f"mounts, namespaces, bpf, perf, keyrings, modules), no_new_privs, {who}, rlimits (address space, "
+        "file size, open files, no core), cpu/wall kills, clean env"
+    )
     return _Probe(line, uid, keep, tuple(read_paths))
 
 
@@ -266,8 +281,14 @@ class _ChannelError(Exception):
 
 
 def _env() -> dict[str, str]:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "TMPDIR": "/", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/",
+        "TMPDIR": "/",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "MPLBACKEND": "Agg",
+    }
     env.update({name: "1" for name in THREAD_VARS})
     env.update(owner_env())  # who started it, for the sweep after a SIGKILL (clgrpo.leftovers)
     return env
@@ -299,9 +320,20 @@ class _Interp:
         out_r, out_w = os.pipe()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-B", str(WORKER), str(res_w), stdin=asyncio.subprocess.PIPE,
-                stdout=out_w, stderr=out_w, pass_fds=(res_w,), env=_env(), cwd="/", start_new_session=True,
-                close_fds=True)
+                sys.executable,
+                "-I",
+                "-B",
+                str(WORKER),
+                str(res_w),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=out_w,
+                stderr=out_w,
+                pass_fds=(res_w,),
+                env=_env(),
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+            )
         except BaseException:
             for fd in (res_r, out_r):
                 os.close(fd)
@@ -313,8 +345,9 @@ class _Interp:
         os.set_blocking(out_r, False)
         loop.add_reader(out_r, self._on_output)
         self.reader = asyncio.StreamReader()
-        self.transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self.reader),
-                                                         os.fdopen(res_r, "rb", buffering=0))
+        self.transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(self.reader), os.fdopen(res_r, "rb", buffering=0)
+        )
         try:
             ready = await asyncio.wait_for(self.recv(), START_TIMEOUT_S)
         except (asyncio.TimeoutError, _ChannelError) as exc:
@@ -334,8 +367,9 @@ class _Interp:
             await self.send(message)
             reply = await asyncio.wait_for(self.recv(), BIND_TIMEOUT_S)
         except (asyncio.TimeoutError, _ChannelError) as exc:
-            raise SandboxUnavailable(f"the sandboxed Python interpreter could not apply its restrictions "
-                                     f"({self._why(exc)})") from None
+            raise SandboxUnavailable(
+                f"the sandboxed Python interpreter could not apply its restrictions ({self._why(exc)})"
+            ) from None
         if "ok" not in reply:
             raise _unavailable(f"the interpreter could not apply its restrictions: {reply.get('error')}")
         self.out.clear()
@@ -514,8 +548,10 @@ class PythonSession:
                 while True:
                     remaining = cfg.wall_s - (time.monotonic() - start)
                     if remaining <= 0:
-                        killed = (f"wall-time limit of {cfg.wall_s:g}s exceeded: the interpreter was restarted, "
-                                  "variables are lost")
+                        killed = (
+                            f"wall-time limit of {cfg.wall_s:g}s exceeded: the interpreter was restarted, "
+                            "variables are lost"
+                        )
                         break
                     done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, remaining))
                     if done:
@@ -523,8 +559,10 @@ class PythonSession:
                         break
                     cpu_seen = interp.cpu_s() or cpu_seen
                     if cpu_seen - cpu_start > cfg.cpu_s + grace:  # a C-level loop never saw the CPU timer
-                        killed = (f"CPU time limit of {cfg.cpu_s:g}s exceeded: the interpreter was killed (the "
-                                  "computation did not return to Python), variables are lost")
+                        killed = (
+                            f"CPU time limit of {cfg.cpu_s:g}s exceeded: the interpreter was killed (the "
+                            "computation did not return to Python), variables are lost"
+                        )
                         break
             finally:
                 if not pending.done():
@@ -556,21 +594,31 @@ class PythonSession:
         if killed is None:
             killed = self._death(interp.proc.returncode)
         text, total = interp.take_output()
-        return self._result(text, total, killed, restarted=True, cpu_s=max(0.0, cpu_seen - cpu_start),
-                            wall_s=wall_s)
+        return self._result(text, total, killed, restarted=True, cpu_s=max(0.0, cpu_seen - cpu_start), wall_s=wall_s)
 
-    def _result(self, text: str, total: int, error: str | None, *, restarted: bool, cpu_s: float,
-                wall_s: float) -> RunResult:
+    def _result(
+        self, text: str, total: int, error: str | None, *, restarted: bool, cpu_s: float, wall_s: float
+    ) -> RunResult:
         cap = self._pool.cfg.output_chars
         output = text[:cap]
         total = max(total, len(text))
-        return RunResult(output=output, error=error, truncated=total > len(output), output_total_chars=total,
-                         restarted=restarted, cpu_s=cpu_s, wall_s=wall_s, wait_s=0.0)
+        return RunResult(
+            output=output,
+            error=error,
+            truncated=total > len(output),
+            output_total_chars=total,
+            restarted=restarted,
+            cpu_s=cpu_s,
+            wall_s=wall_s,
+            wait_s=0.0,
+        )
 
     def _death(self, returncode: int | None, stopped_idle: bool = False) -> str:
         if stopped_idle:
-            how = (f"was stopped between calls: threads left running used more than the CPU time limit of "
-                   f"{self._pool.cfg.cpu_s:g}s")
+            how = (
+                f"was stopped between calls: threads left running used more than the CPU time limit of "
+                f"{self._pool.cfg.cpu_s:g}s"
+            )
         elif returncode is not None and returncode < 0:
             try:
                 name = signal.Signals(-returncode).name
@@ -756,10 +804,20 @@ class PythonSandbox:
 
     def _bind_message(self, directory: str) -> dict:
         cfg, probe = self.cfg, self._probe
-        return {"dir": directory, "cpu_s": cfg.cpu_s, "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb,
-                "output_chars": cfg.output_chars, "nofile": NOFILE, "uid": probe.uid, "gid": probe.uid,
-                "keep_dac_read_search": probe.keep_dac_read_search,
-                "read": list(probe.read_paths) + SYSTEM_READ, "rw_files": DEVICES_RW, "parent_pid": os.getpid()}
+        return {
+            "dir": directory,
+            "cpu_s": cfg.cpu_s,
+            "memory_mb": cfg.memory_mb,
+            "max_file_mb": cfg.max_file_mb,
+            "output_chars": cfg.output_chars,
+            "nofile": NOFILE,
+            "uid": probe.uid,
+            "gid": probe.uid,
+            "keep_dac_read_search": probe.keep_dac_read_search,
+            "read": list(probe.read_paths) + SYSTEM_READ,
+            "rw_files": DEVICES_RW,
+            "parent_pid": os.getpid(),
+        }
 
     def _discard(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:

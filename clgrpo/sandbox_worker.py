@@ -74,8 +74,11 @@ FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IO
 
 
 class RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class PathBeneathAttr(ctypes.Structure):
@@ -94,28 +97,126 @@ CLONE_NEW_NAMESPACES = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0
 X32_SYSCALL_BIT = 0x40000000
 
 # syscall numbers per architecture: (audit arch, seccomp, {name: nr}); checked against the kernel headers
-_COMMON_DENY = ("socket", "io_uring_setup", "execve", "execveat", "ptrace", "process_vm_readv",
-                "process_vm_writev", "mount", "umount2", "unshare", "setns", "pivot_root", "chroot", "bpf",
-                "perf_event_open", "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load",
-                "init_module", "finit_module", "delete_module", "reboot", "open_by_handle_at", "userfaultfd",
-                "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")
+_COMMON_DENY = (
+    "socket",
+    "io_uring_setup",
+    "execve",
+    "execveat",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mount",
+    "umount2",
+    "unshare",
+    "setns",
+    "pivot_root",
+    "chroot",
+    "bpf",
+    "perf_event_open",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "reboot",
+    "open_by_handle_at",
+    "userfaultfd",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+)
 ARCHES = {
-    "x86_64": (0xC000003E, 317, {
-        "socket": 41, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "ptrace": 101, "pivot_root": 155,
-        "chroot": 161, "mount": 165, "umount2": 166, "reboot": 169, "init_module": 175, "delete_module": 176,
-        "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272,
-        "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308, "process_vm_readv": 310,
-        "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "execveat": 322,
-        "userfaultfd": 323, "io_uring_setup": 425, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435, "mount_setattr": 442}),
-    "aarch64": (0xC00000B7, 277, {  # asm-generic numbering; no fork/vfork syscalls (glibc uses clone)
-        "umount2": 39, "mount": 40, "pivot_root": 41, "chroot": 51, "unshare": 97, "kexec_load": 104,
-        "init_module": 105, "delete_module": 106, "ptrace": 117, "reboot": 142, "socket": 198, "add_key": 217,
-        "request_key": 218, "keyctl": 219, "clone": 220, "execve": 221, "perf_event_open": 241,
-        "open_by_handle_at": 265, "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271,
-        "finit_module": 273, "bpf": 280, "execveat": 281, "userfaultfd": 282, "kexec_file_load": 294,
-        "io_uring_setup": 425, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-        "fsmount": 432, "fspick": 433, "clone3": 435, "mount_setattr": 442}),
+    "x86_64": (
+        0xC000003E,
+        317,
+        {
+            "socket": 41,
+            "clone": 56,
+            "fork": 57,
+            "vfork": 58,
+            "execve": 59,
+            "ptrace": 101,
+            "pivot_root": 155,
+            "chroot": 161,
+            "mount": 165,
+            "umount2": 166,
+            "reboot": 169,
+            "init_module": 175,
+            "delete_module": 176,
+            "kexec_load": 246,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "unshare": 272,
+            "perf_event_open": 298,
+            "open_by_handle_at": 304,
+            "setns": 308,
+            "process_vm_readv": 310,
+            "process_vm_writev": 311,
+            "finit_module": 313,
+            "kexec_file_load": 320,
+            "bpf": 321,
+            "execveat": 322,
+            "userfaultfd": 323,
+            "io_uring_setup": 425,
+            "open_tree": 428,
+            "move_mount": 429,
+            "fsopen": 430,
+            "fsconfig": 431,
+            "fsmount": 432,
+            "fspick": 433,
+            "clone3": 435,
+            "mount_setattr": 442,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        277,
+        {  # asm-generic numbering; no fork/vfork syscalls (glibc uses clone)
+            "umount2": 39,
+            "mount": 40,
+            "pivot_root": 41,
+            "chroot": 51,
+            "unshare": 97,
+            "kexec_load": 104,
+            "init_module": 105,
+            "delete_module": 106,
+            "ptrace": 117,
+            "reboot": 142,
+            "socket": 198,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "clone": 220,
+            "execve": 221,
+            "perf_event_open": 241,
+            "open_by_handle_at": 265,
+            "setns": 268,
+            "process_vm_readv": 270,
+            "process_vm_writev": 271,
+            "finit_module": 273,
+            "bpf": 280,
+            "execveat": 281,
+            "userfaultfd": 282,
+            "kexec_file_load": 294,
+            "io_uring_setup": 425,
+            "open_tree": 428,
+            "move_mount": 429,
+            "fsopen": 430,
+            "fsconfig": 431,
+            "fsmount": 432,
+            "fspick": 433,
+            "clone3": 435,
+            "mount_setattr": 442,
+        },
+    ),
 }
 
 
@@ -166,8 +267,9 @@ def drop_privileges(uid: int, gid: int, keep_dac_read_search: bool) -> None:
 
 
 def landlock_abi() -> int:
-    return libc.syscall(NR_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
-                        ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return libc.syscall(
+        NR_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION)
+    )
 
 
 def apply_landlock(read_paths: list[str], rw_dirs: list[str], rw_files: list[str]) -> int:
@@ -189,11 +291,25 @@ def apply_landlock(read_paths: list[str], rw_dirs: list[str], rw_files: list[str
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
     attr = RulesetAttr(handled_fs, handled_net, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24  # older kernels refuse fields they do not know
-    ruleset = _check(libc.syscall(NR_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size),
-                                  ctypes.c_uint32(0)), "landlock_create_ruleset")
+    ruleset = _check(
+        libc.syscall(NR_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)),
+        "landlock_create_ruleset",
+    )
     read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
-    write = (FS_READ_FILE | FS_READ_DIR | FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR
-             | FS_MAKE_REG | FS_MAKE_SOCK | FS_MAKE_FIFO | FS_MAKE_SYM | FS_REFER | FS_TRUNCATE)
+    write = (
+        FS_READ_FILE
+        | FS_READ_DIR
+        | FS_WRITE_FILE
+        | FS_REMOVE_DIR
+        | FS_REMOVE_FILE
+        | FS_MAKE_DIR
+        | FS_MAKE_REG
+        | FS_MAKE_SOCK
+        | FS_MAKE_FIFO
+        | FS_MAKE_SYM
+        | FS_REFER
+        | FS_TRUNCATE
+    )
     try:
         rules = [(p, read) for p in read_paths] + [(p, write) for p in rw_dirs + rw_files]
         for path, access in rules:
@@ -205,13 +321,21 @@ def apply_landlock(read_paths: list[str], rw_dirs: list[str], rw_files: list[str
                 is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
                 allowed = (access if is_dir else access & FS_FILE_RIGHTS) & handled_fs
                 rule = PathBeneathAttr(allowed, fd)
-                _check(libc.syscall(NR_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),
-                                    ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule),
-                                    ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+                _check(
+                    libc.syscall(
+                        NR_LANDLOCK_ADD_RULE,
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule({path})",
+                )
             finally:
                 os.close(fd)
-        _check(libc.syscall(NR_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)),
-               "landlock_restrict_self")
+        _check(
+            libc.syscall(NR_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self"
+        )
     finally:
         os.close(ruleset)
     return abi
@@ -225,21 +349,25 @@ def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
     arch, _, nrs = ARCHES[machine]
     deny = [nrs[name] for name in _COMMON_DENY] + [nrs[name] for name in ("fork", "vfork") if name in nrs]
     eperm = RET_ERRNO | errno.EPERM
-    prog = [(BPF_LD_W_ABS, 0, 0, OFF_ARCH),
-            (BPF_JEQ_K, 1, 0, arch),  # our ABI: skip the kill
-            (BPF_RET_K, 0, 0, RET_KILL_PROCESS),
-            (BPF_LD_W_ABS, 0, 0, OFF_NR)]
+    prog = [
+        (BPF_LD_W_ABS, 0, 0, OFF_ARCH),
+        (BPF_JEQ_K, 1, 0, arch),  # our ABI: skip the kill
+        (BPF_RET_K, 0, 0, RET_KILL_PROCESS),
+        (BPF_LD_W_ABS, 0, 0, OFF_NR),
+    ]
     if machine == "x86_64":
         prog += [(BPF_JGE_K, 0, 1, X32_SYSCALL_BIT), (BPF_RET_K, 0, 0, eperm)]
     for nr in deny:
         prog += [(BPF_JEQ_K, 0, 1, nr), (BPF_RET_K, 0, 0, eperm)]
     prog += [(BPF_JEQ_K, 0, 1, nrs["clone3"]), (BPF_RET_K, 0, 0, RET_ERRNO | errno.ENOSYS)]
-    prog += [(BPF_JEQ_K, 0, 3, nrs["clone"]),  # not clone: jump to ALLOW
-             (BPF_LD_W_ABS, 0, 0, OFF_ARG0_LO),  # clone's flags (all of them are in the low word)
-             (BPF_JSET_K, 2, 0, CLONE_NEW_NAMESPACES),  # any new namespace: EPERM
-             (BPF_JSET_K, 0, 1, CLONE_THREAD),  # a thread: ALLOW, else (a new process) EPERM
-             (BPF_RET_K, 0, 0, RET_ALLOW),
-             (BPF_RET_K, 0, 0, eperm)]
+    prog += [
+        (BPF_JEQ_K, 0, 3, nrs["clone"]),  # not clone: jump to ALLOW
+        (BPF_LD_W_ABS, 0, 0, OFF_ARG0_LO),  # clone's flags (all of them are in the low word)
+        (BPF_JSET_K, 2, 0, CLONE_NEW_NAMESPACES),  # any new namespace: EPERM
+        (BPF_JSET_K, 0, 1, CLONE_THREAD),  # a thread: ALLOW, else (a new process) EPERM
+        (BPF_RET_K, 0, 0, RET_ALLOW),
+        (BPF_RET_K, 0, 0, eperm),
+    ]
     return prog
 
 
@@ -248,8 +376,15 @@ def apply_seccomp(machine: str) -> None:
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     nr_seccomp = ARCHES[machine][1]
-    _check(libc.syscall(nr_seccomp, ctypes.c_uint(SECCOMP_SET_MODE_FILTER), ctypes.c_uint(SECCOMP_FILTER_FLAG_TSYNC),
-                        ctypes.byref(fprog)), "seccomp(SECCOMP_SET_MODE_FILTER)")
+    _check(
+        libc.syscall(
+            nr_seccomp,
+            ctypes.c_uint(SECCOMP_SET_MODE_FILTER),
+            ctypes.c_uint(SECCOMP_FILTER_FLAG_TSYNC),
+            ctypes.byref(fprog),
+        ),
+        "seccomp(SECCOMP_SET_MODE_FILTER)",
+    )
 
 
 def self_test() -> None:
@@ -284,7 +419,7 @@ class Capture:
             self.kept += len(part)
             data = memoryview(part.encode("utf-8", "backslashreplace"))
             while data:
-                data = data[os.write(1, data):]
+                data = data[os.write(1, data) :]
         return n
 
 
@@ -416,7 +551,8 @@ def run_cell(code: str, ns: dict, out: CapturedStream) -> str | None:
         out.write("".join(traceback.format_exception_only(type(exc), exc)))
         line = getattr(exc, "lineno", None)
         return _one_line(f"{type(exc).__name__}: {getattr(exc, 'msg', None) or exc}") + (
-            f" (line {line})" if line else "")
+            f" (line {line})" if line else ""
+        )
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     State.mode = "user"
     _arm(State.cpu_s, 0.05)  # then every 50 ms: a cell that catches the exception gets it again
@@ -484,7 +620,7 @@ def send(message: dict) -> None:
     data = json.dumps(message).encode()
     view = memoryview(struct.pack(">I", len(data)) + data)
     while view:
-        view = view[os.write(RES_FD, view):]
+        view = view[os.write(RES_FD, view) :]
 
 
 def bind(msg: dict) -> str:

@@ -48,8 +48,13 @@ def _as_utc(moment: datetime) -> datetime:
 
 
 def _dataset(source: RefreshSource, path: Path) -> DatasetConfig:
-    return DatasetConfig(path=str(path), id_field=source.id_field, problem_field=source.problem_field,
-                         answer_field=source.answer_field, shuffle=False)
+    return DatasetConfig(
+        path=str(path),
+        id_field=source.id_field,
+        problem_field=source.problem_field,
+        answer_field=source.answer_field,
+        shuffle=False,
+    )
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -61,8 +66,10 @@ def directory_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime) 
     arrivals = []
     for path in sorted(p for p in folder.glob(source.pattern) if p.is_file()):
         if path.suffix.lower() not in DATASET_SUFFIXES:
-            raise SourceError(f"refresh source: {path} matches {source.pattern!r} but is not a dataset file "
-                              f"({', '.join(sorted(DATASET_SUFFIXES))})")
+            raise SourceError(
+                f"refresh source: {path} matches {source.pattern!r} but is not a dataset file "
+                f"({', '.join(sorted(DATASET_SUFFIXES))})"
+            )
         arrived = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
         if arrived > cutoff:
             continue
@@ -71,8 +78,9 @@ def directory_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime) 
     return arrivals
 
 
-def table_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path,
-                   query: Query | None = None) -> list[Arrival]:
+def table_arrivals(
+    source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path, query: Query | None = None
+) -> list[Arrival]:
     """Rows of ``source.table`` whose ``timestamp_column`` is at most ``cutoff``. ``query`` runs SQL on the
     source database when the caller already holds it open (the refresh's own DuckDB file)."""
     sql = f"SELECT * FROM {source.table}"
@@ -88,13 +96,17 @@ def table_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime, scra
         raise SourceError(f"refresh source {source.path}: cannot open it read-only ({exc})") from exc
     column = source.timestamp_column
     if column not in frame.columns:
-        raise SourceError(f"refresh source {source.path} table {source.table!r}: no timestamp column {column!r} "
-                          f"(columns: {', '.join(map(str, frame.columns))})")
+        raise SourceError(
+            f"refresh source {source.path} table {source.table!r}: no timestamp column {column!r} "
+            f"(columns: {', '.join(map(str, frame.columns))})"
+        )
     stamps = pd.to_datetime(frame[column], utc=True, errors="coerce")
     if stamps.isna().any():
         row = int(stamps.isna().to_numpy().nonzero()[0][0])
-        raise SourceError(f"refresh source table {source.table!r} row {row}: field {column!r} is not a timestamp "
-                          f"({frame[column].iloc[row]!r})")
+        raise SourceError(
+            f"refresh source table {source.table!r} row {row}: field {column!r} is not a timestamp "
+            f"({frame[column].iloc[row]!r})"
+        )
     frame = frame.assign(**{column: stamps})
     frame = frame[frame[column] <= pd.Timestamp(cutoff)].sort_values(column, kind="stable").reset_index(drop=True)
     if frame.empty:
@@ -109,8 +121,9 @@ def table_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime, scra
     return [Arrival(p, arrived[p.problem].to_pydatetime()) for p in problems]
 
 
-def read_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path,
-                  query: Query | None = None) -> list[Arrival]:
+def read_arrivals(
+    source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path, query: Query | None = None
+) -> list[Arrival]:
     cutoff = _as_utc(cutoff)
     if source.kind == "directory":
         return directory_arrivals(source, domain, cutoff)
@@ -127,13 +140,14 @@ class Selection:
     first_deferred: datetime | None = None  # the arrival time of the oldest problem left for the next refresh
 
     def message(self, cutoff: datetime) -> str:
-        return (f"{self.n_arrived} problem(s) arrived up to {cutoff.isoformat()}: {len(self.inputs)} taken, "
-                f"{self.n_taken_before} taken before (or repeated), {self.n_deferred} left for the next refresh "
-                "(max_problems)")
+        return (
+            f"{self.n_arrived} problem(s) arrived up to {cutoff.isoformat()}: {len(self.inputs)} taken, "
+            f"{self.n_taken_before} taken before (or repeated), {self.n_deferred} left for the next refresh "
+            "(max_problems)"
+        )
 
 
-def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
-               max_problems: int | None = None) -> Selection:
+def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str, max_problems: int | None = None) -> Selection:
     """The arrivals not taken before, oldest first, one per content key, capped at ``max_problems``.
     Ids stay as in the source; an id already used by another file or row gets the source's name in front."""
     selected: list[RefreshInput] = []
@@ -155,10 +169,21 @@ def select_new(arrivals: list[Arrival], consumed: set[str], *, name: str,
             problem_id = f"{Path(p.source).stem}-{problem_id}"
         keys.add(key)
         ids.add(problem_id)
-        selected.append(RefreshInput(name=name, position=len(selected), problem_id=problem_id, problem=p.problem,
-                                     answer=p.answer, source=p.source, arrived_at=_as_utc(arrival.arrived_at),
-                                     problem_key=key, tag=p.tag, answer_source=p.answer_source,
-                                     rejected_answer=arrival.rejected_answer))
+        selected.append(
+            RefreshInput(
+                name=name,
+                position=len(selected),
+                problem_id=problem_id,
+                problem=p.problem,
+                answer=p.answer,
+                source=p.source,
+                arrived_at=_as_utc(arrival.arrived_at),
+                problem_key=key,
+                tag=p.tag,
+                answer_source=p.answer_source,
+                rejected_answer=arrival.rejected_answer,
+            )
+        )
     return Selection(selected, len(arrivals), repeated, deferred, first_deferred)
 
 
@@ -172,22 +197,38 @@ class TraceSelection:
     watermark: RefreshWatermark
 
     def stage_rows(self) -> dict[str, list]:
-        return {"refresh_inputs": self.selection.inputs, "refresh_rejects": self.rejects,
-                "refresh_watermarks": [self.watermark]}
+        return {
+            "refresh_inputs": self.selection.inputs,
+            "refresh_rejects": self.rejects,
+            "refresh_watermarks": [self.watermark],
+        }
 
     def message(self, cutoff: datetime) -> str:
         w = self.watermark
         since = f"after {w.after.isoformat()}" if w.after else "ever"
-        return (f"traces {since}: {self.selection.message(cutoff)}; "
-                f"{'; '.join(trace_notes(self.rejects, w)) or 'no rows skipped, no secrets redacted'}")
+        return (
+            f"traces {since}: {self.selection.message(cutoff)}; "
+            f"{'; '.join(trace_notes(self.rejects, w)) or 'no rows skipped, no secrets redacted'}"
+        )
 
 
 def trace_arrivals(read: TraceRead) -> list[Arrival]:
     """The traces as arrivals; a trace without an id gets ``<file stem>-<line>``."""
-    return [Arrival(Problem(problem_id=t.trace_id or f"{Path(t.file).stem}-{t.line:05d}", problem=t.problem,
-                            answer=t.answer, source=t.file, tag=t.tag, answer_source=t.answer_source),
-                    t.arrived_at, t.rejected_answer)
-            for t in read.traces]
+    return [
+        Arrival(
+            Problem(
+                problem_id=t.trace_id or f"{Path(t.file).stem}-{t.line:05d}",
+                problem=t.problem,
+                answer=t.answer,
+                source=t.file,
+                tag=t.tag,
+                answer_source=t.answer_source,
+            ),
+            t.arrived_at,
+            t.rejected_answer,
+        )
+        for t in read.traces
+    ]
 
 
 def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, list[Reject]]:
@@ -201,16 +242,25 @@ def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, 
     return max(consumed, default=None), rejects
 
 
-def select_traces(source: RefreshSource, domain: Domain, cutoff: datetime, consumed: set[str],
-                  after: datetime | None, *, name: str, max_problems: int | None = None,
-                  reported: set[tuple[str, int, str]] | frozenset = frozenset(),
-                  query: Query | None = None) -> TraceSelection:
+def select_traces(
+    source: RefreshSource,
+    domain: Domain,
+    cutoff: datetime,
+    consumed: set[str],
+    after: datetime | None,
+    *,
+    name: str,
+    max_problems: int | None = None,
+    reported: set[tuple[str, int, str]] | frozenset = frozenset(),
+    query: Query | None = None,
+) -> TraceSelection:
     """The traces that arrived after ``after`` (the previous decided refresh's watermark) up to ``cutoff``,
     not taken before, oldest first, capped at ``max_problems``; the skipped rows (less those ``reported`` by an
     earlier refresh: a row without its own time arrives again when its file grows); the new watermark."""
     try:
-        read = read_traces(source, _as_utc(cutoff), after and _as_utc(after), getattr(domain, "reply_answer", None),
-                           query)
+        read = read_traces(
+            source, _as_utc(cutoff), after and _as_utc(after), getattr(domain, "reply_answer", None), query
+        )
     except FileNotFoundError as exc:
         raise SourceError(str(exc)) from exc
     except duckdb.CatalogException as exc:
@@ -219,10 +269,19 @@ def select_traces(source: RefreshSource, domain: Domain, cutoff: datetime, consu
         raise SourceError(f"refresh source {source.path}: cannot read it ({exc})") from exc
     selection = select_new(trace_arrivals(read), consumed, name=name, max_problems=max_problems)
     watermark, rejects = _watermark(read, selection)
-    records = [RefreshReject(name=name, file=r.file, line=r.line, reason=r.reason) for r in rejects
-               if (r.file, r.line, r.reason) not in reported]
-    mark = RefreshWatermark(name=name, after=after, watermark=watermark, n_rows=len(read.traces) + len(records),
-                            n_rejected=len(records), n_redacted=read.redactor.total)
+    records = [
+        RefreshReject(name=name, file=r.file, line=r.line, reason=r.reason)
+        for r in rejects
+        if (r.file, r.line, r.reason) not in reported
+    ]
+    mark = RefreshWatermark(
+        name=name,
+        after=after,
+        watermark=watermark,
+        n_rows=len(read.traces) + len(records),
+        n_rejected=len(records),
+        n_redacted=read.redactor.total,
+    )
     return TraceSelection(selection, records, mark)
 
 
@@ -234,8 +293,11 @@ def trace_notes(rejects: list[RefreshReject], watermark: RefreshWatermark | None
     notes = []
     if rejects:
         shown = "; ".join(r.render() for r in rejects[:MAX_NOTED_REJECTS])
-        more = f"; ... and {len(rejects) - MAX_NOTED_REJECTS} more (table refresh_rejects)" \
-            if len(rejects) > MAX_NOTED_REJECTS else ""
+        more = (
+            f"; ... and {len(rejects) - MAX_NOTED_REJECTS} more (table refresh_rejects)"
+            if len(rejects) > MAX_NOTED_REJECTS
+            else ""
+        )
         notes.append(f"{len(rejects)} trace row(s) skipped: {shown}{more}")
     if watermark is not None and watermark.n_redacted:
         notes.append(f"{watermark.n_redacted} secret(s) redacted from the traces")

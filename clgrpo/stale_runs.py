@@ -88,13 +88,19 @@ async def mark_stale_runs_crashed(
     try:
         return await _mark(flow_run_name, current_flow_run_id, db_path, run_id, flow_name)
     except Exception as exc:  # noqa: BLE001 - housekeeping must never fail the run
-        _logger().warning("could not check for stale flow runs of %s: %s: %s", flow_run_name or "this run",
-                    type(exc).__name__, exc)
+        _logger().warning(
+            "could not check for stale flow runs of %s: %s: %s", flow_run_name or "this run", type(exc).__name__, exc
+        )
         return 0
 
 
-async def _mark(flow_run_name: str | None, current_flow_run_id: UUID | str | None, db_path: str | Path | None,
-                run_id: str | None, flow_name: str | None) -> int:
+async def _mark(
+    flow_run_name: str | None,
+    current_flow_run_id: UUID | str | None,
+    db_path: str | Path | None,
+    run_id: str | None,
+    flow_name: str | None,
+) -> int:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowFilter,
@@ -119,15 +125,18 @@ async def _mark(flow_run_name: str | None, current_flow_run_id: UUID | str | Non
         return 0
     current = str(current) if current is not None else None
     stale_types = [StateType[name] for name in STALE_STATES]
-    message = (f"the process running it was killed; found stale when run {run_id or flow_run_name} was resumed"
-               + (f" (flow run {current})" if current else ""))
+    message = f"the process running it was killed; found stale when run {run_id or flow_run_name} was resumed" + (
+        f" (flow run {current})" if current else ""
+    )
 
     marked = 0
     async with get_client() as client:
         runs = await client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])) if flow_name else None,
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name]),
-                                          state=FlowRunFilterState(type=FlowRunFilterStateType(any_=stale_types))),
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[flow_run_name]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=stale_types)),
+            ),
         )
         for run in runs:
             if current is not None and str(run.id) == current:
@@ -140,7 +149,8 @@ async def _mark(flow_run_name: str | None, current_flow_run_id: UUID | str | Non
                 tasks = await client.read_task_runs(
                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
                     task_run_filter=TaskRunFilter(
-                        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=stale_types))),
+                        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=stale_types))
+                    ),
                 )
                 for task in tasks:
                     await client.set_task_run_state(task.id, Crashed(message=message), force=True)
@@ -148,6 +158,10 @@ async def _mark(flow_run_name: str | None, current_flow_run_id: UUID | str | Non
                 _logger().warning("could not mark the task runs of stale flow run %s Crashed: %s", run.id, exc)
             await client.set_flow_run_state(run.id, Crashed(message=message), force=True)
             marked += 1
-            _logger().warning("flow run %s (%s) was left %s by a killed process: marked Crashed", run.name, run.id,
-                        run.state.type.value if run.state else "unfinished")
+            _logger().warning(
+                "flow run %s (%s) was left %s by a killed process: marked Crashed",
+                run.name,
+                run.id,
+                run.state.type.value if run.state else "unfinished",
+            )
     return marked

@@ -67,8 +67,13 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
     return DEFAULT_DB
 
 
-def _holds(db: Path, value: str, *, column: str = "run_id",
-           tables: tuple[str, ...] = ("runs", "stage_runs", "library_versions")) -> bool:
+def _holds(
+    db: Path,
+    value: str,
+    *,
+    column: str = "run_id",
+    tables: tuple[str, ...] = ("runs", "stage_runs", "library_versions"),
+) -> bool:
     """Whether ``db`` has rows with ``column = value`` in one of ``tables`` (by default: of the run, evaluation
     or refresh ``value``); False when it cannot be opened (it waits a little while a run writes it)."""
     import duckdb

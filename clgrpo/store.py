@@ -51,24 +51,24 @@ from schemas.records import (
     EvalSummary,
     Experience,
     ExperienceStat,
-    LessonTrial,
-    LibraryQuality,
     GroupAdvantage,
+    LessonChange,
+    LessonTrial,
+    LibraryAdoption,
+    LibraryQuality,
     LibraryVersion,
     LLMCall,
     Operation,
     OperationResult,
     Problem,
     Proposal,
-    LessonChange,
-    LibraryAdoption,
     RefreshDecision,
     RefreshGateRow,
-    ReviewDecision,
-    ReviewRequest,
     RefreshInput,
     RefreshReject,
     RefreshWatermark,
+    ReviewDecision,
+    ReviewRequest,
     Reward,
     Rollout,
     Summary,
@@ -116,7 +116,8 @@ def _held_elsewhere(exc: duckdb.Error) -> bool:
     or another connection of this process with another mode."""
     text = str(exc).lower()
     return (isinstance(exc, duckdb.IOException) and "lock" in text) or (
-        isinstance(exc, duckdb.ResourceInUseException) and "already attached" in text)
+        isinstance(exc, duckdb.ResourceInUseException) and "already attached" in text
+    )
 
 
 def retry_while_locked(attempt: Callable[[], T], path: str | Path, wait_s: float) -> T:
@@ -139,9 +140,11 @@ def retry_while_locked(attempt: Callable[[], T], path: str | Path, wait_s: float
 def _locked_message(path: str | Path, exc: duckdb.Error, wait_s: float) -> str:
     holder = re.search(r"\(PID (\d+)\)", str(exc))
     who = f"process {holder.group(1)}" if holder else "another connection of this process"
-    return (f"{path} is in use: {who} kept this DuckDB file open for {wait_s:g} s (DuckDB lets one process at a "
-            "time open a file for writing, and clgrpo holds it only while it reads or writes). Is another program "
-            "(a DuckDB shell, a notebook) keeping it open? Close it, or use another db_path.")
+    return (
+        f"{path} is in use: {who} kept this DuckDB file open for {wait_s:g} s (DuckDB lets one process at a "
+        "time open a file for writing, and clgrpo holds it only while it reads or writes). Is another program "
+        "(a DuckDB shell, a notebook) keeping it open? Close it, or use another db_path."
+    )
 
 
 def _dumps(value: Any) -> str:
@@ -165,20 +168,36 @@ def _advantage_row(g: GroupAdvantage) -> dict:
 
 def _proposal_row(p: Proposal) -> dict:
     ops = [o.model_dump(mode="json") for o in p.operations]
-    return {"group_id": p.group_id, "n_operations": len(ops), "operations_json": _dumps(ops),
-            "raw_text": p.raw_text, "parse_error": p.parse_error}
+    return {
+        "group_id": p.group_id,
+        "n_operations": len(ops),
+        "operations_json": _dumps(ops),
+        "raw_text": p.raw_text,
+        "parse_error": p.parse_error,
+    }
 
 
 def _trial_row(t: LessonTrial) -> dict:
-    return {**t.model_dump(exclude={"operation", "problem_ids"}),
-            "operation_json": _dumps(t.operation.model_dump(mode="json")), "problem_ids_json": _dumps(t.problem_ids)}
+    return {
+        **t.model_dump(exclude={"operation", "problem_ids"}),
+        "operation_json": _dumps(t.operation.model_dump(mode="json")),
+        "problem_ids_json": _dumps(t.problem_ids),
+    }
 
 
 def _operation_row(r: OperationResult) -> dict:
     op = r.operation
-    return {"seq": r.seq, "op": op.op.value, "target_ids_json": _dumps(op.target_ids), "text": op.text,
-            "rationale": op.rationale, "source_groups_json": _dumps(op.source_groups),
-            "status": r.status.value, "reason": r.reason, "result_id": r.result_id}
+    return {
+        "seq": r.seq,
+        "op": op.op.value,
+        "target_ids_json": _dumps(op.target_ids),
+        "text": op.text,
+        "rationale": op.rationale,
+        "source_groups_json": _dumps(op.source_groups),
+        "status": r.status.value,
+        "reason": r.reason,
+        "result_id": r.result_id,
+    }
 
 
 def _evaluation_row(e: EvalSummary) -> dict:
@@ -190,14 +209,20 @@ def _refresh_row(d: RefreshDecision) -> dict:
 
 
 def _review_request_row(r: ReviewRequest) -> dict:
-    return {**r.model_dump(exclude={"changes", "pending"}), "changes_json": _dumps([c.model_dump() for c in r.changes]),
-            "pending_json": r.pending.model_dump_json()}
+    return {
+        **r.model_dump(exclude={"changes", "pending"}),
+        "changes_json": _dumps([c.model_dump() for c in r.changes]),
+        "pending_json": r.pending.model_dump_json(),
+    }
 
 
 def _review_request_record(row: dict) -> ReviewRequest:
     fields = {k: row[k] for k in ReviewRequest.model_fields if k not in ("changes", "pending")}
-    return ReviewRequest(**fields, changes=[LessonChange(**c) for c in json.loads(row["changes_json"])],
-                         pending=RefreshDecision.model_validate_json(row["pending_json"]))
+    return ReviewRequest(
+        **fields,
+        changes=[LessonChange(**c) for c in json.loads(row["changes_json"])],
+        pending=RefreshDecision.model_validate_json(row["pending_json"]),
+    )
 
 
 _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
@@ -249,21 +274,27 @@ def _rollout_record(row: dict) -> Rollout:
 
 def _proposal_record(row: dict) -> Proposal:
     ops = [Operation(**o) for o in json.loads(row["operations_json"])]
-    return Proposal(group_id=row["group_id"], operations=ops, raw_text=row["raw_text"],
-                    parse_error=row["parse_error"])
+    return Proposal(group_id=row["group_id"], operations=ops, raw_text=row["raw_text"], parse_error=row["parse_error"])
 
 
 def _operation_record(row: dict) -> OperationResult:
-    op = Operation(op=row["op"], target_ids=json.loads(row["target_ids_json"]), text=row["text"],
-                   rationale=row["rationale"], source_groups=json.loads(row["source_groups_json"]))
-    return OperationResult(seq=row["seq"], operation=op, status=row["status"], reason=row["reason"],
-                           result_id=row["result_id"])
+    op = Operation(
+        op=row["op"],
+        target_ids=json.loads(row["target_ids_json"]),
+        text=row["text"],
+        rationale=row["rationale"],
+        source_groups=json.loads(row["source_groups_json"]),
+    )
+    return OperationResult(
+        seq=row["seq"], operation=op, status=row["status"], reason=row["reason"], result_id=row["result_id"]
+    )
 
 
 def _advantage_record(row: dict) -> GroupAdvantage:
     fields = {k: row[k] for k in ("problem_id", "mean_reward", "std_reward", "selected", "reason")}
-    return GroupAdvantage(**fields, rewards=json.loads(row["rewards_json"]),
-                          advantages=json.loads(row["advantages_json"]))
+    return GroupAdvantage(
+        **fields, rewards=json.loads(row["rewards_json"]), advantages=json.loads(row["advantages_json"])
+    )
 
 
 def _plain(model: type) -> Callable[[dict], Any]:
@@ -279,8 +310,10 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "proposals": _proposal_record,
     "operations": _operation_record,
     "llm_calls": _plain(LLMCall),
-    "evaluations": lambda row: EvalSummary(**{k: row[k] for k in EvalSummary.model_fields if k != "leaked_ids"},
-                                           leaked_ids=json.loads(row["leaked_ids_json"])),
+    "evaluations": lambda row: EvalSummary(
+        **{k: row[k] for k in EvalSummary.model_fields if k != "leaked_ids"},
+        leaked_ids=json.loads(row["leaked_ids_json"]),
+    ),
     "eval_results": _plain(EvalSample),
     "eval_comparisons": _plain(EvalComparison),
     "refresh_inputs": _plain(RefreshInput),
@@ -289,13 +322,16 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     "experience_stats": _plain(ExperienceStat),
     "library_quality": _plain(LibraryQuality),
     "adapters": _plain(AdapterVersion),
-    "lesson_trials": lambda row: LessonTrial(**_fields(LessonTrial, row, skip=("operation", "problem_ids")),
-                                             operation=Operation(**json.loads(row["operation_json"])),
-                                             problem_ids=json.loads(row["problem_ids_json"])),
+    "lesson_trials": lambda row: LessonTrial(
+        **_fields(LessonTrial, row, skip=("operation", "problem_ids")),
+        operation=Operation(**json.loads(row["operation_json"])),
+        problem_ids=json.loads(row["problem_ids_json"]),
+    ),
     "trial_samples": _plain(TrialSample),
     "refresh_gate": _plain(RefreshGateRow),
-    "refreshes": lambda row: RefreshDecision(**{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"},
-                                             reasons=json.loads(row["reasons_json"])),
+    "refreshes": lambda row: RefreshDecision(
+        **{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"}, reasons=json.loads(row["reasons_json"])
+    ),
     "review_requests": _review_request_record,
     "review_decisions": _plain(ReviewDecision),
     "library_adoptions": _plain(LibraryAdoption),
@@ -344,13 +380,16 @@ def _describe_failures(table: str, exc: pa.errors.SchemaErrors, limit: int = 10)
         column = case.get("column") or "(frame)"
         index = case.get("index")
         row = f"row {int(index)}" if _clean(index) is not None else "all rows"
-        lines.append(f"table {table}: column {column!r} {row}: {case.get('check')} (value {case.get('failure_case')!r})")
+        lines.append(
+            f"table {table}: column {column!r} {row}: {case.get('check')} (value {case.get('failure_case')!r})"
+        )
     more = len(cases) - limit
     return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
 
 
 def _connected(method: Callable[..., T]) -> Callable[..., T]:
     """A public method that works on the file: attached for the call (reusing an attachment already open)."""
+
     @functools.wraps(method)
     def wrapper(self: "Store", *args: Any, **kwargs: Any) -> T:
         with self.connected():
@@ -414,8 +453,7 @@ class Store:
             self._memory = duckdb.connect(":memory:")  # ~10 ms, once: DuckDB's own start-up
         mode = " (READ_ONLY)" if self.read_only else ""
         path = str(self.path).replace("'", "''")
-        retry_while_locked(lambda: self._memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"),
-                           self.path, self.wait_s)
+        retry_while_locked(lambda: self._memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"), self.path, self.wait_s)
         self._memory.execute(f"USE {_ALIAS}")
         if not self._schema_ready:
             self._create_schema()
@@ -424,8 +462,7 @@ class Store:
         try:
             for statement in create_statements():
                 self._memory.execute(statement)
-            self._memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING",
-                                 [uuid.uuid4().hex])
+            self._memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
         except BaseException:
             self._detach()
             raise
@@ -497,15 +534,21 @@ class Store:
             raise StoreError(f"not stage tables: {sorted(unknown)}")
         frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
         n_rows = sum(len(f) for f in frames.values())
-        marker = self.validate("stage_runs", pd.DataFrame([{
-            "run_id": run_id, "step": step, "stage": stage, "n_rows": n_rows, "completed_at": utcnow()}]))
+        marker = self.validate(
+            "stage_runs",
+            pd.DataFrame(
+                [{"run_id": run_id, "step": step, "stage": stage, "n_rows": n_rows, "completed_at": utcnow()}]
+            ),
+        )
         with self._transaction():
             for table, frame in frames.items():
-                self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?",
-                                 [run_id, step, stage])
+                self.con.execute(
+                    f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
+                )
                 self._insert(table, frame)
-            self.con.execute("DELETE FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?",
-                             [run_id, step, stage])
+            self.con.execute(
+                "DELETE FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
+            )
             self._insert("stage_runs", marker)
         return n_rows
 
@@ -516,8 +559,9 @@ class Store:
         frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
         with self._transaction():
             for table, frame in frames.items():
-                self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?",
-                                 [run_id, step, stage])
+                self.con.execute(
+                    f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
+                )
                 self._insert(table, frame)
         return sum(len(f) for f in frames.values())
 
@@ -571,17 +615,32 @@ class Store:
         """Stored embeddings of ``model`` by text hash (those not stored are absent)."""
         if not hashes:
             return {}
-        rows = self.con.execute("SELECT text_hash, vector FROM embeddings WHERE model = ? AND text_hash IN "
-                                f"({', '.join('?' for _ in hashes)})", [model, *hashes]).fetchall()
+        rows = self.con.execute(
+            "SELECT text_hash, vector FROM embeddings WHERE model = ? AND text_hash IN "
+            f"({', '.join('?' for _ in hashes)})",
+            [model, *hashes],
+        ).fetchall()
         return {h: np.asarray(v, dtype=np.float32) for h, v in rows}
 
     def store_vectors(self, model: str, vectors: dict[str, np.ndarray]) -> None:
         """Keep embeddings of ``model`` by text hash (an existing one is left as it is)."""
         if not vectors:
             return
-        frame = self.validate("embeddings", pd.DataFrame(
-            [{"model": model, "text_hash": h, "dim": len(v), "vector": [float(x) for x in v], "created_at": utcnow()}
-             for h, v in vectors.items()]))
+        frame = self.validate(
+            "embeddings",
+            pd.DataFrame(
+                [
+                    {
+                        "model": model,
+                        "text_hash": h,
+                        "dim": len(v),
+                        "vector": [float(x) for x in v],
+                        "created_at": utcnow(),
+                    }
+                    for h, v in vectors.items()
+                ]
+            ),
+        )
         with self.connected() as con:
             con.register("_clgrpo_vectors", frame)
             try:
@@ -611,23 +670,38 @@ class Store:
                 raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
             self.delete_run(cfg.run_id)
         now = utcnow()
-        frame = self.validate("runs", pd.DataFrame([{
-            "run_id": cfg.run_id, "fingerprint": cfg.fingerprint(), "config_json": cfg.model_dump_json(),
-            "created_at": now, "status": "running", "updated_at": now, "error": None}]))
+        frame = self.validate(
+            "runs",
+            pd.DataFrame(
+                [
+                    {
+                        "run_id": cfg.run_id,
+                        "fingerprint": cfg.fingerprint(),
+                        "config_json": cfg.model_dump_json(),
+                        "created_at": now,
+                        "status": "running",
+                        "updated_at": now,
+                        "error": None,
+                    }
+                ]
+            ),
+        )
         self._insert("runs", frame)
         return True
 
     @_connected
     def set_run_status(self, run_id: str, status: str, error: str | None = None) -> None:
         """``running``, ``completed`` or ``failed`` (with the error), stamped with the time."""
-        self.con.execute("UPDATE runs SET status = ?, error = ?, updated_at = ? WHERE run_id = ?",
-                         [status, error, utcnow(), run_id])
+        self.con.execute(
+            "UPDATE runs SET status = ?, error = ?, updated_at = ? WHERE run_id = ?", [status, error, utcnow(), run_id]
+        )
 
     @_connected
     def steps_done(self, run_id: str) -> int:
         """Training steps whose checkpoint is stored."""
-        row = self.con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0",
-                               [run_id, CHECKPOINT_STAGE]).fetchone()
+        row = self.con.execute(
+            "SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0", [run_id, CHECKPOINT_STAGE]
+        ).fetchone()
         return int(row[0])
 
     def delete_run(self, run_id: str) -> dict[str, int]:
@@ -651,7 +725,8 @@ class Store:
     @_connected
     def runs(self) -> pd.DataFrame:
         """One row per run: status, training steps done, latest library version and size, last update."""
-        return self.con.execute("""
+        return self.con.execute(
+            """
             SELECT r.run_id, coalesce(r.status, 'unknown') AS status,
                    (SELECT count(*) FROM stage_runs s
                      WHERE s.run_id = r.run_id AND s.stage = ? AND s.step > 0) AS steps_done,
@@ -663,7 +738,9 @@ class Store:
             LEFT JOIN (SELECT run_id, version, n_experiences,
                               row_number() OVER (PARTITION BY run_id ORDER BY version DESC) AS k
                        FROM library_versions) v ON v.run_id = r.run_id AND v.k = 1
-            ORDER BY r.created_at""", [CHECKPOINT_STAGE]).df()
+            ORDER BY r.created_at""",
+            [CHECKPOINT_STAGE],
+        ).df()
 
     @_connected
     def run_summary(self, run_id: str) -> dict[str, Any] | None:
@@ -674,8 +751,11 @@ class Store:
         if frame.empty:
             return None
         row = {k: _clean(v) for k, v in frame.iloc[0].to_dict().items()}
-        last = self.con.execute("SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? "
-                                "ORDER BY completed_at DESC, step DESC LIMIT 1", [run_id]).fetchone()
+        last = self.con.execute(
+            "SELECT step, stage, completed_at FROM stage_runs WHERE run_id = ? "
+            "ORDER BY completed_at DESC, step DESC LIMIT 1",
+            [run_id],
+        ).fetchone()
         return {**row, **dict(zip(("last_step", "last_stage", "last_completed_at"), last or (None, None, None)))}
 
     @_connected
@@ -683,16 +763,25 @@ class Store:
         """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""
         rows = self.con.execute(
             "SELECT run_id FROM evaluations WHERE stage = ? AND starts_with(library_ref, ?) "
-            "GROUP BY run_id ORDER BY min(created_at)", [EVALUATE_STAGE, f"{run_id}:"]).fetchall()
+            "GROUP BY run_id ORDER BY min(created_at)",
+            [EVALUATE_STAGE, f"{run_id}:"],
+        ).fetchall()
         return [r[0] for r in rows]
 
     @_connected
     def has_rows(self, column: str, value: str, tables: Sequence[str]) -> bool:
         """Whether one of ``tables`` (those this file has) holds a row with ``column = value``."""
-        present = {r[0] for r in self.con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()").fetchall()}
-        return any(self.con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
-                   for t in tables if t in present)
+        present = {
+            r[0]
+            for r in self.con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()"
+            ).fetchall()
+        }
+        return any(
+            self.con.execute(f"SELECT 1 FROM {t} WHERE {column} = ? LIMIT 1", [value]).fetchone()
+            for t in tables
+            if t in present
+        )
 
     @_connected
     def is_run(self, run_id: str) -> bool:
@@ -703,8 +792,8 @@ class Store:
     def refresh_decisions(self, name: str) -> list[RefreshDecision]:
         """Every decided refresh of ``name``, oldest date first."""
         frame = self.con.execute(
-            "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date",
-            [name, REFRESH_DECIDE_STAGE]).df()
+            "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date", [name, REFRESH_DECIDE_STAGE]
+        ).df()
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS["refreshes"](row) for row in rows]
 
@@ -714,7 +803,8 @@ class Store:
         frame = self.con.execute(
             "SELECT g.* FROM refresh_gate g JOIN refreshes r ON g.refresh_id = r.refresh_id "
             "WHERE r.name = ? AND r.stage = ? AND g.stage = ? ORDER BY g.refresh_id, g.tag NULLS FIRST",
-            [name, REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE]).df()
+            [name, REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE],
+        ).df()
         gates: dict[str, list[RefreshGateRow]] = {}
         for row in frame.to_dict(orient="records"):
             gate = _RECORDS["refresh_gate"]({k: _clean(v) for k, v in row.items()})
@@ -726,7 +816,9 @@ class Store:
         """Content keys of the problems taken by decided refreshes of ``name`` (never taken again)."""
         rows = self.con.execute(
             "SELECT DISTINCT i.problem_key FROM refresh_inputs i JOIN refreshes r ON i.run_id = r.run_id "
-            "WHERE r.name = ?", [name]).fetchall()
+            "WHERE r.name = ?",
+            [name],
+        ).fetchall()
         return {r[0] for r in rows}
 
     @_connected
@@ -734,7 +826,9 @@ class Store:
         """The latest watermark of a decided traces refresh of ``name``: the next one reads rows after it."""
         row = self.con.execute(
             "SELECT max(w.watermark) FROM refresh_watermarks w JOIN refreshes r ON w.run_id = r.run_id "
-            "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchone()
+            "WHERE r.name = ? AND r.stage = ?",
+            [name, REFRESH_DECIDE_STAGE],
+        ).fetchone()
         return None if row is None or row[0] is None else row[0]
 
     @_connected
@@ -742,8 +836,11 @@ class Store:
         """(file, line, reason) of the source rows decided refreshes of ``name`` skipped (reported once)."""
         rows = self.con.execute(
             "SELECT DISTINCT j.file, j.line, j.reason FROM refresh_rejects j JOIN refreshes r ON j.run_id = r.run_id "
-            "WHERE r.name = ? AND r.stage = ?", [name, REFRESH_DECIDE_STAGE]).fetchall()
+            "WHERE r.name = ? AND r.stage = ?",
+            [name, REFRESH_DECIDE_STAGE],
+        ).fetchall()
         return {(f, int(line), reason) for f, line, reason in rows}
+
     def review_requests(self, name: str) -> list[ReviewRequest]:
         """Every review requested by refreshes of ``name``, oldest first (answered or not)."""
         frame = self.con.execute("SELECT * FROM review_requests WHERE name = ? ORDER BY created_at", [name]).df()
@@ -761,16 +858,40 @@ class Store:
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:
         """Save one version (replacing that version if it was saved before)."""
         v = library.to_version()
-        head = self.validate("library_versions", pd.DataFrame([{
-            "run_id": run_id, "version": v.version, "step": v.step, "parent_version": v.parent_version,
-            "next_id": v.next_id, "id_prefix": v.id_prefix, "n_experiences": len(v.experiences),
-            "content_hash": library.content_hash(), "retired_ids_json": _dumps(v.retired_ids),
-            "created_at": v.created_at}]))
-        rows = [{"run_id": run_id, "version": v.version, "position": i, "exp_id": e.id, "text": e.text,
-                 "created_step": e.created_step, "updated_step": e.updated_step,
-                 "parent_ids_json": _dumps(e.parent_ids), "source_groups_json": _dumps(e.source_groups),
-                 "domain_tag": e.domain_tag}
-                for i, e in enumerate(v.experiences)]
+        head = self.validate(
+            "library_versions",
+            pd.DataFrame(
+                [
+                    {
+                        "run_id": run_id,
+                        "version": v.version,
+                        "step": v.step,
+                        "parent_version": v.parent_version,
+                        "next_id": v.next_id,
+                        "id_prefix": v.id_prefix,
+                        "n_experiences": len(v.experiences),
+                        "content_hash": library.content_hash(),
+                        "retired_ids_json": _dumps(v.retired_ids),
+                        "created_at": v.created_at,
+                    }
+                ]
+            ),
+        )
+        rows = [
+            {
+                "run_id": run_id,
+                "version": v.version,
+                "position": i,
+                "exp_id": e.id,
+                "text": e.text,
+                "created_step": e.created_step,
+                "updated_step": e.updated_step,
+                "parent_ids_json": _dumps(e.parent_ids),
+                "source_groups_json": _dumps(e.source_groups),
+                "domain_tag": e.domain_tag,
+            }
+            for i, e in enumerate(v.experiences)
+        ]
         columns = list(FRAMES["library_experiences"].to_schema().columns)
         body = self.validate("library_experiences", pd.DataFrame(rows, columns=columns))
         with self._transaction():
@@ -782,7 +903,8 @@ class Store:
     @_connected
     def library_versions(self, run_id: str) -> list[int]:
         rows = self.con.execute(
-            "SELECT version FROM library_versions WHERE run_id = ? ORDER BY version", [run_id]).fetchall()
+            "SELECT version FROM library_versions WHERE run_id = ? ORDER BY version", [run_id]
+        ).fetchall()
         return [r[0] for r in rows]
 
     @_connected
@@ -794,25 +916,39 @@ class Store:
                 raise StoreError(f"{self.path}: run {run_id!r} has no saved library")
             version = versions[-1]
         head = self.con.execute(
-            "SELECT * FROM library_versions WHERE run_id = ? AND version = ?", [run_id, version]).df()
+            "SELECT * FROM library_versions WHERE run_id = ? AND version = ?", [run_id, version]
+        ).df()
         if head.empty:
             raise StoreError(f"{self.path}: run {run_id!r} has no library version {version}")
         h = {k: _clean(v) for k, v in head.iloc[0].to_dict().items()}
         body = self.con.execute(
-            "SELECT * FROM library_experiences WHERE run_id = ? AND version = ? ORDER BY position",
-            [run_id, version]).df()
+            "SELECT * FROM library_experiences WHERE run_id = ? AND version = ? ORDER BY position", [run_id, version]
+        ).df()
         experiences = [
-            Experience(id=r["exp_id"], text=r["text"], created_step=r["created_step"],
-                       updated_step=r["updated_step"], parent_ids=json.loads(r["parent_ids_json"]),
-                       source_groups=json.loads(r["source_groups_json"]), domain_tag=_clean(r["domain_tag"]))
+            Experience(
+                id=r["exp_id"],
+                text=r["text"],
+                created_step=r["created_step"],
+                updated_step=r["updated_step"],
+                parent_ids=json.loads(r["parent_ids_json"]),
+                source_groups=json.loads(r["source_groups_json"]),
+                domain_tag=_clean(r["domain_tag"]),
+            )
             for r in body.to_dict(orient="records")
         ]
         parent = h["parent_version"]
-        return ExperienceLibrary.from_version(LibraryVersion(
-            version=int(h["version"]), step=int(h["step"]),
-            parent_version=None if parent is None else int(parent), experiences=experiences,
-            retired_ids=json.loads(h["retired_ids_json"]), next_id=int(h["next_id"]),
-            id_prefix=h["id_prefix"], created_at=h["created_at"]))
+        return ExperienceLibrary.from_version(
+            LibraryVersion(
+                version=int(h["version"]),
+                step=int(h["step"]),
+                parent_version=None if parent is None else int(parent),
+                experiences=experiences,
+                retired_ids=json.loads(h["retired_ids_json"]),
+                next_id=int(h["next_id"]),
+                id_prefix=h["id_prefix"],
+                created_at=h["created_at"],
+            )
+        )
 
 
 def _refingerprint(config_json: str) -> str | None:
@@ -826,8 +962,10 @@ def _refingerprint(config_json: str) -> str | None:
 def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
     new = cfg.model_dump(mode="json")
     changed = sorted(_changed_paths(stored, new))
-    return (f"run {cfg.run_id!r} already exists with a different config (changed: {', '.join(changed) or 'unknown'}). "
-            "Use a new run_id for new settings, or restore the original config to resume.")
+    return (
+        f"run {cfg.run_id!r} already exists with a different config (changed: {', '.join(changed) or 'unknown'}). "
+        "Use a new run_id for new settings, or restore the original config to resume."
+    )
 
 
 def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:

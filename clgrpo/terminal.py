@@ -21,8 +21,11 @@ from clgrpo import progress, stopping
 PROJECT_LOGGERS = ("clgrpo", "domains", "tasks", "flows")
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a flow's get_run_logger() lines go
 _last_log: list[Path] = []  # the log file of the most recent session in this process
-_ENGINE_FAILURE_LINES = ("Encountered exception during execution", "Finished in state Failed",
-                         "Finished in state Crashed")
+_ENGINE_FAILURE_LINES = (
+    "Encountered exception during execution",
+    "Finished in state Failed",
+    "Finished in state Crashed",
+)
 
 
 class NoTraceback(logging.Formatter):
@@ -134,8 +137,17 @@ class Session:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         progress.finish_all()
         if exc is not None and self._file is not None:  # the traceback goes to the file only
-            self._file.handle(logging.LogRecord("clgrpo.cli", logging.ERROR, __file__, 0, "command failed: %s",
-                                                (exc,), (type(exc), exc, exc.__traceback__)))
+            self._file.handle(
+                logging.LogRecord(
+                    "clgrpo.cli",
+                    logging.ERROR,
+                    __file__,
+                    0,
+                    "command failed: %s",
+                    (exc,),
+                    (type(exc), exc, exc.__traceback__),
+                )
+            )
         if self._renderer is not None:
             progress.remove_listener(self._renderer)  # type: ignore[arg-type]
             self._renderer.stop()  # type: ignore[attr-defined]
@@ -147,7 +159,6 @@ class Session:
             self._file.close()
 
 
-
 class RichBars:
     """One rich progress bar per open stage (done / expected, elapsed time), drawn on Prefect's own console so
     that log lines print above the bars."""
@@ -155,9 +166,15 @@ class RichBars:
     def __init__(self, console: object) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), console=console,  # type: ignore[arg-type]
-                             transient=True)
+        self.bars = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+            console=console,  # type: ignore[arg-type]
+            transient=True,
+        )
         self.tasks: dict[str, object] = {}
         self.started = False
 

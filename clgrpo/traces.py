@@ -35,8 +35,19 @@ Query = Callable[[str, Sequence[object]], pd.DataFrame]
 AnswerReader = Callable[[str], "str | None"]
 MAX_PROBLEM_CHARS = DatasetConfig.model_fields["max_problem_chars"].default  # what training will accept
 MAX_ANSWER_CHARS = DatasetConfig.model_fields["max_answer_chars"].default
-THUMBS = {1: True, -1: False, "+1": True, "-1": False, "1": True, "up": True, "down": False, True: True,
-          False: False, "true": True, "false": False}
+THUMBS = {
+    1: True,
+    -1: False,
+    "+1": True,
+    "-1": False,
+    "1": True,
+    "up": True,
+    "down": False,
+    True: True,
+    False: False,
+    "true": True,
+    "false": False,
+}
 
 
 class TraceError(ValueError):
@@ -143,8 +154,11 @@ def _feedback(row: dict[str, Any]) -> tuple[bool | None, str | None, str | None]
         return None, None, None
     if not isinstance(feedback, dict):
         raise TraceError(f"feedback: wrong type: expected an object, got {type(feedback).__name__}")
-    return (_thumbs(feedback.get("thumbs")), _optional_scalar(feedback.get("correction"), "feedback.correction"),
-            _optional_scalar(feedback.get("reference"), "feedback.reference"))
+    return (
+        _thumbs(feedback.get("thumbs")),
+        _optional_scalar(feedback.get("correction"), "feedback.correction"),
+        _optional_scalar(feedback.get("reference"), "feedback.reference"),
+    )
 
 
 def _problem_text(messages: list[tuple[str, str]], context_chars: int) -> str:
@@ -152,8 +166,11 @@ def _problem_text(messages: list[tuple[str, str]], context_chars: int) -> str:
     last = max((i for i, (role, text) in enumerate(messages) if role == "user" and text.strip()), default=None)
     if last is None:
         raise TraceError("no user message")
-    earlier = [f"{role.capitalize()}: {text.strip()}" for role, text in messages[:last]
-               if role in ("user", "assistant") and text.strip()]
+    earlier = [
+        f"{role.capitalize()}: {text.strip()}"
+        for role, text in messages[:last]
+        if role in ("user", "assistant") and text.strip()
+    ]
     context = "\n".join(earlier)
     question = messages[last][1].strip()
     if earlier and len(context) <= context_chars:
@@ -170,8 +187,13 @@ def _reply(row: dict[str, Any], messages: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def _answer(thumbs: bool | None, correction: str | None, reference: str | None, reply: str | None,
-            read_answer: AnswerReader | None) -> tuple[str | None, str, str | None]:
+def _answer(
+    thumbs: bool | None,
+    correction: str | None,
+    reference: str | None,
+    reply: str | None,
+    read_answer: AnswerReader | None,
+) -> tuple[str | None, str, str | None]:
     """(answer, answer_source, rejected_answer) in the documented priority."""
     from_reply = read_answer(reply) if reply and read_answer and thumbs is not None else None
     rejected = from_reply if thumbs is False else None
@@ -189,8 +211,16 @@ def _check_size(text: str | None, limit: int, what: str) -> None:
         raise TraceError(f"{what}: {len(text):,} characters, over the limit of {limit:,}")
 
 
-def parse_trace(row: dict[str, Any], *, source: RefreshSource, arrived_at: datetime, file: str, line: int,
-                redact: Redactor, read_answer: AnswerReader | None) -> Trace:
+def parse_trace(
+    row: dict[str, Any],
+    *,
+    source: RefreshSource,
+    arrived_at: datetime,
+    file: str,
+    line: int,
+    redact: Redactor,
+    read_answer: AnswerReader | None,
+) -> Trace:
     """One row as a trace (texts redacted); ``TraceError`` names what is wrong with it."""
     if row.get("tool_calls") is not None and not isinstance(row["tool_calls"], list):
         raise TraceError("tool_calls: wrong type: expected a list")
@@ -202,9 +232,17 @@ def parse_trace(row: dict[str, Any], *, source: RefreshSource, arrived_at: datet
     rejected = redact(rejected) if rejected else None
     _check_size(problem, MAX_PROBLEM_CHARS, "problem (the last user message and its context)")
     _check_size(answer, MAX_ANSWER_CHARS, f"answer ({answer_source})")
-    return Trace(problem=problem, answer=answer, answer_source=answer_source, rejected_answer=rejected,
-                 tag=_optional_scalar(row.get("tag"), "tag"), trace_id=_optional_scalar(row.get("id"), "id"),
-                 arrived_at=arrived_at, file=file, line=line)
+    return Trace(
+        problem=problem,
+        answer=answer,
+        answer_source=answer_source,
+        rejected_answer=rejected,
+        tag=_optional_scalar(row.get("tag"), "tag"),
+        trace_id=_optional_scalar(row.get("id"), "id"),
+        arrived_at=arrived_at,
+        file=file,
+        line=line,
+    )
 
 
 def arrival_time(row: dict[str, Any], field_name: str, default: datetime) -> datetime:
@@ -263,8 +301,9 @@ def _json_row(raw: bytes) -> dict[str, Any]:
 class _Reader:
     """Collects the traces and rejects of rows that arrived in (after, cutoff]."""
 
-    def __init__(self, source: RefreshSource, after: datetime | None, cutoff: datetime,
-                 read_answer: AnswerReader | None) -> None:
+    def __init__(
+        self, source: RefreshSource, after: datetime | None, cutoff: datetime, read_answer: AnswerReader | None
+    ) -> None:
         self.source, self.after, self.cutoff, self.read_answer = source, after, cutoff, read_answer
         self.out = TraceRead()
 
@@ -283,8 +322,17 @@ class _Reader:
         if not self.in_window(moment):
             return
         try:
-            self.out.traces.append(parse_trace(row, source=self.source, arrived_at=moment, file=file, line=line,
-                                               redact=self.out.redactor, read_answer=self.read_answer))
+            self.out.traces.append(
+                parse_trace(
+                    row,
+                    source=self.source,
+                    arrived_at=moment,
+                    file=file,
+                    line=line,
+                    redact=self.out.redactor,
+                    read_answer=self.read_answer,
+                )
+            )
         except TraceError as exc:
             self.reject(file, line, str(exc), moment)
 
@@ -348,8 +396,13 @@ def _native(value: Any) -> Any:
         return value
 
 
-def read_traces(source: RefreshSource, cutoff: datetime, after: datetime | None,
-                read_answer: AnswerReader | None, query: Query | None = None) -> TraceRead:
+def read_traces(
+    source: RefreshSource,
+    cutoff: datetime,
+    after: datetime | None,
+    read_answer: AnswerReader | None,
+    query: Query | None = None,
+) -> TraceRead:
     """The traces of ``source`` that arrived after ``after`` (None: ever) up to ``cutoff``, file by file in
     name order; ``query`` runs SQL on the source database when the caller already holds it open."""
     reader = _Reader(source, after, cutoff, read_answer)

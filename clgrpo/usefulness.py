@@ -18,8 +18,11 @@ import numpy as np
 from schemas.records import ExperienceStat, GroupAdvantage, Reward, Summary
 
 _SENTENCE_RE = re.compile(r"[^.;\n]+")
-_NOT_USED_RE = re.compile(r"\b(ignor\w*|did not (use|apply|follow)|didn't (use|apply|follow)|not (used|applied|"
-                          r"followed)|unused|without)\b", re.IGNORECASE)
+_NOT_USED_RE = re.compile(
+    r"\b(ignor\w*|did not (use|apply|follow)|didn't (use|apply|follow)|not (used|applied|"
+    r"followed)|unused|without)\b",
+    re.IGNORECASE,
+)
 CI_LEVEL = 0.95
 _DRAWS = 20_000
 
@@ -43,9 +46,14 @@ def confidence(correct: float, wrong: float, level: float = CI_LEVEL) -> tuple[f
     return a / (a + b), float(low), float(high)
 
 
-def step_stats(previous: Sequence[ExperienceStat], live_ids: Sequence[str], cited_from: Sequence[str],
-               summaries: Sequence[Summary], rewards: Sequence[Reward],
-               advantages: Sequence[GroupAdvantage]) -> list[ExperienceStat]:
+def step_stats(
+    previous: Sequence[ExperienceStat],
+    live_ids: Sequence[str],
+    cited_from: Sequence[str],
+    summaries: Sequence[Summary],
+    rewards: Sequence[Reward],
+    advantages: Sequence[GroupAdvantage],
+) -> list[ExperienceStat]:
     """The stats of the experiences live after a step: the previous counts of the ids still live plus the
     step's citations. ``cited_from``: the ids the step's rollouts were shown (the library before the step)."""
     reward = {(r.problem_id, r.sample_idx): r.reward for r in rewards}
@@ -65,9 +73,18 @@ def step_stats(previous: Sequence[ExperienceStat], live_ids: Sequence[str], cite
     for exp_id in live_ids:
         cited, correct, wrong, in_variance = counts.get(exp_id, [0, 0.0, 0.0, 0])
         mean, low, high = confidence(correct, wrong)
-        out.append(ExperienceStat(exp_id=exp_id, cited=int(cited), cited_correct=float(correct),
-                                  cited_wrong=float(wrong), cited_in_variance=int(in_variance),
-                                  confidence=mean, ci_low=low, ci_high=high))
+        out.append(
+            ExperienceStat(
+                exp_id=exp_id,
+                cited=int(cited),
+                cited_correct=float(correct),
+                cited_wrong=float(wrong),
+                cited_in_variance=int(in_variance),
+                confidence=mean,
+                ci_low=low,
+                ci_high=high,
+            )
+        )
     return out
 
 
@@ -75,6 +92,8 @@ def describe(stat: ExperienceStat) -> str:
     """One line for ``library show`` and the report."""
     if not stat.cited:
         return "never cited yet"
-    return (f"cited {stat.cited}x ({stat.cited_correct:g} correct / {stat.cited_wrong:g} wrong, "
-            f"{stat.cited_in_variance} in groups with variance), confidence {stat.confidence:.2f} "
-            f"[{stat.ci_low:.2f}, {stat.ci_high:.2f}]")
+    return (
+        f"cited {stat.cited}x ({stat.cited_correct:g} correct / {stat.cited_wrong:g} wrong, "
+        f"{stat.cited_in_variance} in groups with variance), confidence {stat.confidence:.2f} "
+        f"[{stat.ci_low:.2f}, {stat.ci_high:.2f}]"
+    )

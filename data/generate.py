@@ -27,7 +27,9 @@ def divisible_by_either(rng: random.Random) -> tuple[str, int]:
 
 def power_remainder(rng: random.Random) -> tuple[str, int]:
     base, exponent, modulus = rng.randint(2, 19), rng.randint(50, 2024), rng.choice([7, 11, 13, 17, 19, 23])
-    return f"What is the remainder when ${base}^{{{exponent}}}$ is divided by ${modulus}$?", pow(base, exponent, modulus)
+    return f"What is the remainder when ${base}^{{{exponent}}}$ is divided by ${modulus}$?", pow(
+        base, exponent, modulus
+    )
 
 
 def divisor_count(rng: random.Random) -> tuple[str, int]:
@@ -42,8 +44,10 @@ def digit_sum_of_power(rng: random.Random) -> tuple[str, int]:
 
 def non_adjacent_choices(rng: random.Random) -> tuple[str, int]:
     n, k = rng.randint(9, 16), rng.randint(3, 5)
-    return (f"In how many ways can {k} of {n} chairs in a row be chosen so that no two chosen chairs are next to "
-            "each other?"), math.comb(n - k + 1, k)
+    return (
+        f"In how many ways can {k} of {n} chairs in a row be chosen so that no two chosen chairs are next to "
+        "each other?"
+    ), math.comb(n - k + 1, k)
 
 
 def last_two_digits(rng: random.Random) -> tuple[str, int]:
@@ -55,24 +59,36 @@ def positive_solutions(rng: random.Random) -> tuple[str, int]:
     n, parts = rng.randint(10, 30), rng.randint(3, 4)
     names = ["a", "b", "c", "d"][:parts]
     equation = " + ".join(names)
-    return (f"How many ordered {parts}-tuples of positive integers $({', '.join(names)})$ satisfy "
-            f"${equation} = {n}$?"), math.comb(n - 1, parts - 1)
+    return (
+        f"How many ordered {parts}-tuples of positive integers $({', '.join(names)})$ satisfy ${equation} = {n}$?"
+    ), math.comb(n - 1, parts - 1)
 
 
 def lcm_of_range(rng: random.Random) -> tuple[str, int]:
     k = rng.randint(8, 16)
     return f"What is the smallest positive integer that is divisible by every integer from 1 to {k}?", math.lcm(
-        *range(1, k + 1))
+        *range(1, k + 1)
+    )
 
 
-TRAIN: list[Family] = [divisible_by_either, power_remainder, divisor_count, digit_sum_of_power,
-                       non_adjacent_choices, last_two_digits, positive_solutions, lcm_of_range]
+TRAIN: list[Family] = [
+    divisible_by_either,
+    power_remainder,
+    divisor_count,
+    digit_sum_of_power,
+    non_adjacent_choices,
+    last_two_digits,
+    positive_solutions,
+    lcm_of_range,
+]
 
 
 def grid_paths(rng: random.Random) -> tuple[str, int]:
     right, up = rng.randint(4, 9), rng.randint(4, 9)
-    return (f"A token moves on a grid from $(0,0)$ to $({right},{up})$, one unit right or one unit up at a time. "
-            "How many different routes can it take?"), math.comb(right + up, right)
+    return (
+        f"A token moves on a grid from $(0,0)$ to $({right},{up})$, one unit right or one unit up at a time. "
+        "How many different routes can it take?"
+    ), math.comb(right + up, right)
 
 
 def sum_of_squares(rng: random.Random) -> tuple[str, int]:
@@ -91,7 +107,8 @@ def trailing_zeros(rng: random.Random) -> tuple[str, int]:
 def coprime_count(rng: random.Random) -> tuple[str, int]:
     n = rng.choice([36, 48, 60, 72, 84, 90, 100, 105, 120, 126, 144, 150])
     return f"How many integers from 1 to {n} share no common factor greater than 1 with {n}?", sum(
-        1 for k in range(1, n + 1) if math.gcd(k, n) == 1)
+        1 for k in range(1, n + 1) if math.gcd(k, n) == 1
+    )
 
 
 HELDOUT: list[Family] = [grid_paths, sum_of_squares, trailing_zeros, coprime_count]
@@ -108,8 +125,7 @@ def generate(families: list[Family], per_family: int, prefix: str, seed: int) ->
             seen.add(problem)
             made += 1
             topic = family.__name__.replace("_", "-")
-            rows.append({"id": f"{prefix}-{topic}-{made}", "problem": problem, "answer": str(answer),
-                         "topic": topic})
+            rows.append({"id": f"{prefix}-{topic}-{made}", "problem": problem, "answer": str(answer), "topic": topic})
     return rows
 
 

@@ -11,5 +11,13 @@ from domains.base import (
     register_domain,
 )
 
-__all__ = ["Domain", "Tool", "ToolContext", "ToolFailure", "ToolOutput", "VerifyResult", "get_domain",
-           "register_domain"]
+__all__ = [
+    "Domain",
+    "Tool",
+    "ToolContext",
+    "ToolFailure",
+    "ToolOutput",
+    "VerifyResult",
+    "get_domain",
+    "register_domain",
+]

@@ -81,8 +81,10 @@ class Tool:
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI tool definition."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @runtime_checkable

@@ -66,132 +66,258 @@ def _p(label: str, pattern: str, *, level: int = 1, negatable: bool = False, fla
 
 _S = r"[\W_]+"  # a separator between words: spaces or punctuation
 _FILL = r"(?:\w+[\W_]+){0,%d}?"  # up to n filler words
-_OVERRIDE_VERB = (r"(?:ignor(?:e|es|ed|ing)|disregard\w*|forg[eo]t\w*|overrid(?:e|es|ing)|overrode|overrul\w*|bypass\w*|"
-                  r"discard\w*|abandon\w*|neglect\w*|pay\s+no\s+attention\s+to)")
-_NOT_FOLLOW = (r"(?:do\s*n[o']?t|never|stop|no\s+longer|cease\s+to)\s+(?:follow|obey|use|apply|heed|respect|"
-               r"following|obeying|using|applying)")
-_PRIOR = (r"(?:previous|prior|above|earlier|preceding|foregoing|former|old|existing|other|original|all|any|every|"
-          r"your|system|these|those)")
-_GUIDANCE = (r"(?:instructions?|lessons?|rules?|experiences?|guidelines?|guidance|prompts?|directions?|directives?|"
-             r"messages?|library|advice|polic(?:y|ies)|commands?|orders?)")
+_OVERRIDE_VERB = (
+    r"(?:ignor(?:e|es|ed|ing)|disregard\w*|forg[eo]t\w*|overrid(?:e|es|ing)|overrode|overrul\w*|bypass\w*|"
+    r"discard\w*|abandon\w*|neglect\w*|pay\s+no\s+attention\s+to)"
+)
+_NOT_FOLLOW = (
+    r"(?:do\s*n[o']?t|never|stop|no\s+longer|cease\s+to)\s+(?:follow|obey|use|apply|heed|respect|"
+    r"following|obeying|using|applying)"
+)
+_PRIOR = (
+    r"(?:previous|prior|above|earlier|preceding|foregoing|former|old|existing|other|original|all|any|every|"
+    r"your|system|these|those)"
+)
+_GUIDANCE = (
+    r"(?:instructions?|lessons?|rules?|experiences?|guidelines?|guidance|prompts?|directions?|directives?|"
+    r"messages?|library|advice|polic(?:y|ies)|commands?|orders?)"
+)
 _ROLES = r"(?:system|assistant|user|developer|admin(?:istrator)?|root|human|ai|model|operator|sys|bot)"
 _SECRET = r"(?:reference|ground[\s-]?truth|hidden|secret|gold(?:en)?|official|stored|label(?:l?ed)?)"
 # not "the official answer format" or "the provided answer choices"
 _NOT_FORMAT = r"(?!\s+(?:choices?|options?|formats?|forms?|box(?:es)?|types?|units?|ranges?))"
-_SHOW = (r"(?:reveal|output|print|show|display|repeat|leak|disclose|echo|dump|expose|quote|copy|paste|return|tell|"
-         r"share|send|read\s+out|spell\s+out)")
+_SHOW = (
+    r"(?:reveal|output|print|show|display|repeat|leak|disclose|echo|dump|expose|quote|copy|paste|return|tell|"
+    r"share|send|read\s+out|spell\s+out)"
+)
 _REVEAL_VERB = rf"(?:{_SHOW}|give|write|state|look\s+up|use|extract|find)"
-_LITERAL = (r"""["'(\[{$]*\s*(?:\\boxed\s*\{?\s*)?"""
-            r"(?:-?\d+(?:[.,/]\d+)*|(?-i:[A-E])(?=\s*(?:[.,;!)\"']|$))|(?:yes|no|true|false|none)\b)")
-_TERMINAL = (r"""["')\]}]*(?=\s*(?:[.,;!]|$|regardless|no\s+matter|whatever|"""
-             r"(?:for|to|on|in)\s+(?:every|each|all|any)))")
+_LITERAL = (
+    r"""["'(\[{$]*\s*(?:\\boxed\s*\{?\s*)?"""
+    r"(?:-?\d+(?:[.,/]\d+)*|(?-i:[A-E])(?=\s*(?:[.,;!)\"']|$))|(?:yes|no|true|false|none)\b)"
+)
+_TERMINAL = (
+    r"""["')\]}]*(?=\s*(?:[.,;!]|$|regardless|no\s+matter|whatever|"""
+    r"(?:for|to|on|in)\s+(?:every|each|all|any)))"
+)
 
 PATTERNS: tuple[Pattern, ...] = (
     # --- instruction override ----------------------------------------------------------------------------
-    _p("instruction override",
-       rf"\b{_OVERRIDE_VERB}{_S}{_FILL % 3}{_PRIOR}{_S}{_FILL % 2}{_GUIDANCE}\b", negatable=True),
-    _p("instruction override",
-       rf"\b{_OVERRIDE_VERB}{_S}(?:everything|anything|all|what)(?:{_S}(?:of\s+)?(?:this|that|else|the\s+\w+))?"
-       rf"{_S}(?:above|before|earlier|previously|prior|you\b|said|written|stated)", negatable=True),
+    _p(
+        "instruction override",
+        rf"\b{_OVERRIDE_VERB}{_S}{_FILL % 3}{_PRIOR}{_S}{_FILL % 2}{_GUIDANCE}\b",
+        negatable=True,
+    ),
+    _p(
+        "instruction override",
+        rf"\b{_OVERRIDE_VERB}{_S}(?:everything|anything|all|what)(?:{_S}(?:of\s+)?(?:this|that|else|the\s+\w+))?"
+        rf"{_S}(?:above|before|earlier|previously|prior|you\b|said|written|stated)",
+        negatable=True,
+    ),
     _p("instruction override", rf"\b{_NOT_FOLLOW}{_S}{_FILL % 2}{_PRIOR}{_S}{_FILL % 2}{_GUIDANCE}\b"),
-    _p("instruction override",
-       r"\b(?:new|updated|real|actual|true)\s+(?:system\s+)?(?:instructions?|directives?|persona|role)\b"),
+    _p(
+        "instruction override",
+        r"\b(?:new|updated|real|actual|true)\s+(?:system\s+)?(?:instructions?|directives?|persona|role)\b",
+    ),
     # --- role or system impersonation --------------------------------------------------------------------
     _p("role impersonation", rf"(?:^|[\n.!?;]\s*|[\[(<{{|#*>]\s*){_ROLES}\s*(?:[:\]>|}}]|(?:message|prompt|note)\s*:)"),
-    _p("chat-template markup",
-       r"<\|[^|<>]{1,30}\|>|\[/?(?:INST|SYS)\]|<</?SYS>>|(?:^|\n)\s*#{1,6}\s*(?:system|instructions?|response|"
-       r"assistant|user)\b|\b(?:BEGIN|END)\s+(?:SYSTEM|INSTRUCTIONS?|PROMPT)\b"),
-    _p("role change",
-       r"\byou\s*(?:are|'re|r)\s+(?:now|no\s+longer)\b|\bfrom\s+now\s+on\b|\bpretend\s+(?:to\s+be|you\s*(?:are|'re))\b"
-       r"|\brole[\s-]?play|\b(?:act|behave|respond|operate|pose)\s+(?:as|like)\s+(?:an?\s+|the\s+|my\s+)?(?:\w+\s+){0,2}?"
-       r"(?:assistant|ai|model|chatbot|bot|system|developer|admin|administrator|hacker|persona|character|"
-       r"unrestricted|jailbroken|human|user)\b"),
-    _p("jailbreak",
-       r"\b(?:developer|dev|god|debug|admin|unrestricted|sudo|maintenance|unfiltered)\s*mode\b|\bjail[\s-]*br(?:eak|oken)"
-       r"|(?-i:\bDAN\b)|\bdo\s+anything\s+now\b|\bsudo\b|\bprompt\s+injection\b"),
-    _p("system reference",
-       r"\bsystem\s+(?:prompt|message|instructions?|override)\b|\b(?:hidden|secret|original|initial|developer|"
-       r"internal)\s+(?:prompt|instructions?|system\s+message)\b"),
+    _p(
+        "chat-template markup",
+        r"<\|[^|<>]{1,30}\|>|\[/?(?:INST|SYS)\]|<</?SYS>>|(?:^|\n)\s*#{1,6}\s*(?:system|instructions?|response|"
+        r"assistant|user)\b|\b(?:BEGIN|END)\s+(?:SYSTEM|INSTRUCTIONS?|PROMPT)\b",
+    ),
+    _p(
+        "role change",
+        r"\byou\s*(?:are|'re|r)\s+(?:now|no\s+longer)\b|\bfrom\s+now\s+on\b|\bpretend\s+(?:to\s+be|you\s*(?:are|'re))\b"
+        r"|\brole[\s-]?play|\b(?:act|behave|respond|operate|pose)\s+(?:as|like)\s+(?:an?\s+|the\s+|my\s+)?(?:\w+\s+){0,2}?"
+        r"(?:assistant|ai|model|chatbot|bot|system|developer|admin|administrator|hacker|persona|character|"
+        r"unrestricted|jailbroken|human|user)\b",
+    ),
+    _p(
+        "jailbreak",
+        r"\b(?:developer|dev|god|debug|admin|unrestricted|sudo|maintenance|unfiltered)\s*mode\b|\bjail[\s-]*br(?:eak|oken)"
+        r"|(?-i:\bDAN\b)|\bdo\s+anything\s+now\b|\bsudo\b|\bprompt\s+injection\b",
+    ),
+    _p(
+        "system reference",
+        r"\bsystem\s+(?:prompt|message|instructions?|override)\b|\b(?:hidden|secret|original|initial|developer|"
+        r"internal)\s+(?:prompt|instructions?|system\s+message)\b",
+    ),
     # --- requests to reveal references, answers or the prompt ---------------------------------------------
-    _p("reveal request",
-       rf"\b{_REVEAL_VERB}{_S}{_FILL % 4}{_SECRET}{_S}(?:answers?|solutions?|labels?|outputs?)\b{_NOT_FORMAT}"),
-    _p("reveal request",
-       rf"\b{_SHOW}{_S}(?:me{_S})?(?:the|your|this|my|full|entire|original|hidden|whole|initial)"
-       rf"(?:{_S}(?:full|entire|original|hidden|whole|initial|system))?{_S}(?:prompt|system\s+message|instructions"
-       rf"|context\s+window|conversation)\b"),
-    _p("reveal request",
-       r"\b(?:answers?|solutions?)\s+(?:from|in|inside|within|hidden\s+in|given\s+in|shown\s+in|stated\s+in|"
-       r"provided\s+in)\s+(?:the\s+|your\s+|this\s+)?(?:prompt|context|system\s+message|metadata|instructions)\b"),
-    _p("reference to hidden answers",
-       r"\b(?:reference|gold(?:en)?)\s+(?:answers?|solutions?|labels?)\b|\bground[\s-]?truth\b|\banswer\s+key\b"),
+    _p(
+        "reveal request",
+        rf"\b{_REVEAL_VERB}{_S}{_FILL % 4}{_SECRET}{_S}(?:answers?|solutions?|labels?|outputs?)\b{_NOT_FORMAT}",
+    ),
+    _p(
+        "reveal request",
+        rf"\b{_SHOW}{_S}(?:me{_S})?(?:the|your|this|my|full|entire|original|hidden|whole|initial)"
+        rf"(?:{_S}(?:full|entire|original|hidden|whole|initial|system))?{_S}(?:prompt|system\s+message|instructions"
+        rf"|context\s+window|conversation)\b",
+    ),
+    _p(
+        "reveal request",
+        r"\b(?:answers?|solutions?)\s+(?:from|in|inside|within|hidden\s+in|given\s+in|shown\s+in|stated\s+in|"
+        r"provided\s+in)\s+(?:the\s+|your\s+|this\s+)?(?:prompt|context|system\s+message|metadata|instructions)\b",
+    ),
+    _p(
+        "reference to hidden answers",
+        r"\b(?:reference|gold(?:en)?)\s+(?:answers?|solutions?|labels?)\b|\bground[\s-]?truth\b|\banswer\s+key\b",
+    ),
     # --- answer overrides ---------------------------------------------------------------------------------
-    _p("answer override",
-       r"\b(?:always|only|just|simply|invariably|unconditionally)\s+(?:answer|respond|reply|output|say|return|submit|"
-       rf"box|guess)(?:\s+(?:with|as|that|the\s+answer|the\s+number))?\s*[:=]?\s*{_LITERAL}"),
-    _p("answer override",
-       r"\b(?:always|only|just|simply|invariably|unconditionally)\s+(?:write|give|put|print|choose|pick|select|state)"
-       r"(?:\s+the\s+(?:final\s+)?answer(?:\s+as)?)?\s*[:=]?\s*[\"'(\[{$]*(?:-?\d+(?:[.,/]\d+)*|(?-i:[A-E]))" + _TERMINAL),
+    _p(
+        "answer override",
+        r"\b(?:always|only|just|simply|invariably|unconditionally)\s+(?:answer|respond|reply|output|say|return|submit|"
+        rf"box|guess)(?:\s+(?:with|as|that|the\s+answer|the\s+number))?\s*[:=]?\s*{_LITERAL}",
+    ),
+    _p(
+        "answer override",
+        r"\b(?:always|only|just|simply|invariably|unconditionally)\s+(?:write|give|put|print|choose|pick|select|state)"
+        r"(?:\s+the\s+(?:final\s+)?answer(?:\s+as)?)?\s*[:=]?\s*[\"'(\[{$]*(?:-?\d+(?:[.,/]\d+)*|(?-i:[A-E]))"
+        + _TERMINAL,
+    ),
     _p("answer override", r"\b(?:the\s+)?(?:final\s+)?answer\s+(?:is|will\s+be|should\s+be)\s+always\b"),
-    _p("answer override",
-       r"\b(?:for|to|on|in)\s+(?:every|each|all|any)\s+(?:problems?|questions?|tasks?)\b[\s,]+(?:\w+\s+){0,3}?"
-       rf"(?:answer|output|respond|return|write|say|reply)\w*(?:\s+(?:with|as|that))?\s*[:=]?\s*{_LITERAL}"),
-    _p("answer override",
-       rf"\b(?:answer|respond|reply|output)\s*[:=]?\s*{_LITERAL}[\w.]*[\"')\]}}]*"
-       r"\s+(?:to|for|on|in)\s+(?:every|each|all|any)\b"),
+    _p(
+        "answer override",
+        r"\b(?:for|to|on|in)\s+(?:every|each|all|any)\s+(?:problems?|questions?|tasks?)\b[\s,]+(?:\w+\s+){0,3}?"
+        rf"(?:answer|output|respond|return|write|say|reply)\w*(?:\s+(?:with|as|that))?\s*[:=]?\s*{_LITERAL}",
+    ),
+    _p(
+        "answer override",
+        rf"\b(?:answer|respond|reply|output)\s*[:=]?\s*{_LITERAL}[\w.]*[\"')\]}}]*"
+        r"\s+(?:to|for|on|in)\s+(?:every|each|all|any)\b",
+    ),
     _p("answer literal", r"\\boxed\s*\{\s*-?\d[^{}]*\}?"),
     # --- payloads that are not prose ------------------------------------------------------------------------
-    _p("URL",
-       r"\b(?:https?|ftp|file|javascript|data)\s*:\s*//?|\bwww\s*\.\s*[\w-]+(?:\.[\w-]+)*"
-       r"|\b[\w-]+\.(?:com|org|net|io|ru|cn|xyz|ly|"
-       r"gg|info|biz|app|site|online|onion)\b|\bdata:[\w/+-]+;base64"),
-    _p("markup tag",
-       r"</[A-Za-z][\w:-]*\s*>|<[A-Za-z][\w:-]*(?:\s+[\w:-]+\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s>]+))+\s*/?>"
-       r"|<[A-Za-z][\w:-]*\s*/>|<!--|<!DOCTYPE|<\?xml|&(?:lt|gt|amp|quot|#x?[0-9a-f]+);"
-       r"|<(?:script|style|iframe|img|div|span|html|head|body|meta|link|form|input|svg|object|embed|system|user|"
-       r"assistant|instructions?|prompt|im_start|im_end|inst|sys|code|pre|tool|tool_call|function|answer|"
-       r"reference|hidden|secret|admin|context|message|library|problem|attempt|proposals|error|xml|br|hr|li|ul|"
-       r"ol|h[1-6]|em|strong|font|textarea|button)\b"),
+    _p(
+        "URL",
+        r"\b(?:https?|ftp|file|javascript|data)\s*:\s*//?|\bwww\s*\.\s*[\w-]+(?:\.[\w-]+)*"
+        r"|\b[\w-]+\.(?:com|org|net|io|ru|cn|xyz|ly|"
+        r"gg|info|biz|app|site|online|onion)\b|\bdata:[\w/+-]+;base64",
+    ),
+    _p(
+        "markup tag",
+        r"</[A-Za-z][\w:-]*\s*>|<[A-Za-z][\w:-]*(?:\s+[\w:-]+\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s>]+))+\s*/?>"
+        r"|<[A-Za-z][\w:-]*\s*/>|<!--|<!DOCTYPE|<\?xml|&(?:lt|gt|amp|quot|#x?[0-9a-f]+);"
+        r"|<(?:script|style|iframe|img|div|span|html|head|body|meta|link|form|input|svg|object|embed|system|user|"
+        r"assistant|instructions?|prompt|im_start|im_end|inst|sys|code|pre|tool|tool_call|function|answer|"
+        r"reference|hidden|secret|admin|context|message|library|problem|attempt|proposals|error|xml|br|hr|li|ul|"
+        r"ol|h[1-6]|em|strong|font|textarea|button)\b",
+    ),
     _p("code fence", r"```|~~~"),
-    _p("code",
-       r"\bimport\s+[a-z_][\w.]*\b(?:\s+as\b|\s*;|\s*$)|\bfrom\s+[a-z_][\w.]*\s+import\b|\bdef\s+\w+\s*\("
-       r"|\bfunction\s*\w*\s*\([^)]*\)\s*\{|\b(?:eval|exec|system|popen|__import__|getattr|print|open|require)\("
-       r"|\bos\.(?:system|popen|environ|remove)|\bsubprocess\b|\b(?:console|document|window)\.\w+|\brm\s+-rf\b"
-       r"|\b(?:curl|wget)\s+\S|\$\((?:curl|wget|cat|echo|rm|bash|sh|python)\b|`[^`]+`"
-       r"|;\s*(?:rm|curl|wget|cat|echo)\b|\blambda\s+\w+\s*:|\bconst\s+\w+\s*=|\bconsole\b"),
+    _p(
+        "code",
+        r"\bimport\s+[a-z_][\w.]*\b(?:\s+as\b|\s*;|\s*$)|\bfrom\s+[a-z_][\w.]*\s+import\b|\bdef\s+\w+\s*\("
+        r"|\bfunction\s*\w*\s*\([^)]*\)\s*\{|\b(?:eval|exec|system|popen|__import__|getattr|print|open|require)\("
+        r"|\bos\.(?:system|popen|environ|remove)|\bsubprocess\b|\b(?:console|document|window)\.\w+|\brm\s+-rf\b"
+        r"|\b(?:curl|wget)\s+\S|\$\((?:curl|wget|cat|echo|rm|bash|sh|python)\b|`[^`]+`"
+        r"|;\s*(?:rm|curl|wget|cat|echo)\b|\blambda\s+\w+\s*:|\bconst\s+\w+\s*=|\bconsole\b",
+    ),
     _p("JSON", r"\{\s*[\"'][\w\s.-]{1,40}[\"']\s*:|\[\s*\{\s*[\"']"),
-    _p("encoded blob",
-       r"(?<![\w+/=-])(?=[A-Za-z0-9+/_-]*[0-9])(?=[A-Za-z0-9+/_-]*[a-z])(?=[A-Za-z0-9+/_-]*[A-Z])"
-       r"[A-Za-z0-9+/_-]{24,}={0,2}|\b[0-9a-fA-F]{32,}\b|(?:\\x[0-9a-fA-F]{2}){3,}|(?:%[0-9a-fA-F]{2}){3,}"
-       r"|(?:\\u[0-9a-fA-F]{4}){2,}|(?i:\bbase-?64\b)", flags=0),
+    _p(
+        "encoded blob",
+        r"(?<![\w+/=-])(?=[A-Za-z0-9+/_-]*[0-9])(?=[A-Za-z0-9+/_-]*[a-z])(?=[A-Za-z0-9+/_-]*[A-Z])"
+        r"[A-Za-z0-9+/_-]{24,}={0,2}|\b[0-9a-fA-F]{32,}\b|(?:\\x[0-9a-fA-F]{2}){3,}|(?:%[0-9a-fA-F]{2}){3,}"
+        r"|(?:\\u[0-9a-fA-F]{4}){2,}|(?i:\bbase-?64\b)",
+        flags=0,
+    ),
     _p("non-word run", r"[^\w\s]{6,}"),
     # --- strict only: commands to the model about its behaviour, bare answer claims -------------------------
-    _p("command to the model",
-       r"\byou\s+(?:must|shall|have\s+to|are\s+(?:required|ordered|instructed|commanded|forbidden|not\s+allowed)\s+to)\b"
-       r"|\b(?:never|do\s*n[o']?t|must\s+not|should\s+not|may\s+not)\s+(?:mention|reveal|disclose|tell|admit|"
-       r"acknowledge|discuss|apologi[sz]e|refuse|explain\s+(?:your|why)|say\s+(?:that\s+)?(?:you|this)|show\s+your)\b"
-       r"|\byour\s+(?:instructions|rules|guidelines|programming|training|behaviou?r|persona|creators?|"
-       r"developers?|polic(?:y|ies)|filters?|restrictions?)\b|\bas\s+an?\s+(?:ai|language\s+model|assistant|llm)\b",
-       level=2),
-    _p("answer claim",
-       r"\b(?:the\s+)?(?:final\s+|correct\s+|right\s+)?answer\s*(?:is|=|:|equals|should\s+be|must\s+be|will\s+be|was)"
-       r"\s*[:=]?\s*[\"'(\[$\\]*(?:boxed\s*\{)?\s*-?\d+(?:[.,/]\d+)*", level=2),
+    _p(
+        "command to the model",
+        r"\byou\s+(?:must|shall|have\s+to|are\s+(?:required|ordered|instructed|commanded|forbidden|not\s+allowed)\s+to)\b"
+        r"|\b(?:never|do\s*n[o']?t|must\s+not|should\s+not|may\s+not)\s+(?:mention|reveal|disclose|tell|admit|"
+        r"acknowledge|discuss|apologi[sz]e|refuse|explain\s+(?:your|why)|say\s+(?:that\s+)?(?:you|this)|show\s+your)\b"
+        r"|\byour\s+(?:instructions|rules|guidelines|programming|training|behaviou?r|persona|creators?|"
+        r"developers?|polic(?:y|ies)|filters?|restrictions?)\b|\bas\s+an?\s+(?:ai|language\s+model|assistant|llm)\b",
+        level=2,
+    ),
+    _p(
+        "answer claim",
+        r"\b(?:the\s+)?(?:final\s+|correct\s+|right\s+)?answer\s*(?:is|=|:|equals|should\s+be|must\s+be|will\s+be|was)"
+        r"\s*[:=]?\s*[\"'(\[$\\]*(?:boxed\s*\{)?\s*-?\d+(?:[.,/]\d+)*",
+        level=2,
+    ),
 )
 
 # --- normalization ---------------------------------------------------------------------------------------------
-_LOOKALIKE = str.maketrans({
-    # Cyrillic
-    "а": "a", "в": "b", "е": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c", "т": "t", "у": "y",
-    "х": "x", "і": "i", "ј": "j", "ѕ": "s", "ԁ": "d", "һ": "h", "ӏ": "l", "ԛ": "q", "ԝ": "w", "ɡ": "g", "ү": "y",
-    "А": "A", "В": "B", "Е": "E", "К": "K", "М": "M", "Н": "H", "О": "O", "Р": "P", "С": "C", "Т": "T", "У": "Y",
-    "Х": "X", "І": "I", "Ј": "J", "Ѕ": "S", "Ԁ": "D", "Ү": "Y",
-    # Greek capitals and the letters that look Latin
-    "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N", "Ο": "O", "Ρ": "P",
-    "Τ": "T", "Υ": "Y", "Χ": "X", "ο": "o", "ι": "i",
-    # typography
-    "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'", "\u201c": '"', "\u201d": '"',
-    "\u201e": '"', "\u00ab": '"', "\u00bb": '"', "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-",
-    "\u2014": "-", "\u2015": "-", "\u2212": "-",
-})
+_LOOKALIKE = str.maketrans(
+    {
+        # Cyrillic
+        "а": "a",
+        "в": "b",
+        "е": "e",
+        "к": "k",
+        "м": "m",
+        "н": "h",
+        "о": "o",
+        "р": "p",
+        "с": "c",
+        "т": "t",
+        "у": "y",
+        "х": "x",
+        "і": "i",
+        "ј": "j",
+        "ѕ": "s",
+        "ԁ": "d",
+        "һ": "h",
+        "ӏ": "l",
+        "ԛ": "q",
+        "ԝ": "w",
+        "ɡ": "g",
+        "ү": "y",
+        "А": "A",
+        "В": "B",
+        "Е": "E",
+        "К": "K",
+        "М": "M",
+        "Н": "H",
+        "О": "O",
+        "Р": "P",
+        "С": "C",
+        "Т": "T",
+        "У": "Y",
+        "Х": "X",
+        "І": "I",
+        "Ј": "J",
+        "Ѕ": "S",
+        "Ԁ": "D",
+        "Ү": "Y",
+        # Greek capitals and the letters that look Latin
+        "Α": "A",
+        "Β": "B",
+        "Ε": "E",
+        "Ζ": "Z",
+        "Η": "H",
+        "Ι": "I",
+        "Κ": "K",
+        "Μ": "M",
+        "Ν": "N",
+        "Ο": "O",
+        "Ρ": "P",
+        "Τ": "T",
+        "Υ": "Y",
+        "Χ": "X",
+        "ο": "o",
+        "ι": "i",
+        # typography
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201a": "'",
+        "\u201b": "'",
+        "\u2032": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u201e": '"',
+        "\u00ab": '"',
+        "\u00bb": '"',
+        "\u2010": "-",
+        "\u2011": "-",
+        "\u2012": "-",
+        "\u2013": "-",
+        "\u2014": "-",
+        "\u2015": "-",
+        "\u2212": "-",
+    }
+)
 _LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
 _LEET_TOKEN_RE = re.compile(r"\b(?=[\w@$]*[a-z])(?=[\w@$]*[013457@$])[a-z013457@$]{4,}\b", re.IGNORECASE)
 _SPELLED_RE = re.compile(r"(?<![^\W\d_])(?:[^\W\d_][\W_]{1,3}){2,}[^\W\d_](?![^\W\d_])")
@@ -218,8 +344,9 @@ def joined(text: str) -> str:
     stand for letters inside words read as letters ("1gn0re" -> "ignore")."""
     text = _SPELLED_RE.sub(lambda m: re.sub(r"[\W\d_]", "", m.group(0)), text)
     text = _INNER_SEP_RE.sub("", text).replace("_", " ")
-    return _LEET_TOKEN_RE.sub(lambda m: m.group(0).translate(_LEET)
-                              if sum(c.isalpha() for c in m.group(0)) >= 2 else m.group(0), text)
+    return _LEET_TOKEN_RE.sub(
+        lambda m: m.group(0).translate(_LEET) if sum(c.isalpha() for c in m.group(0)) >= 2 else m.group(0), text
+    )
 
 
 def _mixed_script_word(text: str) -> str | None:

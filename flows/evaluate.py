@@ -29,15 +29,20 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import plots, stopping
-from clgrpo.adapters import (adapter_hash, adapter_step, check_adapter, resolve_adapter, resolve_policy_adapter,
-                             split_condition, with_adapter)
+from clgrpo.adapters import (
+    adapter_hash,
+    adapter_step,
+    check_adapter,
+    resolve_adapter,
+    resolve_policy_adapter,
+    split_condition,
+    with_adapter,
+)
 from clgrpo.errors import EvaluationError
-from clgrpo.runtime import tune_gc
+from clgrpo.journal import RunJournal, recording
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_policy
-from clgrpo.retrieval import prompt_routing, route_library
-from clgrpo.run_lock import RunLock
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -47,17 +52,19 @@ from clgrpo.report import (
     step_table,
     write_plots,
 )
+from clgrpo.retrieval import prompt_routing, route_library
+from clgrpo.run_lock import RunLock
+from clgrpo.runtime import tune_gc
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
-from clgrpo.journal import RunJournal, recording
-from tasks.load_dataset import log_oversize
-from tasks.verify import warm_verifier
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
+from tasks.load_dataset import log_oversize
+from tasks.verify import warm_verifier
 
 Outputs = dict[str, list[Any]]
 EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
@@ -113,8 +120,10 @@ def resolve_condition(store: Store, ref: str, policy: ModelConfig | None = None)
     folder = resolve_adapter(rest, store)
     if policy is not None:
         if policy.backend == "openai":
-            raise EvaluationError(f"condition {ref!r}: an adapter needs a local policy (backend transformers or "
-                                  f"vllm), not the endpoint of {policy.model!r}")
+            raise EvaluationError(
+                f"condition {ref!r}: an adapter needs a local policy (backend transformers or "
+                f"vllm), not the endpoint of {policy.model!r}"
+            )
         if policy.backend == "transformers":
             check_adapter(folder, policy)
     step = adapter_step(folder)
@@ -123,8 +132,10 @@ def resolve_condition(store: Store, ref: str, policy: ModelConfig | None = None)
     library = ExperienceLibrary()
     if kind == "both":
         if step is None or not store.library_versions(run_id):
-            raise EvaluationError(f"condition {ref!r}: both needs a stored run's adapter (RUN_ID:STEP), whose "
-                                  f"library of the same step is evaluated with it")
+            raise EvaluationError(
+                f"condition {ref!r}: both needs a stored run's adapter (RUN_ID:STEP), whose "
+                f"library of the same step is evaluated with it"
+            )
         library = store.load_library(run_id, step)
     return Condition(label, label, library, folder)
 
@@ -151,16 +162,19 @@ def dataset_label(cfg: DatasetConfig) -> str:
 def load_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
     problems, report = get_domain(config.domain).load_dataset(dataset)
     if report.n_duplicates_dropped:
-        get_run_logger().warning("%s: dropped %d duplicate problem(s): %s", report.source,
-                                 report.n_duplicates_dropped, ", ".join(report.dropped_ids[:20]))
+        get_run_logger().warning(
+            "%s: dropped %d duplicate problem(s): %s",
+            report.source,
+            report.n_duplicates_dropped,
+            ", ".join(report.dropped_ids[:20]),
+        )
     log_oversize(report)
     return problems
 
 
 def guard_leakage(train: list[Problem], problems: list[Problem], evaluation: EvalConfig) -> LeakageReport:
     """Log the overlap of the evaluation set with the training set (ids); refuse it when configured."""
-    report = check_leakage(train, problems, threshold=evaluation.leakage_threshold,
-                           refuse=evaluation.refuse_on_leakage)
+    report = check_leakage(train, problems, threshold=evaluation.leakage_threshold, refuse=evaluation.refuse_on_leakage)
     log = get_run_logger()
     (log.warning if report else log.info)(report.message())
     return report
@@ -168,9 +182,19 @@ def guard_leakage(train: list[Problem], problems: list[Problem], evaluation: Eva
 
 # how the policy is reached, not what it answers: a server restarted on another port, a longer timeout or
 # another key still gives the same evaluation (a resumed benchmark's llama-server gets a new port)
-TRANSPORT_FIELDS = {"base_url", "api_key_env", "api_key_secret_block", "timeout_s", "max_retries",
-                    "max_rate_limit_wait_s", "retry_base_delay_s", "retry_max_delay_s", "price", "cpu_threads",
-                    "max_batch_rows"}
+TRANSPORT_FIELDS = {
+    "base_url",
+    "api_key_env",
+    "api_key_secret_block",
+    "timeout_s",
+    "max_retries",
+    "max_rate_limit_wait_s",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+    "price",
+    "cpu_threads",
+    "max_batch_rows",
+}
 
 
 LATER_PROBLEM_FIELDS = ("domain_tag", "tag", "answer_source")  # fingerprinted only when set
@@ -182,19 +206,33 @@ def _problem_payload(problem: Problem) -> dict:
     return problem.model_dump(exclude={name for name in LATER_PROBLEM_FIELDS if getattr(problem, name) is None})
 
 
-def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list[Condition],
-                     problems: list[Problem], *, legacy: bool = False) -> str:
+def eval_fingerprint(
+    config: RunConfig,
+    evaluation: EvalConfig,
+    conditions: list[Condition],
+    problems: list[Problem],
+    *,
+    legacy: bool = False,
+) -> str:
     """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
     ``legacy``: as stored before the transport fields were left out (read back, never written)."""
     payload = {
         "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
         # the tag column counts through the problems' tags (below)
-        "evaluation": evaluation.model_dump(mode="json", exclude={"chunk_size": True, "leakage_threshold": True,
-                                                                  "refuse_on_leakage": True, "every_n_steps": True,
-                                                                  "dataset": {"tag_field"}}),
-        "conditions": [[c.label, c.library.content_hash(), *([adapter_hash(c.adapter)] if c.adapter else [])]
-                       for c in conditions],
+        "evaluation": evaluation.model_dump(
+            mode="json",
+            exclude={
+                "chunk_size": True,
+                "leakage_threshold": True,
+                "refuse_on_leakage": True,
+                "every_n_steps": True,
+                "dataset": {"tag_field"},
+            },
+        ),
+        "conditions": [
+            [c.label, c.library.content_hash(), *([adapter_hash(c.adapter)] if c.adapter else [])] for c in conditions
+        ],
         "problems": text_hash(json.dumps([_problem_payload(p) for p in problems], sort_keys=True)),
     }
     dataset = payload["evaluation"].get("dataset")
@@ -209,9 +247,18 @@ def eval_fingerprint(config: RunConfig, evaluation: EvalConfig, conditions: list
 
 
 # --- the evaluation itself (shared by the flow and the training validation) -----------------------------------
-async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problems: list[Problem],
-                              conditions: list[Condition], *, key: str, eval_id: str, fingerprint: str,
-                              leaked_ids: list[str], store: Store | None = None) -> Outputs:
+async def evaluate_conditions(
+    config: RunConfig,
+    evaluation: EvalConfig,
+    problems: list[Problem],
+    conditions: list[Condition],
+    *,
+    key: str,
+    eval_id: str,
+    fingerprint: str,
+    leaked_ids: list[str],
+    store: Store | None = None,
+) -> Outputs:
     """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
     problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
     in ``store`` when given)."""
@@ -220,34 +267,74 @@ async def evaluate_conditions(config: RunConfig, evaluation: EvalConfig, problem
     for condition in conditions:
         version = (await route_library(config, store, condition.library, problems)).to_version()
         policy = with_adapter(config, condition.adapter) if condition.adapter else config
-        batches = await asyncio.gather(*[evaluate_task(policy, evaluation, key, condition.label, i, chunk, version)
-                                         for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))])
+        batches = await asyncio.gather(
+            *[
+                evaluate_task(policy, evaluation, key, condition.label, i, chunk, version)
+                for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
+            ]
+        )
         samples[condition.label] = [s for b in batches for s in b.samples]
         calls += [c for b in batches for c in b.calls]
     problem_ids = [p.problem_id for p in problems]
-    summaries = [summarize_condition(samples[c.label], problem_ids, evaluation, eval_id=eval_id, condition=c.label,
-                                     library_ref=c.ref, library=c.library, dataset=dataset_label(evaluation.dataset),
-                                     fingerprint=fingerprint, leaked_ids=leaked_ids) for c in conditions]
+    summaries = [
+        summarize_condition(
+            samples[c.label],
+            problem_ids,
+            evaluation,
+            eval_id=eval_id,
+            condition=c.label,
+            library_ref=c.ref,
+            library=c.library,
+            dataset=dataset_label(evaluation.dataset),
+            fingerprint=fingerprint,
+            leaked_ids=leaked_ids,
+        )
+        for c in conditions
+    ]
     baseline = conditions[0].label
-    comparisons = [cmp for c in conditions[1:]  # overall, then per task tag
-                   for cmp in compare_by_tag((baseline, samples[baseline]), (c.label, samples[c.label]),
-                                             problems, evaluation, eval_id=eval_id)]
-    return {"evaluations": summaries, "eval_results": [s for c in conditions for s in samples[c.label]],
-            "eval_comparisons": comparisons, "llm_calls": calls}
+    comparisons = [
+        cmp
+        for c in conditions[1:]  # overall, then per task tag
+        for cmp in compare_by_tag(
+            (baseline, samples[baseline]), (c.label, samples[c.label]), problems, evaluation, eval_id=eval_id
+        )
+    ]
+    return {
+        "evaluations": summaries,
+        "eval_results": [s for c in conditions for s in samples[c.label]],
+        "eval_comparisons": comparisons,
+        "llm_calls": calls,
+    }
 
 
-async def _evaluate_recorded(store: Store, config: RunConfig, evaluation: EvalConfig, problems: list[Problem],
-                             conditions: list[Condition], *, eval_id: str, fingerprint: str,
-                             leaked_ids: list[str]) -> Outputs:
+async def _evaluate_recorded(
+    store: Store,
+    config: RunConfig,
+    evaluation: EvalConfig,
+    problems: list[Problem],
+    conditions: list[Condition],
+    *,
+    eval_id: str,
+    fingerprint: str,
+    leaked_ids: list[str],
+) -> Outputs:
     """``evaluate_conditions`` with every request in a work journal as it completes: an evaluation that fails
     or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not marked done)."""
     journal = RunJournal.open(store.path, store.db_id, eval_id)
     step = journal.step(0)
     try:
         with recording(step, stage=EVALUATE_STAGE, items=False):
-            outputs = await evaluate_conditions(config, evaluation, problems, conditions, key=eval_id,
-                                                eval_id=eval_id, fingerprint=fingerprint, leaked_ids=leaked_ids,
-                                                store=store)
+            outputs = await evaluate_conditions(
+                config,
+                evaluation,
+                problems,
+                conditions,
+                key=eval_id,
+                eval_id=eval_id,
+                fingerprint=fingerprint,
+                leaked_ids=leaked_ids,
+                store=store,
+            )
     except BaseException:
         if step.calls():
             store.write_unfinished(eval_id, 0, EVALUATE_STAGE, {"llm_calls": step.calls()})
@@ -259,33 +346,47 @@ async def _evaluate_recorded(store: Store, config: RunConfig, evaluation: EvalCo
 
 
 # --- artifacts ----------------------------------------------------------------------------------------
-async def publish_evaluation(key: str, summaries: list[EvalSummary], comparisons: list[EvalComparison],
-                             notes: list[str], description: str) -> None:
+async def publish_evaluation(
+    key: str, summaries: list[EvalSummary], comparisons: list[EvalComparison], notes: list[str], description: str
+) -> None:
     """Table + markdown artifacts of an evaluation, and its Mean@k plot (CI per condition) as an image."""
     headers, rows = evaluation_table(summaries)
-    await acreate_table_artifact([dict(zip(headers, row)) for row in rows], key=artifact_key(key, "evaluation"),
-                                 description=description)
-    await acreate_markdown_artifact(evaluation_markdown(summaries, comparisons, notes),
-                                    key=artifact_key(key, "evaluation-report"), description=description)
+    await acreate_table_artifact(
+        [dict(zip(headers, row)) for row in rows], key=artifact_key(key, "evaluation"), description=description
+    )
+    await acreate_markdown_artifact(
+        evaluation_markdown(summaries, comparisons, notes),
+        key=artifact_key(key, "evaluation-report"),
+        description=description,
+    )
     points = [plots.ConditionPoint(s.condition, s.mean_at_k, s.mean_ci_low, s.mean_ci_high) for s in summaries]
     png = plots.conditions_plot(f"Mean@{summaries[0].k}", points)
-    await acreate_image_artifact(plots.data_uri(png), key=artifact_key(key, "evaluation-plot"),
-                                 description=f"{description}: Mean@k with {summaries[0].ci_level:.0%} CI")
+    await acreate_image_artifact(
+        plots.data_uri(png),
+        key=artifact_key(key, "evaluation-plot"),
+        description=f"{description}: Mean@k with {summaries[0].ci_level:.0%} CI",
+    )
 
 
 async def publish_run_report(store: Store, config: RunConfig) -> dict[str, Path]:
     """The step table as a markdown artifact; with ``config.plots`` also the run's plots (accuracy with CI,
     library size, tokens/cost per step) as PNGs next to the run's exported libraries and as image artifacts."""
     data = collect_run(store, config.run_id)
-    await acreate_markdown_artifact(markdown_table(step_table(data)), key=artifact_key(config.run_id, "learning-curve"),
-                                    description="Per step: accuracy and held-out Mean@k with CIs, library, cost")
+    await acreate_markdown_artifact(
+        markdown_table(step_table(data)),
+        key=artifact_key(config.run_id, "learning-curve"),
+        description="Per step: accuracy and held-out Mean@k with CIs, library, cost",
+    )
     if not config.plots:
         return {}
     images = run_plots(data)
     files = write_plots(images, export_dir(config) / "plots")
     for name, png in images.items():
-        await acreate_image_artifact(plots.data_uri(png), key=artifact_key(config.run_id, f"plot-{name}"),
-                                     description=f"{config.run_id}: {name.replace('_', ' ')} per step")
+        await acreate_image_artifact(
+            plots.data_uri(png),
+            key=artifact_key(config.run_id, f"plot-{name}"),
+            description=f"{config.run_id}: {name.replace('_', ' ')} per step",
+        )
     get_run_logger().info("plots written to %s", files["accuracy"].parent)
     return files
 
@@ -309,25 +410,44 @@ class Validator:
         ref = f"{self.config.run_id}:{library.version}"
         fingerprint = text_hash(self.config.fingerprint() + library.content_hash())
         return await evaluate_conditions(
-            self.config, self.evaluation, self.problems, [Condition(ref, ref, library)],
-            key=f"{self.config.run_id}/{step}", eval_id=f"{self.config.run_id}-step{step}",
-            fingerprint=fingerprint, leaked_ids=self.leakage.eval_ids, store=self.store)
+            self.config,
+            self.evaluation,
+            self.problems,
+            [Condition(ref, ref, library)],
+            key=f"{self.config.run_id}/{step}",
+            eval_id=f"{self.config.run_id}-step{step}",
+            fingerprint=fingerprint,
+            leaked_ids=self.leakage.eval_ids,
+            store=self.store,
+        )
 
     async def publish(self, step: int, outputs: Outputs) -> None:
         summary: EvalSummary = outputs["evaluations"][0]
         get_run_logger().info(
             "step %d validation: Mean@%d %.3f [%.3f, %.3f], Pass@%d %.3f [%.3f, %.3f] on %d held-out problems "
-            "(library %d)", step, summary.k, summary.mean_at_k, summary.mean_ci_low, summary.mean_ci_high,
-            summary.pass_k, summary.pass_at_k, summary.pass_ci_low, summary.pass_ci_high, summary.n_problems,
-            summary.library_size)
+            "(library %d)",
+            step,
+            summary.k,
+            summary.mean_at_k,
+            summary.mean_ci_low,
+            summary.mean_ci_high,
+            summary.pass_k,
+            summary.pass_at_k,
+            summary.pass_ci_low,
+            summary.pass_ci_high,
+            summary.n_problems,
+            summary.library_size,
+        )
         notes = [self.leakage.message()] if self.leakage else []
-        await publish_evaluation(f"{self.config.run_id}-validation", [summary], [], notes,
-                                 f"Held-out validation after step {step}")
+        await publish_evaluation(
+            f"{self.config.run_id}-validation", [summary], [], notes, f"Held-out validation after step {step}"
+        )
 
 
 # --- the standalone flow ----------------------------------------------------------------------------------
-def _training_problems(store: Store, config: RunConfig, conditions: list[Condition],
-                       train_dataset: DatasetConfig | None) -> list[Problem] | None:
+def _training_problems(
+    store: Store, config: RunConfig, conditions: list[Condition], train_dataset: DatasetConfig | None
+) -> list[Problem] | None:
     """The explicit training set, else the training set of the first evaluated run; None if neither."""
     if train_dataset is not None:
         return load_problems(config, train_dataset)
@@ -339,8 +459,9 @@ def _training_problems(store: Store, config: RunConfig, conditions: list[Conditi
             try:
                 return load_problems(config, store.run_config(run_id).dataset)
             except (OSError, ValueError) as exc:
-                log.warning("leakage guard: cannot load the training set of run %r (%s); pass --train-dataset",
-                            run_id, exc)
+                log.warning(
+                    "leakage guard: cannot load the training set of run %r (%s); pass --train-dataset", run_id, exc
+                )
                 return None
     log.info("leakage guard: no training set given (--train-dataset) and no stored run evaluated; skipped")
     return None
@@ -351,8 +472,10 @@ def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | 
         return None
     outputs = {t: store.records(t, eval_id, 0, EVALUATE_STAGE) for t in EVAL_TABLES}
     if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
-        raise EvaluationError(f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
-                              "dataset, model or settings) in this database: choose another eval id")
+        raise EvaluationError(
+            f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
+            "dataset, model or settings) in this database: choose another eval id"
+        )
     return outputs
 
 
@@ -362,18 +485,33 @@ def _flow_run_name() -> str:
     return f"evaluate-{flow_run.parameters.get('eval_id') or 'auto'}"
 
 
-@flow(name="evaluate", flow_run_name=_flow_run_name, persist_result=True, log_prints=True,
-      on_crashed=[stopping.cancelled_not_crashed])
-async def evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[str], eval_id: str | None = None,
-                   train_dataset: DatasetConfig | None = None) -> EvalOutcome:
+@flow(
+    name="evaluate",
+    flow_run_name=_flow_run_name,
+    persist_result=True,
+    log_prints=True,
+    on_crashed=[stopping.cancelled_not_crashed],
+)
+async def evaluate(
+    config: RunConfig,
+    evaluation: EvalConfig,
+    libraries: list[str],
+    eval_id: str | None = None,
+    train_dataset: DatasetConfig | None = None,
+) -> EvalOutcome:
     """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
     The first library is the baseline of the paired comparisons."""
     tune_gc()
     return await stopping.flow_body(partial(_evaluate, config, evaluation, libraries, eval_id, train_dataset))
 
 
-async def _evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[str], eval_id: str | None,
-                    train_dataset: DatasetConfig | None) -> EvalOutcome:
+async def _evaluate(
+    config: RunConfig,
+    evaluation: EvalConfig,
+    libraries: list[str],
+    eval_id: str | None,
+    train_dataset: DatasetConfig | None,
+) -> EvalOutcome:
     log = get_run_logger()
     stopping.note_stage("evaluation")
     warm_verifier(config.domain)  # starts while the endpoint is checked
@@ -389,19 +527,38 @@ async def _evaluate(config: RunConfig, evaluation: EvalConfig, libraries: list[s
         if not _ID_RE.match(eval_id) or store.is_run(eval_id):
             raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
         with RunLock(config.db_path, "eval", eval_id):  # one live process per evaluation id and database
-            outputs = _read_back(store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions,
-                                                                               problems, legacy=True)})
+            outputs = _read_back(
+                store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions, problems, legacy=True)}
+            )
             reused = outputs is not None
             if outputs is None:
-                outputs = await _evaluate_recorded(store, config, evaluation, problems, conditions, eval_id=eval_id,
-                                                   fingerprint=fingerprint,
-                                                   leaked_ids=leakage.eval_ids if leakage else [])
+                outputs = await _evaluate_recorded(
+                    store,
+                    config,
+                    evaluation,
+                    problems,
+                    conditions,
+                    eval_id=eval_id,
+                    fingerprint=fingerprint,
+                    leaked_ids=leakage.eval_ids if leakage else [],
+                )
                 n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
                 log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
             else:
                 log.info("evaluation %s: already stored, reading it back", eval_id)
     notes = [leakage.message()] if leakage is not None else []
-    await publish_evaluation(eval_id, outputs["evaluations"], outputs["eval_comparisons"], notes,
-                             f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}")
-    return EvalOutcome(eval_id, config.db_path, outputs["evaluations"], outputs["eval_comparisons"],
-                       leakage.message() if leakage is not None else "leakage guard skipped (no training set)", reused)
+    await publish_evaluation(
+        eval_id,
+        outputs["evaluations"],
+        outputs["eval_comparisons"],
+        notes,
+        f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}",
+    )
+    return EvalOutcome(
+        eval_id,
+        config.db_path,
+        outputs["evaluations"],
+        outputs["eval_comparisons"],
+        leakage.message() if leakage is not None else "leakage guard skipped (no training set)",
+        reused,
+    )

@@ -66,15 +66,30 @@ def _exists(url: str) -> bool:
 
 
 @flow(name="numeric-update-gpu", flow_run_name="numeric-update-{config.run_id}-step{step}", persist_result=True)
-async def numeric_update_gpu(config: RunConfig, step: int, items: list[NumericItem], skipped: int,
-                             has_parent: bool, library_version: int, handoff: str) -> str:
+async def numeric_update_gpu(
+    config: RunConfig,
+    step: int,
+    items: list[NumericItem],
+    skipped: int,
+    has_parent: bool,
+    library_version: int,
+    handoff: str,
+) -> str:
     """Train the step's adapter on this worker's device and leave it (and its record) at ``handoff``."""
-    return await stopping.flow_body(partial(_numeric_update_gpu, config, step, items, skipped, has_parent,
-                                            library_version, handoff))
+    return await stopping.flow_body(
+        partial(_numeric_update_gpu, config, step, items, skipped, has_parent, library_version, handoff)
+    )
 
 
-async def _numeric_update_gpu(config: RunConfig, step: int, items: list[NumericItem], skipped: int,
-                              has_parent: bool, library_version: int, handoff: str) -> str:
+async def _numeric_update_gpu(
+    config: RunConfig,
+    step: int,
+    items: list[NumericItem],
+    skipped: int,
+    has_parent: bool,
+    library_version: int,
+    handoff: str,
+) -> str:
     import asyncio
 
     stopping.note_stage(f"step {step} numeric_update")
@@ -84,45 +99,83 @@ async def _numeric_update_gpu(config: RunConfig, step: int, items: list[NumericI
             parent = Path(tmp) / "parent"
             download_folder(f"{handoff}/parent", parent)
         target = Path(tmp) / f"adapter_step{step}"
-        record = await asyncio.to_thread(train_step, config, step, items, skipped,
-                                         None if parent is None else str(parent), library_version, target)
+        record = await asyncio.to_thread(
+            train_step, config, step, items, skipped, None if parent is None else str(parent), library_version, target
+        )
         upload_folder(target, f"{handoff}/adapter")
     meta = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": os.uname().nodename}
     with fsspec.open(f"{handoff}/{RECORD}", "w", encoding="utf-8") as handle:  # last: the hand-off is complete
         json.dump({"record": record.model_dump(mode="json"), "meta": meta}, handle)
-    get_run_logger().info("step %d numeric_update: adapter (%d completions, %s) handed off to %s "
-                          "(CUDA_VISIBLE_DEVICES=%s)", step, record.rows_used, record.device, handoff,
-                          meta["cuda_visible_devices"])
+    get_run_logger().info(
+        "step %d numeric_update: adapter (%d completions, %s) handed off to %s (CUDA_VISIBLE_DEVICES=%s)",
+        step,
+        record.rows_used,
+        record.device,
+        handoff,
+        meta["cuda_visible_devices"],
+    )
     return handoff
 
 
-async def numeric_update_on_pool(config: RunConfig, step: int, items: list[NumericItem], skipped: int,
-                                 parent: str | None, library_version: int, export: str, *,
-                                 db_id: str = "") -> AdapterVersion:
+async def numeric_update_on_pool(
+    config: RunConfig,
+    step: int,
+    items: list[NumericItem],
+    skipped: int,
+    parent: str | None,
+    library_version: int,
+    export: str,
+    *,
+    db_id: str = "",
+) -> AdapterVersion:
     """The orchestrator's side: hand the parent adapter over, start (or find) the step's child run, and copy
     the adapter it left into ``<export>/adapter_step<N>/``. The returned record names the local folder."""
-    key = inputs_hash({"fingerprint": config.fingerprint(), "run_id": config.run_id, "step": step, "items": items,
-                       "parent": parent, "library_version": library_version, "db_id": db_id})
+    key = inputs_hash(
+        {
+            "fingerprint": config.fingerprint(),
+            "run_id": config.run_id,
+            "step": step,
+            "items": items,
+            "parent": parent,
+            "library_version": library_version,
+            "db_id": db_id,
+        }
+    )
     url = handoff_folder(config, step, key)
     if not _exists(f"{url}/{RECORD}"):
         if parent is not None:
             upload_folder(Path(parent), f"{url}/parent")
-        parameters = {"config": config.model_dump(mode="json"), "step": step,
-                      "items": [i.model_dump(mode="json") for i in items], "skipped": skipped,
-                      "has_parent": parent is not None, "library_version": library_version, "handoff": url}
-        child = await start_or_rerun_child(config, parameters, f"clgrpo-numeric-{key}",
-                                           deployment=config.hybrid.deployment, placement=config.hybrid)
+        parameters = {
+            "config": config.model_dump(mode="json"),
+            "step": step,
+            "items": [i.model_dump(mode="json") for i in items],
+            "skipped": skipped,
+            "has_parent": parent is not None,
+            "library_version": library_version,
+            "handoff": url,
+        }
+        child = await start_or_rerun_child(
+            config, parameters, f"clgrpo-numeric-{key}", deployment=config.hybrid.deployment, placement=config.hybrid
+        )
         ensure_completed(child, "numeric_update", f"hybrid.timeout_s={config.hybrid.timeout_s:g}s")
         if not _exists(f"{url}/{RECORD}"):
-            raise RemoteRolloutError(f"numeric_update child run {child.name} completed but left nothing at {url}: "
-                                     "is hybrid.handoff_storage shared between the GPU workers and the orchestrator?")
+            raise RemoteRolloutError(
+                f"numeric_update child run {child.name} completed but left nothing at {url}: "
+                "is hybrid.handoff_storage shared between the GPU workers and the orchestrator?"
+            )
     with fsspec.open(f"{url}/{RECORD}", "r", encoding="utf-8") as handle:
         payload = json.load(handle)
     target = adapter_dir(Path(export), step)
     download_folder(f"{url}/adapter", target)
     record = AdapterVersion.model_validate(payload["record"]).model_copy(
-        update={"path": str(target), "parent_path": parent})
-    get_run_logger().info("step %d numeric_update: ingested the adapter from %s (worker %s, device %s, "
-                          "CUDA_VISIBLE_DEVICES=%s)", step, url, payload["meta"].get("host"), record.device,
-                          payload["meta"].get("cuda_visible_devices"))
+        update={"path": str(target), "parent_path": parent}
+    )
+    get_run_logger().info(
+        "step %d numeric_update: ingested the adapter from %s (worker %s, device %s, CUDA_VISIBLE_DEVICES=%s)",
+        step,
+        url,
+        payload["meta"].get("host"),
+        record.device,
+        payload["meta"].get("cuda_visible_devices"),
+    )
     return record

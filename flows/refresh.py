@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -40,10 +40,10 @@ from clgrpo.adopt import adoptions
 from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
 from clgrpo.preflight import check_refresh
-from clgrpo.runtime import tune_gc
 from clgrpo.report import markdown_table
 from clgrpo.review import ReviewPendingError, library_at, settle_expired
 from clgrpo.run_lock import RunLock
+from clgrpo.runtime import tune_gc
 from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
 from clgrpo.store import Store
 from domains import get_domain
@@ -99,19 +99,36 @@ def decide(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
     """The overall rule: the lower bound of the gain's CI above the margin; the reason says which way and why.
     (The per-tag gate comes on top: ``clgrpo.gate``.)"""
     label = METRIC_LABELS[comparison.metric]
-    measured = (f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
-                f"{comparison.n_problems} held-out problems: gain {comparison.diff:+.3f}, "
-                f"{comparison.ci_level:.0%} CI [{comparison.ci_low:+.3f}, {comparison.ci_high:+.3f}]")
+    measured = (
+        f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
+        f"{comparison.n_problems} held-out problems: gain {comparison.diff:+.3f}, "
+        f"{comparison.ci_level:.0%} CI [{comparison.ci_low:+.3f}, {comparison.ci_high:+.3f}]"
+    )
     if overall_passes(comparison, margin):
         return True, f"{measured}; its lower bound is above the margin {margin:+.3f}"
     return False, f"{measured}; its lower bound is not above the margin {margin:+.3f}"
 
 
-def decision_record(config: RefreshConfig, refresh_id: str, date: str, cutoff: datetime, n_new: int,
-                    baseline: Baseline, **fields: object) -> RefreshDecision:
-    return RefreshDecision(refresh_id=refresh_id, name=config.name, refresh_date=date, cutoff=cutoff,
-                           n_new_problems=n_new, baseline_ref=baseline.ref, metric=config.metric,
-                           margin=config.margin, **fields)
+def decision_record(
+    config: RefreshConfig,
+    refresh_id: str,
+    date: str,
+    cutoff: datetime,
+    n_new: int,
+    baseline: Baseline,
+    **fields: object,
+) -> RefreshDecision:
+    return RefreshDecision(
+        refresh_id=refresh_id,
+        name=config.name,
+        refresh_date=date,
+        cutoff=cutoff,
+        n_new_problems=n_new,
+        baseline_ref=baseline.ref,
+        metric=config.metric,
+        margin=config.margin,
+        **fields,
+    )
 
 
 # --- state in DuckDB --------------------------------------------------------------------------------------
@@ -144,17 +161,30 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     source = config.source
     same_file = source.kind != "directory" and Path(source.path).resolve() == store.path.resolve()
     if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
-        taken = select_traces(source, get_domain(config.training.domain), cutoff,
-                              store.consumed_problem_keys(config.name), store.refresh_watermark(config.name),
-                              name=config.name, max_problems=config.max_problems,
-                              reported=store.reported_rejects(config.name), query=store.query if same_file else None)
+        taken = select_traces(
+            source,
+            get_domain(config.training.domain),
+            cutoff,
+            store.consumed_problem_keys(config.name),
+            store.refresh_watermark(config.name),
+            name=config.name,
+            max_problems=config.max_problems,
+            reported=store.reported_rejects(config.name),
+            query=store.query if same_file else None,
+        )
         store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, taken.stage_rows())
         get_run_logger().info(taken.message(cutoff))
         return taken.selection.inputs
-    arrivals = read_arrivals(source, get_domain(config.training.domain), cutoff, work_dir(config) / refresh_id,
-                             query=store.query if same_file else None)
-    selection = select_new(arrivals, store.consumed_problem_keys(config.name), name=config.name,
-                           max_problems=config.max_problems)
+    arrivals = read_arrivals(
+        source,
+        get_domain(config.training.domain),
+        cutoff,
+        work_dir(config) / refresh_id,
+        query=store.query if same_file else None,
+    )
+    selection = select_new(
+        arrivals, store.consumed_problem_keys(config.name), name=config.name, max_problems=config.max_problems
+    )
     if selection.inputs:
         store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, {"refresh_inputs": selection.inputs})
     get_run_logger().info(selection.message(cutoff))
@@ -171,23 +201,36 @@ def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None
         w = waiting[0]
         raise ReviewPendingError(
             f"refresh {w.refresh_id} still waits for its review (until {w.deadline:%Y-%m-%d %H:%M %Z}): answer it "
-            f"in the Prefect UI or with `clgrpo review {w.refresh_id}`, then run this refresh again")
+            f"in the Prefect UI or with `clgrpo review {w.refresh_id}`, then run this refresh again"
+        )
 
 
 # --- files for the subflows --------------------------------------------------------------------------------
 def input_notes(store: Store, refresh_id: str) -> list[str]:
     """What the decision reports about its input beyond the count: a traces source's skipped rows and redactions."""
     watermarks = store.records("refresh_watermarks", refresh_id, 0, REFRESH_SELECT_STAGE)
-    return trace_notes(store.records("refresh_rejects", refresh_id, 0, REFRESH_SELECT_STAGE),
-                       watermarks[0] if watermarks else None)
+    return trace_notes(
+        store.records("refresh_rejects", refresh_id, 0, REFRESH_SELECT_STAGE), watermarks[0] if watermarks else None
+    )
 
 
 def write_dataset(inputs: list[RefreshInput], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
         for i in inputs:
-            fh.write(json.dumps({"id": i.problem_id, "problem": i.problem, "answer": i.answer, "tag": i.tag,
-                                 "answer_source": i.answer_source}, ensure_ascii=False) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "id": i.problem_id,
+                        "problem": i.problem,
+                        "answer": i.answer,
+                        "tag": i.tag,
+                        "answer_source": i.answer_source,
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
     return path
 
 
@@ -196,22 +239,34 @@ def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start
     seed = template.dataset.seed if template.dataset else template.seed
     traces = config.source.kind == "traces"  # some traces have an answer (from feedback), some none
     has_answers = traces or config.source.answer_field is not None
-    return RunConfig.model_validate({
-        **template.model_dump(exclude={"dataset"}),
-        "run_id": f"{refresh_id}-train",
-        "dataset": DatasetConfig(path=str(dataset), answer_field="answer" if has_answers else None, seed=seed,
-                                 answers_optional=traces, answer_source_field="answer_source" if traces else None),
-        "initial_library": str(start),
-        "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
-    })
+    return RunConfig.model_validate(
+        {
+            **template.model_dump(exclude={"dataset"}),
+            "run_id": f"{refresh_id}-train",
+            "dataset": DatasetConfig(
+                path=str(dataset),
+                answer_field="answer" if has_answers else None,
+                seed=seed,
+                answers_optional=traces,
+                answer_source_field="answer_source" if traces else None,
+            ),
+            "initial_library": str(start),
+            "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
+        }
+    )
 
 
 # --- reporting ----------------------------------------------------------------------------------------------
 def decision_markdown(decision: RefreshDecision, gate: list[RefreshGateRow] | None = None) -> str:
-    rows = [["refresh", decision.refresh_id], ["status", decision.status],
-            ["new problems", str(decision.n_new_problems)], ["started from", decision.baseline_ref],
-            ["candidate", decision.candidate_ref or "-"], ["training run", decision.train_run_id or "-"],
-            ["evaluation", decision.eval_id or "-"]]
+    rows = [
+        ["refresh", decision.refresh_id],
+        ["status", decision.status],
+        ["new problems", str(decision.n_new_problems)],
+        ["started from", decision.baseline_ref],
+        ["candidate", decision.candidate_ref or "-"],
+        ["training run", decision.train_run_id or "-"],
+        ["evaluation", decision.eval_id or "-"],
+    ]
     reasons = "\n".join(f"- {r}" for r in decision.reasons)
     text = f"# Refresh {decision.refresh_id}: {decision.status}\n\n{markdown_table((['', ''], rows))}\n\n{reasons}\n"
     if gate:
@@ -229,22 +284,35 @@ def stored_gate(store: Store, decision: RefreshDecision) -> list[RefreshGateRow]
 
 async def publish(store: Store, decision: RefreshDecision) -> None:
     gate = stored_gate(store, decision)
-    await acreate_markdown_artifact(decision_markdown(decision, gate), key=artifact_key(decision.name, "refresh"),
-                                    description=f"Refresh {decision.refresh_id}: {decision.status}")
+    await acreate_markdown_artifact(
+        decision_markdown(decision, gate),
+        key=artifact_key(decision.name, "refresh"),
+        description=f"Refresh {decision.refresh_id}: {decision.status}",
+    )
     if gate:
         headers, body = gate_table(gate)
-        await acreate_table_artifact([dict(zip(headers, row)) for row in body],
-                                     key=artifact_key(decision.name, "refresh-gate"),
-                                     description=f"Refresh {decision.refresh_id}: the promotion gate, overall and "
-                                                 "per task tag")
+        await acreate_table_artifact(
+            [dict(zip(headers, row)) for row in body],
+            key=artifact_key(decision.name, "refresh-gate"),
+            description=f"Refresh {decision.refresh_id}: the promotion gate, overall and per task tag",
+        )
     gates = store.refresh_gates(decision.name)
-    history = [{"date": d.refresh_date, "status": d.status, "new problems": d.n_new_problems,
-                "library": d.candidate_ref if d.promoted else d.baseline_ref,
-                "gain": "" if d.diff is None else f"{d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]",
-                "failing tags": failing_summary(gates.get(d.refresh_id, []))}
-               for d in store.refresh_decisions(decision.name)]
-    await acreate_table_artifact(history, key=artifact_key(decision.name, "refresh-history"),
-                                 description=f"Refreshes of {decision.name!r}: decisions and gains")
+    history = [
+        {
+            "date": d.refresh_date,
+            "status": d.status,
+            "new problems": d.n_new_problems,
+            "library": d.candidate_ref if d.promoted else d.baseline_ref,
+            "gain": "" if d.diff is None else f"{d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]",
+            "failing tags": failing_summary(gates.get(d.refresh_id, [])),
+        }
+        for d in store.refresh_decisions(decision.name)
+    ]
+    await acreate_table_artifact(
+        history,
+        key=artifact_key(decision.name, "refresh-history"),
+        description=f"Refreshes of {decision.name!r}: decisions and gains",
+    )
 
 
 async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDecision:
@@ -268,8 +336,9 @@ def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) ->
 
 
 # --- the flow -------------------------------------------------------------------------------------------
-async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list[RefreshInput],
-                            baseline: Baseline) -> dict[str, object]:
+async def train_and_compare(
+    config: RefreshConfig, refresh_id: str, inputs: list[RefreshInput], baseline: Baseline
+) -> dict[str, object]:
     """Train from the baseline on the new problems, then evaluate baseline vs candidate: decision fields."""
     folder = work_dir(config) / refresh_id
     dataset = write_dataset(inputs, folder / "new-problems.jsonl")
@@ -283,30 +352,54 @@ async def train_and_compare(config: RefreshConfig, refresh_id: str, inputs: list
     if trained.stopped:  # a budget stopped training early: never promote a half-trained library
         return {**fields, "status": "not_promoted", "reasons": [f"training stopped early: {trained.stopped}"]}
     if candidate.content_hash() == baseline.library.content_hash():
-        return {**fields, "status": "not_promoted",
-                "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged"]}
+        return {
+            **fields,
+            "status": "not_promoted",
+            "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged"],
+        }
     outcome: EvalOutcome = await evaluate(
-        run_config, config.evaluation, [baseline.ref, candidate_ref], eval_id=f"{refresh_id}-eval",
-        train_dataset=run_config.dataset)
+        run_config,
+        config.evaluation,
+        [baseline.ref, candidate_ref],
+        eval_id=f"{refresh_id}-eval",
+        train_dataset=run_config.dataset,
+    )
     comparison = next(c for c in outcome.overall if c.metric == config.metric)
     promote, reason = decide(comparison, config.margin)
     gate = record_gate(config, refresh_id, outcome)
     promote = promote and gate.tags_pass
-    reasons = [f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
-               f"{len(baseline.library)} -> {len(candidate)} experiences", reason, *gate.reasons()]
+    reasons = [
+        f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
+        f"{len(baseline.library)} -> {len(candidate)} experiences",
+        reason,
+        *gate.reasons(),
+    ]
     failed = sum(s.n_failed for s in outcome.summaries)
     if failed:
         reasons.append(f"{failed} evaluation sample(s) failed (scored 0); see evaluation {outcome.eval_id}")
     if any(s.leaked_ids for s in outcome.summaries):
         reasons.append(outcome.leakage)
-    return {**fields, "eval_id": outcome.eval_id, "status": "promoted" if promote else "not_promoted",
-            "baseline_value": comparison.baseline_value, "candidate_value": comparison.candidate_value,
-            "diff": comparison.diff, "ci_low": comparison.ci_low, "ci_high": comparison.ci_high,
-            "ci_level": comparison.ci_level, "reasons": reasons}
+    return {
+        **fields,
+        "eval_id": outcome.eval_id,
+        "status": "promoted" if promote else "not_promoted",
+        "baseline_value": comparison.baseline_value,
+        "candidate_value": comparison.candidate_value,
+        "diff": comparison.diff,
+        "ci_low": comparison.ci_low,
+        "ci_high": comparison.ci_high,
+        "ci_level": comparison.ci_level,
+        "reasons": reasons,
+    }
 
 
-@flow(name="refresh", flow_run_name=_flow_run_name, persist_result=True, log_prints=True,
-      on_crashed=[stopping.cancelled_not_crashed])
+@flow(
+    name="refresh",
+    flow_run_name=_flow_run_name,
+    persist_result=True,
+    log_prints=True,
+    on_crashed=[stopping.cancelled_not_crashed],
+)
 async def refresh(config: RefreshConfig, as_of: datetime | None = None) -> RefreshDecision:
     """Nightly experience refresh of ``config.name`` for the date of ``as_of`` (default: this run's
     scheduled start) in ``config.timezone``."""
@@ -324,8 +417,12 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
         with Store(config.training.db_path) as store:
             decided = stored_decision(store, refresh_id)
             if decided is not None:
-                log.info("refresh %s was already decided at %s: %s (nothing to do)", refresh_id,
-                         decided.decided_at.isoformat(), decided.status)
+                log.info(
+                    "refresh %s was already decided at %s: %s (nothing to do)",
+                    refresh_id,
+                    decided.decided_at.isoformat(),
+                    decided.status,
+                )
                 return decided
             settle_reviews(store, config, refresh_id)
             baseline = promoted_baseline(store, config, date, refresh_id)
@@ -335,8 +432,12 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
         if not inputs:
             reason = f"no new problems arrived in {config.source.path} up to {cutoff.isoformat()}: nothing trained"
             log.info(reason)
-            return await record(config, decision_record(config, refresh_id, date, cutoff, 0, baseline,
-                                                         status="no_new_data", reasons=[reason, *notes]))
+            return await record(
+                config,
+                decision_record(
+                    config, refresh_id, date, cutoff, 0, baseline, status="no_new_data", reasons=[reason, *notes]
+                ),
+            )
         fields = await train_and_compare(config, refresh_id, inputs, baseline)
         fields["reasons"] = [*fields["reasons"], *notes]  # type: ignore[misc]
         decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)

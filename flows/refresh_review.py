@@ -62,7 +62,9 @@ def lesson_guard(config: RefreshConfig, inputs: list[RefreshInput]) -> LessonGua
 
 
 # --- the request ---------------------------------------------------------------------------------------------------
-def open_request(store: Store, config: RefreshConfig, pending: RefreshDecision, baseline: ExperienceLibrary) -> ReviewRequest:
+def open_request(
+    store: Store, config: RefreshConfig, pending: RefreshDecision, baseline: ExperienceLibrary
+) -> ReviewRequest:
     """The stored request of this refresh, else a new one (stored)."""
     found = stored_request(store, pending.refresh_id)
     if found is not None:
@@ -70,9 +72,17 @@ def open_request(store: Store, config: RefreshConfig, pending: RefreshDecision, 
     candidate = library_at(store, pending.candidate_ref or "none")
     changes = changes_between(baseline, candidate, **review_sources(store, pending.train_run_id or "", candidate))
     now = utcnow()
-    request = ReviewRequest(refresh_id=pending.refresh_id, name=config.name, flow_run_id=deployment_run_id(),
-                            timeout_s=config.review_timeout_s, deadline=now + timedelta(seconds=config.review_timeout_s),
-                            changes=changes, pending=pending, config_json=config.model_dump_json(), created_at=now)
+    request = ReviewRequest(
+        refresh_id=pending.refresh_id,
+        name=config.name,
+        flow_run_id=deployment_run_id(),
+        timeout_s=config.review_timeout_s,
+        deadline=now + timedelta(seconds=config.review_timeout_s),
+        changes=changes,
+        pending=pending,
+        config_json=config.model_dump_json(),
+        created_at=now,
+    )
     store.write_stage(pending.refresh_id, 0, REVIEW_REQUEST_STAGE, {"review_requests": [request]})
     return request
 
@@ -92,34 +102,58 @@ def _change_markdown(c: LessonChange) -> str:
 
 def review_markdown(request: ReviewRequest) -> str:
     d = request.pending
-    gate = [["refresh", d.refresh_id], ["baseline (promoted)", d.baseline_ref], ["candidate", d.candidate_ref or "-"],
-            ["training run", d.train_run_id or "-"], ["evaluation", d.eval_id or "-"],
-            [d.metric, f"{d.baseline_value:.3f} -> {d.candidate_value:.3f}"],
-            ["gain", f"{d.diff:+.3f}, {d.ci_level:.0%} CI [{d.ci_low:+.3f}, {d.ci_high:+.3f}], margin {d.margin:+.3f}"]]
+    gate = [
+        ["refresh", d.refresh_id],
+        ["baseline (promoted)", d.baseline_ref],
+        ["candidate", d.candidate_ref or "-"],
+        ["training run", d.train_run_id or "-"],
+        ["evaluation", d.eval_id or "-"],
+        [d.metric, f"{d.baseline_value:.3f} -> {d.candidate_value:.3f}"],
+        ["gain", f"{d.diff:+.3f}, {d.ci_level:.0%} CI [{d.ci_low:+.3f}, {d.ci_high:+.3f}], margin {d.margin:+.3f}"],
+    ]
     changes = "\n\n".join(_change_markdown(c) for c in request.changes)
-    return (f"# Review {d.refresh_id}: {len(request.changes)} change(s)\n\n"
-            f"Answer each change (approve / edit / reject) in the paused run's **Resume** form, or with "
-            f"`clgrpo review {d.refresh_id}`, before {request.deadline:%Y-%m-%d %H:%M %Z}.\n\n"
-            f"{markdown_table((['', ''], gate))}\n\n" + "\n".join(f"- {r}" for r in d.reasons)
-            + f"\n\n## Changes\n\n{changes}\n")
+    return (
+        f"# Review {d.refresh_id}: {len(request.changes)} change(s)\n\n"
+        f"Answer each change (approve / edit / reject) in the paused run's **Resume** form, or with "
+        f"`clgrpo review {d.refresh_id}`, before {request.deadline:%Y-%m-%d %H:%M %Z}.\n\n"
+        f"{markdown_table((['', ''], gate))}\n\n"
+        + "\n".join(f"- {r}" for r in d.reasons)
+        + f"\n\n## Changes\n\n{changes}\n"
+    )
 
 
 async def publish_request(request: ReviewRequest) -> None:
-    await acreate_markdown_artifact(review_markdown(request), key=artifact_key(request.name, "review"),
-                                    description=f"Refresh {request.refresh_id}: changes awaiting review")
+    await acreate_markdown_artifact(
+        review_markdown(request),
+        key=artifact_key(request.name, "review"),
+        description=f"Refresh {request.refresh_id}: changes awaiting review",
+    )
 
 
 # --- after the gate --------------------------------------------------------------------------------------------------
-async def promote(config: RefreshConfig, pending: RefreshDecision, baseline: ExperienceLibrary,
-                  inputs: list[RefreshInput], folder: Path) -> RefreshDecision:
+async def promote(
+    config: RefreshConfig,
+    pending: RefreshDecision,
+    baseline: ExperienceLibrary,
+    inputs: list[RefreshInput],
+    folder: Path,
+) -> RefreshDecision:
     """A candidate that passed the gate: adopted at once, or reviewed first (see the module notes); ``folder``
     holds the served files. Returns the decision to record, or an ``awaiting_review`` one (not recorded) for a
     terminal run."""
     with Store(config.training.db_path) as store:
         if config.review == "none":
             candidate = library_at(store, pending.candidate_ref or "none")
-            adopt(store, config.name, folder, candidate, pending.candidate_ref or "none",
-                  pending.refresh_id, actor="refresh", reason="passed the gate (no review required)")
+            adopt(
+                store,
+                config.name,
+                folder,
+                candidate,
+                pending.candidate_ref or "none",
+                pending.refresh_id,
+                actor="refresh",
+                reason="passed the gate (no review required)",
+            )
             return pending
         request = open_request(store, config, pending, baseline)
         decided = stored_decisions(store, pending.refresh_id)
@@ -142,16 +176,24 @@ async def _ask(config: RefreshConfig, request: ReviewRequest) -> tuple[dict, str
     log = get_run_logger()
     if deployment_run_id() is None:
         return None
-    log.info("refresh %s: %d change(s) await review; answer in the UI (Resume) or with `clgrpo review %s` "
-             "within %d s", request.refresh_id, len(request.changes), request.refresh_id, config.review_timeout_s)
+    log.info(
+        "refresh %s: %d change(s) await review; answer in the UI (Resume) or with `clgrpo review %s` within %d s",
+        request.refresh_id,
+        len(request.changes),
+        request.refresh_id,
+        config.review_timeout_s,
+    )
     form = answer_form(request.changes, base=RunInput)
-    filled: Any = await asuspend_flow_run(wait_for_input=form, timeout=config.review_timeout_s,
-                                          key=review_key(request.refresh_id))
+    filled: Any = await asuspend_flow_run(
+        wait_for_input=form, timeout=config.review_timeout_s, key=review_key(request.refresh_id)
+    )
     return answers_from(filled, request.changes)
 
 
 def _awaiting(request: ReviewRequest) -> RefreshDecision:
-    hint = (f"{len(request.changes)} change(s) await review: run `clgrpo review {request.refresh_id}` before "
-            f"{request.deadline:%Y-%m-%d %H:%M %Z} (a run outside a deployment cannot be suspended)")
+    hint = (
+        f"{len(request.changes)} change(s) await review: run `clgrpo review {request.refresh_id}` before "
+        f"{request.deadline:%Y-%m-%d %H:%M %Z} (a run outside a deployment cannot be suspended)"
+    )
     get_run_logger().info(hint)
     return request.pending.model_copy(update={"status": "awaiting_review", "reasons": [*request.pending.reasons, hint]})

@@ -48,8 +48,11 @@ def handoff_url(config: RunConfig, step: int, chunk: int, key: str) -> str:
 
 
 def write_handoff(url: str, batch: RolloutBatch, meta: dict[str, str | None]) -> None:
-    payload = {"rollouts": [r.model_dump(mode="json") for r in batch.rollouts],
-               "calls": [c.model_dump(mode="json") for c in batch.calls], "meta": meta}
+    payload = {
+        "rollouts": [r.model_dump(mode="json") for r in batch.rollouts],
+        "calls": [c.model_dump(mode="json") for c in batch.calls],
+        "meta": meta,
+    }
     if "://" not in url:
         Path(url).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{url}.partial"
@@ -65,52 +68,85 @@ def read_handoff(url: str) -> tuple[RolloutBatch, dict[str, str | None]] | None:
         return None
     with fsspec.open(url, "r", encoding="utf-8") as handle:
         payload = json.load(handle)
-    batch = RolloutBatch([Rollout.model_validate(r) for r in payload["rollouts"]],
-                         [LLMCall.model_validate(c) for c in payload["calls"]])
+    batch = RolloutBatch(
+        [Rollout.model_validate(r) for r in payload["rollouts"]], [LLMCall.model_validate(c) for c in payload["calls"]]
+    )
     return batch, payload.get("meta", {})
 
 
 @flow(name="rollout-gpu", flow_run_name="rollout-{config.run_id}-step{step}-chunk{chunk}", persist_result=True)
-async def rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion,
-                      handoff: str) -> str:
+async def rollout_gpu(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion, handoff: str
+) -> str:
     """Sample one chunk's rollouts on this worker's GPU and leave them at ``handoff``."""
     return await stopping.flow_body(partial(_rollout_gpu, config, step, chunk, problems, library, handoff))
 
 
-async def _rollout_gpu(config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion,
-                       handoff: str) -> str:
+async def _rollout_gpu(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion, handoff: str
+) -> str:
     stopping.note_stage(f"step {step} rollout chunk {chunk}")
     batch = await rollout_task(config, step, chunk, problems, library)
     meta = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": os.uname().nodename}
     write_handoff(handoff, batch, meta)
-    get_run_logger().info("step %d chunk %d: %d rollouts handed off to %s (CUDA_VISIBLE_DEVICES=%s)", step, chunk,
-                          len(batch.rollouts), handoff, meta["cuda_visible_devices"])
+    get_run_logger().info(
+        "step %d chunk %d: %d rollouts handed off to %s (CUDA_VISIBLE_DEVICES=%s)",
+        step,
+        chunk,
+        len(batch.rollouts),
+        handoff,
+        meta["cuda_visible_devices"],
+    )
     return handoff
 
 
-async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                          library: LibraryVersion, *, db_id: str = "") -> RolloutBatch:
+async def rollout_on_pool(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion, *, db_id: str = ""
+) -> RolloutBatch:
     """The orchestrator's side: start (or find) the child run for this chunk and ingest its hand-off.
     ``db_id``: the identity of the database the batch is for, so a re-created database never ingests a
     hand-off (or finds a child run) of another one."""
-    key = inputs_hash({"fingerprint": config.fingerprint(), "run_id": config.run_id, "step": step, "chunk": chunk,
-                       "problems": problems, "library": library, "db_id": db_id})
+    key = inputs_hash(
+        {
+            "fingerprint": config.fingerprint(),
+            "run_id": config.run_id,
+            "step": step,
+            "chunk": chunk,
+            "problems": problems,
+            "library": library,
+            "db_id": db_id,
+        }
+    )
     url = handoff_url(config, step, chunk, key)
     found = read_handoff(url)
     if found is None:
-        parameters = {"config": config.model_dump(mode="json"), "step": step, "chunk": chunk,
-                      "problems": [p.model_dump(mode="json") for p in problems],
-                      "library": library.model_dump(mode="json"), "handoff": url}
-        child = await start_or_rerun_child(config, parameters, f"clgrpo-rollout-{key}",
-                                           rerun_completed=_exists(failed_marker(url)))
+        parameters = {
+            "config": config.model_dump(mode="json"),
+            "step": step,
+            "chunk": chunk,
+            "problems": [p.model_dump(mode="json") for p in problems],
+            "library": library.model_dump(mode="json"),
+            "handoff": url,
+        }
+        child = await start_or_rerun_child(
+            config, parameters, f"clgrpo-rollout-{key}", rerun_completed=_exists(failed_marker(url))
+        )
         ensure_completed(child, "rollout", f"rollout.timeout_s={config.rollout.timeout_s:g}s")
         found = read_handoff(url)
         if found is None:
-            raise RemoteRolloutError(f"rollout child run {child.name} completed but left nothing at {url}: "
-                                     "is handoff_storage shared between the GPU workers and the orchestrator?")
+            raise RemoteRolloutError(
+                f"rollout child run {child.name} completed but left nothing at {url}: "
+                "is handoff_storage shared between the GPU workers and the orchestrator?"
+            )
     batch, meta = found
-    get_run_logger().info("step %d chunk %d: ingested %d rollouts from %s (worker CUDA_VISIBLE_DEVICES=%s)", step,
-                          chunk, len(batch.rollouts), url, meta.get("cuda_visible_devices"))
+    get_run_logger().info(
+        "step %d chunk %d: ingested %d rollouts from %s (worker CUDA_VISIBLE_DEVICES=%s)",
+        step,
+        chunk,
+        len(batch.rollouts),
+        url,
+        meta.get("cuda_visible_devices"),
+    )
     if batch.n_failed:  # never replayed: a retried parent runs the child again instead of re-reading failures
         fs, path = fsspec.core.url_to_fs(url)
         fs.mv(path, fsspec.core.url_to_fs(failed_marker(url))[1])
@@ -120,12 +156,15 @@ async def rollout_on_pool(config: RunConfig, step: int, chunk: int, problems: li
 def ensure_completed(child: FlowRun, stage: str, limit: str) -> None:
     """Raise ``RemoteRolloutError`` unless the child run ended Completed (``limit``: the wait it was given)."""
     if child.state is None or not child.state.is_final():
-        raise RemoteRolloutError(f"{stage} child run {child.name} ({child.id}) still "
-                                 f"{child.state.name if child.state else 'unknown'} after {limit}: is a worker "
-                                 "polling the pool?")
+        raise RemoteRolloutError(
+            f"{stage} child run {child.name} ({child.id}) still "
+            f"{child.state.name if child.state else 'unknown'} after {limit}: is a worker "
+            "polling the pool?"
+        )
     if not child.state.is_completed():
-        raise RemoteRolloutError(f"{stage} child run {child.name} ({child.id}) ended {child.state.name}: "
-                                 f"{child.state.message or ''}")
+        raise RemoteRolloutError(
+            f"{stage} child run {child.name} ({child.id}) ended {child.state.name}: {child.state.message or ''}"
+        )
 
 
 def failed_marker(url: str) -> str:
@@ -138,35 +177,52 @@ def _exists(url: str) -> bool:
     return fs.exists(path)
 
 
-async def start_or_rerun_child(config: RunConfig, parameters: dict, idempotency_key: str, *,
-                               rerun_completed: bool = False, deployment: str | None = None,
-                               placement: Placement | None = None) -> FlowRun:
+async def start_or_rerun_child(
+    config: RunConfig,
+    parameters: dict,
+    idempotency_key: str,
+    *,
+    rerun_completed: bool = False,
+    deployment: str | None = None,
+    placement: Placement | None = None,
+) -> FlowRun:
     """Start the chunk's child run, or find the one an earlier attempt of the parent started; a found child
     that ended unsuccessfully (or, with ``rerun_completed``, one whose hand-off held failed samples) is scheduled
     again (same run, its run count goes up). Waits for it to end, at most ``rollout.timeout_s``. ``deployment``
     and ``placement`` (timeout, poll interval): another stage's (hybrid's numeric_update), else the rollout's."""
     placement = placement or config.rollout
-    child = await arun_deployment(deployment or config.rollout.deployment, parameters=parameters,
-                                  idempotency_key=idempotency_key, timeout=0)
+    child = await arun_deployment(
+        deployment or config.rollout.deployment, parameters=parameters, idempotency_key=idempotency_key, timeout=0
+    )
     if child.state is not None and child.state.is_cancelled():
         # stopped with its parent: a new child run (the same run scheduled again races the worker's cancellation
         # of it); its key derives from the cancelled one, so a later attempt of the parent finds it again
-        get_run_logger().warning("child run %s (%s) was cancelled: starting a new child run for its work",
-                                 child.name, child.id)
-        return await start_or_rerun_child(config, parameters, f"{idempotency_key}-after-{child.id}",
-                                          rerun_completed=rerun_completed, deployment=deployment,
-                                          placement=placement)
+        get_run_logger().warning(
+            "child run %s (%s) was cancelled: starting a new child run for its work", child.name, child.id
+        )
+        return await start_or_rerun_child(
+            config,
+            parameters,
+            f"{idempotency_key}-after-{child.id}",
+            rerun_completed=rerun_completed,
+            deployment=deployment,
+            placement=placement,
+        )
     async with get_client() as client:
         state = child.state
         if state is not None and state.is_final() and (not state.is_completed() or rerun_completed):
             why = "left failed samples" if state.is_completed() else f"ended {state.name}"
-            get_run_logger().warning("child run %s (%s) %s in an earlier attempt: running it again",
-                                     child.name, child.id, why)
-            result = await client.set_flow_run_state(child.id, Scheduled(message="re-run by its retried parent"),
-                                                     force=True)
+            get_run_logger().warning(
+                "child run %s (%s) %s in an earlier attempt: running it again", child.name, child.id, why
+            )
+            result = await client.set_flow_run_state(
+                child.id, Scheduled(message="re-run by its retried parent"), force=True
+            )
             if result.status != SetStateStatus.ACCEPT:
-                raise RemoteRolloutError(f"child run {child.name} ({child.id}) could not be scheduled "
-                                         f"again: {result.status.value} {result.details}")
+                raise RemoteRolloutError(
+                    f"child run {child.name} ({child.id}) could not be scheduled "
+                    f"again: {result.status.value} {result.details}"
+                )
         return await wait_until_final(client, child.id, placement)
 
 
@@ -191,7 +247,9 @@ async def wait_until_final(client: PrefectClient, flow_run_id: UUID, placement: 
 async def _cancel_child(client: PrefectClient, flow_run_id: UUID) -> None:
     """Ask the child's worker to stop it (Prefect's Cancelling state, what the UI's Cancel sets)."""
     try:
-        await asyncio.wait_for(client.set_flow_run_state(
-            flow_run_id, Cancelling(message=f"its parent was {stopping.describe()}")), timeout=5)
+        await asyncio.wait_for(
+            client.set_flow_run_state(flow_run_id, Cancelling(message=f"its parent was {stopping.describe()}")),
+            timeout=5,
+        )
     except Exception as exc:  # noqa: BLE001 - the parent's stop goes on; the child ends on its own
         get_run_logger().warning("could not cancel rollout child run %s: %s", flow_run_id, exc)

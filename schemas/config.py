@@ -154,7 +154,8 @@ class LibraryConfig(Section):
             settings["max_tokens"] = self.max_tokens
         if self.uses_embeddings:
             settings["embedding"] = self.embedding.model_dump(
-                mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"})
+                mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"}
+            )
         return settings or None
 
 
@@ -226,14 +227,17 @@ class LearningConfig(Section):
             except re.error as exc:
                 raise ValueError(f"lesson_pattern {value!r} is not a regular expression: {exc}") from exc
         return value
+
     consolidate_chunk_size: int = Field(20, ge=2)  # proposals per consolidation call before a final pass
     summarize_chunk_size: int = Field(16, ge=1)  # groups per summarize / advantage task run
 
     @model_validator(mode="after")
     def _candidates_need_validation(self) -> "LearningConfig":
         if self.candidates > 1 and not self.lesson_validation.enabled:
-            raise ValueError("learning.candidates > 1 needs learning.lesson_validation.enabled: true (validation "
-                             "chooses among a group's candidates; without it every one would be applied)")
+            raise ValueError(
+                "learning.candidates > 1 needs learning.lesson_validation.enabled: true (validation "
+                "chooses among a group's candidates; without it every one would be applied)"
+            )
         return self
 
     def asks_contrast(self) -> bool:
@@ -388,8 +392,17 @@ class HybridConfig(Section):
         """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
         if not self.enabled:
             return None
-        return self.model_dump(mode="json", exclude={"placement", "deployment", "handoff_storage", "timeout_s",
-                                                     "poll_interval_s", "gradient_checkpointing"})
+        return self.model_dump(
+            mode="json",
+            exclude={
+                "placement",
+                "deployment",
+                "handoff_storage",
+                "timeout_s",
+                "poll_interval_s",
+                "gradient_checkpointing",
+            },
+        )
 
 
 class EvalConfig(Section):
@@ -457,6 +470,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
 # whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
 LATER_SECTIONS = ("library", "hybrid")
 
+
 class StageTolerances(Section):
     """The fraction of a stage's items that may fail (a call that failed after its retries, a sample the
     verifier could not grade) with the stage still stored as done; beyond it the stage fails and a retry redoes
@@ -492,8 +506,16 @@ class ToleranceConfig(Section):
 NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
 # Model settings that say where and how a model is reached, not what it computes: moving the same model to
 # another port or key, or changing timeouts and retries, does not block a resume.
-NOT_FINGERPRINTED_MODEL = {"base_url", "api_key_env", "api_key_secret_block", "timeout_s", "max_retries",
-                           "retry_base_delay_s", "retry_max_delay_s", "max_rate_limit_wait_s"}
+NOT_FINGERPRINTED_MODEL = {
+    "base_url",
+    "api_key_env",
+    "api_key_secret_block",
+    "timeout_s",
+    "max_retries",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+    "max_rate_limit_wait_s",
+}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -580,8 +602,10 @@ class RefreshSource(Section):
         if self.kind == "duckdb" and not self.table:
             raise ValueError("source: kind 'duckdb' needs `table` (the table or view holding new problems)")
         if self.kind == "traces" and self.table and self.path.lower().endswith(".parquet"):
-            raise ValueError(f"source: kind 'traces' reads the Parquet file {self.path} whole; leave out `table` "
-                             "(or point `path` at a DuckDB file)")
+            raise ValueError(
+                f"source: kind 'traces' reads the Parquet file {self.path} whole; leave out `table` "
+                "(or point `path` at a DuckDB file)"
+            )
         return self
 
     @property

@@ -435,26 +435,53 @@ TABLE_DDL: dict[str, str] = {
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
-STAGE_TABLES = ("problems", "rollouts", "rewards", "group_advantages", "summaries", "proposals", "operations", "llm_calls")
+STAGE_TABLES = (
+    "problems",
+    "rollouts",
+    "rewards",
+    "group_advantages",
+    "summaries",
+    "proposals",
+    "operations",
+    "llm_calls",
+)
 STAGE_TABLES += ("evaluations", "eval_results", "eval_comparisons", "refresh_inputs", "refreshes", "experience_stats")
-STAGE_TABLES += ("library_quality", "lesson_trials", "trial_samples", "refresh_gate", "refresh_rejects",
-                 "refresh_watermarks", "adapters")
+STAGE_TABLES += (
+    "library_quality",
+    "lesson_trials",
+    "trial_samples",
+    "refresh_gate",
+    "refresh_rejects",
+    "refresh_watermarks",
+    "adapters",
+)
 STAGE_TABLES += ("review_requests", "review_decisions", "library_adoptions")
 
 
 # Columns added after the first release: files created before get them on open.
 ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
-    "rollouts": ["finish_reason VARCHAR", "n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER",
-                 "tool_time_s DOUBLE"],
+    "rollouts": [
+        "finish_reason VARCHAR",
+        "n_turns INTEGER",
+        "tool_calls INTEGER",
+        "tool_errors INTEGER",
+        "tool_time_s DOUBLE",
+    ],
     "rewards": ["verified BOOLEAN", "judge_reason VARCHAR", "reward_source VARCHAR"],
     "problems": ["domain_tag VARCHAR", "tag VARCHAR", "answer_source VARCHAR"],
     "refresh_inputs": ["tag VARCHAR", "answer_source VARCHAR", "rejected_answer VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
     "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
-    "llm_calls": ["call_id VARCHAR", "finish_reason VARCHAR", "rate_limited BOOLEAN", "final BOOLEAN",
-                  "turn INTEGER", "reply VARCHAR"],
+    "llm_calls": [
+        "call_id VARCHAR",
+        "finish_reason VARCHAR",
+        "rate_limited BOOLEAN",
+        "final BOOLEAN",
+        "turn INTEGER",
+        "reply VARCHAR",
+    ],
 }
 # NOT NULL constraints lifted after the first release
 DROPPED_NOT_NULL: dict[str, list[str]] = {"rewards": ["reward"]}

@@ -30,8 +30,14 @@ class Record(BaseModel):
 # Where a refresh input's answer came from (a production trace's feedback, or none).
 ANSWER_SOURCES = ("ground_truth", "reference", "correction", "thumbs_up_reply", "none")
 # What graded a reward: the problem's answer (by its source), the LLM judge, or agreement among the group.
-REWARD_SOURCES = ("ground_truth", "feedback:reference", "feedback:correction", "feedback:thumbs_up", "judge",
-                  "agreement")
+REWARD_SOURCES = (
+    "ground_truth",
+    "feedback:reference",
+    "feedback:correction",
+    "feedback:thumbs_up",
+    "judge",
+    "agreement",
+)
 
 
 class Problem(Record):
@@ -367,7 +373,9 @@ class EvalSummary(Record):
     pass_at_k: float
     pass_ci_low: float
     pass_ci_high: float
-    n_failed: int = Field(0, ge=0)  # samples whose policy call failed or that could not be verified (scored 0, counted here)
+    n_failed: int = Field(
+        0, ge=0
+    )  # samples whose policy call failed or that could not be verified (scored 0, counted here)
     leaked_ids: list[str] = Field(default_factory=list)  # evaluated problems that are also training problems
     created_at: datetime = Field(default_factory=utcnow)
 
@@ -411,8 +419,14 @@ class RefreshInput(Record):
     rejected_answer: str | None = None  # a trace's thumbs-down answer: known wrong (kept, not used in grading)
 
     def to_problem(self) -> Problem:
-        return Problem(problem_id=self.problem_id, problem=self.problem, answer=self.answer, source=self.source,
-                       tag=self.tag, answer_source=self.answer_source)
+        return Problem(
+            problem_id=self.problem_id,
+            problem=self.problem,
+            answer=self.answer,
+            source=self.source,
+            tag=self.tag,
+            answer_source=self.answer_source,
+        )
 
 
 class RefreshReject(Record):

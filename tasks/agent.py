@@ -58,8 +58,9 @@ answer in the required format."""
 
 FENCED_FORM = "For {name}, write the {argument} in a fenced block:\n```{name}\n...\n```"
 TAG_FORM = 'Any tool: <tool name="NAME">{{"argument": "value"}}</tool> with its arguments as a JSON object.'
-LAST_TURN_NOTE = ("This is your last reply: tools can no longer be used. Give your final answer now, in the "
-                  "required format.")
+LAST_TURN_NOTE = (
+    "This is your last reply: tools can no longer be used. Give your final answer now, in the required format."
+)
 TOOL_RESULT_TEMPLATE = '<tool_result name="{name}">\n{text}\n</tool_result>'
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_-]+)[ \t]*\n(.*?)```", re.DOTALL)
@@ -122,11 +123,13 @@ def agent_messages(messages: list[Message], tools: list[Tool], protocol: Protoco
     if protocol == "tools":
         extra = TOOLS_INSTRUCTIONS.format(tool_list=", ".join(t.name for t in tools), max_turns=max_turns)
     else:
-        docs = "\n".join(f"- {t.name}: {t.description} Arguments (JSON schema): {json.dumps(t.parameters)}"
-                         for t in tools)
+        docs = "\n".join(
+            f"- {t.name}: {t.description} Arguments (JSON schema): {json.dumps(t.parameters)}" for t in tools
+        )
         forms = [FENCED_FORM.format(name=t.name, argument=t.text_argument) for t in tools if t.text_argument]
-        extra = TEXT_INSTRUCTIONS.format(tool_docs=docs, action_forms="\n".join([*forms, TAG_FORM]),
-                                         max_turns=max_turns)
+        extra = TEXT_INSTRUCTIONS.format(
+            tool_docs=docs, action_forms="\n".join([*forms, TAG_FORM]), max_turns=max_turns
+        )
     out = [dict(m) for m in messages]
     system = next((m for m in out if m.get("role") == "system"), None)
     if system is None:
@@ -158,7 +161,7 @@ def parse_text_action(text: str, tools: dict[str, Tool], turn: int) -> tuple[str
     if not candidates:
         return None
     match, action = min(candidates, key=lambda c: c[0].start())
-    return text[:match.end()], action
+    return text[: match.end()], action
 
 
 def _tag_action(name: str, body: str, tools: dict[str, Tool], turn: int) -> Action:
@@ -199,8 +202,17 @@ def resolve_protocol(llm: LLMClient, agent: AgentConfig) -> Protocol:
 class AgentLoop:
     """One rollout: turns until a final answer, the turn limit, a timeout or a failure."""
 
-    def __init__(self, messages: list[Message], tools: list[Tool], llm: LLMClient, agent: AgentConfig, *,
-                 protocol: Protocol, temperature: float, seed: int | None) -> None:
+    def __init__(
+        self,
+        messages: list[Message],
+        tools: list[Tool],
+        llm: LLMClient,
+        agent: AgentConfig,
+        *,
+        protocol: Protocol,
+        temperature: float,
+        seed: int | None,
+    ) -> None:
         self.tools = {t.name: t for t in tools}
         self.llm, self.agent, self.protocol = llm, agent, protocol
         self.temperature, self.seed = temperature, seed
@@ -227,14 +239,20 @@ class AgentLoop:
         if last and turn > 0:
             self.messages.append({"role": "user", "content": LAST_TURN_NOTE})
         tools = [t.spec() for t in self.tools.values()] if self.protocol == "tools" else None
-        reply = await self.llm.turn(self.messages, stage="rollout", turn=turn, tools=tools,
-                                    tool_choice="none" if tools and last else None,
-                                    temperature=self.temperature, seed=self.seed, calls=self.calls)
+        reply = await self.llm.turn(
+            self.messages,
+            stage="rollout",
+            turn=turn,
+            tools=tools,
+            tool_choice="none" if tools and last else None,
+            temperature=self.temperature,
+            seed=self.seed,
+            calls=self.calls,
+        )
         self.n_turns += 1
         self.finish_reason = reply.finish_reason
         actions, said = self._actions(reply.text, reply.tool_calls, turn)
-        self.turns.append(Turn(kind="assistant", content=said, turn=turn,
-                               truncated=reply.finish_reason == "length"))
+        self.turns.append(Turn(kind="assistant", content=said, turn=turn, truncated=reply.finish_reason == "length"))
         if last or not actions:
             return True
         self._remember_reply(said, actions)
@@ -254,25 +272,49 @@ class AgentLoop:
         if self.protocol == "text":
             self.messages.append({"role": "assistant", "content": said})
             return
-        self.messages.append({"role": "assistant", "content": said or None, "tool_calls": [
-            {"id": a.call_id, "type": "function", "function": {"name": a.name, "arguments": a.arguments_text}}
-            for a in actions]})
+        self.messages.append(
+            {
+                "role": "assistant",
+                "content": said or None,
+                "tool_calls": [
+                    {"id": a.call_id, "type": "function", "function": {"name": a.name, "arguments": a.arguments_text}}
+                    for a in actions
+                ],
+            }
+        )
 
     async def _run_action(self, action: Action, turn: int, context: ToolContext) -> None:
-        self.turns.append(Turn(kind="tool_call", content=action.arguments_text, tool_name=action.name, turn=turn,
-                               call_id=action.call_id))
+        self.turns.append(
+            Turn(
+                kind="tool_call",
+                content=action.arguments_text,
+                tool_name=action.name,
+                turn=turn,
+                call_id=action.call_id,
+            )
+        )
         started = time.monotonic()
         output = await self._output(action, context)
         self.tool_time_s += time.monotonic() - started
         text = result_text(output)
-        self.turns.append(Turn(kind="tool_result", content=output.text, tool_name=action.name, turn=turn,
-                               call_id=action.call_id, error=output.error, truncated=output.truncated))
+        self.turns.append(
+            Turn(
+                kind="tool_result",
+                content=output.text,
+                tool_name=action.name,
+                turn=turn,
+                call_id=action.call_id,
+                error=output.error,
+                truncated=output.truncated,
+            )
+        )
         visible = clip(text, self.agent.tool_result_chars)  # head and tail, the cut marked
         if self.protocol == "tools":
             self.messages.append({"role": "tool", "tool_call_id": action.call_id, "content": visible})
         else:
-            self.messages.append({"role": "user", "content": TOOL_RESULT_TEMPLATE.format(name=action.name,
-                                                                                         text=visible)})
+            self.messages.append(
+                {"role": "user", "content": TOOL_RESULT_TEMPLATE.format(name=action.name, text=visible)}
+            )
 
     async def _output(self, action: Action, context: ToolContext) -> ToolOutput:
         tool = self.tools.get(action.name)
@@ -290,11 +332,19 @@ class AgentLoop:
     def rollout(self, base: dict[str, Any], error: str | None = None) -> Rollout:
         ok = [c for c in self.calls if c.ok]
         results = [t for t in self.turns if t.kind == "tool_result"]
-        return Rollout(**base, turns=self.turns, tokens_in=sum(c.tokens_in for c in ok),
-                       tokens_out=sum(c.tokens_out for c in ok), latency_s=sum(c.latency_s for c in self.calls),
-                       error=error, finish_reason=self.finish_reason, n_turns=self.n_turns,
-                       tool_calls=len(results), tool_errors=sum(t.error is not None for t in results),
-                       tool_time_s=round(self.tool_time_s, 6))
+        return Rollout(
+            **base,
+            turns=self.turns,
+            tokens_in=sum(c.tokens_in for c in ok),
+            tokens_out=sum(c.tokens_out for c in ok),
+            latency_s=sum(c.latency_s for c in self.calls),
+            error=error,
+            finish_reason=self.finish_reason,
+            n_turns=self.n_turns,
+            tool_calls=len(results),
+            tool_errors=sum(t.error is not None for t in results),
+            tool_time_s=round(self.tool_time_s, 6),
+        )
 
 
 def _without_tool_calling(llm: LLMClient) -> Protocol:
@@ -304,8 +354,16 @@ def _without_tool_calling(llm: LLMClient) -> Protocol:
     return "text"
 
 
-async def agent_rollout(messages: list[Message], tools: list[Tool], llm: LLMClient, agent: AgentConfig, *,
-                        base: dict[str, Any], temperature: float, seed: int | None) -> AgentOutcome:
+async def agent_rollout(
+    messages: list[Message],
+    tools: list[Tool],
+    llm: LLMClient,
+    agent: AgentConfig,
+    *,
+    base: dict[str, Any],
+    temperature: float,
+    seed: int | None,
+) -> AgentOutcome:
     """One agent rollout of ``messages`` (the domain's rollout prompt). Never raises for a failed model call,
     timeout or unavailable tool: those make a rollout with ``error`` set (its calls are returned either way)."""
     calls: list[LLMCall] = []
@@ -326,13 +384,17 @@ async def agent_rollout(messages: list[Message], tools: list[Tool], llm: LLMClie
             return AgentOutcome(loop.rollout(base, error=str(exc)), calls)
         except asyncio.TimeoutError:
             whole = time.monotonic() - loop.started >= agent.rollout_timeout_s
-            limit = f"rollout_timeout_s={agent.rollout_timeout_s:g}" if whole else f"turn_timeout_s={agent.turn_timeout_s:g}"
+            limit = (
+                f"rollout_timeout_s={agent.rollout_timeout_s:g}"
+                if whole
+                else f"turn_timeout_s={agent.turn_timeout_s:g}"
+            )
             calls += loop.calls
-            return AgentOutcome(loop.rollout(base, error=f"agent rollout timed out in turn {loop.n_turns} "
-                                                         f"({limit})"), calls)
+            return AgentOutcome(
+                loop.rollout(base, error=f"agent rollout timed out in turn {loop.n_turns} ({limit})"), calls
+            )
         except ToolFailure as exc:
             calls += loop.calls
             return AgentOutcome(loop.rollout(base, error=str(exc)), calls)
         calls += loop.calls
         return AgentOutcome(loop.rollout(base), calls)
-

@@ -25,14 +25,27 @@ class Applied:
     results: list[OperationResult]
 
 
-def apply_operations(library: ExperienceLibrary, operations: list[Operation], *, step: int,
-                     cfg: LearningConfig, screen: Screen | None = None,
-                     near: NearDuplicates | None = None,
-                     domains: Mapping[str, str | None] | None = None,
-                     ) -> tuple[ExperienceLibrary, list[OperationResult]]:
+def apply_operations(
+    library: ExperienceLibrary,
+    operations: list[Operation],
+    *,
+    step: int,
+    cfg: LearningConfig,
+    screen: Screen | None = None,
+    near: NearDuplicates | None = None,
+    domains: Mapping[str, str | None] | None = None,
+) -> tuple[ExperienceLibrary, list[OperationResult]]:
     """Every operation comes back applied or rejected with its reason; the new version's number is ``step``."""
-    return library.apply(operations, step=step, max_words=cfg.max_words, min_words=cfg.min_words,
-                         max_size=cfg.max_library_size, screen=screen, near=near, domains=domains)
+    return library.apply(
+        operations,
+        step=step,
+        max_words=cfg.max_words,
+        min_words=cfg.min_words,
+        max_size=cfg.max_library_size,
+        screen=screen,
+        near=near,
+        domains=domains,
+    )
 
 
 def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
@@ -41,11 +54,13 @@ def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
     ``learning.guard`` strictness (``unsafe: ...`` / ``leaks_problem: ...``). The first reason wins."""
     return first_rejection(
         LessonScreen(get_domain(config.domain).learner_prompts, problems, config.learning.lesson_pattern),
-        LessonGuard(config.learning.guard, problems))
+        LessonGuard(config.learning.guard, problems),
+    )
 
 
-async def near_duplicates_for(config: RunConfig, store: Store, library: ExperienceLibrary,
-                              operations: Sequence[Operation]) -> NearDuplicates | None:
+async def near_duplicates_for(
+    config: RunConfig, store: Store, library: ExperienceLibrary, operations: Sequence[Operation]
+) -> NearDuplicates | None:
     """The near-duplicate control of ``library.near_duplicates`` for one batch: embeddings of the live lessons
     and of every operation text. None when it is off."""
     settings = config.library
@@ -61,16 +76,28 @@ async def near_duplicates_for(config: RunConfig, store: Store, library: Experien
 
 
 @stage_task(STAGE, run_name="apply-operations-step{step}")
-def apply_operations_task(config: RunConfig, step: int, library: LibraryVersion, operations: list[Operation],
-                          problems: list[Problem], near: NearDuplicates | None = None,
-                          usefulness: Mapping[str, ExperienceStat] | None = None) -> Applied:
+def apply_operations_task(
+    config: RunConfig,
+    step: int,
+    library: LibraryVersion,
+    operations: list[Operation],
+    problems: list[Problem],
+    near: NearDuplicates | None = None,
+    usefulness: Mapping[str, ExperienceStat] | None = None,
+) -> Applied:
     """``problems``: the step's training problems (a lesson may not copy one or state its answer; a lesson takes
     their domain tag); ``near``: the near-duplicate control (``near_duplicates_for``); ``usefulness``: each live
     experience's stats so far, which the token budget (``library.max_tokens``) evicts by."""
     domains = {p.problem_id: p.domain_tag for p in problems} if any(p.domain_tag for p in problems) else None
-    new, results = apply_operations(ExperienceLibrary.from_version(library), operations, step=step,
-                                    cfg=config.learning, screen=lesson_screen(config, problems), near=near,
-                                    domains=domains)
+    new, results = apply_operations(
+        ExperienceLibrary.from_version(library),
+        operations,
+        step=step,
+        cfg=config.learning,
+        screen=lesson_screen(config, problems),
+        near=near,
+        domains=domains,
+    )
     if config.library.max_tokens is not None:
         new, evicted = new.evict_to_budget(config.library.max_tokens, usefulness or {}, first_seq=len(results))
         results += evicted

@@ -70,13 +70,26 @@ class StepReport:
         return asdict(self)
 
 
-def step_report(*, run_id: str, step: int, epoch: int, rollouts: list[Rollout], rewards: list[Reward],
-                advantages: list[GroupAdvantage], summaries: list[Summary], proposals: list[Proposal],
-                consolidation_plans: list[Proposal], results: list[OperationResult], library_size: int,
-                calls: list[LLMCall]) -> StepReport:
+def step_report(
+    *,
+    run_id: str,
+    step: int,
+    epoch: int,
+    rollouts: list[Rollout],
+    rewards: list[Reward],
+    advantages: list[GroupAdvantage],
+    summaries: list[Summary],
+    proposals: list[Proposal],
+    consolidation_plans: list[Proposal],
+    results: list[OperationResult],
+    library_size: int,
+    calls: list[LLMCall],
+) -> StepReport:
     near, duplicate_ratio = near_duplicate_counts(results)
     return StepReport(
-        run_id=run_id, step=step, epoch=epoch,
+        run_id=run_id,
+        step=step,
+        epoch=epoch,
         n_problems=len({r.problem_id for r in rollouts}),
         accuracy=statistics.fmean(graded) if (graded := [r.reward for r in rewards if r.reward is not None]) else 0.0,
         rollouts_failed=sum(r.error is not None for r in rollouts),
@@ -114,28 +127,46 @@ ARTIFACT_ROWS = 200  # a Prefect artifact past ~1 MB is refused: the rest is in 
 
 
 def operations_markdown(step: int, results: list[OperationResult]) -> str:
-    lines = [f"## Operations of step {step}", "", "| # | op | ids | text | status | reason | result |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Operations of step {step}",
+        "",
+        "| # | op | ids | text | status | reason | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results[:ARTIFACT_ROWS]:
         op = r.operation
         text = (op.text or "").replace("|", "\\|")
-        lines.append(f"| {r.seq} | {op.op.value} | {', '.join(op.target_ids)} | {text} | {r.status.value} "
-                     f"| {r.reason} | {r.result_id or ''} |")
+        lines.append(
+            f"| {r.seq} | {op.op.value} | {', '.join(op.target_ids)} | {text} | {r.status.value} "
+            f"| {r.reason} | {r.result_id or ''} |"
+        )
     if not results:
         lines.append("| | (no operations this step) | | | | | |")
     if len(results) > ARTIFACT_ROWS:
-        lines.append(f"\n... and {len(results) - ARTIFACT_ROWS} more operations "
-                     f"({sum(r.status == OpStatus.REJECTED for r in results[ARTIFACT_ROWS:])} rejected): "
-                     "`clgrpo library ops RUN --step N` lists them all")
+        lines.append(
+            f"\n... and {len(results) - ARTIFACT_ROWS} more operations "
+            f"({sum(r.status == OpStatus.REJECTED for r in results[ARTIFACT_ROWS:])} rejected): "
+            "`clgrpo library ops RUN --step N` lists them all"
+        )
     return "\n".join(lines)
 
 
 def library_table(library: ExperienceLibrary, stats: Sequence[ExperienceStat] = ()) -> list[dict]:
     """The library artifact's rows, with each lesson's usefulness when ``stats`` has it."""
     usefulness = {s.exp_id: describe(s) for s in stats}
-    return [{"id": e.id, "text": e.text, "created_step": e.created_step, "updated_step": e.updated_step,
-             "parents": ", ".join(e.parent_ids), "sources": ", ".join(e.source_groups),
-             "domain": e.domain_tag or "", "usefulness": usefulness.get(e.id, "")} for e in library]
+    return [
+        {
+            "id": e.id,
+            "text": e.text,
+            "created_step": e.created_step,
+            "updated_step": e.updated_step,
+            "parents": ", ".join(e.parent_ids),
+            "sources": ", ".join(e.source_groups),
+            "domain": e.domain_tag or "",
+            "usefulness": usefulness.get(e.id, ""),
+        }
+        for e in library
+    ]
 
 
 def export_dir(config: RunConfig) -> Path:

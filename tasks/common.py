@@ -15,9 +15,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -14,9 +14,9 @@ among the proposals; one that names none is matched to the proposals it came fro
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 import json
 from dataclasses import dataclass, field
+from functools import partial
 
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary, normalize_text
@@ -49,28 +49,56 @@ def render_proposals(proposals: list[Proposal]) -> str:
     for proposal in proposals:
         for op in proposal.operations:
             group = ",".join(op.source_groups) or proposal.group_id
-            lines.append(json.dumps({"group": group, "op": op.op.value, "ids": op.target_ids, "text": op.text or ""},
-                                    ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {"group": group, "op": op.op.value, "ids": op.target_ids, "text": op.text or ""}, ensure_ascii=False
+                )
+            )
     return "\n".join(lines)
 
 
-async def _plan(group_id: str, proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
-                llm: LLMClient, cfg: LearningConfig) -> tuple[Proposal, list[LLMCall]]:
+async def _plan(
+    group_id: str,
+    proposals: list[Proposal],
+    library: ExperienceLibrary,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+) -> tuple[Proposal, list[LLMCall]]:
     known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
+
     def messages(constrained: bool) -> list[dict[str, str]]:
-        return prompts.consolidate(render_proposals(proposals), library.render_for_prompt(),
-                                   min_words=cfg.min_words, max_words=cfg.max_words, show_example=not constrained)
+        return prompts.consolidate(
+            render_proposals(proposals),
+            library.render_for_prompt(),
+            min_words=cfg.min_words,
+            max_words=cfg.max_words,
+            show_example=not constrained,
+        )
 
     # a final plan needs at most one operation per proposed one plus one per library entry
     bound = sum(len(p.operations) for p in proposals) + len(library)
-    schema = operations_schema(bound, live_ids=[e.id for e in library], sources=sorted(known_groups),
-                               min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
-    reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema,
-                                          repair=partial(prompts.repair, sources=True))
+    schema = operations_schema(
+        bound,
+        live_ids=[e.id for e in library],
+        sources=sorted(known_groups),
+        min_words=cfg.min_words,
+        max_words=cfg.max_words,
+        pattern=cfg.lesson_pattern,
+    )
+    reply = await llm.complete_operations(
+        messages, stage=STAGE, json_schema=schema, repair=partial(prompts.repair, sources=True)
+    )
     progress.advance(STAGE)
-    operations = attribute_sources([
-        op.model_copy(update={"source_groups": [g for g in op.source_groups if g in known_groups and not _plan_id(g)]})
-        for op in reply.operations], proposals)
+    operations = attribute_sources(
+        [
+            op.model_copy(
+                update={"source_groups": [g for g in op.source_groups if g in known_groups and not _plan_id(g)]}
+            )
+            for op in reply.operations
+        ],
+        proposals,
+    )
     plan = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error)
     return plan, reply.calls
 
@@ -118,8 +146,12 @@ def match_sources(op: Operation, proposals: list[Proposal]) -> tuple[list[str], 
             groups += [g for _, gs in near for g in gs]
             how.append(f"text overlap {max(score for score, _ in near):.2f}")
         else:
-            similar = [g for q, gs in proposed if q.text and (restates(op.text, q.text) or restates(q.text, op.text))
-                       for g in gs]
+            similar = [
+                g
+                for q, gs in proposed
+                if q.text and (restates(op.text, q.text) or restates(q.text, op.text))
+                for g in gs
+            ]
             if similar:
                 groups += similar
                 how.append("similar wording")
@@ -157,13 +189,16 @@ def passthrough(proposals: list[Proposal]) -> Consolidation:
             merged = groups if kept is None else list(dict.fromkeys([*kept.source_groups, *groups]))
             combined[key] = (kept or op).model_copy(update={"source_groups": merged})
     operations = list(combined.values())
-    note = (f"passthrough: {total} proposed operation(s) from {len(proposals)} group(s); "
-            f"{total - len(operations)} duplicate(s) combined")
+    note = (
+        f"passthrough: {total} proposed operation(s) from {len(proposals)} group(s); "
+        f"{total - len(operations)} duplicate(s) combined"
+    )
     return Consolidation(operations, [Proposal(group_id=FINAL, operations=operations, raw_text=note)])
 
 
-async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts,
-                      llm: LLMClient, cfg: LearningConfig) -> Consolidation:
+async def consolidate(
+    proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig
+) -> Consolidation:
     # group-id order: the order a resumed step reads proposals back in, so a rerun sends the same prompts
     usable = sorted((p for p in proposals if p.operations), key=lambda p: p.group_id)
     if not usable:
@@ -175,13 +210,17 @@ async def consolidate(proposals: list[Proposal], library: ExperienceLibrary, pro
     size = cfg.consolidate_chunk_size
     if len(usable) > size:
         chunks = [usable[i : i + size] for i in range(0, len(usable), size)]
-        results = await asyncio.gather(*[
-            _plan(f"chunk-{i}", chunk, library, prompts, llm, cfg) for i, chunk in enumerate(chunks)])
+        results = await asyncio.gather(
+            *[_plan(f"chunk-{i}", chunk, library, prompts, llm, cfg) for i, chunk in enumerate(chunks)]
+        )
         plans = [plan for plan, _ in results]
         calls = [c for _, cs in results for c in cs]
         usable = [p for p in plans if p.operations]
-    final, final_calls = await _plan(FINAL, usable, library, prompts, llm, cfg) if usable else (
-        Proposal(group_id=FINAL, parse_error=None), [])
+    final, final_calls = (
+        await _plan(FINAL, usable, library, prompts, llm, cfg)
+        if usable
+        else (Proposal(group_id=FINAL, parse_error=None), [])
+    )
     return Consolidation(final.operations, [*plans, final], [*calls, *final_calls])
 
 
@@ -195,7 +234,13 @@ def consolidation_calls(n_proposals: int, cfg: LearningConfig) -> int:
 
 
 @stage_task(STAGE, run_name="consolidate-step{step}")
-async def consolidate_task(config: RunConfig, step: int, proposals: list[Proposal],
-                           library: LibraryVersion) -> Consolidation:
-    return await consolidate(proposals, ExperienceLibrary.from_version(library),
-                             get_domain(config.domain).learner_prompts, shared_client(config), config.learning)
+async def consolidate_task(
+    config: RunConfig, step: int, proposals: list[Proposal], library: LibraryVersion
+) -> Consolidation:
+    return await consolidate(
+        proposals,
+        ExperienceLibrary.from_version(library),
+        get_domain(config.domain).learner_prompts,
+        shared_client(config),
+        config.learning,
+    )

@@ -22,8 +22,8 @@ from schemas.config import AgentConfig, EvalConfig, RunConfig
 from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
 from tasks.common import stage_task
-from tasks.rollout import rollout
 from tasks.judge import Judge, make_judge
+from tasks.rollout import rollout
 from tasks.verify import grade
 
 STAGE = EVALUATE_STAGE
@@ -42,33 +42,72 @@ def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
     return {p.problem_id: int(text_hash(f"{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
 
 
-async def evaluate_library(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                           condition: str, k: int, temperature: float, seed: int,
-                           agent: AgentConfig | None = None, judge: Judge | None = None) -> EvalBatch:
+async def evaluate_library(
+    problems: list[Problem],
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    *,
+    condition: str,
+    k: int,
+    temperature: float,
+    seed: int,
+    agent: AgentConfig | None = None,
+    judge: Judge | None = None,
+) -> EvalBatch:
     """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set."""
     seeds = sample_seeds(problems, seed)
-    batch = await rollout(problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds,
-                          agent=agent)
+    batch = await rollout(
+        problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds, agent=agent
+    )
     rewards = await grade(problems, batch.rollouts, domain, judge)
     samples = [
-        EvalSample(condition=condition, problem_id=r.problem_id, sample_idx=r.sample_idx,
-                   seed=seeds[r.problem_id] + r.sample_idx, reward=g.reward or 0.0, extracted=g.extracted,
-                   error=g.error, judge_reason=g.judge_reason, final_text=r.final_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out,
-                   latency_s=r.latency_s, n_turns=r.n_turns, tool_calls=r.tool_calls, tool_errors=r.tool_errors)
+        EvalSample(
+            condition=condition,
+            problem_id=r.problem_id,
+            sample_idx=r.sample_idx,
+            seed=seeds[r.problem_id] + r.sample_idx,
+            reward=g.reward or 0.0,
+            extracted=g.extracted,
+            error=g.error,
+            judge_reason=g.judge_reason,
+            final_text=r.final_text,
+            tokens_in=r.tokens_in,
+            tokens_out=r.tokens_out,
+            latency_s=r.latency_s,
+            n_turns=r.n_turns,
+            tool_calls=r.tool_calls,
+            tool_errors=r.tool_errors,
+        )
         for r, g in zip(batch.rollouts, rewards)
     ]
     return EvalBatch(samples, batch.calls)
 
 
 @stage_task(STAGE, run_name="evaluate-{condition}-chunk{chunk}")
-async def evaluate_task(config: RunConfig, evaluation: EvalConfig, key: str, condition: str, chunk: int,
-                        problems: list[Problem], library: LibraryVersion) -> EvalBatch:
+async def evaluate_task(
+    config: RunConfig,
+    evaluation: EvalConfig,
+    key: str,
+    condition: str,
+    chunk: int,
+    problems: list[Problem],
+    library: LibraryVersion,
+) -> EvalBatch:
     """``key`` (the evaluation id, or run/step of a validation) only keys the cache."""
     domain = get_domain(config.domain)
-    return await evaluate_library(problems, ExperienceLibrary.from_version(library), domain,
-                                  shared_client(config), condition=condition, k=evaluation.k,
-                                  temperature=evaluation.temperature, seed=evaluation.seed,
-                                  agent=config.rollout.agent_settings(), judge=make_judge(config, domain, STAGE))
+    return await evaluate_library(
+        problems,
+        ExperienceLibrary.from_version(library),
+        domain,
+        shared_client(config),
+        condition=condition,
+        k=evaluation.k,
+        temperature=evaluation.temperature,
+        seed=evaluation.seed,
+        agent=config.rollout.agent_settings(),
+        judge=make_judge(config, domain, STAGE),
+    )
 
 
 # --- metrics over graded samples -------------------------------------------------------------------------
@@ -91,25 +130,56 @@ def _bootstrap_options(cfg: EvalConfig) -> dict:
     return dict(n_boot=cfg.bootstrap_samples, seed=cfg.seed, level=cfg.ci_level, resample_samples=cfg.resample_samples)
 
 
-def summarize_condition(samples: Sequence[EvalSample], problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str,
-                        condition: str, library_ref: str, library: ExperienceLibrary, dataset: str, fingerprint: str,
-                        leaked_ids: Sequence[str] = ()) -> EvalSummary:
+def summarize_condition(
+    samples: Sequence[EvalSample],
+    problem_ids: Sequence[str],
+    cfg: EvalConfig,
+    *,
+    eval_id: str,
+    condition: str,
+    library_ref: str,
+    library: ExperienceLibrary,
+    dataset: str,
+    fingerprint: str,
+    leaked_ids: Sequence[str] = (),
+) -> EvalSummary:
     rewards = reward_matrix(samples, problem_ids, cfg.k)
     mean = metrics.bootstrap_ci(rewards, "mean_at_k", **_bootstrap_options(cfg))
     passed = metrics.bootstrap_ci(rewards, "pass_at_k", k=cfg.pass_at, **_bootstrap_options(cfg))
     return EvalSummary(
-        eval_id=eval_id, condition=condition, library_ref=library_ref, library_hash=library.content_hash(),
-        library_size=len(library), dataset=dataset, fingerprint=fingerprint, n_problems=len(problem_ids), k=cfg.k,
-        pass_k=cfg.pass_at, temperature=cfg.temperature, seed=cfg.seed, ci_level=cfg.ci_level,
-        mean_at_k=mean.value, mean_ci_low=mean.low, mean_ci_high=mean.high,
-        pass_at_k=passed.value, pass_ci_low=passed.low, pass_ci_high=passed.high,
+        eval_id=eval_id,
+        condition=condition,
+        library_ref=library_ref,
+        library_hash=library.content_hash(),
+        library_size=len(library),
+        dataset=dataset,
+        fingerprint=fingerprint,
+        n_problems=len(problem_ids),
+        k=cfg.k,
+        pass_k=cfg.pass_at,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        ci_level=cfg.ci_level,
+        mean_at_k=mean.value,
+        mean_ci_low=mean.low,
+        mean_ci_high=mean.high,
+        pass_at_k=passed.value,
+        pass_ci_low=passed.low,
+        pass_ci_high=passed.high,
         n_failed=sum((s.error or "").startswith(("rollout failed", "could not verify")) for s in samples),
-        leaked_ids=sorted(set(leaked_ids) & set(problem_ids)))
+        leaked_ids=sorted(set(leaked_ids) & set(problem_ids)),
+    )
 
 
-def compare_conditions(baseline: tuple[str, Sequence[EvalSample]], candidate: tuple[str, Sequence[EvalSample]],
-                       problem_ids: Sequence[str], cfg: EvalConfig, *, eval_id: str,
-                       tag: str | None = None) -> list[EvalComparison]:
+def compare_conditions(
+    baseline: tuple[str, Sequence[EvalSample]],
+    candidate: tuple[str, Sequence[EvalSample]],
+    problem_ids: Sequence[str],
+    cfg: EvalConfig,
+    *,
+    eval_id: str,
+    tag: str | None = None,
+) -> list[EvalComparison]:
     """candidate - baseline for Mean@k and Pass@k, paired on the same problems and sample seeds; ``tag`` names
     the task tag when ``problem_ids`` are that tag's problems."""
     a = reward_matrix(baseline[1], problem_ids, cfg.k)
@@ -118,11 +188,22 @@ def compare_conditions(baseline: tuple[str, Sequence[EvalSample]], candidate: tu
     out = []
     for metric, k in specs:
         diff = metrics.paired_difference(a, b, metric, k=k, **_bootstrap_options(cfg))
-        out.append(EvalComparison(
-            eval_id=eval_id, baseline=baseline[0], candidate=candidate[0], metric=metric,
-            baseline_value=metrics.metric_value(a, metric, k), candidate_value=metrics.metric_value(b, metric, k),
-            diff=diff.value, ci_low=diff.low, ci_high=diff.high, ci_level=cfg.ci_level, n_problems=len(problem_ids),
-            tag=tag))
+        out.append(
+            EvalComparison(
+                eval_id=eval_id,
+                baseline=baseline[0],
+                candidate=candidate[0],
+                metric=metric,
+                baseline_value=metrics.metric_value(a, metric, k),
+                candidate_value=metrics.metric_value(b, metric, k),
+                diff=diff.value,
+                ci_low=diff.low,
+                ci_high=diff.high,
+                ci_level=cfg.ci_level,
+                n_problems=len(problem_ids),
+                tag=tag,
+            )
+        )
     return out
 
 
@@ -135,8 +216,14 @@ def tag_groups(problems: Sequence[Problem]) -> dict[str, list[str]]:
     return dict(sorted(groups.items()))
 
 
-def compare_by_tag(baseline: tuple[str, Sequence[EvalSample]], candidate: tuple[str, Sequence[EvalSample]],
-                   problems: Sequence[Problem], cfg: EvalConfig, *, eval_id: str) -> list[EvalComparison]:
+def compare_by_tag(
+    baseline: tuple[str, Sequence[EvalSample]],
+    candidate: tuple[str, Sequence[EvalSample]],
+    problems: Sequence[Problem],
+    cfg: EvalConfig,
+    *,
+    eval_id: str,
+) -> list[EvalComparison]:
     """``compare_conditions`` over all problems (tag None), then over each task tag's problems."""
     out = compare_conditions(baseline, candidate, [p.problem_id for p in problems], cfg, eval_id=eval_id)
     for tag, problem_ids in tag_groups(problems).items():

@@ -16,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-from functools import partial
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 from clgrpo import progress
 from clgrpo.journal import StageItems
-from clgrpo.library import ExperienceLibrary
+from clgrpo.library import ExperienceLibrary, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
-from domains import get_domain
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast
-from clgrpo.library import word_count
+from domains import get_domain
 from domains.learner import (
     GROUP_KINDS,
     Attempt,
@@ -75,8 +74,9 @@ def _selection(valid: list[float], usable: int, use_groundtruth: bool, group_siz
     return True, "mixed rewards"
 
 
-def compute_group_advantages(problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward], *,
-                             use_groundtruth: bool) -> list[GroupAdvantage]:
+def compute_group_advantages(
+    problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward], *, use_groundtruth: bool
+) -> list[GroupAdvantage]:
     """Mean, std and advantages over a group's graded samples only: a failed or unverifiable sample is not a 0."""
     usable = defaultdict(int)
     for r in rollouts:
@@ -96,8 +96,17 @@ def compute_group_advantages(problems: list[Problem], rollouts: list[Rollout], r
         advantages = [None if v is None else (v - mean) / std if std > 0 else 0.0 for v in values]
         labeled = problem.answer is not None or any(r.reward_source == "agreement" for r in group)
         selected, reason = _selection(valid, usable[problem.problem_id], use_groundtruth and labeled, len(group))
-        out.append(GroupAdvantage(problem_id=problem.problem_id, rewards=values, mean_reward=mean, std_reward=std,
-                                  advantages=advantages, selected=selected, reason=reason))
+        out.append(
+            GroupAdvantage(
+                problem_id=problem.problem_id,
+                rewards=values,
+                mean_reward=mean,
+                std_reward=std,
+                advantages=advantages,
+                selected=selected,
+                reason=reason,
+            )
+        )
     return out
 
 
@@ -110,17 +119,27 @@ class Group:
     rewards: list[Reward]
 
 
-def build_groups(problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward],
-                 advantages: list[GroupAdvantage]) -> list[Group]:
+def build_groups(
+    problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward], advantages: list[GroupAdvantage]
+) -> list[Group]:
     selected = {a.problem_id for a in advantages if a.selected}
     reward_of = {(r.problem_id, r.sample_idx): r for r in rewards}
     # a sample the learner may see: not failed, and graded unless the group has no ground truth
-    usable = [r for r in rollouts if r.error is None and r.problem_id in selected
-              and (reward_of[(r.problem_id, r.sample_idx)].graded or reward_of[(r.problem_id, r.sample_idx)].verified)]
+    usable = [
+        r
+        for r in rollouts
+        if r.error is None
+        and r.problem_id in selected
+        and (reward_of[(r.problem_id, r.sample_idx)].graded or reward_of[(r.problem_id, r.sample_idx)].verified)
+    ]
     return [
-        Group(p, [r for r in usable if r.problem_id == p.problem_id],
-              [reward_of[(r.problem_id, r.sample_idx)] for r in usable if r.problem_id == p.problem_id])
-        for p in problems if p.problem_id in selected
+        Group(
+            p,
+            [r for r in usable if r.problem_id == p.problem_id],
+            [reward_of[(r.problem_id, r.sample_idx)] for r in usable if r.problem_id == p.problem_id],
+        )
+        for p in problems
+        if p.problem_id in selected
     ]
 
 
@@ -137,10 +156,16 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
     for rollout, reward in zip(group.rollouts, group.rewards):
         summary = summaries.get((rollout.problem_id, rollout.sample_idx))
         agent = any(t.kind != "assistant" for t in rollout.turns)
-        attempts.append(Attempt(rollout.sample_idx, clip(trajectory_text(rollout.turns), ATTEMPT_CHARS),
-                                reward.reward if use_groundtruth else None, truncated=rollout.truncated,
-                                tools="" if agent else tool_trace(rollout.turns),
-                                summary=summary.text if summary and not summary.error else ""))
+        attempts.append(
+            Attempt(
+                rollout.sample_idx,
+                clip(trajectory_text(rollout.turns), ATTEMPT_CHARS),
+                reward.reward if use_groundtruth else None,
+                truncated=rollout.truncated,
+                tools="" if agent else tool_trace(rollout.turns),
+                summary=summary.text if summary and not summary.error else "",
+            )
+        )
     return attempts
 
 
@@ -159,8 +184,14 @@ def contrast_pairs(group: Group) -> list[tuple[int, int]]:
     return [(better[(k + j) % len(better)], worse[j]) for k in range(len(better)) for j in range(len(worse))]
 
 
-async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], library: ExperienceLibrary,
-                       prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+async def _extract_one(
+    group: Group,
+    summaries: dict[tuple[str, int], Summary],
+    library: ExperienceLibrary,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+) -> ProposalBatch:
     group_id = group.problem.problem_id
     done = StageItems(STAGE, Proposal)
     reused = done.get(group_id)
@@ -182,37 +213,69 @@ async def _extract_one(group: Group, summaries: dict[tuple[str, int], Summary], 
     return batch
 
 
-async def _operations_proposal(group: Group, attempts: list[Attempt], library: ExperienceLibrary,
-                               prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+async def _operations_proposal(
+    group: Group,
+    attempts: list[Attempt],
+    library: ExperienceLibrary,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+) -> ProposalBatch:
     """The group's edit list as JSON; with ``fallback: contrast`` a reply with no usable operation is followed by
     contrast asks, whose candidates replace it (both kinds of reply kept in the raw text)."""
     group_id = group.problem.problem_id
     messages = partial(_extract_prompt, prompts, group.problem, attempts, library.render_for_prompt(), cfg)
-    schema = operations_schema(cfg.max_ops_per_group, kinds=GROUP_KINDS, live_ids=[e.id for e in library],
-                               min_words=cfg.min_words, max_words=cfg.max_words, pattern=cfg.lesson_pattern)
+    schema = operations_schema(
+        cfg.max_ops_per_group,
+        kinds=GROUP_KINDS,
+        live_ids=[e.id for e in library],
+        min_words=cfg.min_words,
+        max_words=cfg.max_words,
+        pattern=cfg.lesson_pattern,
+    )
     try:
         reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema, repair=prompts.repair)
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
-    proposal = Proposal(group_id=group_id, operations=operations, raw_text=reply.raw_text,
-                        parse_error=reply.parse_error)
+    proposal = Proposal(
+        group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error
+    )
     unusable = _unusable(operations, prompts)
     if cfg.fallback != "contrast" or unusable is None:
         return ProposalBatch([proposal], reply.calls)
     fallback = await _contrast_candidates(group, attempts, library, prompts, llm, cfg)
     contrast = fallback.proposals[0]
-    raw = json.dumps({"operations_reply": reply.raw_text, "why_contrast": unusable,
-                      "contrast_replies": json.loads(contrast.raw_text or "[]")}, ensure_ascii=False)
+    raw = json.dumps(
+        {
+            "operations_reply": reply.raw_text,
+            "why_contrast": unusable,
+            "contrast_replies": json.loads(contrast.raw_text or "[]"),
+        },
+        ensure_ascii=False,
+    )
     return ProposalBatch([contrast.model_copy(update={"raw_text": raw})], [*reply.calls, *fallback.calls])
 
 
-def _extract_prompt(prompts: LearnerPrompts, problem: Problem, attempts: list[Attempt], library_text: str,
-                    cfg: LearningConfig, constrained: bool) -> list[dict[str, str]]:
+def _extract_prompt(
+    prompts: LearnerPrompts,
+    problem: Problem,
+    attempts: list[Attempt],
+    library_text: str,
+    cfg: LearningConfig,
+    constrained: bool,
+) -> list[dict[str, str]]:
     """The operations ask; an unconstrained reply gets a complete example reply to follow."""
-    return prompts.extract(problem, attempts, library_text, use_groundtruth=cfg.use_groundtruth,
-                           max_ops=cfg.max_ops_per_group, min_words=cfg.min_words, max_words=cfg.max_words,
-                           show_example=not constrained)
+    return prompts.extract(
+        problem,
+        attempts,
+        library_text,
+        use_groundtruth=cfg.use_groundtruth,
+        max_ops=cfg.max_ops_per_group,
+        min_words=cfg.min_words,
+        max_words=cfg.max_words,
+        show_example=not constrained,
+    )
 
 
 def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | None:
@@ -224,26 +287,51 @@ def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | Non
     return None
 
 
-async def _contrast_candidates(group: Group, attempts: list[Attempt], library: ExperienceLibrary,
-                               prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+async def _contrast_candidates(
+    group: Group,
+    attempts: list[Attempt],
+    library: ExperienceLibrary,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+) -> ProposalBatch:
     """``cfg.candidates`` contrast asks, each over the next (better, worse) pair with its own draw: one
     candidate operation per usable reply; every reply kept (raw text: a JSON list)."""
     group_id, pairs = group.problem.problem_id, contrast_pairs(group)
     if not pairs:
-        return ProposalBatch([Proposal(group_id=group_id, parse_error="no contrast: no attempt is rewarded above "
-                                                                      "or below the group mean")])
+        return ProposalBatch(
+            [
+                Proposal(
+                    group_id=group_id, parse_error="no contrast: no attempt is rewarded above or below the group mean"
+                )
+            ]
+        )
     live_ids = [e.id for e in library]
     schema = contrast_schema(live_ids, min_words=cfg.min_words, max_words=cfg.max_words)
     asks = [pairs[c % len(pairs)] for c in range(cfg.candidates)]
-    def ask(better: Attempt, worse: Attempt, constrained: bool) -> list[dict[str, str]]:
-        return prompts.contrast(group.problem, better, worse, library.render_for_prompt(), live_ids=live_ids,
-                                use_groundtruth=cfg.use_groundtruth, min_words=cfg.min_words,
-                                max_words=cfg.max_words, show_example=not constrained)
 
-    replies = await asyncio.gather(*[
-        llm.complete(partial(ask, attempts[b], attempts[w]), stage=STAGE, json_schema=schema, schema_name="lesson",
-                     redraw=c)
-        for c, (b, w) in enumerate(asks)], return_exceptions=True)
+    def ask(better: Attempt, worse: Attempt, constrained: bool) -> list[dict[str, str]]:
+        return prompts.contrast(
+            group.problem,
+            better,
+            worse,
+            library.render_for_prompt(),
+            live_ids=live_ids,
+            use_groundtruth=cfg.use_groundtruth,
+            min_words=cfg.min_words,
+            max_words=cfg.max_words,
+            show_example=not constrained,
+        )
+
+    replies = await asyncio.gather(
+        *[
+            llm.complete(
+                partial(ask, attempts[b], attempts[w]), stage=STAGE, json_schema=schema, schema_name="lesson", redraw=c
+            )
+            for c, (b, w) in enumerate(asks)
+        ],
+        return_exceptions=True,
+    )
     operations, kept, errors, calls = [], [], [], []
     for c, ((b, w), reply) in enumerate(zip(asks, replies)):
         entry: dict = {"candidate": c + 1, "attempts": [attempts[b].sample_idx, attempts[w].sample_idx]}
@@ -272,8 +360,17 @@ async def _contrast_candidates(group: Group, attempts: list[Attempt], library: E
         operations.append(op.model_copy(update={"rationale": f"{op.rationale} {note}".strip()}))
     all_calls_failed = all(e.startswith(CALL_FAILED) for e in errors) and len(errors) == len(asks)
     error = None if operations else errors[0] if all_calls_failed else "no usable candidate: " + "; ".join(errors)
-    return ProposalBatch([Proposal(group_id=group_id, operations=operations,
-                                   raw_text=json.dumps(kept, ensure_ascii=False), parse_error=error)], calls)
+    return ProposalBatch(
+        [
+            Proposal(
+                group_id=group_id,
+                operations=operations,
+                raw_text=json.dumps(kept, ensure_ascii=False),
+                parse_error=error,
+            )
+        ],
+        calls,
+    )
 
 
 def not_general(op: Operation, problem: Problem, prompts: LearnerPrompts, cfg: LearningConfig) -> str | None:
@@ -285,8 +382,15 @@ def not_general(op: Operation, problem: Problem, prompts: LearnerPrompts, cfg: L
     return LessonScreen(prompts, [problem])(op)
 
 
-async def _generalize(op: Operation, asked: list[dict[str, str]], why: str, prompts: LearnerPrompts,
-                      llm: LLMClient, cfg: LearningConfig, draw: int) -> tuple[Operation, list[LLMCall], dict]:
+async def _generalize(
+    op: Operation,
+    asked: list[dict[str, str]],
+    why: str,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+    draw: int,
+) -> tuple[Operation, list[LLMCall], dict]:
     """One request to rewrite a candidate as a general lesson; the rewrite replaces it when it parses (the
     draft, the reason and the reply are kept)."""
     record: dict = {"draft": op.text, "why": why}
@@ -319,8 +423,14 @@ def call_failed(proposal: Proposal) -> bool:
     return (proposal.parse_error or "").startswith(CALL_FAILED)
 
 
-async def extract_group_advantage(groups: list[Group], summaries: list[Summary], library: ExperienceLibrary,
-                                  prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> ProposalBatch:
+async def extract_group_advantage(
+    groups: list[Group],
+    summaries: list[Summary],
+    library: ExperienceLibrary,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    cfg: LearningConfig,
+) -> ProposalBatch:
     """One proposal per selected group (possibly with no operations, or with a parse error)."""
     by_key = {(s.problem_id, s.sample_idx): s for s in summaries}
     parts = await asyncio.gather(*[_extract_one(g, by_key, library, prompts, llm, cfg) for g in groups])
@@ -328,10 +438,23 @@ async def extract_group_advantage(groups: list[Group], summaries: list[Summary],
 
 
 @stage_task(STAGE, run_name="group-advantage-step{step}-chunk{chunk}")
-async def group_advantage_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                               rollouts: list[Rollout], rewards: list[Reward], advantages: list[GroupAdvantage],
-                               summaries: list[Summary], library: LibraryVersion) -> ProposalBatch:
+async def group_advantage_task(
+    config: RunConfig,
+    step: int,
+    chunk: int,
+    problems: list[Problem],
+    rollouts: list[Rollout],
+    rewards: list[Reward],
+    advantages: list[GroupAdvantage],
+    summaries: list[Summary],
+    library: LibraryVersion,
+) -> ProposalBatch:
     groups = build_groups(problems, rollouts, rewards, advantages)
-    return await extract_group_advantage(groups, summaries, ExperienceLibrary.from_version(library),
-                                         get_domain(config.domain).learner_prompts, shared_client(config),
-                                         config.learning)
+    return await extract_group_advantage(
+        groups,
+        summaries,
+        ExperienceLibrary.from_version(library),
+        get_domain(config.domain).learner_prompts,
+        shared_client(config),
+        config.learning,
+    )

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.ddl import VALIDATE_STAGE
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE, call_failed
+from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
+from tasks.group_advantage import call_failed
 from tasks.rollout import STAGE as ROLLOUT
 from tasks.summarize import STAGE as SUMMARIZE
 from tasks.validate_lessons import STAGE as VALIDATE_LESSONS
@@ -64,18 +65,26 @@ def failed_items(stage: str, outputs: dict[str, list[Any]]) -> FailedItems | Non
     if stage == GROUP_ADVANTAGE:
         return _count(stage, "group proposals", outputs["proposals"], call_failed, lambda p: p.parse_error)
     if stage == VALIDATE_LESSONS:
-        return _count(stage, "lesson validation attempts", outputs["trial_samples"], lambda s: s.reward is None,
-                      lambda s: s.error)
+        return _count(
+            stage, "lesson validation attempts", outputs["trial_samples"], lambda s: s.reward is None, lambda s: s.error
+        )
     if stage == VALIDATE_STAGE:
-        return _count(stage, "validation samples", outputs["eval_results"],
-                      lambda s: (s.error or "").startswith(UNGRADED_CAUSES), lambda s: s.error)
+        return _count(
+            stage,
+            "validation samples",
+            outputs["eval_results"],
+            lambda s: (s.error or "").startswith(UNGRADED_CAUSES),
+            lambda s: s.error,
+        )
     return None
 
 
 def stage_failed_message(items: FailedItems, step: int, tolerance: float, run_id: str) -> str:
     cause = (items.first_cause or "").replace("\n", " ")
     cause = cause if len(cause) <= 300 else cause[:300] + "..."
-    return (f"step {step} {items.stage}: {items.describe()}, over the tolerance of {tolerance:.0%} "
-            f"(tolerance.max_failed_fraction.{'validation' if items.stage == VALIDATE_STAGE else items.stage}); first cause: {cause}. The stage was not stored as "
-            f"done; its finished items and every call are kept. Fix the cause, then Retry the flow run (Prefect "
-            f"UI) or rerun with --run-id {run_id}: only the failed items are redone.")
+    return (
+        f"step {step} {items.stage}: {items.describe()}, over the tolerance of {tolerance:.0%} "
+        f"(tolerance.max_failed_fraction.{'validation' if items.stage == VALIDATE_STAGE else items.stage}); first cause: {cause}. The stage was not stored as "
+        f"done; its finished items and every call are kept. Fix the cause, then Retry the flow run (Prefect "
+        f"UI) or rerun with --run-id {run_id}: only the failed items are redone."
+    )

@@ -22,12 +22,16 @@ from domains.learner import DATA_NOTICE, quote
 from schemas.config import RunConfig
 from schemas.records import Problem
 
-JUDGE_SYSTEM = """ROLE: answer judge
+JUDGE_SYSTEM = (
+    """ROLE: answer judge
 You decide whether a candidate's final answer to a question says the same as the reference answer: the same
 fact, entity, number or date, whatever the wording, units written out or not, extra explanation or not. An
 answer that hedges between several values, or says it does not know, is wrong.
-""" + DATA_NOTICE + """
+"""
+    + DATA_NOTICE
+    + """
 Reply with one JSON object and nothing else: {"correct": true or false, "reason": "one short sentence"}."""
+)
 
 JUDGE_USER = """Question:
 {question}
@@ -38,14 +42,21 @@ Reference answer:
 Candidate's final answer:
 {candidate}"""
 
-JUDGE_SCHEMA = {"type": "object", "properties": {"correct": {"type": "boolean"}, "reason": {"type": "string"}},
-                "required": ["correct", "reason"], "additionalProperties": False}
+JUDGE_SCHEMA = {
+    "type": "object",
+    "properties": {"correct": {"type": "boolean"}, "reason": {"type": "string"}},
+    "required": ["correct", "reason"],
+    "additionalProperties": False,
+}
 TAIL_CHARS = 1500  # of a reply without a recognisable final answer, what the judge sees
 
 
 def judge_messages(problem: Problem, candidate: str) -> list[dict[str, str]]:
-    user = JUDGE_USER.format(question=quote("problem", problem.problem), reference=quote("answer", problem.answer or ""),
-                             candidate=quote("attempt", candidate))
+    user = JUDGE_USER.format(
+        question=quote("problem", problem.problem),
+        reference=quote("answer", problem.answer or ""),
+        candidate=quote("attempt", candidate),
+    )
     return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -77,16 +88,24 @@ class Judge:
         if candidate is None:
             return VerifyResult(0.0, None, "no final answer to judge")
         try:
-            reply = await self.llm.complete(judge_messages(problem, candidate), stage=self.stage,
-                                            json_schema=JUDGE_SCHEMA, schema_name="verdict",
-                                            temperature=self.temperature)
+            reply = await self.llm.complete(
+                judge_messages(problem, candidate),
+                stage=self.stage,
+                json_schema=JUDGE_SCHEMA,
+                schema_name="verdict",
+                temperature=self.temperature,
+            )
             correct, reason = parse_verdict(reply.text)
         except LLMCallError as exc:
             return VerifyResult(0.0, candidate, f"judge call failed: {exc}", verified=False)
         except StructuredOutputError as exc:
             return VerifyResult(0.0, candidate, f"judge reply unusable: {exc}", verified=False)
-        return VerifyResult(1.0 if correct else 0.0, candidate, None if correct else "judged wrong",
-                            reason=reason or ("correct" if correct else "wrong"))
+        return VerifyResult(
+            1.0 if correct else 0.0,
+            candidate,
+            None if correct else "judged wrong",
+            reason=reason or ("correct" if correct else "wrong"),
+        )
 
     async def grade_all(self, items: Sequence[tuple[Problem, str]]) -> list[VerifyResult]:
         return list(await asyncio.gather(*[self.grade(problem, output) for problem, output in items]))

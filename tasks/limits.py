@@ -18,16 +18,23 @@ class Limited:
     over: list[tuple[Operation, str]] = field(default_factory=list)  # (operation, why it is over a limit)
 
 
-def limit_proposals(proposals: list[Proposal], cfg: LearningConfig) -> tuple[list[Proposal], list[tuple[Operation, str]]]:
+def limit_proposals(
+    proposals: list[Proposal], cfg: LearningConfig
+) -> tuple[list[Proposal], list[tuple[Operation, str]]]:
     """Each group proposal keeps its first ``max_ops_per_group`` operations for consolidation."""
     kept, over = [], []
     for proposal in proposals:
-        extra = proposal.operations[cfg.max_ops_per_group:]
-        reason = (f"over learning.max_ops_per_group={cfg.max_ops_per_group}: group {proposal.group_id} proposed "
-                  f"{len(proposal.operations)} operations")
+        extra = proposal.operations[cfg.max_ops_per_group :]
+        reason = (
+            f"over learning.max_ops_per_group={cfg.max_ops_per_group}: group {proposal.group_id} proposed "
+            f"{len(proposal.operations)} operations"
+        )
         over += [(op, reason) for op in extra]
-        kept.append(proposal.model_copy(update={"operations": proposal.operations[:cfg.max_ops_per_group]})
-                    if extra else proposal)
+        kept.append(
+            proposal.model_copy(update={"operations": proposal.operations[: cfg.max_ops_per_group]})
+            if extra
+            else proposal
+        )
     return kept, over
 
 
@@ -38,14 +45,24 @@ def plan_bound(proposals: list[Proposal], library_size: int) -> int:
 
 def limit_plan(operations: list[Operation], *, bound: int, cfg: LearningConfig) -> Limited:
     """The final plan within its bound and ``max_ops_per_step``, in plan order."""
-    over = [(op, f"over the consolidation bound of {bound} operations (proposed operations + library size): "
-                 f"the plan had {len(operations)}") for op in operations[bound:]]
+    over = [
+        (
+            op,
+            f"over the consolidation bound of {bound} operations (proposed operations + library size): "
+            f"the plan had {len(operations)}",
+        )
+        for op in operations[bound:]
+    ]
     operations = operations[:bound]
-    over += [(op, f"over learning.max_ops_per_step={cfg.max_ops_per_step}: the plan had {len(operations)} "
-                  f"operations") for op in operations[cfg.max_ops_per_step:]]
-    return Limited(operations[:cfg.max_ops_per_step], over)
+    over += [
+        (op, f"over learning.max_ops_per_step={cfg.max_ops_per_step}: the plan had {len(operations)} operations")
+        for op in operations[cfg.max_ops_per_step :]
+    ]
+    return Limited(operations[: cfg.max_ops_per_step], over)
 
 
 def rejected_results(over: list[tuple[Operation, str]], first_seq: int) -> list[OperationResult]:
-    return [OperationResult(seq=first_seq + i, operation=op, status=OpStatus.REJECTED, reason=reason)
-            for i, (op, reason) in enumerate(over)]
+    return [
+        OperationResult(seq=first_seq + i, operation=op, status=OpStatus.REJECTED, reason=reason)
+        for i, (op, reason) in enumerate(over)
+    ]

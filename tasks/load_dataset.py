@@ -22,9 +22,13 @@ def load_dataset_task(config: RunConfig, source_digest: str) -> list[Problem]:
     """``source_digest`` (the data file's content hash) only keys the cache: a changed file is reloaded."""
     problems, report = load_dataset(config)
     get_run_logger().info(
-        "dataset %s: %d valid rows, %d duplicates dropped%s, %d problems used", report.source, report.n_rows,
-        report.n_duplicates_dropped, f" ({', '.join(report.dropped_ids[:10])})" if report.dropped_ids else "",
-        report.n_after_limit)
+        "dataset %s: %d valid rows, %d duplicates dropped%s, %d problems used",
+        report.source,
+        report.n_rows,
+        report.n_duplicates_dropped,
+        f" ({', '.join(report.dropped_ids[:10])})" if report.dropped_ids else "",
+        report.n_after_limit,
+    )
     log_oversize(report)
     return problems
 
@@ -32,5 +36,9 @@ def load_dataset_task(config: RunConfig, source_digest: str) -> list[Problem]:
 def log_oversize(report: LoadReport) -> None:
     """Rows left out for their size (``dataset.oversize: skip``) are reported, never dropped silently."""
     if report.n_oversize_skipped:
-        get_run_logger().warning("dataset %s: skipped %d row(s) over the size limits (dataset.oversize: skip): %s",
-                                 report.source, report.n_oversize_skipped, ", ".join(report.oversize_ids[:20]))
+        get_run_logger().warning(
+            "dataset %s: skipped %d row(s) over the size limits (dataset.oversize: skip): %s",
+            report.source,
+            report.n_oversize_skipped,
+            ", ".join(report.oversize_ids[:20]),
+        )

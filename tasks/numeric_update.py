@@ -34,8 +34,13 @@ class NumericInputs:
     skipped: int  # usable-looking rollouts left out: zero or no advantage, failed, prompt not reproducible, cap
 
 
-def numeric_inputs(config: RunConfig, problems: list[Problem], rollouts: list[Rollout],
-                   advantages: list[GroupAdvantage], library: LibraryVersion) -> NumericInputs:
+def numeric_inputs(
+    config: RunConfig,
+    problems: list[Problem],
+    rollouts: list[Rollout],
+    advantages: list[GroupAdvantage],
+    library: LibraryVersion,
+) -> NumericInputs:
     """The completions to learn from, in problem order then sample order, at most ``hybrid.max_rows``."""
     domain = get_domain(config.domain)
     shown = ExperienceLibrary.from_version(library)
@@ -54,8 +59,16 @@ def numeric_inputs(config: RunConfig, problems: list[Problem], rollouts: list[Ro
             if value is None or value == 0.0 or r.error is not None or r.prompt_hash != prompt_hash:
                 skipped += 1
                 continue
-            items.append(NumericItem(problem_id=r.problem_id, sample_idx=r.sample_idx, messages=messages,
-                                     completion=r.final_text, truncated=r.truncated, advantage=value))
+            items.append(
+                NumericItem(
+                    problem_id=r.problem_id,
+                    sample_idx=r.sample_idx,
+                    messages=messages,
+                    completion=r.final_text,
+                    truncated=r.truncated,
+                    advantage=value,
+                )
+            )
     cap = config.hybrid.max_rows
     return NumericInputs(items[:cap], skipped + max(0, len(items) - cap))
 
@@ -69,8 +82,15 @@ def sample_advantage(advantage: GroupAdvantage | None, group: list[Rollout], rol
     return advantage.advantages[position] if position < len(advantage.advantages) else None
 
 
-def train_step(config: RunConfig, step: int, items: list[NumericItem], skipped: int, parent: str | None,
-               library_version: int, target: Path) -> AdapterVersion:
+def train_step(
+    config: RunConfig,
+    step: int,
+    items: list[NumericItem],
+    skipped: int,
+    parent: str | None,
+    library_version: int,
+    target: Path,
+) -> AdapterVersion:
     """Load the policy with ``parent``'s adapter (or a fresh one), train on ``items``, save to ``target``."""
     from clgrpo import hybrid
 
@@ -86,16 +106,34 @@ def train_step(config: RunConfig, step: int, items: list[NumericItem], skipped: 
     write_meta(partial, base, step, config.run_id or "")
     shutil.rmtree(target, ignore_errors=True)  # a killed attempt's folder (its stage has no row): replaced
     partial.rename(target)
-    return AdapterVersion(base_model=base, rank=config.hybrid.rank, rows_used=outcome.rows_used,
-                          rows_skipped=skipped + len(items) - outcome.rows_used, loss_before=outcome.loss_before,
-                          loss_after=outcome.loss_after, logprob_change_pos=outcome.logprob_change_pos,
-                          logprob_change_neg=outcome.logprob_change_neg, library_version=library_version,
-                          parent_path=parent, path=str(target), device=outcome.device, seconds=outcome.seconds)
+    return AdapterVersion(
+        base_model=base,
+        rank=config.hybrid.rank,
+        rows_used=outcome.rows_used,
+        rows_skipped=skipped + len(items) - outcome.rows_used,
+        loss_before=outcome.loss_before,
+        loss_after=outcome.loss_after,
+        logprob_change_pos=outcome.logprob_change_pos,
+        logprob_change_neg=outcome.logprob_change_neg,
+        library_version=library_version,
+        parent_path=parent,
+        path=str(target),
+        device=outcome.device,
+        seconds=outcome.seconds,
+    )
 
 
 @stage_task(STAGE, run_name="numeric-update-step{step}")
-async def numeric_update_task(config: RunConfig, step: int, items: list[NumericItem], skipped: int,
-                              parent: str | None, library_version: int, export: str) -> AdapterVersion:
+async def numeric_update_task(
+    config: RunConfig,
+    step: int,
+    items: list[NumericItem],
+    skipped: int,
+    parent: str | None,
+    library_version: int,
+    export: str,
+) -> AdapterVersion:
     """The numeric step in a worker thread (the event loop keeps serving Prefect and the other stages)."""
-    return await asyncio.to_thread(train_step, config, step, items, skipped, parent, library_version,
-                                   adapter_dir(Path(export), step))
+    return await asyncio.to_thread(
+        train_step, config, step, items, skipped, parent, library_version, adapter_dir(Path(export), step)
+    )

@@ -21,10 +21,12 @@ from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Pr
 from tasks.common import stage_task
 from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
-from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import STAGE as SUMMARIZE, SummaryBatch, summarize
 from tasks.judge import Judge, make_judge
-from tasks.verify import STAGE as VERIFY, grade
+from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
+from tasks.summarize import STAGE as SUMMARIZE
+from tasks.summarize import SummaryBatch, summarize
+from tasks.verify import STAGE as VERIFY
+from tasks.verify import grade
 
 STAGE = "pipeline"
 
@@ -72,9 +74,18 @@ class PipelineBatch:
         return cls(**{name: [x for part in parts for x in getattr(part, name)] for name in cls.__dataclass_fields__})
 
 
-async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                     group_size: int, temperature: float, cfg: LearningConfig,
-                     agent: AgentConfig | None = None, judge: Judge | None = None) -> GroupOutcome:
+async def _one_group(
+    problem: Problem,
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    *,
+    group_size: int,
+    temperature: float,
+    cfg: LearningConfig,
+    agent: AgentConfig | None = None,
+    judge: Judge | None = None,
+) -> GroupOutcome:
     batch = await rollout_problem(problem, library, domain, llm, group_size, temperature, agent=agent)
     rewards = await grade([problem], batch.rollouts, domain, judge, cfg.unlabeled)
     advantages = compute_group_advantages([problem], batch.rollouts, rewards, use_groundtruth=cfg.use_groundtruth)
@@ -85,32 +96,64 @@ async def _one_group(problem: Problem, library: ExperienceLibrary, domain: Domai
     progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
     progress.expect(GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
-    summaries = (await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
-                 if cfg.summarize else SummaryBatch([]))
+    summaries = (
+        await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
+        if cfg.summarize
+        else SummaryBatch([])
+    )
     proposals = await extract_group_advantage(groups, summaries.summaries, library, prompts, llm, cfg)
     outcome.summaries, outcome.summary_calls = summaries.summaries, summaries.calls
     outcome.proposals, outcome.proposal_calls = proposals.proposals, proposals.calls
     return outcome
 
 
-async def pipeline(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                   group_size: int, temperature: float, cfg: LearningConfig,
-                   agent: AgentConfig | None = None, judge: Judge | None = None) -> PipelineBatch:
+async def pipeline(
+    problems: list[Problem],
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    *,
+    group_size: int,
+    temperature: float,
+    cfg: LearningConfig,
+    agent: AgentConfig | None = None,
+    judge: Judge | None = None,
+) -> PipelineBatch:
     """Every group runs its own chain; raises, like ``rollout``, if every policy call failed."""
-    outcomes = await asyncio.gather(*[
-        _one_group(p, library, domain, llm, group_size=group_size, temperature=temperature, cfg=cfg, agent=agent,
-                   judge=judge)
-        for p in problems])
+    outcomes = await asyncio.gather(
+        *[
+            _one_group(
+                p,
+                library,
+                domain,
+                llm,
+                group_size=group_size,
+                temperature=temperature,
+                cfg=cfg,
+                agent=agent,
+                judge=judge,
+            )
+            for p in problems
+        ]
+    )
     batch = PipelineBatch.of(outcomes)
     raise_if_all_failed(problems, batch.rollouts)
     return batch
 
 
 @stage_task(STAGE, run_name="pipeline-step{step}-chunk{chunk}")
-async def pipeline_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                        library: LibraryVersion) -> PipelineBatch:
+async def pipeline_task(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
+) -> PipelineBatch:
     domain = get_domain(config.domain)
-    return await pipeline(problems, ExperienceLibrary.from_version(library), domain, shared_client(config),
-                          group_size=config.grpo.group_size, temperature=config.grpo.rollout_temperature,
-                          cfg=config.learning, agent=config.rollout.agent_settings(),
-                          judge=make_judge(config, domain, VERIFY))
+    return await pipeline(
+        problems,
+        ExperienceLibrary.from_version(library),
+        domain,
+        shared_client(config),
+        group_size=config.grpo.group_size,
+        temperature=config.grpo.rollout_temperature,
+        cfg=config.learning,
+        agent=config.rollout.agent_settings(),
+        judge=make_judge(config, domain, VERIFY),
+    )

@@ -30,9 +30,16 @@ class RolloutBatch:
         return sum(r.error is not None for r in self.rollouts)
 
 
-async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: Domain, llm: LLMClient,
-                          group_size: int, temperature: float, seed: int | None = None,
-                          agent: AgentConfig | None = None) -> RolloutBatch:
+async def rollout_problem(
+    problem: Problem,
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    group_size: int,
+    temperature: float,
+    seed: int | None = None,
+    agent: AgentConfig | None = None,
+) -> RolloutBatch:
     """G rollouts of one problem (agent rollouts when ``agent`` is set). Samples already in the work journal (an
     earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
     own samples."""
@@ -40,8 +47,11 @@ async def rollout_problem(problem: Problem, library: ExperienceLibrary, domain: 
     prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     done = StageItems(STAGE, Rollout)
-    rollouts = {i: r for i in range(group_size)
-                if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash}
+    rollouts = {
+        i: r
+        for i in range(group_size)
+        if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash
+    }
     missing = [i for i in range(group_size) if i not in rollouts]
     progress.advance(STAGE, group_size - len(missing))
     if not missing:
@@ -61,19 +71,29 @@ def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:
     """What besides the messages shapes an agent rollout (a journaled rollout is reused only if it matches)."""
     if agent is None:
         return None
-    signature = {"tools": [t.spec() for t in domain.tools()],
-                 "agent": agent.model_dump(mode="json", exclude={"sandbox", "web"}),
-                 "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"})}
+    signature = {
+        "tools": [t.spec() for t in domain.tools()],
+        "agent": agent.model_dump(mode="json", exclude={"sandbox", "web"}),
+        "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"}),
+    }
     if domain.name == "web":  # the web tools' settings shape what its agent sees
         signature["web"] = agent.web.model_dump(mode="json")
     return signature
 
 
-async def _direct_samples(messages: list[dict], llm: LLMClient, base: dict, missing: list[int], group_size: int,
-                          temperature: float, seed: int | None) -> tuple[list[Rollout], list[LLMCall]]:
+async def _direct_samples(
+    messages: list[dict],
+    llm: LLMClient,
+    base: dict,
+    missing: list[int],
+    group_size: int,
+    temperature: float,
+    seed: int | None,
+) -> tuple[list[Rollout], list[LLMCall]]:
     try:
-        sampled = await llm.sample(messages, group_size, stage=STAGE, temperature=temperature, seed=seed,
-                                   indices=missing)
+        sampled = await llm.sample(
+            messages, group_size, stage=STAGE, temperature=temperature, seed=seed, indices=missing
+        )
     finally:
         progress.advance(STAGE, len(missing))
     ok = [c for c in sampled.calls if c.ok]
@@ -85,15 +105,30 @@ async def _direct_samples(messages: list[dict], llm: LLMClient, base: dict, miss
         if sample.error is not None:
             fresh.append(Rollout(**base, sample_idx=sample.index, error=sample.error))
         else:
-            fresh.append(Rollout(**base, sample_idx=sample.index, turns=[Turn(kind="assistant", content=sample.text)],
-                                 tokens_in=tokens_in, tokens_out=tokens_out, latency_s=latency,
-                                 finish_reason=sample.finish_reason))
+            fresh.append(
+                Rollout(
+                    **base,
+                    sample_idx=sample.index,
+                    turns=[Turn(kind="assistant", content=sample.text)],
+                    tokens_in=tokens_in,
+                    tokens_out=tokens_out,
+                    latency_s=latency,
+                    finish_reason=sample.finish_reason,
+                )
+            )
     return fresh, sampled.calls
 
 
-async def _agent_samples(messages: list[dict], domain: Domain, llm: LLMClient, agent: AgentConfig, base: dict,
-                         missing: list[int], temperature: float,
-                         seed: int | None) -> tuple[list[Rollout], list[LLMCall]]:
+async def _agent_samples(
+    messages: list[dict],
+    domain: Domain,
+    llm: LLMClient,
+    agent: AgentConfig,
+    base: dict,
+    missing: list[int],
+    temperature: float,
+    seed: int | None,
+) -> tuple[list[Rollout], list[LLMCall]]:
     """One agent loop per missing sample, concurrently. Sample i uses seed + i (the problem's seed, else the
     policy's), as a separate direct call does: the G samples of a seeded endpoint must differ."""
     tools = domain.tools()
@@ -101,8 +136,15 @@ async def _agent_samples(messages: list[dict], domain: Domain, llm: LLMClient, a
 
     async def one(index: int) -> AgentOutcome:
         try:
-            return await agent_rollout(messages, tools, llm, agent, base={**base, "sample_idx": index},
-                                       temperature=temperature, seed=None if first is None else first + index)
+            return await agent_rollout(
+                messages,
+                tools,
+                llm,
+                agent,
+                base={**base, "sample_idx": index},
+                temperature=temperature,
+                seed=None if first is None else first + index,
+            )
         finally:
             progress.advance(STAGE)
 
@@ -110,17 +152,28 @@ async def _agent_samples(messages: list[dict], domain: Domain, llm: LLMClient, a
     return [o.rollout for o in outcomes], [c for o in outcomes for c in o.calls]
 
 
-async def rollout(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient, *,
-                  group_size: int, temperature: float, seeds: Mapping[str, int] | None = None,
-                  agent: AgentConfig | None = None) -> RolloutBatch:
+async def rollout(
+    problems: list[Problem],
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    *,
+    group_size: int,
+    temperature: float,
+    seeds: Mapping[str, int] | None = None,
+    agent: AgentConfig | None = None,
+) -> RolloutBatch:
     """G samples for each problem; a sample whose policy call failed after retries is a rollout with ``error``
     set (stored and counted). Raises if every call failed: the endpoint is unusable.
     ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i).
     ``agent``: make agent rollouts with the domain's tools (``tasks.agent``); None: direct answers."""
     seeds = seeds or {}
-    parts = await asyncio.gather(*[
-        rollout_problem(p, library, domain, llm, group_size, temperature, seeds.get(p.problem_id), agent)
-        for p in problems])
+    parts = await asyncio.gather(
+        *[
+            rollout_problem(p, library, domain, llm, group_size, temperature, seeds.get(p.problem_id), agent)
+            for p in problems
+        ]
+    )
     batch = RolloutBatch([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
     raise_if_all_failed(problems, batch.rollouts)
     return batch
@@ -133,8 +186,15 @@ def raise_if_all_failed(problems: list[Problem], rollouts: list[Rollout]) -> Non
 
 
 @stage_task(STAGE, run_name="rollout-step{step}-chunk{chunk}")
-async def rollout_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                       library: LibraryVersion) -> RolloutBatch:
-    return await rollout(problems, ExperienceLibrary.from_version(library), get_domain(config.domain),
-                         shared_client(config), group_size=config.grpo.group_size,
-                         temperature=config.grpo.rollout_temperature, agent=config.rollout.agent_settings())
+async def rollout_task(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
+) -> RolloutBatch:
+    return await rollout(
+        problems,
+        ExperienceLibrary.from_version(library),
+        get_domain(config.domain),
+        shared_client(config),
+        group_size=config.grpo.group_size,
+        temperature=config.grpo.rollout_temperature,
+        agent=config.rollout.agent_settings(),
+    )

@@ -30,16 +30,28 @@ class SummaryBatch:
         return sum(s.error is not None for s in self.summaries)
 
 
-async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, library_text: str,
-                         prompts: LearnerPrompts, llm: LLMClient, use_groundtruth: bool) -> SummaryBatch:
+async def _summarize_one(
+    problem: Problem,
+    rollout: Rollout,
+    reward: Reward,
+    library_text: str,
+    prompts: LearnerPrompts,
+    llm: LLMClient,
+    use_groundtruth: bool,
+) -> SummaryBatch:
     base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
     done = StageItems(STAGE, Summary)
     reused = done.get(sample_key(rollout.problem_id, rollout.sample_idx))
     if reused is not None:
         progress.advance(STAGE)
         return SummaryBatch([reused])
-    attempt = Attempt(rollout.sample_idx, trajectory_text(rollout.turns), reward.reward if use_groundtruth else None,
-                      truncated=rollout.truncated, tools=tool_trace(rollout.turns))
+    attempt = Attempt(
+        rollout.sample_idx,
+        trajectory_text(rollout.turns),
+        reward.reward if use_groundtruth else None,
+        truncated=rollout.truncated,
+        tools=tool_trace(rollout.turns),
+    )
     messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
     try:
         reply = await llm.complete(messages, stage=STAGE)
@@ -54,24 +66,41 @@ async def _summarize_one(problem: Problem, rollout: Rollout, reward: Reward, lib
     return SummaryBatch([summary], reply.calls)
 
 
-async def summarize(groups: list[Group], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, *,
-                    use_groundtruth: bool) -> SummaryBatch:
+async def summarize(
+    groups: list[Group], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, *, use_groundtruth: bool
+) -> SummaryBatch:
     """One summary per rollout; a failed call leaves a summary with ``error`` (the extractor then reads the
     trajectory itself)."""
-    parts = await asyncio.gather(*[
-        _summarize_one(g.problem, r, w, library.prompt_text_for(g.problem.problem_id), prompts, llm, use_groundtruth)
-        for g in groups for r, w in zip(g.rollouts, g.rewards)
-    ])
+    parts = await asyncio.gather(
+        *[
+            _summarize_one(
+                g.problem, r, w, library.prompt_text_for(g.problem.problem_id), prompts, llm, use_groundtruth
+            )
+            for g in groups
+            for r, w in zip(g.rollouts, g.rewards)
+        ]
+    )
     return SummaryBatch([s for p in parts for s in p.summaries], [c for p in parts for c in p.calls])
 
 
 @stage_task(STAGE, run_name="summarize-step{step}-chunk{chunk}")
-async def summarize_task(config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout],
-                         rewards: list[Reward], advantages: list[GroupAdvantage],
-                         library: LibraryVersion) -> SummaryBatch:
+async def summarize_task(
+    config: RunConfig,
+    step: int,
+    chunk: int,
+    problems: list[Problem],
+    rollouts: list[Rollout],
+    rewards: list[Reward],
+    advantages: list[GroupAdvantage],
+    library: LibraryVersion,
+) -> SummaryBatch:
     if not config.learning.summarize:
         return SummaryBatch([])
     groups = build_groups(problems, rollouts, rewards, advantages)
-    return await summarize(groups, ExperienceLibrary.from_version(library),
-                           get_domain(config.domain).learner_prompts, shared_client(config),
-                           use_groundtruth=config.learning.use_groundtruth)
+    return await summarize(
+        groups,
+        ExperienceLibrary.from_version(library),
+        get_domain(config.domain).learner_prompts,
+        shared_client(config),
+        use_groundtruth=config.learning.use_groundtruth,
+    )

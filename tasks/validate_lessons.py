@@ -25,6 +25,7 @@ from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
+from domains.learner import overlap
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (
     GroupAdvantage,
@@ -39,7 +40,6 @@ from schemas.records import (
     TrialSample,
     text_hash,
 )
-from domains.learner import overlap
 from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.common import stage_task
 from tasks.judge import make_judge
@@ -69,14 +69,17 @@ class _Candidate:
     problems: list[Problem]
 
 
-def trial_problems(op: Operation, problems: Sequence[Problem], advantages: Sequence[GroupAdvantage],
-                   count: int, salt: str) -> list[Problem]:
+def trial_problems(
+    op: Operation, problems: Sequence[Problem], advantages: Sequence[GroupAdvantage], count: int, salt: str
+) -> list[Problem]:
     """The candidate's source problems, then other step problems (mixed rewards first, then the rest, each in
     a fixed pseudo-random order), ``count`` in all."""
     mixed = {a.problem_id for a in advantages if a.selected}
     sources = [p for p in problems if p.problem_id in op.source_groups]
-    others = sorted((p for p in problems if p.problem_id not in op.source_groups),
-                    key=lambda p: (p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}")))
+    others = sorted(
+        (p for p in problems if p.problem_id not in op.source_groups),
+        key=lambda p: (p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}")),
+    )
     return [*sources, *others][:count]
 
 
@@ -92,14 +95,25 @@ def _same_as(op: Operation, tried: list[_Candidate]) -> _Candidate | None:
     """An earlier candidate with (nearly) the same text and the same kind and target."""
     for other in tried:
         same_target = (other.operation.op, other.operation.target_ids) == (op.op, op.target_ids)
-        if same_target and min(overlap(op.text or "", other.operation.text or ""),
-                               overlap(other.operation.text or "", op.text or "")) >= SAME_LESSON:
+        if (
+            same_target
+            and min(
+                overlap(op.text or "", other.operation.text or ""), overlap(other.operation.text or "", op.text or "")
+            )
+            >= SAME_LESSON
+        ):
             return other
     return None
 
 
-def _candidates(config: RunConfig, library: ExperienceLibrary, plan: list[Operation], problems: list[Problem],
-                advantages: list[GroupAdvantage], step: int) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
+def _candidates(
+    config: RunConfig,
+    library: ExperienceLibrary,
+    plan: list[Operation],
+    problems: list[Problem],
+    advantages: list[GroupAdvantage],
+    step: int,
+) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, they pass the library's rules, and no earlier
     candidate says the same), why each other one is not tried, and the repeats (rejected: tried once)."""
     settings = config.learning.lesson_validation
@@ -116,10 +130,14 @@ def _candidates(config: RunConfig, library: ExperienceLibrary, plan: list[Operat
         if results[0].status != OpStatus.APPLIED:
             untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
             continue
-        tried = alone if library.shown is None else alone.with_shown(
-            _shown_with(library.shown, alone, results[0].result_id))
-        candidates.append(_Candidate(seq, op, tried, trial_problems(op, problems, advantages, settings.problems,
-                                                                    f"{step}:{op.text}")))
+        tried = (
+            alone
+            if library.shown is None
+            else alone.with_shown(_shown_with(library.shown, alone, results[0].result_id))
+        )
+        candidates.append(
+            _Candidate(seq, op, tried, trial_problems(op, problems, advantages, settings.problems, f"{step}:{op.text}"))
+        )
     return candidates, untested, repeats
 
 
@@ -127,50 +145,98 @@ def _shown_with(shown: dict[str, list[str]], library: ExperienceLibrary, new_id:
     """Routed prompts (``library.injection: top_k``) keep what they were shown that is still live, plus the
     candidate's lesson."""
     live = {e.id for e in library}
-    return {pid: [i for i in ids if i in live] + ([new_id] if new_id and new_id not in ids else [])
-            for pid, ids in shown.items()}
+    return {
+        pid: [i for i in ids if i in live] + ([new_id] if new_id and new_id not in ids else [])
+        for pid, ids in shown.items()
+    }
 
 
-async def _attempts(problems: list[Problem], library: ExperienceLibrary, domain: Domain, llm: LLMClient,
-                    config: RunConfig, seeds: dict[str, int], seq: int) -> tuple[list[TrialSample], list[LLMCall]]:
+async def _attempts(
+    problems: list[Problem],
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    config: RunConfig,
+    seeds: dict[str, int],
+    seq: int,
+) -> tuple[list[TrialSample], list[LLMCall]]:
     settings = config.learning.lesson_validation
     temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    batch = await rollout(problems, library, domain, llm, group_size=settings.samples, temperature=temperature,
-                          seeds=seeds, agent=config.rollout.agent_settings())
+    batch = await rollout(
+        problems,
+        library,
+        domain,
+        llm,
+        group_size=settings.samples,
+        temperature=temperature,
+        seeds=seeds,
+        agent=config.rollout.agent_settings(),
+    )
     rewards = await grade(problems, batch.rollouts, domain, make_judge(config, domain, STAGE))
-    return [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)], \
-        [c.model_copy(update={"stage": STAGE}) for c in batch.calls]
+    return [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)], [
+        c.model_copy(update={"stage": STAGE}) for c in batch.calls
+    ]
 
 
-def _sample(seq: int, rollout_: Rollout, reward: float | None, extracted: str | None, error: str | None,
-            seeds: dict[str, int]) -> TrialSample:
-    return TrialSample(seq=seq, problem_id=rollout_.problem_id, sample_idx=rollout_.sample_idx,
-                       seed=seeds[rollout_.problem_id] + rollout_.sample_idx, reward=reward, extracted=extracted,
-                       error=rollout_.error or error, final_text=rollout_.final_text,
-                       tokens_in=rollout_.tokens_in, tokens_out=rollout_.tokens_out)
+def _sample(
+    seq: int, rollout_: Rollout, reward: float | None, extracted: str | None, error: str | None, seeds: dict[str, int]
+) -> TrialSample:
+    return TrialSample(
+        seq=seq,
+        problem_id=rollout_.problem_id,
+        sample_idx=rollout_.sample_idx,
+        seed=seeds[rollout_.problem_id] + rollout_.sample_idx,
+        reward=reward,
+        extracted=extracted,
+        error=rollout_.error or error,
+        final_text=rollout_.final_text,
+        tokens_in=rollout_.tokens_in,
+        tokens_out=rollout_.tokens_out,
+    )
 
 
-def judge_trial(candidate: _Candidate, without: list[TrialSample], with_: list[TrialSample],
-                settings: LessonValidation) -> LessonTrial:
+def judge_trial(
+    candidate: _Candidate, without: list[TrialSample], with_: list[TrialSample], settings: LessonValidation
+) -> LessonTrial:
     """The verdict on one candidate from its paired attempts (kept or rejected; ties go against it)."""
     before = {(s.problem_id, s.sample_idx): s.reward for s in without}
-    pairs = [(before[(s.problem_id, s.sample_idx)], s.reward) for s in with_
-             if s.reward is not None and before.get((s.problem_id, s.sample_idx)) is not None]
-    base = dict(seq=candidate.seq, operation=candidate.operation, problem_ids=[p.problem_id for p in candidate.problems],
-                samples=settings.samples, pairs=len(pairs))
+    pairs = [
+        (before[(s.problem_id, s.sample_idx)], s.reward)
+        for s in with_
+        if s.reward is not None and before.get((s.problem_id, s.sample_idx)) is not None
+    ]
+    base = dict(
+        seq=candidate.seq,
+        operation=candidate.operation,
+        problem_ids=[p.problem_id for p in candidate.problems],
+        samples=settings.samples,
+        pairs=len(pairs),
+    )
     if not pairs:
-        return LessonTrial(**base, verdict="rejected",
-                           reason="lesson validation: no attempt could be graded in both arms")
+        return LessonTrial(
+            **base, verdict="rejected", reason="lesson validation: no attempt could be graded in both arms"
+        )
     mean_without = sum(a for a, _ in pairs) / len(pairs)
     mean_with = sum(b for _, b in pairs) / len(pairs)
     gain = mean_with - mean_without
-    numbers = (f"reward {mean_without:.2f} -> {mean_with:.2f} ({gain:+.2f}) on {len(candidate.problems)} problems x "
-               f"{settings.samples} samples ({len(pairs)} pairs)")
+    numbers = (
+        f"reward {mean_without:.2f} -> {mean_with:.2f} ({gain:+.2f}) on {len(candidate.problems)} problems x "
+        f"{settings.samples} samples ({len(pairs)} pairs)"
+    )
     kept = gain > settings.min_gain
-    reason = (f"validated: {numbers}" if kept else
-              f"lesson validation: {numbers}, not above learning.lesson_validation.min_gain={settings.min_gain:g}")
-    return LessonTrial(**base, mean_without=mean_without, mean_with=mean_with, gain=gain,
-                       verdict="kept" if kept else "rejected", reason=reason)
+    reason = (
+        f"validated: {numbers}"
+        if kept
+        else f"lesson validation: {numbers}, not above learning.lesson_validation.min_gain={settings.min_gain:g}"
+    )
+    return LessonTrial(
+        **base,
+        mean_without=mean_without,
+        mean_with=mean_with,
+        gain=gain,
+        verdict="kept" if kept else "rejected",
+        reason=reason,
+    )
 
 
 def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
@@ -188,22 +254,37 @@ def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
         if t.verdict == "kept" and winners and winners != {t.seq}:
             other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
             how = "more" if other.gain > t.gain else "as much and comes first in the plan"  # type: ignore[operator]
-            t = t.model_copy(update={"verdict": "rejected", "reason": (
-                f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained {how} "
-                f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})")})
+            t = t.model_copy(
+                update={
+                    "verdict": "rejected",
+                    "reason": (
+                        f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained {how} "
+                        f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})"
+                    ),
+                }
+            )
         out.append(t)
     return out
 
 
-async def validate_lessons(config: RunConfig, step: int, library: ExperienceLibrary, plan: list[Operation],
-                           problems: list[Problem], advantages: list[GroupAdvantage], domain: Domain,
-                           llm: LLMClient) -> Validated:
+async def validate_lessons(
+    config: RunConfig,
+    step: int,
+    library: ExperienceLibrary,
+    plan: list[Operation],
+    problems: list[Problem],
+    advantages: list[GroupAdvantage],
+    domain: Domain,
+    llm: LLMClient,
+) -> Validated:
     settings = config.learning.lesson_validation
     candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step)
-    trials = [LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why)
-              for seq, why in untested.items()]
-    trials += [LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why)
-               for seq, why in repeats.items()]
+    trials = [
+        LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
+    ]
+    trials += [
+        LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
+    ]
     if not candidates:
         trials.sort(key=lambda t: t.seq)
         return Validated(*plan_after(trials), trials)
@@ -240,7 +321,21 @@ def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tup
 
 
 @stage_task(STAGE, run_name="validate-lessons-step{step}")
-async def validate_lessons_task(config: RunConfig, step: int, library: LibraryVersion, plan: list[Operation],
-                                problems: list[Problem], advantages: list[GroupAdvantage]) -> Validated:
-    return await validate_lessons(config, step, ExperienceLibrary.from_version(library), plan, problems,
-                                  advantages, get_domain(config.domain), shared_client(config))
+async def validate_lessons_task(
+    config: RunConfig,
+    step: int,
+    library: LibraryVersion,
+    plan: list[Operation],
+    problems: list[Problem],
+    advantages: list[GroupAdvantage],
+) -> Validated:
+    return await validate_lessons(
+        config,
+        step,
+        ExperienceLibrary.from_version(library),
+        plan,
+        problems,
+        advantages,
+        get_domain(config.domain),
+        shared_client(config),
+    )

@@ -29,16 +29,26 @@ Grader = Callable[[list[tuple[Problem, str]]], list[VerifyResult]]  # (problem, 
 
 
 # what graded a reward against the problem's answer, by where that answer came from (Problem.answer_source)
-ANSWER_REWARD_SOURCE = {None: "ground_truth", "ground_truth": "ground_truth", "reference": "feedback:reference",
-                        "correction": "feedback:correction", "thumbs_up_reply": "feedback:thumbs_up"}
+ANSWER_REWARD_SOURCE = {
+    None: "ground_truth",
+    "ground_truth": "ground_truth",
+    "reference": "feedback:reference",
+    "correction": "feedback:correction",
+    "thumbs_up_reply": "feedback:thumbs_up",
+}
 
 
 def reward_source(problem: Problem, judged: bool) -> str:
     return "judge" if judged else ANSWER_REWARD_SOURCE.get(problem.answer_source, "ground_truth")
 
 
-def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, grader: Grader | None = None,
-           unlabeled: str = "compare") -> list[Reward]:
+def verify(
+    problems: list[Problem],
+    rollouts: list[Rollout],
+    domain: Domain,
+    grader: Grader | None = None,
+    unlabeled: str = "compare",
+) -> list[Reward]:
     """One reward per rollout, in rollout order; the verifier itself never raises. Not graded (reward None,
     the reason in ``error``): failed rollouts, problems without ground truth, and samples the verifier could
     not grade even on a second try (``verified`` False: a failed item of this stage). A reply cut off at
@@ -61,9 +71,13 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, gra
             if reused is not None:
                 graded[key] = reused
             elif r.truncated and not getattr(domain, "grade_truncated", True):
-                graded[key] = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=0.0,
-                                     error="cut off at max_tokens (the domain does not grade truncated replies)",
-                                     reward_source=reward_source(by_id[r.problem_id], False))
+                graded[key] = Reward(
+                    problem_id=r.problem_id,
+                    sample_idx=r.sample_idx,
+                    reward=0.0,
+                    error="cut off at max_tokens (the domain does not grade truncated replies)",
+                    reward_source=reward_source(by_id[r.problem_id], False),
+                )
             else:
                 todo.append(r)
     for attempt in range(2):  # a sample the verifier could not grade gets a second try
@@ -75,11 +89,16 @@ def verify(problems: list[Problem], rollouts: list[Rollout], domain: Domain, gra
             if not g.verified and attempt == 0:
                 retry.append(r)
                 continue
-            reward = Reward(problem_id=r.problem_id, sample_idx=r.sample_idx,
-                            reward=g.reward if g.verified else None, extracted=g.extracted,
-                            error=g.error if g.verified else f"could not verify: {g.error}", verified=g.verified,
-                            judge_reason=g.reason,
-                            reward_source=reward_source(by_id[r.problem_id], judged) if g.verified else None)
+            reward = Reward(
+                problem_id=r.problem_id,
+                sample_idx=r.sample_idx,
+                reward=g.reward if g.verified else None,
+                extracted=g.extracted,
+                error=g.error if g.verified else f"could not verify: {g.error}",
+                verified=g.verified,
+                judge_reason=g.reason,
+                reward_source=reward_source(by_id[r.problem_id], judged) if g.verified else None,
+            )
             graded[(r.problem_id, r.sample_idx)] = reward
             if g.verified:
                 done.put(sample_key(r.problem_id, r.sample_idx), reward)
@@ -102,8 +121,9 @@ def _normalized(answer: str | None) -> str | None:
     return " ".join(answer.split()).rstrip(".").lower() or None if answer else None
 
 
-def agreement_rewards(problems: list[Problem], rollouts: list[Rollout], domain: Domain
-                      ) -> dict[tuple[str, int], Reward]:
+def agreement_rewards(
+    problems: list[Problem], rollouts: list[Rollout], domain: Domain
+) -> dict[tuple[str, int], Reward]:
     """Rewards for problems without ground truth by agreement: the final answer (the domain's ``reply_answer``)
     that more than half of a group's usable rollouts give is taken as right; those rollouts get 1, the other
     usable ones 0. A group without such a majority (or of fewer than 2 usable rollouts) stays ungraded."""
@@ -123,14 +143,23 @@ def agreement_rewards(problems: list[Problem], rollouts: list[Rollout], domain: 
         for r, answer in zip(group, answers):
             agrees = answer == top
             out[(problem_id, r.sample_idx)] = Reward(
-                problem_id=problem_id, sample_idx=r.sample_idx, reward=1.0 if agrees else 0.0, extracted=answer,
+                problem_id=problem_id,
+                sample_idx=r.sample_idx,
+                reward=1.0 if agrees else 0.0,
+                extracted=answer,
                 error=None if agrees else f"disagrees with the group's majority answer ({n}/{len(group)})",
-                reward_source="agreement")
+                reward_source="agreement",
+            )
     return out
 
 
-async def grade(problems: list[Problem], rollouts: list[Rollout], domain: Domain, judge: Judge | None = None,
-                unlabeled: str = "compare") -> list[Reward]:
+async def grade(
+    problems: list[Problem],
+    rollouts: list[Rollout],
+    domain: Domain,
+    judge: Judge | None = None,
+    unlabeled: str = "compare",
+) -> list[Reward]:
     """``verify`` in a worker thread; with a ``judge``, its calls run on this event loop (the one LLM client)."""
     if judge is None:
         return await asyncio.to_thread(verify, problems, rollouts, domain, None, unlabeled)
@@ -151,8 +180,9 @@ def warm_verifier(domain_name: str) -> None:
 
 
 @stage_task(STAGE, run_name="verify-step{step}-chunk{chunk}")
-async def verify_task(config: RunConfig, step: int, chunk: int, problems: list[Problem],
-                      rollouts: list[Rollout]) -> VerifyBatch:
+async def verify_task(
+    config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout]
+) -> VerifyBatch:
     domain = get_domain(config.domain)
     rewards = await grade(problems, rollouts, domain, make_judge(config, domain, STAGE), config.learning.unlabeled)
     advantages = compute_group_advantages(problems, rollouts, rewards, use_groundtruth=config.learning.use_groundtruth)

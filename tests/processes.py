@@ -6,8 +6,8 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,8 +33,7 @@ def gone(proc: psutil.Process) -> bool:
 def start_detached(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
     """A process in its own session (so ``stop_group`` reaches its children), output to ``log``."""
     with open(log, "w") as handle:
-        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 20) -> None:
@@ -76,8 +75,12 @@ def real_prefect_server(home: Path) -> Iterator[PrefectApi]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home / "server-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = home / "server.log"
-    server = start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port), "--no-ui"], env, log, cwd=home)
+    server = start_detached(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+        env,
+        log,
+        cwd=home,
+    )
     try:
         wait_healthy(url, server, log, timeout=180)
         yield PrefectApi(url, home)

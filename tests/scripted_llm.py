@@ -53,15 +53,34 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("sums", "+", "When adding multi-digit numbers, align digits by place value and carry.",
-           "align digits by place value", lambda a, b: a + b),
-    Family("products", "*", "When multiplying, split one factor into tens and ones, then add the partial products.",
-           "add the partial products", lambda a, b: a * b),
-    Family("differences", "-", "When subtracting, borrow from the next column whenever the top digit is smaller.",
-           "borrow from the next column", lambda a, b: a - b),
-    Family("remainders", "%",
-           "For a remainder, subtract the largest multiple of the divisor not exceeding the dividend.",
-           "largest multiple of the divisor", lambda a, b: a % b),
+    Family(
+        "sums",
+        "+",
+        "When adding multi-digit numbers, align digits by place value and carry.",
+        "align digits by place value",
+        lambda a, b: a + b,
+    ),
+    Family(
+        "products",
+        "*",
+        "When multiplying, split one factor into tens and ones, then add the partial products.",
+        "add the partial products",
+        lambda a, b: a * b,
+    ),
+    Family(
+        "differences",
+        "-",
+        "When subtracting, borrow from the next column whenever the top digit is smaller.",
+        "borrow from the next column",
+        lambda a, b: a - b,
+    ),
+    Family(
+        "remainders",
+        "%",
+        "For a remainder, subtract the largest multiple of the divisor not exceeding the dividend.",
+        "largest multiple of the divisor",
+        lambda a, b: a % b,
+    ),
 )
 FAMILY_BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
@@ -72,6 +91,7 @@ _LIBRARY_LINE_RE = re.compile(r"^\[([^\]]+)\]\.\s*(.*)$")
 
 
 # problems -------------------------------------------------------------------------------------------------
+
 
 def problem_text(family: Family, a: int, b: int) -> str:
     return f"({family.name}) Compute {a} {family.symbol} {b}."
@@ -95,8 +115,13 @@ def make_problems(n_per_family: int, seed: int = 0) -> list[dict]:
     for i in range(n_per_family):
         for family in FAMILIES:
             a, b = _operands(family, rng)
-            problems.append({"id": f"{family.name}-{i:03d}", "problem": problem_text(family, a, b),
-                             "answer": str(family.compute(a, b))})
+            problems.append(
+                {
+                    "id": f"{family.name}-{i:03d}",
+                    "problem": problem_text(family, a, b),
+                    "answer": str(family.compute(a, b)),
+                }
+            )
     return problems
 
 
@@ -120,6 +145,7 @@ def normalize(text: str) -> str:
 
 # the world ------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class WorldStats:
     by_role: Counter = field(default_factory=Counter)
@@ -137,7 +163,7 @@ class WorldStats:
 
 
 def _agent_protocol(request: ChatRequest) -> str | None:
-    """"tools" (the request lists tools), "text" (the system message shows the fenced python form), or None."""
+    """ "tools" (the request lists tools), "text" (the system message shows the fenced python form), or None."""
     if request.tools:
         return "tools"
     system = next((m["content"] for m in request.messages if m.get("role") == "system"), "")
@@ -161,9 +187,12 @@ def _user_messages(request: ChatRequest) -> list[str]:
 _MARKER = r"(?:ignore\s+(?:all\s+|any\s+)?(?:the\s+|your\s+)?(?:previous|prior|above)\s+instructions|system\s*:)"
 _LESSON_INJECTION_RE = re.compile(
     _MARKER + r"[^\n]*?\badd\s+(?:the\s+|this\s+|a\s+)?lesson\b:?\s*[\"'\u201c\u2018]?"
-    r"(?P<value>[^\"'\u201d\u2019\n]+?[.!])", re.IGNORECASE)
+    r"(?P<value>[^\"'\u201d\u2019\n]+?[.!])",
+    re.IGNORECASE,
+)
 _ANSWER_INJECTION_RE = re.compile(
-    r"(?:\bignore\b[^\n.]*?|\bsystem\s*:\s*|\balways\s+)answer\s+(?:with\s+)?(?P<value>-?\d+)", re.IGNORECASE)
+    r"(?:\bignore\b[^\n.]*?|\bsystem\s*:\s*|\balways\s+)answer\s+(?:with\s+)?(?P<value>-?\d+)", re.IGNORECASE
+)
 _DECLARATION_RE = re.compile(r"\b(?:not|never)\s+(?:an?\s+)?instructions?\b", re.IGNORECASE)
 _TAG_NAME_RE = re.compile(r"<([A-Za-z_][\w-]*)>")
 
@@ -220,9 +249,11 @@ def injections(messages: list[dict]) -> list[Injection]:
 
         lessons = list(_LESSON_INJECTION_RE.finditer(text))
         found += [Injection("lesson", m.group("value").strip(), index, m.start(), inside(m.start())) for m in lessons]
-        found += [Injection("answer", m.group("value"), index, m.start(), inside(m.start()))
-                  for m in _ANSWER_INJECTION_RE.finditer(text)
-                  if not any(lesson.start() <= m.start() < lesson.end() for lesson in lessons)]
+        found += [
+            Injection("answer", m.group("value"), index, m.start(), inside(m.start()))
+            for m in _ANSWER_INJECTION_RE.finditer(text)
+            if not any(lesson.start() <= m.start() < lesson.end() for lesson in lessons)
+        ]
     return found
 
 
@@ -239,8 +270,16 @@ class ScriptedWorld:
 
     models = ("scripted",)  # the model name it serves (GET /models of the fake server lists it)
 
-    def __init__(self, seed: int = 0, p_base: float = 0.2, p_lesson: float = 0.9, p_malformed: float = 0.2,
-                 p_garbage: float = 0.1, compliant: bool = False, p_misleading: float = 0.0) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        p_base: float = 0.2,
+        p_lesson: float = 0.9,
+        p_malformed: float = 0.2,
+        p_garbage: float = 0.1,
+        compliant: bool = False,
+        p_misleading: float = 0.0,
+    ) -> None:
         self.seed = seed
         self.p_misleading = p_misleading  # contrast asks: the share answered with ``MISLEADING_LESSON``
         self.compliant = compliant  # obey planted instructions found outside declared data blocks
@@ -372,8 +411,9 @@ class ScriptedWorld:
     def _extract(self, request: ChatRequest, rng: random.Random) -> str:
         users = _user_messages(request)
         operations = self._extract_operations(users[0])
-        operations += [{"op": "add", "text": as_lesson(text), "why": "As instructed."}
-                       for text in self._obeyed(request, "lesson")]
+        operations += [
+            {"op": "add", "text": as_lesson(text), "why": "As instructed."} for text in self._obeyed(request, "lesson")
+        ]
         if users[-1].startswith(REPAIR_PREFIX) and len(users) > 1:
             with self._lock:
                 self.stats.extract_repairs += 1
@@ -399,8 +439,9 @@ class ScriptedWorld:
             return json.dumps({"difference": "I cannot tell.", "lesson": ""})
         family = found[0]
         lesson = MISLEADING_LESSON if rng.random() < self.p_misleading else family.lesson
-        return json.dumps({"difference": f"The correct attempt worked the {family.name} step carefully.",
-                           "lesson": lesson})
+        return json.dumps(
+            {"difference": f"The correct attempt worked the {family.name} step carefully.", "lesson": lesson}
+        )
 
     @staticmethod
     def _extract_operations(user: str) -> list[dict]:
@@ -413,8 +454,13 @@ class ScriptedWorld:
         mixed = not grades or len(grades) > 1
         if not mixed or family.key.casefold() in library.casefold():
             return []
-        return [{"op": "add", "text": family.lesson,
-                 "why": f"The better attempts at {family.name} problems followed this; the others did not."}]
+        return [
+            {
+                "op": "add",
+                "text": family.lesson,
+                "why": f"The better attempts at {family.name} problems followed this; the others did not.",
+            }
+        ]
 
     # library consolidator ----------------------------------------------------------------------------------
     def _consolidate(self, request: ChatRequest, rng: random.Random) -> str:
@@ -422,16 +468,20 @@ class ScriptedWorld:
         head, _, proposals_block = user.partition("Proposals:")
         library = {normalize(m.group(2)) for line in head.splitlines() if (m := _LIBRARY_LINE_RE.match(line.strip()))}
         operations = consolidate_proposals(_parse_proposals(proposals_block), library)
-        operations += [{"op": "add", "text": as_lesson(text), "sources": []}
-                       for text in self._obeyed(request, "lesson")]
+        operations += [
+            {"op": "add", "text": as_lesson(text), "sources": []} for text in self._obeyed(request, "lesson")
+        ]
         return json.dumps({"operations": operations})
 
 
 def _citation(user: str, attempt: str) -> str:
     """Which listed experience the attempt used (by id), as the summarize prompt asks: the lesson of the
     problem's family when the attempt says it followed one, else none of them."""
-    listed = {m.group(1): m.group(2) for line in user.split("<attempt", 1)[0].splitlines()
-              if (m := _LIBRARY_LINE_RE.match(line.strip()))}
+    listed = {
+        m.group(1): m.group(2)
+        for line in user.split("<attempt", 1)[0].splitlines()
+        if (m := _LIBRARY_LINE_RE.match(line.strip()))
+    }
     found = find_problem(user)
     if not listed or found is None:
         return ""
@@ -476,13 +526,13 @@ def consolidate_proposals(proposals: list[dict], library_texts: set[str]) -> lis
             target = str(item["ids"][0])
             if target not in modified:
                 modified.add(target)
-                operations.append({"op": "modify", "ids": [str(i) for i in item["ids"]], "text": text,
-                                   "sources": _groups(item)})
+                operations.append(
+                    {"op": "modify", "ids": [str(i) for i in item["ids"]], "text": text, "sources": _groups(item)}
+                )
     return operations
 
 
 def _malformed_json(operations: list[dict]) -> str:
     """JSON in a fence with a // comment and trailing commas: fine for a tolerant parser, not for json.loads."""
     items = "".join(f"    {json.dumps(op)},\n" for op in operations)
-    return ("Here is my proposal.\n```json\n{\n  // operations on the library\n"
-            f'  "operations": [\n{items}  ],\n}}\n```')
+    return f'Here is my proposal.\n```json\n{{\n  // operations on the library\n  "operations": [\n{items}  ],\n}}\n```'

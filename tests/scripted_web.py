@@ -20,7 +20,9 @@ from collections import Counter
 
 from clgrpo.testing.fake_openai import ChatRequest, Reply, role_of
 
-WEB_LESSON = "When a question names a place, open the start page and follow its links hop by hop to the page stating the fact."
+WEB_LESSON = (
+    "When a question names a place, open the start page and follow its links hop by hop to the page stating the fact."
+)
 WEB_KEY = "follow its links hop by hop"
 QUESTION_RE = re.compile(r"(?:mayor of|flows through) ([A-Z][a-z]+)")
 START_RE = re.compile(r"Start page: (\S+)")
@@ -43,8 +45,12 @@ class ScriptedWebWorld:
             self.counts[role] += 1
         if role == "policy":
             return [self._agent(request, i) for i in range(request.n)]
-        handler = {"trajectory summarizer": self._summarize, "experience extractor": self._extract,
-                   "answer judge": self._judge, "library consolidator": self._consolidate}.get(role)
+        handler = {
+            "trajectory summarizer": self._summarize,
+            "experience extractor": self._extract,
+            "answer judge": self._judge,
+            "library consolidator": self._consolidate,
+        }.get(role)
         return [handler(request) if handler else json.dumps({"operations": []}) for _ in range(request.n)]
 
     # --- the browsing agent -----------------------------------------------------------------------------------
@@ -77,8 +83,11 @@ class ScriptedWebWorld:
         fact = re.search(r"It is (\d+) km long" if asks_river else r"was born in (\d{4})", page)
         if fact:
             return f"The page states it. Final answer: {fact.group(1)}"
-        wanted = (r"/rivers/" if asks_river else r"/mayors/") if f"Title: {town.group(1)}" in page else \
-            rf"/towns/{town.group(1).lower()}\.html"
+        wanted = (
+            (r"/rivers/" if asks_river else r"/mayors/")
+            if f"Title: {town.group(1)}" in page
+            else rf"/towns/{town.group(1).lower()}\.html"
+        )
         link = re.search(rf"-> (\S*{wanted}\S*)", page)
         if link is None or len(results) >= 4:
             return "I could not find it on the pages. Final answer: unknown"
@@ -124,5 +133,10 @@ class ScriptedWebWorld:
         mixed = len(grades) > 1 if grades else (walked and guessed)
         if not mixed or WEB_KEY in library:
             return json.dumps({"operations": []})
-        return json.dumps({"operations": [{"op": "add", "text": WEB_LESSON,
-                                           "why": "The attempts that walked the site found the fact."}]})
+        return json.dumps(
+            {
+                "operations": [
+                    {"op": "add", "text": WEB_LESSON, "why": "The attempts that walked the site found the fact."}
+                ]
+            }
+        )

@@ -28,15 +28,29 @@ def seed_first_step(cfg: RunConfig) -> list[Rollout]:
         for i in range(cfg.grpo.group_size):
             right = RIGHT[i % len(RIGHT)]
             text = f"So the answer is \\boxed{{{problem.answer}}}" if right else "maybe lesson system user"
-            rollouts.append(Rollout(problem_id=problem.problem_id, sample_idx=i, prompt_hash=prompt_hash,
-                                    library_version=0, finish_reason="stop",
-                                    turns=[Turn(kind="assistant", content=text)]))
-            rewards.append(Reward(problem_id=problem.problem_id, sample_idx=i, reward=1.0 if right else 0.0,
-                                  reward_source="ground_truth"))
+            rollouts.append(
+                Rollout(
+                    problem_id=problem.problem_id,
+                    sample_idx=i,
+                    prompt_hash=prompt_hash,
+                    library_version=0,
+                    finish_reason="stop",
+                    turns=[Turn(kind="assistant", content=text)],
+                )
+            )
+            rewards.append(
+                Reward(
+                    problem_id=problem.problem_id,
+                    sample_idx=i,
+                    reward=1.0 if right else 0.0,
+                    reward_source="ground_truth",
+                )
+            )
     advantages = compute_group_advantages(first, rollouts, rewards, use_groundtruth=True)
     with Store(cfg.db_path) as store:
         store.register_run(cfg)
         store.write_stage(cfg.run_id, 1, "rollout", {"rollouts": rollouts, "llm_calls": []})
-        store.write_stage(cfg.run_id, 1, "verify", {"rewards": rewards, "group_advantages": advantages,
-                                                    "llm_calls": []})
+        store.write_stage(
+            cfg.run_id, 1, "verify", {"rewards": rewards, "group_advantages": advantages, "llm_calls": []}
+        )
     return rollouts

@@ -22,8 +22,8 @@ from domains.math.prompts import rollout_messages
 from schemas.config import AgentConfig, ModelConfig
 from schemas.records import Problem
 from tasks.agent import (
-    LAST_TURN_NOTE,
     _NO_TOOL_CALLING,
+    LAST_TURN_NOTE,
     agent_messages,
     agent_rollout,
     parse_text_action,
@@ -43,22 +43,41 @@ async def fake_python(arguments: dict[str, Any], context: ToolContext) -> ToolOu
     return ToolOutput(str({"+": a + b, "-": a - b, "*": a * b, "%": a % b}[op]))
 
 
-PYTHON = Tool("python", "Run Python.", {"type": "object", "properties": {"code": {"type": "string"}},
-                                        "required": ["code"]}, fake_python, text_argument="code")
+PYTHON = Tool(
+    "python",
+    "Run Python.",
+    {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    fake_python,
+    text_argument="code",
+)
 
 
 def client(server: FakeOpenAIServer, **model: Any) -> LLMClient:
-    cfg = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                      retry_base_delay_s=0.01, retry_max_delay_s=0.02, timeout_s=10, **model)
+    cfg = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.02,
+        timeout_s=10,
+        **model,
+    )
     return LLMClient(cfg, concurrency=8)
 
 
 async def run_agent(server: FakeOpenAIServer, agent: AgentConfig, tools: list[Tool] = (PYTHON,), **model: Any):
     llm = client(server, **model)
     try:
-        return await agent_rollout(rollout_messages(PROBLEM, ""), list(tools), llm, agent,
-                                   base=dict(problem_id=PROBLEM.problem_id, prompt_hash="h", library_version=0,
-                                             sample_idx=0), temperature=0.7, seed=1)
+        return await agent_rollout(
+            rollout_messages(PROBLEM, ""),
+            list(tools),
+            llm,
+            agent,
+            base=dict(problem_id=PROBLEM.problem_id, prompt_hash="h", library_version=0, sample_idx=0),
+            temperature=0.7,
+            seed=1,
+        )
     finally:
         await llm.aclose()
 
@@ -137,9 +156,11 @@ async def test_tool_calling_sends_tools_and_tool_messages():
 
 
 async def test_tool_errors_are_shown_and_the_rollout_goes_on():
-    script = [Reply("Computing.", (("nope", {}),)),  # an unknown tool
-              Reply("Again.", (("python", {"code": "print(47 * 23"}),)),  # a syntax error
-              Reply("Fixing it.", (("python", {"code": "print(47 * 23)"}),))]
+    script = [
+        Reply("Computing.", (("nope", {}),)),  # an unknown tool
+        Reply("Again.", (("python", {"code": "print(47 * 23"}),)),  # a syntax error
+        Reply("Fixing it.", (("python", {"code": "print(47 * 23)"}),)),
+    ]
 
     def responder(request: ChatRequest):
         results = [m for m in request.messages if m["role"] == "tool"]
@@ -162,8 +183,11 @@ async def test_the_last_turn_must_answer():
 
     def responder(request: ChatRequest):  # a model that never stops calling tools
         requests.append(request)
-        return [Reply("More.", (("python", {"code": "print(1 + 1)"}),))] if request.raw.get("tool_choice") != "none" \
+        return (
+            [Reply("More.", (("python", {"code": "print(1 + 1)"}),))]
+            if request.raw.get("tool_choice") != "none"
             else ["Out of turns: \\boxed{2}."]
+        )
 
     with FakeOpenAIServer(responder) as server:
         outcome = await run_agent(server, AgentConfig(protocol="tools", max_turns=3))
@@ -191,8 +215,9 @@ def test_a_tool_call_written_as_text_is_recognised():
     assert tool_call_in_text('{"name": "python", "arguments": {"code": "print(1)"}}', names)
     assert tool_call_in_text('I will compute.\n```json\n{"name": "python", "parameters": {"code": "x"}}\n```', names)
     assert tool_call_in_text('<tool_call>\n{"function": {"name": "python", "arguments": "{}"}}\n</tool_call>', names)
-    assert tool_call_in_text('{"tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {}}}]}',
-                             names)
+    assert tool_call_in_text(
+        '{"tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {}}}]}', names
+    )
     assert not tool_call_in_text('{"name": "search", "arguments": {}}', names)  # not one of the tools
     assert not tool_call_in_text('The set {1, 2} has \\boxed{2} elements; {"name": "python"} alone is no call.', names)
 
@@ -258,8 +283,9 @@ async def test_resources_are_closed_when_the_rollout_ends():
 
     tool = Tool("python", "Run Python.", PYTHON.parameters, counting, text_argument="code")
     with FakeOpenAIServer(always_tool_world()) as server:
-        outcomes = await asyncio.gather(*[run_agent(server, AgentConfig(protocol="tools"), tools=[tool])
-                                          for _ in range(3)])
+        outcomes = await asyncio.gather(
+            *[run_agent(server, AgentConfig(protocol="tools"), tools=[tool]) for _ in range(3)]
+        )
     assert all(o.rollout.error is None for o in outcomes)
     assert events.count("open") == events.count("close") == 3
 
@@ -277,8 +303,15 @@ async def test_the_learner_sees_tool_calls_and_results():
     attempt = Attempt(0, text, 1.0, tools=trace)
     summarize = prompts.summarize(PROBLEM, attempt, "", True)
     assert "tool use" in summarize[0]["content"].lower() and "[python call]" in summarize[1]["content"]
-    extract = prompts.extract(PROBLEM, [Attempt(0, "It computed with Python.", 1.0, tools=trace)], "",
-                              use_groundtruth=True, max_ops=2, min_words=5, max_words=30)
+    extract = prompts.extract(
+        PROBLEM,
+        [Attempt(0, "It computed with Python.", 1.0, tools=trace)],
+        "",
+        use_groundtruth=True,
+        max_ops=2,
+        min_words=5,
+        max_words=30,
+    )
     assert "Tool calls:\n- python: print(47 * 23)" in extract[1]["content"]
     direct = prompts.summarize(PROBLEM, Attempt(0, "The answer is 3.", 0.0), "", True)
     assert "tool use" not in direct[0]["content"].lower()  # direct attempts: the prompt is unchanged
@@ -287,11 +320,12 @@ async def test_the_learner_sees_tool_calls_and_results():
 def test_long_tool_parts_are_cut_for_the_learner():
     from schemas.records import Turn
 
-    turns = [Turn(kind="assistant", content="Go.", turn=0),
-             Turn(kind="tool_call", content=json.dumps({"code": "print('x' * 10**6)"}), tool_name="python",
-                  call_id="c"),
-             Turn(kind="tool_result", content="x" * 20_000, tool_name="python", call_id="c", truncated=True),
-             Turn(kind="assistant", content="\\boxed{1}", turn=1)]
+    turns = [
+        Turn(kind="assistant", content="Go.", turn=0),
+        Turn(kind="tool_call", content=json.dumps({"code": "print('x' * 10**6)"}), tool_name="python", call_id="c"),
+        Turn(kind="tool_result", content="x" * 20_000, tool_name="python", call_id="c", truncated=True),
+        Turn(kind="assistant", content="\\boxed{1}", turn=1),
+    ]
     text = trajectory_text(turns)
     assert len(text) < 1000 and "characters cut" in text and "(output cut)" in text and text.endswith("\\boxed{1}")
 
@@ -318,10 +352,15 @@ async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
     with FakeOpenAIServer(responder) as server:
         llm = client(server)
         try:
-            outcome = await agent_rollout(domain.rollout_messages(PROBLEM, ""), domain.tools(), llm,
-                                          AgentConfig(protocol="text"),
-                                          base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0),
-                                          temperature=0.0, seed=None)
+            outcome = await agent_rollout(
+                domain.rollout_messages(PROBLEM, ""),
+                domain.tools(),
+                llm,
+                AgentConfig(protocol="text"),
+                base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0),
+                temperature=0.0,
+                seed=None,
+            )
         finally:
             await llm.aclose()
     assert outcome.rollout.final_text == "So \\boxed{299792458 m/s}."
@@ -347,8 +386,9 @@ async def test_the_samples_of_a_group_get_their_own_seeds():
     with FakeOpenAIServer(responder) as server:
         llm = client(server, seed=100)
         try:
-            batch = await rollout_problem(PROBLEM, ExperienceLibrary(), get_domain("math"), llm, 4, 0.7,
-                                          agent=AgentConfig(protocol="tools"))
+            batch = await rollout_problem(
+                PROBLEM, ExperienceLibrary(), get_domain("math"), llm, 4, 0.7, agent=AgentConfig(protocol="tools")
+            )
         finally:
             await llm.aclose()
     assert sorted(seeds) == [100, 101, 102, 103] and len(batch.rollouts) == 4

@@ -9,7 +9,7 @@ import pytest
 
 from clgrpo.sandbox import isolation_problem
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import ChatRequest, Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
 from flows.evaluate import evaluate
 from flows.train import train
 from schemas.config import (
@@ -28,23 +28,47 @@ from schemas.config import (
 from tasks.integrity import StageFailedError
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
-pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness"),
-              pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))]
+pytestmark = [
+    pytest.mark.flow,
+    pytest.mark.usefixtures("prefect_harness"),
+    pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem())),
+]
 
 SANDBOX = SandboxConfig(pool_size=4, spares=1, cpu_s=5, wall_s=20)
 
 
-def agent_config(server: FakeOpenAIServer, tmp_path, run_id: str, *, protocol: str = "auto", epochs: int = 2,
-                 max_retries: int = 6, rollout_tolerance: float = 0.1) -> RunConfig:
+def agent_config(
+    server: FakeOpenAIServer,
+    tmp_path,
+    run_id: str,
+    *,
+    protocol: str = "auto",
+    epochs: int = 2,
+    max_retries: int = 6,
+    rollout_tolerance: float = 0.1,
+) -> RunConfig:
     dataset = write_jsonl(make_problems(n_per_family=3, seed=3), tmp_path / "train.jsonl")
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        max_retries=max_retries, retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        max_retries=max_retries,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
     return RunConfig(
-        run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path=str(dataset), seed=1),
-        policy=model, grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=12, rollout_chunk_size=4),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4), concurrency=8,
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
+        dataset=DatasetConfig(path=str(dataset), seed=1),
+        policy=model,
+        grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=12, rollout_chunk_size=4),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        concurrency=8,
         rollout=RolloutPlacement(mode="agent", agent=AgentConfig(protocol=protocol, max_turns=4, sandbox=SANDBOX)),
-        tolerance=ToleranceConfig(max_failed_fraction=StageTolerances(rollout=rollout_tolerance)))
+        tolerance=ToleranceConfig(max_failed_fraction=StageTolerances(rollout=rollout_tolerance)),
+    )
 
 
 class Recording(ScriptedWorld):
@@ -75,8 +99,10 @@ async def test_two_agent_steps_learn_a_library_from_tool_use(tmp_path):
         rollouts = store.records("rollouts", "agent", 2)
         calls = store.query("SELECT stage, turn, ok FROM llm_calls WHERE run_id = 'agent'")
         lessons = [e.text for e in store.load_library("agent")]
-        table = store.query("SELECT sum(tool_calls) AS calls, sum(tool_errors) AS errors, max(n_turns) AS turns "
-                            "FROM rollouts WHERE run_id = 'agent'")
+        table = store.query(
+            "SELECT sum(tool_calls) AS calls, sum(tool_errors) AS errors, max(n_turns) AS turns "
+            "FROM rollouts WHERE run_id = 'agent'"
+        )
     # the python tool really ran: a correct answer needs the sandbox's printed result to reach the model
     used = [r for r in rollouts if r.tool_calls]
     assert used and all(r.error is None for r in rollouts)
@@ -92,17 +118,21 @@ async def test_two_agent_steps_learn_a_library_from_tool_use(tmp_path):
     assert lessons
     # the learner was shown the tool calls and their results
     summaries = [r for r in world.requests if role_of(r) == "trajectory summarizer"]
-    assert any("[python call]" in r.messages[-1]["content"] and "[python result" in r.messages[-1]["content"]
-               for r in summaries)
+    assert any(
+        "[python call]" in r.messages[-1]["content"] and "[python result" in r.messages[-1]["content"]
+        for r in summaries
+    )
     extracts = [r for r in world.requests if role_of(r) == "experience extractor"]
-    assert any("[python call]" in r.messages[-1]["content"] and "[python result" in r.messages[-1]["content"]
-               for r in extracts)  # the raw trajectory, tool calls and results inline
+    assert any(
+        "[python call]" in r.messages[-1]["content"] and "[python result" in r.messages[-1]["content"] for r in extracts
+    )  # the raw trajectory, tool calls and results inline
 
 
 async def test_agent_evaluation_with_the_text_protocol(tmp_path):
     world = Recording(seed=11)
-    heldout = write_jsonl([{**p, "id": "h-" + p["id"]} for p in make_problems(n_per_family=2, seed=9)],
-                          tmp_path / "heldout.jsonl")
+    heldout = write_jsonl(
+        [{**p, "id": "h-" + p["id"]} for p in make_problems(n_per_family=2, seed=9)], tmp_path / "heldout.jsonl"
+    )
     lessons = tmp_path / "lessons.txt"
     from tests.scripted_llm import FAMILIES
 
@@ -114,8 +144,10 @@ async def test_agent_evaluation_with_the_text_protocol(tmp_path):
     none, with_lessons = outcome.summaries
     assert with_lessons.mean_at_k > none.mean_at_k
     with Store(cfg.db_path, read_only=True) as store:
-        results = store.query(f"SELECT condition, sum(tool_calls) AS calls FROM eval_results "
-                              f"WHERE run_id = '{outcome.eval_id}' GROUP BY condition")
+        results = store.query(
+            f"SELECT condition, sum(tool_calls) AS calls FROM eval_results "
+            f"WHERE run_id = '{outcome.eval_id}' GROUP BY condition"
+        )
     calls = dict(zip(results.condition, results.calls))
     assert calls["lessons.txt"] > calls["none"] >= 0
     policy = [r for r in world.requests if role_of(r) == "policy"]
@@ -126,6 +158,7 @@ async def test_agent_evaluation_with_the_text_protocol(tmp_path):
 async def test_a_rerun_after_a_failed_rollout_stage_does_not_redo_finished_agent_rollouts(tmp_path):
     world = Recording(seed=3, p_base=1.0, p_lesson=1.0)  # every rollout calls the tool
     with FakeOpenAIServer(world) as server:
+
         def after_the_tool(request: ChatRequest) -> bool:  # "products" rollouts die after running their code
             text = json.dumps(request.messages)
             return role_of(request) == "policy" and "(products)" in text and len(request.messages) > 2

@@ -74,16 +74,31 @@ def kill_all(procs: list[psutil.Process]) -> None:
 
 
 # --- the launcher, without Prefect (seconds) --------------------------------------------------------------
-ASGI_APP = '''
+ASGI_APP = """
 async def app(scope, receive, send):
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": b"ok"})
-'''
+"""
 
 
 def launcher_args(app_dir: Path, port: int, parent_pid: int | str) -> list[str]:
-    return [sys.executable, prefect_server.LAUNCHER, "--parent-pid", str(parent_pid), "--app-dir", str(app_dir),
-            "app:app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "off"]
+    return [
+        sys.executable,
+        prefect_server.LAUNCHER,
+        "--parent-pid",
+        str(parent_pid),
+        "--app-dir",
+        str(app_dir),
+        "app:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "off",
+    ]
 
 
 def serving(port: int) -> bool:
@@ -140,18 +155,33 @@ def test_the_launcher_keeps_uvicorns_exit_code_for_a_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        proc = subprocess.run(launcher_args(tmp_path, taken.getsockname()[1], os.getpid()), capture_output=True,
-                              timeout=60)
+        proc = subprocess.run(
+            launcher_args(tmp_path, taken.getsockname()[1], os.getpid()), capture_output=True, timeout=60
+        )
     assert proc.returncode == 3, proc.stderr.decode()[-2000:]
 
 
 def test_install_rewrites_only_prefects_server_command_and_is_idempotent():
     from prefect.server.api import server as prefect_api_server
 
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", "/x", "--factory",
-               "prefect.server.api.server:create_app", "--port", "8123"]
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        "/x",
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--port",
+        "8123",
+    ]
     assert prefect_server.launch_args(command, 42) == [
-        sys.executable, prefect_server.LAUNCHER, "--parent-pid", "42", *command[3:]]
+        sys.executable,
+        prefect_server.LAUNCHER,
+        "--parent-pid",
+        "42",
+        *command[3:],
+    ]
     assert prefect_server.launch_args([sys.executable, "-m", "uvicorn", "other:app"], 42) is None
     assert prefect_server.launch_args([sys.executable, "-c", "pass"], 42) is None
 
@@ -161,8 +191,9 @@ def test_install_rewrites_only_prefects_server_command_and_is_idempotent():
     module = prefect_api_server.subprocess
     assert module.TimeoutExpired is subprocess.TimeoutExpired and module.PIPE == subprocess.PIPE
     # outside _run_uvicorn_command the Popen Prefect's module sees is plain
-    proc = module.Popen([sys.executable, "-c", "import sys; print(sys.argv)", "-m", "uvicorn"],
-                        stdout=subprocess.PIPE, text=True)
+    proc = module.Popen(
+        [sys.executable, "-c", "import sys; print(sys.argv)", "-m", "uvicorn"], stdout=subprocess.PIPE, text=True
+    )
     assert proc.communicate(timeout=60)[0].strip() == "['-c', '-m', 'uvicorn']"
 
 
@@ -186,6 +217,7 @@ async def test_stale_runs_of_the_same_name_and_database_are_marked_crashed(tmp_p
     name = f"train-stale-{os.getpid()}-{time.monotonic_ns()}"
     params = {"config": {"run_id": name, "db_path": str(db)}}
     async with get_client() as client:
+
         async def make(state, parameters=params, run_name=name):  # noqa: ANN001, ANN202
             return await client.create_flow_run(probe, name=run_name, parameters=parameters, state=state)
 
@@ -222,7 +254,7 @@ async def test_stale_run_marking_never_raises():
 
 
 # --- end to end: SIGKILL `clgrpo train`, then resume it ---------------------------------------------------
-FLOW_RUNS_SCRIPT = '''
+FLOW_RUNS_SCRIPT = """
 import asyncio, json, sys
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -234,15 +266,20 @@ async def main():
                        "created": r.created.isoformat()} for r in runs]))
 
 asyncio.run(main())
-'''
+"""
 
 
 def isolated_prefect_env(tmp_path: Path) -> dict[str, str]:
     """Its own Prefect home (database) and no API URL: every process starts its own temporary server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               DO_NOT_TRACK="1", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
-               PREFECT_LOGGING_LEVEL="WARNING", CLGRPO_STATE_DIR=str(tmp_path / "state"))
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        CLGRPO_STATE_DIR=str(tmp_path / "state"),
+    )
     return env
 
 
@@ -264,10 +301,18 @@ def test_a_sigkilled_train_leaves_no_server_and_its_rerun_marks_the_flow_run_cra
     servers: list[psutil.Process] = []
     with FakeOpenAIServer(ScriptedWorld(seed=2), latency=latency) as llm:
         config = tmp_path / "run.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_id": run_id, "dataset": {"path": str(dataset)}, "db_path": str(db),
-            "policy": {"model": "scripted", "base_url": llm.base_url, "api_key_env": None},
-            "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8}, "concurrency": 8}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_id": run_id,
+                    "dataset": {"path": str(dataset)},
+                    "db_path": str(db),
+                    "policy": {"model": "scripted", "base_url": llm.base_url, "api_key_env": None},
+                    "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
+                    "concurrency": 8,
+                }
+            )
+        )
         argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config)]
         try:
             with open(tmp_path / "first.out", "w") as out:
@@ -283,22 +328,30 @@ def test_a_sigkilled_train_leaves_no_server_and_its_rerun_marks_the_flow_run_cra
             first.send_signal(signal.SIGKILL)
             assert first.wait(timeout=10) == -signal.SIGKILL
             took = wait_gone(servers[0], ORPHAN_LIMIT_S)
-            assert took is not None, (f"Prefect's server (pid {servers[0].pid}) outlived the SIGKILLed CLI by "
-                                      f"{ORPHAN_LIMIT_S:.0f} s")
+            assert took is not None, (
+                f"Prefect's server (pid {servers[0].pid}) outlived the SIGKILLed CLI by {ORPHAN_LIMIT_S:.0f} s"
+            )
             print(f"the orphaned server exited {took:.2f} s after the SIGKILL")
 
             slow.clear()
             with open(tmp_path / "second.out", "w") as out:
-                second = subprocess.run([*argv, "--run-id", run_id], env=env, cwd=ROOT, stdout=out,
-                                        stderr=subprocess.STDOUT, timeout=400)
+                second = subprocess.run(
+                    [*argv, "--run-id", run_id], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=400
+                )
             output = (tmp_path / "second.out").read_text()
             assert second.returncode == 0, output[-4000:]
             assert f"run {run_id}: 2 steps" in output
         finally:
             kill_all(servers)
 
-    listed = subprocess.run([sys.executable, "-c", FLOW_RUNS_SCRIPT, f"train-{run_id}"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(
+        [sys.executable, "-c", FLOW_RUNS_SCRIPT, f"train-{run_id}"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert listed.returncode == 0, listed.stderr[-4000:]
     runs = sorted(json.loads(listed.stdout.strip().splitlines()[-1]), key=lambda r: r["created"])
     assert len(runs) == 2, runs

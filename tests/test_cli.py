@@ -7,7 +7,7 @@ import yaml
 
 from clgrpo.cli import main
 from clgrpo.config import ConfigError, load_config
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 
@@ -43,10 +43,17 @@ def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
     db = tmp_path / "cli.duckdb"
     with FakeOpenAIServer(ScriptedWorld(seed=2)) as server:
         config = tmp_path / "run.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_id": "cli-run", "dataset": {"path": str(dataset)},
-            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
-            "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8}, "concurrency": 8}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_id": "cli-run",
+                    "dataset": {"path": str(dataset)},
+                    "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+                    "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
+                    "concurrency": 8,
+                }
+            )
+        )
         assert main(["train", "--config", str(config), "--db", str(db), "--set", "learning.max_words=40"]) == 0
     out = capsys.readouterr().out
     assert "run cli-run: 2 steps" in out and "DuckDB:" in out
@@ -94,10 +101,16 @@ def test_a_failed_first_step_can_be_rerun_with_a_fixed_config_and_an_id_is_gener
     config = tmp_path / "mine.yaml"
     with FakeOpenAIServer(ScriptedWorld(seed=4)) as server:
         server.inject(Fault(kind="status", status=400, times=1_000_000, match=lambda r: role_of(r) == "policy"))
-        config.write_text(yaml.safe_dump({
-            "dataset": {"path": str(dataset)}, "db_path": str(db),
-            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
-            "grpo": {"group_size": 2, "epochs": 1, "batch_size": 4}}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "dataset": {"path": str(dataset)},
+                    "db_path": str(db),
+                    "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+                    "grpo": {"group_size": 2, "epochs": 1, "batch_size": 4},
+                }
+            )
+        )
         assert main(["train", "--config", str(config)]) == 1
     captured = capsys.readouterr()
     run_id = re.search(r"^run (mine-\d{8}-\d{6}) \(resume it with --run-id", captured.out, re.MULTILINE).group(1)
@@ -111,8 +124,10 @@ def test_a_failed_first_step_can_be_rerun_with_a_fixed_config_and_an_id_is_gener
     assert re.search(rf"{run_id}\s+failed\s+0", listed) and "all 4 policy calls failed" in listed
 
     with FakeOpenAIServer(ScriptedWorld(seed=4)) as fixed:  # another endpoint: a changed config, same run id
-        assert main(["train", "--config", str(config), "--run-id", run_id,
-                     "--set", f"policy.base_url={fixed.base_url}"]) == 0
+        assert (
+            main(["train", "--config", str(config), "--run-id", run_id, "--set", f"policy.base_url={fixed.base_url}"])
+            == 0
+        )
     out = capsys.readouterr().out
     assert f"run {run_id}: 1 steps" in out and f"next: clgrpo report {run_id}" in out
 
@@ -127,10 +142,17 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
 
     db = tmp_path / "runs.duckdb"
     with Store(db) as store:
-        store.save_library("big", ExperienceLibrary.from_mapping(
-            {f"E{i}": f"Lesson number {i} says to check the work twice before answering." for i in range(3000)}))
-    show = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "library", "show", "big", "--db", str(db)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        store.save_library(
+            "big",
+            ExperienceLibrary.from_mapping(
+                {f"E{i}": f"Lesson number {i} says to check the work twice before answering." for i in range(3000)}
+            ),
+        )
+    show = subprocess.Popen(
+        [sys.executable, "-m", "clgrpo.cli", "library", "show", "big", "--db", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     first = show.stdout.readline()
     show.stdout.close()  # the reader goes away while the command still writes
     _, err = show.communicate(timeout=60)

@@ -31,8 +31,9 @@ def good_dataset(tmp_path: Path) -> Path:
 def write_config(tmp_path: Path, dataset: Path, **policy: object) -> Path:
     path = tmp_path / "run.yaml"
     policy = {"model": "scripted", "base_url": "http://127.0.0.1:9/v1", "api_key_env": None, **policy}
-    path.write_text(yaml.safe_dump({"dataset": {"path": str(dataset)}, "db_path": str(tmp_path / "r.duckdb"),
-                                    "policy": policy}))
+    path.write_text(
+        yaml.safe_dump({"dataset": {"path": str(dataset)}, "db_path": str(tmp_path / "r.duckdb"), "policy": policy})
+    )
     return path
 
 
@@ -80,13 +81,17 @@ def silent_server() -> Iterator[int]:
     listener.close()
 
 
-@pytest.mark.parametrize(("content", "expected"), [
-    (None, "dataset file not found"),
-    (b"", "contains no rows"),
-    (b"\xff\xfe not utf-8\n", "cannot read file"),
-    (json.dumps({"id": "p1", "problem": "1+1?"}).encode() + b"\n", "field 'answer': missing column"),
-    (b'{"id": "p1", "problem": "1+1?", "answer": "2"}\n{"id": "p2", "problem": ""', "row at line 2: invalid JSON"),
-], ids=["missing", "empty", "not-utf8", "no-answers", "bad-row"])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "dataset file not found"),
+        (b"", "contains no rows"),
+        (b"\xff\xfe not utf-8\n", "cannot read file"),
+        (json.dumps({"id": "p1", "problem": "1+1?"}).encode() + b"\n", "field 'answer': missing column"),
+        (b'{"id": "p1", "problem": "1+1?", "answer": "2"}\n{"id": "p2", "problem": ""', "row at line 2: invalid JSON"),
+    ],
+    ids=["missing", "empty", "not-utf8", "no-answers", "bad-row"],
+)
 def test_dataset_errors_name_the_file_and_row(tmp_path, capsys, content, expected):
     dataset = tmp_path / "data.jsonl"
     if content is not None:
@@ -109,8 +114,9 @@ def test_an_endpoint_that_never_answers_fails_within_the_limit(tmp_path, capsys,
 
 def test_a_missing_api_key_names_its_environment_variable(tmp_path, capsys, good_dataset, monkeypatch):
     monkeypatch.delenv("CLGRPO_TEST_API_KEY", raising=False)
-    config = write_config(tmp_path, good_dataset, base_url="https://api.example.com/v1",
-                          api_key_env="CLGRPO_TEST_API_KEY")
+    config = write_config(
+        tmp_path, good_dataset, base_url="https://api.example.com/v1", api_key_env="CLGRPO_TEST_API_KEY"
+    )
     line = one_error_line(capsys, ["train", "--config", str(config)])
     assert "set the environment variable CLGRPO_TEST_API_KEY" in line and "https://api.example.com/v1" in line
 
@@ -126,8 +132,7 @@ def test_a_learner_on_another_endpoint_is_checked_too(tmp_path, capsys, good_dat
     with FakeOpenAIServer(ScriptedWorld()) as server:
         config = write_config(tmp_path, good_dataset, base_url=server.base_url)
         tree = yaml.safe_load(config.read_text())
-        tree["learner"] = {"model": "scripted", "base_url": f"http://127.0.0.1:{closed_port()}/v1",
-                           "api_key_env": None}
+        tree["learner"] = {"model": "scripted", "base_url": f"http://127.0.0.1:{closed_port()}/v1", "api_key_env": None}
         config.write_text(yaml.safe_dump(tree))
         line = one_error_line(capsys, ["train", "--config", str(config)])
     assert line.startswith("error: learner model 'scripted': cannot reach")
@@ -135,15 +140,23 @@ def test_a_learner_on_another_endpoint_is_checked_too(tmp_path, capsys, good_dat
 
 def test_eval_and_refresh_preflight(tmp_path, capsys, good_dataset):
     config = write_config(tmp_path, good_dataset, base_url=f"http://127.0.0.1:{closed_port()}/v1")
-    line = one_error_line(capsys, ["eval", "--library", "none", "--dataset", str(tmp_path / "nope.jsonl"),
-                                   "--config", str(config)])
+    line = one_error_line(
+        capsys, ["eval", "--library", "none", "--dataset", str(tmp_path / "nope.jsonl"), "--config", str(config)]
+    )
     assert "--dataset: dataset file not found" in line
-    assert "cannot reach" in one_error_line(capsys, ["eval", "--library", "none", "--dataset", str(good_dataset),
-                                                     "--config", str(config)])
+    assert "cannot reach" in one_error_line(
+        capsys, ["eval", "--library", "none", "--dataset", str(good_dataset), "--config", str(config)]
+    )
     refresh = tmp_path / "refresh.yaml"
-    refresh.write_text(yaml.safe_dump({"source": {"path": str(tmp_path / "incoming")},
-                                       "training": {"db_path": str(tmp_path / "r.duckdb")},
-                                       "evaluation": {"dataset": {"path": str(good_dataset)}}}))
+    refresh.write_text(
+        yaml.safe_dump(
+            {
+                "source": {"path": str(tmp_path / "incoming")},
+                "training": {"db_path": str(tmp_path / "r.duckdb")},
+                "evaluation": {"dataset": {"path": str(good_dataset)}},
+            }
+        )
+    )
     line = one_error_line(capsys, ["refresh", "run", "--config", str(refresh)])
     assert "source.path" in line and "no such directory" in line
 
@@ -151,11 +164,15 @@ def test_eval_and_refresh_preflight(tmp_path, capsys, good_dataset):
 def test_the_terminal_of_a_real_process_shows_one_line(tmp_path, good_dataset):
     """The installed entry point, as a user runs it: no traceback, one line, a non-zero exit."""
     config = write_config(tmp_path, tmp_path / "missing.jsonl")
-    proc = subprocess.run([sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        f"error: dataset: dataset file not found: {tmp_path / 'missing.jsonl'}"]
+    assert proc.stderr.strip().splitlines() == [f"error: dataset: dataset file not found: {tmp_path / 'missing.jsonl'}"]
 
 
 def test_hybrid_learning_refuses_an_api_policy_and_an_adapter_of_another_base(capsys, tmp_path, good_dataset):
@@ -163,8 +180,10 @@ def test_hybrid_learning_refuses_an_api_policy_and_an_adapter_of_another_base(ca
     with_hybrid = yaml.safe_load(config.read_text()) | {"hybrid": {"enabled": True}}
     config.write_text(yaml.safe_dump(with_hybrid))
     line = one_error_line(capsys, ["train", "--config", str(config)])
-    assert line.startswith("error: hybrid.enabled: the numeric step needs a local transformers model as the "
-                           "policy") and "policy 'scripted' is backend openai at http://127.0.0.1:9/v1" in line
+    assert (
+        line.startswith("error: hybrid.enabled: the numeric step needs a local transformers model as the policy")
+        and "policy 'scripted' is backend openai at http://127.0.0.1:9/v1" in line
+    )
 
     from tests.tiny_model import build_tiny_model
 
@@ -172,12 +191,15 @@ def test_hybrid_learning_refuses_an_api_policy_and_an_adapter_of_another_base(ca
     capsys.readouterr()  # the model build's own progress bar
     adapter = tmp_path / "adapter_step3"
     adapter.mkdir()
-    for name, text in (("adapter_model.safetensors", ""), ("adapter_config.json", "{}"),
-                       ("clgrpo_adapter.json", json.dumps({"base_model": "SmolLM2-135M-Instruct@0123abcd"}))):
+    for name, text in (
+        ("adapter_model.safetensors", ""),
+        ("adapter_config.json", "{}"),
+        ("clgrpo_adapter.json", json.dumps({"base_model": "SmolLM2-135M-Instruct@0123abcd"})),
+    ):
         (adapter / name).write_text(text)
-    local = write_config(tmp_path, good_dataset, backend="transformers", model_path=str(model),
-                         adapter=str(adapter))
-    line = one_error_line(capsys, ["eval", "--library", "none", "--dataset", str(good_dataset),
-                                   "--config", str(local)])
-    assert line.startswith(f"error: policy.adapter: adapter {adapter} was trained on base model "
-                           f"SmolLM2-135M-Instruct@0123abcd, but the policy is tiny@"), line
+    local = write_config(tmp_path, good_dataset, backend="transformers", model_path=str(model), adapter=str(adapter))
+    line = one_error_line(capsys, ["eval", "--library", "none", "--dataset", str(good_dataset), "--config", str(local)])
+    assert line.startswith(
+        f"error: policy.adapter: adapter {adapter} was trained on base model "
+        f"SmolLM2-135M-Instruct@0123abcd, but the policy is tiny@"
+    ), line

@@ -24,9 +24,20 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
     """The demo's wiring with the in-process engine on a tiny random model: training (contrast candidates,
     lesson validation), then the held-out evaluation with its table, CI and verdict."""
     model = build_tiny_model(tmp_path / "tiny")
-    opts = DemoOptions(problems=3, heldout=3, k=2, group_size=2, out=tmp_path / "demo", run_id="demo-test",
-                       rollout_tokens=8, learner_tokens=8, engine="transformers", model_path=str(model),
-                       model_name="tiny", verbose=True)
+    opts = DemoOptions(
+        problems=3,
+        heldout=3,
+        k=2,
+        group_size=2,
+        out=tmp_path / "demo",
+        run_id="demo-test",
+        rollout_tokens=8,
+        learner_tokens=8,
+        engine="transformers",
+        model_path=str(model),
+        model_name="tiny",
+        verbose=True,
+    )
     result = run_demo(opts)
     assert [s.step for s in result.steps] == [1] and result.engine == "transformers"
     assert result.learner == "same"  # one in-process model: it writes its own lessons
@@ -35,8 +46,10 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
         calls = store.query("SELECT stage, model FROM llm_calls WHERE run_id='demo-test'")
         assert set(calls.stage) >= {"rollout"} and set(calls.model) == {"tiny"}
         assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='demo-test'")["n"][0] == 3 * 2
-        held = store.query("SELECT condition, count(*) AS n FROM eval_results WHERE run_id='demo-test-heldout' "
-                           "GROUP BY condition ORDER BY condition")
+        held = store.query(
+            "SELECT condition, count(*) AS n FROM eval_results WHERE run_id='demo-test-heldout' "
+            "GROUP BY condition ORDER BY condition"
+        )
         assert held["n"].tolist() == [6, 6]  # none and the learned library, 3 problems x k=2 each
         assert store.run_config("demo-test").policy.backend == "transformers"
         assert store.run_config("demo-test").learning.lesson_validation.enabled
@@ -46,20 +59,25 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
     text = summary(result)
     assert "held-out check: 3 problems never trained on, k=2" in text
     assert "no library" in text and "learned (" in text and "95% CI" in text and "verdict: " in text
-    assert result.comparison is not None and result.comparison.ci_low <= result.comparison.diff <= result.comparison.ci_high
+    assert (
+        result.comparison is not None
+        and result.comparison.ci_low <= result.comparison.diff <= result.comparison.ci_high
+    )
     assert "DuckDB:" in text and "library files:" in text
 
 
 def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
     data = {"train": str(tmp_path / "t.jsonl"), "heldout": str(tmp_path / "h.jsonl")}
-    cfg = demo_config(DemoOptions(out=tmp_path), data, "demo-x", "llama-server", "http://127.0.0.1:1/v1",
-                      "http://127.0.0.1:2/v1")
+    cfg = demo_config(
+        DemoOptions(out=tmp_path), data, "demo-x", "llama-server", "http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"
+    )
     assert cfg.policy.backend == cfg.learner.backend == "openai" and cfg.policy.base_url == "http://127.0.0.1:1/v1"
     # by default the 1.5B writes the lessons on its own server; "same": the policy learns for itself
     assert (cfg.learner.model, cfg.learner.base_url) == ("qwen2.5-coder-1.5b", "http://127.0.0.1:2/v1")
     assert cfg.policy.model == "qwen2.5-coder-0.5b"
-    same = demo_config(DemoOptions(out=tmp_path, learner="same"), data, "demo-s", "llama-server",
-                       "http://127.0.0.1:1/v1")
+    same = demo_config(
+        DemoOptions(out=tmp_path, learner="same"), data, "demo-s", "llama-server", "http://127.0.0.1:1/v1"
+    )
     assert (same.learner.model, same.learner.base_url) == ("qwen2.5-coder-0.5b", "http://127.0.0.1:1/v1")
     assert cfg.learning.extract == "contrast" and cfg.learning.lesson_validation.enabled
     assert cfg.learning.lesson_pattern is None  # no grammar shapes the lessons
@@ -74,9 +92,19 @@ def test_the_verdict_says_when_the_difference_is_noise():
     from schemas.records import EvalComparison
 
     def cmp(diff, low, high):
-        return EvalComparison(eval_id="e", baseline="none", candidate="r:1", metric="mean_at_k", baseline_value=0.3,
-                              candidate_value=0.3 + diff, diff=diff, ci_low=low, ci_high=high, ci_level=0.95,
-                              n_problems=20)
+        return EvalComparison(
+            eval_id="e",
+            baseline="none",
+            candidate="r:1",
+            metric="mean_at_k",
+            baseline_value=0.3,
+            candidate_value=0.3 + diff,
+            diff=diff,
+            ci_low=low,
+            ci_high=high,
+            ci_level=0.95,
+            n_problems=20,
+        )
 
     assert verdict(cmp(0.4, 0.2, 0.6)).startswith("the learned library helps on problems it never saw")
     assert verdict(cmp(0.05, -0.1, 0.2)).startswith("the difference is inside the noise")
@@ -95,8 +123,15 @@ def embedded_model():
 async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_model):
     from schemas.config import ModelConfig
 
-    cfg = ModelConfig(backend="transformers", model="SmolLM2-135M-Instruct", model_path="embedded",
-                      max_tokens=96, temperature=0.7, seed=0, timeout_s=600)
+    cfg = ModelConfig(
+        backend="transformers",
+        model="SmolLM2-135M-Instruct",
+        model_path="embedded",
+        max_tokens=96,
+        temperature=0.7,
+        seed=0,
+        timeout_s=600,
+    )
     client = LLMClient(cfg)
     problem = Problem(problem_id="p1", problem="What is 7 + 5?", answer="12", source="test")
     sampled = await client.sample(rollout_messages(problem, ""), 2, stage="rollout")
@@ -104,10 +139,12 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
     assert len(sampled.calls) == 1 and sampled.calls[0].tokens_out > 0
 
     prompts = LearnerPrompts("arithmetic")
-    messages = prompts.consolidate(json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "",
-                                   min_words=5, max_words=24)
-    reply = await client.complete_operations(messages, stage="consolidate", json_schema=OPERATIONS_SCHEMA,
-                                             repair=LearnerPrompts().repair)
+    messages = prompts.consolidate(
+        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "", min_words=5, max_words=24
+    )
+    reply = await client.complete_operations(
+        messages, stage="consolidate", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+    )
     # constrained decoding: the reply is valid operations JSON unless it ran out of tokens mid-string
     assert reply.parse_error is None or "unparseable" in reply.parse_error
     assert all(c.ok and c.tokens_out > 0 for c in reply.calls)

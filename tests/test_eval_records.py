@@ -16,17 +16,29 @@ CFG = EvalConfig(dataset=DatasetConfig(path="x.jsonl"), k=4, pass_k=2, bootstrap
 
 
 def samples(condition: str, rewards: dict[str, list[float]]) -> list[EvalSample]:
-    return [EvalSample(condition=condition, problem_id=pid, sample_idx=i, seed=100 + i, reward=r)
-            for pid, rs in rewards.items() for i, r in enumerate(rs)]
+    return [
+        EvalSample(condition=condition, problem_id=pid, sample_idx=i, seed=100 + i, reward=r)
+        for pid, rs in rewards.items()
+        for i, r in enumerate(rs)
+    ]
 
 
 def test_summary_and_paired_comparison_from_graded_samples():
     base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 0, 0]})
     better = samples("lib", {"a": [1, 1, 1, 0], "b": [1, 0, 0, 0], "c": [1, 1, 1, 1]})
     ids = ["a", "b", "c"]
-    summary = summarize_condition(base, ids, CFG, eval_id="e", condition="none", library_ref="none",
-                                  library=ExperienceLibrary(), dataset="x.jsonl", fingerprint="f",
-                                  leaked_ids=["b", "z"])
+    summary = summarize_condition(
+        base,
+        ids,
+        CFG,
+        eval_id="e",
+        condition="none",
+        library_ref="none",
+        library=ExperienceLibrary(),
+        dataset="x.jsonl",
+        fingerprint="f",
+        leaked_ids=["b", "z"],
+    )
     assert summary.mean_at_k == pytest.approx(3 / 12)
     assert summary.pass_at_k == pytest.approx((0.5 + 0 + 5 / 6) / 3)  # unbiased pass@2 from 4 samples
     assert summary.mean_ci_low <= summary.mean_at_k <= summary.mean_ci_high
@@ -39,12 +51,19 @@ def test_summary_and_paired_comparison_from_graded_samples():
 def test_comparisons_per_task_tag_reuse_the_overall_statistics(tmp_path):
     base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 0, 0], "d": [0, 1, 0, 0]})
     better = samples("lib", {"a": [1, 1, 1, 0], "b": [1, 0, 0, 0], "c": [0, 0, 0, 0], "d": [1, 1, 1, 1]})
-    problems = [Problem(problem_id=pid, problem=pid, tag=tag) for pid, tag in
-                (("a", "sums"), ("b", "sums"), ("c", "geometry"), ("d", None))]  # d: untagged, overall only
+    problems = [
+        Problem(problem_id=pid, problem=pid, tag=tag)
+        for pid, tag in (("a", "sums"), ("b", "sums"), ("c", "geometry"), ("d", None))
+    ]  # d: untagged, overall only
     comparisons = compare_by_tag(("none", base), ("lib", better), problems, CFG, eval_id="e")
     assert [(c.tag, c.metric, c.n_problems) for c in comparisons] == [
-        (None, "mean_at_k", 4), (None, "pass_at_k", 4), ("geometry", "mean_at_k", 1), ("geometry", "pass_at_k", 1),
-        ("sums", "mean_at_k", 2), ("sums", "pass_at_k", 2)]
+        (None, "mean_at_k", 4),
+        (None, "pass_at_k", 4),
+        ("geometry", "mean_at_k", 1),
+        ("geometry", "pass_at_k", 1),
+        ("sums", "mean_at_k", 2),
+        ("sums", "pass_at_k", 2),
+    ]
     assert comparisons[:2] == compare_conditions(("none", base), ("lib", better), list("abcd"), CFG, eval_id="e")
     sums = compare_conditions(("none", base), ("lib", better), ["a", "b"], CFG, eval_id="e", tag="sums")
     assert comparisons[4:] == sums and sums[0].diff == pytest.approx(4 / 8 - 1 / 8)
@@ -53,12 +72,24 @@ def test_comparisons_per_task_tag_reuse_the_overall_statistics(tmp_path):
     untagged = [p.model_copy(update={"tag": None}) for p in problems]
     assert compare_by_tag(("none", base), ("lib", better), untagged, CFG, eval_id="e") == comparisons[:2]
 
-    summary = summarize_condition(base, list("abcd"), CFG, eval_id="e", condition="none", library_ref="none",
-                                  library=ExperienceLibrary(), dataset="x", fingerprint="f")
+    summary = summarize_condition(
+        base,
+        list("abcd"),
+        CFG,
+        eval_id="e",
+        condition="none",
+        library_ref="none",
+        library=ExperienceLibrary(),
+        dataset="x",
+        fingerprint="f",
+    )
     headers, rows = comparison_table(comparisons, [summary])
     assert headers[:3] == ["candidate - baseline", "tag", "problems"]
-    assert [row[1:4] for row in rows[::2]] == [["all", "4", "Mean@4"], ["geometry", "1", "Mean@4"],
-                                               ["sums", "2", "Mean@4"]]
+    assert [row[1:4] for row in rows[::2]] == [
+        ["all", "4", "Mean@4"],
+        ["geometry", "1", "Mean@4"],
+        ["sums", "2", "Mean@4"],
+    ]
     assert "tag" not in comparison_table(comparisons[:2], [summary])[0]  # untagged: the table as before
 
     db = tmp_path / "db.duckdb"
@@ -107,8 +138,20 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
     base = samples("none", {"a": [1, 0, 0, 0], "b": [0, 1, 0, 0]})
     lib = samples("lib", {"a": [1, 1, 0, 0], "b": [1, 1, 1, 0]})
     ids = ["a", "b"]
-    summaries = [summarize_condition(s, ids, CFG, eval_id="ev", condition=c, library_ref=c, library=ExperienceLibrary(),
-                                     dataset="x", fingerprint="f") for c, s in (("none", base), ("lib", lib))]
+    summaries = [
+        summarize_condition(
+            s,
+            ids,
+            CFG,
+            eval_id="ev",
+            condition=c,
+            library_ref=c,
+            library=ExperienceLibrary(),
+            dataset="x",
+            fingerprint="f",
+        )
+        for c, s in (("none", base), ("lib", lib))
+    ]
     comparisons = compare_conditions(("none", base), ("lib", lib), ids, CFG, eval_id="ev")
     outputs = {"evaluations": summaries, "eval_results": base + lib, "eval_comparisons": comparisons}
     with Store(tmp_path / "db.duckdb") as store:
@@ -123,14 +166,38 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
     sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid")
-    excluded = {key: True for key in sections} | {"grpo": {"max_steps": True}} | {
-        "learning": {"min_words": True, "consolidation": True, "lesson_pattern": True, "max_ops_per_step": True,
-                     "guard": True, "max_learner_tokens": True, "extract": True, "candidates": True,
-                     "fallback": True, "summarize": True, "lesson_validation": True, "unlabeled": True},
-        "dataset": {"max_problem_chars": True, "max_answer_chars": True, "oversize": True, "domain_field": True,
-                    "url_field": True, "tag_field": True, "answer_source_field": True, "answers_optional": True},
-        # where and how the model is reached is not part of what a run computes
-        "policy": {"repetition_penalty": True, "adapter": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}}}
+    excluded = (
+        {key: True for key in sections}
+        | {"grpo": {"max_steps": True}}
+        | {
+            "learning": {
+                "min_words": True,
+                "consolidation": True,
+                "lesson_pattern": True,
+                "max_ops_per_step": True,
+                "guard": True,
+                "max_learner_tokens": True,
+                "extract": True,
+                "candidates": True,
+                "fallback": True,
+                "summarize": True,
+                "lesson_validation": True,
+                "unlabeled": True,
+            },
+            "dataset": {
+                "max_problem_chars": True,
+                "max_answer_chars": True,
+                "oversize": True,
+                "domain_field": True,
+                "url_field": True,
+                "tag_field": True,
+                "answer_source_field": True,
+                "answers_optional": True,
+            },
+            # where and how the model is reached is not part of what a run computes
+            "policy": {"repetition_penalty": True, "adapter": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}},
+        }
+    )
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)
     assert cfg.fingerprint() == text_hash(json.dumps(before_they_existed, sort_keys=True))
     capped = RunConfig.model_validate({**cfg.model_dump(), "grpo": {"max_steps": 2}})

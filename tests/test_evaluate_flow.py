@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from clgrpo.cli import main
+from clgrpo.errors import EvaluationError
 from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
-from clgrpo.errors import EvaluationError
 from flows.evaluate import evaluate
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from tests.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
@@ -39,10 +39,24 @@ class RecordingWorld(ScriptedWorld):
 
 
 def model_config(server: FakeOpenAIServer, tmp_path, **extra) -> RunConfig:
-    policy = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                         retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10, temperature=0.9)
-    return RunConfig(run_id="model", db_path=str(tmp_path / "eval.duckdb"),
-                     dataset=DatasetConfig(path=str(tmp_path / "unused.jsonl")), policy=policy, concurrency=8, **extra)
+    policy = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+        temperature=0.9,
+    )
+    return RunConfig(
+        run_id="model",
+        db_path=str(tmp_path / "eval.duckdb"),
+        dataset=DatasetConfig(path=str(tmp_path / "unused.jsonl")),
+        policy=policy,
+        concurrency=8,
+        **extra,
+    )
 
 
 def lessons_library(tmp_path) -> str:
@@ -53,8 +67,9 @@ def lessons_library(tmp_path) -> str:
 
 async def test_library_with_the_lessons_beats_none_with_a_paired_ci(tmp_path):
     dataset = write_jsonl(make_problems(n_per_family=5, seed=21), tmp_path / "test.jsonl")
-    evaluation = EvalConfig(dataset=DatasetConfig(path=str(dataset)), k=4, pass_k=2, bootstrap_samples=1000,
-                            chunk_size=6)
+    evaluation = EvalConfig(
+        dataset=DatasetConfig(path=str(dataset)), k=4, pass_k=2, bootstrap_samples=1000, chunk_size=6
+    )
     # the four 95% intervals below each miss their true value in 5% of worlds (coverage itself is simulated in
     # tests/test_metrics.py); any change of prompt wording re-draws the world, so the seed is one where all hold
     world = RecordingWorld(seed=9)
@@ -67,8 +82,11 @@ async def test_library_with_the_lessons_beats_none_with_a_paired_ci(tmp_path):
         assert again.reused and len(world.policy_requests) == n_requests  # read back, nothing sampled
         first_url = server.base_url
     with FakeOpenAIServer(world) as moved:  # the same model behind a restarted server: another port
-        cfg = model_config(moved, tmp_path).model_copy(update={"policy": model_config(moved, tmp_path).policy.model_copy(
-            update={"timeout_s": 99.0, "max_retries": 1})})
+        cfg = model_config(moved, tmp_path).model_copy(
+            update={
+                "policy": model_config(moved, tmp_path).policy.model_copy(update={"timeout_s": 99.0, "max_retries": 1})
+            }
+        )
         assert cfg.policy.base_url != first_url
         moved_again = await evaluate(cfg, evaluation, ["none", lessons_library(tmp_path)], eval_id=outcome.eval_id)
         assert moved_again.reused and len(world.policy_requests) == n_requests
@@ -97,12 +115,16 @@ async def test_library_with_the_lessons_beats_none_with_a_paired_ci(tmp_path):
     assert len(seeds) == 20 and all(len(s) == 1 for s in seeds.values())
 
     with Store(cfg.db_path, read_only=True) as store:
-        rows = store.query("SELECT condition, count(*) AS n, count(DISTINCT seed) AS seeds FROM eval_results "
-                           "WHERE run_id = ? GROUP BY condition ORDER BY condition", [outcome.eval_id])
+        rows = store.query(
+            "SELECT condition, count(*) AS n, count(DISTINCT seed) AS seeds FROM eval_results "
+            "WHERE run_id = ? GROUP BY condition ORDER BY condition",
+            [outcome.eval_id],
+        )
         assert rows["n"].tolist() == [80, 80] and rows["seeds"].tolist() == [80, 80]
         assert len(store.records("evaluations", outcome.eval_id)) == 2
-        calls = store.query("SELECT stage, count(*) AS n FROM llm_calls WHERE run_id = ? GROUP BY stage",
-                            [outcome.eval_id])
+        calls = store.query(
+            "SELECT stage, count(*) AS n FROM llm_calls WHERE run_id = ? GROUP BY stage", [outcome.eval_id]
+        )
         assert calls["stage"].tolist() == ["evaluate"] and calls["n"][0] == n_requests
 
 
@@ -127,8 +149,9 @@ async def test_leakage_guard_warns_with_ids_and_refuses_on_request(tmp_path):
     test_rows[0] = {**train_rows[5], "id": "leaked-exact", "problem": "  " + train_rows[5]["problem"].upper()}
     test_rows[1] = {**train_rows[6], "id": "leaked-near", "problem": "Question: " + train_rows[6]["problem"]}
     train = DatasetConfig(path=str(write_jsonl(train_rows, tmp_path / "train.jsonl")))
-    evaluation = EvalConfig(dataset=DatasetConfig(path=str(write_jsonl(test_rows, tmp_path / "test.jsonl"))), k=2,
-                            bootstrap_samples=200)
+    evaluation = EvalConfig(
+        dataset=DatasetConfig(path=str(write_jsonl(test_rows, tmp_path / "test.jsonl"))), k=2, bootstrap_samples=200
+    )
     with FakeOpenAIServer(ScriptedWorld(seed=1)) as server:
         cfg = model_config(server, tmp_path)
         refused = evaluation.model_copy(update={"refuse_on_leakage": True})
@@ -142,28 +165,47 @@ async def test_leakage_guard_warns_with_ids_and_refuses_on_request(tmp_path):
 
 def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys):
     train_path = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")
-    heldout_path = write_jsonl([{**p, "id": "v-" + p["id"]} for p in make_problems(n_per_family=3, seed=9)],
-                               tmp_path / "heldout.jsonl")
+    heldout_path = write_jsonl(
+        [{**p, "id": "v-" + p["id"]} for p in make_problems(n_per_family=3, seed=9)], tmp_path / "heldout.jsonl"
+    )
     db = tmp_path / "runs.duckdb"
     world = ScriptedWorld(seed=7)
     with FakeOpenAIServer(world) as server:
         config = tmp_path / "run.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_id": "curve", "dataset": {"path": str(train_path), "seed": 1},
-            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None, "max_tokens": 256},
-            "grpo": {"group_size": 4, "epochs": 2, "batch_size": 16},
-            "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4},
-            "validation": {"dataset": {"path": str(heldout_path)}, "k": 4, "every_n_steps": 1,
-                           "bootstrap_samples": 500},
-            "concurrency": 8, "plots": True}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_id": "curve",
+                    "dataset": {"path": str(train_path), "seed": 1},
+                    "policy": {
+                        "model": "scripted",
+                        "base_url": server.base_url,
+                        "api_key_env": None,
+                        "max_tokens": 256,
+                    },
+                    "grpo": {"group_size": 4, "epochs": 2, "batch_size": 16},
+                    "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4},
+                    "validation": {
+                        "dataset": {"path": str(heldout_path)},
+                        "k": 4,
+                        "every_n_steps": 1,
+                        "bootstrap_samples": 500,
+                    },
+                    "concurrency": 8,
+                    "plots": True,
+                }
+            )
+        )
         assert main(["train", "--config", str(config), "--db", str(db)]) == 0
         policy_calls = server.stats.by_role["policy"]
         assert main(["train", "--config", str(config), "--db", str(db)]) == 0  # resume: all read back
         assert server.stats.by_role["policy"] == policy_calls
 
         with Store(db, read_only=True) as store:
-            curve = store.query("SELECT step, mean_at_k, mean_ci_low, mean_ci_high, library_size, temperature "
-                                "FROM evaluations WHERE run_id = 'curve' ORDER BY step")
+            curve = store.query(
+                "SELECT step, mean_at_k, mean_ci_low, mean_ci_high, library_size, temperature "
+                "FROM evaluations WHERE run_id = 'curve' ORDER BY step"
+            )
             assert curve["step"].tolist() == [0, 1, 2]  # the baseline, then one row per validated step
             assert curve["library_size"].tolist()[0] == 0 and curve["library_size"].tolist()[-1] > 0
             assert curve["mean_at_k"].iloc[-1] > curve["mean_ci_high"].iloc[0]  # learned lessons generalize
@@ -174,12 +216,45 @@ def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys
         capsys.readouterr()
 
         # evaluate the learned library against none: model settings come from the run's stored config
-        assert main(["eval", "--library", "none", "--compare", "curve:latest", "--dataset", str(heldout_path),
-                     "--k", "4", "--bootstrap", "500", "--db", str(db)]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--library",
+                    "none",
+                    "--compare",
+                    "curve:latest",
+                    "--dataset",
+                    str(heldout_path),
+                    "--k",
+                    "4",
+                    "--bootstrap",
+                    "500",
+                    "--db",
+                    str(db),
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         # evaluating on the training set itself is refused on request, naming the problems
-        assert main(["eval", "--library", "curve:1", "--dataset", str(train_path), "--config", str(config),
-                     "--db", str(db), "--refuse-on-leakage"]) == 2
+        assert (
+            main(
+                [
+                    "eval",
+                    "--library",
+                    "curve:1",
+                    "--dataset",
+                    str(train_path),
+                    "--config",
+                    str(config),
+                    "--db",
+                    str(db),
+                    "--refuse-on-leakage",
+                ]
+            )
+            == 2
+        )
         assert "16 of 16 evaluation problems also appear in the training set" in capsys.readouterr().err
     assert "curve:2 - none: Mean@4 +" in out and "significant" in out and "[95% CI]" in out
     assert "leakage guard: none of 12 evaluation problems" in out  # checked against the run's training set
@@ -203,7 +278,8 @@ async def test_a_failed_evaluation_keeps_the_calls_it_made(tmp_path):
     evaluation = EvalConfig(dataset=DatasetConfig(path=str(dataset)), k=2, bootstrap_samples=200)
     with FakeOpenAIServer(ScriptedWorld(seed=3)) as server:
         cfg = model_config(server, tmp_path).model_copy(
-            update={"policy": model_config(server, tmp_path).policy.model_copy(update={"max_retries": 1})})
+            update={"policy": model_config(server, tmp_path).policy.model_copy(update={"max_retries": 1})}
+        )
         server.inject(Fault(kind="status", status=502, rate=1.0))  # the endpoint is down for the whole evaluation
         with pytest.raises(RuntimeError, match="policy calls failed"):
             await evaluate(cfg, evaluation, ["none"], eval_id="down")

@@ -45,6 +45,7 @@ def ask(client: OpenAI, content: str = "two words", n: int = 1, system: str | No
 
 # server ---------------------------------------------------------------------------------------------------
 
+
 def test_n_choices_and_usage(server):
     reply = ask(client_for(server), "count these four words", n=3, system="be brief")
     assert [c.message.content for c in reply.choices] == ["choice 0 of 3", "choice 1 of 3", "choice 2 of 3"]
@@ -77,8 +78,9 @@ def test_supports_n_false_returns_one_choice():
 
 
 def test_malformed_body_is_400(server):
-    response = httpx.post(f"{server.base_url}/chat/completions", content=b"{not json",
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 400
     assert set(response.json()["error"]) >= {"message", "type", "code"}
     missing = httpx.post(f"{server.base_url}/chat/completions", json={"model": "m"})
@@ -98,17 +100,26 @@ def test_status_fault_with_retry_after(server):
 
 
 def test_fault_match_times_and_raw_headers(server):
-    server.inject(Fault(kind="status", status=503, times=2, retry_after=2,
-                        match=lambda r: role_of(r) == "library consolidator"))
+    server.inject(
+        Fault(kind="status", status=503, times=2, retry_after=2, match=lambda r: role_of(r) == "library consolidator")
+    )
     client = client_for(server)
     assert ask(client).choices  # policy requests are not matched
     for _ in range(2):
-        response = httpx.post(f"{server.base_url}/chat/completions", json={
-            "model": "m", "messages": [{"role": "system", "content": "ROLE: library consolidator\nx"},
-                                       {"role": "user", "content": "y"}]})
+        response = httpx.post(
+            f"{server.base_url}/chat/completions",
+            json={
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "ROLE: library consolidator\nx"},
+                    {"role": "user", "content": "y"},
+                ],
+            },
+        )
         assert response.status_code == 503 and response.headers["Retry-After"] == "2"
     raw = client.with_raw_response.chat.completions.create(
-        model="m", messages=[{"role": "system", "content": "ROLE: library consolidator\nx"}])
+        model="m", messages=[{"role": "system", "content": "ROLE: library consolidator\nx"}]
+    )
     assert raw.http_response.status_code == 200 and raw.parse().choices
     assert server.stats.by_role == {"policy": 1, "library consolidator": 3}
     assert not server.pending_faults
@@ -117,7 +128,8 @@ def test_fault_match_times_and_raw_headers(server):
 def test_sdk_retries_and_reports_retry_count(server):
     server.inject(Fault(kind="status", status=500, retry_after=0.05))
     reply = OpenAI(base_url=server.base_url, api_key="test", max_retries=1).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}])
+        model="m", messages=[{"role": "user", "content": "hi"}]
+    )
     assert reply.choices
     assert [(e.status, e.retry_count) for e in server.stats.log] == [(500, 0), (200, 1)]
 
@@ -145,8 +157,12 @@ def test_delay_fault_triggers_client_timeout(server):
 async def test_max_in_flight_and_concurrency_cap():
     async def burst(srv: FakeOpenAIServer, k: int) -> None:
         client = aclient_for(srv)
-        await asyncio.gather(*[client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"q{i}"}]) for i in range(k)])
+        await asyncio.gather(
+            *[
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}])
+                for i in range(k)
+            ]
+        )
         await client.close()
 
     with FakeOpenAIServer(echo, latency=lambda r: 0.2) as srv:
@@ -168,10 +184,12 @@ def test_stop_releases_port():
     srv.stop()
     with pytest.raises(openai.APIConnectionError):
         OpenAI(base_url=base_url, api_key="t", max_retries=0, timeout=1).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}])
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 # reply faults ---------------------------------------------------------------------------------------------
+
 
 def words(request: ChatRequest) -> list[str]:
     return [f"one two three four five {i}" for i in range(request.n)]
@@ -179,8 +197,10 @@ def words(request: ChatRequest) -> list[str]:
 
 def post(client: httpx.Client, srv: FakeOpenAIServer, role: str | None = None, n: int = 1) -> httpx.Response:
     system = [{"role": "system", "content": f"ROLE: {role}\nx"}] if role else []
-    return client.post(f"{srv.base_url}/chat/completions",
-                       json={"model": "m", "n": n, "messages": system + [{"role": "user", "content": "hi"}]})
+    return client.post(
+        f"{srv.base_url}/chat/completions",
+        json={"model": "m", "n": n, "messages": system + [{"role": "user", "content": "hi"}]},
+    )
 
 
 def outcome(client: httpx.Client, srv: FakeOpenAIServer, role: str | None = None) -> str:
@@ -203,7 +223,10 @@ def test_malformed_fault_is_200_with_invalid_json(server):
     assert ask(client_for(server)).choices[0].message.content == "choice 0 of 1"
     assert server.stats.faults_served == {"malformed": 2}
     assert [(e.status, e.fault, e.choices) for e in server.stats.log] == [
-        (200, "malformed", 0), (200, "malformed", 0), (200, None, 1)]
+        (200, "malformed", 0),
+        (200, "malformed", 0),
+        (200, None, 1),
+    ]
 
 
 def test_no_choices_fault(server):
@@ -250,8 +273,13 @@ def test_reset_fault_is_distinct_from_drop(server):
     assert not isinstance(info.value, openai.APITimeoutError) and type(info.value.__cause__).__name__ == "ReadError"
     assert post(client, server).status_code == 200 and ask(client_for(server)).choices
     assert server.stats.faults_served == {"reset": 2, "drop": 1}
-    assert [(e.status, e.fault) for e in server.stats.log] == [(0, "reset"), (0, "drop"), (0, "reset"),
-                                                               (200, None), (200, None)]
+    assert [(e.status, e.fault) for e in server.stats.log] == [
+        (0, "reset"),
+        (0, "drop"),
+        (0, "reset"),
+        (200, None),
+        (200, None),
+    ]
     assert server.stats.requests == server.stats.chat_requests == 5 and server.stats.in_flight == 0
 
 
@@ -275,8 +303,11 @@ def test_mixed_fault_per_stage_and_reproducible():
     def run() -> tuple[list[str], list[str | None], FakeOpenAIServer]:
         with FakeOpenAIServer(words, seed=11) as srv, httpx.Client() as client:
             srv.inject(Fault.mixed(rate=0.5, match=match_roles("experience extractor", "library consolidator")))
-            seen = [outcome(client, srv, role) for _ in range(30)
-                    for role in (None, "experience extractor", "trajectory summarizer")]
+            seen = [
+                outcome(client, srv, role)
+                for _ in range(30)
+                for role in (None, "experience extractor", "trajectory summarizer")
+            ]
         return seen, [e.fault for e in srv.stats.log], srv
 
     seen, faults, srv = run()
@@ -292,7 +323,15 @@ def test_mixed_fault_per_stage_and_reproducible():
     assert stats.faults_served["status:429"] == seen.count("429")
     assert run()[:2] == (seen, faults)  # same seed, same requests: same faults
     assert [f.label for f in Fault.mixed(kinds=DEFAULT_MIX).options] == [
-        "malformed", "no_choices", "empty", "truncate", "reset", "drop", "status:500", "status:429"]
+        "malformed",
+        "no_choices",
+        "empty",
+        "truncate",
+        "reset",
+        "drop",
+        "status:500",
+        "status:429",
+    ]
     assert Fault.mixed(kinds=DEFAULT_MIX).options[-1].retry_after == 1
 
 
@@ -324,8 +363,8 @@ def test_rate_and_window_combine():
         inside = [e for e in srv.stats.log if e.started - srv.stats.log[0].started < 0.5]
         time.sleep(0.55)
         after = [outcome(client, srv) for _ in range(10)]
-    assert len(inside) >= 10 and 0.2 <= during[:len(inside)].count("500") / len(inside) <= 0.8
-    assert "500" not in during[len(inside):] and after == ["200"] * 10
+    assert len(inside) >= 10 and 0.2 <= during[: len(inside)].count("500") / len(inside) <= 0.8
+    assert "500" not in during[len(inside) :] and after == ["200"] * 10
 
 
 def test_fault_validation_and_match_roles():
@@ -358,6 +397,7 @@ def test_invalid_requests_are_not_chat_requests(server):
 
 
 # scripted world -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def world_server():
@@ -401,8 +441,10 @@ async def test_policy_accuracy_depends_on_lesson(world_server):
         async def one(problem: Problem) -> int:
             family = FAMILY_BY_NAME[problem.problem_id.split("-")[0]]
             reply = await client.chat.completions.create(
-                model="m", n=10, messages=policy_messages(problem, f"[E1]. {family.lesson}" if with_lesson else ""))
+                model="m", n=10, messages=policy_messages(problem, f"[E1]. {family.lesson}" if with_lesson else "")
+            )
             return sum(boxed(c.message.content) == problem.answer for c in reply.choices)
+
         return sum(await asyncio.gather(*[one(p) for p in problems])) / (10 * len(problems))
 
     base, lesson = await accuracy(False), await accuracy(True)
@@ -421,8 +463,9 @@ def test_policy_is_deterministic_per_prompt():
 
 def extract_messages(problem: Problem, grades: list[float | None], library: str = "") -> list[dict]:
     attempts = [Attempt(i, f"The attempt computed the expression and answered {i}.", g) for i, g in enumerate(grades)]
-    return PROMPTS.extract(problem, attempts, library, use_groundtruth=grades[0] is not None, max_ops=3, min_words=5,
-                           max_words=20)
+    return PROMPTS.extract(
+        problem, attempts, library, use_groundtruth=grades[0] is not None, max_ops=3, min_words=5, max_words=20
+    )
 
 
 def test_extractor_proposes_lesson_only_when_useful():
@@ -446,13 +489,18 @@ def test_extractor_faults_at_configured_rates_and_repair(world_server):
     problem = problem_of(make_problems(1)[0])
     messages = extract_messages(problem, [1.0, 0.0])
     before = (world.stats.extract_garbage, world.stats.extract_malformed)
-    replies = [c.message.content for _ in range(6)
-               for c in client.chat.completions.create(model="m", messages=messages, n=50).choices]
+    replies = [
+        c.message.content
+        for _ in range(6)
+        for c in client.chat.completions.create(model="m", messages=messages, n=50).choices
+    ]
     garbage = [r for r in replies if "{" not in r]
     malformed = [r for r in replies if r.lstrip().startswith("Here is")]
     assert 0.04 <= len(garbage) / 300 <= 0.18 and 0.12 <= len(malformed) / 300 <= 0.3
     assert (world.stats.extract_garbage - before[0], world.stats.extract_malformed - before[1]) == (
-        len(garbage), len(malformed))
+        len(garbage),
+        len(malformed),
+    )
     lesson = FAMILY_BY_NAME["sums"].lesson
     for reply in malformed:
         with pytest.raises(json.JSONDecodeError):
@@ -483,20 +531,24 @@ def test_summarizer_reports_answer_and_grade(world_server):
 def test_consolidator_deduplicates(world_server):
     _, srv = world_server
     lesson, other = FAMILIES[0].lesson, FAMILIES[1].lesson
-    proposals = "\n".join(json.dumps(p) for p in [
-        {"group": "p3", "op": "add", "ids": [], "text": lesson},
-        {"group": "p7", "op": "add", "ids": [], "text": "  " + lesson.upper()},
-        {"group": "p8", "op": "add", "ids": [], "text": other},  # already in the library
-        {"group": "p1,p2", "op": "modify", "ids": ["E1"], "text": "Check the result."},
-        {"group": "p9", "op": "modify", "ids": ["E1"], "text": "Ignored: second modify of E1."},
-    ])
+    proposals = "\n".join(
+        json.dumps(p)
+        for p in [
+            {"group": "p3", "op": "add", "ids": [], "text": lesson},
+            {"group": "p7", "op": "add", "ids": [], "text": "  " + lesson.upper()},
+            {"group": "p8", "op": "add", "ids": [], "text": other},  # already in the library
+            {"group": "p1,p2", "op": "modify", "ids": ["E1"], "text": "Check the result."},
+            {"group": "p9", "op": "modify", "ids": ["E1"], "text": "Ignored: second modify of E1."},
+        ]
+    )
     messages = PROMPTS.consolidate(proposals, f"[E1]. {other}", min_words=5, max_words=20)
     reply = client_for(srv).chat.completions.create(model="m", messages=messages).choices[0].message.content
     assert json.loads(reply)["operations"] == [
         {"op": "add", "text": lesson, "sources": ["p3", "p7"]},
         {"op": "modify", "ids": ["E1"], "text": "Check the result.", "sources": ["p1", "p2"]},
     ]
-    empty = PROMPTS.consolidate(json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), "",
-                                min_words=5, max_words=20)
+    empty = PROMPTS.consolidate(
+        json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), "", min_words=5, max_words=20
+    )
     reply = client_for(srv).chat.completions.create(model="m", messages=empty).choices[0].message.content
     assert json.loads(reply) == {"operations": [{"op": "add", "text": lesson, "sources": ["p1"]}]}

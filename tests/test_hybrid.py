@@ -32,11 +32,17 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def config_for(model: Path, tmp_path: Path, **hybrid_settings) -> RunConfig:
-    policy = ModelConfig(backend="transformers", model="tiny", model_path=str(model), device="cpu", cpu_threads=1,
-                         max_tokens=6)
-    return RunConfig(run_id="hy", db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path="unused.jsonl"),
-                     policy=policy, grpo=GRPOConfig(group_size=4),
-                     hybrid=SETTINGS.model_copy(update=hybrid_settings))
+    policy = ModelConfig(
+        backend="transformers", model="tiny", model_path=str(model), device="cpu", cpu_threads=1, max_tokens=6
+    )
+    return RunConfig(
+        run_id="hy",
+        db_path=str(tmp_path / "runs.duckdb"),
+        dataset=DatasetConfig(path="unused.jsonl"),
+        policy=policy,
+        grpo=GRPOConfig(group_size=4),
+        hybrid=SETTINGS.model_copy(update=hybrid_settings),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,17 @@ def sampled(tiny_model, tmp_path_factory):
     """Real rollouts of the tiny model (through the transformers backend), as the rollout stage stores them."""
     cfg = config_for(tiny_model, tmp_path_factory.mktemp("sampled"))
     library = ExperienceLibrary()
-    batch = asyncio.run(rollout(PROBLEMS, library, get_domain("math"), shared_client(cfg), group_size=4,
-                                temperature=1.0, seeds={p.problem_id: 7 for p in PROBLEMS}))
+    batch = asyncio.run(
+        rollout(
+            PROBLEMS,
+            library,
+            get_domain("math"),
+            shared_client(cfg),
+            group_size=4,
+            temperature=1.0,
+            seeds={p.problem_id: 7 for p in PROBLEMS},
+        )
+    )
     assert all(r.error is None and r.final_text for r in batch.rollouts)
     return batch.rollouts, library.to_version()
 
@@ -53,8 +68,18 @@ def sampled(tiny_model, tmp_path_factory):
 def groups(signs: list[float]) -> list[GroupAdvantage]:
     """The stored group advantages: samples 0, 1 of each group rewarded (``signs`` per sample)."""
     rewards = [None if s is None else 1.0 if s > 0 else 0.0 for s in signs]
-    return [GroupAdvantage(problem_id=p.problem_id, rewards=rewards, mean_reward=0.5, std_reward=0.5,
-                           advantages=signs, selected=True, reason="variance") for p in PROBLEMS]
+    return [
+        GroupAdvantage(
+            problem_id=p.problem_id,
+            rewards=rewards,
+            mean_reward=0.5,
+            std_reward=0.5,
+            advantages=signs,
+            selected=True,
+            reason="variance",
+        )
+        for p in PROBLEMS
+    ]
 
 
 def mean_logprobs(model, items: list[NumericItem], tokenizer) -> list[float]:
@@ -65,10 +90,18 @@ def mean_logprobs(model, items: list[NumericItem], tokenizer) -> list[float]:
 def test_the_loss_decreases_on_a_fixed_batch(tiny_model):
     location = resolve_model_path(str(tiny_model))
     model, tokenizer = hybrid.load_trainable(location, "cpu", SETTINGS, None)
-    items = [NumericItem(problem_id="p", sample_idx=i, messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                         completion=text, advantage=a)
-             for i, (text, a) in enumerate([("The answer is 5.", 1.0), ("lesson lesson", -1.0),
-                                            ("boxed 5", 1.0), ("system user", -1.0)])]
+    items = [
+        NumericItem(
+            problem_id="p",
+            sample_idx=i,
+            messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            completion=text,
+            advantage=a,
+        )
+        for i, (text, a) in enumerate(
+            [("The answer is 5.", 1.0), ("lesson lesson", -1.0), ("boxed 5", 1.0), ("system user", -1.0)]
+        )
+    ]
     outcome = hybrid.train_adapter(model, hybrid.examples_from(items, tokenizer), SETTINGS, tokenizer.pad_token_id)
     assert outcome.rows_used == 4 and outcome.device == "cpu"
     assert outcome.loss_before == pytest.approx(0.0, abs=1e-6)  # ratio 1: minus the mean advantage (here 0)
@@ -88,8 +121,7 @@ def test_advantages_come_from_the_stored_groups_and_flipping_them_flips_the_chan
         location = resolve_model_path(str(tiny_model))
         model, tokenizer = hybrid.load_trainable(location, "cpu", cfg.hybrid, None)
         before = mean_logprobs(model, inputs.items, tokenizer)
-        hybrid.train_adapter(model, hybrid.examples_from(inputs.items, tokenizer), cfg.hybrid,
-                             tokenizer.pad_token_id)
+        hybrid.train_adapter(model, hybrid.examples_from(inputs.items, tokenizer), cfg.hybrid, tokenizer.pad_token_id)
         after = mean_logprobs(model, inputs.items, tokenizer)
         changes.append([a - b for a, b in zip(after, before)])
     first, flipped = changes
@@ -133,10 +165,14 @@ def test_a_saved_adapter_continues_and_is_refused_on_another_base(tiny_model, sa
     assert second.parent_path == first.path and second.rows_used == len(items) == 8
     check_adapter(first.path, cfg.policy)
     other = build_tiny_model(tmp_path / "other-model")
-    (other / "config.json").write_text((other / "config.json").read_text().replace('"hidden_size": 32',
-                                                                                 '"hidden_size": 64'))
-    with pytest.raises(AdapterError, match=r"trained on base model tiny-model\d*@\w+, but the policy is "
-                                           r"other-model@\w+"):
+    (other / "config.json").write_text(
+        (other / "config.json").read_text().replace('"hidden_size": 32', '"hidden_size": 64')
+    )
+    with pytest.raises(
+        AdapterError,
+        match=r"trained on base model tiny-model\d*@\w+, but the policy is "
+        r"other-model@\w+",
+    ):
         check_adapter(first.path, cfg.policy.model_copy(update={"model_path": str(other)}))
     with pytest.raises(AdapterError, match="needs the run's database"):
         resolve_adapter("hy:1", None)
@@ -226,8 +262,11 @@ async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_mode
         store.save_library("hy", library)
         store.write_stage("hy", 1, "numeric_update", {"adapters": [record]})
     heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join(json.dumps({"id": f"h{i}", "problem": f"What is {i} + 4?", "answer": str(i + 4)})
-                               + "\n" for i in range(3)))
+    heldout.write_text(
+        "".join(
+            json.dumps({"id": f"h{i}", "problem": f"What is {i} + 4?", "answer": str(i + 4)}) + "\n" for i in range(3)
+        )
+    )
     evaluation = EvalConfig(dataset=DatasetConfig(path=str(heldout)), k=2, temperature=1.0, bootstrap_samples=100)
     outcome = await evaluate(cfg, evaluation, ["none", "adapter:hy:1", "both:hy:latest", "hy:1"], eval_id="ev")
     assert [s.condition for s in outcome.summaries] == ["none", "adapter:hy:1", "both:hy:1", "hy:1"]
@@ -254,11 +293,21 @@ async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(t
 
     dataset = write_jsonl(make_problems(n_per_family=1, seed=2), tmp_path / "train.jsonl")
     with FakeOpenAIServer(ScriptedWorld(seed=1)) as server:
-        learner = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                              retry_base_delay_s=0.01, timeout_s=10)
-        cfg = config_for(tiny_model, tmp_path).model_copy(update={
-            "dataset": DatasetConfig(path=str(dataset), seed=1), "learner": learner,
-            "grpo": GRPOConfig(group_size=4, batch_size=2, max_steps=2, rollout_chunk_size=2)})
+        learner = ModelConfig(
+            model="scripted",
+            base_url=server.base_url,
+            api_key_env=None,
+            max_tokens=256,
+            retry_base_delay_s=0.01,
+            timeout_s=10,
+        )
+        cfg = config_for(tiny_model, tmp_path).model_copy(
+            update={
+                "dataset": DatasetConfig(path=str(dataset), seed=1),
+                "learner": learner,
+                "grpo": GRPOConfig(group_size=4, batch_size=2, max_steps=2, rollout_chunk_size=2),
+            }
+        )
         seeded = seed_first_step(cfg)  # step 1: two right and two wrong answers per group
         result = await train(cfg)
     assert [s.step for s in result.steps] == [1, 2]
@@ -292,8 +341,7 @@ def test_released_engines_free_their_models_and_reload_on_demand(tiny_model):
 
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
-async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny_model, sampled, tmp_path,
-                                                                            monkeypatch):
+async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny_model, sampled, tmp_path, monkeypatch):
     """A parent that crashed after its numeric-update-gpu child finished: the retry copies the handed-off adapter
     into the export dir and starts nothing."""
     import json
@@ -308,13 +356,25 @@ async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny
     cfg = config_for(tiny_model, tmp_path, placement="pool", handoff_storage=str(tmp_path / "handoff"))
     items = numeric_inputs(cfg, PROBLEMS, rollouts, groups([1.0, 1.0, -1.0, -1.0]), version).items
     parent = train_step(cfg, 1, items, 0, None, 0, tmp_path / "elsewhere" / "adapter_step1")
-    key = pool.inputs_hash({"fingerprint": cfg.fingerprint(), "run_id": cfg.run_id, "step": 2, "items": items,
-                            "parent": parent.path, "library_version": 0, "db_id": "db"})
+    key = pool.inputs_hash(
+        {
+            "fingerprint": cfg.fingerprint(),
+            "run_id": cfg.run_id,
+            "step": 2,
+            "items": items,
+            "parent": parent.path,
+            "library_version": 0,
+            "db_id": "db",
+        }
+    )
     url = pool.handoff_folder(cfg, 2, key)
     worker_side = train_step(cfg, 2, items, 0, parent.path, 0, tmp_path / "worker" / "adapter_step2")
     pool.upload_folder(Path(worker_side.path), f"{url}/adapter")
-    Path(url, pool.RECORD).write_text(json.dumps({"record": worker_side.model_dump(mode="json"),
-                                                  "meta": {"host": "gpu-1", "cuda_visible_devices": "0"}}))
+    Path(url, pool.RECORD).write_text(
+        json.dumps(
+            {"record": worker_side.model_dump(mode="json"), "meta": {"host": "gpu-1", "cuda_visible_devices": "0"}}
+        )
+    )
 
     async def no_child(*args, **kwargs):
         raise AssertionError("a finished hand-off started another child run")
@@ -329,5 +389,6 @@ async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny
     target = adapter_dir(export_dir(cfg), 2)
     assert record.path == str(target) and record.parent_path == parent.path
     assert record.rows_used == worker_side.rows_used == 8
-    assert (target / "adapter_model.safetensors").read_bytes() == \
-        (Path(worker_side.path) / "adapter_model.safetensors").read_bytes()
+    assert (target / "adapter_model.safetensors").read_bytes() == (
+        Path(worker_side.path) / "adapter_model.safetensors"
+    ).read_bytes()

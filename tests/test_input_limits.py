@@ -59,14 +59,23 @@ def refused(cfg: DatasetConfig) -> str:
     return message
 
 
-@pytest.mark.parametrize(("name", "where"), [("big.jsonl", "row at line 2"), ("big.csv", "row at line 3"),
-                                             ("big.json", "row at index 1"), ("big.parquet", "row at index 1")])
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("big.jsonl", "row at line 2"),
+        ("big.csv", "row at line 3"),
+        ("big.json", "row at index 1"),
+        ("big.parquet", "row at index 1"),
+    ],
+)
 def test_a_10mb_problem_is_refused_in_one_line(tmp_path: Path, name: str, where: str) -> None:
     path = write(tmp_path / name, rows("x" * BIG))
     message = refused(DatasetConfig(path=str(path)))
-    assert message == (f"{name} {where} field 'problem': {BIG:,} characters, over the limit of 20,000 "
-                       "(dataset.max_problem_chars); raise dataset.max_problem_chars or set dataset.oversize: "
-                       "skip to leave such rows out")
+    assert message == (
+        f"{name} {where} field 'problem': {BIG:,} characters, over the limit of 20,000 "
+        "(dataset.max_problem_chars); raise dataset.max_problem_chars or set dataset.oversize: "
+        "skip to leave such rows out"
+    )
 
 
 def test_csv_rows_are_named_by_their_first_line(tmp_path: Path) -> None:
@@ -80,8 +89,10 @@ def test_csv_rows_are_named_by_their_first_line(tmp_path: Path) -> None:
 def test_an_answer_over_its_limit(tmp_path: Path) -> None:
     path = write(tmp_path / "answers.jsonl", rows("fine", answer="9" * 1001))
     message = refused(DatasetConfig(path=str(path)))
-    assert message.startswith("answers.jsonl row at line 2 field 'answer': 1,001 characters, over the limit of "
-                              "1,000 (dataset.max_answer_chars); raise dataset.max_answer_chars")
+    assert message.startswith(
+        "answers.jsonl row at line 2 field 'answer': 1,001 characters, over the limit of "
+        "1,000 (dataset.max_answer_chars); raise dataset.max_answer_chars"
+    )
     problems, _ = load_problems_with_report(DatasetConfig(path=str(path), max_answer_chars=1001))
     assert len(problems) == 3
 
@@ -106,8 +117,7 @@ def test_exactly_at_the_limit_is_accepted(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["skip.jsonl", "skip.csv"])
-def test_skip_leaves_the_rows_out_and_reports_them(tmp_path: Path, name: str,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_skip_leaves_the_rows_out_and_reports_them(tmp_path: Path, name: str, caplog: pytest.LogCaptureFixture) -> None:
     records = rows("x" * BIG) + [{"id": "p4", "problem": "Find $x$ if $2x = 10$.", "answer": "5" * 2000}]
     path = write(tmp_path / name, records)
     started = time.monotonic()
@@ -124,7 +134,8 @@ def test_skip_keeps_derived_ids_stable(tmp_path: Path) -> None:
     records = [{"problem": r["problem"], "answer": r["answer"]} for r in rows("x" * 100)]
     path = write(tmp_path / "noid.jsonl", records)
     problems, report = load_problems_with_report(
-        DatasetConfig(path=str(path), oversize="skip", shuffle=False, max_problem_chars=50))
+        DatasetConfig(path=str(path), oversize="skip", shuffle=False, max_problem_chars=50)
+    )
     assert [p.problem_id for p in problems] == ["noid-00000", "noid-00002"]
     assert report.oversize_ids == ("noid-00001",)
 
@@ -152,27 +163,35 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, records: list[dict[str, Any]]) -> 
 def test_hub_datasets_have_the_same_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_hub(monkeypatch, rows("x" * 30_000))
     message = refused(DatasetConfig(hf_name="someone/aime"))
-    assert message.startswith("someone/aime row at index 1 field 'problem': 30,000 characters, over the limit of "
-                              "20,000 (dataset.max_problem_chars)")
+    assert message.startswith(
+        "someone/aime row at index 1 field 'problem': 30,000 characters, over the limit of "
+        "20,000 (dataset.max_problem_chars)"
+    )
     problems, report = load_problems_with_report(DatasetConfig(hf_name="someone/aime", oversize="skip"))
     assert sorted(p.problem_id for p in problems) == ["p1", "p3"] and report.oversize_ids == ("p2",)
 
 
-def test_train_ends_with_one_error_line_naming_file_and_row(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_ends_with_one_error_line_naming_file_and_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dataset = write(tmp_path / "huge.jsonl", rows("x" * BIG))
     config = tmp_path / "run.yaml"
     # the model endpoint is unreachable too: the dataset is checked first, so its error is the one reported
-    config.write_text(yaml.safe_dump({
-        "dataset": {"path": str(dataset)}, "db_path": str(tmp_path / "r.duckdb"),
-        "policy": {"model": "scripted", "base_url": "http://127.0.0.1:9/v1", "api_key_env": None}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "dataset": {"path": str(dataset)},
+                "db_path": str(tmp_path / "r.duckdb"),
+                "policy": {"model": "scripted", "base_url": "http://127.0.0.1:9/v1", "api_key_env": None},
+            }
+        )
+    )
     started = time.monotonic()
     code = main(["train", "--config", str(config)])
     elapsed = time.monotonic() - started
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert code == 2 and len(lines) == 1, captured.err
-    assert lines[0].startswith(f"error: dataset: huge.jsonl row at line 2 field 'problem': {BIG:,} characters, "
-                               "over the limit of 20,000"), lines[0]
+    assert lines[0].startswith(
+        f"error: dataset: huge.jsonl row at line 2 field 'problem': {BIG:,} characters, over the limit of 20,000"
+    ), lines[0]
     assert "dataset.oversize: skip" in lines[0]
     assert elapsed < 10.0 and not (tmp_path / "r.duckdb").exists()

@@ -6,7 +6,7 @@ import pytest
 
 from clgrpo.journal import RunJournal, StageItems, recording, sample_key
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, match_roles
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, match_roles
 from flows.train import train
 from schemas.records import LLMCall, Rollout, Turn
 from tests.scripted_llm import ScriptedWorld
@@ -14,8 +14,13 @@ from tests.test_reliability import journal_dirs, make_config
 
 
 def rollout(i: int) -> Rollout:
-    return Rollout(problem_id="p", sample_idx=i, prompt_hash="h", library_version=0,
-                   turns=[Turn(kind="assistant", content=f"answer {i}")])
+    return Rollout(
+        problem_id="p",
+        sample_idx=i,
+        prompt_hash="h",
+        library_version=0,
+        turns=[Turn(kind="assistant", content=f"answer {i}")],
+    )
 
 
 def test_calls_and_items_survive_reopening_and_a_line_cut_by_a_kill(tmp_path):
@@ -87,8 +92,9 @@ def test_runs_delete_removes_the_run_journal(tmp_path, capsys):
 
     db = tmp_path / "d.duckdb"
     with Store(db) as store:
-        store.con.execute("INSERT INTO runs (run_id, fingerprint, config_json, created_at) "
-                          "VALUES ('r1', 'f', '{}', now())")
+        store.con.execute(
+            "INSERT INTO runs (run_id, fingerprint, config_json, created_at) VALUES ('r1', 'f', '{}', now())"
+        )
         journal = RunJournal.open(db, store.db_id, "r1")
     journal.step(1).put("rollout", "p#0", rollout(0))
     journal.close()

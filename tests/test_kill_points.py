@@ -131,25 +131,37 @@ def describe(proc: psutil.Process) -> str:
 
 def cli_env(api: PrefectApi, where: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_API_URL=api.url, PREFECT_HOME=str(where / "prefect-home"), PREFECT_LOGGING_LEVEL="WARNING",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", CLGRPO_STATE_DIR=str(where / "state"),
-               PYTHONUNBUFFERED="1")
+    env.update(
+        PREFECT_API_URL=api.url,
+        PREFECT_HOME=str(where / "prefect-home"),
+        PREFECT_LOGGING_LEVEL="WARNING",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        CLGRPO_STATE_DIR=str(where / "state"),
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
 def flow_runs_of(api: PrefectApi, db_path: Path) -> list[dict]:
     """The `train` flow runs (state, name) whose config names ``db_path``."""
     body = json.dumps({"limit": 200}).encode()
-    request = urllib.request.Request(f"{api.url}/flow_runs/filter", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{api.url}/flow_runs/filter", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         runs = json.loads(response.read())
     mine = []
     for run in runs:
         config = (run.get("parameters") or {}).get("config") or {}
         if isinstance(config, dict) and config.get("db_path") == str(db_path):
-            mine.append({"name": run["name"], "state": (run.get("state") or {}).get("type"),
-                         "message": (run.get("state") or {}).get("message")})
+            mine.append(
+                {
+                    "name": run["name"],
+                    "state": (run.get("state") or {}).get("type"),
+                    "message": (run.get("state") or {}).get("message"),
+                }
+            )
     return mine
 
 
@@ -227,12 +239,25 @@ def survivors_of(attempt: Attempt, deadline: float) -> list[str]:
 
 # --- the runs ----------------------------------------------------------------------------------------------
 def write_config(path: Path, db: Path, dataset: Path, server: FakeOpenAIServer) -> Path:
-    path.write_text(yaml.safe_dump({
-        "dataset": {"path": str(dataset)}, "db_path": str(db),
-        "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None, "seed": POLICY_SEED,
-                   "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.05, "timeout_s": 30},
-        "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
-        "concurrency": CONCURRENCY}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "dataset": {"path": str(dataset)},
+                "db_path": str(db),
+                "policy": {
+                    "model": "scripted",
+                    "base_url": server.base_url,
+                    "api_key_env": None,
+                    "seed": POLICY_SEED,
+                    "retry_base_delay_s": 0.01,
+                    "retry_max_delay_s": 0.05,
+                    "timeout_s": 30,
+                },
+                "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
+                "concurrency": CONCURRENCY,
+            }
+        )
+    )
     return path
 
 
@@ -266,8 +291,10 @@ def reference(prefect_api, dataset, tmp_path_factory) -> Reference:
         last_reply_s = max(entry.ended for entry in server.stats.log) - attempt.started  # the same clock
         distinct = server.responder.progress()
     assert attempt.first_request_s is not None
-    print(f"\nreference run: {took:.1f} s (model requests from {attempt.first_request_s:.1f} s to "
-          f"{last_reply_s:.1f} s), {requests} model requests, {distinct} distinct")
+    print(
+        f"\nreference run: {took:.1f} s (model requests from {attempt.first_request_s:.1f} s to "
+        f"{last_reply_s:.1f} s), {requests} model requests, {distinct} distinct"
+    )
     return Reference(db, took, attempt.first_request_s, last_reply_s, requests, distinct)
 
 
@@ -303,9 +330,13 @@ def duplicates(store: Store, run_id: str) -> dict[str, int]:
     found = {}
     for table, key in NO_DUP_KEYS.items():
         columns = ", ".join(key)
-        found[table] = int(store.query(
-            f"SELECT coalesce(sum(n - 1), 0) AS extra FROM (SELECT count(*) AS n FROM {table} WHERE run_id = ? "
-            f"GROUP BY {columns})", [run_id])["extra"][0])
+        found[table] = int(
+            store.query(
+                f"SELECT coalesce(sum(n - 1), 0) AS extra FROM (SELECT count(*) AS n FROM {table} WHERE run_id = ? "
+                f"GROUP BY {columns})",
+                [run_id],
+            )["extra"][0]
+        )
     return found
 
 
@@ -334,14 +365,18 @@ def after_kill(point: KillPoint, db: Path, run_id: str) -> None:
 
 
 def table(points: list[KillPoint]) -> str:
-    head = (f"{'#':>3} {'kill at':21} {'delay':>7} {'outcome':10} {'reqs':>4} {'kids':>4}  "
-            "stored stages after it (step/stage)")
+    head = (
+        f"{'#':>3} {'kill at':21} {'delay':>7} {'outcome':10} {'reqs':>4} {'kids':>4}  "
+        "stored stages after it (step/stage)"
+    )
     lines = [head]
     for p in points:
         at = f"start +{p.offset_s:.2f}s" if p.kind == "setup" else f"request {p.target} +{p.offset_s:.2f}s"
         delay = f"{p.delay_s:6.2f}s" if p.delay_s is not None else "      -"
-        lines.append(f"{p.number:>3} {at:21} {delay} {p.outcome:10} {p.requests:>4} "
-                     f"{p.children:>4}  {p.reached}; journal {p.journal}")
+        lines.append(
+            f"{p.number:>3} {at:21} {delay} {p.outcome:10} {p.requests:>4} "
+            f"{p.children:>4}  {p.reached}; journal {p.journal}"
+        )
     return "\n".join(lines)
 
 
@@ -352,26 +387,27 @@ def frames(db: Path, run_id: str) -> dict[str, list]:
         "rollouts_per_step": "SELECT step, count(*) FROM rollouts WHERE run_id = ? GROUP BY step ORDER BY step",
         "rewards_per_step": "SELECT step, count(*) FROM rewards WHERE run_id = ? GROUP BY step ORDER BY step",
         "rollouts": "SELECT step, problem_id, sample_idx, library_version, final_text, error FROM rollouts "
-                    "WHERE run_id = ? ORDER BY step, problem_id, sample_idx",
+        "WHERE run_id = ? ORDER BY step, problem_id, sample_idx",
         "rewards": "SELECT step, problem_id, sample_idx, reward, verified FROM rewards WHERE run_id = ? "
-                   "ORDER BY step, problem_id, sample_idx",
+        "ORDER BY step, problem_id, sample_idx",
         "summaries": "SELECT step, problem_id, sample_idx, text FROM summaries WHERE run_id = ? "
-                     "ORDER BY step, problem_id, sample_idx",
+        "ORDER BY step, problem_id, sample_idx",
         "proposals": "SELECT step, stage, group_id, operations_json FROM proposals WHERE run_id = ? "
-                     "ORDER BY step, stage, group_id",
+        "ORDER BY step, stage, group_id",
         "operations": "SELECT step, seq, op, target_ids_json, text, status, result_id FROM operations "
-                      "WHERE run_id = ? ORDER BY step, seq",
+        "WHERE run_id = ? ORDER BY step, seq",
         "library_versions": "SELECT version, step, parent_version, n_experiences, content_hash FROM "
-                            "library_versions WHERE run_id = ? ORDER BY version",
+        "library_versions WHERE run_id = ? ORDER BY version",
         "libraries": "SELECT version, position, exp_id, text FROM library_experiences WHERE run_id = ? "
-                     "ORDER BY version, position",
+        "ORDER BY version, position",
     }
     with Store(db, read_only=True) as store:
         return {name: [tuple(r) for r in store.con.execute(sql, [run_id]).fetchall()] for name, sql in queries.items()}
 
 
-def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, dataset: Path, ref: Reference,
-                         where: Path) -> None:
+def kill_points_scenario(
+    n_points: int, seed: int, prefect_api: PrefectApi, dataset: Path, ref: Reference, where: Path
+) -> None:
     run_id = "killed"
     db = where / "db" / "killed.duckdb"
     env = cli_env(prefect_api, where)
@@ -410,8 +446,10 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
             point.requests = server.stats.chat_requests - attempt.requests_before
             point.children = len(attempt.children)
             orphans = survivors_of(attempt, killed_at + ORPHAN_LIMIT_S)
-            assert not orphans, (f"kill point {point.number}: children of the SIGKILLed CLI alive "
-                                 f"{ORPHAN_LIMIT_S:.0f} s after the kill: {orphans}")
+            assert not orphans, (
+                f"kill point {point.number}: children of the SIGKILLed CLI alive "
+                f"{ORPHAN_LIMIT_S:.0f} s after the kill: {orphans}"
+            )
             after_kill(point, db, run_id)
 
         final = start_attempt(config, run_id, env, where / "final.out", server)
@@ -423,15 +461,20 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
     with Store(db, read_only=True) as store:
         extra = duplicates(store, run_id)
         calls = int(store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id = ?", [run_id])["n"][0])
-        null_ids = int(store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id = ? AND call_id IS NULL",
-                                   [run_id])["n"][0])
+        null_ids = int(
+            store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id = ? AND call_id IS NULL", [run_id])["n"][0]
+        )
         status = store.runs().set_index("run_id").loc[run_id, "status"]
         steps = store.steps_done(run_id)
         versions = store.library_versions(run_id)
-        ops = store.query("SELECT step, seq, count(*) AS n FROM operations WHERE run_id = ? GROUP BY step, seq",
-                          [run_id])
-        experiences = store.query("SELECT version, count(*) AS n, count(DISTINCT exp_id) AS d "
-                                  "FROM library_experiences WHERE run_id = ? GROUP BY version", [run_id])
+        ops = store.query(
+            "SELECT step, seq, count(*) AS n FROM operations WHERE run_id = ? GROUP BY step, seq", [run_id]
+        )
+        experiences = store.query(
+            "SELECT version, count(*) AS n, count(DISTINCT exp_id) AS d "
+            "FROM library_experiences WHERE run_id = ? GROUP BY version",
+            [run_id],
+        )
         journal = run_journal_dir(db, store.db_id, run_id)
     with Store(ref.db, read_only=True) as store:
         ref_calls = int(store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id = 'ref'")["n"][0])
@@ -441,9 +484,11 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
     print(f"\n{n_points} kill points (seed {seed}): {kills} killed, {n_points - kills} finished before the kill")
     print(table(points))
     print(f"reference: {ref.duration_s:.1f} s, {ref.requests} model requests, {ref_calls} llm_calls rows")
-    print(f"killed run: {total_s:.1f} s over {len(points) + 1} attempts (final rerun {final_s:.1f} s); "
-          f"{requests} model requests, {calls} llm_calls rows; {requests - calls} requests unrecorded "
-          f"(bound: {kills} kills x concurrency {CONCURRENCY} = {kills * CONCURRENCY})")
+    print(
+        f"killed run: {total_s:.1f} s over {len(points) + 1} attempts (final rerun {final_s:.1f} s); "
+        f"{requests} model requests, {calls} llm_calls rows; {requests - calls} requests unrecorded "
+        f"(bound: {kills} kills x concurrency {CONCURRENCY} = {kills * CONCURRENCY})"
+    )
     print(f"flow runs of the killed run: {sorted(r['state'] for r in runs)}")
 
     # 1. no duplicate keys
@@ -454,8 +499,18 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
     assert (experiences["n"] == experiences["d"]).all(), experiences
     assert len(versions) == steps + 1 and versions == list(range(steps + 1)), (versions, steps)
     # 3. the same structure and counts as the uninterrupted run; with the seeded world, the same results
-    for name in ("stage_runs", "rollouts_per_step", "rewards_per_step", "library_versions", "libraries",
-                 "operations", "proposals", "rollouts", "rewards", "summaries"):
+    for name in (
+        "stage_runs",
+        "rollouts_per_step",
+        "rewards_per_step",
+        "library_versions",
+        "libraries",
+        "operations",
+        "proposals",
+        "rollouts",
+        "rewards",
+        "summaries",
+    ):
         assert killed_frames[name] == ref_frames[name], f"{name} differs from the uninterrupted run's"
     assert steps == 4
     # 4. every request accounted, within the calls in flight at a kill
@@ -471,12 +526,14 @@ def kill_points_scenario(n_points: int, seed: int, prefect_api: PrefectApi, data
     assert sum(r["state"] == "COMPLETED" for r in runs) >= 1 + sum(p.outcome.startswith("finished") for p in points)
 
 
-def test_sigkill_at_3_seeded_points_then_resume_matches_the_uninterrupted_run(prefect_api, dataset, reference,
-                                                                             tmp_path):
+def test_sigkill_at_3_seeded_points_then_resume_matches_the_uninterrupted_run(
+    prefect_api, dataset, reference, tmp_path
+):
     kill_points_scenario(3, seed=11, prefect_api=prefect_api, dataset=dataset, ref=reference, where=tmp_path)
 
 
 @pytest.mark.long
-def test_sigkill_at_16_seeded_points_then_resume_matches_the_uninterrupted_run(prefect_api, dataset, reference,
-                                                                              tmp_path):
+def test_sigkill_at_16_seeded_points_then_resume_matches_the_uninterrupted_run(
+    prefect_api, dataset, reference, tmp_path
+):
     kill_points_scenario(16, seed=23, prefect_api=prefect_api, dataset=dataset, ref=reference, where=tmp_path)

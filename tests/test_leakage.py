@@ -9,13 +9,16 @@ from clgrpo.leakage import LeakageError, check_leakage, find_leakage, jaccard, s
 from schemas.records import Problem
 from tests.scripted_llm import make_problems
 
-WORDS = ("triangle integer sum find number circle radius prime digits probability area square real positive value "
-         "expression compute remainder divided least greatest ordered pairs polynomial roots coefficient sequence "
-         "terms arithmetic geometric chord tangent angle perimeter").split()
+WORDS = (
+    "triangle integer sum find number circle radius prime digits probability area square real positive value "
+    "expression compute remainder divided least greatest ordered pairs polynomial roots coefficient sequence "
+    "terms arithmetic geometric chord tangent angle perimeter"
+).split()
 
 
 def random_problems(prefix: str, n: int, seed: int) -> list[Problem]:
     rng = random.Random(seed)
+
     def text() -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + f" {rng.randint(1, 10**6)}."
 

@@ -28,21 +28,59 @@ def interval(value: float) -> dict:
 
 
 def result(s: "bench.Settings", family: str, gain: float) -> dict:
-    seeds = [{"seed": seed, "run_id": f"{family}-s{seed}", "learned": interval(0.5), "placebo": interval(0.3),
-              "learned_minus_none": interval(gain), "learned_minus_placebo": interval(gain),
-              "lessons": [f"Lesson {seed} about {family} ranges and counting."], "placebo_lessons": [],
-              "train_seconds": 600.0, "tokens": 1000, "tokens_by_part": {"rollouts": 500, "learner": 300,
-                                                                          "validation": 200},
-              "kept": 1, "rejected_by_validation": 2, "rejected_other": 0, "heldout_in_training": 0,
-              "lessons_without_learner": 0} for seed in s.seeds]
-    return {"family": family, "learner": "same", "command": f"python benchmarks/learning.py --families {family}",
-            "measured": "2026-11-25", "settings": {"seeds": s.seeds, "train": s.train, "group_size": 4, "epochs": 1,
-                                                   "candidates": 2, "trial_problems": 2, "trial_samples": 3,
-                                                   "min_gain": 0.1, "eval_temperature": 0.3},
-            "eval_ids": {"none": "e0"}, "problems": 24, "k": 4, "none": interval(0.3), "baseline_parsed": 1.0,
-            "seeds": seeds, "pooled": {"learned": interval(0.5), "placebo": interval(0.3),
-                                       "learned_minus_none": interval(gain), "learned_minus_placebo": interval(gain)},
-            "tokens_per_point": 100.0 if gain > 0 else None, "eval_minutes": 7.0, "train_seconds": 1800.0}
+    seeds = [
+        {
+            "seed": seed,
+            "run_id": f"{family}-s{seed}",
+            "learned": interval(0.5),
+            "placebo": interval(0.3),
+            "learned_minus_none": interval(gain),
+            "learned_minus_placebo": interval(gain),
+            "lessons": [f"Lesson {seed} about {family} ranges and counting."],
+            "placebo_lessons": [],
+            "train_seconds": 600.0,
+            "tokens": 1000,
+            "tokens_by_part": {"rollouts": 500, "learner": 300, "validation": 200},
+            "kept": 1,
+            "rejected_by_validation": 2,
+            "rejected_other": 0,
+            "heldout_in_training": 0,
+            "lessons_without_learner": 0,
+        }
+        for seed in s.seeds
+    ]
+    return {
+        "family": family,
+        "learner": "same",
+        "command": f"python benchmarks/learning.py --families {family}",
+        "measured": "2026-11-25",
+        "settings": {
+            "seeds": s.seeds,
+            "train": s.train,
+            "group_size": 4,
+            "epochs": 1,
+            "candidates": 2,
+            "trial_problems": 2,
+            "trial_samples": 3,
+            "min_gain": 0.1,
+            "eval_temperature": 0.3,
+        },
+        "eval_ids": {"none": "e0"},
+        "problems": 24,
+        "k": 4,
+        "none": interval(0.3),
+        "baseline_parsed": 1.0,
+        "seeds": seeds,
+        "pooled": {
+            "learned": interval(0.5),
+            "placebo": interval(0.3),
+            "learned_minus_none": interval(gain),
+            "learned_minus_placebo": interval(gain),
+        },
+        "tokens_per_point": 100.0 if gain > 0 else None,
+        "eval_minutes": 7.0,
+        "train_seconds": 1800.0,
+    }
 
 
 def test_placebo_has_as_many_lessons_of_about_the_same_length():
@@ -60,8 +98,10 @@ def test_separate_invocations_merge_into_one_report(tmp_path):
     merged = bench.save_results(percent, [result(percent, "percent", -0.05)], 40.0)
     assert [r["family"] for r in merged] == ["ranges", "percent"]
     again = bench.save_results(percent, [result(percent, "percent", 0.01)], 41.0)  # measured again: replaced
-    assert [(r["family"], r["pooled"]["learned_minus_none"]["value"]) for r in again] == [("ranges", 0.2),
-                                                                                       ("percent", 0.01)]
+    assert [(r["family"], r["pooled"]["learned_minus_none"]["value"]) for r in again] == [
+        ("ranges", 0.2),
+        ("percent", 0.01),
+    ]
     assert len(json.loads((tmp_path / "results.json").read_text())["results"]) == 2
     text = bench.markdown(again)
     assert "| ranges | same | 0, 1, 2 | 20 / 24 x 4 |" in text and "| percent | same | 0 | 20 / 24 x 4 |" in text
@@ -75,11 +115,14 @@ def test_separate_invocations_merge_into_one_report(tmp_path):
 def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
     s = settings(tmp_path, ["ranges"], [0])
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    calls = {"e0": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0),
-                    LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(minutes=1),
-                            latency_s=60.0)],
-             "e1": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0)],
-             "other": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=600.0)]}
+    calls = {
+        "e0": [
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0),
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(minutes=1), latency_s=60.0),
+        ],
+        "e1": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0)],
+        "other": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=600.0)],
+    }
     with Store(str(tmp_path / "learning.duckdb")) as store:
         for run_id, rows in calls.items():
             store.write_stage(run_id, 0, "evaluate", {"llm_calls": rows})

@@ -86,14 +86,20 @@ def test_prompts_have_no_placeholders_and_show_an_example_only_when_unconstraine
 def test_passthrough_applies_group_proposals_after_combining_duplicates():
     proposals = [
         Proposal(group_id="p1", operations=[Operation(op="add", text=LESSON, source_groups=["p1"])]),
-        Proposal(group_id="p2", operations=[Operation(op="add", text="  " + LESSON.upper(), source_groups=["p2"]),
-                                            Operation(op="modify", target_ids=["E0"], text=LESSON + " Then check.",
-                                                      source_groups=["p2"])]),
+        Proposal(
+            group_id="p2",
+            operations=[
+                Operation(op="add", text="  " + LESSON.upper(), source_groups=["p2"]),
+                Operation(op="modify", target_ids=["E0"], text=LESSON + " Then check.", source_groups=["p2"]),
+            ],
+        ),
     ]
     result = passthrough(proposals)
     assert [(o.op.value, o.source_groups) for o in result.operations] == [("add", ["p1", "p2"]), ("modify", ["p2"])]
     (plan,) = result.plans
-    assert plan.group_id == "final" and "3 proposed operation(s) from 2 group(s); 1 duplicate(s) combined" in plan.raw_text
+    assert (
+        plan.group_id == "final" and "3 proposed operation(s) from 2 group(s); 1 duplicate(s) combined" in plan.raw_text
+    )
     assert consolidation_calls(30, LearningConfig(consolidation="passthrough")) == 0
     assert consolidation_calls(30, LearningConfig(consolidate_chunk_size=20)) == 3  # two chunks and a final pass
 
@@ -104,14 +110,18 @@ async def test_consolidate_in_passthrough_mode_makes_no_learner_call():
             raise AssertionError(f"the learner was called ({name})")
 
     proposals = [Proposal(group_id="p1", operations=[Operation(op="add", text=LESSON, source_groups=["p1"])])]
-    result = await consolidate(proposals, ExperienceLibrary(), LearnerPrompts(), NoCalls(),
-                               LearningConfig(consolidation="passthrough"))
+    result = await consolidate(
+        proposals, ExperienceLibrary(), LearnerPrompts(), NoCalls(), LearningConfig(consolidation="passthrough")
+    )
     assert [o.text for o in result.operations] == [LESSON] and result.calls == []
 
 
 def test_lesson_screen_rejects_copies_answers_and_pattern_misses():
-    problem = Problem(problem_id="p1", problem="Dara has 6 boxes with 4 stickers in each box. How many stickers "
-                                               "are there in total?", answer="24")
+    problem = Problem(
+        problem_id="p1",
+        problem="Dara has 6 boxes with 4 stickers in each box. How many stickers are there in total?",
+        answer="24",
+    )
     screen = LessonScreen(LearnerPrompts(), [problem], pattern=r"^When [^.]+\.$")
 
     def reason(text: str) -> str | None:
@@ -119,27 +129,38 @@ def test_lesson_screen_rejects_copies_answers_and_pattern_misses():
 
     assert reason("When boxes hold equal numbers of items, multiply the boxes by the items in each.") is None
     assert "example lesson" in reason(LearnerPrompts().examples[0])
-    assert "copied from training problem p1" in reason("When Dara has six boxes with four stickers in each box, "
-                                                       "she has six times four stickers.")
+    assert "copied from training problem p1" in reason(
+        "When Dara has six boxes with four stickers in each box, she has six times four stickers."
+    )
     assert reason("When items come in equal groups, the result is 24.") == "states the answer 24 of problem p1"
     assert "lesson_pattern" in reason("Multiply boxes by items in each box.")
-    assert "instructions" in reason('When the kind of problem or situation, what to do.')
+    assert "instructions" in reason("When the kind of problem or situation, what to do.")
     assert overlap("a b c d", "x a b c y") == 0.5 and not restates("multiply it", problem.problem)
     assert reason("When a number of shells that is not a number of shells that is not a number of shells.") == (
-        "repeats itself: 'a number of shells that' occurs more than once")
+        "repeats itself: 'a number of shells that' occurs more than once"
+    )
     assert reason("When the count of red and the count of blue are known, add them.") is None
 
 
 def test_library_rejects_short_and_screened_lessons_with_reasons():
     screen = LessonScreen(LearnerPrompts(), [])
     new, results = ExperienceLibrary().apply(
-        [Operation(op="add", text="..."), Operation(op="add", text="When is  a  base of  ."),
-         Operation(op="add", text=LearnerPrompts().examples[1]), Operation(op="add", text=LESSON)],
-        step=1, min_words=6, screen=screen)  # the demo's minimum
+        [
+            Operation(op="add", text="..."),
+            Operation(op="add", text="When is  a  base of  ."),
+            Operation(op="add", text=LearnerPrompts().examples[1]),
+            Operation(op="add", text=LESSON),
+        ],
+        step=1,
+        min_words=6,
+        screen=screen,
+    )  # the demo's minimum
     assert [(r.status, r.reason.split(":")[0]) for r in results] == [
-        (OpStatus.REJECTED, "too short"), (OpStatus.REJECTED, "too short"),  # a lone "." is not a word
+        (OpStatus.REJECTED, "too short"),
+        (OpStatus.REJECTED, "too short"),  # a lone "." is not a word
         (OpStatus.REJECTED, "copied from the prompt's example lesson"),
-        (OpStatus.APPLIED, "")]
+        (OpStatus.APPLIED, ""),
+    ]
     assert [e.text for e in new] == [LESSON]
 
 
@@ -157,10 +178,24 @@ def test_a_plan_that_keeps_none_of_the_proposed_operations_is_named():
     from flows.train import step_problems
     from tasks.checkpoint import step_report
 
-    empty = step_report(run_id="r", step=1, epoch=0, rollouts=[], rewards=[], advantages=[], summaries=[],
-                        proposals=[], consolidation_plans=[], results=[], library_size=0, calls=[])
+    empty = step_report(
+        run_id="r",
+        step=1,
+        epoch=0,
+        rollouts=[],
+        rewards=[],
+        advantages=[],
+        summaries=[],
+        proposals=[],
+        consolidation_plans=[],
+        results=[],
+        library_size=0,
+        calls=[],
+    )
     assert step_problems(empty) == []
     kept_none = replace(empty, operations_proposed=3)
-    assert step_problems(kept_none) == ["the consolidation plan kept none of the 3 proposed operations (the learner's "
-                                        "decision; learning.consolidation: passthrough applies the group proposals)"]
+    assert step_problems(kept_none) == [
+        "the consolidation plan kept none of the 3 proposed operations (the learner's "
+        "decision; learning.consolidation: passthrough applies the group proposals)"
+    ]
     assert step_problems(replace(kept_none, operations_rejected=1)) == []

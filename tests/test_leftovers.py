@@ -26,8 +26,10 @@ from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.test_clean_kills import isolated_prefect_env, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[1:] else 0; " \
-          "print('up', flush=True); time.sleep(300)"
+SLEEPER = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[1:] else 0; "
+    "print('up', flush=True); time.sleep(300)"
+)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -51,8 +53,12 @@ def tagged_dir(tmp: Path, owner: Owner, kind: str = "py", suffix: str = "ab12_x9
 
 def marked_sleeper(owner: Owner, ignore_term: bool = False) -> subprocess.Popen:
     env = {**os.environ, OWNER_ENV: owner.tag}
-    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, *(["ignore"] if ignore_term else [])], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER, *(["ignore"] if ignore_term else [])],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "up"  # its handler is installed
     return proc
 
@@ -81,10 +87,14 @@ def test_the_owner_tag_names_this_process_and_its_start_time():
     me = this_owner()
     assert me is not None and me.pid == os.getpid()
     assert Owner.parse(me.tag) == me and Owner.parse("12-x-3") is None and Owner.parse("1-2") is None
-    assert psutil.Process().create_time() == pytest.approx(psutil.boot_time() + me.start / os.sysconf("SC_CLK_TCK"),
-                                                           abs=0.05)
-    assert tempfile.mkdtemp(prefix=leftovers.temp_prefix("py"), dir=tempfile.mkdtemp()).split("/")[-1] \
+    assert psutil.Process().create_time() == pytest.approx(
+        psutil.boot_time() + me.start / os.sysconf("SC_CLK_TCK"), abs=0.05
+    )
+    assert (
+        tempfile.mkdtemp(prefix=leftovers.temp_prefix("py"), dir=tempfile.mkdtemp())
+        .split("/")[-1]
         .startswith(f"clgrpo-py-{me.tag}-")
+    )
     assert leftovers.SANDBOX_UID == sandbox.NOBODY
 
 
@@ -159,9 +169,13 @@ def test_this_process_is_spared_whatever_its_environment_says():
     sleeper = marked_sleeper(dead)
     try:
         # a process that inherited a dead owner's marker and now sweeps (a child CLI of a killed run)
-        child = subprocess.run([sys.executable, "-c", "from clgrpo.leftovers import sweep; print(sweep().processes)"],
-                               env={**os.environ, OWNER_ENV: dead.tag, "PYTHONPATH": str(ROOT)},
-                               capture_output=True, text=True, timeout=60)
+        child = subprocess.run(
+            [sys.executable, "-c", "from clgrpo.leftovers import sweep; print(sweep().processes)"],
+            env={**os.environ, OWNER_ENV: dead.tag, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert child.returncode == 0, child.stderr
         assert child.stdout.split()[-1] == "1" and sleeper.wait(5) == -signal.SIGTERM  # not the sweeping child
     finally:
@@ -174,8 +188,9 @@ def test_the_cli_prints_one_line_and_a_failing_sweep_never_fails_the_command(mon
     monkeypatch.setattr(leftovers, "sweep", lambda: leftovers.Swept({7}, leftovers.Counter(py=18), 2))
     monkeypatch.delenv(OWNER_ENV, raising=False)
     leftovers.on_command_start()
-    assert capsys.readouterr().err == ("swept leftovers of dead clgrpo process 7: 18 sandbox directories, "
-                                       "2 processes\n")
+    assert capsys.readouterr().err == (
+        "swept leftovers of dead clgrpo process 7: 18 sandbox directories, 2 processes\n"
+    )
     assert os.environ[OWNER_ENV] == this_owner().tag  # what this process starts from now on is its own
 
     def broken() -> None:
@@ -183,14 +198,17 @@ def test_the_cli_prints_one_line_and_a_failing_sweep_never_fails_the_command(mon
 
     monkeypatch.setattr(leftovers, "sweep", broken)
     leftovers.on_command_start()
-    assert capsys.readouterr().err == ("warning: could not sweep the leftovers of dead clgrpo processes: "
-                                       "PermissionError: denied\n")
+    assert capsys.readouterr().err == (
+        "warning: could not sweep the leftovers of dead clgrpo processes: PermissionError: denied\n"
+    )
     monkeypatch.setattr(leftovers, "sweep", lambda: leftovers.Swept())
     leftovers.on_command_start()
     assert capsys.readouterr().err == ""
     failed = leftovers.Swept({7, 9}, leftovers.Counter(py=2, fetch=1), 0, ["/tmp/clgrpo-py-x", "pid 12"])
-    assert failed.line() == ("swept leftovers of dead clgrpo processes 7, 9: 2 sandbox directories, 1 temporary "
-                             "directory, 2 could not be removed (/tmp/clgrpo-py-x, pid 12)")
+    assert failed.line() == (
+        "swept leftovers of dead clgrpo processes 7, 9: 2 sandbox directories, 1 temporary "
+        "directory, 2 could not be removed (/tmp/clgrpo-py-x, pid 12)"
+    )
 
 
 # --- end to end: SIGKILL an agent-mode `clgrpo train`, then run another command ----------------------------
@@ -219,17 +237,26 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
     def latency(request: ChatRequest) -> float:
         # a rollout that got its tool result waits: its session (interpreter and directory) stays open
         last = request.messages[-1]
-        waiting = role_of(request) == "policy" and (last.get("role") == "tool" or "<tool_result" in
-                                                    str(last.get("content")))
+        waiting = role_of(request) == "policy" and (
+            last.get("role") == "tool" or "<tool_result" in str(last.get("content"))
+        )
         return 300.0 if waiting and not release.is_set() else 0.0
 
     with FakeOpenAIServer(ScriptedWorld(seed=3, p_base=0.95), latency=latency) as llm:
         config = tmp_path / "run.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_id": "agent-killed", "dataset": {"path": str(dataset)}, "db_path": str(db),
-            "policy": {"model": "scripted", "base_url": llm.base_url, "api_key_env": None},
-            "grpo": {"group_size": 4, "epochs": 1, "batch_size": 12}, "concurrency": 8,
-            "rollout": {"agent": {"max_turns": 4, "sandbox": {"pool_size": 8, "spares": 1}}}}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_id": "agent-killed",
+                    "dataset": {"path": str(dataset)},
+                    "db_path": str(db),
+                    "policy": {"model": "scripted", "base_url": llm.base_url, "api_key_env": None},
+                    "grpo": {"group_size": 4, "epochs": 1, "batch_size": 12},
+                    "concurrency": 8,
+                    "rollout": {"agent": {"max_turns": 4, "sandbox": {"pool_size": 8, "spares": 1}}},
+                }
+            )
+        )
         argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config), "--mode", "agent"]
         with open(tmp_path / "train.out", "w") as out:
             train = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -237,10 +264,21 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
             wait_for(lambda: len(session_dirs(shared_tmp)) >= 6, 240, "six sandbox sessions", train)
             tag = session_dirs(shared_tmp)[0].name.split("-", 2)[2].rsplit("-", 1)[0]
             assert Owner.parse(tag).pid == train.pid
-            interpreters = wait_for(lambda: [p for p in marked_processes(tag) if p.uids().real == sandbox.NOBODY]
-                                    if os.geteuid() == 0 else marked_processes(tag), 60, "interpreters", train)
-            before = {"dirs": len(session_dirs(shared_tmp)), "processes": [describe(p) for p in marked_processes(tag)],
-                      "interpreters": len(interpreters)}
+            interpreters = wait_for(
+                lambda: (
+                    [p for p in marked_processes(tag) if p.uids().real == sandbox.NOBODY]
+                    if os.geteuid() == 0
+                    else marked_processes(tag)
+                ),
+                60,
+                "interpreters",
+                train,
+            )
+            before = {
+                "dirs": len(session_dirs(shared_tmp)),
+                "processes": [describe(p) for p in marked_processes(tag)],
+                "interpreters": len(interpreters),
+            }
 
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=10) == -signal.SIGKILL
@@ -248,23 +286,38 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
             assert killed["dirs"] >= before["dirs"] >= 6  # the problem: a SIGKILL removes none of them
 
             started = time.monotonic()
-            listed = subprocess.run([sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)], env=env,
-                                    cwd=ROOT, capture_output=True, text=True, timeout=300)
+            listed = subprocess.run(
+                [sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             took = time.monotonic() - started
         finally:
             release.set()
             if train.poll() is None:
                 train.kill()
                 train.wait()
-    print(f"before the kill {before}; right after it {killed}; `runs list` took {took:.1f} s; "
-          f"its stderr: {listed.stderr.strip()!r}")
+    print(
+        f"before the kill {before}; right after it {killed}; `runs list` took {took:.1f} s; "
+        f"its stderr: {listed.stderr.strip()!r}"
+    )
     assert listed.returncode == 0, listed.stderr[-3000:]
     lines = [ln for ln in listed.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(
-        f"swept leftovers of dead clgrpo process {train.pid}: {killed['dirs']} sandbox directories"), lines
+        f"swept leftovers of dead clgrpo process {train.pid}: {killed['dirs']} sandbox directories"
+    ), lines
     assert session_dirs(shared_tmp) == []
     assert marked_processes(tag) == []
     # nothing more to sweep: the next command is silent
-    again = subprocess.run([sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)], env=env,
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and again.stderr.strip() == "", again.stderr[-3000:]

@@ -7,10 +7,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from flows.train import train
-from clgrpo.library import ExperienceLibrary
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
 from schemas.records import LessonTrial, Operation, OpKind, TrialSample
 from tasks.validate_lessons import _Candidate, best_per_group, judge_trial, plan_after
@@ -20,17 +20,37 @@ FAMILY_LESSONS = {f.lesson for f in FAMILIES}
 
 
 def contrast_learning(**validation) -> LearningConfig:
-    return LearningConfig(extract="contrast", candidates=2, summarize=False, consolidation="passthrough",
-                          summarize_chunk_size=4,
-                          lesson_validation=LessonValidation(enabled=True, samples=4, problems=2, **validation))
+    return LearningConfig(
+        extract="contrast",
+        candidates=2,
+        summarize=False,
+        consolidation="passthrough",
+        summarize_chunk_size=4,
+        lesson_validation=LessonValidation(enabled=True, samples=4, problems=2, **validation),
+    )
 
 
 def make_config(server: FakeOpenAIServer, dataset, tmp_path, run_id: str, learning: LearningConfig) -> RunConfig:
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10, seed=11)
-    return RunConfig(run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path=str(dataset), seed=1),
-                     policy=model, grpo=GRPOConfig(group_size=4, epochs=1, batch_size=16, rollout_chunk_size=8),
-                     learning=learning, concurrency=8, pipeline=False)
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+        seed=11,
+    )
+    return RunConfig(
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
+        dataset=DatasetConfig(path=str(dataset), seed=1),
+        policy=model,
+        grpo=GRPOConfig(group_size=4, epochs=1, batch_size=16, rollout_chunk_size=8),
+        learning=learning,
+        concurrency=8,
+        pipeline=False,
+    )
 
 
 @pytest.mark.flow
@@ -56,7 +76,9 @@ async def test_validation_keeps_the_helpful_candidates_and_rejects_the_misleadin
 
     # every candidate of every group was proposed, every reply kept with the attempts it compared
     assert all(len(json.loads(p.raw_text)) == 2 for p in proposals if p.raw_text)
-    assert all("attempts" in entry and "reply" in entry for p in proposals if p.raw_text for entry in json.loads(p.raw_text))
+    assert all(
+        "attempts" in entry and "reply" in entry for p in proposals if p.raw_text for entry in json.loads(p.raw_text)
+    )
     assert len(replies) > 0 and replies["reply"].notna().all()  # and every learner reply is in its call's row
     misleading = [t for t in trials if t.operation.text == MISLEADING_LESSON]
     helpful = [t for t in trials if t.operation.text in FAMILY_LESSONS]
@@ -92,8 +114,10 @@ def test_candidates_need_validation():
 
 
 def _samples(seq: int, rewards: list[float | None]) -> list[TrialSample]:
-    return [TrialSample(seq=seq, problem_id=f"p{i // 2}", sample_idx=i % 2, seed=100 + i, reward=r)
-            for i, r in enumerate(rewards)]
+    return [
+        TrialSample(seq=seq, problem_id=f"p{i // 2}", sample_idx=i % 2, seed=100 + i, reward=r)
+        for i, r in enumerate(rewards)
+    ]
 
 
 def _candidate(seq: int, groups: list[str]) -> _Candidate:
@@ -118,10 +142,20 @@ def test_only_the_best_candidate_of_a_group_goes_on():
         op = Operation(op=OpKind.ADD, text=f"lesson {seq}", source_groups=groups)
         return LessonTrial(seq=seq, operation=op, gain=gain, verdict=verdict, reason="validated: ...")
 
-    trials = best_per_group([trial(0, ["a"], 0.25), trial(1, ["a"], 0.5), trial(2, ["b"], 0.25),
-                             trial(3, ["b"], -0.25, "rejected"),
-                             LessonTrial(seq=4, operation=Operation(op=OpKind.DELETE, target_ids=["E0"]),
-                                         verdict="untested", reason="delete operations are not validated")])
+    trials = best_per_group(
+        [
+            trial(0, ["a"], 0.25),
+            trial(1, ["a"], 0.5),
+            trial(2, ["b"], 0.25),
+            trial(3, ["b"], -0.25, "rejected"),
+            LessonTrial(
+                seq=4,
+                operation=Operation(op=OpKind.DELETE, target_ids=["E0"]),
+                verdict="untested",
+                reason="delete operations are not validated",
+            ),
+        ]
+    )
     assert [t.verdict for t in trials] == ["rejected", "kept", "kept", "rejected", "untested"]
     assert "another candidate of group a gained more (plan #1: +0.50 against +0.25)" in trials[0].reason
     tie = best_per_group([trial(0, ["c"], 0.25), trial(1, ["c"], 0.25)])
@@ -155,20 +189,31 @@ async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_a
             return [json.dumps({"lesson": general})]
         return [json.dumps({"difference": "It added one.", "lesson": "Seats 50 through 79 make 79 - 50 + 1 seats."})]
 
-    problem = Problem(problem_id="p1", problem="The seats in a row are numbered 50 through 79. How many seats?",
-                      answer="30")
-    rollouts = [Rollout(problem_id="p1", sample_idx=i, prompt_hash="h", library_version=0,
-                        turns=[Turn(kind="assistant", content=f"79 - 50 {'+ 1 ' if i == 0 else ''}= \\boxed{{{a}}}")])
-                for i, a in enumerate((30, 29))]
+    problem = Problem(
+        problem_id="p1", problem="The seats in a row are numbered 50 through 79. How many seats?", answer="30"
+    )
+    rollouts = [
+        Rollout(
+            problem_id="p1",
+            sample_idx=i,
+            prompt_hash="h",
+            library_version=0,
+            turns=[Turn(kind="assistant", content=f"79 - 50 {'+ 1 ' if i == 0 else ''}= \\boxed{{{a}}}")],
+        )
+        for i, a in enumerate((30, 29))
+    ]
     rewards = [Reward(problem_id="p1", sample_idx=0, reward=1.0), Reward(problem_id="p1", sample_idx=1, reward=0.0)]
     cfg = LearningConfig(extract="contrast", candidates=1, min_words=6, max_words=30)
     with FakeOpenAIServer(learner) as server:
         client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
-        batch = await extract_group_advantage([Group(problem, rollouts, rewards)], [], ExperienceLibrary(),
-                                              LearnerPrompts(), client, cfg)
+        batch = await extract_group_advantage(
+            [Group(problem, rollouts, rewards)], [], ExperienceLibrary(), LearnerPrompts(), client, cfg
+        )
         await client.aclose()
     proposal = batch.proposals[0]
     assert [op.text for op in proposal.operations] == [general]
-    assert "[rewritten as a general lesson: the draft copied from training problem p1]" in proposal.operations[0].rationale
+    assert (
+        "[rewritten as a general lesson: the draft copied from training problem p1]" in proposal.operations[0].rationale
+    )
     record = json.loads(proposal.raw_text)[0]
     assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.calls) == 2

@@ -17,9 +17,11 @@ def op(kind: str, ids=(), text=None, groups=()) -> Operation:
 def lib() -> ExperienceLibrary:
     start = ExperienceLibrary()
     new, results = start.apply(
-        [op("add", text="Check small cases first.", groups=["p1"]),
-         op("add", text="Draw a diagram for geometry.", groups=["p2"]),
-         op("add", text="Verify the final answer by substitution.", groups=["p3"])],
+        [
+            op("add", text="Check small cases first.", groups=["p1"]),
+            op("add", text="Draw a diagram for geometry.", groups=["p2"]),
+            op("add", text="Verify the final answer by substitution.", groups=["p3"]),
+        ],
         step=1,
     )
     assert [r.status for r in results] == [OpStatus.APPLIED] * 3
@@ -110,8 +112,14 @@ def test_deleted_id_is_rejected_as_deleted(lib):
 
 def test_conflicting_operations_on_one_id_in_one_batch(lib):
     new, results = lib.apply(
-        [op("modify", ["E0"], "Check tiny cases."), op("delete", ["E0"]),
-         op("merge", ["E0", "E1"], "Merged."), op("keep", ["E0"])], step=2)
+        [
+            op("modify", ["E0"], "Check tiny cases."),
+            op("delete", ["E0"]),
+            op("merge", ["E0", "E1"], "Merged."),
+            op("keep", ["E0"]),
+        ],
+        step=2,
+    )
     assert statuses(results)[0] == ("applied", "")
     for r in results[1:]:
         assert r.status == OpStatus.REJECTED and r.reason.startswith("conflict: E0 already changed by operation #0")

@@ -34,10 +34,12 @@ from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, ScriptedWorld, find_pro
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 LINE = re.compile(r"^\[(E\d+)\]\.\s*(.*)$", re.MULTILINE)
-DISTRACTORS = ["Read the question twice and underline what is asked before writing anything.",
-               "Write each intermediate result on its own line so a slip is easy to find.",
-               "Estimate the size of the answer first and compare the final result with it.",
-               "State the final answer once, in the requested form, at the very end."]
+DISTRACTORS = [
+    "Read the question twice and underline what is asked before writing anything.",
+    "Write each intermediate result on its own line so a slip is easy to find.",
+    "Estimate the size of the answer first and compare the final result with it.",
+    "State the final answer once, in the requested form, at the very end.",
+]
 
 
 class Recorder:
@@ -65,15 +67,37 @@ def family_vector(text: str) -> list[float]:
     return [v / norm for v in vector]
 
 
-def config(tmp_path: Path, server: FakeOpenAIServer, run_id: str, *, library: LibraryConfig,
-           dataset: Path, epochs: int = 2, domain_field: str | None = None, **extra) -> RunConfig:
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
-    return RunConfig(run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), policy=model, concurrency=8,
-                     dataset=DatasetConfig(path=str(dataset), seed=1, domain_field=domain_field),
-                     grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=12, rollout_chunk_size=4),
-                     learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4), library=library,
-                     **extra)
+def config(
+    tmp_path: Path,
+    server: FakeOpenAIServer,
+    run_id: str,
+    *,
+    library: LibraryConfig,
+    dataset: Path,
+    epochs: int = 2,
+    domain_field: str | None = None,
+    **extra,
+) -> RunConfig:
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
+    return RunConfig(
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
+        policy=model,
+        concurrency=8,
+        dataset=DatasetConfig(path=str(dataset), seed=1, domain_field=domain_field),
+        grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=12, rollout_chunk_size=4),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        library=library,
+        **extra,
+    )
 
 
 async def test_a_budgeted_run_never_exceeds_its_budget_and_lists_its_evictions(tmp_path, capsys):
@@ -90,8 +114,12 @@ async def test_a_budgeted_run_never_exceeds_its_budget_and_lists_its_evictions(t
     assert all(v.prompt_tokens() <= budget for v in versions)
     evictions = [r for _, r in results if r.operation.op == OpKind.EVICT]
     assert evictions and all(r.status.value == "applied" for r in evictions)
-    assert all(r.reason.startswith("over the token budget: library ") and f"library.max_tokens={budget}" in r.reason
-               and "lowest usefulness: confidence" in r.reason for r in evictions)
+    assert all(
+        r.reason.startswith("over the token budget: library ")
+        and f"library.max_tokens={budget}" in r.reason
+        and "lowest usefulness: confidence" in r.reason
+        for r in evictions
+    )
     created = [r.result_id for _, r in results if r.operation.op == OpKind.ADD and r.status.value == "applied"]
     assert len(created) == len(set(created))  # ids are never reused
     assert {r.result_id for r in evictions} <= versions[-1].retired_ids
@@ -109,8 +137,9 @@ async def test_a_budgeted_run_never_exceeds_its_budget_and_lists_its_evictions(t
         report = write_report(store, cfg.run_id, tmp_path / "report", fmt="md").read_text()
     assert "## Library quality per step" in report and "evicted" in report
     async with get_client() as client:  # the step artifact, as the Prefect UI shows it
-        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
-            any_=["budget-quality"])))
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["budget-quality"]))
+        )
     rows = json.loads(max(artifacts, key=lambda a: a.created).data)  # the latest version of the artifact
     assert [r["version"] for r in rows] == [q.version for q in quality] and rows[-1]["tokens"] <= budget
 
@@ -124,10 +153,17 @@ async def test_top_k_shows_each_problem_its_nearest_lessons_and_the_pinned_one(t
     try:
         recorder = Recorder(ScriptedWorld(seed=7))
         with FakeOpenAIServer(recorder) as server:
-            settings = LibraryConfig(injection="top_k", top_k=1, pinned=["E7"], embedding=EmbeddingConfig(
-                backend="openai", model="families", base_url=embeddings.base_url, api_key_env=None))
-            cfg = config(tmp_path, server, "top-k", library=settings, dataset=dataset, epochs=1,
-                         initial_library=str(start))
+            settings = LibraryConfig(
+                injection="top_k",
+                top_k=1,
+                pinned=["E7"],
+                embedding=EmbeddingConfig(
+                    backend="openai", model="families", base_url=embeddings.base_url, api_key_env=None
+                ),
+            )
+            cfg = config(
+                tmp_path, server, "top-k", library=settings, dataset=dataset, epochs=1, initial_library=str(start)
+            )
             await train(cfg)
     finally:
         embeddings.close()
@@ -144,8 +180,7 @@ async def test_a_mixed_dataset_routes_each_domain_to_its_own_lessons(tmp_path):
     dataset = write_jsonl(rows, tmp_path / "mixed.jsonl")
     recorder = Recorder(ScriptedWorld(seed=7))
     with FakeOpenAIServer(recorder) as server:
-        cfg = config(tmp_path, server, "domains", library=LibraryConfig(), dataset=dataset,
-                     domain_field="family")
+        cfg = config(tmp_path, server, "domains", library=LibraryConfig(), dataset=dataset, domain_field="family")
         await train(cfg)
 
     with Store(cfg.db_path, read_only=True) as store:

@@ -46,8 +46,12 @@ WRITER = textwrap.dedent("""
 
 
 def start_writer(db: Path, run_id: str, seconds: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(db), run_id, str(seconds)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db), run_id, str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_readers_get_in_between_the_writes_of_two_runs_on_one_file(tmp_path):
@@ -88,8 +92,10 @@ def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path, capsys):
 
     db = tmp_path / "runs.duckdb"
     with Store(db) as store, store.connected() as con:
-        con.execute("INSERT INTO runs (run_id, fingerprint, config_json, created_at, status) "
-                    "VALUES ('r1', 'f', '{}', now(), 'running')")
+        con.execute(
+            "INSERT INTO runs (run_id, fingerprint, config_json, created_at, status) "
+            "VALUES ('r1', 'f', '{}', now(), 'running')"
+        )
     assert holder(db, "train", "r1") is None
     owner = subprocess.Popen([sys.executable, "-c", HOLDER, str(db)], stdout=subprocess.PIPE, text=True)
     try:
@@ -100,8 +106,11 @@ def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path, capsys):
         assert f"running (pid {owner.pid})" in capsys.readouterr().out
         assert main(["runs", "delete", "r1", "--yes", "--db", str(db)]) == 2  # never under a live run
         assert f"error: run r1 is being trained by process {owner.pid}" in capsys.readouterr().err
-        with pytest.raises(RunLockedError, match=rf"^run r1 is being trained by process {owner.pid} \(started "
-                                                 rf".+\); wait for it or stop it \(kill {owner.pid}\)$"):
+        with pytest.raises(
+            RunLockedError,
+            match=rf"^run r1 is being trained by process {owner.pid} \(started "
+            rf".+\); wait for it or stop it \(kill {owner.pid}\)$",
+        ):
             refuse_if_running(db, "train", "r1")
         with pytest.raises(RunLockedError):
             RunLock(db, "train", "r1").acquire()
@@ -130,8 +139,14 @@ READER_LIMIT_S = 10.0
 
 
 def clgrpo(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clgrpo.cli", *args], env=env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "clgrpo.cli", *args],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen, out: Path, limit_s: float = 120.0) -> None:
@@ -170,17 +185,23 @@ def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, t
     with FakeOpenAIServer(ScriptedWorld(seed=2), latency=lambda _request: 0.6) as server:
         config = write_config(tmp_path / "run.yaml", db, dataset, server)
         with open(out, "w") as handle:
-            train = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config),
-                                      "--run-id", "live"], env=env, cwd=ROOT, stdout=handle,
-                                     stderr=subprocess.STDOUT)
+            train = subprocess.Popen(
+                [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config), "--run-id", "live"],
+                env=env,
+                cwd=ROOT,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
         try:
             wait_for(lambda: stored_step(db), "the first rollouts stored", train, out)
             started = time.monotonic()
             readers = {name: clgrpo(*argv, "--db", str(db), env=env) for name, argv in READERS.items()}
             second = clgrpo("train", "--config", str(config), "--run-id", "live", env=env)
             took = finish_times({**readers, "second train": second}, started, limit_s=60)
-            answers = {name: (p, *p.communicate(timeout=10), took[name])
-                       for name, p in {**readers, "second train": second}.items()}
+            answers = {
+                name: (p, *p.communicate(timeout=10), took[name])
+                for name, p in {**readers, "second train": second}.items()
+            }
             assert train.poll() is None, "the run ended before the readers were done: make it longer"
             for name, (proc, stdout, stderr, took) in answers.items():
                 if name == "second train":
@@ -195,13 +216,20 @@ def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, t
             proc, stdout, stderr, took = answers["second train"]
             assert proc.returncode == 2 and stderr.strip().splitlines() == [
                 f"error: run live is being trained by process {train.pid} (started "
-                f"{holder(db, 'train', 'live').started}); wait for it or stop it (kill {train.pid})"], stderr
-            print(f"\nwhile training: " + ", ".join(f"{name} {a[3]:.1f} s" for name, a in answers.items()))
+                f"{holder(db, 'train', 'live').started}); wait for it or stop it (kill {train.pid})"
+            ], stderr
+            print("\nwhile training: " + ", ".join(f"{name} {a[3]:.1f} s" for name, a in answers.items()))
             assert train.wait(timeout=300) == 0, out.read_text()[-4000:]
         finally:
             if train.poll() is None:
                 train.kill()
                 train.wait()
-    finished = subprocess.run([sys.executable, "-m", "clgrpo.cli", "runs", "show", "live", "--db", str(db)],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finished = subprocess.run(
+        [sys.executable, "-m", "clgrpo.cli", "runs", "show", "live", "--db", str(db)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "status:      completed" in finished.stdout and "steps done:  4" in finished.stdout, finished

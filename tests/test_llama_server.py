@@ -103,16 +103,17 @@ def test_a_missing_model_file_is_named(stand_in, tmp_path):
 def test_the_server_dies_with_the_process_that_started_it(stand_in, gguf, tmp_path):
     """SIGKILL the parent (no chance to clean up): the server gets SIGTERM from the kernel and ends."""
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f'''\
+    script.write_text(
+        textwrap.dedent(f"""\
         import sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from clgrpo.llama_server import LlamaServer
         server = LlamaServer({str(gguf)!r}, "m", log_path={str(tmp_path / "p.log")!r}).start()
         print(server.process.pid, flush=True)
         time.sleep(600)
-    '''))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ})
+    """)
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={**os.environ})
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()

@@ -7,7 +7,7 @@ import pytest
 
 from clgrpo.llm import LLMCallError, LLMClient
 from clgrpo.llm.backends import OpenAIBackend
-from clgrpo.testing.fake_openai import ChatRequest, Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
 from schemas.config import ModelConfig, PriceTable
 
@@ -38,8 +38,15 @@ class Replies:
 
 
 def model(server: FakeOpenAIServer, **overrides) -> ModelConfig:
-    base = dict(model="fake-model", base_url=server.base_url, api_key_env=None, retry_base_delay_s=0.01,
-                retry_max_delay_s=0.05, timeout_s=5.0, max_retries=3)
+    base = dict(
+        model="fake-model",
+        base_url=server.base_url,
+        api_key_env=None,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=5.0,
+        max_retries=3,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -102,8 +109,15 @@ async def test_rate_limit_pauses_other_callers(echo_server):
     await client.aclose()
 
 
-@pytest.mark.parametrize("fault", [Fault(kind="status", status=500), Fault(kind="status", status=503),
-                                   Fault(kind="drop"), Fault(kind="delay", delay_s=1.0)])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault(kind="status", status=500),
+        Fault(kind="status", status=503),
+        Fault(kind="drop"),
+        Fault(kind="delay", delay_s=1.0),
+    ],
+)
 async def test_transient_failures_are_retried(echo_server, fault):
     echo_server.inject(fault)
     client = LLMClient(model(echo_server, timeout_s=0.5))
@@ -130,7 +144,11 @@ async def test_gives_up_after_max_retries_with_a_failed_call_record(echo_server)
     assert all("gave up after 2 retries" in s.error and "HTTP 500" in s.error for s in sampled.failed)
     assert echo_server.stats.requests == 3
     # one record per request, each with its cause; only the last is the call's outcome
-    assert [(c.retries, c.ok, c.final) for c in sampled.calls] == [(0, False, False), (1, False, False), (2, False, True)]
+    assert [(c.retries, c.ok, c.final) for c in sampled.calls] == [
+        (0, False, False),
+        (1, False, False),
+        (2, False, True),
+    ]
     assert all("HTTP 500" in c.error for c in sampled.calls) and len({c.call_id for c in sampled.calls}) == 1
     await client.aclose()
 
@@ -161,8 +179,9 @@ async def test_operations_with_one_repair_re_ask():
     good = '{"operations": [{"op": "add", "text": "Check units."}]}'
     with FakeOpenAIServer(Replies("I would add a lesson.", good)) as server:
         client = LLMClient(model(server))
-        reply = await client.complete_operations(MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA,
-                                                 repair=LearnerPrompts().repair)
+        reply = await client.complete_operations(
+            MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+        )
         assert reply.parse_error is None and [o.text for o in reply.operations] == ["Check units."]
         assert len(reply.calls) == 2 and server.stats.requests == 2
         await client.aclose()
@@ -179,8 +198,9 @@ async def test_a_reply_cut_off_at_max_tokens_gets_a_fresh_draw_not_a_repair():
 
     with FakeOpenAIServer(responder) as server:
         client = LLMClient(model(server, max_tokens=64, seed=3))
-        reply = await client.complete_operations(MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA,
-                                                 repair=LearnerPrompts().repair)
+        reply = await client.complete_operations(
+            MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+        )
         await client.aclose()
     assert [o.text for o in reply.operations] == ["Check units."] and len(reply.calls) == 2
     assert asked[1] == asked[0]  # the same prompt again, without the looping reply in it
@@ -189,8 +209,9 @@ async def test_a_reply_cut_off_at_max_tokens_gets_a_fresh_draw_not_a_repair():
 async def test_operations_still_unparseable_are_returned_with_raw_text():
     with FakeOpenAIServer(Replies("no json here", "still none")) as server:
         client = LLMClient(model(server))
-        reply = await client.complete_operations(MESSAGES, stage="consolidate", json_schema=OPERATIONS_SCHEMA,
-                                                 repair=LearnerPrompts().repair)
+        reply = await client.complete_operations(
+            MESSAGES, stage="consolidate", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+        )
         assert reply.operations == [] and "unparseable after repair" in reply.parse_error
         assert "no json here" in reply.raw_text and "still none" in reply.raw_text
         await client.aclose()
@@ -233,19 +254,25 @@ async def test_request_body_on_the_wire_is_what_the_openai_sdk_sends():
     tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     response_format = {"type": "json_schema", "json_schema": {"name": "operations", "schema": schema, "strict": False}}
-    kinds = [dict(n=5, seed=3), dict(n=1, seed=None, repetition_penalty=1.1),
-             dict(n=1, seed=7, tools=tools, tool_choice="none"), dict(n=1, seed=None, json_schema=schema)]
+    kinds = [
+        dict(n=5, seed=3),
+        dict(n=1, seed=None, repetition_penalty=1.1),
+        dict(n=1, seed=7, tools=tools, tool_choice="none"),
+        dict(n=1, seed=None, json_schema=schema),
+    ]
     with FakeOpenAIServer(raw) as server:
         backend = OpenAIBackend(model(server, json_schema=True))
         sdk = openai.AsyncOpenAI(api_key="x", base_url=server.base_url, max_retries=0)
         from clgrpo.llm.backends import GenRequest
 
         for kind in kinds:
-            request = GenRequest(messages=MESSAGES, temperature=0.6, top_p=0.9, max_tokens=64,
-                                 schema_name="operations", **kind)
+            request = GenRequest(
+                messages=MESSAGES, temperature=0.6, top_p=0.9, max_tokens=64, schema_name="operations", **kind
+            )
             await backend.generate(request)
-            sdk_kwargs = dict(model="fake-model", messages=MESSAGES, n=request.n, temperature=0.6, top_p=0.9,
-                              max_tokens=64)
+            sdk_kwargs = dict(
+                model="fake-model", messages=MESSAGES, n=request.n, temperature=0.6, top_p=0.9, max_tokens=64
+            )
             if request.seed is not None:
                 sdk_kwargs["seed"] = request.seed
             if request.repetition_penalty is not None:

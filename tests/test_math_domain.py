@@ -465,14 +465,27 @@ def test_math_domain_is_registered_and_complete(tmp_path: Path) -> None:
 
 
 INTEGER_CASES = [
-    ("So the answer is \\boxed{42}.", "42"), ("\\boxed{42}", "17"), ("We get $\\boxed{ 204 }$", "204"),
-    ("\\boxed{042}", "42"), ("\\boxed{-3}", "-3"), ("\\boxed{-3}", "3"), ("answer: \\boxed{+7}", "7"),
-    ("First 12, then 15, finally \\boxed{15}", "15"), ("Final: \\boxed{15} though 12 looked right", "12"),
-    ("\\boxed{0}", "0"), ("x = 5 so \\boxed{25}", "025"), ("The total is \\boxed{1000}.", "1000"),
+    ("So the answer is \\boxed{42}.", "42"),
+    ("\\boxed{42}", "17"),
+    ("We get $\\boxed{ 204 }$", "204"),
+    ("\\boxed{042}", "42"),
+    ("\\boxed{-3}", "-3"),
+    ("\\boxed{-3}", "3"),
+    ("answer: \\boxed{+7}", "7"),
+    ("First 12, then 15, finally \\boxed{15}", "15"),
+    ("Final: \\boxed{15} though 12 looked right", "12"),
+    ("\\boxed{0}", "0"),
+    ("x = 5 so \\boxed{25}", "025"),
+    ("The total is \\boxed{1000}.", "1000"),
 ]
 SLOW_PATH_CASES = [  # not decided by the integer rule: math-verify grades them
-    ("\\boxed{3} or \\boxed{4}", "4"), ("\\boxed{\\frac{1}{2}}", "1/2"), ("\\boxed{42}", "42.0"),
-    ("The answer is 42.", "42"), ("\\boxed{x=5}", "5"), ("\\fbox{7} and \\boxed{7}", "7"), ("\\boxed{2^{10}}", "1024"),
+    ("\\boxed{3} or \\boxed{4}", "4"),
+    ("\\boxed{\\frac{1}{2}}", "1/2"),
+    ("\\boxed{42}", "42.0"),
+    ("The answer is 42.", "42"),
+    ("\\boxed{x=5}", "5"),
+    ("\\fbox{7} and \\boxed{7}", "7"),
+    ("\\boxed{2^{10}}", "1024"),
 ]
 
 
@@ -503,8 +516,10 @@ def test_start_markers_are_read_even_when_every_item_finished_before_it_was_coll
     generation = verify_mod._POOL.acquire()
     for round_ in range(3):
         tokens = itertools.count(round_ * 1000)
-        handles = [(i, token, generation.submit(_tagging_worker, token, f"o{i}", "a", 5.0))
-                   for i, token in zip(range(200), tokens)]
+        handles = [
+            (i, token, generation.submit(_tagging_worker, token, f"o{i}", "a", 5.0))
+            for i, token in zip(range(200), tokens)
+        ]
         for _, _, handle in handles:
             handle.wait(30)
         results: list = [None] * len(handles)

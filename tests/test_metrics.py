@@ -60,8 +60,10 @@ def _beta(a: float, b: float) -> float:
     return math.exp(math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
 
 
-@pytest.mark.parametrize(("metric", "k", "resample_samples"),
-                         [("mean_at_k", None, False), ("mean_at_k", None, True), ("pass_at_k", 2, False)])
+@pytest.mark.parametrize(
+    ("metric", "k", "resample_samples"),
+    [("mean_at_k", None, False), ("mean_at_k", None, True), ("pass_at_k", 2, False)],
+)
 def test_confidence_intervals_cover_the_true_value(metric, k, resample_samples):
     """200 simulated benchmarks: 40 problems with difficulty p ~ Beta(2, 3), 8 samples each. The 95% CI must
     cover the population value in 90-99% of them."""

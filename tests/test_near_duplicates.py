@@ -27,8 +27,11 @@ from tests.scripted_llm import FAMILIES, ScriptedWorld, make_problems, write_jso
 CARRY = "When adding numbers, carry the tens digit."
 CARRY_AGAIN = "When you add, carry the tens."
 REMAINDER = "When dividing, check the remainder first."
-VECTORS = {normalize_text(CARRY): [1.0, 0.0], normalize_text(CARRY_AGAIN): [0.96, 0.28],
-           normalize_text(REMAINDER): [0.0, 1.0]}
+VECTORS = {
+    normalize_text(CARRY): [1.0, 0.0],
+    normalize_text(CARRY_AGAIN): [0.96, 0.28],
+    normalize_text(REMAINDER): [0.0, 1.0],
+}
 
 
 def library() -> ExperienceLibrary:
@@ -81,15 +84,32 @@ async def test_a_run_rejects_or_merges_a_near_duplicate_lesson_and_caches_embedd
     embeddings = EmbeddingServer(vector=bag_of_words)
     try:
         with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
-            model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                                retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
+            model = ModelConfig(
+                model="scripted",
+                base_url=server.base_url,
+                api_key_env=None,
+                max_tokens=256,
+                retry_base_delay_s=0.01,
+                retry_max_delay_s=0.05,
+                timeout_s=10,
+            )
             cfg = RunConfig(
-                run_id=f"near-{mode}", db_path=str(tmp_path / "runs.duckdb"), initial_library=str(start),
-                dataset=DatasetConfig(path=str(dataset), seed=1), policy=model,
+                run_id=f"near-{mode}",
+                db_path=str(tmp_path / "runs.duckdb"),
+                initial_library=str(start),
+                dataset=DatasetConfig(path=str(dataset), seed=1),
+                policy=model,
                 grpo=GRPOConfig(group_size=4, epochs=2, batch_size=12, rollout_chunk_size=4),
-                learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4), concurrency=8,
-                library=LibraryConfig(near_duplicates=mode, near_duplicate_similarity=0.9, embedding=EmbeddingConfig(
-                    backend="openai", model="bow", base_url=embeddings.base_url, api_key_env=None)))
+                learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+                concurrency=8,
+                library=LibraryConfig(
+                    near_duplicates=mode,
+                    near_duplicate_similarity=0.9,
+                    embedding=EmbeddingConfig(
+                        backend="openai", model="bow", base_url=embeddings.base_url, api_key_env=None
+                    ),
+                ),
+            )
             result = await train(cfg)
         embedded_texts = [t for r in embeddings.requests for t in r["body"]["input"]]
     finally:
@@ -112,4 +132,3 @@ async def test_a_run_rejects_or_merges_a_near_duplicate_lesson_and_caches_embedd
         assert lib.by_id["E0"].source_groups  # the proposing groups joined the kept lesson
     # every distinct text was embedded once: the second step asked only for texts it had not seen
     assert len(embedded_texts) == len(set(embedded_texts)) == cached
-

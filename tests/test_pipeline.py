@@ -21,21 +21,36 @@ def latency(request: ChatRequest) -> float:
 
 
 def make_config(server: FakeOpenAIServer, tmp_path, run_id: str, pipeline: bool) -> RunConfig:
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
     return RunConfig(
-        run_id=run_id, db_path=str(tmp_path / f"{run_id}.duckdb"),
+        run_id=run_id,
+        db_path=str(tmp_path / f"{run_id}.duckdb"),
         dataset=DatasetConfig(path=str(write_jsonl(_PROBLEMS, tmp_path / "train.jsonl")), shuffle=False),
-        policy=model, grpo=GRPOConfig(group_size=4, epochs=2, batch_size=16, rollout_chunk_size=5),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4), concurrency=8, pipeline=pipeline)
+        policy=model,
+        grpo=GRPOConfig(group_size=4, epochs=2, batch_size=16, rollout_chunk_size=5),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        concurrency=8,
+        pipeline=pipeline,
+    )
 
 
 def stored(cfg: RunConfig) -> dict:
     with Store(cfg.db_path, read_only=True) as store:
         rid = cfg.run_id
         rollouts = [r.model_dump(exclude={"latency_s"}) for r in store.records("rollouts", rid)]
-        calls = store.query("SELECT step, stage, count(*) AS n, sum(tokens_in) AS i, sum(tokens_out) AS o "
-                            "FROM llm_calls WHERE run_id = ? GROUP BY ALL ORDER BY ALL", [rid])
+        calls = store.query(
+            "SELECT step, stage, count(*) AS n, sum(tokens_in) AS i, sum(tokens_out) AS o "
+            "FROM llm_calls WHERE run_id = ? GROUP BY ALL ORDER BY ALL",
+            [rid],
+        )
         stages = store.query("SELECT step, stage, n_rows FROM stage_runs WHERE run_id = ? ORDER BY ALL", [rid])
         return {
             "rollouts": rollouts,

@@ -17,12 +17,26 @@ def assert_png(data: bytes) -> None:
 @pytest.mark.parametrize("empty", [False, True])
 def test_run_plots_are_png(empty, tmp_path):
     steps = [] if empty else [0, 1, 2, 3]
-    series = [plots.Series("train", steps[1:], [0.2, 0.5, 0.7][: len(steps[1:])], [0.1, 0.4, 0.6][: len(steps[1:])],
-                           [0.3, 0.6, 0.8][: len(steps[1:])]),
-              plots.Series("held-out", steps, [0.2, 0.3, 0.6, 0.8][: len(steps)])]
-    images = [plots.accuracy_plot(series), plots.library_size_plot(steps, [0, 2, 3, 3][: len(steps)]),
-              plots.cost_plot(steps, [100, 900, 800, 700][: len(steps)], [50, 300, 250, 200][: len(steps)],
-                              [0.0, 0.01, 0.02, 0.015][: len(steps)])]
+    series = [
+        plots.Series(
+            "train",
+            steps[1:],
+            [0.2, 0.5, 0.7][: len(steps[1:])],
+            [0.1, 0.4, 0.6][: len(steps[1:])],
+            [0.3, 0.6, 0.8][: len(steps[1:])],
+        ),
+        plots.Series("held-out", steps, [0.2, 0.3, 0.6, 0.8][: len(steps)]),
+    ]
+    images = [
+        plots.accuracy_plot(series),
+        plots.library_size_plot(steps, [0, 2, 3, 3][: len(steps)]),
+        plots.cost_plot(
+            steps,
+            [100, 900, 800, 700][: len(steps)],
+            [50, 300, 250, 200][: len(steps)],
+            [0.0, 0.01, 0.02, 0.015][: len(steps)],
+        ),
+    ]
     for data in images:
         assert_png(data)
     path = plots.write_png(images[0], tmp_path / "sub" / "accuracy.png")

@@ -29,8 +29,10 @@ def test_each_kind_of_secret_is_replaced_and_counted(kind, text, secret):
 
 
 def test_ordinary_text_is_left_alone():
-    text = ("Compute 123456789012345678 * 2. The key = 42, token: short, sha 9f86d081 in prose; "
-            "see https://example.com/a/b and mail me at x@example.com")
+    text = (
+        "Compute 123456789012345678 * 2. The key = 42, token: short, sha 9f86d081 in prose; "
+        "see https://example.com/a/b and mail me at x@example.com"
+    )
     redactor = Redactor()
     assert redactor(text) == text and redactor.total == 0
     assert redactor.summary() == "no secrets redacted"
@@ -44,6 +46,8 @@ def test_emails_only_when_asked():
 def test_the_prefix_is_kept_and_counts_add_up():
     redactor = Redactor()
     out = redactor("user:pw in https://bob:s3cret@host/x and Bearer abcdefghijklmnop1234 and Bearer qrstuvwxyz567890ab")
-    assert out == ("user:pw in https://bob:[REDACTED:url_password]@host/x and Bearer [REDACTED:bearer_token] and "
-                   "Bearer [REDACTED:bearer_token]")
+    assert out == (
+        "user:pw in https://bob:[REDACTED:url_password]@host/x and Bearer [REDACTED:bearer_token] and "
+        "Bearer [REDACTED:bearer_token]"
+    )
     assert redactor.total == 3

@@ -12,7 +12,7 @@ from clgrpo.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.state import remember_db
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from flows.refresh import decide, refresh, refresh_date
 from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
@@ -31,16 +31,31 @@ def arrive(path, problems, moment: datetime):
 def refresh_config(server: FakeOpenAIServer, tmp_path, **extra) -> RefreshConfig:
     heldout = write_jsonl(make_problems(n_per_family=4, seed=99), tmp_path / "heldout.jsonl")
     (tmp_path / "incoming").mkdir(exist_ok=True)
-    model = {"model": "scripted", "base_url": server.base_url, "api_key_env": None, "max_tokens": 256,
-             "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.05, "timeout_s": 10}
-    return RefreshConfig.model_validate({
-        "name": "nightly",
-        "source": {"kind": "directory", "path": str(tmp_path / "incoming")},
-        "training": {"db_path": str(tmp_path / "refresh.duckdb"), "policy": model, "concurrency": 8,
-                     "grpo": {"group_size": 4, "epochs": 2, "batch_size": 16, "rollout_chunk_size": 8},
-                     "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4}},
-        "evaluation": {"dataset": {"path": str(heldout)}, "k": 4, "bootstrap_samples": 500, "chunk_size": 8},
-        "steps": 2, **extra})
+    model = {
+        "model": "scripted",
+        "base_url": server.base_url,
+        "api_key_env": None,
+        "max_tokens": 256,
+        "retry_base_delay_s": 0.01,
+        "retry_max_delay_s": 0.05,
+        "timeout_s": 10,
+    }
+    return RefreshConfig.model_validate(
+        {
+            "name": "nightly",
+            "source": {"kind": "directory", "path": str(tmp_path / "incoming")},
+            "training": {
+                "db_path": str(tmp_path / "refresh.duckdb"),
+                "policy": model,
+                "concurrency": 8,
+                "grpo": {"group_size": 4, "epochs": 2, "batch_size": 16, "rollout_chunk_size": 8},
+                "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4},
+            },
+            "evaluation": {"dataset": {"path": str(heldout)}, "k": 4, "bootstrap_samples": 500, "chunk_size": 8},
+            "steps": 2,
+            **extra,
+        }
+    )
 
 
 def rows(db: str, sql: str) -> list[tuple]:
@@ -62,7 +77,11 @@ async def test_no_new_data_then_a_promotion_then_idempotent_dates(tmp_path):
 
         # night 2: twelve problems arrived during the day; one arrives after the cutoff and waits
         arrive(tmp_path / "incoming" / "day2.jsonl", make_problems(n_per_family=3, seed=5), NIGHT + timedelta(hours=12))
-        arrive(tmp_path / "incoming" / "late.jsonl", make_problems(n_per_family=1, seed=6), NIGHT + timedelta(days=1, hours=3))
+        arrive(
+            tmp_path / "incoming" / "late.jsonl",
+            make_problems(n_per_family=1, seed=6),
+            NIGHT + timedelta(days=1, hours=3),
+        )
         night2 = NIGHT + timedelta(days=1)
         promoted = await refresh(config, as_of=night2)
         assert promoted.status == "promoted", promoted.reasons
@@ -177,12 +196,23 @@ async def test_without_as_of_the_date_is_the_runs_scheduled_start(tmp_path):
     assert abs((decision.cutoff - datetime.now(timezone.utc)).total_seconds()) < 120
 
 
-@pytest.mark.parametrize(("ci_low", "margin", "promoted"), [(0.01, 0.0, True), (0.0, 0.0, False),
-                                                             (-0.2, -0.25, True), (0.04, 0.05, False)])
+@pytest.mark.parametrize(
+    ("ci_low", "margin", "promoted"), [(0.01, 0.0, True), (0.0, 0.0, False), (-0.2, -0.25, True), (0.04, 0.05, False)]
+)
 def test_promotion_needs_the_ci_lower_bound_above_the_margin(ci_low, margin, promoted):
-    comparison = EvalComparison(eval_id="e", baseline="none", candidate="c:1", metric="pass_at_k",
-                                baseline_value=0.4, candidate_value=0.5, diff=0.1, ci_low=ci_low, ci_high=0.3,
-                                ci_level=0.9, n_problems=30)
+    comparison = EvalComparison(
+        eval_id="e",
+        baseline="none",
+        candidate="c:1",
+        metric="pass_at_k",
+        baseline_value=0.4,
+        candidate_value=0.5,
+        diff=0.1,
+        ci_low=ci_low,
+        ci_high=0.3,
+        ci_level=0.9,
+        n_problems=30,
+    )
     decision, reason = decide(comparison, margin)
     assert decision is promoted
     assert reason.startswith("Pass@k 0.400 -> 0.500 on 30 held-out problems: gain +0.100, 90% CI")

@@ -26,40 +26,66 @@ HURT = "sums"
 
 
 # --- the rule ---------------------------------------------------------------------------------------------------
-def comparison(tag: str | None, diff: float, low: float, high: float, n: int = 12,
-               metric: str = "mean_at_k") -> EvalComparison:
-    return EvalComparison(eval_id="e", baseline="none", candidate="c:1", metric=metric, baseline_value=0.62,
-                          candidate_value=round(0.62 + diff, 6), diff=diff, ci_low=low, ci_high=high, ci_level=0.95,
-                          n_problems=n, tag=tag)
+def comparison(
+    tag: str | None, diff: float, low: float, high: float, n: int = 12, metric: str = "mean_at_k"
+) -> EvalComparison:
+    return EvalComparison(
+        eval_id="e",
+        baseline="none",
+        candidate="c:1",
+        metric=metric,
+        baseline_value=0.62,
+        candidate_value=round(0.62 + diff, 6),
+        diff=diff,
+        ci_low=low,
+        ci_high=high,
+        ci_level=0.95,
+        n_problems=n,
+        tag=tag,
+    )
 
 
-@pytest.mark.parametrize(("high", "n", "tag_margin", "verdict"), [
-    (-0.01, 12, 0.0, "fail"),  # the whole CI below 0
-    (0.0, 12, 0.0, "pass"),  # touching 0 is not below it
-    (0.2, 12, 0.0, "pass"),
-    (-0.04, 12, 0.05, "pass"),  # within the tolerated loss
-    (-0.05, 12, 0.05, "pass"),  # exactly at -tag_margin: not below
-    (-0.06, 12, 0.05, "fail"),
-    (-0.5, 9, 0.0, "not_gated"),  # too few problems: reported, never failed
-    (-0.5, 10, 0.0, "fail"),  # exactly min_tag_problems is gated
-])
+@pytest.mark.parametrize(
+    ("high", "n", "tag_margin", "verdict"),
+    [
+        (-0.01, 12, 0.0, "fail"),  # the whole CI below 0
+        (0.0, 12, 0.0, "pass"),  # touching 0 is not below it
+        (0.2, 12, 0.0, "pass"),
+        (-0.04, 12, 0.05, "pass"),  # within the tolerated loss
+        (-0.05, 12, 0.05, "pass"),  # exactly at -tag_margin: not below
+        (-0.06, 12, 0.05, "fail"),
+        (-0.5, 9, 0.0, "not_gated"),  # too few problems: reported, never failed
+        (-0.5, 10, 0.0, "fail"),  # exactly min_tag_problems is gated
+    ],
+)
 def test_a_tag_fails_when_its_ci_upper_bound_is_below_minus_the_tag_margin(high, n, tag_margin, verdict):
     assert tag_verdict(comparison("geometry", high - 0.1, high - 0.2, high, n=n), tag_margin, 10) == verdict
 
 
 def gate_config(**extra) -> RefreshConfig:
-    return RefreshConfig.model_validate({"source": {"path": "in"}, "training": {}, "evaluation": {
-        "dataset": {"path": "h.jsonl"}}, **extra})
+    return RefreshConfig.model_validate(
+        {"source": {"path": "in"}, "training": {}, "evaluation": {"dataset": {"path": "h.jsonl"}}, **extra}
+    )
 
 
 def test_the_gate_names_every_failing_tag_with_its_numbers():
-    comparisons = [comparison(None, 0.2, 0.05, 0.35, n=40), comparison(None, 0.9, 0.8, 1.0, metric="pass_at_k"),
-                   comparison("web", -0.4, -0.6, -0.25, n=3), comparison("geometry", -0.21, -0.33, -0.09),
-                   comparison("algebra", 0.3, 0.1, 0.5), comparison("geometry", 0.1, 0.0, 0.2, metric="pass_at_k"),
-                   comparison("probability", -0.3, -0.5, -0.1, n=11)]
+    comparisons = [
+        comparison(None, 0.2, 0.05, 0.35, n=40),
+        comparison(None, 0.9, 0.8, 1.0, metric="pass_at_k"),
+        comparison("web", -0.4, -0.6, -0.25, n=3),
+        comparison("geometry", -0.21, -0.33, -0.09),
+        comparison("algebra", 0.3, 0.1, 0.5),
+        comparison("geometry", 0.1, 0.0, 0.2, metric="pass_at_k"),
+        comparison("probability", -0.3, -0.5, -0.1, n=11),
+    ]
     gate = promotion_gate("r", comparisons, gate_config(min_tag_problems=10))
     assert [(r.tag, r.verdict) for r in gate.rows] == [
-        (None, "pass"), ("algebra", "pass"), ("geometry", "fail"), ("probability", "fail"), ("web", "not_gated")]
+        (None, "pass"),
+        ("algebra", "pass"),
+        ("geometry", "fail"),
+        ("probability", "fail"),
+        ("web", "not_gated"),
+    ]
     assert all(r.metric == "mean_at_k" and r.refresh_id == "r" for r in gate.rows)
     assert [r.threshold for r in gate.rows] == [0.0, 0.0, 0.0, 0.0, 0.0] and str(gate.rows[1].threshold) == "0.0"
     assert not gate.tags_pass and [r.tag for r in gate.failing_tags] == ["geometry", "probability"]
@@ -67,7 +93,8 @@ def test_the_gate_names_every_failing_tag_with_its_numbers():
         "per-tag gate: 2 of 3 gated tag(s) regressed (geometry, probability): not promoted",
         "tag geometry: 0.620 -> 0.410, diff -0.210 [-0.330, -0.090] on 12 problems: wholly below 0",
         "tag probability: 0.620 -> 0.320, diff -0.300 [-0.500, -0.100] on 11 problems: wholly below 0",
-        "tags not gated, fewer than 10 held-out problems each (min_tag_problems): web (3)"]
+        "tags not gated, fewer than 10 held-out problems each (min_tag_problems): web (3)",
+    ]
     tolerant = promotion_gate("r", comparisons, gate_config(tag_margin=0.2, min_tag_problems=3))
     assert [(r.tag, r.verdict) for r in tolerant.failing_tags] == [("web", "fail")]
     assert tolerant.reasons()[1].endswith("[-0.600, -0.250] on 3 problems: wholly below -0.200")
@@ -83,8 +110,9 @@ def test_without_tags_the_gate_is_the_overall_rule_alone():
 
 
 def test_the_gate_table_refuses_verdicts_that_break_the_rule(tmp_path):
-    gate = promotion_gate("r", [comparison(None, 0.2, 0.05, 0.35), comparison("geometry", -0.21, -0.33, -0.09)],
-                          gate_config())
+    gate = promotion_gate(
+        "r", [comparison(None, 0.2, 0.05, 0.35), comparison("geometry", -0.21, -0.33, -0.09)], gate_config()
+    )
     with Store(tmp_path / "db.duckdb") as store:
         store.write_stage("r", 0, "refresh-gate", {"refresh_gate": gate.rows})
         assert store.records("refresh_gate", "r", 0, "refresh-gate") == gate.rows
@@ -119,8 +147,9 @@ class OneFamilyHurt(ScriptedWorld):
 
 def tagged_heldout(path, per_family: dict[str, int]) -> str:
     """Held-out problems tagged with their family (``tag`` column), ``per_family`` problems of each."""
-    rows = [{**row, "tag": row["id"].split("-")[0]} for row in make_problems(n_per_family=max(per_family.values()),
-                                                                              seed=99)]
+    rows = [
+        {**row, "tag": row["id"].split("-")[0]} for row in make_problems(n_per_family=max(per_family.values()), seed=99)
+    ]
     kept = [r for r in rows if int(r["id"].split("-")[1]) < per_family[r["tag"]]]
     return str(write_jsonl(kept, path))
 
@@ -129,8 +158,13 @@ def gated_config(server: FakeOpenAIServer, tmp_path, per_family: dict[str, int] 
     config = refresh_config(server, tmp_path, **extra)
     if per_family is None:
         return config
-    evaluation = config.evaluation.model_copy(update={"dataset": config.evaluation.dataset.model_copy(
-        update={"path": tagged_heldout(tmp_path / "tagged.jsonl", per_family)})})
+    evaluation = config.evaluation.model_copy(
+        update={
+            "dataset": config.evaluation.dataset.model_copy(
+                update={"path": tagged_heldout(tmp_path / "tagged.jsonl", per_family)}
+            )
+        }
+    )
     return config.model_copy(update={"evaluation": evaluation})
 
 
@@ -161,12 +195,18 @@ async def test_a_candidate_that_helps_overall_but_hurts_a_tag_is_not_promoted(tm
     assert "lower bound is above the margin" in decision.reasons[1]
     assert decision.reasons[2] == f"per-tag gate: 1 of 4 gated tag(s) regressed ({HURT}): not promoted"
     assert decision.reasons[3].startswith(f"tag {HURT}: ") and decision.reasons[3].endswith(
-        "on 6 problems: wholly below 0")
+        "on 6 problems: wholly below 0"
+    )
     assert not (tmp_path / "refresh" / "nightly" / "promoted.json").exists()
 
     rows = gate_rows(config, decision.refresh_id)
-    assert [(r.tag, r.verdict) for r in rows] == [(None, "pass"), ("differences", "pass"), ("products", "pass"),
-                                                  ("remainders", "pass"), (HURT, "fail")]
+    assert [(r.tag, r.verdict) for r in rows] == [
+        (None, "pass"),
+        ("differences", "pass"),
+        ("products", "pass"),
+        ("remainders", "pass"),
+        (HURT, "fail"),
+    ]
     hurt = rows[-1]
     assert hurt.n_problems == 6 and hurt.ci_high < 0 and hurt.candidate_value == 0.0 and hurt.baseline_value > 0.3
     assert (rows[0].diff, rows[0].ci_low, rows[0].n_problems) == (decision.diff, decision.ci_low, 24)
@@ -176,8 +216,12 @@ async def test_a_candidate_that_helps_overall_but_hurts_a_tag_is_not_promoted(tm
 
     table = json.loads(await latest_artifact("nightly-refresh-gate"))
     assert [(r["tag"], r["problems"], r["verdict"]) for r in table] == [
-        ("all", "24", "pass"), ("differences", "6", "pass"), ("products", "6", "pass"), ("remainders", "6", "pass"),
-        (HURT, "6", "fail")]
+        ("all", "24", "pass"),
+        ("differences", "6", "pass"),
+        ("products", "6", "pass"),
+        ("remainders", "6", "pass"),
+        (HURT, "6", "fail"),
+    ]
     markdown = await latest_artifact("nightly-refresh")
     assert "## Promotion gate (Mean@k, overall and per task tag)" in markdown and "| sums | 6 |" in markdown
     history = json.loads(await latest_artifact("nightly-refresh-history"))
@@ -196,8 +240,9 @@ async def test_a_candidate_that_hurts_no_tag_is_promoted_with_passing_rows(tmp_p
         config = gated_config(server, tmp_path, {f.name: 4 for f in FAMILIES}, min_tag_problems=4)
         decision = await refresh_once(config, tmp_path)
     assert decision.status == "promoted", decision.reasons
-    assert decision.reasons[2] == ("per-tag gate: none of 4 gated tag(s) regressed "
-                                   "(differences, products, remainders, sums)")
+    assert decision.reasons[2] == (
+        "per-tag gate: none of 4 gated tag(s) regressed (differences, products, remainders, sums)"
+    )
     rows = gate_rows(config, decision.refresh_id)
     assert [r.tag for r in rows] == [None, "differences", "products", "remainders", "sums"]
     assert {r.verdict for r in rows} == {"pass"} and all(r.n_problems == 4 for r in rows[1:])

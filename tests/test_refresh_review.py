@@ -39,22 +39,42 @@ def _library(texts: dict[str, str], next_id: int) -> ExperienceLibrary:
 
 def test_answers_build_the_baseline_plus_the_adopted_changes_with_stable_ids():
     baseline = _library({"E0": "Check units first.", "E1": "Round at the end.", "E2": "Draw a table."}, 3)
-    candidate = _library({"E0": "Check units before any arithmetic.", "E2": "Draw a table.",
-                          "E3": "Estimate the answer first.", "E4": "Name every variable."}, 5)
+    candidate = _library(
+        {
+            "E0": "Check units before any arithmetic.",
+            "E2": "Draw a table.",
+            "E3": "Estimate the answer first.",
+            "E4": "Name every variable.",
+        },
+        5,
+    )
     changes = changes_between(baseline, candidate)
     assert [(c.change_id, c.op, c.exp_id) for c in changes] == [
-        ("c1", "add", "E3"), ("c2", "add", "E4"), ("c3", "modify", "E0"), ("c4", "delete", "E1")]
-    form = {field_name(changes[0]): {"decision": "approve"},
-            field_name(changes[1]): {"decision": "edit", "text": NEVER, "reason": "sharper"},
-            "c3": {"decision": "edit", "text": "Check the units of every quantity first."},
-            "c4": {"decision": "reject", "reason": "still useful"}, "reviewer": "ana"}
+        ("c1", "add", "E3"),
+        ("c2", "add", "E4"),
+        ("c3", "modify", "E0"),
+        ("c4", "delete", "E1"),
+    ]
+    form = {
+        field_name(changes[0]): {"decision": "approve"},
+        field_name(changes[1]): {"decision": "edit", "text": NEVER, "reason": "sharper"},
+        "c3": {"decision": "edit", "text": "Check the units of every quantity first."},
+        "c4": {"decision": "reject", "reason": "still useful"},
+        "reviewer": "ana",
+    }
     answers, reviewer = answers_from(form, changes)
-    decisions = decide_all(changes, answers, reviewer, check=lambda text, groups: "unsafe" if "Ignore" in text else None)
+    decisions = decide_all(
+        changes, answers, reviewer, check=lambda text, groups: "unsafe" if "Ignore" in text else None
+    )
     assert [d.decision for d in decisions] == ["approve", "refused_edit", "edit", "reject"]
     assert decisions[1].reason == "edit refused by the lesson guard: unsafe" and not decisions[1].adopted
     library = reviewed_library(baseline, candidate, decisions)
-    assert library.as_dict() == {"E0": "Check the units of every quantity first.", "E1": "Round at the end.",
-                                 "E2": "Draw a table.", "E3": "Estimate the answer first."}
+    assert library.as_dict() == {
+        "E0": "Check the units of every quantity first.",
+        "E1": "Round at the end.",
+        "E2": "Draw a table.",
+        "E3": "Estimate the answer first.",
+    }
     assert library.next_id == 5  # the rejected E4 is never reused
 
     with pytest.raises(ReviewError, match="no answer for c4"):
@@ -109,10 +129,15 @@ async def test_a_terminal_review_then_clgrpo_review_decisions_then_rollback(tmp_
     assert main(["refresh", "history", "--name", "nightly", "--db", db]) == 0
     assert "awaiting review of" in capsys.readouterr().out
     first, second, third = changes[:3]
-    answers = {first.change_id: {"decision": "approve", "reason": "clear"},
-               second.change_id: {"decision": "edit", "text": "Write down the known quantities before computing.",
-                                  "reason": "shorter"},
-               third.change_id: {"decision": "reject", "reason": "too specific"}}
+    answers = {
+        first.change_id: {"decision": "approve", "reason": "clear"},
+        second.change_id: {
+            "decision": "edit",
+            "text": "Write down the known quantities before computing.",
+            "reason": "shorter",
+        },
+        third.change_id: {"decision": "reject", "reason": "too specific"},
+    }
     answers.update({c.change_id: {"decision": "edit", "text": NEVER} for c in changes[3:]})
     path = tmp_path / "decisions.json"
     path.write_text(json.dumps(answers))

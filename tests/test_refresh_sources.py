@@ -44,10 +44,20 @@ def test_directory_files_arrive_at_their_mtime_and_later_files_wait(tmp_path):
 
 
 def test_selection_is_oldest_first_capped_deduplicated_and_renames_clashing_ids(tmp_path):
-    a = write_jsonl([{"id": "1", "problem": "What is 2 + 2?", "answer": "4"},
-                     {"id": "2", "problem": "What is 3 + 3?", "answer": "6"}], tmp_path / "in" / "a.jsonl")
-    b = write_jsonl([{"id": "1", "problem": "What is 5 + 5?", "answer": "10"},
-                     {"id": "9", "problem": "what is  2 + 2?", "answer": "4"}], tmp_path / "in" / "b.jsonl")
+    a = write_jsonl(
+        [
+            {"id": "1", "problem": "What is 2 + 2?", "answer": "4"},
+            {"id": "2", "problem": "What is 3 + 3?", "answer": "6"},
+        ],
+        tmp_path / "in" / "a.jsonl",
+    )
+    b = write_jsonl(
+        [
+            {"id": "1", "problem": "What is 5 + 5?", "answer": "10"},
+            {"id": "9", "problem": "what is  2 + 2?", "answer": "4"},
+        ],
+        tmp_path / "in" / "b.jsonl",
+    )
     _touch(a, T0 + timedelta(minutes=5))
     _touch(b, T0)
     arrivals = read_arrivals(RefreshSource(path=str(tmp_path / "in")), MATH, T0 + timedelta(hours=1), tmp_path)
@@ -69,8 +79,10 @@ def test_duckdb_table_rows_arrive_at_their_timestamp(tmp_path):
     db = tmp_path / "inbox.duckdb"
     with duckdb.connect(str(db)) as con:
         con.execute("CREATE TABLE inbox (id VARCHAR, problem VARCHAR, answer VARCHAR, created_at TIMESTAMP)")
-        rows = [(p["id"], p["problem"], p["answer"], (T0 + timedelta(hours=i)).replace(tzinfo=None))
-                for i, p in enumerate(make_problems(n_per_family=1, seed=2))]
+        rows = [
+            (p["id"], p["problem"], p["answer"], (T0 + timedelta(hours=i)).replace(tzinfo=None))
+            for i, p in enumerate(make_problems(n_per_family=1, seed=2))
+        ]
         con.executemany("INSERT INTO inbox VALUES (?, ?, ?, ?)", rows[::-1])
     source = RefreshSource(kind="duckdb", path=str(db), table="inbox")
     arrivals = read_arrivals(source, MATH, T0 + timedelta(hours=2, minutes=30), tmp_path / "scratch")
@@ -96,13 +108,17 @@ def test_source_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(SourceError, match="no timestamp column 'created_at'"):
         read_arrivals(RefreshSource(kind="duckdb", path=str(db), table="inbox"), MATH, T0, tmp_path)
     with pytest.raises(SourceError, match=r"row 0: field 'added' is not a timestamp"):
-        read_arrivals(RefreshSource(kind="duckdb", path=str(db), table="inbox", timestamp_column="added"),
-                      MATH, T0, tmp_path)
+        read_arrivals(
+            RefreshSource(kind="duckdb", path=str(db), table="inbox", timestamp_column="added"), MATH, T0, tmp_path
+        )
 
 
 def test_refresh_config_validation():
-    base = {"source": {"path": "in"}, "training": {"policy": {"model": "m"}},
-            "evaluation": {"dataset": {"path": "heldout.jsonl"}}}
+    base = {
+        "source": {"path": "in"},
+        "training": {"policy": {"model": "m"}},
+        "evaluation": {"dataset": {"path": "heldout.jsonl"}},
+    }
     config = RefreshConfig.model_validate(base)  # the training template needs no dataset of its own
     assert config.training.run_id is None and config.timezone == "UTC"
     with pytest.raises(ValueError, match="not a known IANA zone"):

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from flows.refresh import refresh
 from tests.scripted_llm import ScriptedWorld, make_problems
 from tests.test_refresh_flow import NIGHT, refresh_config, rows
@@ -35,8 +35,13 @@ def traces_of(problems: list[dict], start, step=timedelta(minutes=1)) -> list[di
     """Conversations about the problems: every third with a reference, every third thumbs up, the rest none."""
     out = []
     for i, p in enumerate(problems):
-        row = {"id": f"tr-{p['id']}", "created_at": (start + i * step).isoformat(), "tag": p["id"].split("-")[0],
-               "messages": [{"role": "user", "content": p["problem"]}], "reply": f"\\boxed{{{p['answer']}}}"}
+        row = {
+            "id": f"tr-{p['id']}",
+            "created_at": (start + i * step).isoformat(),
+            "tag": p["id"].split("-")[0],
+            "messages": [{"role": "user", "content": p["problem"]}],
+            "reply": f"\\boxed{{{p['answer']}}}",
+        }
         if i % 3 == 0:
             row["feedback"] = {"thumbs": -1, "reference": p["answer"]}
         elif i % 3 == 1:
@@ -59,13 +64,18 @@ async def test_traces_refresh_over_two_nights(tmp_path):
         incoming = tmp_path / "incoming"
         day1 = traces_of(make_problems(n_per_family=3, seed=5), NIGHT - timedelta(hours=10))
         day1[4]["messages"][0]["content"] += f" (my key is {SECRET})"
-        land(incoming / "day1.jsonl", [*day1, "{broken\n", {"messages": [{"role": "system", "content": "x"}]}],
-             NIGHT - timedelta(hours=1))
+        land(
+            incoming / "day1.jsonl",
+            [*day1, "{broken\n", {"messages": [{"role": "system", "content": "x"}]}],
+            NIGHT - timedelta(hours=1),
+        )
 
         first = await refresh(config, as_of=NIGHT)
         assert first.status == "promoted" and first.n_new_problems == 12, first.reasons
-        assert any(r.startswith("2 trace row(s) skipped: day1.jsonl:13: not JSON") and "day1.jsonl:14: no user "
-                   "message" in r for r in first.reasons)
+        assert any(
+            r.startswith("2 trace row(s) skipped: day1.jsonl:13: not JSON") and "day1.jsonl:14: no user message" in r
+            for r in first.reasons
+        )
         assert "1 secret(s) redacted from the traces" in first.reasons
         assert not any(SECRET in body for body in world.seen)
         with Store(db, read_only=True) as store:
@@ -77,11 +87,19 @@ async def test_traces_refresh_over_two_nights(tmp_path):
             assert [(r.file, r.line) for r in rejects] == [("day1.jsonl", 13), ("day1.jsonl", 14)]
             problems = store.records("problems", f"{first.refresh_id}-train")
             assert {p.tag for p in problems} == {"sums", "products", "differences", "remainders"}
-        sources = dict(rows(db, "SELECT reward_source, count(*) FROM rewards WHERE run_id = 'prod-2026-11-21-train' "
-                                "AND reward IS NOT NULL GROUP BY 1"))
+        sources = dict(
+            rows(
+                db,
+                "SELECT reward_source, count(*) FROM rewards WHERE run_id = 'prod-2026-11-21-train' "
+                "AND reward IS NOT NULL GROUP BY 1",
+            )
+        )
         assert set(sources) == {"feedback:reference", "feedback:thumbs_up"}
-        assert rows(db, "SELECT count(*) FROM rewards WHERE run_id = 'prod-2026-11-21-train' AND reward IS NULL "
-                        "AND reward_source IS NOT NULL") == [(0,)]
+        assert rows(
+            db,
+            "SELECT count(*) FROM rewards WHERE run_id = 'prod-2026-11-21-train' AND reward IS NULL "
+            "AND reward_source IS NOT NULL",
+        ) == [(0,)]
         mark = rows(db, "SELECT watermark FROM refresh_watermarks WHERE run_id = 'prod-2026-11-21'")[0][0]
         assert mark == NIGHT - timedelta(hours=1)  # the broken lines arrived with their file
 

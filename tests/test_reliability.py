@@ -15,7 +15,7 @@ import pytest
 from clgrpo.journal import JOURNAL_DIR
 from clgrpo.llm import LLMClient
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import DEFAULT_MIX, Fault, FakeOpenAIServer, match_roles, role_of
+from clgrpo.testing.fake_openai import DEFAULT_MIX, FakeOpenAIServer, Fault, match_roles, role_of
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from tasks.integrity import StageFailedError
@@ -25,14 +25,36 @@ SUMMARIZER = "trajectory summarizer"
 EXTRACTOR = "experience extractor"
 
 
-def make_config(server: FakeOpenAIServer, tmp_path, run_id: str, *, n_per_family: int = 4, epochs: int = 2,
-                max_retries: int = 6, group_size: int = 4) -> RunConfig:
+def make_config(
+    server: FakeOpenAIServer,
+    tmp_path,
+    run_id: str,
+    *,
+    n_per_family: int = 4,
+    epochs: int = 2,
+    max_retries: int = 6,
+    group_size: int = 4,
+) -> RunConfig:
     dataset = write_jsonl(make_problems(n_per_family=n_per_family, seed=3), tmp_path / "train.jsonl")
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        max_retries=max_retries, retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
-    return RunConfig(run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), dataset=DatasetConfig(path=str(dataset), seed=1),
-                     policy=model, grpo=GRPOConfig(group_size=group_size, epochs=epochs, batch_size=16, rollout_chunk_size=5),
-                     learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4), concurrency=8)
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        max_retries=max_retries,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
+    return RunConfig(
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
+        dataset=DatasetConfig(path=str(dataset), seed=1),
+        policy=model,
+        grpo=GRPOConfig(group_size=group_size, epochs=epochs, batch_size=16, rollout_chunk_size=5),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        concurrency=8,
+    )
 
 
 def count(store: Store, sql: str) -> int:
@@ -51,14 +73,30 @@ class Echo:
         return [f"reply {i} with a few words" for i in range(request.n)]
 
 
-@pytest.mark.parametrize("kind, cause", [("malformed", "malformed reply"), ("no_choices", "no choices"),
-                                         ("empty", "empty reply"), ("reset", "connection error"),
-                                         ("drop", "connection error"), ("status", "HTTP 500")])
+@pytest.mark.parametrize(
+    "kind, cause",
+    [
+        ("malformed", "malformed reply"),
+        ("no_choices", "no choices"),
+        ("empty", "empty reply"),
+        ("reset", "connection error"),
+        ("drop", "connection error"),
+        ("status", "HTTP 500"),
+    ],
+)
 async def test_every_reply_fault_is_retried_and_recorded_with_its_cause(kind, cause):
     with FakeOpenAIServer(Echo()) as server:
         server.inject(Fault(kind=kind, times=2))
-        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None,
-                                       retry_base_delay_s=0.01, retry_max_delay_s=0.02, timeout_s=5))
+        client = LLMClient(
+            ModelConfig(
+                model="m",
+                base_url=server.base_url,
+                api_key_env=None,
+                retry_base_delay_s=0.01,
+                retry_max_delay_s=0.02,
+                timeout_s=5,
+            )
+        )
         done = await client.complete([{"role": "user", "content": "hi"}], stage="summarize")
         await client.aclose()
         requests = server.stats.chat_requests
@@ -82,8 +120,18 @@ async def test_one_failed_sample_keeps_the_others():
     """supports_n false: G single requests; the one that fails after its retries fails alone."""
     with FakeOpenAIServer(Echo(), supports_n=False) as server:
         server.inject(Fault(kind="status", status=500, times=3, match=lambda r: r.seed == 7 + 2))
-        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, supports_n=False,
-                                       max_retries=2, retry_base_delay_s=0.01, retry_max_delay_s=0.02, seed=7))
+        client = LLMClient(
+            ModelConfig(
+                model="m",
+                base_url=server.base_url,
+                api_key_env=None,
+                supports_n=False,
+                max_retries=2,
+                retry_base_delay_s=0.01,
+                retry_max_delay_s=0.02,
+                seed=7,
+            )
+        )
         sampled = await client.sample([{"role": "user", "content": "hi"}], 4, stage="rollout")
         await client.aclose()
     assert [s.index for s in sampled.failed] == [2] and "gave up after 2 retries" in sampled.failed[0].error
@@ -108,10 +156,12 @@ async def test_a_two_epoch_run_under_20_percent_mixed_faults_loses_nothing(tmp_p
         rewards = store.records("rewards", "faults")
         calls = store.records("llm_calls", "faults")
     per_step = Counter(r.library_version for r in rollouts)
-    print(f"\n20% mixed faults: {requests} requests served, faults {faults}; llm_calls rows {len(calls)} "
-          f"({sum(not c.ok for c in calls)} failed attempts, {sum(c.rate_limited for c in calls)} rate limited); "
-          f"rollouts {len(rollouts)} ({sum(r.error is not None for r in rollouts)} failed, "
-          f"{sum(r.truncated for r in rollouts)} truncated); {took:.1f} s")
+    print(
+        f"\n20% mixed faults: {requests} requests served, faults {faults}; llm_calls rows {len(calls)} "
+        f"({sum(not c.ok for c in calls)} failed attempts, {sum(c.rate_limited for c in calls)} rate limited); "
+        f"rollouts {len(rollouts)} ({sum(r.error is not None for r in rollouts)} failed, "
+        f"{sum(r.truncated for r in rollouts)} truncated); {took:.1f} s"
+    )
     assert [r.step for r in result.steps] == [1, 2]
     assert sum(faults.values()) > 20  # the mix really hit the run
     # zero lost: every (step, problem, sample) stored, as a result or as an error with its cause
@@ -139,8 +189,10 @@ async def test_a_30_second_429_storm_with_retry_after_1_completes(tmp_path):
     with Store(cfg.db_path, read_only=True) as store:
         calls = store.records("llm_calls", "storm")
     per_call = Counter(c.call_id for c in calls if c.rate_limited)
-    print(f"\n429 storm: {took:.1f} s, {requests} requests, {limited} answered 429; the most rate-limited call "
-          f"was retried {max(per_call.values())} times (max_retries is {cfg.policy.max_retries})")
+    print(
+        f"\n429 storm: {took:.1f} s, {requests} requests, {limited} answered 429; the most rate-limited call "
+        f"was retried {max(per_call.values())} times (max_retries is {cfg.policy.max_retries})"
+    )
     assert [r.step for r in result.steps] == [1]
     assert took >= 30 and limited > 0
     assert max(per_call.values()) > cfg.policy.max_retries  # retried by time, not by count
@@ -199,8 +251,9 @@ def test_the_learner_sees_that_a_reply_was_cut_off():
     cut = Attempt(0, "We add 2 and", 0.0, truncated=True)
     prompts = LearnerPrompts()
     summarize = prompts.summarize(problem, cut, "", use_groundtruth=True)[1]["content"]
-    extract = prompts.extract(problem, [cut, Attempt(1, "4", 1.0)], "", use_groundtruth=True, max_ops=2,
-                              min_words=5, max_words=30)[1]["content"]
+    extract = prompts.extract(
+        problem, [cut, Attempt(1, "4", 1.0)], "", use_groundtruth=True, max_ops=2, min_words=5, max_words=30
+    )[1]["content"]
     assert "cut off at the token limit" in summarize
     assert extract.count("cut off at the token limit") == 1
 
@@ -215,10 +268,12 @@ async def test_a_500_that_rejects_response_format_falls_back_to_prompt_and_parse
 
     with FakeOpenAIServer(old_llama) as server:
         client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
-        done = await client.complete([{"role": "user", "content": "hi"}], stage="group_advantage",
-                                     json_schema={"type": "object"})
-        again = await client.complete([{"role": "user", "content": "hi"}], stage="group_advantage",
-                                      json_schema={"type": "object"})
+        done = await client.complete(
+            [{"role": "user", "content": "hi"}], stage="group_advantage", json_schema={"type": "object"}
+        )
+        again = await client.complete(
+            [{"role": "user", "content": "hi"}], stage="group_advantage", json_schema={"type": "object"}
+        )
         await client.aclose()
     assert done.text == again.text == '{"operations": []}'
     assert server.stats.chat_requests == 3  # the rejected one, then prompt + parser from then on
@@ -226,15 +281,23 @@ async def test_a_500_that_rejects_response_format_falls_back_to_prompt_and_parse
 
 
 async def test_an_unusable_first_reply_that_a_repair_replaced_is_kept():
-    replies = iter(["I think a lesson about pairs would help.",
-                    '{"operations": [{"op": "add", "text": "When a sum has many terms, add them in pairs first."}]}'])
+    replies = iter(
+        [
+            "I think a lesson about pairs would help.",
+            '{"operations": [{"op": "add", "text": "When a sum has many terms, add them in pairs first."}]}',
+        ]
+    )
 
     with FakeOpenAIServer(lambda request: [next(replies)]) as server:
         client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
         from domains.learner import LearnerPrompts
 
-        done = await client.complete_operations([{"role": "user", "content": "edits?"}], stage="group_advantage",
-                                                json_schema={"type": "object"}, repair=LearnerPrompts().repair)
+        done = await client.complete_operations(
+            [{"role": "user", "content": "edits?"}],
+            stage="group_advantage",
+            json_schema={"type": "object"},
+            repair=LearnerPrompts().repair,
+        )
         await client.aclose()
     assert len(done.operations) == 1 and done.parse_error is None
     assert [c.reply for c in done.calls] == ["I think a lesson about pairs would help.", done.raw_text]
@@ -258,17 +321,20 @@ async def test_a_refused_schema_switches_the_learner_prompts_to_the_example_styl
     prompts, problem = LearnerPrompts(), Problem(problem_id="p1", problem="What is 2+2?", answer="4")
 
     def messages(constrained: bool):
-        return prompts.extract(problem, [], "", use_groundtruth=True, max_ops=1, min_words=3, max_words=30,
-                               show_example=not constrained)
+        return prompts.extract(
+            problem, [], "", use_groundtruth=True, max_ops=1, min_words=3, max_words=30, show_example=not constrained
+        )
 
     with FakeOpenAIServer(old_llama) as server:
         client = LLMClient(ModelConfig(model="schema-less", base_url=server.base_url, api_key_env=None, max_retries=0))
         assert client.constrains_json("learner")
-        first = await client.complete_operations(messages, stage="group_advantage", json_schema={"type": "object"},
-                                                 repair=prompts.repair)
+        first = await client.complete_operations(
+            messages, stage="group_advantage", json_schema={"type": "object"}, repair=prompts.repair
+        )
         assert not client.constrains_json("learner")
-        later = await client.complete_operations(messages, stage="group_advantage", json_schema={"type": "object"},
-                                                 repair=prompts.repair)
+        later = await client.complete_operations(
+            messages, stage="group_advantage", json_schema={"type": "object"}, repair=prompts.repair
+        )
         await client.aclose()
     assert seen == [(True, False), (False, True), (False, True)]
     assert len(first.operations) == len(later.operations) == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -63,8 +62,9 @@ SCHEDULER_ENV = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}  # the s
 
 
 def _prefect(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "prefect", *args], env=env, cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args], env=env, cwd=ROOT, text=True, capture_output=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -97,18 +97,30 @@ def ui_stack(tmp_path):
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    base.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                PYTHONPATH=str(ROOT))
+    base.update(
+        PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT)
+    )
     env = {**base, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1"}
     procs = []
     try:
-        procs.append(start_detached([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                     "--port", str(port)], {**base, **SCHEDULER_ENV, "PREFECT_UI_API_URL": api_url},
-                                    home / "server.log", ROOT))
+        procs.append(
+            start_detached(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                {**base, **SCHEDULER_ENV, "PREFECT_UI_API_URL": api_url},
+                home / "server.log",
+                ROOT,
+            )
+        )
         wait_healthy(api_url, procs[0], home / "server.log")
         _prefect(env, "work-pool", "create", "review-cpu", "--type", "process")
-        procs.append(start_detached([sys.executable, "-m", "prefect", "worker", "start", "--pool", "review-cpu",
-                                     "--name", "review-worker"], env, home / "worker.log", ROOT))
+        procs.append(
+            start_detached(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", "review-cpu", "--name", "review-worker"],
+                env,
+                home / "worker.log",
+                ROOT,
+            )
+        )
         yield env, f"http://127.0.0.1:{port}", home
     finally:
         for proc in reversed(procs):
@@ -122,15 +134,20 @@ async def _runs_of_deployment(api_url: str) -> list:
         deployment = await client.read_deployment_by_name("refresh/nightly-review")
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-        return await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        )
 
 
 def _scheduled_run(api_url: str, first: datetime, logs: Path, timeout: float = 180) -> str:
     """The flow run the server's scheduler created for the schedule's first time (no `deployment run` here)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        runs = [r for r in asyncio.run(_runs_of_deployment(api_url))
-                if r.expected_start_time and abs((r.expected_start_time - first).total_seconds()) < 1]
+        runs = [
+            r
+            for r in asyncio.run(_runs_of_deployment(api_url))
+            if r.expected_start_time and abs((r.expected_start_time - first).total_seconds()) < 1
+        ]
         if runs:
             assert runs[0].auto_scheduled, "the run was not created by the scheduler"
             return str(runs[0].id)
@@ -151,8 +168,9 @@ def _choose(page, dialog, index: int, choice: str) -> None:
     page.get_by_role("option", name=choice, exact=True).click()
 
 
-def review_in_browser(ui_url: str, flow_run_id: str, refresh_id: str, answers: list[tuple[str, str, str]],
-                      dump: Path) -> None:
+def review_in_browser(
+    ui_url: str, flow_run_id: str, refresh_id: str, answers: list[tuple[str, str, str]], dump: Path
+) -> None:
     """Open the paused run, press Resume and answer each change in form order: (decision, text for edit,
     reason); name the reviewer; submit. Screenshots: the artifact listing the changes, the empty and the
     filled form."""
@@ -196,12 +214,21 @@ def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
     with FakeOpenAIServer(ScriptedWorld(seed=11)) as server:
         config = refresh_config(server, tmp_path, review="required", review_timeout_s=3600)
         config = config.model_copy(update={"source": config.source.model_copy(update={"kind": "traces"})})
-        land(tmp_path / "incoming" / "traces.jsonl", traces_of(make_problems(n_per_family=3, seed=5),
-                                                               now - timedelta(hours=3)), now - timedelta(hours=1))
+        land(
+            tmp_path / "incoming" / "traces.jsonl",
+            traces_of(make_problems(n_per_family=3, seed=5), now - timedelta(hours=3)),
+            now - timedelta(hours=1),
+        )
         params = {"config": config.model_dump(mode="json")}  # no as_of: the refresh takes its scheduled start
         first = now + timedelta(seconds=40)
-        deployed = subprocess.run([sys.executable, "-c", DEPLOY, json.dumps(params), str(ROOT), first.isoformat()],
-                                  env=env, cwd=ROOT, text=True, capture_output=True, timeout=180)
+        deployed = subprocess.run(
+            [sys.executable, "-c", DEPLOY, json.dumps(params), str(ROOT), first.isoformat()],
+            env=env,
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=180,
+        )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         flow_run_id = _scheduled_run(env["PREFECT_API_URL"], first, home)
         _wait_state(env["PREFECT_API_URL"], flow_run_id, lambda s: s.is_paused(), home)
@@ -212,8 +239,11 @@ def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
         assert request.flow_run_id == flow_run_id and len(request.changes) >= 3
         assert request.refresh_id == f"nightly-{first:%Y-%m-%d}" and len(taken) == 12  # the traces, all of them
         changes = request.changes
-        answers = [("approve", "", "clear and general"), ("edit", EDITED, "say what to write down"),
-                   *[("reject", "", "too narrow") for _ in changes[2:]]]
+        answers = [
+            ("approve", "", "clear and general"),
+            ("edit", EDITED, "say what to write down"),
+            *[("reject", "", "too narrow") for _ in changes[2:]],
+        ]
         review_in_browser(ui_url, flow_run_id, request.refresh_id, answers, tmp_path / "form.html")
         run = _wait_state(env["PREFECT_API_URL"], flow_run_id, lambda s: s.is_final(), home)
         assert run.state.is_completed(), run.state.message
@@ -223,7 +253,8 @@ def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
         decision = store.refresh_decisions("nightly")[0]
         history = store.library_adoptions("nightly")
     assert [(r.change_id, r.decision, r.reviewer) for r in rows] == [
-        (c.change_id, a[0], "ana") for c, a in zip(changes, answers)]
+        (c.change_id, a[0], "ana") for c, a in zip(changes, answers)
+    ]
     assert rows[1].after == EDITED and rows[0].reason == "clear and general"
     expected = {}  # the baseline was empty: exactly the approved and the edited change
     for change, text in ((changes[0], changes[0].proposed), (changes[1], EDITED)):

@@ -8,28 +8,39 @@ import textwrap
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_tune_gc_freezes_what_the_imports_left_and_collects_young_objects_less_often():
-    done = _python("""
+    done = _python(
+        """
         import gc
         from clgrpo.runtime import tune_gc, YOUNG_THRESHOLD
         before = gc.get_freeze_count()
         tune_gc(); tune_gc()  # once per process
         print(before, gc.get_freeze_count() > 1000, gc.get_threshold()[0] == YOUNG_THRESHOLD)
-    """, {"CLGRPO_TUNE_GC": "1"})
+    """,
+        {"CLGRPO_TUNE_GC": "1"},
+    )
     assert done.stdout.split() == ["0", "True", "True"], done.stderr
 
 
 def test_tune_gc_can_be_switched_off():
-    done = _python("""
+    done = _python(
+        """
         import gc
         from clgrpo.runtime import tune_gc
         tune_gc()
         print(gc.get_freeze_count(), gc.get_threshold()[0])
-    """, {"CLGRPO_TUNE_GC": "0"})
+    """,
+        {"CLGRPO_TUNE_GC": "0"},
+    )
     assert done.stdout.split() == ["0", "700"], done.stderr
 
 

@@ -116,11 +116,24 @@ async def test_variables_persist_within_a_session_not_across():
             first_pid = ok(await first.run("import os; os.getpid()"))
             second_pid = ok(await second.run("import os; os.getpid()"))
             assert first_pid != second_pid  # separate processes
-            assert ok(await first.run("import threading\nt = threading.Thread(target=print, args=('thread',))\n"
-                                      "t.start(); t.join()")) == "thread\n"  # threads work
+            assert (
+                ok(
+                    await first.run(
+                        "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start(); t.join()"
+                    )
+                )
+                == "thread\n"
+            )  # threads work
             assert ok(await first.run("import numpy; int(numpy.arange(4).sum())")) == "6\n"  # under memory_mb
-            assert ok(await first.run("import dataclasses, pickle\n@dataclasses.dataclass\nclass P:\n    v: int\n"
-                                      "pickle.loads(pickle.dumps(P(3)))")) == "P(v=3)\n"
+            assert (
+                ok(
+                    await first.run(
+                        "import dataclasses, pickle\n@dataclasses.dataclass\nclass P:\n    v: int\n"
+                        "pickle.loads(pickle.dumps(P(3)))"
+                    )
+                )
+                == "P(v=3)\n"
+            )
         with pytest.raises(SandboxUnavailable):  # a session that has ended refuses
             await first.run("1")
 
@@ -144,8 +157,14 @@ async def test_each_session_has_its_own_temp_dir_removed_at_the_end():
     async with pool() as sandbox:
         async with sandbox.session() as first, sandbox.session() as second:
             cwd = cwd_of(ok(await first.run("import os, tempfile\nos.getcwd()")))
-            assert ok(await first.run("os.environ['HOME'] == os.environ['TMPDIR'] == os.getcwd() == "
-                                      "tempfile.gettempdir()")) == "True\n"
+            assert (
+                ok(
+                    await first.run(
+                        "os.environ['HOME'] == os.environ['TMPDIR'] == os.getcwd() == tempfile.gettempdir()"
+                    )
+                )
+                == "True\n"
+            )
             assert ok(await first.run("open('notes.txt', 'w').write('hello')\nopen('notes.txt').read()")) == "'hello'\n"
             other = cwd_of(ok(await second.run("import os; os.getcwd()")))
             assert other != cwd and os.path.isdir(cwd) and os.path.isdir(other)
@@ -207,8 +226,9 @@ async def test_memory_bomb_gets_memory_error_and_the_interpreter_survives():
         await session.run("x = 'kept'")
         result = await session.run("big = bytearray(10 ** 12)")
         assert result.error == "MemoryError: memory limit of 512 MB exceeded (line 1)" and not result.restarted
-        result = await session.run("def bomb():\n    blocks = []\n    while True:\n        "
-                                   "blocks.append(bytearray(10 ** 7))\nbomb()")
+        result = await session.run(
+            "def bomb():\n    blocks = []\n    while True:\n        blocks.append(bytearray(10 ** 7))\nbomb()"
+        )
         assert result.error.startswith("MemoryError: memory limit of 512 MB exceeded") and not result.restarted
         await still_works(session)
 
@@ -219,15 +239,19 @@ async def test_fork_bomb_and_subprocess_are_refused():
         await session.run("x = 'kept'")
         pid = int(ok(await session.run("import os; os.getpid()")))
         result = await session.run("import os\nwhile True:\n    os.fork()")
-        assert result.error == ("PermissionError: [Errno 1] Operation not permitted (new processes are not "
-                                "allowed in this sandbox) (line 3)")
+        assert result.error == (
+            "PermissionError: [Errno 1] Operation not permitted (new processes are not "
+            "allowed in this sandbox) (line 3)"
+        )
         assert psutil.Process(pid).children(recursive=True) == []
         result = await session.run("import subprocess\nsubprocess.run(['ls'])")
         assert "Operation not permitted" in result.error and "new processes" in result.error
         result = await session.run("os.execv('/bin/ls', ['ls'])")
         assert "Operation not permitted" in result.error
-        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                "[(libc.unshare(flag), ctypes.get_errno()) for flag in (0x10000000, 0x40000000, 0x20000)]")
+        code = (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "[(libc.unshare(flag), ctypes.get_errno()) for flag in (0x10000000, 0x40000000, 0x20000)]"
+        )
         assert ok(await session.run(code)) == "[(-1, 1), (-1, 1), (-1, 1)]\n"  # no new namespaces
         result = await session.run("import multiprocessing\nmultiprocessing.Process(target=print).start()")
         assert result.error is not None and not result.restarted
@@ -258,8 +282,9 @@ async def test_reading_project_files_is_refused():
         result = await session.run(f"open({str(REPO / 'pyproject.toml')!r}).read()")
         assert result.error.startswith("PermissionError: [Errno 13] Permission denied") and "(line 1)" in result.error
         # a symlink or hard link made inside the directory does not help
-        result = await session.run(f"import os\nos.symlink({str(REPO / 'pyproject.toml')!r}, 'link')\n"
-                                   "open('link').read()")
+        result = await session.run(
+            f"import os\nos.symlink({str(REPO / 'pyproject.toml')!r}, 'link')\nopen('link').read()"
+        )
         assert result.error.startswith("PermissionError") and "(line 3)" in result.error
         result = await session.run(f"os.link({str(REPO / 'pyproject.toml')!r}, 'hard')")
         assert result.error is not None
@@ -282,8 +307,15 @@ async def test_api_keys_in_the_parent_environment_are_unreachable(monkeypatch):
         result = await session.run("open('/proc/self/environ').read()")
         assert result.error.startswith("PermissionError")
         # nor through the parent's memory: ptrace is refused
-        assert ok(await session.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                                    "(libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())")) == "(-1, 1)\n"
+        assert (
+            ok(
+                await session.run(
+                    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                    "(libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())"
+                )
+            )
+            == "(-1, 1)\n"
+        )
         if os.geteuid() == 0:
             assert ok(await session.run("os.getuid(), os.getgid(), os.getgroups()")) == "(65534, 65534, [])\n"
         await still_works(session)
@@ -309,18 +341,21 @@ async def test_sockets_are_refused_by_the_kernel():
     async with pool() as sandbox, sandbox.session() as session:
         await session.run("x = 'kept'")
         result = await session.run("import socket\nsocket.socket()")
-        assert result.error == ("PermissionError: [Errno 1] Operation not permitted (sockets are not allowed in "
-                                "this sandbox) (line 2)")
+        assert result.error == (
+            "PermissionError: [Errno 1] Operation not permitted (sockets are not allowed in this sandbox) (line 2)"
+        )
         result = await session.run("socket.create_connection(('127.0.0.1', 80), timeout=1)")
         assert "Operation not permitted" in result.error
         # ctypes reaches the same syscall: every family is refused, and io_uring cannot be set up either
-        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
-                "out = []\nfor family in (1, 2, 10, 16, 17):\n"
-                "    out.append((libc.socket(family, 1, 0), ctypes.get_errno()))\n"
-                "params = ctypes.create_string_buffer(120)\n"
-                "out.append((libc.syscall(425, 8, params), ctypes.get_errno()))\n"
-                "import platform\nif platform.machine() == 'x86_64':  # socket() through the x32 syscall table\n"
-                "    out.append((libc.syscall(0x40000000 | 41, 2, 1, 0), ctypes.get_errno()))\nout")
+        code = (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+            "out = []\nfor family in (1, 2, 10, 16, 17):\n"
+            "    out.append((libc.socket(family, 1, 0), ctypes.get_errno()))\n"
+            "params = ctypes.create_string_buffer(120)\n"
+            "out.append((libc.syscall(425, 8, params), ctypes.get_errno()))\n"
+            "import platform\nif platform.machine() == 'x86_64':  # socket() through the x32 syscall table\n"
+            "    out.append((libc.syscall(0x40000000 | 41, 2, 1, 0), ctypes.get_errno()))\nout"
+        )
         result = ok(await session.run(code))
         assert result in (repr([(-1, 1)] * 6) + "\n", repr([(-1, 1)] * 7) + "\n")
         await still_works(session)
@@ -345,11 +380,13 @@ async def test_huge_print_is_truncated_quickly():
 async def test_crashes_restart_the_interpreter_in_the_same_directory():
     async with pool() as sandbox, sandbox.session() as session:
         await session.run("x = 'kept'; open('f.txt', 'w').write('data')")
-        cases = [("import ctypes; ctypes.string_at(0)", "the interpreter crashed (SIGSEGV)"),
-                 ("import os; os._exit(3)", "the interpreter exited (status 3)"),
-                 ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "the interpreter crashed (SIGKILL)"),
-                 ("import os, sys; os.write(int(sys.argv[1]), b'garbage')", "reply channel was corrupted"),
-                 ("import os, sys; os.close(int(sys.argv[1]))", "the interpreter")]
+        cases = [
+            ("import ctypes; ctypes.string_at(0)", "the interpreter crashed (SIGSEGV)"),
+            ("import os; os._exit(3)", "the interpreter exited (status 3)"),
+            ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "the interpreter crashed (SIGKILL)"),
+            ("import os, sys; os.write(int(sys.argv[1]), b'garbage')", "reply channel was corrupted"),
+            ("import os, sys; os.close(int(sys.argv[1]))", "the interpreter"),
+        ]
         for code, expected in cases:
             cwd = ok(await session.run("import os; os.getcwd()"))
             result = await session.run(code)
@@ -364,8 +401,12 @@ async def test_crashes_restart_the_interpreter_in_the_same_directory():
 @needs_sandbox
 async def test_threads_left_running_cannot_use_cpu_between_calls():
     async with pool(cpu_s=1.0) as sandbox, sandbox.session() as session:
-        ok(await session.run("import threading\ndef spin():\n    while True:\n        pass\n"
-                             "threading.Thread(target=spin, daemon=True).start()"))
+        ok(
+            await session.run(
+                "import threading\ndef spin():\n    while True:\n        pass\n"
+                "threading.Thread(target=spin, daemon=True).start()"
+            )
+        )
         deadline = time.monotonic() + 60
         while session._interp.proc.returncode is None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)  # the parent kills it once the thread used 1 s of CPU
@@ -426,8 +467,12 @@ async def test_removing_session_dirs_touches_nothing_outside():
         async with pool() as sandbox:
             async with sandbox.session() as session:
                 # a cell locks itself out of parts of its directory and links to things outside it
-                ok(await session.run(f"import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').close()\n"
-                                     f"os.symlink({str(outside)!r}, 'a/link')\nos.chmod('a/b', 0)\nos.chmod('a', 0)"))
+                ok(
+                    await session.run(
+                        f"import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').close()\n"
+                        f"os.symlink({str(outside)!r}, 'a/link')\nos.chmod('a/b', 0)\nos.chmod('a', 0)"
+                    )
+                )
                 cwd = cwd_of(ok(await session.run("os.getcwd()")))
             assert not os.path.exists(cwd)
             sandbox._remove_dir(cwd)  # twice: a no-op
@@ -445,6 +490,7 @@ async def test_many_concurrent_sessions_complete_and_nothing_leaks():
     dirs: list[str] = []
     sandbox = PythonSandbox(config(pool_size=4, spares=2))
     try:
+
         async def rollout(i: int) -> bool:
             async with sandbox.session() as session:
                 first = await session.run(f"x = sum(range({i}))\nimport os\nos.getcwd()")

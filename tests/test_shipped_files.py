@@ -34,8 +34,9 @@ def test_deployment_parameters_match_their_flow_signatures():
         parameters = deployment.get("parameters", {})
         for parameter, value in parameters.items():
             TypeAdapter(hints[parameter]).validate_python(value)  # KeyError: not a parameter of the flow
-        required = [p.name for p in inspect.signature(flow.fn).parameters.values()
-                    if p.default is inspect.Parameter.empty]
+        required = [
+            p.name for p in inspect.signature(flow.fn).parameters.values() if p.default is inspect.Parameter.empty
+        ]
         if name not in ("rollout-gpu", "numeric-update-gpu"):  # started by train with its parameters, never by hand
             assert set(required) <= set(parameters), f"{name}: no value for {set(required) - set(parameters)}"
 
@@ -48,8 +49,10 @@ def test_nightly_refresh_is_scheduled_and_never_overlaps():
 
 
 # a path in the README under one of the project's own folders, or one of its top-level files
-_README_PATH = re.compile(r"(?<![\w./~-])((?:data|configs|tests|benchmarks|deployments|flows|tasks|domains|schemas|clgrpo"
-                          r"|\.ci)/[\w.*/-]*[\w*]|prefect\.yaml|pyproject\.toml)")
+_README_PATH = re.compile(
+    r"(?<![\w./~-])((?:data|configs|tests|benchmarks|deployments|flows|tasks|domains|schemas|clgrpo"
+    r"|\.ci)/[\w.*/-]*[\w*]|prefect\.yaml|pyproject\.toml)"
+)
 
 
 def readme_paths(text: str) -> set[str]:
@@ -65,5 +68,7 @@ def test_every_path_the_readme_names_exists():
 
 def test_readme_path_finder_catches_a_missing_file():
     assert readme_paths("run `clgrpo eval --dataset data/test.jsonl` (see data/README.md).") == {
-        "data/test.jsonl", "data/README.md"}
+        "data/test.jsonl",
+        "data/README.md",
+    }
     assert not list(ROOT.glob("data/test.jsonl"))

@@ -83,13 +83,26 @@ def sandbox_dirs(tmpdir: Path) -> list[str]:
 
 
 def agent_config(path: Path, db: Path, dataset: Path, base_url: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "dataset": {"path": str(dataset)}, "db_path": str(db),
-        "policy": {"model": "scripted", "base_url": base_url, "api_key_env": None, "seed": POLICY_SEED,
-                   "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.05, "timeout_s": 30},
-        "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
-        "rollout": {"mode": "agent", "agent": {"max_turns": 4}},
-        "concurrency": 8}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "dataset": {"path": str(dataset)},
+                "db_path": str(db),
+                "policy": {
+                    "model": "scripted",
+                    "base_url": base_url,
+                    "api_key_env": None,
+                    "seed": POLICY_SEED,
+                    "retry_base_delay_s": 0.01,
+                    "retry_max_delay_s": 0.05,
+                    "timeout_s": 30,
+                },
+                "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
+                "rollout": {"mode": "agent", "agent": {"max_turns": 4}},
+                "concurrency": 8,
+            }
+        )
+    )
     return path
 
 
@@ -173,14 +186,21 @@ def check_stopped(point: StopPoint, attempt: Attempt, tmpdir: Path) -> None:
 
 
 def runs_list(env: dict[str, str], db: Path) -> str:
-    done = subprocess.run([sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-def stop_points_scenario(points: list[StopPoint], prefect_api: PrefectApi, dataset: Path, ref: AgentReference,
-                         where: Path) -> None:
+def stop_points_scenario(
+    points: list[StopPoint], prefect_api: PrefectApi, dataset: Path, ref: AgentReference, where: Path
+) -> None:
     run_id = "stopped"
     db = where / "db" / "stopped.duckdb"
     tmpdir = sandbox_tmpdir()
@@ -240,17 +260,27 @@ def stop_points_scenario(points: list[StopPoint], prefect_api: PrefectApi, datas
         assert not {t: n for t, n in duplicates(store, run_id).items() if n}
         assert store.runs().set_index("run_id").loc[run_id, "status"] == "completed"
     ours, theirs = frames(db, run_id), frames(ref.db, "ref")
-    for name in ("stage_runs", "library_versions", "libraries", "operations", "proposals", "rollouts", "rewards",
-                 "summaries"):
+    for name in (
+        "stage_runs",
+        "library_versions",
+        "libraries",
+        "operations",
+        "proposals",
+        "rollouts",
+        "rewards",
+        "summaries",
+    ):
         assert ours[name] == theirs[name], f"{name} differs from the uninterrupted run's"
     states = sorted(r["state"] for r in flow_runs_of(prefect_api, db))
     assert states.count("COMPLETED") >= 1 and set(states) <= {"CANCELLED", "COMPLETED"}, states
 
 
 def test_sigterm_sigint_sighup_stop_an_agent_run_cleanly_and_it_resumes_to_the_same_library(
-        prefect_api, agent_dataset, agent_reference, tmp_path):
-    points = plan_stop_points(["interpreters", "setup", "work"], [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
-                              seed=5, ref=agent_reference)
+    prefect_api, agent_dataset, agent_reference, tmp_path
+):
+    points = plan_stop_points(
+        ["interpreters", "setup", "work"], [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], seed=5, ref=agent_reference
+    )
     stop_points_scenario(points, prefect_api, agent_dataset, agent_reference, tmp_path)
 
 
@@ -263,12 +293,30 @@ def test_ten_sigterms_at_seeded_points_of_an_agent_run(prefect_api, agent_datase
 
 # --- in-process models: generation in a worker thread stops at the first signal -----------------------------
 def tiny_model_config(path: Path, db: Path, dataset: Path, model: Path) -> Path:
-    local = {"backend": "transformers", "model": "tiny", "model_path": str(model), "api_key_env": None,
-             "temperature": 1.0, "max_tokens": 600, "timeout_s": 900, "max_retries": 0, "cpu_threads": 1}
-    path.write_text(yaml.safe_dump({
-        "dataset": {"path": str(dataset)}, "db_path": str(db), "policy": {**local, "max_batch_rows": 64},
-        "learner": local, "grpo": {"group_size": 8, "epochs": 1, "batch_size": 8}, "concurrency": 64,
-        "pipeline": False}))
+    local = {
+        "backend": "transformers",
+        "model": "tiny",
+        "model_path": str(model),
+        "api_key_env": None,
+        "temperature": 1.0,
+        "max_tokens": 600,
+        "timeout_s": 900,
+        "max_retries": 0,
+        "cpu_threads": 1,
+    }
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "dataset": {"path": str(dataset)},
+                "db_path": str(db),
+                "policy": {**local, "max_batch_rows": 64},
+                "learner": local,
+                "grpo": {"group_size": 8, "epochs": 1, "batch_size": 8},
+                "concurrency": 64,
+                "pipeline": False,
+            }
+        )
+    )
     return path
 
 
@@ -293,6 +341,7 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
         with open(out, "w") as handle:
             proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_LIMIT_S
+
         def reached() -> bool:
             if marker == "rollout":
                 return "step 1 rollout: started" in out.read_text(errors="replace")
@@ -367,14 +416,19 @@ def test_sigterm_during_a_stage_write_lets_the_write_finish_then_stops(prefect_a
         output = out.read_text(errors="replace")
         assert rc == 143, output[-3000:]
         lines = error_lines(output)
-        assert len(lines) == 1 and "terminated (SIGTERM) during step 1 " in lines[0], output[-3000:]  # the stage after it
+        assert len(lines) == 1 and "terminated (SIGTERM) during step 1 " in lines[0], output[
+            -3000:
+        ]  # the stage after it
         assert "Traceback" not in output
         with Store(db, read_only=True) as store:
-            marked = store.query("SELECT n_rows FROM stage_runs WHERE run_id='written' AND step=1 "
-                                 "AND stage='summarize'")
-            stored = store.query("SELECT (SELECT count(*) FROM summaries WHERE run_id='written' AND step=1) + "
-                                 "(SELECT count(*) FROM llm_calls WHERE run_id='written' AND step=1 "
-                                 "AND stage='summarize') AS n")
+            marked = store.query(
+                "SELECT n_rows FROM stage_runs WHERE run_id='written' AND step=1 AND stage='summarize'"
+            )
+            stored = store.query(
+                "SELECT (SELECT count(*) FROM summaries WHERE run_id='written' AND step=1) + "
+                "(SELECT count(*) FROM llm_calls WHERE run_id='written' AND step=1 "
+                "AND stage='summarize') AS n"
+            )
             assert store.runs().set_index("run_id").loc["written", "status"] == "cancelled"
         assert len(marked) == 1 and int(marked["n_rows"][0]) == int(stored["n"][0]) > 0
         while server.stats.in_flight:

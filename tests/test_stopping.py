@@ -54,9 +54,14 @@ PROGRAM = textwrap.dedent("""
 def start(mode: str, tmp_path: Path, grace_s: float = 8.0) -> subprocess.Popen:
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    proc = subprocess.Popen([sys.executable, str(script), mode], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={"PYTHONPATH": str(ROOT), "CLGRPO_STOP_GRACE_S": str(grace_s),
-                                                         "PATH": "/usr/bin:/bin"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PYTHONPATH": str(ROOT), "CLGRPO_STOP_GRACE_S": str(grace_s), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -72,8 +77,10 @@ def test_a_signal_cancels_the_running_coroutine_and_names_the_stage(tmp_path):
     proc.send_signal(signal.SIGTERM)
     rc, _, err, took = finish(proc)
     assert rc == 143 and took < 5
-    assert err.strip() == ("error: terminated (SIGTERM) during step 3 rollout: finished work is stored; "
-                           "resume with: clgrpo train --run-id r")
+    assert err.strip() == (
+        "error: terminated (SIGTERM) during step 3 rollout: finished work is stored; "
+        "resume with: clgrpo train --run-id r"
+    )
 
 
 def test_a_swallowed_cancellation_is_sent_again(tmp_path):

@@ -35,8 +35,16 @@ def store(tmp_path):
 
 def rollouts(problem_id="p1", n=3, text="answer \\boxed{4}"):
     return [
-        Rollout(problem_id=problem_id, sample_idx=i, prompt_hash="abc", library_version=0,
-                turns=[Turn(kind="assistant", content=f"{text} #{i}")], tokens_in=10, tokens_out=5, latency_s=0.1)
+        Rollout(
+            problem_id=problem_id,
+            sample_idx=i,
+            prompt_hash="abc",
+            library_version=0,
+            turns=[Turn(kind="assistant", content=f"{text} #{i}")],
+            tokens_in=10,
+            tokens_out=5,
+            latency_s=0.1,
+        )
         for i in range(n)
     ]
 
@@ -53,14 +61,30 @@ def test_round_trip_of_every_stage_record(store):
         "problems": [Problem(problem_id="p1", problem="1+3?", answer="4", source="t.jsonl")],
         "rollouts": rollouts(),
         "rewards": [Reward(problem_id="p1", sample_idx=0, reward=1.0, extracted="4")],
-        "group_advantages": [GroupAdvantage(problem_id="p1", rewards=[1.0, 0.0], mean_reward=0.5, std_reward=0.5,
-                                            advantages=[1.0, -1.0], selected=True, reason="mixed rewards")],
+        "group_advantages": [
+            GroupAdvantage(
+                problem_id="p1",
+                rewards=[1.0, 0.0],
+                mean_reward=0.5,
+                std_reward=0.5,
+                advantages=[1.0, -1.0],
+                selected=True,
+                reason="mixed rewards",
+            )
+        ],
         "summaries": [Summary(problem_id="p1", sample_idx=0, text="added the numbers")],
-        "proposals": [Proposal(group_id="p1", operations=[Operation(op="add", text="Add carefully.")],
-                               raw_text="{...}"),
-                      Proposal(group_id="p2", raw_text="not json", parse_error="no JSON object found")],
-        "operations": [OperationResult(seq=0, operation=Operation(op="modify", target_ids=["E9"], text="x"),
-                                       status="rejected", reason="unknown id: E9")],
+        "proposals": [
+            Proposal(group_id="p1", operations=[Operation(op="add", text="Add carefully.")], raw_text="{...}"),
+            Proposal(group_id="p2", raw_text="not json", parse_error="no JSON object found"),
+        ],
+        "operations": [
+            OperationResult(
+                seq=0,
+                operation=Operation(op="modify", target_ids=["E9"], text="x"),
+                status="rejected",
+                reason="unknown id: E9",
+            )
+        ],
         "llm_calls": [LLMCall(stage="all", role="policy", model="m", tokens_in=3, tokens_out=4, retries=1)],
     }
     store.write_stage("r1", 1, "all", outputs)
@@ -82,8 +106,10 @@ def test_rewriting_a_stage_replaces_its_rows(store):
 
 def test_invalid_frame_names_table_column_and_row_and_keeps_stored_rows(store):
     store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=2)})
-    bad = [Reward.model_construct(problem_id="p1", sample_idx=i, reward=r, extracted=None, error=None)
-           for i, r in enumerate([1.0, 1.5])]
+    bad = [
+        Reward.model_construct(problem_id="p1", sample_idx=i, reward=r, extracted=None, error=None)
+        for i, r in enumerate([1.0, 1.5])
+    ]
     with pytest.raises(FrameValidationError) as err:
         store.write_stage("r1", 1, "rollout", {"rollouts": rollouts(n=5), "rewards": bad})
     assert "table rewards" in str(err.value) and "'reward'" in str(err.value) and "row 1" in str(err.value)
@@ -115,8 +141,9 @@ def test_failed_transaction_leaves_previous_rows(store, monkeypatch):
 
 def test_library_versions_round_trip(store):
     lib = ExperienceLibrary()
-    v1, _ = lib.apply([Operation(op="add", text="Lesson one.", source_groups=["p1"]),
-                       Operation(op="add", text="Lesson two.")], step=1)
+    v1, _ = lib.apply(
+        [Operation(op="add", text="Lesson one.", source_groups=["p1"]), Operation(op="add", text="Lesson two.")], step=1
+    )
     v2, _ = v1.apply([Operation(op="merge", target_ids=["E0", "E1"], text="Both lessons.")], step=2)
     for version in (lib, v1, v2):
         store.save_library("r1", version)
@@ -167,7 +194,11 @@ def test_runs_list_status_steps_library_and_delete(store):
     store.set_run_status("r2", "failed", "RuntimeError: endpoint down")
     runs = store.runs().set_index("run_id")
     assert runs.loc["r1", ["status", "steps_done", "library_version", "library_size"]].tolist() == [
-        "completed", 1, 1, 1]
+        "completed",
+        1,
+        1,
+        1,
+    ]
     assert runs.loc["r2", "status"] == "failed" and runs.loc["r2", "error"] == "RuntimeError: endpoint down"
     assert runs.loc["r1", "updated_at"] >= runs.loc["r1", "created_at"]
     removed = store.delete_run("r1")

@@ -27,8 +27,10 @@ def test_strings_with_comment_markers_and_braces_survive():
 
 
 def test_field_aliases_and_id_normalisation():
-    ops = parse_operations('{"operations": [{"op": "merge", "ids": ["E1", 4], "text": "t", "why": "same", '
-                           '"sources": ["p1"]}, {"action": "delete", "id": "E2"}]}')
+    ops = parse_operations(
+        '{"operations": [{"op": "merge", "ids": ["E1", 4], "text": "t", "why": "same", '
+        '"sources": ["p1"]}, {"action": "delete", "id": "E2"}]}'
+    )
     assert ops[0].target_ids == ["E1", "4"] and ops[0].rationale == "same" and ops[0].source_groups == ["p1"]
     assert ops[1].op == OpKind.DELETE and ops[1].target_ids == ["E2"]
 

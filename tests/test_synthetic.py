@@ -50,7 +50,9 @@ def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, ca
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert main(["data", "make", "ranges", "--n", "20", "--seed", "0", "--out", str(train)]) == 0
-    assert main(["data", "make", "ranges", "--n", "30", "--seed", "0", "--out", str(held), "--exclude", str(train)]) == 0
+    assert (
+        main(["data", "make", "ranges", "--n", "30", "--seed", "0", "--out", str(held), "--exclude", str(train)]) == 0
+    )
     assert "none of the 20 problems of" in capsys.readouterr().out
     seen = {p.problem for p in load_problems(DatasetConfig(path=str(train), shuffle=False))}
     held_out = load_problems(DatasetConfig(path=str(held), shuffle=False))

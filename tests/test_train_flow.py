@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from clgrpo.store import ConfigMismatchError, Store
-from clgrpo.testing.fake_openai import Fault, FakeOpenAIServer, role_of
+from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -19,10 +19,18 @@ def dataset(tmp_path):
 
 
 def make_config(server: FakeOpenAIServer, dataset, tmp_path, run_id: str, **learning) -> RunConfig:
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
     return RunConfig(
-        run_id=run_id, db_path=str(tmp_path / "runs.duckdb"),
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
         dataset=DatasetConfig(path=str(dataset), seed=1),
         policy=model,
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=16, rollout_chunk_size=5),
@@ -53,16 +61,19 @@ async def test_two_epochs_learn_a_library(dataset, tmp_path):
         after = store.load_library("e2e", 1)
         assert len(after) > 0 and after.version == 1
         # one row per (step, problem, sample): no duplicate rollouts
-        counts = store.query("SELECT step, count(*) AS n, count(DISTINCT (problem_id, sample_idx)) AS d "
-                             "FROM rollouts WHERE run_id='e2e' GROUP BY step ORDER BY step")
+        counts = store.query(
+            "SELECT step, count(*) AS n, count(DISTINCT (problem_id, sample_idx)) AS d "
+            "FROM rollouts WHERE run_id='e2e' GROUP BY step ORDER BY step"
+        )
         assert counts["n"].tolist() == [64, 64] and counts["d"].tolist() == [64, 64]
         # lineage: every applied add traces back to group proposals of that step
         applied = store.records("operations", "e2e", 1)
         proposals = store.records("proposals", "e2e", 1, "group_advantage")
         proposed_groups = {p.group_id for p in proposals if p.operations}
         adds = [r for r in applied if r.status.value == "applied" and r.operation.op.value == "add"]
-        assert adds and all(set(r.operation.source_groups) <= proposed_groups and r.operation.source_groups
-                            for r in adds)
+        assert adds and all(
+            set(r.operation.source_groups) <= proposed_groups and r.operation.source_groups for r in adds
+        )
         assert all(after.by_id[r.result_id].source_groups for r in adds)
         # usefulness: step 2's attempts cited the family lessons they followed, mostly in correct attempts
         stats = {st.exp_id: st for st in store.records("experience_stats", "e2e", 2)}
@@ -82,12 +93,18 @@ async def test_two_epochs_learn_a_library(dataset, tmp_path):
         assert world.stats.extract_malformed > 0 and world.stats.extract_garbage > 0
         assert world.stats.extract_repairs == world.stats.extract_garbage
         n_groups = store.query("SELECT count(*) AS n FROM group_advantages WHERE run_id='e2e' AND selected")["n"][0]
-        n_props = store.query("SELECT count(*) AS n FROM proposals WHERE run_id='e2e' AND stage='group_advantage'")["n"][0]
+        n_props = store.query("SELECT count(*) AS n FROM proposals WHERE run_id='e2e' AND stage='group_advantage'")[
+            "n"
+        ][0]
         assert n_props == n_groups
         # the policy is frozen: only chat completions, same model and config as registered
         assert store.run_config("e2e").policy == cfg.policy
-    assert {r.role for r in requests} >= {"policy", "trajectory summarizer", "experience extractor",
-                                          "library consolidator"}
+    assert {r.role for r in requests} >= {
+        "policy",
+        "trajectory summarizer",
+        "experience extractor",
+        "library consolidator",
+    }
     assert (tmp_path / "e2e" / "library_latest.json").exists()
 
 
@@ -99,8 +116,7 @@ async def test_failed_consolidation_retry_resumes_without_new_rollouts(dataset, 
         expected = store.load_library("uninterrupted")
 
     with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
-        server.inject(Fault(kind="status", status=400, times=1,
-                            match=lambda r: role_of(r) == "library consolidator"))
+        server.inject(Fault(kind="status", status=400, times=1, match=lambda r: role_of(r) == "library consolidator"))
         cfg = make_config(server, dataset, tmp_path, "interrupted")
         state = await train.with_options(retries=1, retry_delay_seconds=0)(cfg, return_state=True)
         assert state.is_completed()
@@ -121,8 +137,7 @@ async def test_failed_consolidation_retry_resumes_without_new_rollouts(dataset, 
 
 async def test_rerun_after_crash_continues_and_config_change_is_refused(dataset, tmp_path):
     with FakeOpenAIServer(ScriptedWorld(seed=11)) as server:
-        server.inject(Fault(kind="status", status=400, times=1,
-                            match=lambda r: role_of(r) == "library consolidator"))
+        server.inject(Fault(kind="status", status=400, times=1, match=lambda r: role_of(r) == "library consolidator"))
         cfg = make_config(server, dataset, tmp_path, "crashy")
         state = await train(cfg, return_state=True)
         assert state.is_failed()
@@ -140,8 +155,10 @@ async def test_rerun_after_crash_continues_and_config_change_is_refused(dataset,
     with Store(cfg.db_path, read_only=True) as store:
         roll = store.query("SELECT step, count(*) AS n FROM rollouts WHERE run_id='crashy' GROUP BY step ORDER BY step")
         assert roll["n"].tolist() == [64, 64]
-        ops = store.query("SELECT step, count(*) AS n FROM stage_runs WHERE run_id='crashy' "
-                          "AND stage='apply_operations' GROUP BY step")
+        ops = store.query(
+            "SELECT step, count(*) AS n FROM stage_runs WHERE run_id='crashy' "
+            "AND stage='apply_operations' GROUP BY step"
+        )
         assert ops["n"].tolist() == [1, 1]
     assert Counter(r.role for r in server.stats.log)["policy"] == first_policy * 2
 

@@ -15,8 +15,12 @@ from schemas.config import ModelConfig
 from tests.tiny_model import build_tiny_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
-ENUM_SCHEMA = {"type": "object", "properties": {"op": {"type": "string", "enum": ["add", "keep"]}},
-               "required": ["op"], "additionalProperties": False}
+ENUM_SCHEMA = {
+    "type": "object",
+    "properties": {"op": {"type": "string", "enum": ["add", "keep"]}},
+    "required": ["op"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +30,9 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def backend(tiny_model):
-    return TransformersBackend(ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model),
-                                           device="auto", cpu_threads=1))
+    return TransformersBackend(
+        ModelConfig(backend="transformers", model="tiny", model_path=str(tiny_model), device="auto", cpu_threads=1)
+    )
 
 
 @pytest.fixture
@@ -74,14 +79,16 @@ def test_the_models_chat_template_builds_the_prompt(backend, generate_calls):
     run(backend.generate(GenRequest(MESSAGES, n=1, seed=0, max_tokens=2)))
     tokenizer = backend.engine.load().tokenizer
     prompt = tokenizer.decode(generate_calls[0]["input_ids"][0].tolist())
-    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
-                      "<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_seeded_requests_reproduce_alone_and_batched(backend, generate_calls):
     request = GenRequest(MESSAGES, n=3, seed=11, max_tokens=16, temperature=1.0)
-    other = GenRequest([{"role": "user", "content": "A different, longer prompt to pad the batch."}], n=2, seed=5,
-                       max_tokens=16)
+    other = GenRequest(
+        [{"role": "user", "content": "A different, longer prompt to pad the batch."}], n=2, seed=5, max_tokens=16
+    )
     alone = run(backend.generate(request))
     again = run(backend.generate(request))
 
@@ -98,8 +105,10 @@ def test_seeded_requests_reproduce_alone_and_batched(backend, generate_calls):
 
 def test_requests_with_different_limits_share_a_batch(backend, generate_calls):
     async def both():
-        return await asyncio.gather(backend.generate(GenRequest(MESSAGES, n=2, seed=1, max_tokens=3)),
-                                    backend.generate(GenRequest(MESSAGES, n=2, seed=2, max_tokens=9)))
+        return await asyncio.gather(
+            backend.generate(GenRequest(MESSAGES, n=2, seed=1, max_tokens=3)),
+            backend.generate(GenRequest(MESSAGES, n=2, seed=2, max_tokens=9)),
+        )
 
     short, long = run(both())
     assert len(generate_calls) == 1
@@ -111,8 +120,9 @@ def test_requests_with_different_limits_share_a_batch(backend, generate_calls):
 
 def test_json_schema_is_enforced_by_constrained_decoding(backend):
     pytest.importorskip("xgrammar")
-    gen = run(backend.generate(GenRequest(MESSAGES, n=4, seed=0, max_tokens=40, temperature=1.0,
-                                          json_schema=ENUM_SCHEMA)))
+    gen = run(
+        backend.generate(GenRequest(MESSAGES, n=4, seed=0, max_tokens=40, temperature=1.0, json_schema=ENUM_SCHEMA))
+    )
     for text, reason in zip(gen.texts, gen.finish_reasons):
         assert json.loads(text)["op"] in ("add", "keep") and reason == "stop"
 
@@ -162,9 +172,21 @@ def test_bounded_operations_schema_makes_the_model_close_the_list(backend):
     assert schema["properties"]["operations"]["maxItems"] == 1
     assert "maxItems" not in OPERATIONS_SCHEMA["properties"]["operations"]
     assert operations_schema(None) == OPERATIONS_SCHEMA
-    gen = run(backend.generate(GenRequest(MESSAGES, n=3, seed=4, max_tokens=200, temperature=1.0,
-                                          json_schema={**schema, "properties": {"operations": {
-                                              **schema["properties"]["operations"], "items": ENUM_SCHEMA}}})))
+    gen = run(
+        backend.generate(
+            GenRequest(
+                MESSAGES,
+                n=3,
+                seed=4,
+                max_tokens=200,
+                temperature=1.0,
+                json_schema={
+                    **schema,
+                    "properties": {"operations": {**schema["properties"]["operations"], "items": ENUM_SCHEMA}},
+                },
+            )
+        )
+    )
     for text in gen.texts:
         assert len(json.loads(text)["operations"]) <= 1
 
@@ -206,7 +228,7 @@ def test_a_repetition_penalty_breaks_the_greedy_loop_of_a_tiny_model(backend, ge
     penalized = GenRequest(messages=MESSAGES, n=1, temperature=0.0, max_tokens=24, repetition_penalty=2.0)
     run(backend.generate(plain))
     run(backend.generate(penalized))
-    distinct = [len(set(c["output"][0, c["input_ids"].shape[1]:].tolist())) for c in generate_calls]
+    distinct = [len(set(c["output"][0, c["input_ids"].shape[1] :].tolist())) for c in generate_calls]
     assert distinct[1] > distinct[0], distinct  # the random model repeats a few tokens greedily; the penalty spreads
 
 
@@ -228,10 +250,22 @@ async def test_agent_rollouts_on_a_local_engine_use_the_text_protocol(tiny_model
 
     from domains import Tool
 
-    tool = Tool("python", "Run Python.", {"type": "object", "properties": {"code": {"type": "string"}}}, no_tool,
-                text_argument="code")
-    outcome = await agent_rollout(MESSAGES, [tool], client, agent, temperature=0.7, seed=3,
-                                  base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0))
+    tool = Tool(
+        "python",
+        "Run Python.",
+        {"type": "object", "properties": {"code": {"type": "string"}}},
+        no_tool,
+        text_argument="code",
+    )
+    outcome = await agent_rollout(
+        MESSAGES,
+        [tool],
+        client,
+        agent,
+        temperature=0.7,
+        seed=3,
+        base=dict(problem_id="p", prompt_hash="h", library_version=0, sample_idx=0),
+    )
     await client.aclose()
     rollout = outcome.rollout
     assert rollout.error is None and 1 <= rollout.n_turns <= 2 and rollout.final_text

@@ -18,20 +18,41 @@ def test_confidence_is_the_beta_posterior_mean_with_a_credible_interval():
 
 
 def test_step_stats_add_the_steps_citations_to_the_surviving_ids():
-    previous = [ExperienceStat(exp_id="E1", cited=2, cited_correct=2, cited_wrong=0, cited_in_variance=1),
-                ExperienceStat(exp_id="E9", cited=5, cited_correct=1, cited_wrong=4)]  # deleted since
-    summaries = [Summary(problem_id="p", sample_idx=0, text="It used E1."),
-                 Summary(problem_id="p", sample_idx=1, text="It used E1 and E2."),
-                 Summary(problem_id="q", sample_idx=0, text="It used E2.", error=None)]
-    rewards = [Reward(problem_id="p", sample_idx=0, reward=1.0), Reward(problem_id="p", sample_idx=1, reward=0.0),
-               Reward(problem_id="q", sample_idx=0, reward=None, error="could not verify", verified=False)]
-    advantages = [GroupAdvantage(problem_id="p", rewards=[1.0, 0.0], mean_reward=0.5, std_reward=0.5,
-                                 advantages=[1.0, -1.0], selected=True, reason="variance")]
-    stats = {s.exp_id: s for s in step_stats(previous, ["E1", "E2", "E3"], ["E1", "E2"], summaries, rewards,
-                                            advantages)}
+    previous = [
+        ExperienceStat(exp_id="E1", cited=2, cited_correct=2, cited_wrong=0, cited_in_variance=1),
+        ExperienceStat(exp_id="E9", cited=5, cited_correct=1, cited_wrong=4),
+    ]  # deleted since
+    summaries = [
+        Summary(problem_id="p", sample_idx=0, text="It used E1."),
+        Summary(problem_id="p", sample_idx=1, text="It used E1 and E2."),
+        Summary(problem_id="q", sample_idx=0, text="It used E2.", error=None),
+    ]
+    rewards = [
+        Reward(problem_id="p", sample_idx=0, reward=1.0),
+        Reward(problem_id="p", sample_idx=1, reward=0.0),
+        Reward(problem_id="q", sample_idx=0, reward=None, error="could not verify", verified=False),
+    ]
+    advantages = [
+        GroupAdvantage(
+            problem_id="p",
+            rewards=[1.0, 0.0],
+            mean_reward=0.5,
+            std_reward=0.5,
+            advantages=[1.0, -1.0],
+            selected=True,
+            reason="variance",
+        )
+    ]
+    stats = {
+        s.exp_id: s for s in step_stats(previous, ["E1", "E2", "E3"], ["E1", "E2"], summaries, rewards, advantages)
+    }
     assert set(stats) == {"E1", "E2", "E3"}
-    assert (stats["E1"].cited, stats["E1"].cited_correct, stats["E1"].cited_wrong, stats["E1"].cited_in_variance) \
-        == (4, 3.0, 1.0, 3)
+    assert (stats["E1"].cited, stats["E1"].cited_correct, stats["E1"].cited_wrong, stats["E1"].cited_in_variance) == (
+        4,
+        3.0,
+        1.0,
+        3,
+    )
     assert (stats["E2"].cited, stats["E2"].cited_wrong) == (1, 1.0)  # the ungraded attempt does not count
     assert stats["E3"].cited == 0 and describe(stats["E3"]) == "never cited yet"
     assert describe(stats["E1"]).startswith("cited 4x (3 correct / 1 wrong, 3 in groups with variance)")

@@ -198,7 +198,9 @@ def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
     started = time.monotonic()
     results = verify_batch(CORRECT[12:22])  # no boxed integers: graded in the pool
     first_batch = time.monotonic() - started
-    print(f"\nwarm_pool: pool up after {up_after:.2f}s (start {pool_start_seconds():.2f}s); first batch {first_batch:.3f}s")
+    print(
+        f"\nwarm_pool: pool up after {up_after:.2f}s (start {pool_start_seconds():.2f}s); first batch {first_batch:.3f}s"
+    )
     assert all(r.verified and r.reward == 1.0 for r in results)
     assert first_batch < pool_start_seconds()  # the batch did not pay for the start
     assert verify_mod._POOL.current() is generation

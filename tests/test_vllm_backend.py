@@ -41,10 +41,13 @@ def install_stub_vllm(monkeypatch) -> StubState:
             state.chats.append((messages, sampling_params))
             outputs = []
             for conversation, params in zip(messages, sampling_params):
-                completions = [types.SimpleNamespace(text=f"sample {i}", token_ids=[1] * (i + 2), finish_reason="stop")
-                               for i in range(params.n)]
-                outputs.append(types.SimpleNamespace(prompt_token_ids=[0] * (3 + len(conversation)),
-                                                     outputs=completions))
+                completions = [
+                    types.SimpleNamespace(text=f"sample {i}", token_ids=[1] * (i + 2), finish_reason="stop")
+                    for i in range(params.n)
+                ]
+                outputs.append(
+                    types.SimpleNamespace(prompt_token_ids=[0] * (3 + len(conversation)), outputs=completions)
+                )
             return outputs
 
     vllm = types.ModuleType("vllm")
@@ -65,8 +68,12 @@ def stub(monkeypatch):
 
 
 def config(**overrides) -> ModelConfig:
-    base = {"backend": "vllm", "model": "Qwen/Qwen2.5-7B-Instruct", "seed": 1,
-            "engine_options": {"gpu_memory_utilization": 0.8}}
+    base = {
+        "backend": "vllm",
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "seed": 1,
+        "engine_options": {"gpu_memory_utilization": 0.8},
+    }
     return ModelConfig(**{**base, **overrides})
 
 
@@ -74,9 +81,16 @@ async def test_n_samples_prefix_caching_and_token_counts(stub):
     client = LLMClient(config())
     sampled = await client.sample(MESSAGES, 4, stage="rollout", temperature=0.6)
     assert sampled.texts == [f"sample {i}" for i in range(4)]
-    assert stub.engines == [{"model": "Qwen/Qwen2.5-7B-Instruct", "enable_prefix_caching": True, "dtype": "auto",
-                             "seed": 1, "gpu_memory_utilization": 0.8}]
-    (conversations, params), = stub.chats
+    assert stub.engines == [
+        {
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "enable_prefix_caching": True,
+            "dtype": "auto",
+            "seed": 1,
+            "gpu_memory_utilization": 0.8,
+        }
+    ]
+    ((conversations, params),) = stub.chats
     assert conversations == [MESSAGES]  # LLM.chat applies the model's chat template
     p = params[0]
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.seed, p.structured_outputs) == (4, 0.6, 1.0, 2048, 1, None)
@@ -131,9 +145,11 @@ async def test_one_bad_request_does_not_fail_the_batch(stub, monkeypatch):
 
     monkeypatch.setattr(vllm.LLM, "chat", picky_chat)
     client = LLMClient(config(max_retries=0))
-    good, bad = await asyncio.gather(client.sample(MESSAGES, 2, stage="rollout"),
-                                     client.sample([{"role": "user", "content": "too long"}], 2, stage="rollout"),
-                                     return_exceptions=True)
+    good, bad = await asyncio.gather(
+        client.sample(MESSAGES, 2, stage="rollout"),
+        client.sample([{"role": "user", "content": "too long"}], 2, stage="rollout"),
+        return_exceptions=True,
+    )
     assert good.texts == ["sample 0", "sample 1"]
     assert [s.index for s in bad.failed] == [0, 1] and all("prompt too long" in s.error for s in bad.failed)
     await client.aclose()

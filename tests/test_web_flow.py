@@ -37,21 +37,42 @@ def site(tmp_path_factory):
         yield folder, server
 
 
-def web_config(tmp_path, site, server: FakeOpenAIServer, run_id: str, *, use_groundtruth: bool = True,
-               judge: JudgeConfig | None = None) -> RunConfig:
+def web_config(
+    tmp_path,
+    site,
+    server: FakeOpenAIServer,
+    run_id: str,
+    *,
+    use_groundtruth: bool = True,
+    judge: JudgeConfig | None = None,
+) -> RunConfig:
     folder, web = site
     questions = write_questions(make_questions(make_towns(6, seed=5), web.base_url), tmp_path / "web.jsonl")
-    model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_tokens=256,
-                        retry_base_delay_s=0.01, retry_max_delay_s=0.05, timeout_s=10)
-    tools = WebToolsConfig(search=SearchConfig(index=str(folder), base_url=web.base_url),
-                           open=OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=10))
+    model = ModelConfig(
+        model="scripted",
+        base_url=server.base_url,
+        api_key_env=None,
+        max_tokens=256,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+        timeout_s=10,
+    )
+    tools = WebToolsConfig(
+        search=SearchConfig(index=str(folder), base_url=web.base_url),
+        open=OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=10),
+    )
     return RunConfig(
-        run_id=run_id, db_path=str(tmp_path / "runs.duckdb"), domain="web", policy=model, concurrency=8,
+        run_id=run_id,
+        db_path=str(tmp_path / "runs.duckdb"),
+        domain="web",
+        policy=model,
+        concurrency=8,
         dataset=DatasetConfig(path=str(questions), problem_field="question", url_field="root_url", seed=1),
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=12, rollout_chunk_size=4),
         learning=LearningConfig(use_groundtruth=use_groundtruth, consolidation="passthrough", summarize_chunk_size=4),
         rollout=RolloutPlacement(mode="agent", agent=AgentConfig(protocol="tools", max_turns=6, web=tools)),
-        judge=judge)
+        judge=judge,
+    )
 
 
 async def test_two_web_steps_learn_to_walk_the_site_graded_by_the_judge(tmp_path, site):
@@ -59,8 +80,9 @@ async def test_two_web_steps_learn_to_walk_the_site_graded_by_the_judge(tmp_path
     with FakeOpenAIServer(world) as server:
         cfg = web_config(tmp_path, site, server, "web", judge=JudgeConfig())
         result = await train(cfg)
-        report = await evaluate(cfg, EvalConfig(dataset=cfg.dataset, k=2, temperature=0.3),
-                                [f"{cfg.run_id}:0", f"{cfg.run_id}:latest"])
+        report = await evaluate(
+            cfg, EvalConfig(dataset=cfg.dataset, k=2, temperature=0.3), [f"{cfg.run_id}:0", f"{cfg.run_id}:latest"]
+        )
 
     first, second = result.steps
     assert first.tool_calls > 0 and second.accuracy > first.accuracy + 0.3, (first.accuracy, second.accuracy)
@@ -68,10 +90,12 @@ async def test_two_web_steps_learn_to_walk_the_site_graded_by_the_judge(tmp_path
         lessons = [e.text for e in store.load_library(cfg.run_id)]
         rollouts = store.records("rollouts", cfg.run_id, 2)
         rewards = store.records("rewards", cfg.run_id)
-        judged = store.query("SELECT stage, role, count(*) AS n FROM llm_calls WHERE run_id = 'web' AND stage = "
-                             "'verify' GROUP BY ALL")
-        eval_reasons = store.query(f"SELECT count(judge_reason) AS n FROM eval_results WHERE run_id = "
-                                   f"'{report.eval_id}'")
+        judged = store.query(
+            "SELECT stage, role, count(*) AS n FROM llm_calls WHERE run_id = 'web' AND stage = 'verify' GROUP BY ALL"
+        )
+        eval_reasons = store.query(
+            f"SELECT count(judge_reason) AS n FROM eval_results WHERE run_id = '{report.eval_id}'"
+        )
     assert WEB_LESSON in lessons
     pages = [t for r in rollouts for t in r.turns if t.kind == "tool_result" and t.content.startswith("Title: ")]
     assert pages and any("was born in" in t.content or "km long" in t.content for t in pages)  # fetched, stored

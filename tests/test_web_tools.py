@@ -59,8 +59,17 @@ async def test_the_open_tool_shows_a_refusal_to_the_agent_and_the_page_otherwise
 
 
 # --- open: the safety rules ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://example.org/x", "data:text/html,hi",
-                                 "javascript:alert(1)", "/etc/passwd", "gopher://127.0.0.1/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:///etc/passwd",
+        "ftp://example.org/x",
+        "data:text/html,hi",
+        "javascript:alert(1)",
+        "/etc/passwd",
+        "gopher://127.0.0.1/",
+    ],
+)
 async def test_only_http_and_https_urls_are_opened(url):
     with pytest.raises(FetchRefused, match="only http and https URLs can be opened"):
         await check_url(url, LOOPBACK)
@@ -71,8 +80,21 @@ async def test_urls_with_credentials_are_refused():
         await check_url("http://user:pass@127.0.0.1/", LOOPBACK)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "10.1.2.3", "192.168.0.1", "172.16.5.5",
-                                  "169.254.169.254", "0.0.0.0", "[::1]", "[::ffff:127.0.0.1]", "224.0.0.1"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "localhost",
+        "10.1.2.3",
+        "192.168.0.1",
+        "172.16.5.5",
+        "169.254.169.254",
+        "0.0.0.0",
+        "[::1]",
+        "[::ffff:127.0.0.1]",
+        "224.0.0.1",
+    ],
+)
 async def test_private_and_loopback_addresses_are_refused_by_default(host):
     with pytest.raises(FetchRefused, match="resolves to a non-public address"):
         await check_url(f"http://{host}/", OpenConfig())
@@ -146,8 +168,9 @@ async def test_a_server_that_never_answers_times_out():
     port = listener.getsockname()[1]
     try:
         with pytest.raises(FetchRefused, match=r"no complete answer within 1 s \(open.timeout_s\)"):
-            await fetch_page(f"http://127.0.0.1:{port}/", OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=1,
-                                                                    respect_robots=False))
+            await fetch_page(
+                f"http://127.0.0.1:{port}/", OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=1, respect_robots=False)
+            )
     finally:
         listener.close()
 
@@ -183,8 +206,15 @@ class _SearchApi(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.seen.append({"path": self.path, "token": self.headers.get("X-Subscription-Token")})
-        body = json.dumps({"web": {"results": [{"title": "Paris", "url": "https://example.org/paris",
-                                                "description": "Capital of France."}]}}).encode()
+        body = json.dumps(
+            {
+                "web": {
+                    "results": [
+                        {"title": "Paris", "url": "https://example.org/paris", "description": "Capital of France."}
+                    ]
+                }
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -196,17 +226,24 @@ async def test_an_http_search_api_is_read_through_its_field_settings(monkeypatch
     server.seen = []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    settings = SearchConfig(backend="http", url_template=f"{base}/res/v1/web/search?q={{query}}&count={{k}}",
-                            api_key_env="TEST_SEARCH_KEY", api_key_header="X-Subscription-Token",
-                            results_path="web.results", snippet_field="description", top_k=3)
+    settings = SearchConfig(
+        backend="http",
+        url_template=f"{base}/res/v1/web/search?q={{query}}&count={{k}}",
+        api_key_env="TEST_SEARCH_KEY",
+        api_key_header="X-Subscription-Token",
+        results_path="web.results",
+        snippet_field="description",
+        top_k=3,
+    )
     try:
         monkeypatch.delenv("TEST_SEARCH_KEY", raising=False)
         with pytest.raises(SearchError, match="environment variable TEST_SEARCH_KEY .* is not set"):
             await http_search("capital of france", settings)
         monkeypatch.setenv("TEST_SEARCH_KEY", "k-123")
         hits = await http_search("capital of france", settings)
-        assert [(h.title, h.url, h.snippet) for h in hits] == [("Paris", "https://example.org/paris",
-                                                                 "Capital of France.")]
+        assert [(h.title, h.url, h.snippet) for h in hits] == [
+            ("Paris", "https://example.org/paris", "Capital of France.")
+        ]
         assert server.seen[-1] == {"path": "/res/v1/web/search?q=capital+of+france&count=3", "token": "k-123"}
         with pytest.raises(SearchError, match="no list at 'results'"):
             await http_search("x", settings.model_copy(update={"results_path": "results"}))
@@ -219,8 +256,9 @@ async def test_an_http_search_api_is_read_through_its_field_settings(monkeypatch
 def test_questions_with_a_start_page_load_and_are_graded_by_their_final_answer(tmp_path):
     rows = make_questions(TOWNS, "http://127.0.0.1:1")
     path = write_questions(rows, tmp_path / "web.jsonl")
-    problems = load_problems(DatasetConfig(path=str(path), problem_field="question", url_field="root_url",
-                                           shuffle=False))
+    problems = load_problems(
+        DatasetConfig(path=str(path), problem_field="question", url_field="root_url", shuffle=False)
+    )
     assert problems[0].problem == f"{rows[0]['question']}\n\nStart page: http://127.0.0.1:1/index.html"
     web = get_domain("web")
     assert web.verify(f"The mayor page says so.\nFinal answer: {rows[0]['answer']}.", rows[0]["answer"]).reward == 1
@@ -237,8 +275,12 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
     import httpx
 
     with _ctrl_c_not_ignored():
-        world = subprocess.Popen([sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port",
-                                  "0", "--towns", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        world = subprocess.Popen(
+            [sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port", "0", "--towns", "3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     try:
         first = world.stdout.readline()
         base = first.split("served at ")[1].strip()

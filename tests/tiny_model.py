@@ -12,7 +12,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "What is 2 + 3? The answer is 5.",
-    "Reply with JSON only: {\"operations\": [{\"op\": \"add\", \"text\": \"Check units.\"}]}",
+    'Reply with JSON only: {"operations": [{"op": "add", "text": "Check units."}]}',
     "system user assistant problem answer boxed experience lesson",
 ] * 20
 
@@ -25,15 +25,28 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|pad|>", bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>")
+    bpe.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<|pad|>", bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

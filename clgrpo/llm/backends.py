@@ -53,8 +53,9 @@ class Generation:
 class TransientLLMError(RuntimeError):
     """Worth retrying: rate limits, server errors, connection problems, timeouts."""
 
-    def __init__(self, message: str, retry_after: float | None = None, rate_limited: bool = False,
-                 counted: bool = True) -> None:
+    def __init__(
+        self, message: str, retry_after: float | None = None, rate_limited: bool = False, counted: bool = True
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.rate_limited = rate_limited
@@ -98,8 +99,8 @@ def _retry_after_seconds(headers: object) -> float | None:
     try:
         return max(0.0, float(value))
     except ValueError:
-        from email.utils import parsedate_to_datetime
         from datetime import datetime, timezone
+        from email.utils import parsedate_to_datetime
 
         try:
             return max(0.0, (parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds())
@@ -134,8 +135,7 @@ class OpenAIBackend:
     def __init__(self, cfg: ModelConfig) -> None:
         key = resolve_api_key(cfg)
         if key is None and cfg.base_url is None:
-            raise PermanentLLMError(
-                f"model {cfg.model!r}: no API key; set ${cfg.api_key_env} or api_key_secret_block")
+            raise PermanentLLMError(f"model {cfg.model!r}: no API key; set ${cfg.api_key_env} or api_key_secret_block")
         self.cfg = cfg
         self.base_url = (cfg.base_url or DEFAULT_BASE_URL).rstrip("/") + "/"
         self._transport = make_transport(self.base_url, key or "not-needed", cfg.timeout_s)
@@ -143,8 +143,14 @@ class OpenAIBackend:
 
     def body(self, request: GenRequest) -> dict[str, Any]:
         """The chat completions request body (what the openai SDK sends for the same arguments)."""
-        body: dict[str, Any] = {"messages": request.messages, "model": self.cfg.model, "max_tokens": request.max_tokens,
-                                "n": request.n, "temperature": request.temperature, "top_p": request.top_p}
+        body: dict[str, Any] = {
+            "messages": request.messages,
+            "model": self.cfg.model,
+            "max_tokens": request.max_tokens,
+            "n": request.n,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+        }
         if request.seed is not None:
             body["seed"] = request.seed
         if request.tools:
@@ -152,8 +158,10 @@ class OpenAIBackend:
             if request.tool_choice:
                 body["tool_choice"] = request.tool_choice
         if request.json_schema is not None and self.json_schema_supported:
-            body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": request.schema_name, "schema": request.json_schema, "strict": False}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": request.schema_name, "schema": request.json_schema, "strict": False},
+            }
         if request.repetition_penalty is not None:  # not in the OpenAI API: vLLM / SGLang / llama.cpp read it
             body["repetition_penalty"] = request.repetition_penalty
         return body
@@ -166,8 +174,9 @@ class OpenAIBackend:
         try:
             reply = loads(data)
         except ValueError as exc:  # a 200 whose body is not JSON: a broken proxy or an overloaded server
-            raise TransientLLMError(f"malformed reply from {self.base_url}: {type(exc).__name__}: "
-                                    f"{_short(exc)}") from exc
+            raise TransientLLMError(
+                f"malformed reply from {self.base_url}: {type(exc).__name__}: {_short(exc)}"
+            ) from exc
         return generation(reply, self.base_url)
 
     def _status_error(self, status: int, headers: Any, data: bytes, body: dict) -> Exception:
@@ -175,8 +184,12 @@ class OpenAIBackend:
         if "response_format" in body and _rejects_response_format(status, message):
             self.json_schema_supported = False  # the endpoint has no structured output: prompt + parser
             _SCHEMA_REFUSED.add(_endpoint_key(self.cfg))
-            return SchemaRefused(f"HTTP {status} from {self.base_url}: response_format refused, asking again "
-                                 f"without it: {_error_message(data)}", retry_after=0.0, counted=False)
+            return SchemaRefused(
+                f"HTTP {status} from {self.base_url}: response_format refused, asking again "
+                f"without it: {_error_message(data)}",
+                retry_after=0.0,
+                counted=False,
+            )
         if "tools" in body and _rejects_tools(status, message):
             return ToolsRefused(f"HTTP {status} from {self.base_url}: tool calling refused: {_error_message(data)}")
         if status == 429:
@@ -202,15 +215,22 @@ def generation(reply: object, where: str) -> Generation:
         content = message.get("content")
         tool_calls = _tool_calls(message.get("tool_calls"))
         if (not isinstance(content, str) or not content.strip()) and not tool_calls:
-            raise TransientLLMError(f"empty reply from {where}: choice {choice.get('index', i)} has no content "
-                                    f"(finish_reason {choice.get('finish_reason')!r})")
+            raise TransientLLMError(
+                f"empty reply from {where}: choice {choice.get('index', i)} has no content "
+                f"(finish_reason {choice.get('finish_reason')!r})"
+            )
         texts.append(content if isinstance(content, str) else "")
         reasons.append(choice.get("finish_reason") or "")
         calls.append(tool_calls)
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
-    return Generation(texts=texts, tokens_in=_count(usage.get("prompt_tokens")),
-                      tokens_out=_count(usage.get("completion_tokens")), finish_reasons=reasons, tool_calls=calls)
+    return Generation(
+        texts=texts,
+        tokens_in=_count(usage.get("prompt_tokens")),
+        tokens_out=_count(usage.get("completion_tokens")),
+        finish_reasons=reasons,
+        tool_calls=calls,
+    )
 
 
 def _count(value: object) -> int:

@@ -27,8 +27,8 @@ from typing import Literal
 from clgrpo import journal
 from clgrpo.llm.backends import (
     Backend,
-    GenRequest,
     Generation,
+    GenRequest,
     Message,
     PermanentLLMError,
     SchemaRefused,
@@ -139,8 +139,16 @@ class LLMClient:
         return cls(cfg.policy, learner_config(cfg), concurrency=cfg.concurrency)
 
     # --- public calls ---------------------------------------------------------------------------------
-    async def sample(self, messages: list[Message], n: int, *, stage: str, temperature: float | None = None,
-                     seed: int | None = None, indices: list[int] | None = None) -> Sampled:
+    async def sample(
+        self,
+        messages: list[Message],
+        n: int,
+        *,
+        stage: str,
+        temperature: float | None = None,
+        seed: int | None = None,
+        indices: list[int] | None = None,
+    ) -> Sampled:
         """Policy samples ``indices`` (default: 0..n-1) of one prompt, in index order. A failed call fails only
         the samples it was for: the others are kept (sample i sent on its own uses seed + i)."""
         cfg = self.configs["policy"]
@@ -158,8 +166,9 @@ class LLMClient:
             if len(samples) < n:  # the endpoint ignored n: top up, and send single requests from now on
                 self._n_unsupported.add(cfg.model)
         rest = [i for i in wanted if i not in samples]
-        outcomes = await asyncio.gather(*[self._call("policy", _single(request, i), stage, calls) for i in rest],
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *[self._call("policy", _single(request, i), stage, calls) for i in rest], return_exceptions=True
+        )
         for i, outcome in zip(rest, outcomes):
             if isinstance(outcome, LLMCallError):
                 samples[i] = Sample(i, error=str(outcome))
@@ -169,9 +178,17 @@ class LLMClient:
                 samples[i] = Sample(i, outcome.texts[0] if outcome.texts else "", _at(outcome.finish_reasons, 0))
         return Sampled([samples[i] for i in wanted], calls)
 
-    async def complete(self, messages: list[Message] | PromptFn, *, stage: str, role: Role = "learner",
-                       json_schema: dict | None = None, schema_name: str = "reply",
-                       temperature: float | None = None, redraw: int = 0) -> Completed:
+    async def complete(
+        self,
+        messages: list[Message] | PromptFn,
+        *,
+        stage: str,
+        role: Role = "learner",
+        json_schema: dict | None = None,
+        schema_name: str = "reply",
+        temperature: float | None = None,
+        redraw: int = 0,
+    ) -> Completed:
         """One reply; ``redraw`` k > 0 asks for the k-th other draw (a seeded config uses seed + k). ``messages``
         may be a function of whether the reply is constrained to ``json_schema``: when the endpoint refuses the
         schema, the call is asked again with the unconstrained prompt (and every later one is written so)."""
@@ -179,33 +196,62 @@ class LLMClient:
         seed = None if cfg.seed is None else cfg.seed + redraw
         constrained = json_schema is not None and self.constrains_json(role)
         prompt = messages(constrained) if callable(messages) else messages
-        request = _request(cfg, prompt, temperature=temperature, seed=seed, schema_name=schema_name,
-                           json_schema=json_schema if constrained else None)
+        request = _request(
+            cfg,
+            prompt,
+            temperature=temperature,
+            seed=seed,
+            schema_name=schema_name,
+            json_schema=json_schema if constrained else None,
+        )
         calls: list[LLMCall] = []
         try:
             gen = await self._call(role, request, stage, calls, refusal_raises=callable(messages))
         except SchemaRefused:  # the prompt was written for a constrained reply: ask with the other one
             request = dataclasses.replace(request, messages=messages(False), json_schema=None)  # type: ignore[operator]
             gen = await self._call(role, request, stage, calls)
-        return Completed(text=gen.texts[0] if gen.texts else "", calls=calls,
-                         finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "")
+        return Completed(
+            text=gen.texts[0] if gen.texts else "",
+            calls=calls,
+            finish_reason=gen.finish_reasons[0] if gen.finish_reasons else "",
+        )
 
-    async def turn(self, messages: list[Message], *, stage: str, turn: int, tools: list[dict] | None = None,
-                   tool_choice: str | None = None, temperature: float | None = None, seed: int | None = None,
-                   calls: list[LLMCall] | None = None) -> TurnReply:
+    async def turn(
+        self,
+        messages: list[Message],
+        *,
+        stage: str,
+        turn: int,
+        tools: list[dict] | None = None,
+        tool_choice: str | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        calls: list[LLMCall] | None = None,
+    ) -> TurnReply:
         """One policy turn of an agent rollout (its ``LLMCall`` records carry ``turn``). Raises ``LLMCallError``
         after the retries; its cause is ``ToolsRefused`` when the endpoint has no tool calling. ``calls``: the
         caller's list, which gets every attempt as it is recorded (also one cut short by a timeout)."""
         cfg = self.configs["policy"]
-        request = _request(cfg, messages, temperature=temperature, seed=seed if seed is not None else cfg.seed,
-                           tools=tools or None, tool_choice=tool_choice)
+        request = _request(
+            cfg,
+            messages,
+            temperature=temperature,
+            seed=seed if seed is not None else cfg.seed,
+            tools=tools or None,
+            tool_choice=tool_choice,
+        )
         calls = [] if calls is None else calls
         gen = await self._call("policy", request, stage, calls, turn=turn)
-        return TurnReply(text=gen.texts[0] if gen.texts else "", tool_calls=gen.tool_calls[0] if gen.tool_calls else [],
-                         calls=calls, finish_reason=_at(gen.finish_reasons, 0))
+        return TurnReply(
+            text=gen.texts[0] if gen.texts else "",
+            tool_calls=gen.tool_calls[0] if gen.tool_calls else [],
+            calls=calls,
+            finish_reason=_at(gen.finish_reasons, 0),
+        )
 
-    async def complete_operations(self, messages: list[Message] | PromptFn, *, stage: str, json_schema: dict,
-                                  repair: Callable[..., list[Message]]) -> OperationsReply:
+    async def complete_operations(
+        self, messages: list[Message] | PromptFn, *, stage: str, json_schema: dict, repair: Callable[..., list[Message]]
+    ) -> OperationsReply:
         """Ask for operations as JSON; one second ask on an unusable reply: a repair re-ask that shows the reply
         and its error, or, for a reply cut off at max_tokens (usually a loop, which a model shown its own loop
         continues), a fresh draw of the same prompt. What still fails comes back with its raw text and
@@ -219,12 +265,16 @@ class LLMClient:
         asked = messages(self.constrains_json("learner")) if callable(messages) else messages
         try:
             if first.finish_reason == "length":
-                second = await self.complete(messages, stage=stage, json_schema=json_schema,
-                                             schema_name="operations", redraw=1)
+                second = await self.complete(
+                    messages, stage=stage, json_schema=json_schema, schema_name="operations", redraw=1
+                )
             else:
                 second = await self.complete(
                     repair(asked, first.text, error, show_example=not self.constrains_json("learner")),
-                    stage=stage, json_schema=json_schema, schema_name="operations")
+                    stage=stage,
+                    json_schema=json_schema,
+                    schema_name="operations",
+                )
         except LLMCallError as exc:
             raise LLMCallError(str(exc), [*first.calls, *exc.calls]) from exc
         calls = [*first.calls, *second.calls]
@@ -233,8 +283,9 @@ class LLMClient:
         except StructuredOutputError as exc:
             raw = json.dumps({"first_reply": first.text, "second_reply": second.text}, ensure_ascii=False)
             again = "a second draw" if first.finish_reason == "length" else "repair"
-            return OperationsReply([], raw, f"unparseable after {again}: {self._why_unusable(exc, second)} "
-                                            f"(first reply: {error})", calls)
+            return OperationsReply(
+                [], raw, f"unparseable after {again}: {self._why_unusable(exc, second)} (first reply: {error})", calls
+            )
 
     def _why_unusable(self, exc: StructuredOutputError, reply: Completed) -> str:
         if reply.finish_reason == "length":
@@ -264,16 +315,25 @@ class LLMClient:
     def _backend(self, state: _LoopState, role: Role) -> Backend:
         if role not in state.backends:
             # the same engine or endpoint (max_tokens is per request: a capped learner shares the policy's)
-            learner_is_policy = (self.configs["learner"].model_copy(update={"max_tokens": 1})
-                                 == self.configs["policy"].model_copy(update={"max_tokens": 1}))
+            learner_is_policy = self.configs["learner"].model_copy(update={"max_tokens": 1}) == self.configs[
+                "policy"
+            ].model_copy(update={"max_tokens": 1})
             if role == "learner" and learner_is_policy and "policy" in state.backends:
                 state.backends[role] = state.backends["policy"]
             else:
                 state.backends[role] = self._factory(self.configs[role])
         return state.backends[role]
 
-    async def _call(self, role: Role, request: GenRequest, stage: str, calls: list[LLMCall], *,
-                    turn: int | None = None, refusal_raises: bool = False) -> Generation:
+    async def _call(
+        self,
+        role: Role,
+        request: GenRequest,
+        stage: str,
+        calls: list[LLMCall],
+        *,
+        turn: int | None = None,
+        refusal_raises: bool = False,
+    ) -> Generation:
         """One call: attempts until success, a permanent error, ``max_retries`` transient errors, or
         ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal).
         ``refusal_raises``: a refused JSON schema raises ``SchemaRefused`` (recorded) instead of being retried
@@ -289,13 +349,26 @@ class LLMClient:
                     gen = await asyncio.wait_for(self._backend(state, role).generate(request), cfg.timeout_s)
             except asyncio.CancelledError:  # the caller gave up (a timeout around this call) while it was sent
                 if sent:
-                    self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None,
-                                                   "cancelled: the caller's time limit ended this request",
-                                                   turn=turn))
+                    self._keep(
+                        calls,
+                        self._record(
+                            stage,
+                            role,
+                            cfg,
+                            call_id,
+                            attempt,
+                            started,
+                            t0,
+                            None,
+                            "cancelled: the caller's time limit ended this request",
+                            turn=turn,
+                        ),
+                    )
                 raise
             except PermanentLLMError as exc:
-                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc),
-                                               turn=turn))
+                self._keep(
+                    calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc), turn=turn)
+                )
                 raise LLMCallError(f"{stage}/{role}: {exc}", calls) from exc
             except (TransientLLMError, asyncio.TimeoutError) as exc:
                 limited = isinstance(exc, TransientLLMError) and exc.rate_limited
@@ -308,13 +381,32 @@ class LLMClient:
                 else:
                     gave_up = counted and errors >= cfg.max_retries
                 refused = refusal_raises and isinstance(exc, SchemaRefused)
-                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, reason,
-                                               rate_limited=limited, final=gave_up or refused, turn=turn))
+                self._keep(
+                    calls,
+                    self._record(
+                        stage,
+                        role,
+                        cfg,
+                        call_id,
+                        attempt,
+                        started,
+                        t0,
+                        None,
+                        reason,
+                        rate_limited=limited,
+                        final=gave_up or refused,
+                        turn=turn,
+                    ),
+                )
                 if refused:
                     raise exc
                 if gave_up:
-                    budget = (f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
-                              f"{cfg.max_rate_limit_wait_s:g})" if limited else f"gave up after {errors} retries")
+                    budget = (
+                        f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
+                        f"{cfg.max_rate_limit_wait_s:g})"
+                        if limited
+                        else f"gave up after {errors} retries"
+                    )
                     raise LLMCallError(f"{stage}/{role}: {budget}: {reason}", calls) from exc
                 delay = self._delay(cfg, errors, exc)
                 if limited:  # every caller waits out the window
@@ -347,24 +439,65 @@ class LLMClient:
             sink.add_call(call)
 
     @staticmethod
-    def _record(stage: str, role: Role, cfg: ModelConfig, call_id: str, attempt: int, started, t0: float,
-                gen: Generation | None, error: str | None = None, *, rate_limited: bool = False,
-                final: bool = True, turn: int | None = None) -> LLMCall:
+    def _record(
+        stage: str,
+        role: Role,
+        cfg: ModelConfig,
+        call_id: str,
+        attempt: int,
+        started,
+        t0: float,
+        gen: Generation | None,
+        error: str | None = None,
+        *,
+        rate_limited: bool = False,
+        final: bool = True,
+        turn: int | None = None,
+    ) -> LLMCall:
         tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
         cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
         reply = _at(gen.texts, 0) if gen and role == "learner" else None
-        return LLMCall(stage=stage, role=role, model=cfg.model, tokens_in=tokens_in, tokens_out=tokens_out,
-                       latency_s=time.monotonic() - t0, retries=attempt, cost_usd=cost, ok=gen is not None,
-                       error=error, started_at=started, call_id=call_id, rate_limited=rate_limited, final=final,
-                       finish_reason=_at(gen.finish_reasons, 0) if gen else "", turn=turn, reply=reply)
+        return LLMCall(
+            stage=stage,
+            role=role,
+            model=cfg.model,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            latency_s=time.monotonic() - t0,
+            retries=attempt,
+            cost_usd=cost,
+            ok=gen is not None,
+            error=error,
+            started_at=started,
+            call_id=call_id,
+            rate_limited=rate_limited,
+            final=final,
+            finish_reason=_at(gen.finish_reasons, 0) if gen else "",
+            turn=turn,
+            reply=reply,
+        )
 
 
-def _request(cfg: ModelConfig, messages: list[Message], *, n: int = 1, temperature: float | None,
-             seed: int | None, **extra: object) -> GenRequest:
+def _request(
+    cfg: ModelConfig,
+    messages: list[Message],
+    *,
+    n: int = 1,
+    temperature: float | None,
+    seed: int | None,
+    **extra: object,
+) -> GenRequest:
     """A request with the model's sampling settings (``temperature`` None: the model's own)."""
-    return GenRequest(messages=messages, n=n, temperature=cfg.temperature if temperature is None else temperature,
-                      top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed,
-                      repetition_penalty=cfg.repetition_penalty, **extra)  # type: ignore[arg-type]
+    return GenRequest(
+        messages=messages,
+        n=n,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_tokens,
+        seed=seed,
+        repetition_penalty=cfg.repetition_penalty,
+        **extra,
+    )  # type: ignore[arg-type]
 
 
 def _at(values: list[str], index: int) -> str:

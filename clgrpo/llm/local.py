@@ -136,13 +136,18 @@ class Engine:
         try:
             model = self.load()
         except Exception as exc:  # a missing or broken model fails every request, permanently
-            error = exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
+            error = (
+                exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
+            )
             for job in jobs:
                 job.future.set_exception(error)
             return
         results = self._batch(model, [j.request for j in jobs])
-        if len(jobs) > 1 and any(isinstance(r, PermanentLLMError) for r in results) and \
-                all(isinstance(r, BaseException) for r in results):
+        if (
+            len(jobs) > 1
+            and any(isinstance(r, PermanentLLMError) for r in results)
+            and all(isinstance(r, BaseException) for r in results)
+        ):
             results = [self._batch(model, [j.request])[0] for j in jobs]  # one bad request must not fail the rest
         for job, result in zip(jobs, results, strict=True):
             if isinstance(result, BaseException):

@@ -165,8 +165,9 @@ def parse_operations(text: str, allowed: Iterable[OpKind] = LEARNER_OPS) -> list
 
 
 _LESSON_LINE_RE = re.compile(r"^\s*(?:\*\*)?lesson(?:\*\*)?\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
-_DIFFERENCE_LINE_RE = re.compile(r"^\s*(?:\*\*)?(?:difference|mistake)(?:\*\*)?\s*:\s*(.+)$",
-                                 re.IGNORECASE | re.MULTILINE)
+_DIFFERENCE_LINE_RE = re.compile(
+    r"^\s*(?:\*\*)?(?:difference|mistake)(?:\*\*)?\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE
+)
 
 
 def parse_contrast(text: str, live_ids: Iterable[str] = ()) -> Operation:
@@ -196,6 +197,6 @@ def _contrast_fields(text: str) -> tuple[str, str, str]:
             return lesson, str(difference or ""), str(revises or "").strip()
     found = _LESSON_LINE_RE.search(text or "")
     if found is None:
-        raise StructuredOutputError("no JSON object with a \"lesson\" and no \"Lesson:\" line in the reply")
+        raise StructuredOutputError('no JSON object with a "lesson" and no "Lesson:" line in the reply')
     difference = _DIFFERENCE_LINE_RE.search(text)
     return found.group(1), difference.group(1) if difference else "", ""

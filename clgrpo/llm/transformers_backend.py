@@ -39,7 +39,9 @@ class TransformersBackend:
             import torch  # noqa: F401
             import transformers  # noqa: F401
         except ImportError as exc:
-            raise PermanentLLMError("backend 'transformers' needs the local extra: pip install 'clgrpo[local]'") from exc
+            raise PermanentLLMError(
+                "backend 'transformers' needs the local extra: pip install 'clgrpo[local]'"
+            ) from exc
         try:
             location = resolve_model_path(cfg.model_path or cfg.model)
         except ModelError as exc:
@@ -49,10 +51,15 @@ class TransformersBackend:
         dtype = pick_dtype(cfg.dtype, device)
         key = ("transformers", str(location), device, dtype, adapter)
         name = f"{location.gguf_file or location.folder.name}{'+' + adapter if adapter else ''}"
-        self.engine = get_engine(key, lambda: Engine(
-            f"transformers:{name}@{device}",
-            load=partial(load_model, location, device, dtype, cfg.cpu_threads, adapter),
-            run_batch=run_batch, max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS))
+        self.engine = get_engine(
+            key,
+            lambda: Engine(
+                f"transformers:{name}@{device}",
+                load=partial(load_model, location, device, dtype, cfg.cpu_threads, adapter),
+                run_batch=run_batch,
+                max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS,
+            ),
+        )
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.engine.generate(request)
@@ -128,8 +135,9 @@ class LoadedModel:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: int | None,
-               adapter: str | None = None) -> LoadedModel:
+def load_model(
+    location: ModelLocation, device: str, dtype: str, cpu_threads: int | None, adapter: str | None = None
+) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,8 +146,9 @@ def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: in
         log.info("torch uses %d CPU threads", torch.get_num_threads())
     kwargs = {"gguf_file": location.gguf_file} if location.gguf_file else {}
     if location.gguf_file:
-        log.warning("loading GGUF %s: transformers dequantizes it on every load; convert it once for fast loads",
-                    location)
+        log.warning(
+            "loading GGUF %s: transformers dequantizes it on every load; convert it once for fast loads", location
+        )
     quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(location.folder, dtype=getattr(torch, dtype), **kwargs)
@@ -154,8 +163,15 @@ def load_model(location: ModelLocation, device: str, dtype: str, cpu_threads: in
         raise PermanentLLMError(f"{location}: the model defines no end-of-sequence token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    loaded = LoadedModel(model, tokenizer, device, frozenset(eos_ids), pad_id, vocab_size,
-                         getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+    loaded = LoadedModel(
+        model,
+        tokenizer,
+        device,
+        frozenset(eos_ids),
+        pad_id,
+        vocab_size,
+        getattr(model.config, "max_position_embeddings", None) or 1 << 30,
+    )
     loaded.grammars = Grammars.create(tokenizer, vocab_size, sorted(eos_ids))
     return loaded
 
@@ -255,7 +271,7 @@ class RowSampler:
         step = input_ids.shape[1] - self.prompt_len
         if step > 0:
             self._advance(input_ids[:, -1].tolist())
-        generated = input_ids[:, self.prompt_len:]
+        generated = input_ids[:, self.prompt_len :]
         chosen = [self._choose(row, scores[i : i + 1], step, generated[i]) for i, row in enumerate(self.rows)]
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(chosen), device=scores.device), torch.tensor(chosen, device=scores.device)] = 0.0
@@ -342,15 +358,30 @@ def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
             continue
         room = loaded.max_positions - len(prompt)
         if room <= 0:
-            results[qi] = PermanentLLMError(f"prompt of {len(prompt)} tokens does not fit the model's context "
-                                            f"of {loaded.max_positions}")
+            results[qi] = PermanentLLMError(
+                f"prompt of {len(prompt)} tokens does not fit the model's context of {loaded.max_positions}"
+            )
             continue
         prompts[qi] = len(prompt)
         for i in range(request.n):
-            matcher = loaded.grammars.matcher(request.json_schema) if (
-                request.json_schema is not None and loaded.grammars is not None) else None
-            rows.append(Row(qi, i, prompt, min(request.max_tokens, room), request.temperature, request.top_p,
-                            request.seed, matcher, request.repetition_penalty))
+            matcher = (
+                loaded.grammars.matcher(request.json_schema)
+                if (request.json_schema is not None and loaded.grammars is not None)
+                else None
+            )
+            rows.append(
+                Row(
+                    qi,
+                    i,
+                    prompt,
+                    min(request.max_tokens, room),
+                    request.temperature,
+                    request.top_p,
+                    request.seed,
+                    matcher,
+                    request.repetition_penalty,
+                )
+            )
     if rows:
         for qi, generation in _generate(loaded, rows, prompts).items():
             results[qi] = generation
@@ -365,11 +396,19 @@ def _generate(loaded: LoadedModel, rows: list[Row], prompt_tokens: dict[int, int
     input_ids = torch.tensor([[loaded.pad_id] * (width - len(r.prompt)) + r.prompt for r in rows])
     attention = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows])
     sampler = RowSampler(rows, width, loaded.eos_ids, loaded.grammars)
-    config = GenerationConfig(max_new_tokens=max(r.limit for r in rows), do_sample=False,
-                              eos_token_id=sorted(loaded.eos_ids), pad_token_id=loaded.pad_id)
+    config = GenerationConfig(
+        max_new_tokens=max(r.limit for r in rows),
+        do_sample=False,
+        eos_token_id=sorted(loaded.eos_ids),
+        pad_token_id=loaded.pad_id,
+    )
     with torch.inference_mode():
-        out = loaded.model.generate(input_ids=input_ids.to(loaded.device), attention_mask=attention.to(loaded.device),
-                                    generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+        out = loaded.model.generate(
+            input_ids=input_ids.to(loaded.device),
+            attention_mask=attention.to(loaded.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([sampler]),
+        )
     generated = out[:, width:].tolist()
     by_request: dict[int, Generation] = {}
     for row, tokens in zip(rows, generated):

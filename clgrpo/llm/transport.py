@@ -37,8 +37,12 @@ class Transport(Protocol):
 
 
 def _headers(api_key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json",
-            "Accept": "application/json", "User-Agent": USER_AGENT}
+    return {
+        "Authorization": f"Bearer {api_key}",
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+        "User-Agent": USER_AGENT,
+    }
 
 
 def _connection_error(base_url: str, exc: BaseException) -> Exception:
@@ -61,7 +65,8 @@ class AiohttpTransport:
     def _open(self) -> Any:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
         self._session = aiohttp.ClientSession(
-            connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+            connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout_s)
+        )
         return self._session
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
@@ -92,4 +97,3 @@ class AiohttpTransport:
 
 def make_transport(base_url: str, api_key: str, timeout_s: float) -> Transport:
     return AiohttpTransport(base_url, api_key, timeout_s)
-

@@ -49,10 +49,15 @@ class VLLMBackend:
             options.update(enable_lora=True)
             options.setdefault("max_lora_rank", lora_rank(adapter))
         key = ("vllm", model, json.dumps(options, sort_keys=True, default=str), adapter)
-        self.engine = get_engine(key, lambda: Engine(
-            f"vllm:{Path(model).name}", load=partial(load_engine, model, options),
-            run_batch=partial(run_batch, lora=adapter),
-            max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS))
+        self.engine = get_engine(
+            key,
+            lambda: Engine(
+                f"vllm:{Path(model).name}",
+                load=partial(load_engine, model, options),
+                run_batch=partial(run_batch, lora=adapter),
+                max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS,
+            ),
+        )
 
     async def generate(self, request: GenRequest) -> Generation:
         return await self.engine.generate(request)
@@ -102,20 +107,30 @@ def sampling_params(request: GenRequest) -> Any:
     from vllm.sampling_params import StructuredOutputsParams
 
     structured = StructuredOutputsParams(json=request.json_schema) if request.json_schema is not None else None
-    return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p,
-                          max_tokens=request.max_tokens, seed=request.seed, structured_outputs=structured,
-                          repetition_penalty=request.repetition_penalty or 1.0)
+    return SamplingParams(
+        n=request.n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        max_tokens=request.max_tokens,
+        seed=request.seed,
+        structured_outputs=structured,
+        repetition_penalty=request.repetition_penalty or 1.0,
+    )
 
 
 def run_batch(llm: Any, requests: list[GenRequest], lora: str | None = None) -> list[Result]:
     """All waiting requests in one ``LLM.chat`` call; outputs come back in request order. ``lora``: every
     request uses that adapter."""
     extra = {"lora_request": lora_request(lora)} if lora is not None else {}
-    outputs = llm.chat([r.messages for r in requests], sampling_params=[sampling_params(r) for r in requests],
-                       use_tqdm=False, **extra)
+    outputs = llm.chat(
+        [r.messages for r in requests], sampling_params=[sampling_params(r) for r in requests], use_tqdm=False, **extra
+    )
     return [
-        Generation(texts=[c.text for c in out.outputs], tokens_in=len(out.prompt_token_ids or []),
-                   tokens_out=sum(len(c.token_ids) for c in out.outputs),
-                   finish_reasons=[c.finish_reason or "" for c in out.outputs])
+        Generation(
+            texts=[c.text for c in out.outputs],
+            tokens_in=len(out.prompt_token_ids or []),
+            tokens_out=sum(len(c.token_ids) for c in out.outputs),
+            finish_reasons=[c.finish_reason or "" for c in out.outputs],
+        )
         for out in outputs
     ]

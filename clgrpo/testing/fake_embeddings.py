@@ -52,11 +52,16 @@ class EmbeddingServer:
                     status, payload, headers = 404, {"error": {"message": f"no route {self.path}"}}, {}
                 else:
                     inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
-                    data = [{"object": "embedding", "index": i, "embedding": outer.vector(t)}
-                            for i, t in enumerate(inputs)]
+                    data = [
+                        {"object": "embedding", "index": i, "embedding": outer.vector(t)} for i, t in enumerate(inputs)
+                    ]
                     status, headers = 200, {}
-                    payload = {"object": "list", "data": data[::-1], "model": body["model"],
-                               "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+                    payload = {
+                        "object": "list",
+                        "data": data[::-1],
+                        "model": body["model"],
+                        "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                    }
                 raw = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

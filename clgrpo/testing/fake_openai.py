@@ -50,8 +50,14 @@ __all__ = [
 POLICY_ROLE = "policy"
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 _MODELS_PATHS = ("/v1/models", "/models")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                408: "timeout", 409: "conflict", 429: "rate_limit_exceeded"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout",
+    409: "conflict",
+    429: "rate_limit_exceeded",
+}
 
 
 @dataclass(frozen=True)
@@ -162,12 +168,15 @@ class Fault:
 
     @property
     def label(self) -> str:
-        """"status:<code>" for "status" faults, else the kind ("mixed" faults are recorded as the kind served)."""
+        """ "status:<code>" for "status" faults, else the kind ("mixed" faults are recorded as the kind served)."""
         return f"status:{self.status}" if self.kind == "status" else self.kind
 
     def _expired(self, now: float) -> bool:
-        return (self.window_s is not None and self._window_started is not None
-                and now - self._window_started >= self.window_s)
+        return (
+            self.window_s is not None
+            and self._window_started is not None
+            and now - self._window_started >= self.window_s
+        )
 
 
 def _as_fault(kind: "str | Fault") -> Fault:
@@ -179,7 +188,13 @@ def _as_fault(kind: "str | Fault") -> Fault:
 
 
 DEFAULT_MIX: tuple["str | Fault", ...] = (
-    "malformed", "no_choices", "empty", "truncate", "reset", "drop", "status:500",
+    "malformed",
+    "no_choices",
+    "empty",
+    "truncate",
+    "reset",
+    "drop",
+    "status:500",
     Fault(kind="status", status=429, retry_after=1),
 )
 """The mix ``Fault.mixed`` uses by default: every reply fault a proxy sees, 429 with ``Retry-After: 1``."""
@@ -231,7 +246,7 @@ def role_of(request: ChatRequest) -> str:
         if message.get("role") in ("system", "developer"):
             first = message_text(message).split("\n", 1)[0]
             if first.startswith("ROLE:"):
-                return first[len("ROLE:"):].strip()
+                return first[len("ROLE:") :].strip()
             return POLICY_ROLE
     return POLICY_ROLE
 
@@ -297,17 +312,26 @@ def _cap(content: str, max_tokens: int | None) -> tuple[str, str]:
 
 def _choice(index: int, reply: str | Reply, max_tokens: int | None, cut_words: int | None) -> dict[str, Any]:
     if isinstance(reply, Reply) and reply.tool_calls:
-        calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                  "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
-                 for name, args in reply.tool_calls]
+        calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+            for name, args in reply.tool_calls
+        ]
         message = {"role": "assistant", "content": reply.content, "tool_calls": calls}
         return {"index": index, "message": message, "finish_reason": "tool_calls", "logprobs": None}
     content = (reply.content or "") if isinstance(reply, Reply) else reply
     content, finish = _cap(content, max_tokens)
     if cut_words is not None:
-        content, finish = " ".join(content.split()[:max(1, cut_words)]), "length"
-    return {"index": index, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
-            "logprobs": None}
+        content, finish = " ".join(content.split()[: max(1, cut_words)]), "length"
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content},
+        "finish_reason": finish,
+        "logprobs": None,
+    }
 
 
 def _choice_words(choice: dict[str, Any]) -> int:
@@ -316,8 +340,9 @@ def _choice_words(choice: dict[str, Any]) -> int:
     return _words(message.get("content") or "") + sum(_words(c["function"]["arguments"]) for c in calls)
 
 
-def completion_body(request: ChatRequest, contents: list[str | Reply], *,
-                    cut_words: int | None = None) -> dict[str, Any]:
+def completion_body(
+    request: ChatRequest, contents: list[str | Reply], *, cut_words: int | None = None
+) -> dict[str, Any]:
     """The chat.completion for ``contents``; ``cut_words`` cuts every text choice there with finish_reason
     "length"."""
     choices = [_choice(i, c, request.max_tokens, cut_words) for i, c in enumerate(contents)]
@@ -329,8 +354,11 @@ def completion_body(request: ChatRequest, contents: list[str | Reply], *,
         "created": int(time.time()),
         "model": request.model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
@@ -497,8 +525,12 @@ class FakeOpenAIServer:
             return self
         self._stopping.clear()
         self._httpd = _HTTPServer(self._address, self)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"fake-openai-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"fake-openai-{self.port}",
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -628,9 +660,18 @@ class FakeOpenAIServer:
         finally:
             status = outcome.status if outcome else 0
             choices = outcome.choices if outcome else 0
-            self._exit(RequestLogEntry(role=role, n=request.n, status=status, started=started,
-                                       ended=time.monotonic(), choices=choices,
-                                       fault=fault.label if fault else None, retry_count=retry_count))
+            self._exit(
+                RequestLogEntry(
+                    role=role,
+                    n=request.n,
+                    status=status,
+                    started=started,
+                    ended=time.monotonic(),
+                    choices=choices,
+                    fault=fault.label if fault else None,
+                    retry_count=retry_count,
+                )
+            )
             if self._semaphore is not None:
                 self._semaphore.release()
 
@@ -648,7 +689,7 @@ class FakeOpenAIServer:
         n = request.n if self.supports_n else 1
         if kind == "malformed":  # a chat.completion cut in half: no longer JSON
             data = json.dumps(completion_body(request, [""] * n)).encode("utf-8")
-            return _Outcome(200, data[:len(data) // 2])
+            return _Outcome(200, data[: len(data) // 2])
         if kind == "no_choices":
             body = completion_body(request, [])
             del body["choices"]

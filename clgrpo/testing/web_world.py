@@ -45,38 +45,73 @@ def make_towns(n: int = 12, seed: int = 0) -> list[Town]:
     towns = []
     for _ in range(n):
         name = _name(rng, used)
-        towns.append(Town(name.lower(), name, f"{rng.choice(FIRST)} {_name(rng, used)}", rng.randint(1931, 1990),
-                          f"{_name(rng, used)} River", rng.randint(40, 900)))
+        towns.append(
+            Town(
+                name.lower(),
+                name,
+                f"{rng.choice(FIRST)} {_name(rng, used)}",
+                rng.randint(1931, 1990),
+                f"{_name(rng, used)} River",
+                rng.randint(40, 900),
+            )
+        )
     return towns
 
 
 def _page(title: str, body: str) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
-            f"<nav><a href='/index.html'>Home</a> | <a href='/about.html'>About</a></nav>"
-            f"<main><h1>{title}</h1>{body}</main></body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
+        f"<nav><a href='/index.html'>Home</a> | <a href='/about.html'>About</a></nav>"
+        f"<main><h1>{title}</h1>{body}</main></body></html>"
+    )
 
 
 def build_site(folder: Path, towns: list[Town]) -> Path:
     """Write the site's pages into ``folder`` (served as its root)."""
     folder.mkdir(parents=True, exist_ok=True)
     items = "".join(f"<li><a href='/towns/{t.slug}.html'>{t.name}</a></li>" for t in towns)
-    (folder / "index.html").write_text(_page("Towns of the Northern Valley", f"<p>The valley has {len(towns)} "
-                                             f"towns. Each has its own page.</p><ul>{items}</ul>"))
-    (folder / "about.html").write_text(_page("About this gazetteer", "<p>A gazetteer of the Northern Valley: "
-                                             "towns, their mayors and their rivers.</p>"))
+    (folder / "index.html").write_text(
+        _page(
+            "Towns of the Northern Valley",
+            f"<p>The valley has {len(towns)} towns. Each has its own page.</p><ul>{items}</ul>",
+        )
+    )
+    (folder / "about.html").write_text(
+        _page(
+            "About this gazetteer", "<p>A gazetteer of the Northern Valley: towns, their mayors and their rivers.</p>"
+        )
+    )
     for sub in ("towns", "mayors", "rivers", "private"):
         (folder / sub).mkdir(exist_ok=True)
     for t in towns:
         mayor_slug, river_slug = t.mayor.lower().replace(" ", "-"), t.river.lower().replace(" ", "-")
-        (folder / "towns" / f"{t.slug}.html").write_text(_page(t.name, (
-            f"<p>{t.name} is a town in the Northern Valley. Its mayor is <a href='/mayors/{mayor_slug}.html'>"
-            f"{t.mayor}</a>. The <a href='/rivers/{river_slug}.html'>{t.river}</a> flows through the town.</p>")))
-        (folder / "mayors" / f"{mayor_slug}.html").write_text(_page(t.mayor, (
-            f"<p>{t.mayor} is the mayor of <a href='/towns/{t.slug}.html'>{t.name}</a>. {t.mayor} was born in "
-            f"{t.mayor_born} and has served two terms.</p>")))
-        (folder / "rivers" / f"{river_slug}.html").write_text(_page(t.river, (
-            f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. It is {t.river_km} km "
-            f"long.</p>")))
+        (folder / "towns" / f"{t.slug}.html").write_text(
+            _page(
+                t.name,
+                (
+                    f"<p>{t.name} is a town in the Northern Valley. Its mayor is <a href='/mayors/{mayor_slug}.html'>"
+                    f"{t.mayor}</a>. The <a href='/rivers/{river_slug}.html'>{t.river}</a> flows through the town.</p>"
+                ),
+            )
+        )
+        (folder / "mayors" / f"{mayor_slug}.html").write_text(
+            _page(
+                t.mayor,
+                (
+                    f"<p>{t.mayor} is the mayor of <a href='/towns/{t.slug}.html'>{t.name}</a>. {t.mayor} was born in "
+                    f"{t.mayor_born} and has served two terms.</p>"
+                ),
+            )
+        )
+        (folder / "rivers" / f"{river_slug}.html").write_text(
+            _page(
+                t.river,
+                (
+                    f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. It is {t.river_km} km "
+                    f"long.</p>"
+                ),
+            )
+        )
     (folder / "private" / "notes.html").write_text(_page("Private notes", "<p>Not for crawlers.</p>"))
     (folder / "robots.txt").write_text("User-agent: *\nDisallow: /private/\n")
     return folder
@@ -86,10 +121,24 @@ def make_questions(towns: list[Town], base_url: str) -> list[dict]:
     """Two questions per town (``id``, ``question``, ``answer``, ``root_url``, ``hops``)."""
     rows = []
     for t in towns:
-        rows.append({"id": f"born-{t.slug}", "question": f"In which year was the mayor of {t.name} born?",
-                     "answer": str(t.mayor_born), "root_url": f"{base_url}/index.html", "hops": 3})
-        rows.append({"id": f"river-{t.slug}", "question": f"How long, in km, is the river that flows through "
-                     f"{t.name}?", "answer": str(t.river_km), "root_url": f"{base_url}/index.html", "hops": 3})
+        rows.append(
+            {
+                "id": f"born-{t.slug}",
+                "question": f"In which year was the mayor of {t.name} born?",
+                "answer": str(t.mayor_born),
+                "root_url": f"{base_url}/index.html",
+                "hops": 3,
+            }
+        )
+        rows.append(
+            {
+                "id": f"river-{t.slug}",
+                "question": f"How long, in km, is the river that flows through {t.name}?",
+                "answer": str(t.river_km),
+                "root_url": f"{base_url}/index.html",
+                "hops": 3,
+            }
+        )
     return rows
 
 

@@ -18,9 +18,9 @@ from domains.math.dataset import (
 )
 from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
 from domains.math.tools import PYTHON_TOOL
+from domains.math.verify import reply_answer, warm_pool
 from domains.math.verify import verify as verify_output
 from domains.math.verify import verify_batch as verify_outputs
-from domains.math.verify import reply_answer, warm_pool
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 

@@ -68,9 +68,15 @@ def load_problems_with_report(cfg: DatasetConfig) -> tuple[list[Problem], LoadRe
     skipped = [_row_id(raw, id_col, o.pos) for o in oversize]
     if oversize:
         raw = raw.without([o.pos for o in oversize])
-        log.warning("%s: skipped %d row(s) over the size limits (dataset.max_problem_chars %d, "
-                    "dataset.max_answer_chars %d): %s", raw.source, len(skipped), cfg.max_problem_chars,
-                    cfg.max_answer_chars, ", ".join(skipped))
+        log.warning(
+            "%s: skipped %d row(s) over the size limits (dataset.max_problem_chars %d, "
+            "dataset.max_answer_chars %d): %s",
+            raw.source,
+            len(skipped),
+            cfg.max_problem_chars,
+            cfg.max_answer_chars,
+            ", ".join(skipped),
+        )
     issues = raw.issues + (_validate(raw, cfg, id_col) if len(raw.frame) else [])
     if issues:
         raise DatasetError(_render(raw.source, issues))
@@ -82,8 +88,15 @@ def load_problems_with_report(cfg: DatasetConfig) -> tuple[list[Problem], LoadRe
         random.Random(cfg.seed).shuffle(kept)
     if cfg.limit is not None:
         kept = kept[: cfg.limit]
-    report = LoadReport(raw.source, len(problems), len(dropped), len(kept), tuple(dropped),
-                        n_oversize_skipped=len(skipped), oversize_ids=tuple(skipped))
+    report = LoadReport(
+        raw.source,
+        len(problems),
+        len(dropped),
+        len(kept),
+        tuple(dropped),
+        n_oversize_skipped=len(skipped),
+        oversize_ids=tuple(skipped),
+    )
     return kept, report
 
 
@@ -283,9 +296,11 @@ def _oversize(raw: _Raw, cfg: DatasetConfig) -> list[_Oversize]:
 def _oversize_message(raw: _Raw, oversize: list[_Oversize]) -> str:
     first = oversize[0]
     more = f" ({len(oversize) - 1} more row(s) over the size limits)" if len(oversize) > 1 else ""
-    return (f"{raw.source} {raw.where(first.pos)} field {first.field!r}: {first.size:,} characters, over the "
-            f"limit of {first.limit:,} (dataset.{first.setting}){more}; raise dataset.{first.setting} or set "
-            "dataset.oversize: skip to leave such rows out")
+    return (
+        f"{raw.source} {raw.where(first.pos)} field {first.field!r}: {first.size:,} characters, over the "
+        f"limit of {first.limit:,} (dataset.{first.setting}){more}; raise dataset.{first.setting} or set "
+        "dataset.oversize: skip to leave such rows out"
+    )
 
 
 def _row_id(raw: _Raw, id_col: str | None, pos: int) -> str:
@@ -346,14 +361,17 @@ def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa
         checks = _cell_checks(_is_text_or_number)
         columns[cfg.answer_field] = pa.Column(None, checks=checks, nullable=cfg.answers_optional)
     if cfg.url_field is not None:  # a missing or blank start page: none
-        columns[cfg.url_field] = pa.Column(None, checks=[pa.Check(_is_text, element_wise=True, name="wrong type")],
-                                           nullable=True)
+        columns[cfg.url_field] = pa.Column(
+            None, checks=[pa.Check(_is_text, element_wise=True, name="wrong type")], nullable=True
+        )
     if cfg.domain_field is not None:  # a missing or blank domain: the problem is untagged (sees every lesson)
-        columns[cfg.domain_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
-                                                                     name="wrong type")], nullable=True)
+        columns[cfg.domain_field] = pa.Column(
+            None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
+        )
     if _tag_column(cfg, raw_columns) is not None:  # a blank tag: untagged
-        columns[cfg.tag_field] = pa.Column(None, checks=[pa.Check(_is_text_or_number, element_wise=True,
-                                                                  name="wrong type")], nullable=True)
+        columns[cfg.tag_field] = pa.Column(
+            None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
+        )
     if cfg.answer_source_field is not None:
         columns[cfg.answer_source_field] = pa.Column(None, checks=[pa.Check.isin(ANSWER_SOURCES)], nullable=True)
     if id_col is not None:
@@ -422,14 +440,25 @@ def _build(raw: _Raw, cfg: DatasetConfig, id_col: str | None) -> list[Problem]:
     for pos in frame.index:
         row = frame.loc[pos]
         problem_id = _scalar_text(row[id_col]) if id_col else f"{raw.stem}-{pos:05d}"
-        answer = _optional_text(row, cfg.answer_field) if cfg.answers_optional else (
-            _scalar_text(row[cfg.answer_field]) if cfg.answer_field else None)
+        answer = (
+            _optional_text(row, cfg.answer_field)
+            if cfg.answers_optional
+            else (_scalar_text(row[cfg.answer_field]) if cfg.answer_field else None)
+        )
         text = row[cfg.problem_field].strip()
         if start := _optional_text(row, cfg.url_field):
             text += f"\n\nStart page: {start}"
-        problems.append(Problem(problem_id=problem_id, problem=text, answer=answer, source=raw.source,
-                                domain_tag=_domain_tag(row, cfg), tag=_optional_text(row, tag_col),
-                                answer_source=_optional_text(row, cfg.answer_source_field)))
+        problems.append(
+            Problem(
+                problem_id=problem_id,
+                problem=text,
+                answer=answer,
+                source=raw.source,
+                domain_tag=_domain_tag(row, cfg),
+                tag=_optional_text(row, tag_col),
+                answer_source=_optional_text(row, cfg.answer_source_field),
+            )
+        )
     return problems
 
 

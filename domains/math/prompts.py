@@ -23,10 +23,7 @@ ROLLOUT_SYSTEM = (
     + DATA_NOTICE
 )
 
-LIBRARY_TEMPLATE = (
-    "Experiences learned from earlier attempts (read them and apply the ones that fit):\n"
-    "{library}\n\n"
-)
+LIBRARY_TEMPLATE = "Experiences learned from earlier attempts (read them and apply the ones that fit):\n{library}\n\n"
 
 PROBLEM_TEMPLATE = "Problem:\n{problem}"  # last: the only problem-specific text (then its closing tag)
 

@@ -67,8 +67,9 @@ def _two_steps(rng: random.Random) -> Problem:
     boxes, each = rng.randint(2, 6), rng.randint(2, 8)
     extra = rng.randint(1, 9)
     total = boxes * each + extra
-    return (f"{name} buys {boxes} packs of {each} {item} and finds {extra} more {item}. "
-            f"How many {item} does {name} have?"), total
+    return (
+        f"{name} buys {boxes} packs of {each} {item} and finds {extra} more {item}. How many {item} does {name} have?"
+    ), total
 
 
 KINDS: list[Generator] = [_add, _subtract, _multiply, _buy_more, _give_away, _groups, _two_steps]
@@ -85,8 +86,10 @@ def _range(rng: random.Random) -> Problem:
     if phrasing == 1:
         return f"The seats in a row are numbered {first} through {last}. How many seats are in the row?", count
     name = rng.choice(NAMES)
-    return (f"{name} reads one story a day, from day {first} to day {last} of a challenge, both days included. "
-            f"On how many days does {name} read?"), count
+    return (
+        f"{name} reads one story a day, from day {first} to day {last} of a challenge, both days included. "
+        f"On how many days does {name} read?"
+    ), count
 
 
 # --- percent: change over the original ------------------------------------------------------------------------
@@ -98,18 +101,27 @@ def _percent(rng: random.Random) -> Problem:
             break
     change = original * percent // 100
     if rng.random() < 0.5:
-        return (f"A price rises from {original} dollars to {original + change} dollars. By what percent did it "
-                f"rise?"), percent
-    return (f"A price falls from {original} dollars to {original - change} dollars. By what percent did it "
-            f"fall?"), percent
+        return (
+            f"A price rises from {original} dollars to {original + change} dollars. By what percent did it rise?"
+        ), percent
+    return (
+        f"A price falls from {original} dollars to {original - change} dollars. By what percent did it fall?"
+    ), percent
 
 
 # --- units: squared and cubed factors -------------------------------------------------------------------------
 def _units(rng: random.Random) -> Problem:
     amount = rng.randint(2, 9)
-    big, small, factor, power = rng.choice([("meters", "centimeters", 100, 2), ("centimeters", "millimeters", 10, 2),
-                                            ("kilometers", "meters", 1000, 2), ("decimeters", "centimeters", 10, 3),
-                                            ("meters", "decimeters", 10, 3), ("meters", "centimeters", 100, 3)])
+    big, small, factor, power = rng.choice(
+        [
+            ("meters", "centimeters", 100, 2),
+            ("centimeters", "millimeters", 10, 2),
+            ("kilometers", "meters", 1000, 2),
+            ("decimeters", "centimeters", 10, 3),
+            ("meters", "decimeters", 10, 3),
+            ("meters", "centimeters", 100, 3),
+        ]
+    )
     shape = "square" if power == 2 else "cubic"
     return f"How many {shape} {small} are in {amount} {shape} {big}?", amount * factor**power
 
@@ -124,8 +136,10 @@ def _shares(rng: random.Random) -> Problem:
         if remaining % second == 0:
             break
     left = remaining - remaining // second
-    return (f"{name} has {total} {item}. {name} gives 1/{first} of them to a friend, then gives 1/{second} of the "
-            f"remaining {item} to a neighbor. How many {item} does {name} have left?"), left
+    return (
+        f"{name} has {total} {item}. {name} gives 1/{first} of them to a friend, then gives 1/{second} of the "
+        f"remaining {item} to a neighbor. How many {item} does {name} have left?"
+    ), left
 
 
 FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
@@ -138,8 +152,9 @@ FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
 MAX_DRAWS = 200  # draws per problem before a family is out of unique problems
 
 
-def generate_family(family: str, n: int, seed: int = 0, *, exclude: set[str] | frozenset[str] = frozenset(),
-                    ids: str | None = None) -> list[dict[str, str]]:
+def generate_family(
+    family: str, n: int, seed: int = 0, *, exclude: set[str] | frozenset[str] = frozenset(), ids: str | None = None
+) -> list[dict[str, str]]:
     """``n`` unique problems of ``family`` (none of whose texts is in ``exclude``): ``{"id", "problem",
     "answer"}`` rows with ids ``<ids>-<k>`` (default ``<family>-<seed>``)."""
     if family not in FAMILIES:
@@ -181,8 +196,9 @@ def generate_problems(n: int, seed: int = 0) -> list[dict[str, str]]:
 def split_sets(family: str, n_train: int, n_heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
     """A training set and a held-out set of ``family`` drawn from different seeds, with no text in common."""
     train = generate_family(family, n_train, seed, ids=f"{family}-train{seed}")
-    heldout = generate_family(family, n_heldout, seed + 10_000, exclude={r["problem"] for r in train},
-                              ids=f"{family}-heldout{seed}")
+    heldout = generate_family(
+        family, n_heldout, seed + 10_000, exclude={r["problem"] for r in train}, ids=f"{family}-heldout{seed}"
+    )
     return train, heldout
 
 

@@ -10,7 +10,8 @@ from schemas.config import AgentConfig
 PYTHON_DESCRIPTION = (
     "Run Python 3 code in a fresh interpreter that keeps its variables between your calls in this attempt. "
     "Print what you want to see (the value of a last bare expression is shown too). The standard library, "
-    "sympy and numpy are available; there is no network and no access to files outside the working directory.")
+    "sympy and numpy are available; there is no network and no access to files outside the working directory."
+)
 
 
 async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
@@ -43,8 +44,12 @@ def check_python(agent: AgentConfig) -> str:
 PYTHON_TOOL = Tool(
     name="python",
     description=PYTHON_DESCRIPTION,
-    parameters={"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
-                "required": ["code"], "additionalProperties": False},
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python source to run"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
     run=run_python,
     text_argument="code",
     check=check_python,

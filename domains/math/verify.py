@@ -42,7 +42,8 @@ from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
 from clgrpo import verify_child as child
-from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR, VerifyResult, Worker
+from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR
+from clgrpo.verify_child import VerifyResult, Worker
 
 
 def _usable_cores() -> int:
@@ -343,7 +344,9 @@ def verify_batch(
         else:
             todo, outcome = _collect(handles, generation, timeout_s, results, submitted_at=time.monotonic())
         if outcome == "stalled":
-            _fail(todo, results, f"verifier unavailable: the worker pool started nothing for {_stall_limit(timeout_s):g}s")
+            _fail(
+                todo, results, f"verifier unavailable: the worker pool started nothing for {_stall_limit(timeout_s):g}s"
+            )
             break
         lost_rounds += outcome == "lost"
         if lost_rounds >= MAX_LOST_ROUNDS:
@@ -394,7 +397,7 @@ def last_boxed(output: str) -> str | None:
     for j in range(i, len(output)):
         depth += {"{": 1, "}": -1}.get(output[j], 0)
         if depth == 0:
-            return output[i + 1:j].strip() or None
+            return output[i + 1 : j].strip() or None
     return None
 
 

@@ -52,8 +52,7 @@ class WebDomain:
     grade_truncated = False  # a reply cut off before its final answer line is not an answer
 
     def __init__(self) -> None:
-        self.learner_prompts = LearnerPrompts(domain="web navigation and question answering",
-                                              examples=EXAMPLE_LESSONS)
+        self.learner_prompts = LearnerPrompts(domain="web navigation and question answering", examples=EXAMPLE_LESSONS)
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)

@@ -29,12 +29,14 @@ def html_to_page(html: str, url: str, status: int = 200, truncated: bool = False
     tree = HTMLParser(html)
     title_node = tree.css_first("title")
     title = " ".join(title_node.text().split()) if title_node else ""
-    text = trafilatura.extract(html, url=url, include_links=True, include_tables=True, favor_recall=True,
-                               output_format="markdown")
+    text = trafilatura.extract(
+        html, url=url, include_links=True, include_tables=True, favor_recall=True, output_format="markdown"
+    )
     if not text:  # a page too short or too odd for main-content extraction: all visible text
         for node in tree.css("script, style, noscript"):
             node.decompose()
         body = tree.body
-        text = "\n".join(line.strip() for line in (body.text(separator="\n") if body else "").splitlines()
-                         if line.strip())
+        text = "\n".join(
+            line.strip() for line in (body.text(separator="\n") if body else "").splitlines() if line.strip()
+        )
     return Page(url, status, title, text, page_links(tree, url), truncated)

@@ -59,8 +59,9 @@ class Page:
         if self.truncated:
             lines.append("[page cut at the size limit]")
         if self.links:
-            lines += ["", "Links:"] + [f"[{i}] {link.text or '(no text)'} -> {link.url}"
-                                       for i, link in enumerate(self.links[:max_links], 1)]
+            lines += ["", "Links:"] + [
+                f"[{i}] {link.text or '(no text)'} -> {link.url}" for i, link in enumerate(self.links[:max_links], 1)
+            ]
             if len(self.links) > max_links:
                 lines.append(f"... and {len(self.links) - max_links} more links")
         return "\n".join(lines)
@@ -83,15 +84,23 @@ def _allowed(host: str, port: int, address: ipaddress._BaseAddress, allow: Itera
 def _is_public(address: ipaddress._BaseAddress) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    return not (address.is_private or address.is_loopback or address.is_link_local or address.is_multicast
-                or address.is_reserved or address.is_unspecified)
+    return not (
+        address.is_private
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+    )
 
 
 async def check_url(url: str, settings: OpenConfig) -> tuple[str, int]:
     """Refuse what the rules refuse (``FetchRefused``); else the host and port."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise FetchRefused(f"refused {url!r}: only http and https URLs can be opened (not {parts.scheme or 'a path'!r})")
+        raise FetchRefused(
+            f"refused {url!r}: only http and https URLs can be opened (not {parts.scheme or 'a path'!r})"
+        )
     if parts.username or parts.password:
         raise FetchRefused(f"refused {url!r}: URLs with credentials are not opened")
     host = parts.hostname
@@ -105,14 +114,17 @@ async def check_url(url: str, settings: OpenConfig) -> tuple[str, int]:
     for info in infos:
         address = ipaddress.ip_address(info[4][0].split("%")[0])
         if not _is_public(address) and not _allowed(host, port, address, settings.allow_hosts):
-            raise FetchRefused(f"refused {url!r}: {host} resolves to a non-public address ({address}); only "
-                               f"hosts in open.allow_hosts may")
+            raise FetchRefused(
+                f"refused {url!r}: {host} resolves to a non-public address ({address}); only "
+                f"hosts in open.allow_hosts may"
+            )
     return host, port
 
 
 # --- fetching ------------------------------------------------------------------------------------------------
-async def _get(client: httpx.AsyncClient, url: str, settings: OpenConfig, max_bytes: int
-               ) -> tuple[httpx.Response, bytes, bool]:
+async def _get(
+    client: httpx.AsyncClient, url: str, settings: OpenConfig, max_bytes: int
+) -> tuple[httpx.Response, bytes, bool]:
     """One GET, body capped at ``max_bytes``; redirects are the caller's (each hop is checked)."""
     await check_url(url, settings)
     request = client.build_request("GET", url)
@@ -130,8 +142,9 @@ async def _get(client: httpx.AsyncClient, url: str, settings: OpenConfig, max_by
     return response, bytes(body), truncated
 
 
-async def _follow(client: httpx.AsyncClient, url: str, settings: OpenConfig, max_bytes: int
-                  ) -> tuple[str, httpx.Response, bytes, bool]:
+async def _follow(
+    client: httpx.AsyncClient, url: str, settings: OpenConfig, max_bytes: int
+) -> tuple[str, httpx.Response, bytes, bool]:
     for _ in range(settings.max_redirects + 1):
         response, body, truncated = await _get(client, url, settings, max_bytes)
         location = response.headers.get("location")
@@ -144,8 +157,12 @@ async def _follow(client: httpx.AsyncClient, url: str, settings: OpenConfig, max
 
 def _client(settings: OpenConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     timeout = httpx.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 5.0))
-    return httpx.AsyncClient(headers={"User-Agent": settings.user_agent, "Accept": "text/html, text/plain;q=0.9"},
-                             timeout=timeout, trust_env=False, transport=transport)
+    return httpx.AsyncClient(
+        headers={"User-Agent": settings.user_agent, "Accept": "text/html, text/plain;q=0.9"},
+        timeout=timeout,
+        trust_env=False,
+        transport=transport,
+    )
 
 
 # origin -> (fetched at, rules or why robots.txt could not be read: then everything is disallowed, RFC 9309)
@@ -185,8 +202,9 @@ async def fetch_page(url: str, settings: OpenConfig, transport: httpx.AsyncBaseT
         async with _client(settings, transport) as client:
             return await asyncio.wait_for(_fetch(client, url, settings), settings.timeout_s)
     except asyncio.TimeoutError:
-        raise FetchRefused(f"cannot open {url}: no complete answer within {settings.timeout_s:g} s "
-                           f"(open.timeout_s)") from None
+        raise FetchRefused(
+            f"cannot open {url}: no complete answer within {settings.timeout_s:g} s (open.timeout_s)"
+        ) from None
     except httpx.HTTPError as exc:
         raise FetchRefused(f"cannot open {url}: {type(exc).__name__}: {exc}") from exc
 

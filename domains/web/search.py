@@ -55,8 +55,9 @@ def documents_from_directory(folder: Path, base_url: str) -> list[Document]:
     from domains.web.extract import html_to_page
 
     docs = []
-    pages = (p for p in folder.rglob("*") if p.suffix.lower() in PAGE_SUFFIXES and p.is_file()
-             and p.name != "robots.txt")
+    pages = (
+        p for p in folder.rglob("*") if p.suffix.lower() in PAGE_SUFFIXES and p.is_file() and p.name != "robots.txt"
+    )
     for path in sorted(pages):
         url = base_url.rstrip("/") + "/" + path.relative_to(folder).as_posix()
         raw = path.read_text(encoding="utf-8", errors="replace")
@@ -75,8 +76,9 @@ def documents_from_duckdb(path: Path, table: str) -> list[Document]:
         try:
             rows = con.execute(f'SELECT url, title, text FROM "{table}"').fetchall()
         except duckdb.Error as exc:
-            raise SearchError(f"search.index {path}: table {table!r} with columns url, title, text: "
-                              f"{str(exc).splitlines()[0]}") from exc
+            raise SearchError(
+                f"search.index {path}: table {table!r} with columns url, title, text: {str(exc).splitlines()[0]}"
+            ) from exc
     return [Document(str(u), str(t or ""), str(x or "")) for u, t, x in rows]
 
 
@@ -123,8 +125,9 @@ def local_index(settings: SearchConfig) -> LocalIndex:
         if key not in _indexes:
             if path.is_dir():
                 if not settings.base_url:
-                    raise SearchError(f"search.index {path} is a directory: set search.base_url (the URL its files "
-                                      f"are served under)")
+                    raise SearchError(
+                        f"search.index {path} is a directory: set search.base_url (the URL its files are served under)"
+                    )
                 _indexes[key] = LocalIndex(documents_from_directory(path, settings.base_url))
             elif path.is_file():
                 _indexes[key] = LocalIndex(documents_from_duckdb(path, settings.table))
@@ -140,8 +143,9 @@ def _at(payload: Any, dotted: str) -> Any:
     return payload
 
 
-async def http_search(query: str, settings: SearchConfig, transport: httpx.AsyncBaseTransport | None = None
-                      ) -> list[Hit]:
+async def http_search(
+    query: str, settings: SearchConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> list[Hit]:
     if not settings.url_template or "{query}" not in settings.url_template:
         raise SearchError("search.backend http needs search.url_template with {query}")
     headers = {"Accept": "application/json"}
@@ -149,7 +153,9 @@ async def http_search(query: str, settings: SearchConfig, transport: httpx.Async
         key = os.environ.get(settings.api_key_env)
         if not key:
             raise SearchError(f"search: environment variable {settings.api_key_env} (search.api_key_env) is not set")
-        headers[settings.api_key_header] = f"Bearer {key}" if settings.api_key_header.lower() == "authorization" else key
+        headers[settings.api_key_header] = (
+            f"Bearer {key}" if settings.api_key_header.lower() == "authorization" else key
+        )
     url = settings.url_template.replace("{query}", quote_plus(query)).replace("{k}", str(settings.top_k))
     try:
         async with httpx.AsyncClient(timeout=settings.timeout_s, trust_env=False, transport=transport) as client:
@@ -163,13 +169,19 @@ async def http_search(query: str, settings: SearchConfig, transport: httpx.Async
     except ValueError as exc:
         raise SearchError(f"search API {url.split('?')[0]}: the reply is not JSON") from exc
     if not isinstance(results, list):
-        raise SearchError(f"search API {url.split('?')[0]}: no list at {settings.results_path!r} in the reply "
-                          f"(search.results_path)")
+        raise SearchError(
+            f"search API {url.split('?')[0]}: no list at {settings.results_path!r} in the reply (search.results_path)"
+        )
     hits = []
-    for item in results[:settings.top_k]:
+    for item in results[: settings.top_k]:
         if isinstance(item, dict) and item.get(settings.url_field):
-            hits.append(Hit(str(item.get(settings.title_field) or ""), str(item[settings.url_field]),
-                            " ".join(str(item.get(settings.snippet_field) or "").split())[:SNIPPET_CHARS]))
+            hits.append(
+                Hit(
+                    str(item.get(settings.title_field) or ""),
+                    str(item[settings.url_field]),
+                    " ".join(str(item.get(settings.snippet_field) or "").split())[:SNIPPET_CHARS],
+                )
+            )
     return hits
 
 

@@ -51,14 +51,29 @@ def check_search(agent: AgentConfig) -> str:
 SEARCH_TOOL = Tool(
     name="search",
     description="Search the web. Returns numbered results, each with a title, a URL and a snippet.",
-    parameters={"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
-                "required": ["query"], "additionalProperties": False},
-    run=run_search, text_argument="query", check=check_search)
+    parameters={
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "what to search for"}},
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+    run=run_search,
+    text_argument="query",
+    check=check_search,
+)
 
 OPEN_TOOL = Tool(
     name="open",
-    description=("Open a web page (http or https). Returns its title, its text and its links, numbered, so you can "
-                 "open a link next."),
-    parameters={"type": "object", "properties": {"url": {"type": "string", "description": "the page's URL"}},
-                "required": ["url"], "additionalProperties": False},
-    run=run_open, text_argument="url")
+    description=(
+        "Open a web page (http or https). Returns its title, its text and its links, numbered, so you can "
+        "open a link next."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {"url": {"type": "string", "description": "the page's URL"}},
+        "required": ["url"],
+        "additionalProperties": False,
+    },
+    run=run_open,
+    text_argument="url",
+)
