@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from clgrpo.llm.errors import PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
 from schemas.config import ModelConfig
 
@@ -48,31 +49,6 @@ class Generation:
     tokens_out: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per choice; empty: no tool called
-
-
-class TransientLLMError(RuntimeError):
-    """Worth retrying: rate limits, server errors, connection problems, timeouts."""
-
-    def __init__(
-        self, message: str, retry_after: float | None = None, rate_limited: bool = False, counted: bool = True
-    ) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-        self.rate_limited = rate_limited
-        self.counted = counted  # False: retry at once, not against max_retries (the request was adapted)
-
-
-class SchemaRefused(TransientLLMError):
-    """The endpoint refused the request's ``response_format`` (no structured output): asked again without it,
-    and from then on the model's prompts are written for unconstrained replies (``schema_refused``)."""
-
-
-class PermanentLLMError(RuntimeError):
-    """Retrying will not help: bad request, authentication, unknown model."""
-
-
-class ToolsRefused(PermanentLLMError):
-    """The endpoint refused a request with ``tools``: it has no tool calling (use the text protocol)."""
 
 
 class Backend(Protocol):
@@ -283,17 +259,3 @@ def _tool_calls(raw: object) -> list[ToolCall]:
 def _short(exc: BaseException, limit: int = 200) -> str:
     text = str(exc).replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def make_backend(cfg: ModelConfig) -> Backend:
-    if cfg.backend == "openai":
-        return OpenAIBackend(cfg)
-    if cfg.backend == "transformers":  # local engines: imported here so the core install needs no torch
-        from clgrpo.llm.transformers_backend import TransformersBackend
-
-        return TransformersBackend(cfg)
-    if cfg.backend == "vllm":
-        from clgrpo.llm.vllm_backend import VLLMBackend
-
-        return VLLMBackend(cfg)
-    raise PermanentLLMError(f"unknown backend {cfg.backend!r}")

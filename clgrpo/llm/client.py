@@ -34,9 +34,9 @@ from clgrpo.llm.backends import (
     SchemaRefused,
     ToolCall,
     TransientLLMError,
-    make_backend,
     schema_refused,
 )
+from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import LLMCall, Operation, utcnow
