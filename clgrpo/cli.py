@@ -455,7 +455,7 @@ def cmd_data_make(args: argparse.Namespace) -> int:
 
 
 def _problems_of(path: str) -> list:
-    from domains.math.dataset import load_problems
+    from clgrpo.dataset import load_problems
 
     return load_problems(DatasetConfig(path=path, shuffle=False))
 
@@ -1179,10 +1179,10 @@ def package_version() -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
     from clgrpo.adapters import AdapterError
+    from clgrpo.dataset import DatasetError
     from clgrpo.errors import EvaluationError
     from clgrpo.review import ReviewError
     from clgrpo.sources import SourceError
-    from domains.math.dataset import DatasetError
 
     return (
         ConfigError,

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from clgrpo.dataset import LoadReport
 from clgrpo.verify_child import VerifyResult  # noqa: F401 - re-exported: domains grade with it
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
@@ -14,19 +15,6 @@ from schemas.records import Problem
 
 Message = dict[str, Any]
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What loading a dataset kept and dropped (nothing is dropped without a count)."""
-
-    source: str
-    n_rows: int  # valid rows read
-    n_duplicates_dropped: int  # rows whose normalized problem text repeats an earlier row
-    n_after_limit: int  # problems returned
-    dropped_ids: tuple[str, ...] = ()  # ids of the dropped duplicates
-    n_oversize_skipped: int = 0  # rows left out for a problem or answer over the size limits (oversize: skip)
-    oversize_ids: tuple[str, ...] = ()  # ids of those rows
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 import duckdb
 import pytest
 
+from clgrpo.dataset import DatasetError
 from clgrpo.sources import SourceError, problem_key, read_arrivals, select_new
 from domains import get_domain
-from domains.math.dataset import DatasetError
 from schemas.config import RefreshConfig, RefreshSource
 from tests.scripted_llm import make_problems, write_jsonl
 

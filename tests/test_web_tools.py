@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from clgrpo.dataset import load_problems
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
 from domains import ToolContext, ToolFailure, get_domain
-from domains.math.dataset import load_problems
 from domains.web.fetch import FetchRefused, check_url, fetch_page
 from domains.web.search import SearchError, http_search, local_index
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL

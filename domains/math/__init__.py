@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from domains.base import Message, Tool, VerifyResult, register_domain
-from domains.learner import LearnerPrompts
-from domains.math.dataset import (
+from clgrpo.dataset import (
     DatasetError,
     LoadReport,
     load_problems,
     load_problems_with_report,
     normalize_problem_text,
 )
+from domains.base import Message, Tool, VerifyResult, register_domain
+from domains.learner import LearnerPrompts
 from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
 from domains.math.tools import PYTHON_TOOL
 from domains.math.verify import reply_answer, warm_pool

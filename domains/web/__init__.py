@@ -1,10 +1,11 @@
 """The web domain: questions answered by searching and browsing pages (WebWalkerQA-style), with an optional
 reference answer and an optional start page.
 
-Datasets use the math loader's validation and field settings (``dataset.problem_field: question``,
-``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``: the start page is added to the question
-as "Start page: URL"). Agent rollouts get two tools (``domains/web/tools.py``). Without a judge, an answer is
-graded by normalized match: the reference's words, in order, inside the final answer (``Final answer: ...``).
+Datasets use the core loader's validation (``clgrpo/dataset.py``) and field settings
+(``dataset.problem_field: question``, ``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``:
+the start page is added to the question as "Start page: URL"). Agent rollouts get two tools
+(``domains/web/tools.py``). Without a judge, an answer is graded by normalized match: the reference's words, in
+order, inside the final answer (``Final answer: ...``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
+from clgrpo.dataset import LoadReport, load_problems_with_report
 from domains.base import Message, Tool, VerifyResult, register_domain
 from domains.learner import LearnerPrompts
-from domains.math.dataset import LoadReport, load_problems_with_report
 from domains.web.prompts import final_answer, rollout_messages
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
 from schemas.config import DatasetConfig
