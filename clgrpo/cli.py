@@ -27,11 +27,11 @@ from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
-from clgrpo.preflight import PreflightError
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
+from tasks.preflight import PreflightError
 
 if TYPE_CHECKING:
     from flows.evaluate import EvalOutcome
@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
-    from clgrpo.preflight import check_run
+    from tasks.preflight import check_run
 
     refuse_if_running(config.db_path, "train", config.run_id)  # the flow takes the run lock itself
     stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
@@ -715,7 +715,7 @@ def print_evaluation(outcome: EvalOutcome) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from clgrpo.preflight import check_dataset, check_policy
+    from tasks.preflight import check_dataset, check_policy
 
     refs = [*args.library, *args.compare]
     config = _with_mode(_eval_model_config(args, refs), args.mode)
@@ -832,7 +832,7 @@ def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
 def cmd_refresh_run(args: argparse.Namespace) -> int:
     from datetime import datetime
 
-    from clgrpo.preflight import check_refresh
+    from tasks.preflight import check_refresh
 
     config = load_config(args.config, list(args.overrides), model=RefreshConfig)
     try:

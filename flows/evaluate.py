@@ -42,7 +42,6 @@ from clgrpo.errors import EvaluationError
 from clgrpo.journal import RunJournal, recording
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
-from clgrpo.preflight import check_policy
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -64,6 +63,7 @@ from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
+from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
 Outputs = dict[str, list[Any]]
