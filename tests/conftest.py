@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    from clgrpo.prefect_server import install
+    from clgrpo.app.prefect_server import install
 
     install()  # the harness's server dies with this process, even a SIGKILLed one
     with prefect_test_harness(server_startup_timeout=120):

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from clgrpo.demo import DemoOptions, demo_config, run_demo, summary
+from clgrpo.app.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
 from clgrpo.models import ModelError, fetch_embedded
 from clgrpo.store import Store
@@ -88,7 +88,7 @@ def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
 
 
 def test_the_verdict_says_when_the_difference_is_noise():
-    from clgrpo.demo import verdict
+    from clgrpo.app.demo import verdict
     from schemas.records import EvalComparison
 
     def cmp(diff, low, high):

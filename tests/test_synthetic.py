@@ -46,7 +46,7 @@ def test_families_answer_their_own_questions():
 
 
 def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, capsys):
-    from clgrpo.cli import main
+    from clgrpo.app.cli import main
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert main(["data", "make", "ranges", "--n", "20", "--seed", "0", "--out", str(train)]) == 0

@@ -276,7 +276,18 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
 
     with _ctrl_c_not_ignored():
         world = subprocess.Popen(
-            [sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port", "0", "--towns", "3"],
+            [
+                sys.executable,
+                "-m",
+                "clgrpo.app.cli",
+                "web-world",
+                "--out",
+                str(tmp_path),
+                "--port",
+                "0",
+                "--towns",
+                "3",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -139,7 +139,7 @@ class Session:
         if exc is not None and self._file is not None:  # the traceback goes to the file only
             self._file.handle(
                 logging.LogRecord(
-                    "clgrpo.cli",
+                    "clgrpo.cli",  # the logger name the log file has always shown
                     logging.ERROR,
                     __file__,
                     0,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from clgrpo import leftovers, stopping
+from clgrpo.app.state import remember_db, resolve_db
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.gate import failing_summary
@@ -28,7 +29,6 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
 from clgrpo.run_lock import holder, refuse_if_running
-from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 from tasks.preflight import PreflightError
@@ -44,7 +44,7 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    from clgrpo.prefect_server import install
+    from clgrpo.app.prefect_server import install
 
     install(only_if_ephemeral=True)  # a temporary Prefect server dies with this process, even on SIGKILL
 
@@ -55,7 +55,7 @@ def _open(db: str) -> Store:
 
 def _db(args: argparse.Namespace, ref: str | None = None) -> str:
     """``--db``, else the most recent database that holds the run of ``ref`` (RUN, RUN:VERSION), else the most
-    recent database (see ``clgrpo.state``)."""
+    recent database (see ``clgrpo.app.state``)."""
     return resolve_db(args.db, parse_library_ref(ref)[0] if ref else None)
 
 
@@ -67,7 +67,7 @@ def default_run_id(prefix: str) -> str:
 
 def session(db_path: str, name: str, *, flow_lines: bool = True):  # noqa: ANN201 - a context manager
     """The terminal and log file of a command that runs a flow: ``<db dir>/logs/<name>.log``."""
-    from clgrpo.terminal import Session
+    from clgrpo.app.terminal import Session
 
     return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log", flow_lines=flow_lines)
 
@@ -389,7 +389,7 @@ def cmd_model_list(args: argparse.Namespace) -> int:
 
 
 def cmd_model_build_server(args: argparse.Namespace) -> int:
-    from clgrpo.llama_server import ServerError, build_server
+    from clgrpo.app.llama_server import ServerError, build_server
 
     try:
         print(build_server(args.cache_dir, force=args.force))
@@ -400,7 +400,7 @@ def cmd_model_build_server(args: argparse.Namespace) -> int:
 
 def cmd_model_serve(args: argparse.Namespace) -> int:
     """Serve a fetched model with llama-server until interrupted (fetching and building what is missing)."""
-    from clgrpo.llama_server import LlamaServer, ServerError, build_server, find_binary
+    from clgrpo.app.llama_server import LlamaServer, ServerError, build_server, find_binary
     from clgrpo.models import fetch_model, known_model
 
     model = known_model(args.name)
@@ -483,7 +483,7 @@ def cmd_web_world(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clgrpo.demo import DemoOptions, run_demo, summary
+    from clgrpo.app.demo import DemoOptions, run_demo, summary
 
     _prefect_defaults()
     out = Path(args.out)
@@ -1203,7 +1203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
-    from clgrpo.terminal import last_log
+    from clgrpo.app.terminal import last_log
 
     try:
         code = args.func(args)
