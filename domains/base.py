@@ -1,4 +1,4 @@
-"""The Domain protocol: what a domain plug-in supplies to the pipeline."""
+"""The Domain protocol: what a domain plug-in supplies to the pipeline (found by name: ``domains/registry.py``)."""
 
 from __future__ import annotations
 
@@ -104,20 +104,3 @@ class Domain(Protocol):
         """Start whatever verification needs, in the background; returns at once. Optional: callers use
         ``getattr(domain, "warm", None)``, so a domain without it still works."""
         ...
-
-
-_REGISTRY: dict[str, Callable[[], Domain]] = {}
-
-
-def register_domain(name: str, factory: Callable[[], Domain]) -> None:
-    _REGISTRY[name] = factory
-
-
-def get_domain(name: str) -> Domain:
-    if name not in _REGISTRY and name == "math":
-        import domains.math  # noqa: F401  (registers itself)
-    if name not in _REGISTRY and name == "web":
-        import domains.web  # noqa: F401  (registers itself)
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown domain {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()

@@ -14,7 +14,7 @@ from clgrpo.dataset import (
     load_problems_with_report,
     normalize_problem_text,
 )
-from domains.base import Message, Tool, VerifyResult, register_domain
+from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
 from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
 from domains.math.tools import PYTHON_TOOL
@@ -75,6 +75,3 @@ class MathDomain:
 
     def tools(self) -> list[Tool]:
         return [PYTHON_TOOL]
-
-
-register_domain("math", MathDomain)

@@ -15,7 +15,7 @@ import unicodedata
 from collections.abc import Sequence
 
 from clgrpo.dataset import LoadReport, load_problems_with_report
-from domains.base import Message, Tool, VerifyResult, register_domain
+from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
 from domains.web.prompts import final_answer, rollout_messages
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
@@ -77,6 +77,3 @@ class WebDomain:
 
     def tools(self) -> list[Tool]:
         return [SEARCH_TOOL, OPEN_TOOL]
-
-
-register_domain("web", WebDomain)
