@@ -593,4 +593,3 @@ def _sort_key(exp: Experience) -> tuple[int, str]:
 def _infer_prefix(mapping: dict[str, str]) -> str:
     prefixes = {m.group(1) for m in (_ID_RE.match(str(k)) for k in mapping) if m}
     return prefixes.pop() if len(prefixes) == 1 else "E"
-import domains  # noqa: F401,E402  TEST: core -> domains

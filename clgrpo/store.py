@@ -978,4 +978,3 @@ def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
             yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
     elif old != new:
         yield prefix.rstrip(".")
-import clgrpo.app.state  # noqa: F401,E402  TEST: core -> shell

@@ -584,4 +584,3 @@ def first_rejection(*screens: Screen | None) -> Screen:
         return None
 
     return screen
-import tasks.common  # noqa: F401,E402  TEST: domains -> tasks

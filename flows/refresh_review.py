@@ -197,4 +197,3 @@ def _awaiting(request: ReviewRequest) -> RefreshDecision:
     )
     get_run_logger().info(hint)
     return request.pending.model_copy(update={"status": "awaiting_review", "reasons": [*request.pending.reasons, hint]})
-import clgrpo.app.cli  # noqa: F401,E402  TEST: flows -> shell

@@ -495,4 +495,3 @@ def create_statements() -> list[str]:
     columns = [f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c}" for t, cs in ADDED_COLUMNS.items() for c in cs]
     nullable = [f"ALTER TABLE {t} ALTER COLUMN {c} DROP NOT NULL" for t, cs in DROPPED_NOT_NULL.items() for c in cs]
     return tables + columns + nullable
-import clgrpo.errors  # noqa: F401,E402  TEST: schemas -> core

@@ -66,4 +66,3 @@ def rejected_results(over: list[tuple[Operation, str]], first_seq: int) -> list[
         OperationResult(seq=first_seq + i, operation=op, status=OpStatus.REJECTED, reason=reason)
         for i, (op, reason) in enumerate(over)
     ]
-import flows.train  # noqa: F401,E402  TEST: tasks -> flows

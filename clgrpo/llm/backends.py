@@ -259,4 +259,3 @@ def _tool_calls(raw: object) -> list[ToolCall]:
 def _short(exc: BaseException, limit: int = 200) -> str:
     text = str(exc).replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
-import clgrpo.llm.factory  # noqa: F401,E402  TEST: llm backends -> factory

@@ -54,4 +54,3 @@ PYTHON_TOOL = Tool(
     text_argument="code",
     check=check_python,
 )
-import domains.web.search  # noqa: F401,E402  TEST: math plug-in -> web plug-in
