@@ -148,7 +148,7 @@ class Swept:
     """What one sweep removed (and failed to remove)."""
 
     owners: set[int] = field(default_factory=set)  # pids of the dead owners
-    dirs: Counter = field(default_factory=Counter)  # kind -> directories removed
+    dirs: Counter[str] = field(default_factory=Counter)  # kind -> directories removed
     processes: int = 0
     failed: list[str] = field(default_factory=list)  # what could not be removed: paths, "pid N"
 
@@ -156,7 +156,7 @@ class Swept:
         """The one terminal line; None when nothing was found."""
         if not self.owners:
             return None
-        what = Counter()  # the terminal's word for a kind -> count
+        what: Counter[tuple[str, str]] = Counter()  # the terminal's words (one, several) for a kind -> count
         for kind, n in self.dirs.items():
             what[KINDS[kind]] += n
         parts = [f"{n} {words[n != 1]}" for words, n in what.items()]

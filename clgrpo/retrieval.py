@@ -29,12 +29,13 @@ def prompt_routing(config: RunConfig) -> dict[str, Any] | None:
     settings = config.library
     routing: dict[str, Any] = {}
     if settings.injection == "top_k":
+        shaping = settings.result_settings() or {}  # never empty here: top_k is not the default injection
         routing = {
             "injection": "top_k",
             "top_k": settings.top_k,
             "pinned": settings.pinned,
-            "embedding": settings.result_settings()["embedding"],
-        }  # type: ignore[index]
+            "embedding": shaping["embedding"],
+        }
     if config.dataset.domain_field:
         routing["domain_field"] = config.dataset.domain_field
     return routing or None

@@ -88,7 +88,10 @@ def resolve_api_key(cfg: ModelConfig) -> str | None:
     if cfg.api_key_secret_block:
         from prefect.blocks.system import Secret
 
-        return Secret.load(cfg.api_key_secret_block).get()
+        # inside an event loop (where backends are made) a plain load() returns a coroutine: _sync loads now
+        secret = Secret.load(cfg.api_key_secret_block, _sync=True)  # type: ignore[call-arg]  # prefect's own flag
+        assert isinstance(secret, Secret)
+        return secret.get()
     return None
 
 
@@ -205,7 +208,7 @@ class OpenAIBackend:
 def generation(reply: object, where: str) -> Generation:
     """A usable chat completion, else a transient error naming what is wrong with it (retried, recorded)."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
-    if not isinstance(choices, list) or not choices:
+    if not isinstance(reply, dict) or not isinstance(choices, list) or not choices:
         raise TransientLLMError(f"malformed reply from {where}: no choices in the response body")
     texts, reasons, calls = [], [], []
     for i, choice in enumerate(choices):
@@ -270,9 +273,9 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     calls = []
     for i, call in enumerate(raw if isinstance(raw, list) else []):
         function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if not name:
+        if not isinstance(function, dict) or not function.get("name"):
             continue
+        name = function["name"]
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {})
@@ -280,8 +283,8 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     return calls
 
 
-def _short(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).replace("\n", " ")
+def _short(what: BaseException | str, limit: int = 200) -> str:
+    text = str(what).replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -125,7 +125,8 @@ class Engine:
     def _take(self) -> list[_Job]:
         """The oldest waiting jobs that fit in ``max_rows`` sequences (always at least one)."""
         with self._cond:
-            taken, rows = [], 0
+            taken: list[_Job] = []
+            rows = 0
             while self._queue and (not taken or rows + self._queue[0].request.n <= self.max_rows):
                 job = self._queue.pop(0)
                 taken.append(job)
