@@ -62,7 +62,7 @@ def select_experiences(
         return None
     pinned_live = [i for i in pinned if i in library]
     shown: Shown = {}
-    for tag, members in _by_tag(problems).items():
+    for members in _by_tag(problems).values():
         candidates = [e for e in library if eligible(e, members[0]) and e.id not in pinned_live]
         if top_k is None or len(candidates) <= top_k:
             picked = {p.problem_id: [e.id for e in candidates] for p in members}

@@ -85,6 +85,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 from clgrpo.leftovers import owner_env, temp_prefix
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+    from types import TracebackType
+
     from schemas.config import SandboxConfig
 
 __all__ = ["PythonSandbox", "PythonSession", "RunResult", "SandboxUnavailable", "check_isolation", "sandbox_for"]
@@ -499,7 +502,9 @@ def _rmtree(directory: str) -> None:
     if not os.path.lexists(root):
         return
 
-    def retry(func, path, exc_info):
+    def retry(
+        func: Callable[[str], object], path: str, exc_info: tuple[type[BaseException], BaseException, TracebackType]
+    ) -> None:
         if isinstance(exc_info[1], FileNotFoundError):
             return
         with contextlib.suppress(OSError):
@@ -881,7 +886,7 @@ class PythonSandbox:
                     interp.kill()
                     self._between_calls.pop(interp, None)
 
-    def _background(self, coro) -> None:
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -477,7 +477,7 @@ class State:
     cells = 0
 
 
-def _on_sigprof(signum, frame):
+def _on_sigprof(signum: int, frame: types.FrameType | None) -> None:
     if State.mode == "user":
         raise CpuLimitExceeded(f"CPU time limit of {State.cpu_s:g}s exceeded")
 
@@ -496,7 +496,7 @@ def _one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _cell_line(tb, filename: str) -> int | None:
+def _cell_line(tb: types.TracebackType | None, filename: str) -> int | None:
     line = None
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == filename:

@@ -267,11 +267,12 @@ def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
         if t.verdict == "kept" and winners and winners != {t.seq}:
             other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
             how = "more" if _kept_gain(other) > _kept_gain(t) else "as much and comes first in the plan"
+            groups = ",".join(t.operation.source_groups)
             t = t.model_copy(
                 update={
                     "verdict": "rejected",
                     "reason": (
-                        f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained {how} "
+                        f"lesson validation: another candidate of group {groups} gained {how} "
                         f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})"
                     ),
                 }

@@ -136,7 +136,7 @@ class Engine:
     def _run(self, jobs: list[_Job]) -> None:
         try:
             model = self.load()
-        except Exception as exc:  # a missing or broken model fails every request, permanently
+        except Exception as exc:  # noqa: BLE001 - a missing or broken model fails every request, permanently
             error = (
                 exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
             )
@@ -160,7 +160,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             results = self._run_batch(model, requests)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the batch's failure is each request's (classify: retry or not)
             return [classify(exc)] * len(requests)
         self._account(requests, results, time.monotonic() - t0)
         return results
