@@ -626,7 +626,7 @@ class TrainingTemplate(RunConfig):
     """The training settings of a refresh: a run config whose run id, dataset, initial library and
     ``grpo.max_steps`` each refresh sets (the dataset may be left out)."""
 
-    dataset: DatasetConfig | None = None  # type: ignore[assignment]
+    dataset: DatasetConfig | None = None  # type: ignore[assignment]  # optional here: each refresh sets it
 
 
 class RefreshConfig(Section):
