@@ -81,7 +81,17 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
-def resolve_api_key(cfg: ModelConfig) -> str | None:
+class KeySource(Protocol):
+    """Where a config says its API key is (a model's or an embedding endpoint's config)."""
+
+    @property
+    def api_key_env(self) -> str | None: ...
+
+    @property
+    def api_key_secret_block(self) -> str | None: ...
+
+
+def resolve_api_key(cfg: KeySource) -> str | None:
     """From the configured environment variable, else a Prefect Secret block; never stored anywhere."""
     if cfg.api_key_env and os.environ.get(cfg.api_key_env):
         return os.environ[cfg.api_key_env]
