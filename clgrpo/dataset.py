@@ -380,8 +380,9 @@ def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa
         columns[cfg.domain_field] = pa.Column(
             None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
         )
-    if _tag_column(cfg, raw_columns) is not None:  # a blank tag: untagged
-        columns[cfg.tag_field] = pa.Column(
+    tag_column = _tag_column(cfg, raw_columns)
+    if tag_column is not None:  # a blank tag: untagged
+        columns[tag_column] = pa.Column(
             None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
         )
     if cfg.answer_source_field is not None:

@@ -439,7 +439,9 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                 ),
             )
         fields = await train_and_compare(config, refresh_id, inputs, baseline)
-        fields["reasons"] = [*fields["reasons"], *notes]  # type: ignore[misc]
+        reasons = fields["reasons"]
+        assert isinstance(reasons, list), "train_and_compare gives a list of reasons"
+        fields["reasons"] = [*reasons, *notes]
         decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)
         if decision.promoted:
             decision = await promote(config, decision, baseline.library, inputs, work_dir(config))

@@ -12,7 +12,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("CLGRPO_TUNE_GC", "0")  # flows would freeze the test session's objects (clgrpo/runtime.py)
 os.environ["CLGRPO_STATE_DIR"] = tempfile.mkdtemp(prefix="clgrpo-state-")  # never the user's recent databases
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -157,8 +157,9 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
 @pytest.mark.usefixtures("prefect_harness")
 def test_default_demo_learns_and_checks_on_held_out_problems(tmp_path):
     """The acceptance of the demo, end to end on the real Qwen2.5-Coder-0.5B with the 1.5B writing the lessons
-    (fetched from PyPI, served by llama-server; about 7 minutes on 2 cores once they are cached): the held-out table and its CI are produced,
-    every lesson in the library passed the lesson guard, and every rejected candidate is listed with its reason.
+    (fetched from PyPI, served by llama-server; about 7 minutes on 2 cores once they are cached): the held-out table
+    and its CI are produced, every lesson in the library passed the lesson guard, and every rejected candidate is
+    listed with its reason.
     Not that the gain is positive: a real model may fail on a given day (benchmarks/learning.py shows the gain)."""
     from domains.guard import LessonGuard
 

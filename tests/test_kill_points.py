@@ -420,15 +420,15 @@ def kill_points_scenario(
             attempt = start_attempt(config, run_id, env, where / f"attempt-{point.number:02d}.out", server)
             if point.kind == "setup":
                 target = attempt.started + point.offset_s
-                run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
+                run_until(attempt, server, lambda target=target: time.monotonic() >= target, RUN_LIMIT_S)
             else:
                 if world.progress() < point.target:
-                    run_until(attempt, server, lambda: world.progress() >= point.target, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda point=point: world.progress() >= point.target, RUN_LIMIT_S)
                 else:  # an earlier attempt got past this point: inside this attempt's first unfinished stage
-                    run_until(attempt, server, lambda: attempt.first_request_s is not None, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda attempt=attempt: attempt.first_request_s is not None, RUN_LIMIT_S)
                 if attempt.proc.poll() is None:
                     target = time.monotonic() + point.offset_s
-                    run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda target=target: time.monotonic() >= target, RUN_LIMIT_S)
             if attempt.proc.poll() is None:
                 attempt.proc.send_signal(signal.SIGKILL)
                 killed_at, progress = time.monotonic(), world.progress()

@@ -203,7 +203,7 @@ def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, t
                 for name, p in {**readers, "second train": second}.items()
             }
             assert train.poll() is None, "the run ended before the readers were done: make it longer"
-            for name, (proc, stdout, stderr, took) in answers.items():
+            for name, (proc, _stdout, stderr, took) in answers.items():
                 if name == "second train":
                     continue
                 assert proc.returncode == 0, f"{name}: {stderr[-2000:]}"

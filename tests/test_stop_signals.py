@@ -152,7 +152,7 @@ def plan_stop_points(kinds: list[str], sigs: list[signal.Signals], seed: int, re
     return points
 
 
-def wait_for_point(point: StopPoint, attempt: Attempt, server, tmpdir: Path) -> None:  # noqa: ANN001
+def wait_for_point(point: StopPoint, attempt: Attempt, server, tmpdir: Path) -> None:
     world = server.responder
     if point.kind == "setup":
         at = attempt.started + point.offset_s
@@ -342,7 +342,7 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
             proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_LIMIT_S
 
-        def reached() -> bool:
+        def reached(marker: str = marker, out: Path = out, loads_before: int = loads_before) -> bool:
             if marker == "rollout":
                 return "step 1 rollout: started" in out.read_text(errors="replace")
             return log.exists() and log.read_text(errors="replace").count(": loaded in ") > loads_before

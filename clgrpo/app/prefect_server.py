@@ -152,7 +152,8 @@ def install(*, only_if_ephemeral: bool = False) -> bool:
 
         cls = prefect_server.SubprocessASGIServer
         if not isinstance(prefect_server.subprocess, _SubprocessModule):
-            prefect_server.subprocess = _SubprocessModule(prefect_server.subprocess)
+            # a stand-in for the module that watches what the server launches
+            prefect_server.subprocess = _SubprocessModule(prefect_server.subprocess)  # type: ignore[assignment]
         if getattr(cls._run_uvicorn_command, _MARK, False):
             return True
         original = cls._run_uvicorn_command
@@ -166,9 +167,9 @@ def install(*, only_if_ephemeral: bool = False) -> bool:
                 _launching.active = previous
 
         _run_uvicorn_command.__doc__ = original.__doc__
-        _run_uvicorn_command.__wrapped__ = original  # type: ignore[attr-defined]
+        _run_uvicorn_command.__wrapped__ = original  # type: ignore[attr-defined]  # functions take attributes
         setattr(_run_uvicorn_command, _MARK, True)
-        cls._run_uvicorn_command = _run_uvicorn_command
+        cls._run_uvicorn_command = _run_uvicorn_command  # type: ignore[method-assign]  # the patch itself
         return True
 
 

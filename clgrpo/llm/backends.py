@@ -57,14 +57,27 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
-def resolve_api_key(cfg: ModelConfig) -> str | None:
+class KeySource(Protocol):
+    """Where a config says its API key is (a model's or an embedding endpoint's config)."""
+
+    @property
+    def api_key_env(self) -> str | None: ...
+
+    @property
+    def api_key_secret_block(self) -> str | None: ...
+
+
+def resolve_api_key(cfg: KeySource) -> str | None:
     """From the configured environment variable, else a Prefect Secret block; never stored anywhere."""
     if cfg.api_key_env and os.environ.get(cfg.api_key_env):
         return os.environ[cfg.api_key_env]
     if cfg.api_key_secret_block:
         from prefect.blocks.system import Secret
 
-        return Secret.load(cfg.api_key_secret_block).get()
+        # inside an event loop (where backends are made) a plain load() returns a coroutine: _sync loads now
+        secret = Secret.load(cfg.api_key_secret_block, _sync=True)  # type: ignore[call-arg]  # prefect's own flag
+        assert isinstance(secret, Secret)
+        return secret.get()
     return None
 
 
@@ -181,7 +194,7 @@ class OpenAIBackend:
 def generation(reply: object, where: str) -> Generation:
     """A usable chat completion, else a transient error naming what is wrong with it (retried, recorded)."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
-    if not isinstance(choices, list) or not choices:
+    if not isinstance(reply, dict) or not isinstance(choices, list) or not choices:
         raise TransientLLMError(f"malformed reply from {where}: no choices in the response body")
     texts, reasons, calls = [], [], []
     for i, choice in enumerate(choices):
@@ -246,9 +259,9 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     calls = []
     for i, call in enumerate(raw if isinstance(raw, list) else []):
         function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if not name:
+        if not isinstance(function, dict) or not function.get("name"):
             continue
+        name = function["name"]
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {})
@@ -256,6 +269,6 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     return calls
 
 
-def _short(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).replace("\n", " ")
+def _short(what: BaseException | str, limit: int = 200) -> str:
+    text = str(what).replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."

@@ -64,6 +64,9 @@ class WebDomain:
     def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         return [match_answer(output, answer) for output, answer in items]
 
+    def warm(self) -> None:
+        """Nothing to start: answers are compared as text, in this process."""
+
     def final_answer(self, output: str) -> str | None:
         """What an LLM judge compares with the reference (``tasks/judge.py``)."""
         return final_answer(output)
