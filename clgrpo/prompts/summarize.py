@@ -41,10 +41,10 @@ Attempt{grade_block}:
 def summarize_messages(
     domain: str, problem: Problem, attempt: Attempt, library_text: str, use_groundtruth: bool
 ) -> list[Message]:
-    graded = use_groundtruth and attempt.reward is not None
+    reward = attempt.reward if use_groundtruth else None  # the grade is shown only with ground truth
     system = SUMMARIZE_SYSTEM.format(
         domain=domain,
-        grading_instruction=SUMMARIZE_GRADED if graded else SUMMARIZE_UNGRADED,
+        grading_instruction=SUMMARIZE_GRADED if reward is not None else SUMMARIZE_UNGRADED,
         tool_instruction=SUMMARIZE_TOOLS if attempt.tools else "",
     )
     user = SUMMARIZE_USER.format(
@@ -53,7 +53,7 @@ def summarize_messages(
         else "",
         problem=quoting.quote("problem", problem.problem, id=problem.problem_id),
         answer_block=answer_block(problem, use_groundtruth),
-        grade_block=(grade(attempt.reward) if graded else "") + attempt.mark,
+        grade_block=(grade(reward) if reward is not None else "") + attempt.mark,
         attempt=quoting.quote("attempt", attempt.text, id=attempt.sample_idx),
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
