@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 from clgrpo.app.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
 from clgrpo.models import ModelError, fetch_embedded
+from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.store import Store
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
-from domains.math.prompts import rollout_messages
 from schemas.records import Problem
 from tests.tiny_model import build_tiny_model
 

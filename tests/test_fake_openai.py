@@ -12,8 +12,9 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from clgrpo.llm.structured import parse_operations
+from clgrpo.prompts.attempts import Attempt
 from clgrpo.testing.fake_openai import DEFAULT_MIX, ChatRequest, FakeOpenAIServer, Fault, match_roles, role_of
-from domains.learner import Attempt, LearnerPrompts
+from domains.learner import LearnerPrompts
 from schemas.records import Problem
 from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, REPAIR_PREFIX, ScriptedWorld, make_problems, write_jsonl
 

@@ -15,18 +15,23 @@ import unicodedata
 from collections.abc import Sequence
 
 from clgrpo.dataset import LoadReport, load_problems_with_report
+from clgrpo.prompts.web_rollout import DOMAIN, EXAMPLE_LESSONS, rollout_messages
 from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
-from domains.web.prompts import final_answer, rollout_messages
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
-EXAMPLE_LESSONS = (
-    "When a question names an organisation, open its home page first and follow the menu link that matches the "
-    "topic instead of searching the whole web.",
-    "When a page lists several dates, check which event each date belongs to before answering with one.",
-)
+FINAL_ANSWER_RE = re.compile(r"final answer\s*[:\-]\s*(.+)", re.IGNORECASE)
+
+
+def final_answer(output: str) -> str | None:
+    """The text after the last ``Final answer:`` (first line, without trailing markup), or None."""
+    found = FINAL_ANSWER_RE.findall(output)
+    if not found:
+        return None
+    answer = found[-1].strip().splitlines()[0].strip().rstrip(".").strip("*_`\"' ").rstrip(".")
+    return answer or None
 
 
 def normalize_answer(text: str) -> str:
@@ -53,7 +58,7 @@ class WebDomain:
     grade_truncated = False  # a reply cut off before its final answer line is not an answer
 
     def __init__(self) -> None:
-        self.learner_prompts = LearnerPrompts(domain="web navigation and question answering", examples=EXAMPLE_LESSONS)
+        self.learner_prompts = LearnerPrompts(domain=DOMAIN, examples=EXAMPLE_LESSONS)
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)
