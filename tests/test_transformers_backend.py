@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -199,6 +200,26 @@ def test_per_operation_schemas_and_a_lesson_pattern_compile_for_constrained_deco
     group = operations_schema(3, kinds=GROUP_KINDS, live_ids=["E1"], min_words=5, max_words=24)
     plan = operations_schema(5, live_ids=["E1", "E2"], sources=["p1"], pattern=r'^When [^".?!0-9A-Z\\\n]+\.$')
     assert grammars.matcher(group) is not None and grammars.matcher(plan) is not None  # None: unconstrained
+
+
+def test_without_llguidance_replies_are_unconstrained(tiny_model, monkeypatch, caplog):
+    from transformers import AutoTokenizer
+
+    from clgrpo.llm.transformers_backend import Grammars
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as when the package is missing
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    with caplog.at_level("WARNING"):
+        assert Grammars.create(tokenizer, len(tokenizer), [tokenizer.eos_token_id]) is None
+    assert "llguidance is not installed" in caplog.text
+
+
+def test_a_schema_the_grammar_engine_rejects_falls_back_to_unconstrained(backend, caplog):
+    pytest.importorskip("llguidance")
+    grammars = backend.engine.load().grammars
+    with caplog.at_level("WARNING"):
+        assert grammars.matcher({"type": "string", "pattern": "("}) is None
+    assert "cannot compile the JSON schema" in caplog.text
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
