@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from clgrpo.dataset import LoadReport
-from clgrpo.verify_child import VerifyResult  # noqa: F401 - re-exported: domains grade with it
+from clgrpo.verify_child import VerifyResult
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
 from schemas.records import Problem

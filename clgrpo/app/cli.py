@@ -155,7 +155,8 @@ def print_steps(result: TrainResult) -> None:
     )
     print(
         f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
-        f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} {'cost $':>8}"
+        f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} "
+        f"{'cost $':>8}"
     )
     for r in result.steps:
         print(
@@ -359,8 +360,9 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     convert = model is SMOLLM2 or args.hf  # the embedded default model is always converted (the demo loads it)
     report = fetch_model(model, args.cache_dir, force=args.force, convert=convert)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    origin = "already cached" if report.source == "cache" else "from " + report.source
     print(
-        f"{report.hf_dir if convert else report.gguf}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
+        f"{report.hf_dir if convert else report.gguf}\n({origin}; "
         f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)"
     )
     return 0
@@ -1218,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`clgrpo library show RUN | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 0
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the command's last resort: one error line, the traceback to the log
         if (signum := stopping.requested()) is not None and stopping.is_stop(exc):
             print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
             return stopping.exit_code(signum)

@@ -382,7 +382,7 @@ def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
         except PermanentLLMError as exc:
             results[qi] = exc
             continue
-        except Exception as exc:  # a template that rejects these messages
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (any error type)
             results[qi] = PermanentLLMError(f"chat template failed: {type(exc).__name__}: {exc}")
             continue
         room = loaded.max_positions - len(prompt)
