@@ -173,8 +173,9 @@ def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
     if len(shared) == 0 or a.shape != b.shape or np.isnan(a).any() or np.isnan(b).any():
         return None
     cfg = data.config.validation
-    options = dict(n_boot=cfg.bootstrap_samples, seed=cfg.seed, level=cfg.ci_level) if cfg else {}
-    return first, last, paired_difference(a, b, **options)
+    if cfg is None:
+        return first, last, paired_difference(a, b)
+    return first, last, paired_difference(a, b, n_boot=cfg.bootstrap_samples, seed=cfg.seed, level=cfg.ci_level)
 
 
 # --- tables (shared by the HTML and markdown renderers) ----------------------------------------------------
@@ -368,15 +369,15 @@ def evaluation_markdown(
 
 # --- plots and documents -----------------------------------------------------------------------------------
 def run_plots(data: RunData) -> dict[str, bytes]:
-    trained = [r for r in data.steps if r.train_accuracy is not None]
-    validated = [r for r in data.steps if r.heldout_mean is not None]
+    trained = [(r.step, r.train_accuracy) for r in data.steps if r.train_accuracy is not None]
+    validated = [(r.step, r.heldout_mean) for r in data.steps if r.heldout_mean is not None]
     series = [
         plots.Series(
             "training rollouts (mean reward)",
-            [r.step for r in trained],
-            [r.train_accuracy.value for r in trained],
-            [r.train_accuracy.low for r in trained],
-            [r.train_accuracy.high for r in trained],
+            [step for step, _ in trained],
+            [e.value for _, e in trained],
+            [e.low for _, e in trained],
+            [e.high for _, e in trained],
         )
     ]
     if validated:
@@ -385,10 +386,10 @@ def run_plots(data: RunData) -> dict[str, bytes]:
         series.append(
             plots.Series(
                 label,
-                [r.step for r in validated],
-                [r.heldout_mean.value for r in validated],
-                [r.heldout_mean.low for r in validated],
-                [r.heldout_mean.high for r in validated],
+                [step for step, _ in validated],
+                [e.value for _, e in validated],
+                [e.low for _, e in validated],
+                [e.high for _, e in validated],
             )
         )
     steps = [r.step for r in data.steps]

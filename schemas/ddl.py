@@ -435,7 +435,7 @@ TABLE_DDL: dict[str, str] = {
 }
 
 # Tables written through Store.write_stage, replaced as a unit by (run_id, step, stage).
-STAGE_TABLES = (
+STAGE_TABLES: tuple[str, ...] = (
     "problems",
     "rollouts",
     "rewards",

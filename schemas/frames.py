@@ -70,6 +70,7 @@ class RolloutsFrame(StageKeyed):
     tool_time_s: Series[float] = pa.Field(ge=0, nullable=True)
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["run_id", "step", "problem_id", "sample_idx"]).any()
 
@@ -85,6 +86,7 @@ class RewardsFrame(StageKeyed):
     reward_source: Series[str] = pa.Field(isin=list(REWARD_SOURCES), nullable=True)  # NULL: ungraded or older
 
     @pa.dataframe_check
+    @classmethod
     def graded_or_explained(cls, df: pd.DataFrame) -> bool:
         """A sample without a reward says why."""
         return not (df["reward"].isna() & df["error"].isna()).any()
@@ -159,6 +161,7 @@ class LessonTrialsFrame(StageKeyed):
     reason: Series[str]
 
     @pa.dataframe_check
+    @classmethod
     def kept_trials_gained(cls, df: pd.DataFrame) -> pd.Series:
         return (df["verdict"] != "kept") | df["gain"].notna()
 
@@ -176,6 +179,7 @@ class TrialSamplesFrame(StageKeyed):
     tokens_out: Series[int] = pa.Field(ge=0)
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["seq", "problem_id", "sample_idx"]).any()
 
@@ -249,6 +253,7 @@ class EvalResultsFrame(StageKeyed):
     judge_reason: Series[str] = pa.Field(nullable=True)
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["condition", "problem_id", "sample_idx"]).any()
 
@@ -268,6 +273,7 @@ class EvalComparisonsFrame(StageKeyed):
     tag: Series[str] = pa.Field(nullable=True)  # NULL: all problems
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_comparison(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["run_id", "step", "baseline", "candidate", "metric", "tag"]).any()
 
@@ -309,6 +315,7 @@ class RefreshesFrame(StageKeyed):
     decided_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
 
     @pa.dataframe_check
+    @classmethod
     def promoted_has_its_evidence(cls, df: pd.DataFrame) -> pd.Series:
         """A promotion always names its candidate and the CI it passed."""
         promoted = df["status"] == "promoted"
@@ -331,11 +338,13 @@ class RefreshGateFrame(StageKeyed):
     reason: Series[str]
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_tag(cls, df: pd.DataFrame) -> bool:
         """One overall row (tag NULL) and one per tag."""
         return not df.duplicated(["run_id", "step", "tag"]).any()
 
     @pa.dataframe_check
+    @classmethod
     def verdicts_follow_the_rule(cls, df: pd.DataFrame) -> pd.Series:
         """Overall: pass iff the CI lower bound is above the threshold. A gated tag: fail iff the CI upper
         bound is below it."""
@@ -399,6 +408,7 @@ class AdaptersFrame(StageKeyed):
     created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
 
     @pa.dataframe_check
+    @classmethod
     def one_adapter_per_step(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["run_id", "step"]).any()
 
@@ -414,6 +424,7 @@ class ExperienceStatsFrame(StageKeyed):
     ci_high: Series[float] = pa.Field(ge=0, le=1)
 
     @pa.dataframe_check
+    @classmethod
     def one_row_per_experience(cls, df: pd.DataFrame) -> bool:
         return not df.duplicated(["run_id", "step", "exp_id"]).any()
 
@@ -426,6 +437,7 @@ class EmbeddingsFrame(Frame):
     created_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
 
     @pa.dataframe_check
+    @classmethod
     def vector_has_dim_values(cls, df: pd.DataFrame) -> bool:
         return bool((df["vector"].map(len) == df["dim"]).all())
 

@@ -114,8 +114,8 @@ def parse_text_action(text: str, tools: dict[str, Tool], turn: int) -> tuple[str
             code = match.group(2)
             candidates.append((match, Action(f"text-{turn}", tool.name, code, {tool.text_argument: code})))
             break
-    if (match := _TAG_RE.search(text)) is not None:
-        candidates.append((match, _tag_action(match.group(1).strip(), match.group(2), tools, turn)))
+    if (tag := _TAG_RE.search(text)) is not None:
+        candidates.append((tag, _tag_action(tag.group(1).strip(), tag.group(2), tools, turn)))
     if not candidates:
         return None
     match, action = min(candidates, key=lambda c: c[0].start())

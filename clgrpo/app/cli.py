@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
@@ -89,17 +89,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
+    run_id = config.require_run_id()
     from tasks.preflight import check_run
 
-    refuse_if_running(config.db_path, "train", config.run_id)  # the flow takes the run lock itself
+    refuse_if_running(config.db_path, "train", run_id)  # the flow takes the run lock itself
     stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
     remember_db(config.db_path)
-    stopping.set_resume_hint(resume_command(config.run_id))
+    stopping.set_resume_hint(resume_command(run_id))
     _prefect_defaults()
     from flows.train import train
 
-    with session(config.db_path, config.run_id) as terminal:
-        print(f"run {config.run_id} (resume it with --run-id {config.run_id}); log: {terminal.log_path}")
+    with session(config.db_path, run_id) as terminal:
+        print(f"run {run_id} (resume it with --run-id {run_id}); log: {terminal.log_path}")
         if line := rollout_mode_line(config):
             print(line)
         result = stopping.run(train(config, preflight=False))
@@ -938,7 +939,7 @@ def review_answers(args: argparse.Namespace, changes: list) -> dict[str, Any]:
             raise ConfigError(f"--decisions {args.decisions}: expected an object of change ids to answers")
         return {"reviewer": _reviewer(args), **data}
     if args.approve_all or args.reject_all:
-        choice = "approve" if args.approve_all else "reject"
+        choice: Literal["approve", "reject"] = "approve" if args.approve_all else "reject"
         return uniform_answers(changes, choice, _reviewer(args), args.reason or f"{choice} all")
     return _ask_terminal(changes, _reviewer(args))
 

@@ -155,7 +155,7 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(location.folder, dtype=getattr(torch, dtype), **kwargs)
     if adapter is not None:
         model = with_lora(model, adapter)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() as a wrapper of from_pretrained
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
