@@ -47,7 +47,6 @@ from clgrpo.usefulness import step_stats
 from domains.guard import LessonGuard
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from schemas.config import AgentConfig, RunConfig
-from schemas.ddl import VALIDATE_STAGE
 from schemas.records import (
     AdapterVersion,
     ExperienceStat,
@@ -58,11 +57,8 @@ from schemas.records import (
     Proposal,
     Rollout,
 )
-from tasks.apply_operations import STAGE as APPLY
+from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, near_duplicates_for
-from tasks.checkpoint import (
-    STAGE as CHECKPOINT,
-)
 from tasks.checkpoint import (
     StepReport,
     checkpoint_task,
@@ -74,23 +70,15 @@ from tasks.checkpoint import (
 )
 from tasks.common import artifact_key, chunks
 from tasks.consolidate import FINAL, consolidate_task, consolidation_calls
-from tasks.consolidate import STAGE as CONSOLIDATE
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import group_advantage_task
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
 from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
-from tasks.load_dataset import STAGE as LOAD
 from tasks.load_dataset import load_dataset_task
-from tasks.numeric_update import STAGE as NUMERIC_UPDATE
 from tasks.numeric_update import numeric_inputs, numeric_update_task
 from tasks.pipeline import PipelineBatch, pipeline_task
-from tasks.rollout import STAGE as ROLLOUT
 from tasks.rollout import rollout_task
-from tasks.summarize import STAGE as SUMMARIZE
 from tasks.summarize import summarize_task
-from tasks.validate_lessons import STAGE as VALIDATE_LESSONS
 from tasks.validate_lessons import plan_after, validate_lessons_task
-from tasks.verify import STAGE as VERIFY
 from tasks.verify import verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -162,7 +150,7 @@ class Trainer:
             if expect:
                 progress.start(step, name, *expect)
             try:
-                with recording(self.journal.step(step), stage=name, items=name != VALIDATE_STAGE):
+                with recording(self.journal.step(step), stage=name, items=name != Stage.VALIDATE):
                     outputs = await compute()
             except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
                 self.keep_calls(step, name)
@@ -226,7 +214,7 @@ class Trainer:
         async def compute() -> Outputs:
             return {"problems": load_dataset_task(self.cfg, _source_digest(self.cfg))}
 
-        return (await self.stage(0, LOAD, compute, ["problems"]))["problems"]
+        return (await self.stage(0, Stage.LOAD_DATASET, compute, ["problems"]))["problems"]
 
     def initial_library(self) -> ExperienceLibrary:
         if self.store.library_versions(self.run_id):
@@ -274,7 +262,9 @@ class Trainer:
             }
 
         samples = (len(problems) * cfg.grpo.group_size, "samples")
-        rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"], expect=samples))["rollouts"]
+        rollouts = (await self.stage(step, Stage.ROLLOUT, do_rollout, ["rollouts", "llm_calls"], expect=samples))[
+            "rollouts"
+        ]
 
         async def do_verify() -> Outputs:
             parts = await asyncio.gather(
@@ -290,7 +280,11 @@ class Trainer:
             }  # an LLM judge's calls, from the work journal
 
         verified = await self.stage(
-            step, VERIFY, do_verify, ["rewards", "group_advantages", "llm_calls"], expect=(len(rollouts), "samples")
+            step,
+            Stage.VERIFY,
+            do_verify,
+            ["rewards", "group_advantages", "llm_calls"],
+            expect=(len(rollouts), "samples"),
         )
         rewards, advantages = verified["rewards"], verified["group_advantages"]
         if cfg.hybrid.enabled:
@@ -326,7 +320,7 @@ class Trainer:
         )
         summaries = (
             await self.stage(
-                step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"], expect=(to_summarize, "summaries")
+                step, Stage.SUMMARIZE, do_summarize, ["summaries", "llm_calls"], expect=(to_summarize, "summaries")
             )
         )["summaries"]
 
@@ -351,7 +345,11 @@ class Trainer:
 
         proposals = (
             await self.stage(
-                step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"], expect=(len(selected_ids), "groups")
+                step,
+                Stage.GROUP_ADVANTAGE,
+                do_extract,
+                ["proposals", "llm_calls"],
+                expect=(len(selected_ids), "groups"),
             )
         )["proposals"]
 
@@ -366,7 +364,7 @@ class Trainer:
         calls = consolidation_calls(sum(bool(p.operations) for p in limited_proposals), cfg.learning)
         plans: list[Proposal] = (
             await self.stage(
-                step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"], expect=(calls, "learner calls")
+                step, Stage.CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"], expect=(calls, "learner calls")
             )
         )["proposals"]
         final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
@@ -397,7 +395,7 @@ class Trainer:
         def save_version(_: Outputs) -> None:
             self.store.save_library(self.run_id, ExperienceLibrary.from_version(applied_version[0]))
 
-        await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
+        await self.stage(step, Stage.APPLY_OPERATIONS, do_apply, ["operations"], before_write=save_version)
         return self.store.load_library(self.run_id, step)
 
     async def numeric_update(
@@ -430,7 +428,7 @@ class Trainer:
             )
             return {"adapters": [record]}
 
-        record = (await self.stage(step, NUMERIC_UPDATE, do_update, ["adapters"]))["adapters"][0]
+        record = (await self.stage(step, Stage.NUMERIC_UPDATE, do_update, ["adapters"]))["adapters"][0]
         self.log.info(
             "step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
             "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s",
@@ -488,7 +486,7 @@ class Trainer:
             return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
 
         trials = (
-            await self.stage(step, VALIDATE_LESSONS, do_validate, ["lesson_trials", "trial_samples", "llm_calls"])
+            await self.stage(step, Stage.VALIDATE_LESSONS, do_validate, ["lesson_trials", "trial_samples", "llm_calls"])
         )["lesson_trials"]
         kept = sum(t.verdict == "kept" for t in trials)
         rejected = sum(t.verdict == "rejected" for t in trials)
@@ -510,21 +508,21 @@ class Trainer:
         """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and
         leave the four stages' outputs for ``stage`` to write, in order and one transaction each. Off, with
         rollouts on the GPU pool, or when any of the four is already stored (resume): stage by stage."""
-        names = (ROLLOUT, VERIFY, SUMMARIZE, GROUP_ADVANTAGE)
+        names = (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE)
         if (
             not self.cfg.pipeline
             or self.cfg.rollout.placement == "pool"
             or any(self.store.stage_done(self.run_id, step, n) for n in names)
         ):
             return
-        self.check_budget(step, ROLLOUT)
+        self.check_budget(step, Stage.ROLLOUT)
         stopping.note_stage(f"step {step} rollout (pipelined with verify, summarize, group_advantage)")
         samples = sum(len(c) for c in rollout_chunks) * self.cfg.grpo.group_size
         for name, total, unit in (
-            (ROLLOUT, samples, "samples"),
-            (VERIFY, samples, "samples"),
-            (SUMMARIZE, 0, "summaries"),
-            (GROUP_ADVANTAGE, 0, "groups"),
+            (Stage.ROLLOUT, samples, "samples"),
+            (Stage.VERIFY, samples, "samples"),
+            (Stage.SUMMARIZE, 0, "summaries"),
+            (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
         try:
@@ -538,10 +536,14 @@ class Trainer:
         merged = PipelineBatch.merge(parts)
         self.precomputed.update(
             {
-                (step, ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
-                (step, VERIFY): {"rewards": merged.rewards, "group_advantages": merged.advantages, "llm_calls": []},
-                (step, SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
-                (step, GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
+                (step, Stage.ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
+                (step, Stage.VERIFY): {
+                    "rewards": merged.rewards,
+                    "group_advantages": merged.advantages,
+                    "llm_calls": [],
+                },
+                (step, Stage.SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
+                (step, Stage.GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
             }
         )
 
@@ -597,11 +599,11 @@ class Trainer:
             rewards=read("rewards"),
             advantages=read("group_advantages"),
             summaries=read("summaries"),
-            proposals=read("proposals", GROUP_ADVANTAGE),
-            consolidation_plans=read("proposals", CONSOLIDATE),
+            proposals=read("proposals", Stage.GROUP_ADVANTAGE),
+            consolidation_plans=read("proposals", Stage.CONSOLIDATE),
             results=read("operations"),
             library_size=len(library),
-            calls=[c for c in read("llm_calls") if c.stage != VALIDATE_STAGE],
+            calls=[c for c in read("llm_calls") if c.stage != Stage.VALIDATE],
         )
 
     async def checkpoint(self, planned: PlannedStep, library: ExperienceLibrary, reports: list[StepReport]) -> None:
@@ -631,7 +633,9 @@ class Trainer:
             self.store.records("operations", self.run_id, step),
             self.store.records("summaries", self.run_id, step),
         )
-        self.store.write_stage(self.run_id, step, CHECKPOINT, {"experience_stats": stats, "library_quality": [quality]})
+        self.store.write_stage(
+            self.run_id, step, Stage.CHECKPOINT, {"experience_stats": stats, "library_quality": [quality]}
+        )
         await acreate_table_artifact(
             [q.model_dump() for q in self.store.records("library_quality", self.run_id)],
             key=artifact_key(self.run_id, "quality"),
@@ -677,7 +681,7 @@ class Trainer:
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
-        outputs = await self.stage(step, VALIDATE_STAGE, lambda: validator.compute(step, library), EVAL_TABLES)
+        outputs = await self.stage(step, Stage.VALIDATE, lambda: validator.compute(step, library), EVAL_TABLES)
         await validator.publish(step, outputs)
 
     # --- the run --------------------------------------------------------------------------------------
@@ -725,7 +729,7 @@ class Trainer:
             await self.validate(validator, 0, library)
         self.journal.discard_step(0)
         for planned in planned_steps:
-            done = self.store.stage_done(self.run_id, planned.step, CHECKPOINT)
+            done = self.store.stage_done(self.run_id, planned.step, Stage.CHECKPOINT)
             if done:
                 library = self.store.load_library(self.run_id, planned.step)
             else:

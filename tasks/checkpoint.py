@@ -11,7 +11,6 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.quality import near_duplicate_counts
 from clgrpo.usefulness import describe
 from schemas.config import RunConfig
-from schemas.ddl import CHECKPOINT_STAGE
 from schemas.records import (
     ExperienceStat,
     GroupAdvantage,
@@ -24,10 +23,9 @@ from schemas.records import (
     Rollout,
     Summary,
 )
+from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.group_advantage import call_failed
-
-STAGE = CHECKPOINT_STAGE
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ def export_library(library: ExperienceLibrary, directory: Path) -> list[Path]:
     ]
 
 
-@stage_task(STAGE, run_name="checkpoint-step{step}")
+@stage_task(Stage.CHECKPOINT, run_name="checkpoint-step{step}")
 def checkpoint_task(config: RunConfig, step: int, library: LibraryVersion) -> list[str]:
     paths = export_library(ExperienceLibrary.from_version(library), export_dir(config))
     return [str(p) for p in paths]

@@ -49,9 +49,9 @@ from schemas.records import (
     Rollout,
     Summary,
 )
+from schemas.stages import Stage
 from tasks.common import stage_task
 
-STAGE = "group_advantage"
 CALL_FAILED = "learner call failed: "
 ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
 
@@ -193,10 +193,10 @@ async def _extract_one(
     cfg: LearningConfig,
 ) -> ProposalBatch:
     group_id = group.problem.problem_id
-    done = StageItems(STAGE, Proposal)
+    done = StageItems(Stage.GROUP_ADVANTAGE, Proposal)
     reused = done.get(group_id)
     if reused is not None:
-        progress.advance(STAGE)
+        progress.advance(Stage.GROUP_ADVANTAGE)
         return ProposalBatch([reused])
     attempts = _attempts(group, summaries, cfg.use_groundtruth)
     try:
@@ -205,7 +205,7 @@ async def _extract_one(
         else:
             batch = await _operations_proposal(group, attempts, library, prompts, llm, cfg)
     finally:
-        progress.advance(STAGE)
+        progress.advance(Stage.GROUP_ADVANTAGE)
     proposal = batch.proposals[0]
     summarized = not cfg.summarize or all(_has_summary(r, summaries) for r in group.rollouts)
     if summarized and not call_failed(proposal):  # else redo it once the summaries or the calls are redone
@@ -234,7 +234,9 @@ async def _operations_proposal(
         pattern=cfg.lesson_pattern,
     )
     try:
-        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema, repair=prompts.repair)
+        reply = await llm.complete_operations(
+            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, repair=prompts.repair
+        )
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
@@ -326,7 +328,11 @@ async def _contrast_candidates(
     replies = await asyncio.gather(
         *[
             llm.complete(
-                partial(ask, attempts[b], attempts[w]), stage=STAGE, json_schema=schema, schema_name="lesson", redraw=c
+                partial(ask, attempts[b], attempts[w]),
+                stage=Stage.GROUP_ADVANTAGE,
+                json_schema=schema,
+                schema_name="lesson",
+                redraw=c,
             )
             for c, (b, w) in enumerate(asks)
         ],
@@ -398,7 +404,9 @@ async def _generalize(
     schema = contrast_schema(min_words=cfg.min_words, max_words=cfg.max_words)
     schema = {**schema, "properties": {"lesson": schema["properties"]["lesson"]}, "required": ["lesson"]}
     try:
-        reply = await llm.complete(messages, stage=STAGE, json_schema=schema, schema_name="lesson", redraw=draw)
+        reply = await llm.complete(
+            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, schema_name="lesson", redraw=draw
+        )
     except LLMCallError as exc:
         record["error"] = str(exc)
         return op, exc.calls, record
@@ -437,7 +445,7 @@ async def extract_group_advantage(
     return ProposalBatch([p for part in parts for p in part.proposals], [c for part in parts for c in part.calls])
 
 
-@stage_task(STAGE, run_name="group-advantage-step{step}-chunk{chunk}")
+@stage_task(Stage.GROUP_ADVANTAGE, run_name="group-advantage-step{step}-chunk{chunk}")
 async def group_advantage_task(
     config: RunConfig,
     step: int,

@@ -18,17 +18,13 @@ from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
+from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
 from tasks.judge import Judge, make_judge
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import STAGE as SUMMARIZE
 from tasks.summarize import SummaryBatch, summarize
-from tasks.verify import STAGE as VERIFY
 from tasks.verify import grade
-
-STAGE = "pipeline"
 
 
 @dataclass
@@ -93,8 +89,8 @@ async def _one_group(
     groups = build_groups([problem], batch.rollouts, rewards, advantages)
     if not groups:
         return outcome
-    progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
-    progress.expect(GROUP_ADVANTAGE, len(groups))
+    progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
+    progress.expect(Stage.GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
     summaries = (
         await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
@@ -141,7 +137,7 @@ async def pipeline(
     return batch
 
 
-@stage_task(STAGE, run_name="pipeline-step{step}-chunk{chunk}")
+@stage_task(Stage.PIPELINE, run_name="pipeline-step{step}-chunk{chunk}")
 async def pipeline_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
 ) -> PipelineBatch:
@@ -155,5 +151,5 @@ async def pipeline_task(
         temperature=config.grpo.rollout_temperature,
         cfg=config.learning,
         agent=config.rollout.agent_settings(),
-        judge=make_judge(config, domain, VERIFY),
+        judge=make_judge(config, domain, Stage.VERIFY),
     )

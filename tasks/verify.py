@@ -12,11 +12,10 @@ from clgrpo.journal import StageItems, sample_key
 from domains import Domain, VerifyResult, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout
+from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.group_advantage import compute_group_advantages
 from tasks.judge import Judge, make_judge
-
-STAGE = "verify"
 
 
 @dataclass
@@ -61,7 +60,7 @@ def verify(
     by_id = {p.problem_id: p for p in problems}
     judged = grader is not None
     grader = grader or (lambda items: domain.verify_batch([(out, p.answer) for p, out in items]))  # type: ignore
-    done = StageItems(STAGE, Reward)
+    done = StageItems(Stage.VERIFY, Reward)
     graded: dict[tuple[str, int], Reward] = {}
     todo = []
     for r in rollouts:
@@ -113,7 +112,7 @@ def verify(
         else:
             reason = f"rollout failed: {r.error}" if r.error else "no ground truth"
             rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=None, error=reason))
-    progress.advance(STAGE, len(rollouts))
+    progress.advance(Stage.VERIFY, len(rollouts))
     return rewards
 
 
@@ -179,11 +178,13 @@ def warm_verifier(domain_name: str) -> None:
         warm()
 
 
-@stage_task(STAGE, run_name="verify-step{step}-chunk{chunk}")
+@stage_task(Stage.VERIFY, run_name="verify-step{step}-chunk{chunk}")
 async def verify_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout]
 ) -> VerifyBatch:
     domain = get_domain(config.domain)
-    rewards = await grade(problems, rollouts, domain, make_judge(config, domain, STAGE), config.learning.unlabeled)
+    rewards = await grade(
+        problems, rollouts, domain, make_judge(config, domain, Stage.VERIFY), config.learning.unlabeled
+    )
     advantages = compute_group_advantages(problems, rollouts, rewards, use_groundtruth=config.learning.use_groundtruth)
     return VerifyBatch(rewards, advantages)
