@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
@@ -20,11 +21,11 @@ from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
+from tasks.group_advantage import build_groups, extract_group_advantage
 from tasks.judge import Judge, make_judge
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
 from tasks.summarize import SummaryBatch, summarize
-from tasks.verify import grade
+from tasks.verify import compute_group_advantages, grade
 
 
 @dataclass
@@ -68,6 +69,17 @@ class PipelineBatch:
     @classmethod
     def merge(cls, parts: list["PipelineBatch"]) -> "PipelineBatch":
         return cls(**{name: [x for part in parts for x in getattr(part, name)] for name in cls.__dataclass_fields__})
+
+    def outputs(self, stage: Stage) -> dict[str, list[Any]] | None:
+        """One of the four stages' outputs as the flow writes them, table by table (verify's calls, an LLM
+        judge's, come from the work journal); None for the other stages."""
+        tables: dict[Stage, dict[str, list[Any]]] = {
+            Stage.ROLLOUT: {"rollouts": self.rollouts, "llm_calls": self.rollout_calls},
+            Stage.VERIFY: {"rewards": self.rewards, "group_advantages": self.advantages, "llm_calls": []},
+            Stage.SUMMARIZE: {"summaries": self.summaries, "llm_calls": self.summary_calls},
+            Stage.GROUP_ADVANTAGE: {"proposals": self.proposals, "llm_calls": self.proposal_calls},
+        }
+        return tables.get(stage)
 
 
 async def _one_group(
