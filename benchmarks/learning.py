@@ -237,7 +237,7 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     proposed = [r for r in ops if r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge")]
     run.lessons_without_learner = len(first_library) + sum(not r.operation.source_groups for r in proposed)
     for stage, role, t in zip(tokens["stage"], tokens["role"], tokens["t"]):
-        if stage == "validate_lessons":
+        if stage == Stage.VALIDATE_LESSONS:
             run.tokens_validation += int(t)
         elif role == "learner":
             run.tokens_learner += int(t)
