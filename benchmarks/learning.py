@@ -49,7 +49,7 @@ from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
-from schemas.ddl import EVALUATE_STAGE  # noqa: E402
+from schemas.stages import Stage  # noqa: E402
 
 POLICY = QWEN_05B
 LEARNERS = {"same": None, QWEN_15B.fetch_key: QWEN_15B}
@@ -218,7 +218,7 @@ def _evaluated(s: Settings, eval_id: str) -> bool:
     if not (s.out / "learning.duckdb").is_file():
         return False
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        return store.stage_done(eval_id, 0, EVALUATE_STAGE)
+        return store.stage_done(eval_id, 0, Stage.EVALUATE)
 
 
 def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
@@ -237,7 +237,7 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     proposed = [r for r in ops if r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge")]
     run.lessons_without_learner = len(first_library) + sum(not r.operation.source_groups for r in proposed)
     for stage, role, t in zip(tokens["stage"], tokens["role"], tokens["t"]):
-        if stage == "validate_lessons":
+        if stage == Stage.VALIDATE_LESSONS:
             run.tokens_validation += int(t)
         elif role == "learner":
             run.tokens_learner += int(t)

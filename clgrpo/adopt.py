@@ -18,8 +18,8 @@ from pathlib import Path
 
 from clgrpo.library import ExperienceLibrary, LibraryFormatError
 from clgrpo.store import Store, StoreError, parse_library_ref
-from schemas.ddl import ADOPT_STAGE
 from schemas.records import LibraryAdoption, utcnow
+from schemas.stages import Stage
 
 log = logging.getLogger("clgrpo.adopt")
 
@@ -72,7 +72,7 @@ def current(history: list[LibraryAdoption]) -> LibraryAdoption | None:
 
 
 def _record(store: Store, adoption: LibraryAdoption) -> LibraryAdoption:
-    store.write_stage(adoption.name, adoption.seq, ADOPT_STAGE, {"library_adoptions": [adoption]})
+    store.write_stage(adoption.name, adoption.seq, Stage.ADOPT, {"library_adoptions": [adoption]})
     return adoption
 
 

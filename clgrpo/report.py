@@ -24,8 +24,8 @@ from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
 from clgrpo.usefulness import describe
 from schemas.config import RunConfig
-from schemas.ddl import VALIDATE_STAGE
 from schemas.records import EvalComparison, EvalSummary, ExperienceStat, LibraryQuality
+from schemas.stages import Stage
 
 Gain = tuple[int, int, Estimate]  # first validated step, last validated step, paired Mean@k difference
 PLOT_FILES = {"accuracy": "accuracy.png", "library_size": "library_size.png", "cost": "tokens_cost.png"}
@@ -112,7 +112,7 @@ def collect_run(store: Store, run_id: str) -> RunData:
     sizes = _library_sizes(store, run_id)
     ops = store.frame("operations", run_id)
     calls = store.frame("llm_calls", run_id)
-    is_validation = calls["stage"] == VALIDATE_STAGE
+    is_validation = calls["stage"] == Stage.VALIDATE
     train_calls = calls[~is_validation]
     val_calls = calls.assign(tokens=calls["tokens_in"] + calls["tokens_out"])[is_validation]
     steps = sorted(set(accuracy) | set(heldout) | set(sizes))
@@ -162,7 +162,7 @@ def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
     validated = [r.step for r in data.steps if r.heldout_mean is not None]
     if len(validated) < 2:
         return None
-    results = store.frame("eval_results", run_id, stage=VALIDATE_STAGE)
+    results = store.frame("eval_results", run_id, stage=Stage.VALIDATE)
     first, last = validated[0], validated[-1]
     matrices = [
         results[results["step"] == s].pivot(index="problem_id", columns="sample_idx", values="reward")

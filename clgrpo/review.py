@@ -24,7 +24,6 @@ from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary, describe_operation, diff, normalize_text
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.usefulness import describe as describe_stat
-from schemas.ddl import REFRESH_DECIDE_STAGE, REVIEW_DECIDE_STAGE, REVIEW_REQUEST_STAGE
 from schemas.records import (
     Experience,
     ExperienceStat,
@@ -38,6 +37,7 @@ from schemas.records import (
     ReviewRequest,
     utcnow,
 )
+from schemas.stages import Stage
 
 Choice = Literal["approve", "edit", "reject"]
 Check = Callable[[str, Sequence[str]], str | None]  # (text, source groups) -> the guard's refusal, or None
@@ -311,19 +311,19 @@ class ReviewPendingError(StoreError):
 
 
 def stored_request(store: Store, refresh_id: str) -> ReviewRequest | None:
-    found = store.records("review_requests", refresh_id, 0, REVIEW_REQUEST_STAGE)
+    found = store.records("review_requests", refresh_id, 0, Stage.REVIEW_REQUEST)
     return found[0] if found else None
 
 
 def stored_decisions(store: Store, refresh_id: str) -> list[ReviewDecision] | None:
-    if not store.stage_done(refresh_id, 0, REVIEW_DECIDE_STAGE):
+    if not store.stage_done(refresh_id, 0, Stage.REVIEW_DECIDE):
         return None
-    return store.records("review_decisions", refresh_id, 0, REVIEW_DECIDE_STAGE)
+    return store.records("review_decisions", refresh_id, 0, Stage.REVIEW_DECIDE)
 
 
 def is_open(store: Store, request: ReviewRequest) -> bool:
     """Neither answered nor decided (a timed-out review is decided)."""
-    return not store.stage_done(request.refresh_id, 0, REFRESH_DECIDE_STAGE)
+    return not store.stage_done(request.refresh_id, 0, Stage.REFRESH_DECIDE)
 
 
 def library_at(store: Store, ref: str) -> ExperienceLibrary:
@@ -373,7 +373,7 @@ def conclude(
 ) -> RefreshDecision:
     """Store the decisions, promote the baseline plus the adopted changes (if any) and store the refresh's
     decision. Run again with the same decisions, it does the same (the promotion is kept once)."""
-    store.write_stage(request.refresh_id, 0, REVIEW_DECIDE_STAGE, {"review_decisions": list(decisions)})
+    store.write_stage(request.refresh_id, 0, Stage.REVIEW_DECIDE, {"review_decisions": list(decisions)})
     library_ref = None
     if any(d.adopted for d in decisions):
         pending = request.pending
@@ -397,7 +397,7 @@ def conclude(
     decision = _outcome(request, decisions, library_ref)
     if any(d.decision == "timed_out" for d in decisions):
         decision = decision.model_copy(update={"reasons": [*request.pending.reasons, decisions[0].reason]})
-    store.write_stage(request.refresh_id, 0, REFRESH_DECIDE_STAGE, {"refreshes": [decision]})
+    store.write_stage(request.refresh_id, 0, Stage.REFRESH_DECIDE, {"refreshes": [decision]})
     return decision
 
 

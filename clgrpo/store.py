@@ -35,15 +35,7 @@ from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, RunConfig
-from schemas.ddl import (
-    CHECKPOINT_STAGE,
-    EVALUATE_STAGE,
-    REFRESH_DECIDE_STAGE,
-    REFRESH_GATE_STAGE,
-    RUN_TABLES,
-    STAGE_TABLES,
-    create_statements,
-)
+from schemas.ddl import RUN_TABLES, STAGE_TABLES, create_statements
 from schemas.frames import FRAMES
 from schemas.records import (
     AdapterVersion,
@@ -77,6 +69,7 @@ from schemas.records import (
     Turn,
     utcnow,
 )
+from schemas.stages import Stage
 
 
 class StoreError(RuntimeError):
@@ -712,7 +705,7 @@ class Store:
     def steps_done(self, run_id: str) -> int:
         """Training steps whose checkpoint is stored."""
         row = self.con.execute(
-            "SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0", [run_id, CHECKPOINT_STAGE]
+            "SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0", [run_id, Stage.CHECKPOINT]
         ).fetchone()
         return int(_aggregate(row)[0])
 
@@ -753,7 +746,7 @@ class Store:
                               row_number() OVER (PARTITION BY run_id ORDER BY version DESC) AS k
                        FROM library_versions) v ON v.run_id = r.run_id AND v.k = 1
             ORDER BY r.created_at""",
-            [CHECKPOINT_STAGE],
+            [Stage.CHECKPOINT],
         ).df()
 
     @_connected
@@ -778,7 +771,7 @@ class Store:
         rows = self.con.execute(
             "SELECT run_id FROM evaluations WHERE stage = ? AND starts_with(library_ref, ?) "
             "GROUP BY run_id ORDER BY min(created_at)",
-            [EVALUATE_STAGE, f"{run_id}:"],
+            [Stage.EVALUATE, f"{run_id}:"],
         ).fetchall()
         return [r[0] for r in rows]
 
@@ -806,7 +799,7 @@ class Store:
     def refresh_decisions(self, name: str) -> list[RefreshDecision]:
         """Every decided refresh of ``name``, oldest date first."""
         frame = self.con.execute(
-            "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date", [name, REFRESH_DECIDE_STAGE]
+            "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date", [name, Stage.REFRESH_DECIDE]
         ).df()
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS["refreshes"](row) for row in rows]
@@ -817,7 +810,7 @@ class Store:
         frame = self.con.execute(
             "SELECT g.* FROM refresh_gate g JOIN refreshes r ON g.refresh_id = r.refresh_id "
             "WHERE r.name = ? AND r.stage = ? AND g.stage = ? ORDER BY g.refresh_id, g.tag NULLS FIRST",
-            [name, REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE],
+            [name, Stage.REFRESH_DECIDE, Stage.REFRESH_GATE],
         ).df()
         gates: dict[str, list[RefreshGateRow]] = {}
         for row in frame.to_dict(orient="records"):
@@ -841,7 +834,7 @@ class Store:
         row = self.con.execute(
             "SELECT max(w.watermark) FROM refresh_watermarks w JOIN refreshes r ON w.run_id = r.run_id "
             "WHERE r.name = ? AND r.stage = ?",
-            [name, REFRESH_DECIDE_STAGE],
+            [name, Stage.REFRESH_DECIDE],
         ).fetchone()
         return None if row is None or row[0] is None else row[0]
 
@@ -851,7 +844,7 @@ class Store:
         rows = self.con.execute(
             "SELECT DISTINCT j.file, j.line, j.reason FROM refresh_rejects j JOIN refreshes r ON j.run_id = r.run_id "
             "WHERE r.name = ? AND r.stage = ?",
-            [name, REFRESH_DECIDE_STAGE],
+            [name, Stage.REFRESH_DECIDE],
         ).fetchall()
         return {(f, int(line), reason) for f, line, reason in rows}
 

@@ -57,8 +57,8 @@ from clgrpo.runtime import tune_gc
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
-from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
+from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
@@ -323,7 +323,7 @@ async def _evaluate_recorded(
     journal = RunJournal.open(store.path, store.db_id, eval_id)
     step = journal.step(0)
     try:
-        with recording(step, stage=EVALUATE_STAGE, items=False):
+        with recording(step, stage=Stage.EVALUATE, items=False):
             outputs = await evaluate_conditions(
                 config,
                 evaluation,
@@ -337,10 +337,10 @@ async def _evaluate_recorded(
             )
     except BaseException:
         if step.calls():
-            store.write_unfinished(eval_id, 0, EVALUATE_STAGE, {"llm_calls": step.calls()})
+            store.write_unfinished(eval_id, 0, Stage.EVALUATE, {"llm_calls": step.calls()})
         journal.close()
         raise
-    outputs["llm_calls"] = step.all_calls(EVALUATE_STAGE, outputs["llm_calls"])
+    outputs["llm_calls"] = step.all_calls(Stage.EVALUATE, outputs["llm_calls"])
     journal.discard()
     return outputs
 
@@ -469,9 +469,9 @@ def _training_problems(
 
 
 def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | None:
-    if not store.stage_done(eval_id, 0, EVALUATE_STAGE):
+    if not store.stage_done(eval_id, 0, Stage.EVALUATE):
         return None
-    outputs = {t: store.records(t, eval_id, 0, EVALUATE_STAGE) for t in EVAL_TABLES}
+    outputs = {t: store.records(t, eval_id, 0, Stage.EVALUATE) for t in EVAL_TABLES}
     if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
         raise EvaluationError(
             f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
@@ -543,7 +543,7 @@ async def _evaluate(
                     fingerprint=fingerprint,
                     leaked_ids=leakage.eval_ids if leakage else [],
                 )
-                n_rows = store.write_stage(eval_id, 0, EVALUATE_STAGE, outputs)
+                n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs)
                 log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
             else:
                 log.info("evaluation %s: already stored, reading it back", eval_id)

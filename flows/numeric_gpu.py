@@ -28,6 +28,7 @@ from clgrpo.adapters import adapter_dir
 from flows.rollout_gpu import RemoteRolloutError, ensure_completed, start_or_rerun_child
 from schemas.config import RunConfig
 from schemas.records import AdapterVersion, NumericItem
+from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import inputs_hash
 from tasks.numeric_update import train_step
@@ -157,7 +158,7 @@ async def numeric_update_on_pool(
         child = await start_or_rerun_child(
             config, parameters, f"clgrpo-numeric-{key}", deployment=config.hybrid.deployment, placement=config.hybrid
         )
-        ensure_completed(child, "numeric_update", f"hybrid.timeout_s={config.hybrid.timeout_s:g}s")
+        ensure_completed(child, Stage.NUMERIC_UPDATE, f"hybrid.timeout_s={config.hybrid.timeout_s:g}s")
         if not _exists(f"{url}/{RECORD}"):
             raise RemoteRolloutError(
                 f"numeric_update child run {child.name} completed but left nothing at {url}: "

@@ -50,8 +50,8 @@ from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import promote
 from flows.train import train
 from schemas.config import DatasetConfig, RefreshConfig, RunConfig
-from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE, REFRESH_SELECT_STAGE
 from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
+from schemas.stages import Stage
 from tasks.common import artifact_key
 from tasks.preflight import check_refresh
 
@@ -133,9 +133,9 @@ def decision_record(
 
 # --- state in DuckDB --------------------------------------------------------------------------------------
 def stored_decision(store: Store, refresh_id: str) -> RefreshDecision | None:
-    if not store.stage_done(refresh_id, 0, REFRESH_DECIDE_STAGE):
+    if not store.stage_done(refresh_id, 0, Stage.REFRESH_DECIDE):
         return None
-    return store.records("refreshes", refresh_id, 0, REFRESH_DECIDE_STAGE)[0]
+    return store.records("refreshes", refresh_id, 0, Stage.REFRESH_DECIDE)[0]
 
 
 def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, refresh_id: str = "") -> Baseline:
@@ -156,8 +156,8 @@ def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, ref
 
 def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cutoff: datetime) -> list[RefreshInput]:
     """The problems this refresh trains on: read back when already taken, else selected and stored."""
-    if store.stage_done(refresh_id, 0, REFRESH_SELECT_STAGE):
-        return store.records("refresh_inputs", refresh_id, 0, REFRESH_SELECT_STAGE)
+    if store.stage_done(refresh_id, 0, Stage.REFRESH_SELECT):
+        return store.records("refresh_inputs", refresh_id, 0, Stage.REFRESH_SELECT)
     source = config.source
     same_file = source.kind != "directory" and Path(source.path).resolve() == store.path.resolve()
     if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
@@ -172,7 +172,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
             reported=store.reported_rejects(config.name),
             query=store.query if same_file else None,
         )
-        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, taken.stage_rows())
+        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, taken.stage_rows())
         get_run_logger().info(taken.message(cutoff))
         return taken.selection.inputs
     arrivals = read_arrivals(
@@ -186,7 +186,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
         arrivals, store.consumed_problem_keys(config.name), name=config.name, max_problems=config.max_problems
     )
     if selection.inputs:
-        store.write_stage(refresh_id, 0, REFRESH_SELECT_STAGE, {"refresh_inputs": selection.inputs})
+        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, {"refresh_inputs": selection.inputs})
     get_run_logger().info(selection.message(cutoff))
     return selection.inputs
 
@@ -208,9 +208,9 @@ def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None
 # --- files for the subflows --------------------------------------------------------------------------------
 def input_notes(store: Store, refresh_id: str) -> list[str]:
     """What the decision reports about its input beyond the count: a traces source's skipped rows and redactions."""
-    watermarks = store.records("refresh_watermarks", refresh_id, 0, REFRESH_SELECT_STAGE)
+    watermarks = store.records("refresh_watermarks", refresh_id, 0, Stage.REFRESH_SELECT)
     return trace_notes(
-        store.records("refresh_rejects", refresh_id, 0, REFRESH_SELECT_STAGE), watermarks[0] if watermarks else None
+        store.records("refresh_rejects", refresh_id, 0, Stage.REFRESH_SELECT), watermarks[0] if watermarks else None
     )
 
 
@@ -279,7 +279,7 @@ def stored_gate(store: Store, decision: RefreshDecision) -> list[RefreshGateRow]
     """The gate rows of a refresh that evaluated its candidate (none otherwise)."""
     if decision.eval_id is None:
         return []
-    return store.records("refresh_gate", decision.refresh_id, 0, REFRESH_GATE_STAGE)
+    return store.records("refresh_gate", decision.refresh_id, 0, Stage.REFRESH_GATE)
 
 
 async def publish(store: Store, decision: RefreshDecision) -> None:
@@ -317,8 +317,8 @@ async def publish(store: Store, decision: RefreshDecision) -> None:
 
 async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDecision:
     with Store(config.training.db_path) as store:
-        if not store.stage_done(decision.refresh_id, 0, REFRESH_DECIDE_STAGE):  # a concluded review stored it
-            store.write_stage(decision.refresh_id, 0, REFRESH_DECIDE_STAGE, {"refreshes": [decision]})
+        if not store.stage_done(decision.refresh_id, 0, Stage.REFRESH_DECIDE):  # a concluded review stored it
+            store.write_stage(decision.refresh_id, 0, Stage.REFRESH_DECIDE, {"refreshes": [decision]})
         await publish(store, decision)
     log = get_run_logger()
     log.info("refresh %s: %s", decision.refresh_id, decision.status)
@@ -331,7 +331,7 @@ def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) ->
     """The promotion gate over the evaluation's comparisons, stored as its own stage before the decision."""
     gate = promotion_gate(refresh_id, outcome.comparisons, config)
     with Store(config.training.db_path) as store:
-        store.write_stage(refresh_id, 0, REFRESH_GATE_STAGE, {"refresh_gate": gate.rows})
+        store.write_stage(refresh_id, 0, Stage.REFRESH_GATE, {"refresh_gate": gate.rows})
     return gate
 
 

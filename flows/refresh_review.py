@@ -40,8 +40,8 @@ from clgrpo.review import (
 from clgrpo.store import Store
 from domains.guard import LessonGuard
 from schemas.config import RefreshConfig
-from schemas.ddl import REVIEW_REQUEST_STAGE
 from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewRequest, utcnow
+from schemas.stages import Stage
 from tasks.common import artifact_key
 
 
@@ -83,7 +83,7 @@ def open_request(
         config_json=config.model_dump_json(),
         created_at=now,
     )
-    store.write_stage(pending.refresh_id, 0, REVIEW_REQUEST_STAGE, {"review_requests": [request]})
+    store.write_stage(pending.refresh_id, 0, Stage.REVIEW_REQUEST, {"review_requests": [request]})
     return request
 
 

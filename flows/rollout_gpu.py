@@ -34,6 +34,7 @@ from prefect.states import Cancelling, Scheduled
 from clgrpo import stopping
 from schemas.config import HybridConfig, RolloutPlacement, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
+from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import inputs_hash
 from tasks.rollout import RolloutBatch, rollout_task
@@ -132,7 +133,7 @@ async def rollout_on_pool(
         child = await start_or_rerun_child(
             config, parameters, f"clgrpo-rollout-{key}", rerun_completed=_exists(failed_marker(url))
         )
-        ensure_completed(child, "rollout", f"rollout.timeout_s={config.rollout.timeout_s:g}s")
+        ensure_completed(child, Stage.ROLLOUT, f"rollout.timeout_s={config.rollout.timeout_s:g}s")
         found = read_handoff(url)
         if found is None:
             raise RemoteRolloutError(
@@ -154,7 +155,7 @@ async def rollout_on_pool(
     return batch
 
 
-def ensure_completed(child: FlowRun, stage: str, limit: str) -> None:
+def ensure_completed(child: FlowRun, stage: Stage, limit: str) -> None:
     """Raise ``RemoteRolloutError`` unless the child run ended Completed (``limit``: the wait it was given)."""
     if child.state is None or not child.state.is_final():
         raise RemoteRolloutError(

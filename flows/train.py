@@ -1,4 +1,8 @@
-"""The training flow: epochs x batches of steps, each step the eight stages.
+"""The training flow: epochs x batches of steps, each step the stages ``STEP`` lists, then its checkpoint.
+
+``STEP`` is the step as data, read top to bottom: each stage, the function that computes it, the tables it
+writes, the ``StepState`` fields they fill for the later stages, its progress bar's items and whether the config
+runs it. ``Trainer.run_step`` walks it; the checkpoint (``tasks.checkpoint``) closes the step.
 
 The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's output is written in
 one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
@@ -23,9 +27,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
-    acreate_markdown_artifact,
     acreate_progress_artifact,
-    acreate_table_artifact,
     aupdate_progress_artifact,
 )
 
@@ -36,7 +38,6 @@ from clgrpo.journal import RunJournal, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
 from clgrpo.llm.local import release_engines
-from clgrpo.quality import describe_quality, library_quality
 from clgrpo.retrieval import route_library
 from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
@@ -45,52 +46,35 @@ from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from domains.guard import LessonGuard
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
-from schemas.config import AgentConfig, RunConfig
-from schemas.ddl import VALIDATE_STAGE
+from schemas.config import RunConfig
 from schemas.records import (
     AdapterVersion,
     ExperienceStat,
     GroupAdvantage,
+    LessonTrial,
     LibraryVersion,
     Operation,
     Problem,
     Proposal,
+    Reward,
     Rollout,
+    Summary,
 )
-from tasks.apply_operations import STAGE as APPLY
+from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, near_duplicates_for
-from tasks.checkpoint import (
-    STAGE as CHECKPOINT,
-)
-from tasks.checkpoint import (
-    StepReport,
-    checkpoint_task,
-    export_dir,
-    export_library,
-    library_table,
-    operations_markdown,
-    step_report,
-)
+from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export_dir, export_library, step_report
 from tasks.common import artifact_key, chunks
 from tasks.consolidate import FINAL, consolidate_task, consolidation_calls
-from tasks.consolidate import STAGE as CONSOLIDATE
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
 from tasks.group_advantage import group_advantage_task
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
-from tasks.limits import limit_plan, limit_proposals, plan_bound, rejected_results
-from tasks.load_dataset import STAGE as LOAD
+from tasks.limits import Limited, limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import load_dataset_task
-from tasks.numeric_update import STAGE as NUMERIC_UPDATE
 from tasks.numeric_update import numeric_inputs, numeric_update_task
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
-from tasks.rollout import STAGE as ROLLOUT
 from tasks.rollout import rollout_task
-from tasks.summarize import STAGE as SUMMARIZE
 from tasks.summarize import summarize_task
-from tasks.validate_lessons import STAGE as VALIDATE_LESSONS
 from tasks.validate_lessons import plan_after, validate_lessons_task
-from tasks.verify import STAGE as VERIFY
 from tasks.verify import verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -130,59 +114,370 @@ def plan_steps(
     return steps[:max_steps]
 
 
+# --- one step, as data ---------------------------------------------------------------------------------------
+@dataclass
+class StepState:
+    """What one step knows, filled stage by stage: each stage's tables, computed or read back from the store,
+    land in the fields its ``StepStage.keep`` names, and later stages read them from here."""
+
+    cfg: RunConfig
+    step: int
+    problems: list[Problem]
+    library: ExperienceLibrary  # before the step
+    version: LibraryVersion  # what each prompt shows (``clgrpo.retrieval``)
+    sampling: RunConfig  # what rollouts sample with: the config, or with hybrid learning the latest adapter
+    pipelined: PipelineBatch | None = None  # rollout .. group advantage, computed group by group, to store
+    rollouts: list[Rollout] = field(default_factory=list)
+    rewards: list[Reward] = field(default_factory=list)
+    advantages: list[GroupAdvantage] = field(default_factory=list)  # numeric, per group: verify's second output
+    adapters: list[AdapterVersion] = field(default_factory=list)
+    summaries: list[Summary] = field(default_factory=list)
+    proposals: list[Proposal] = field(default_factory=list)  # the semantic group advantage
+    plans: list[Proposal] = field(default_factory=list)  # the consolidation's
+    trials: list[LessonTrial] = field(default_factory=list)
+    applied: LibraryVersion | None = None  # the library after apply_operations, saved before its rows
+
+    @property
+    def rollout_chunks(self) -> list[list[Problem]]:
+        return chunks(self.problems, self.cfg.grpo.rollout_chunk_size)
+
+    @property
+    def selected_ids(self) -> list[str]:
+        """The groups with a learning signal, in group order."""
+        return [a.problem_id for a in self.advantages if a.selected]
+
+    def chunk_inputs(self, ids: list[str]) -> dict[str, Any]:
+        """The problems, rollouts, rewards and advantages of the groups ``ids``, for a learner task."""
+        wanted = set(ids)
+        return dict(
+            problems=[p for p in self.problems if p.problem_id in wanted],
+            rollouts=[r for r in self.rollouts if r.problem_id in wanted],
+            rewards=[r for r in self.rewards if r.problem_id in wanted],
+            advantages=[a for a in self.advantages if a.problem_id in wanted],
+        )
+
+    @property
+    def limited(self) -> tuple[list[Proposal], list[tuple[Operation, str]]]:
+        """The group proposals within ``learning.max_ops_per_group``, and the operations over it."""
+        return limit_proposals(self.proposals, self.cfg.learning)
+
+    @property
+    def plan(self) -> Limited:
+        """The consolidation's final plan within its bound and ``learning.max_ops_per_step``."""
+        final_ops = next((p.operations for p in self.plans if p.group_id == FINAL), [])
+        bound = plan_bound(self.limited[0], len(self.library))
+        return limit_plan(final_ops, bound=bound, cfg=self.cfg.learning)
+
+    @property
+    def validated(self) -> tuple[list[Operation], list[tuple[Operation, str]]]:
+        """The plan after lesson validation (off: the plan as it is), and what it rejected with the reasons."""
+        if not self.cfg.learning.lesson_validation.enabled:
+            return self.plan.operations, []
+        return plan_after(self.trials)
+
+
+async def compute_rollout(t: Trainer, s: StepState) -> Outputs:
+    """G samples per problem, in chunks (``tasks.rollout``; ``rollout.placement: pool``: on the GPU pool)."""
+    run_chunk = rollout_task
+    if s.cfg.rollout.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+        from flows.rollout_gpu import rollout_on_pool
+
+        run_chunk = partial(rollout_on_pool, db_id=t.store.db_id)
+    parts = await asyncio.gather(
+        *[run_chunk(s.sampling, s.step, i, c, s.version) for i, c in enumerate(s.rollout_chunks)]
+    )
+    return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
+
+
+async def compute_verify(t: Trainer, s: StepState) -> Outputs:
+    """Rewards, and from them the numeric group advantage of every group, (r - mean) / std over its graded
+    samples (``tasks.verify``: ``numeric_group_advantages``): verify's two tables."""
+    parts = await asyncio.gather(
+        *[
+            verify_task(s.cfg, s.step, i, c, [r for r in s.rollouts if r.problem_id in {p.problem_id for p in c}])
+            for i, c in enumerate(s.rollout_chunks)
+        ]
+    )
+    return {
+        "rewards": [r for p in parts for r in p.rewards],
+        "group_advantages": [a for p in parts for a in p.advantages],
+        "llm_calls": [],  # an LLM judge's calls, from the work journal
+    }
+
+
+async def compute_numeric_update(t: Trainer, s: StepState) -> Outputs:
+    """Hybrid learning's numeric GRPO step on the step's stored completions (``tasks.numeric_update``): in this
+    process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
+    inputs = numeric_inputs(s.cfg, s.problems, s.rollouts, s.advantages, s.version)
+    run = numeric_update_task
+    if s.cfg.hybrid.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+        from flows.numeric_gpu import numeric_update_on_pool
+
+        run = partial(numeric_update_on_pool, db_id=t.store.db_id)
+    parent = t.parent_adapter(s.step)
+    record = await run(s.cfg, s.step, inputs.items, inputs.skipped, parent, s.version.version, str(export_dir(s.cfg)))
+    return {"adapters": [record]}
+
+
+async def compute_summarize(t: Trainer, s: StepState) -> Outputs:
+    """A summary of each usable rollout of the selected groups (``tasks.summarize``)."""
+    parts = await asyncio.gather(
+        *[
+            summarize_task(s.cfg, s.step, i, library=s.version, **s.chunk_inputs(ids))
+            for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
+        ]
+    )
+    return {"summaries": [x for p in parts for x in p.summaries], "llm_calls": [c for p in parts for c in p.calls]}
+
+
+async def compute_group_advantage(t: Trainer, s: StepState) -> Outputs:
+    """The learner's proposal for each selected group (``tasks.group_advantage``)."""
+    parts = await asyncio.gather(
+        *[
+            group_advantage_task(
+                s.cfg,
+                s.step,
+                i,
+                library=s.version,
+                summaries=[x for x in s.summaries if x.problem_id in set(ids)],
+                **s.chunk_inputs(ids),
+            )
+            for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
+        ]
+    )
+    return {"proposals": [x for p in parts for x in p.proposals], "llm_calls": [c for p in parts for c in p.calls]}
+
+
+async def compute_consolidate(t: Trainer, s: StepState) -> Outputs:
+    """One plan from the group proposals (``tasks.consolidate``)."""
+    result = await consolidate_task(s.cfg, s.step, s.limited[0], s.version)
+    if result.failed:
+        t.log.warning("step %d: consolidation reply unusable after repair; no operations this step", s.step)
+    return {"proposals": result.plans, "llm_calls": result.calls}
+
+
+async def compute_validate_lessons(t: Trainer, s: StepState) -> Outputs:
+    """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
+    result = await validate_lessons_task(s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages)
+    return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
+
+
+async def compute_apply_operations(t: Trainer, s: StepState) -> Outputs:
+    """The validated plan applied to the library (``tasks.apply_operations``); what is over a learning limit or
+    failed its trial is stored as rejected."""
+    operations, failed_trials = s.validated
+    near = await near_duplicates_for(s.cfg, t.store, ExperienceLibrary.from_version(s.version), operations)
+    usefulness = (  # what the token budget evicts by
+        {x.exp_id: x for x in t.experience_stats(s.step, [e.id for e in s.library])}
+        if s.cfg.library.max_tokens is not None
+        else None
+    )
+    applied = apply_operations_task(s.cfg, s.step, s.version, operations, s.problems, near, usefulness)
+    s.applied = applied.library
+    if over_limits := s.limited[1] + s.plan.over:
+        t.log.warning(
+            "step %d: %d operations over the learning limits rejected (first: %s)",
+            s.step,
+            len(over_limits),
+            over_limits[0][1],
+        )
+    return {"operations": applied.results + rejected_results(over_limits + failed_trials, len(applied.results))}
+
+
+def save_applied_library(t: Trainer, s: StepState) -> None:
+    assert s.applied is not None  # compute_apply_operations set it
+    t.store.save_library(t.run_id, ExperienceLibrary.from_version(s.applied))
+
+
+def log_numeric_update(t: Trainer, s: StepState) -> None:
+    record = s.adapters[0]
+    t.log.info(
+        "step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
+        "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s",
+        s.step,
+        record.rows_used,
+        record.rows_skipped,
+        _num(record.loss_before),
+        _num(record.loss_after),
+        _num(record.logprob_change_pos),
+        _num(record.logprob_change_neg),
+        record.seconds,
+        record.device,
+        record.path,
+    )
+
+
+def log_lesson_validation(t: Trainer, s: StepState) -> None:
+    t.log.info(
+        "step %d lesson validation: %d candidate lessons kept, %d rejected (clgrpo library ops %s:%d "
+        "lists each with its numbers)%s",
+        s.step,
+        sum(x.verdict == "kept" for x in s.trials),
+        sum(x.verdict == "rejected" for x in s.trials),
+        t.run_id,
+        s.step,
+        "".join(f"; {x.reason}" for x in s.trials if x.verdict == "kept"),
+    )
+
+
+def _always(cfg: RunConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class StepStage:
+    """One stage of a step: ``compute`` runs only when the stage is neither stored (then its tables are read back)
+    nor computed by the pipeline; ``tables``: what it writes, in one transaction; ``keep``: the StepState field
+    each table fills; ``expect``: the items and unit of its progress bar; ``when``: whether the config runs it;
+    ``before_write`` and ``after``: what happens just before its rows are written, and once it is stored or read
+    back."""
+
+    stage: Stage
+    compute: Callable[[Trainer, StepState], Awaitable[Outputs]]
+    tables: tuple[str, ...]
+    keep: dict[str, str] = field(default_factory=dict)
+    expect: Callable[[StepState], tuple[int, str]] | None = None
+    when: Callable[[RunConfig], bool] = _always
+    before_write: Callable[[Trainer, StepState], None] | None = None
+    after: Callable[[Trainer, StepState], None] | None = None
+
+
+def _summaries_expected(s: StepState) -> tuple[int, str]:
+    selected = set(s.selected_ids)
+    n = sum(r.error is None and r.problem_id in selected for r in s.rollouts) if s.cfg.learning.summarize else 0
+    return n, "summaries"
+
+
+# The training step, top to bottom (then the checkpoint, ``tasks.checkpoint``: a step is done when it is stored).
+STEP: tuple[StepStage, ...] = (
+    StepStage(
+        Stage.ROLLOUT,
+        compute_rollout,
+        ("rollouts", "llm_calls"),
+        keep={"rollouts": "rollouts"},
+        expect=lambda s: (len(s.problems) * s.cfg.grpo.group_size, "samples"),
+    ),
+    StepStage(
+        Stage.VERIFY,
+        compute_verify,
+        ("rewards", "group_advantages", "llm_calls"),
+        keep={"rewards": "rewards", "group_advantages": "advantages"},
+        expect=lambda s: (len(s.rollouts), "samples"),
+    ),
+    StepStage(
+        Stage.NUMERIC_UPDATE,
+        compute_numeric_update,
+        ("adapters",),
+        keep={"adapters": "adapters"},
+        when=lambda cfg: cfg.hybrid.enabled,
+        after=log_numeric_update,
+    ),
+    StepStage(
+        Stage.SUMMARIZE,
+        compute_summarize,
+        ("summaries", "llm_calls"),
+        keep={"summaries": "summaries"},
+        expect=_summaries_expected,
+    ),
+    StepStage(
+        Stage.GROUP_ADVANTAGE,
+        compute_group_advantage,
+        ("proposals", "llm_calls"),
+        keep={"proposals": "proposals"},
+        expect=lambda s: (len(s.selected_ids), "groups"),
+    ),
+    StepStage(
+        Stage.CONSOLIDATE,
+        compute_consolidate,
+        ("proposals", "llm_calls"),
+        keep={"proposals": "plans"},
+        expect=lambda s: (
+            consolidation_calls(sum(bool(p.operations) for p in s.limited[0]), s.cfg.learning),
+            "learner calls",
+        ),
+    ),
+    StepStage(
+        Stage.VALIDATE_LESSONS,
+        compute_validate_lessons,
+        ("lesson_trials", "trial_samples", "llm_calls"),
+        keep={"lesson_trials": "trials"},
+        when=lambda cfg: cfg.learning.lesson_validation.enabled,
+        after=log_lesson_validation,
+    ),
+    StepStage(
+        Stage.APPLY_OPERATIONS,
+        compute_apply_operations,
+        ("operations",),
+        before_write=save_applied_library,
+    ),
+)
+# rollout -> group advantage group by group (``tasks.pipeline``): these stages' progress bars while it runs
+PIPELINED: tuple[Stage, ...] = (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE)
+STEP_STAGES: dict[Stage, StepStage] = {spec.stage: spec for spec in STEP}
+
+
 class Trainer:
     def __init__(self, config: RunConfig, store: Store) -> None:
         self.cfg = config
         self.store = store
         self.run_id = config.run_id
         self.log = get_run_logger()
-        self.precomputed: dict[tuple[int, str], Outputs] = {}  # stage outputs the pipeline produced, to write
         self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
     async def stage(
         self,
         step: int,
-        name: str,
+        name: Stage,
         compute: Callable[[], Awaitable[Outputs]],
         tables: Sequence[str],
-        before_write: Callable[[Outputs], None] | None = None,
-        expect: tuple[int, str] | None = None,
+        before_write: Callable[[], None] | None = None,
+        expect: Callable[[], tuple[int, str]] | None = None,
+        computed: Outputs | None = None,
     ) -> Outputs:
-        """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar).
+        """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar);
+        ``computed``: the outputs when the pipeline computed them already (then they are only checked and written).
         The computation's calls and finished items go to the step's work journal as they happen; the stage is
         stored only if its failed items are within tolerance (else ``StageFailedError``)."""
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
         stopping.note_stage(f"step {step} {name}" if step else name)
-        outputs = self.precomputed.pop((step, name), None)
-        if outputs is None:
-            self.check_budget(step, name)
-            if expect:
-                progress.start(step, name, *expect)
-            try:
-                with recording(self.journal.step(step), stage=name, items=name != VALIDATE_STAGE):
-                    outputs = await compute()
-            except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
-                self.keep_calls(step, name)
-                raise StageFailedError(
-                    f"step {step} {name}: a learner call failed after its retries: {exc}. "
-                    f"Fix the cause, then Retry the flow run (Prefect UI) or rerun with "
-                    f"--run-id {self.run_id}: finished items are not redone."
-                ) from exc
-            finally:
-                progress.finish(name)
+        outputs = computed if computed is not None else await self.compute_fresh(step, name, compute, expect)
         if "llm_calls" in outputs:
             outputs["llm_calls"] = self.journal.step(step).all_calls(name, outputs["llm_calls"])
         self.check_failures(step, name, outputs)
         if before_write:
-            before_write(outputs)
+            before_write()
         self.store.write_stage(self.run_id, step, name, outputs)
         self.log.info("step %d %s: stored %s", step, name, describe_rows(outputs))
         return outputs
 
-    def check_failures(self, step: int, name: str, outputs: Outputs) -> None:
+    async def compute_fresh(
+        self,
+        step: int,
+        name: Stage,
+        compute: Callable[[], Awaitable[Outputs]],
+        expect: Callable[[], tuple[int, str]] | None,
+    ) -> Outputs:
+        """A stage's computation, within the budget, recorded in the step's work journal, with its progress bar."""
+        self.check_budget(step, name)
+        if expect:
+            progress.start(step, name, *expect())
+        try:
+            with recording(self.journal.step(step), stage=name, items=name.journals_items):
+                return await compute()
+        except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
+            self.keep_calls(step, name)
+            raise StageFailedError(
+                f"step {step} {name}: a learner call failed after its retries: {exc}. "
+                f"Fix the cause, then Retry the flow run (Prefect UI) or rerun with "
+                f"--run-id {self.run_id}: finished items are not redone."
+            ) from exc
+        finally:
+            progress.finish(name)
+
+    def check_failures(self, step: int, name: Stage, outputs: Outputs) -> None:
         """The integrity rule: over tolerance, keep the calls and fail; under it, warn (and count)."""
         items = failed_items(name, outputs)
         if items is None or items.failed == 0:
@@ -226,7 +521,7 @@ class Trainer:
         async def compute() -> Outputs:
             return {"problems": load_dataset_task(self.cfg, _source_digest(self.cfg))}
 
-        return (await self.stage(0, LOAD, compute, ["problems"]))["problems"]
+        return (await self.stage(0, Stage.LOAD_DATASET, compute, ["problems"]))["problems"]
 
     def initial_library(self) -> ExperienceLibrary:
         if self.store.library_versions(self.run_id):
@@ -250,155 +545,32 @@ class Trainer:
                 "; ".join(f"{i}: {r}" for i, r in flagged[:10]),
             )
 
-    # --- one step -------------------------------------------------------------------------------------
+    # --- one step: the stages of STEP in order ------------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
-        step, cfg, problems = planned.step, self.cfg, planned.problems
-        version = (await route_library(cfg, self.store, library, problems)).to_version()  # what each prompt shows
-        rollout_chunks = chunks(problems, cfg.grpo.rollout_chunk_size)
-
-        run_chunk = rollout_task
-        if cfg.rollout.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
-            from flows.rollout_gpu import rollout_on_pool
-
-            run_chunk = partial(rollout_on_pool, db_id=self.store.db_id)
-        sampling = self.sampling_config(step)  # the config, or with hybrid learning the latest adapter on the policy
-        await self.pipeline(step, rollout_chunks, version, sampling)
-
-        async def do_rollout() -> Outputs:
-            parts = await asyncio.gather(
-                *[run_chunk(sampling, step, i, c, version) for i, c in enumerate(rollout_chunks)]
-            )
-            return {
-                "rollouts": [r for p in parts for r in p.rollouts],
-                "llm_calls": [c for p in parts for c in p.calls],
-            }
-
-        samples = (len(problems) * cfg.grpo.group_size, "samples")
-        rollouts = (await self.stage(step, ROLLOUT, do_rollout, ["rollouts", "llm_calls"], expect=samples))["rollouts"]
-
-        async def do_verify() -> Outputs:
-            parts = await asyncio.gather(
-                *[
-                    verify_task(cfg, step, i, c, [r for r in rollouts if r.problem_id in {p.problem_id for p in c}])
-                    for i, c in enumerate(rollout_chunks)
-                ]
-            )
-            return {
-                "rewards": [r for p in parts for r in p.rewards],
-                "group_advantages": [a for p in parts for a in p.advantages],
-                "llm_calls": [],
-            }  # an LLM judge's calls, from the work journal
-
-        verified = await self.stage(
-            step, VERIFY, do_verify, ["rewards", "group_advantages", "llm_calls"], expect=(len(rollouts), "samples")
-        )
-        rewards, advantages = verified["rewards"], verified["group_advantages"]
-        if cfg.hybrid.enabled:
-            await self.numeric_update(step, problems, rollouts, advantages, version)
-        selected_ids = [a.problem_id for a in advantages if a.selected]
-        group_chunks = chunks(selected_ids, cfg.learning.summarize_chunk_size)
-
-        def chunk_inputs(ids: list[str]) -> dict[str, Any]:
-            wanted = set(ids)
-            return dict(
-                problems=[p for p in problems if p.problem_id in wanted],
-                rollouts=[r for r in rollouts if r.problem_id in wanted],
-                rewards=[r for r in rewards if r.problem_id in wanted],
-                advantages=[a for a in advantages if a.problem_id in wanted],
-            )
-
-        async def do_summarize() -> Outputs:
-            parts = await asyncio.gather(
-                *[
-                    summarize_task(cfg, step, i, library=version, **chunk_inputs(ids))
-                    for i, ids in enumerate(group_chunks)
-                ]
-            )
-            return {
-                "summaries": [s for p in parts for s in p.summaries],
-                "llm_calls": [c for p in parts for c in p.calls],
-            }
-
-        to_summarize = (
-            sum(r.error is None and r.problem_id in set(selected_ids) for r in rollouts)
-            if cfg.learning.summarize
-            else 0
-        )
-        summaries = (
-            await self.stage(
-                step, SUMMARIZE, do_summarize, ["summaries", "llm_calls"], expect=(to_summarize, "summaries")
-            )
-        )["summaries"]
-
-        async def do_extract() -> Outputs:
-            parts = await asyncio.gather(
-                *[
-                    group_advantage_task(
-                        cfg,
-                        step,
-                        i,
-                        library=version,
-                        summaries=[s for s in summaries if s.problem_id in set(ids)],
-                        **chunk_inputs(ids),
-                    )
-                    for i, ids in enumerate(group_chunks)
-                ]
-            )
-            return {
-                "proposals": [p for part in parts for p in part.proposals],
-                "llm_calls": [c for part in parts for c in part.calls],
-            }
-
-        proposals = (
-            await self.stage(
-                step, GROUP_ADVANTAGE, do_extract, ["proposals", "llm_calls"], expect=(len(selected_ids), "groups")
-            )
-        )["proposals"]
-
-        limited_proposals, over_group = limit_proposals(proposals, cfg.learning)
-
-        async def do_consolidate() -> Outputs:
-            result = await consolidate_task(cfg, step, limited_proposals, version)
-            if result.failed:
-                self.log.warning("step %d: consolidation reply unusable after repair; no operations this step", step)
-            return {"proposals": result.plans, "llm_calls": result.calls}
-
-        calls = consolidation_calls(sum(bool(p.operations) for p in limited_proposals), cfg.learning)
-        plans: list[Proposal] = (
-            await self.stage(
-                step, CONSOLIDATE, do_consolidate, ["proposals", "llm_calls"], expect=(calls, "learner calls")
-            )
-        )["proposals"]
-        final_ops = next((p.operations for p in plans if p.group_id == FINAL), [])
-        plan = limit_plan(final_ops, bound=plan_bound(limited_proposals, len(library)), cfg=cfg.learning)
-        operations, failed_trials = await self.validated(step, version, plan.operations, problems, advantages)
-
-        applied_version: list[LibraryVersion] = []
-
-        async def do_apply() -> Outputs:
-            near = await near_duplicates_for(cfg, self.store, ExperienceLibrary.from_version(version), operations)
-            usefulness = (
-                {s.exp_id: s for s in self.experience_stats(step, [e.id for e in library])}
-                if cfg.library.max_tokens is not None
-                else None
-            )  # what the token budget evicts by
-            applied = apply_operations_task(cfg, step, version, operations, problems, near, usefulness)
-            applied_version.append(applied.library)
-            if over_limits := over_group + plan.over:
-                self.log.warning(
-                    "step %d: %d operations over the learning limits rejected (first: %s)",
-                    step,
-                    len(over_limits),
-                    over_limits[0][1],
-                )
-            over = rejected_results(over_limits + failed_trials, first_seq=len(applied.results))
-            return {"operations": applied.results + over}
-
-        def save_version(_: Outputs) -> None:
-            self.store.save_library(self.run_id, ExperienceLibrary.from_version(applied_version[0]))
-
-        await self.stage(step, APPLY, do_apply, ["operations"], before_write=save_version)
+        step, problems = planned.step, planned.problems
+        version = (await route_library(self.cfg, self.store, library, problems)).to_version()
+        state = StepState(self.cfg, step, problems, library, version, sampling=self.sampling_config(step))
+        state.pipelined = await self.pipeline(state)
+        for spec in STEP:
+            if spec.when(self.cfg):
+                await self.run_stage(spec, state)
         return self.store.load_library(self.run_id, step)
+
+    async def run_stage(self, spec: StepStage, state: StepState) -> None:
+        """One stage of the step through the stage protocol; its tables fill ``state`` for the next stages."""
+        outputs = await self.stage(
+            state.step,
+            spec.stage,
+            partial(spec.compute, self, state),
+            spec.tables,
+            before_write=partial(spec.before_write, self, state) if spec.before_write else None,
+            expect=partial(spec.expect, state) if spec.expect else None,
+            computed=state.pipelined.outputs(spec.stage) if state.pipelined else None,
+        )
+        for table, name in spec.keep.items():
+            setattr(state, name, outputs[table])
+        if spec.after:
+            spec.after(self, state)
 
     async def numeric_update(
         self,
@@ -408,44 +580,13 @@ class Trainer:
         advantages: list[GroupAdvantage],
         version: LibraryVersion,
     ) -> AdapterVersion:
-        """Hybrid learning's numeric GRPO step on this step's stored completions (``tasks.numeric_update``):
-        in this process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
-        cfg = self.cfg
-
-        async def do_update() -> Outputs:
-            inputs = numeric_inputs(cfg, problems, rollouts, advantages, version)
-            run = numeric_update_task
-            if cfg.hybrid.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
-                from flows.numeric_gpu import numeric_update_on_pool
-
-                run = partial(numeric_update_on_pool, db_id=self.store.db_id)
-            record = await run(
-                cfg,
-                step,
-                inputs.items,
-                inputs.skipped,
-                self.parent_adapter(step),
-                version.version,
-                str(export_dir(cfg)),
-            )
-            return {"adapters": [record]}
-
-        record = (await self.stage(step, NUMERIC_UPDATE, do_update, ["adapters"]))["adapters"][0]
-        self.log.info(
-            "step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
-            "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s",
-            step,
-            record.rows_used,
-            record.rows_skipped,
-            _num(record.loss_before),
-            _num(record.loss_after),
-            _num(record.logprob_change_pos),
-            _num(record.logprob_change_neg),
-            record.seconds,
-            record.device,
-            record.path,
+        """The step's numeric_update stage alone, on stored completions (the stage as the step runs it)."""
+        library = ExperienceLibrary.from_version(version)
+        state = StepState(
+            self.cfg, step, problems, library, version, self.cfg, rollouts=rollouts, advantages=advantages
         )
-        return record
+        await self.run_stage(STEP_STAGES[Stage.NUMERIC_UPDATE], state)
+        return state.adapters[0]
 
     def sampling_config(self, step: int) -> RunConfig:
         """What the step's rollouts sample with: with ``hybrid.rollout_adapter``, the policy carrying the
@@ -470,83 +611,42 @@ class Trainer:
         )
         return str(earlier["path"][0]) if len(earlier) else self.cfg.policy.adapter
 
-    async def validated(
-        self,
-        step: int,
-        version: LibraryVersion,
-        plan: list[Operation],
-        problems: list[Problem],
-        advantages: list[GroupAdvantage],
-    ) -> tuple[list[Operation], list[tuple[Operation, str]]]:
-        """The plan after lesson validation (``learning.lesson_validation``; off: the plan as it is), and the
-        operations it rejected with their reasons."""
-        if not self.cfg.learning.lesson_validation.enabled:
-            return plan, []
-
-        async def do_validate() -> Outputs:
-            result = await validate_lessons_task(self.cfg, step, version, plan, problems, advantages)
-            return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
-
-        trials = (
-            await self.stage(step, VALIDATE_LESSONS, do_validate, ["lesson_trials", "trial_samples", "llm_calls"])
-        )["lesson_trials"]
-        kept = sum(t.verdict == "kept" for t in trials)
-        rejected = sum(t.verdict == "rejected" for t in trials)
-        self.log.info(
-            "step %d lesson validation: %d candidate lessons kept, %d rejected (clgrpo library ops %s:%d "
-            "lists each with its numbers)%s",
-            step,
-            kept,
-            rejected,
-            self.run_id,
-            step,
-            "".join(f"; {t.reason}" for t in trials if t.verdict == "kept"),
-        )
-        return plan_after(trials)
-
-    async def pipeline(
-        self, step: int, rollout_chunks: list[list[Problem]], version: LibraryVersion, sampling: RunConfig
-    ) -> None:
-        """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier) and
-        leave the four stages' outputs for ``stage`` to write, in order and one transaction each. Off, with
-        rollouts on the GPU pool, or when any of the four is already stored (resume): stage by stage."""
-        names = (ROLLOUT, VERIFY, SUMMARIZE, GROUP_ADVANTAGE)
+    async def pipeline(self, state: StepState) -> PipelineBatch | None:
+        """Run rollout -> verify -> summarize -> group advantage group by group (no batch-wide barrier); the four
+        stages' outputs, for ``run_stage`` to write in order, one transaction each. Off, with rollouts on the GPU
+        pool, or when any of the four is already stored (resume): None, and the step goes stage by stage."""
+        step = state.step
         if (
             not self.cfg.pipeline
             or self.cfg.rollout.placement == "pool"
-            or any(self.store.stage_done(self.run_id, step, n) for n in names)
+            or any(self.store.stage_done(self.run_id, step, n) for n in PIPELINED)
         ):
-            return
-        self.check_budget(step, ROLLOUT)
+            return None
+        self.check_budget(step, Stage.ROLLOUT)
         stopping.note_stage(f"step {step} rollout (pipelined with verify, summarize, group_advantage)")
-        samples = sum(len(c) for c in rollout_chunks) * self.cfg.grpo.group_size
+        samples = len(state.problems) * self.cfg.grpo.group_size
         for name, total, unit in (
-            (ROLLOUT, samples, "samples"),
-            (VERIFY, samples, "samples"),
-            (SUMMARIZE, 0, "summaries"),
-            (GROUP_ADVANTAGE, 0, "groups"),
+            (Stage.ROLLOUT, samples, "samples"),
+            (Stage.VERIFY, samples, "samples"),
+            (Stage.SUMMARIZE, 0, "summaries"),
+            (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
         try:
             with recording(self.journal.step(step)):
                 parts = await asyncio.gather(
-                    *[pipeline_task(sampling, step, i, c, version) for i, c in enumerate(rollout_chunks)]
+                    *[
+                        pipeline_task(state.sampling, step, i, c, state.version)
+                        for i, c in enumerate(state.rollout_chunks)
+                    ]
                 )
         finally:
-            for name in names:
+            for name in PIPELINED:
                 progress.finish(name)
-        merged = PipelineBatch.merge(parts)
-        self.precomputed.update(
-            {
-                (step, ROLLOUT): {"rollouts": merged.rollouts, "llm_calls": merged.rollout_calls},
-                (step, VERIFY): {"rewards": merged.rewards, "group_advantages": merged.advantages, "llm_calls": []},
-                (step, SUMMARIZE): {"summaries": merged.summaries, "llm_calls": merged.summary_calls},
-                (step, GROUP_ADVANTAGE): {"proposals": merged.proposals, "llm_calls": merged.proposal_calls},
-            }
-        )
+        return PipelineBatch.merge(parts)
 
     # --- the budget -------------------------------------------------------------------------------------
-    def check_budget(self, step: int, name: str) -> None:
+    def check_budget(self, step: int, name: Stage) -> None:
         """Before a stage: stop if the recorded calls of this run reached ``budget.max_tokens`` or ``max_usd``."""
         budget = self.cfg.budget
         if budget.max_tokens is None and budget.max_usd is None:
@@ -597,70 +697,33 @@ class Trainer:
             rewards=read("rewards"),
             advantages=read("group_advantages"),
             summaries=read("summaries"),
-            proposals=read("proposals", GROUP_ADVANTAGE),
-            consolidation_plans=read("proposals", CONSOLIDATE),
+            proposals=read("proposals", Stage.GROUP_ADVANTAGE),
+            consolidation_plans=read("proposals", Stage.CONSOLIDATE),
             results=read("operations"),
             library_size=len(library),
-            calls=[c for c in read("llm_calls") if c.stage != VALIDATE_STAGE],
+            calls=[c for c in read("llm_calls") if c.stage != Stage.VALIDATE],
         )
 
     async def checkpoint(self, planned: PlannedStep, library: ExperienceLibrary, reports: list[StepReport]) -> None:
+        """The step's last stage (``tasks.checkpoint``), on what the store holds of the step."""
         step = planned.step
-        paths = checkpoint_task(self.cfg, step, library.to_version())
-        report = reports[-1]
-        stats = self.experience_stats(step, [e.id for e in library])
-        await acreate_table_artifact(
-            library_table(library, stats) or [{"id": "", "text": "(empty library)"}],
-            key=artifact_key(self.run_id, "library"),
-            description=f"Library after step {step} (version {library.version})",
-        )
-        await acreate_markdown_artifact(
-            operations_markdown(step, self.store.records("operations", self.run_id, step)),
-            key=artifact_key(self.run_id, "operations"),
-            description=f"Operations applied and rejected at step {step}",
-        )
-        await acreate_table_artifact(
-            [r.as_row() for r in reports],
-            key=artifact_key(self.run_id, "counts"),
-            description="Per-step counts: groups, proposals, operations, tokens, cost",
-        )
-        quality = library_quality(
-            self.store.load_library(self.run_id, step - 1),
-            library,
-            stats,
-            self.store.records("operations", self.run_id, step),
-            self.store.records("summaries", self.run_id, step),
-        )
-        self.store.write_stage(self.run_id, step, CHECKPOINT, {"experience_stats": stats, "library_quality": [quality]})
-        await acreate_table_artifact(
-            [q.model_dump() for q in self.store.records("library_quality", self.run_id)],
-            key=artifact_key(self.run_id, "quality"),
-            description="Library quality per version: size, tokens, duplicates, confidence, coverage, churn",
-        )
-        self.log.info("step %d: %s", step, describe_quality(quality))
-        self.log.info(
-            "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
-            "operations %d applied / %d rejected, library %d, %d calls (%d requests), tokens %d in / %d out, "
-            "cost $%.4f; exported %s",
+        stored = StepCheckpoint(
+            self.cfg,
             step,
-            planned.epoch + 1,
-            report.accuracy,
-            report.groups_selected,
-            report.groups_total,
-            report.proposals_parsed,
-            report.proposals_failed,
-            report.operations_applied,
-            report.operations_rejected,
-            report.library_size,
-            report.llm_calls,
-            report.llm_requests,
-            report.tokens_in,
-            report.tokens_out,
-            report.cost_usd,
-            paths[0],
+            planned.epoch,
+            library,
+            previous=self.store.load_library(self.run_id, step - 1),
+            stats=self.experience_stats(step, [e.id for e in library]),
+            operations=self.store.records("operations", self.run_id, step),
+            summaries=self.store.records("summaries", self.run_id, step),
+            reports=reports,
         )
-        if problems := step_problems(report, agent=self.cfg.rollout.agent_settings()):
-            self.log.warning("step %d: %s (details: clgrpo report %s)", step, "; ".join(problems), self.run_id)
+        await checkpoint_step(
+            stored,
+            write=partial(self.store.write_stage, self.run_id, step, Stage.CHECKPOINT),
+            quality_history=lambda: self.store.records("library_quality", self.run_id),
+            log=self.log,
+        )
 
     def experience_stats(self, step: int, live_ids: list[str]) -> list[ExperienceStat]:
         """Usefulness and confidence of the lessons ``live_ids`` with the citations of ``step`` counted
@@ -677,7 +740,7 @@ class Trainer:
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
-        outputs = await self.stage(step, VALIDATE_STAGE, lambda: validator.compute(step, library), EVAL_TABLES)
+        outputs = await self.stage(step, Stage.VALIDATE, lambda: validator.compute(step, library), EVAL_TABLES)
         await validator.publish(step, outputs)
 
     # --- the run --------------------------------------------------------------------------------------
@@ -725,7 +788,7 @@ class Trainer:
             await self.validate(validator, 0, library)
         self.journal.discard_step(0)
         for planned in planned_steps:
-            done = self.store.stage_done(self.run_id, planned.step, CHECKPOINT)
+            done = self.store.stage_done(self.run_id, planned.step, Stage.CHECKPOINT)
             if done:
                 library = self.store.load_library(self.run_id, planned.step)
             else:
@@ -748,39 +811,6 @@ class Trainer:
         return TrainResult(
             self.run_id, str(self.store.path), library.version, len(library), str(export_dir(self.cfg)), reports
         )
-
-
-def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[str]:
-    """What went wrong in a stored step, for a WARNING line: failures, retries, unusable learner replies."""
-    found = [
-        (report.rollouts_failed, "policy samples failed"),
-        (report.verify_failed, "samples could not be verified"),
-        (report.rollouts_truncated, "replies were cut off at max_tokens (graded, marked)"),
-        (report.summaries_failed, "summaries failed"),
-        (report.proposals_call_failed, "learner calls for group proposals failed"),
-        (report.proposals_failed - report.proposals_call_failed, "group proposals were unusable replies"),
-        (report.llm_retries, "requests were retries"),
-        (report.llm_rate_limited, "requests were rate limited (429)"),
-    ]
-    problems = [f"{n} {what}" for n, what in found if n]
-    if report.consolidation_failed:
-        problems.append("the consolidation reply was unusable: no operations")
-    elif report.operations_proposed and not (report.operations_applied or report.operations_rejected):
-        problems.append(
-            f"the consolidation plan kept none of the {report.operations_proposed} proposed operations "
-            f"(the learner's decision; learning.consolidation: passthrough applies the group proposals)"
-        )
-    if agent is not None and report.tool_calls == 0 and report.model_turns:
-        hint = (
-            "the endpoint may ignore `tools` (some local servers accept and drop them): try "
-            "rollout.agent.protocol: text"
-            if agent.protocol != "text"
-            else "the model wrote no action"
-        )
-        problems.append(f"agent mode, but no rollout called a tool: {hint}")
-    if report.groups_selected and report.proposals_parsed == 0:
-        problems.append(f"all {report.proposals_total} group proposals failed: this step learned nothing")
-    return problems
 
 
 def _num(value: float | None) -> str:

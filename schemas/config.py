@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.records import text_hash
+from schemas.stages import Stage
 
 
 class Section(BaseModel):
@@ -497,9 +498,9 @@ class BudgetConfig(Section):
 class ToleranceConfig(Section):
     max_failed_fraction: StageTolerances = Field(default_factory=StageTolerances)
 
-    def of(self, stage: str) -> float | None:
+    def of(self, stage: Stage) -> float | None:
         """The stage's tolerance; None for stages without items that can fail."""
-        return getattr(self.max_failed_fraction, "validation" if stage == "validate" else stage, None)
+        return getattr(self.max_failed_fraction, Stage(stage).tolerance_setting, None)
 
 
 # Settings that change where or how fast a run executes, or when it stops, never what it computes.

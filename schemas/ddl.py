@@ -7,21 +7,7 @@ stage never duplicates. Nested values (turns, id lists, operations) are JSON tex
 from __future__ import annotations
 
 STAGE_KEY = ("run_id", "step", "stage")
-CHECKPOINT_STAGE = "checkpoint"  # the last stage of a training step: a step is done when it is stored
-# Stage names of evaluation rows: held-out validation keyed by the training (run_id, step), and standalone
-# evaluations keyed by (eval_id, 0).
-VALIDATE_STAGE = "validate"
-EVALUATE_STAGE = "evaluate"
-# Stage names of a refresh's rows, keyed by (refresh_id, 0): the problems it took, then its decision.
-REFRESH_SELECT_STAGE = "refresh-select"
-REFRESH_DECIDE_STAGE = "refresh-decide"
-NUMERIC_UPDATE_STAGE = "numeric_update"  # hybrid learning's LoRA step, after verify (table adapters)
-REFRESH_GATE_STAGE = "refresh-gate"  # the promotion gate's rows (overall and per task tag), before the decision
-# Human review of a refresh's changes, keyed by (refresh_id, 0): the request, then the reviewer's answers;
-# and the adopted library's history, keyed by (name, seq): promotions and rollbacks.
-REVIEW_REQUEST_STAGE = "review-request"
-REVIEW_DECIDE_STAGE = "review-decide"
-ADOPT_STAGE = "adopt"
+# Stage names (the ``stage`` column's values): schemas.stages.Stage
 
 TABLE_DDL: dict[str, str] = {
     # one row: this database's identity (a uuid made when the file is created); work journals and anything

@@ -40,6 +40,7 @@ from clgrpo.prompts.attempts import clip
 from domains.base import Message, Tool, ToolContext, ToolFailure, ToolOutput
 from schemas.config import AgentConfig
 from schemas.records import LLMCall, Rollout, Turn
+from schemas.stages import Stage
 
 Protocol = Literal["tools", "text"]
 
@@ -199,7 +200,7 @@ class AgentLoop:
         tools = [t.spec() for t in self.tools.values()] if self.protocol == "tools" else None
         reply = await self.llm.turn(
             self.messages,
-            stage="rollout",
+            stage=Stage.ROLLOUT,
             turn=turn,
             tools=tools,
             tool_choice="none" if tools and last else None,

@@ -14,9 +14,8 @@ from domains.guard import LessonGuard, first_rejection
 from domains.learner import LessonScreen
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import ExperienceStat, LibraryVersion, Operation, OperationResult, Problem
+from schemas.stages import Stage
 from tasks.common import stage_task
-
-STAGE = "apply_operations"
 
 
 @dataclass
@@ -75,7 +74,7 @@ async def near_duplicates_for(
     return NearDuplicates(vectors, settings.near_duplicate_similarity, settings.near_duplicates)
 
 
-@stage_task(STAGE, run_name="apply-operations-step{step}")
+@stage_task(Stage.APPLY_OPERATIONS, run_name="apply-operations-step{step}")
 def apply_operations_task(
     config: RunConfig,
     step: int,

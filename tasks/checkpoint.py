@@ -1,20 +1,31 @@
-"""Stage: checkpoint a step — the step report (counts, tables, markdown) and the exported library files."""
+"""Stage: checkpoint a step, the last stage of every step and the one place that does it.
+
+A step is done when its checkpoint is stored. The checkpoint exports the library files, computes each live
+lesson's usefulness and the library's quality after the step (stored as the stage ``checkpoint``: tables
+``experience_stats`` and ``library_quality``), publishes the step's Prefect artifacts (library, operations,
+per-step counts, quality) and logs the step's lines. The flow reads what it needs from the store
+(``StepCheckpoint``) and writes the stage's rows through ``write``.
+"""
 
 from __future__ import annotations
 
+import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo.library import ExperienceLibrary
-from clgrpo.quality import near_duplicate_counts
+from clgrpo.quality import describe_quality, library_quality, near_duplicate_counts
 from clgrpo.usefulness import describe
-from schemas.config import RunConfig
-from schemas.ddl import CHECKPOINT_STAGE
+from schemas.config import AgentConfig, RunConfig
 from schemas.records import (
     ExperienceStat,
     GroupAdvantage,
+    LibraryQuality,
     LibraryVersion,
     LLMCall,
     OperationResult,
@@ -24,10 +35,9 @@ from schemas.records import (
     Rollout,
     Summary,
 )
-from tasks.common import stage_task
+from schemas.stages import Stage
+from tasks.common import artifact_key, stage_task
 from tasks.group_advantage import call_failed
-
-STAGE = CHECKPOINT_STAGE
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,39 @@ def step_report(
     )
 
 
+def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[str]:
+    """What went wrong in a stored step, for a WARNING line: failures, retries, unusable learner replies."""
+    found = [
+        (report.rollouts_failed, "policy samples failed"),
+        (report.verify_failed, "samples could not be verified"),
+        (report.rollouts_truncated, "replies were cut off at max_tokens (graded, marked)"),
+        (report.summaries_failed, "summaries failed"),
+        (report.proposals_call_failed, "learner calls for group proposals failed"),
+        (report.proposals_failed - report.proposals_call_failed, "group proposals were unusable replies"),
+        (report.llm_retries, "requests were retries"),
+        (report.llm_rate_limited, "requests were rate limited (429)"),
+    ]
+    problems = [f"{n} {what}" for n, what in found if n]
+    if report.consolidation_failed:
+        problems.append("the consolidation reply was unusable: no operations")
+    elif report.operations_proposed and not (report.operations_applied or report.operations_rejected):
+        problems.append(
+            f"the consolidation plan kept none of the {report.operations_proposed} proposed operations "
+            f"(the learner's decision; learning.consolidation: passthrough applies the group proposals)"
+        )
+    if agent is not None and report.tool_calls == 0 and report.model_turns:
+        hint = (
+            "the endpoint may ignore `tools` (some local servers accept and drop them): try "
+            "rollout.agent.protocol: text"
+            if agent.protocol != "text"
+            else "the model wrote no action"
+        )
+        problems.append(f"agent mode, but no rollout called a tool: {hint}")
+    if report.groups_selected and report.proposals_parsed == 0:
+        problems.append(f"all {report.proposals_total} group proposals failed: this step learned nothing")
+    return problems
+
+
 ARTIFACT_ROWS = 200  # a Prefect artifact past ~1 MB is refused: the rest is in DuckDB (`clgrpo library ops`)
 
 
@@ -182,7 +225,87 @@ def export_library(library: ExperienceLibrary, directory: Path) -> list[Path]:
     ]
 
 
-@stage_task(STAGE, run_name="checkpoint-step{step}")
+@stage_task(Stage.CHECKPOINT, run_name="checkpoint-step{step}")
 def checkpoint_task(config: RunConfig, step: int, library: LibraryVersion) -> list[str]:
     paths = export_library(ExperienceLibrary.from_version(library), export_dir(config))
     return [str(p) for p in paths]
+
+
+@dataclass(frozen=True)
+class StepCheckpoint:
+    """What the checkpoint of a stored step reads (the flow reads it from the store)."""
+
+    config: RunConfig
+    step: int
+    epoch: int
+    library: ExperienceLibrary  # after the step
+    previous: ExperienceLibrary  # before it
+    stats: list[ExperienceStat]  # usefulness and confidence of the live lessons, this step's citations counted
+    operations: list[OperationResult]
+    summaries: list[Summary]
+    reports: list[StepReport]  # the steps of this run so far, this one last
+
+
+async def checkpoint_step(
+    ck: StepCheckpoint,
+    *,
+    write: Callable[[dict[str, Sequence[Any]]], object],
+    quality_history: Callable[[], list[LibraryQuality]],
+    log: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """Export, artifacts, the stage's rows (through ``write``), the quality artifact (``quality_history``: every
+    version's quality once written) and the step's log lines."""
+    run_id, step, library = ck.config.run_id, ck.step, ck.library
+    paths = checkpoint_task(ck.config, step, library.to_version())
+    await acreate_table_artifact(
+        library_table(library, ck.stats) or [{"id": "", "text": "(empty library)"}],
+        key=artifact_key(run_id, "library"),
+        description=f"Library after step {step} (version {library.version})",
+    )
+    await acreate_markdown_artifact(
+        operations_markdown(step, ck.operations),
+        key=artifact_key(run_id, "operations"),
+        description=f"Operations applied and rejected at step {step}",
+    )
+    await acreate_table_artifact(
+        [r.as_row() for r in ck.reports],
+        key=artifact_key(run_id, "counts"),
+        description="Per-step counts: groups, proposals, operations, tokens, cost",
+    )
+    quality = library_quality(ck.previous, library, ck.stats, ck.operations, ck.summaries)
+    write({"experience_stats": ck.stats, "library_quality": [quality]})
+    await acreate_table_artifact(
+        [q.model_dump() for q in quality_history()],
+        key=artifact_key(run_id, "quality"),
+        description="Library quality per version: size, tokens, duplicates, confidence, coverage, churn",
+    )
+    log.info("step %d: %s", step, describe_quality(quality))
+    log_step(ck, paths[0], log)
+
+
+def log_step(ck: StepCheckpoint, exported: str, log: logging.Logger | logging.LoggerAdapter) -> None:
+    """The step's summary line, and a WARNING line with what went wrong in it."""
+    report = ck.reports[-1]
+    log.info(
+        "step %d (epoch %d): accuracy %.3f, groups %d/%d selected, proposals %d parsed / %d failed, "
+        "operations %d applied / %d rejected, library %d, %d calls (%d requests), tokens %d in / %d out, "
+        "cost $%.4f; exported %s",
+        ck.step,
+        ck.epoch + 1,
+        report.accuracy,
+        report.groups_selected,
+        report.groups_total,
+        report.proposals_parsed,
+        report.proposals_failed,
+        report.operations_applied,
+        report.operations_rejected,
+        report.library_size,
+        report.llm_calls,
+        report.llm_requests,
+        report.tokens_in,
+        report.tokens_out,
+        report.cost_usd,
+        exported,
+    )
+    if problems := step_problems(report, agent=ck.config.rollout.agent_settings()):
+        log.warning("step %d: %s (details: clgrpo report %s)", ck.step, "; ".join(problems), ck.config.run_id)

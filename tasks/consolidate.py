@@ -25,9 +25,9 @@ from domains import get_domain
 from domains.learner import LearnerPrompts, operations_schema, overlap, restates
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
+from schemas.stages import Stage
 from tasks.common import stage_task
 
-STAGE = "consolidate"
 FINAL = "final"
 LINEAGE_OVERLAP = 0.5  # word-trigram share (either way) at which a planned text counts as from a proposed one
 
@@ -87,9 +87,9 @@ async def _plan(
         pattern=cfg.lesson_pattern,
     )
     reply = await llm.complete_operations(
-        messages, stage=STAGE, json_schema=schema, repair=partial(prompts.repair, sources=True)
+        messages, stage=Stage.CONSOLIDATE, json_schema=schema, repair=partial(prompts.repair, sources=True)
     )
-    progress.advance(STAGE)
+    progress.advance(Stage.CONSOLIDATE)
     operations = attribute_sources(
         [
             op.model_copy(
@@ -233,7 +233,7 @@ def consolidation_calls(n_proposals: int, cfg: LearningConfig) -> int:
     return 1 if n_proposals <= size else -(-n_proposals // size) + 1
 
 
-@stage_task(STAGE, run_name="consolidate-step{step}")
+@stage_task(Stage.CONSOLIDATE, run_name="consolidate-step{step}")
 async def consolidate_task(
     config: RunConfig, step: int, proposals: list[Proposal], library: LibraryVersion
 ) -> Consolidation:

@@ -19,14 +19,13 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import AgentConfig, EvalConfig, RunConfig
-from schemas.ddl import EVALUATE_STAGE
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
+from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
 from tasks.rollout import rollout
 from tasks.verify import grade
 
-STAGE = EVALUATE_STAGE
 _SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
 
 
@@ -84,7 +83,7 @@ async def evaluate_library(
     return EvalBatch(samples, batch.calls)
 
 
-@stage_task(STAGE, run_name="evaluate-{condition}-chunk{chunk}")
+@stage_task(Stage.EVALUATE, run_name="evaluate-{condition}-chunk{chunk}")
 async def evaluate_task(
     config: RunConfig,
     evaluation: EvalConfig,
@@ -106,7 +105,7 @@ async def evaluate_task(
         temperature=evaluation.temperature,
         seed=evaluation.seed,
         agent=config.rollout.agent_settings(),
-        judge=make_judge(config, domain, STAGE),
+        judge=make_judge(config, domain, Stage.EVALUATE),
     )
 
 

@@ -1,9 +1,8 @@
-"""Stage: numeric group advantages (all groups) and the semantic group advantage (selected groups).
+"""Stage: the semantic group advantage: for each selected group, the learner's proposal for the library.
 
-Numeric: (r - mean) / std per group, recorded for every group. Selection: with ground truth and G > 1 only
-groups with 0 < mean < 1 carry a learning signal; without ground truth or with G = 1 every group with a
-usable rollout goes on. Semantic: the learner compares the attempts and proposes operations on the library,
-returned as a ``Proposal`` per group (parse failures kept with the raw text). Two ways to ask
+(The numeric advantage of every group, and which groups are selected, is verify's second output:
+``tasks.verify.compute_group_advantages``.) The learner compares the attempts and proposes operations on the
+library, returned as a ``Proposal`` per group (parse failures kept with the raw text). Two ways to ask
 (``learning.extract``): ``operations`` shows every attempt (the attempt itself and its summary) and asks for a
 JSON edit list; ``contrast`` shows one correct and one wrong attempt side by side and asks for the step where
 they part and one lesson, ``learning.candidates`` times over other pairs and draws (lesson validation then
@@ -16,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,65 +38,11 @@ from schemas.records import (
     Rollout,
     Summary,
 )
+from schemas.stages import Stage
 from tasks.common import stage_task
 
-STAGE = "group_advantage"
 CALL_FAILED = "learner call failed: "
 ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
-
-
-def _selection(valid: list[float], usable: int, use_groundtruth: bool, group_size: int) -> tuple[bool, str]:
-    """``valid``: the group's graded rewards; ``usable``: its rollouts that did not fail."""
-    if not use_groundtruth:
-        return (True, "no ground truth: every group is used") if usable else (False, "no usable rollout")
-    if not valid:
-        return False, "no graded rollout"
-    mean = statistics.fmean(valid)
-    if group_size == 1:
-        return True, "G=1: every group is used"
-    if len(valid) < 2:
-        return False, "fewer than 2 graded rollouts"
-    if mean <= 0.0:
-        return False, "all wrong: no contrast"
-    if mean >= 1.0:
-        return False, "all correct: no contrast"
-    return True, "mixed rewards"
-
-
-def compute_group_advantages(
-    problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward], *, use_groundtruth: bool
-) -> list[GroupAdvantage]:
-    """Mean, std and advantages over a group's graded samples only: a failed or unverifiable sample is not a 0."""
-    usable = defaultdict(int)
-    for r in rollouts:
-        usable[r.problem_id] += r.error is None
-    by_problem: dict[str, list[Reward]] = defaultdict(list)
-    for reward in rewards:
-        by_problem[reward.problem_id].append(reward)
-    out = []
-    for problem in problems:
-        group = sorted(by_problem.get(problem.problem_id, []), key=lambda r: r.sample_idx)
-        if not group:
-            continue
-        values = [r.reward for r in group]
-        valid = [v for v in values if v is not None]
-        mean = statistics.fmean(valid) if valid else 0.0
-        std = statistics.pstdev(valid) if valid else 0.0
-        advantages = [None if v is None else (v - mean) / std if std > 0 else 0.0 for v in values]
-        labeled = problem.answer is not None or any(r.reward_source == "agreement" for r in group)
-        selected, reason = _selection(valid, usable[problem.problem_id], use_groundtruth and labeled, len(group))
-        out.append(
-            GroupAdvantage(
-                problem_id=problem.problem_id,
-                rewards=values,
-                mean_reward=mean,
-                std_reward=std,
-                advantages=advantages,
-                selected=selected,
-                reason=reason,
-            )
-        )
-    return out
 
 
 @dataclass
@@ -184,10 +128,10 @@ async def _extract_one(
     cfg: LearningConfig,
 ) -> ProposalBatch:
     group_id = group.problem.problem_id
-    done = StageItems(STAGE, Proposal)
+    done = StageItems(Stage.GROUP_ADVANTAGE, Proposal)
     reused = done.get(group_id)
     if reused is not None:
-        progress.advance(STAGE)
+        progress.advance(Stage.GROUP_ADVANTAGE)
         return ProposalBatch([reused])
     attempts = _attempts(group, summaries, cfg.use_groundtruth)
     try:
@@ -196,7 +140,7 @@ async def _extract_one(
         else:
             batch = await _operations_proposal(group, attempts, library, prompts, llm, cfg)
     finally:
-        progress.advance(STAGE)
+        progress.advance(Stage.GROUP_ADVANTAGE)
     proposal = batch.proposals[0]
     summarized = not cfg.summarize or all(_has_summary(r, summaries) for r in group.rollouts)
     if summarized and not call_failed(proposal):  # else redo it once the summaries or the calls are redone
@@ -225,7 +169,9 @@ async def _operations_proposal(
         pattern=cfg.lesson_pattern,
     )
     try:
-        reply = await llm.complete_operations(messages, stage=STAGE, json_schema=schema, repair=prompts.repair)
+        reply = await llm.complete_operations(
+            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, repair=prompts.repair
+        )
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
@@ -317,7 +263,11 @@ async def _contrast_candidates(
     replies = await asyncio.gather(
         *[
             llm.complete(
-                partial(ask, attempts[b], attempts[w]), stage=STAGE, json_schema=schema, schema_name="lesson", redraw=c
+                partial(ask, attempts[b], attempts[w]),
+                stage=Stage.GROUP_ADVANTAGE,
+                json_schema=schema,
+                schema_name="lesson",
+                redraw=c,
             )
             for c, (b, w) in enumerate(asks)
         ],
@@ -389,7 +339,9 @@ async def _generalize(
     schema = contrast_schema(min_words=cfg.min_words, max_words=cfg.max_words)
     schema = {**schema, "properties": {"lesson": schema["properties"]["lesson"]}, "required": ["lesson"]}
     try:
-        reply = await llm.complete(messages, stage=STAGE, json_schema=schema, schema_name="lesson", redraw=draw)
+        reply = await llm.complete(
+            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, schema_name="lesson", redraw=draw
+        )
     except LLMCallError as exc:
         record["error"] = str(exc)
         return op, exc.calls, record
@@ -428,7 +380,7 @@ async def extract_group_advantage(
     return ProposalBatch([p for part in parts for p in part.proposals], [c for part in parts for c in part.calls])
 
 
-@stage_task(STAGE, run_name="group-advantage-step{step}-chunk{chunk}")
+@stage_task(Stage.GROUP_ADVANTAGE, run_name="group-advantage-step{step}-chunk{chunk}")
 async def group_advantage_task(
     config: RunConfig,
     step: int,

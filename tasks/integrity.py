@@ -9,17 +9,12 @@ first cause and what to do; a retry or rerun redoes only the failed items (the w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.ddl import VALIDATE_STAGE
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
+from schemas.stages import Stage
 from tasks.group_advantage import call_failed
-from tasks.rollout import STAGE as ROLLOUT
-from tasks.summarize import STAGE as SUMMARIZE
-from tasks.validate_lessons import STAGE as VALIDATE_LESSONS
-from tasks.verify import STAGE as VERIFY
 
 UNGRADED_CAUSES = ("rollout failed", "could not verify")
 
@@ -34,7 +29,7 @@ class BudgetExhaustedError(RuntimeError):
 
 @dataclass(frozen=True)
 class FailedItems:
-    stage: str
+    stage: Stage
     failed: int
     total: int
     unit: str
@@ -48,44 +43,57 @@ class FailedItems:
         return f"{self.failed}/{self.total} {self.unit} failed ({self.fraction:.0%})"
 
 
-def _count(stage: str, unit: str, items: Sequence[Any], is_failed: Any, cause: Any) -> FailedItems:
-    failed = [x for x in items if is_failed(x)]
-    return FailedItems(stage, len(failed), len(items), unit, cause(failed[0]) if failed else None)
+@dataclass(frozen=True)
+class FailureRule:
+    """Where a stage's items are (``table`` of its outputs), what one is called, when it failed and why;
+    ``attempted``: which rows are items at all."""
+
+    table: str
+    unit: str
+    is_failed: Callable[[Any], bool]
+    cause: Callable[[Any], str | None]
+    attempted: Callable[[Any], bool] = lambda _: True
+
+    def count(self, stage: Stage, outputs: dict[str, list[Any]]) -> FailedItems:
+        items: Sequence[Any] = [x for x in outputs[self.table] if self.attempted(x)]
+        failed = [x for x in items if self.is_failed(x)]
+        return FailedItems(stage, len(failed), len(items), self.unit, self.cause(failed[0]) if failed else None)
 
 
-def failed_items(stage: str, outputs: dict[str, list[Any]]) -> FailedItems | None:
+def _error(item: Any) -> str | None:
+    return item.error
+
+
+# the stages with items that can fail this way; the others have none
+FAILURE_RULES: dict[Stage, FailureRule] = {
+    Stage.ROLLOUT: FailureRule("rollouts", "samples", lambda r: r.error is not None, _error),
+    # a reward never attempted (a failed rollout, no answer to grade against) is no verification
+    Stage.VERIFY: FailureRule(
+        "rewards", "verifications", lambda r: not r.verified, _error, attempted=lambda r: r.graded or not r.verified
+    ),
+    Stage.SUMMARIZE: FailureRule("summaries", "summaries", lambda s: s.error is not None, _error),
+    Stage.GROUP_ADVANTAGE: FailureRule("proposals", "group proposals", call_failed, lambda p: p.parse_error),
+    Stage.VALIDATE_LESSONS: FailureRule(
+        "trial_samples", "lesson validation attempts", lambda s: s.reward is None, _error
+    ),
+    Stage.VALIDATE: FailureRule(
+        "eval_results", "validation samples", lambda s: (s.error or "").startswith(UNGRADED_CAUSES), _error
+    ),
+}
+
+
+def failed_items(stage: Stage, outputs: dict[str, list[Any]]) -> FailedItems | None:
     """What failed in a stage's outputs; None for stages without items that can fail this way."""
-    if stage == ROLLOUT:
-        return _count(stage, "samples", outputs["rollouts"], lambda r: r.error is not None, lambda r: r.error)
-    if stage == VERIFY:
-        attempted = [r for r in outputs["rewards"] if r.graded or not r.verified]
-        return _count(stage, "verifications", attempted, lambda r: not r.verified, lambda r: r.error)
-    if stage == SUMMARIZE:
-        return _count(stage, "summaries", outputs["summaries"], lambda s: s.error is not None, lambda s: s.error)
-    if stage == GROUP_ADVANTAGE:
-        return _count(stage, "group proposals", outputs["proposals"], call_failed, lambda p: p.parse_error)
-    if stage == VALIDATE_LESSONS:
-        return _count(
-            stage, "lesson validation attempts", outputs["trial_samples"], lambda s: s.reward is None, lambda s: s.error
-        )
-    if stage == VALIDATE_STAGE:
-        return _count(
-            stage,
-            "validation samples",
-            outputs["eval_results"],
-            lambda s: (s.error or "").startswith(UNGRADED_CAUSES),
-            lambda s: s.error,
-        )
-    return None
+    rule = FAILURE_RULES.get(stage)
+    return rule.count(Stage(stage), outputs) if rule else None
 
 
 def stage_failed_message(items: FailedItems, step: int, tolerance: float, run_id: str) -> str:
     cause = (items.first_cause or "").replace("\n", " ")
     cause = cause if len(cause) <= 300 else cause[:300] + "..."
-    setting = "validation" if items.stage == VALIDATE_STAGE else items.stage  # tolerance.max_failed_fraction.*
     return (
         f"step {step} {items.stage}: {items.describe()}, over the tolerance of {tolerance:.0%} "
-        f"(tolerance.max_failed_fraction.{setting}); first cause: {cause}. The stage was not stored as "
-        f"done; its finished items and every call are kept. Fix the cause, then Retry the flow run (Prefect "
-        f"UI) or rerun with --run-id {run_id}: only the failed items are redone."
+        f"(tolerance.max_failed_fraction.{items.stage.tolerance_setting}); first cause: {cause}. The stage was "
+        f"not stored as done; its finished items and every call are kept. Fix the cause, then Retry the flow run "
+        f"(Prefect UI) or rerun with --run-id {run_id}: only the failed items are redone."
     )

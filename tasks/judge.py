@@ -21,6 +21,7 @@ from clgrpo.prompts.judge import judge_messages
 from domains.base import Domain, VerifyResult
 from schemas.config import RunConfig
 from schemas.records import Problem
+from schemas.stages import Stage
 
 JUDGE_SCHEMA = {
     "type": "object",
@@ -82,10 +83,10 @@ class Judge:
         return list(await asyncio.gather(*[self.grade(problem, output) for problem, output in items]))
 
 
-def make_judge(config: RunConfig, domain: Domain, stage: str) -> Judge | None:
+def make_judge(config: RunConfig, domain: Domain, stage: Stage) -> Judge | None:
     """The run's judge (``judge:`` in the config), None when the domain's verifier grades: no judge configured, or
     training without ground truth (``learning.use_groundtruth: false``: the learner compares the attempts itself,
     so the judge's calls are skipped; the domain's own verifier still grades where answers exist, for the report)."""
-    if config.judge is None or (stage == "verify" and not config.learning.use_groundtruth):
+    if config.judge is None or (stage == Stage.VERIFY and not config.learning.use_groundtruth):
         return None
     return Judge(shared_client(config), domain, stage=stage, temperature=config.judge.temperature)

@@ -8,16 +8,15 @@ from clgrpo.dataset import LoadReport
 from domains import get_domain
 from schemas.config import RunConfig
 from schemas.records import Problem
+from schemas.stages import Stage
 from tasks.common import stage_task
-
-STAGE = "load_dataset"
 
 
 def load_dataset(config: RunConfig) -> tuple[list[Problem], LoadReport]:
     return get_domain(config.domain).load_dataset(config.dataset)
 
 
-@stage_task(STAGE, run_name="load-dataset")
+@stage_task(Stage.LOAD_DATASET, run_name="load-dataset")
 def load_dataset_task(config: RunConfig, source_digest: str) -> list[Problem]:
     """``source_digest`` (the data file's content hash) only keys the cache: a changed file is reloaded."""
     problems, report = load_dataset(config)

@@ -21,11 +21,9 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.models import resolve_model_path
 from domains import get_domain
 from schemas.config import RunConfig
-from schemas.ddl import NUMERIC_UPDATE_STAGE
 from schemas.records import AdapterVersion, GroupAdvantage, LibraryVersion, NumericItem, Problem, Rollout, text_hash
+from schemas.stages import Stage
 from tasks.common import stage_task
-
-STAGE = NUMERIC_UPDATE_STAGE
 
 
 @dataclass
@@ -123,7 +121,7 @@ def train_step(
     )
 
 
-@stage_task(STAGE, run_name="numeric-update-step{step}")
+@stage_task(Stage.NUMERIC_UPDATE, run_name="numeric-update-step{step}")
 async def numeric_update_task(
     config: RunConfig,
     step: int,

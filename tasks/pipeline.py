@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
@@ -18,17 +19,13 @@ from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
+from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
-from tasks.group_advantage import build_groups, compute_group_advantages, extract_group_advantage
+from tasks.group_advantage import build_groups, extract_group_advantage
 from tasks.judge import Judge, make_judge
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import STAGE as SUMMARIZE
 from tasks.summarize import SummaryBatch, summarize
-from tasks.verify import STAGE as VERIFY
-from tasks.verify import grade
-
-STAGE = "pipeline"
+from tasks.verify import compute_group_advantages, grade
 
 
 @dataclass
@@ -73,6 +70,17 @@ class PipelineBatch:
     def merge(cls, parts: list["PipelineBatch"]) -> "PipelineBatch":
         return cls(**{name: [x for part in parts for x in getattr(part, name)] for name in cls.__dataclass_fields__})
 
+    def outputs(self, stage: Stage) -> dict[str, list[Any]] | None:
+        """One of the four stages' outputs as the flow writes them, table by table (verify's calls, an LLM
+        judge's, come from the work journal); None for the other stages."""
+        tables: dict[Stage, dict[str, list[Any]]] = {
+            Stage.ROLLOUT: {"rollouts": self.rollouts, "llm_calls": self.rollout_calls},
+            Stage.VERIFY: {"rewards": self.rewards, "group_advantages": self.advantages, "llm_calls": []},
+            Stage.SUMMARIZE: {"summaries": self.summaries, "llm_calls": self.summary_calls},
+            Stage.GROUP_ADVANTAGE: {"proposals": self.proposals, "llm_calls": self.proposal_calls},
+        }
+        return tables.get(stage)
+
 
 async def _one_group(
     problem: Problem,
@@ -93,8 +101,8 @@ async def _one_group(
     groups = build_groups([problem], batch.rollouts, rewards, advantages)
     if not groups:
         return outcome
-    progress.expect(SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
-    progress.expect(GROUP_ADVANTAGE, len(groups))
+    progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
+    progress.expect(Stage.GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
     summaries = (
         await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
@@ -141,7 +149,7 @@ async def pipeline(
     return batch
 
 
-@stage_task(STAGE, run_name="pipeline-step{step}-chunk{chunk}")
+@stage_task(Stage.PIPELINE, run_name="pipeline-step{step}-chunk{chunk}")
 async def pipeline_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
 ) -> PipelineBatch:
@@ -155,5 +163,5 @@ async def pipeline_task(
         temperature=config.grpo.rollout_temperature,
         cfg=config.learning,
         agent=config.rollout.agent_settings(),
-        judge=make_judge(config, domain, VERIFY),
+        judge=make_judge(config, domain, Stage.VERIFY),
     )

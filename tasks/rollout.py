@@ -14,10 +14,9 @@ from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
+from schemas.stages import Stage
 from tasks.agent import AgentOutcome, agent_rollout
 from tasks.common import stage_task
-
-STAGE = "rollout"
 
 
 @dataclass
@@ -46,14 +45,14 @@ async def rollout_problem(
     messages = domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id))
     prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
-    done = StageItems(STAGE, Rollout)
+    done = StageItems(Stage.ROLLOUT, Rollout)
     rollouts = {
         i: r
         for i in range(group_size)
         if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash
     }
     missing = [i for i in range(group_size) if i not in rollouts]
-    progress.advance(STAGE, group_size - len(missing))
+    progress.advance(Stage.ROLLOUT, group_size - len(missing))
     if not missing:
         return RolloutBatch([rollouts[i] for i in range(group_size)])
     if agent is None:
@@ -92,10 +91,10 @@ async def _direct_samples(
 ) -> tuple[list[Rollout], list[LLMCall]]:
     try:
         sampled = await llm.sample(
-            messages, group_size, stage=STAGE, temperature=temperature, seed=seed, indices=missing
+            messages, group_size, stage=Stage.ROLLOUT, temperature=temperature, seed=seed, indices=missing
         )
     finally:
-        progress.advance(STAGE, len(missing))
+        progress.advance(Stage.ROLLOUT, len(missing))
     ok = [c for c in sampled.calls if c.ok]
     tokens_in = sum(c.tokens_in for c in ok) // max(1, len(ok))
     tokens_out = sum(c.tokens_out for c in ok) // max(1, len(missing) - len(sampled.failed))
@@ -146,7 +145,7 @@ async def _agent_samples(
                 seed=None if first is None else first + index,
             )
         finally:
-            progress.advance(STAGE)
+            progress.advance(Stage.ROLLOUT)
 
     outcomes = await asyncio.gather(*[one(i) for i in missing])
     return [o.rollout for o in outcomes], [c for o in outcomes for c in o.calls]
@@ -185,7 +184,7 @@ def raise_if_all_failed(problems: list[Problem], rollouts: list[Rollout]) -> Non
         raise RuntimeError(f"rollout: all {len(problems)} policy calls failed; first error: {rollouts[0].error}")
 
 
-@stage_task(STAGE, run_name="rollout-step{step}-chunk{chunk}")
+@stage_task(Stage.ROLLOUT, run_name="rollout-step{step}-chunk{chunk}")
 async def rollout_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
 ) -> RolloutBatch:

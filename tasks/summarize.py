@@ -15,10 +15,9 @@ from domains import get_domain
 from domains.learner import LearnerPrompts
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
+from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.group_advantage import Group, build_groups
-
-STAGE = "summarize"
 
 
 @dataclass
@@ -41,10 +40,10 @@ async def _summarize_one(
     use_groundtruth: bool,
 ) -> SummaryBatch:
     base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
-    done = StageItems(STAGE, Summary)
+    done = StageItems(Stage.SUMMARIZE, Summary)
     reused = done.get(sample_key(rollout.problem_id, rollout.sample_idx))
     if reused is not None:
-        progress.advance(STAGE)
+        progress.advance(Stage.SUMMARIZE)
         return SummaryBatch([reused])
     attempt = Attempt(
         rollout.sample_idx,
@@ -55,11 +54,11 @@ async def _summarize_one(
     )
     messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
     try:
-        reply = await llm.complete(messages, stage=STAGE)
+        reply = await llm.complete(messages, stage=Stage.SUMMARIZE)
     except LLMCallError as exc:
         return SummaryBatch([Summary(**base, text="", error=str(exc))], exc.calls)
     finally:
-        progress.advance(STAGE)
+        progress.advance(Stage.SUMMARIZE)
     text = reply.text.strip()
     summary = Summary(**base, text=text, error=None if text else "empty summary")
     if text:
@@ -84,7 +83,7 @@ async def summarize(
     return SummaryBatch([s for p in parts for s in p.summaries], [c for p in parts for c in p.calls])
 
 
-@stage_task(STAGE, run_name="summarize-step{step}-chunk{chunk}")
+@stage_task(Stage.SUMMARIZE, run_name="summarize-step{step}-chunk{chunk}")
 async def summarize_task(
     config: RunConfig,
     step: int,

@@ -40,13 +40,13 @@ from schemas.records import (
     TrialSample,
     text_hash,
 )
+from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.rollout import rollout
 from tasks.verify import grade
 
-STAGE = "validate_lessons"
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
 _SEED_SPACE = 2**31 - 2**16
@@ -174,9 +174,9 @@ async def _attempts(
         seeds=seeds,
         agent=config.rollout.agent_settings(),
     )
-    rewards = await grade(problems, batch.rollouts, domain, make_judge(config, domain, STAGE))
+    rewards = await grade(problems, batch.rollouts, domain, make_judge(config, domain, Stage.VALIDATE_LESSONS))
     return [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)], [
-        c.model_copy(update={"stage": STAGE}) for c in batch.calls
+        c.model_copy(update={"stage": Stage.VALIDATE_LESSONS.value}) for c in batch.calls
     ]
 
 
@@ -304,7 +304,8 @@ async def validate_lessons(
         return Validated(*plan_after(trials), trials)
     tried = list({p.problem_id: p for c in candidates for p in c.problems}.values())
     seeds = trial_seeds(tried, step, config.seed)
-    with recording(active(), stage=STAGE, items=False):  # trials are redone whole by a retry of the stage
+    # trials are redone whole by a retry of the stage
+    with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
         baseline = _attempts(tried, library, domain, llm, config, seeds, BASELINE)
         arms = [_attempts(c.problems, c.library, domain, llm, config, seeds, c.seq) for c in candidates]
         results = await asyncio.gather(baseline, *arms)
@@ -334,7 +335,7 @@ def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tup
     return plan, rejected
 
 
-@stage_task(STAGE, run_name="validate-lessons-step{step}")
+@stage_task(Stage.VALIDATE_LESSONS, run_name="validate-lessons-step{step}")
 async def validate_lessons_task(
     config: RunConfig,
     step: int,

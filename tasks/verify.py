@@ -1,9 +1,17 @@
-"""Stage: grade every rollout with the domain verifier and compute the numeric group advantages."""
+"""Stage: grade every rollout with the domain verifier, and the numeric group advantages the rewards give.
+
+Verify writes two tables: ``rewards`` (one per rollout) and ``group_advantages``, its second output: for every
+group, (r - mean) / std over its graded samples and whether the group carries a learning signal (selected), by
+``compute_group_advantages``. Selection: with ground truth and G > 1 only groups with 0 < mean < 1 carry a
+learning signal; without ground truth or with G = 1 every group with a usable rollout goes on. The later stages
+learn from the selected groups only.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import statistics
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,17 +20,69 @@ from clgrpo.journal import StageItems, sample_key
 from domains import Domain, VerifyResult, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout
+from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import compute_group_advantages
 from tasks.judge import Judge, make_judge
 
-STAGE = "verify"
+
+def _selection(valid: list[float], usable: int, use_groundtruth: bool, group_size: int) -> tuple[bool, str]:
+    """``valid``: the group's graded rewards; ``usable``: its rollouts that did not fail."""
+    if not use_groundtruth:
+        return (True, "no ground truth: every group is used") if usable else (False, "no usable rollout")
+    if not valid:
+        return False, "no graded rollout"
+    mean = statistics.fmean(valid)
+    if group_size == 1:
+        return True, "G=1: every group is used"
+    if len(valid) < 2:
+        return False, "fewer than 2 graded rollouts"
+    if mean <= 0.0:
+        return False, "all wrong: no contrast"
+    if mean >= 1.0:
+        return False, "all correct: no contrast"
+    return True, "mixed rewards"
+
+
+def compute_group_advantages(
+    problems: list[Problem], rollouts: list[Rollout], rewards: list[Reward], *, use_groundtruth: bool
+) -> list[GroupAdvantage]:
+    """Mean, std and advantages over a group's graded samples only: a failed or unverifiable sample is not a 0."""
+    usable: defaultdict[str, int] = defaultdict(int)
+    for r in rollouts:
+        usable[r.problem_id] += r.error is None
+    by_problem: dict[str, list[Reward]] = defaultdict(list)
+    for reward in rewards:
+        by_problem[reward.problem_id].append(reward)
+    out = []
+    for problem in problems:
+        group = sorted(by_problem.get(problem.problem_id, []), key=lambda r: r.sample_idx)
+        if not group:
+            continue
+        values = [r.reward for r in group]
+        valid = [v for v in values if v is not None]
+        mean = statistics.fmean(valid) if valid else 0.0
+        std = statistics.pstdev(valid) if valid else 0.0
+        advantages = [None if v is None else (v - mean) / std if std > 0 else 0.0 for v in values]
+        labeled = problem.answer is not None or any(r.reward_source == "agreement" for r in group)
+        selected, reason = _selection(valid, usable[problem.problem_id], use_groundtruth and labeled, len(group))
+        out.append(
+            GroupAdvantage(
+                problem_id=problem.problem_id,
+                rewards=values,
+                mean_reward=mean,
+                std_reward=std,
+                advantages=advantages,
+                selected=selected,
+                reason=reason,
+            )
+        )
+    return out
 
 
 @dataclass
 class VerifyBatch:
     rewards: list[Reward]
-    advantages: list[GroupAdvantage]
+    advantages: list[GroupAdvantage]  # the numeric group advantages: verify's second output
 
 
 Grader = Callable[[list[tuple[Problem, str]]], list[VerifyResult]]  # (problem, output) pairs -> grades
@@ -61,7 +121,7 @@ def verify(
     by_id = {p.problem_id: p for p in problems}
     judged = grader is not None
     grader = grader or (lambda items: domain.verify_batch([(out, p.answer) for p, out in items]))  # type: ignore
-    done = StageItems(STAGE, Reward)
+    done = StageItems(Stage.VERIFY, Reward)
     graded: dict[tuple[str, int], Reward] = {}
     todo = []
     for r in rollouts:
@@ -113,7 +173,7 @@ def verify(
         else:
             reason = f"rollout failed: {r.error}" if r.error else "no ground truth"
             rewards.append(Reward(problem_id=r.problem_id, sample_idx=r.sample_idx, reward=None, error=reason))
-    progress.advance(STAGE, len(rollouts))
+    progress.advance(Stage.VERIFY, len(rollouts))
     return rewards
 
 
@@ -179,11 +239,13 @@ def warm_verifier(domain_name: str) -> None:
         warm()
 
 
-@stage_task(STAGE, run_name="verify-step{step}-chunk{chunk}")
+@stage_task(Stage.VERIFY, run_name="verify-step{step}-chunk{chunk}")
 async def verify_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout]
 ) -> VerifyBatch:
     domain = get_domain(config.domain)
-    rewards = await grade(problems, rollouts, domain, make_judge(config, domain, STAGE), config.learning.unlabeled)
+    rewards = await grade(
+        problems, rollouts, domain, make_judge(config, domain, Stage.VERIFY), config.learning.unlabeled
+    )
     advantages = compute_group_advantages(problems, rollouts, rewards, use_groundtruth=config.learning.use_groundtruth)
     return VerifyBatch(rewards, advantages)

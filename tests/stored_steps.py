@@ -11,7 +11,7 @@ from domains import get_domain
 from flows.train import plan_steps
 from schemas.config import RunConfig
 from schemas.records import Reward, Rollout, Turn, text_hash
-from tasks.group_advantage import compute_group_advantages
+from tasks.verify import compute_group_advantages
 
 RIGHT = (True, True, False, False)  # per sample of a group: answered right
 

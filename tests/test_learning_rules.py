@@ -175,8 +175,7 @@ def test_new_learning_settings_count_in_the_fingerprint_only_when_changed():
 def test_a_plan_that_keeps_none_of_the_proposed_operations_is_named():
     from dataclasses import replace
 
-    from flows.train import step_problems
-    from tasks.checkpoint import step_report
+    from tasks.checkpoint import step_problems, step_report
 
     empty = step_report(
         run_id="r",

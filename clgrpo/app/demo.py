@@ -417,12 +417,12 @@ def _outcome(
 ) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]], list[tuple[int, Proposal]]]:
     """The learned library, every operation with its outcome, and the group proposals that failed."""
     from clgrpo.store import Store
-    from tasks.group_advantage import STAGE as GROUP_ADVANTAGE
+    from schemas.stages import Stage
 
     with Store(db_path, read_only=True) as store:
         library = [(e.id, e.text) for e in store.load_library(run_id)]
         operations = store.operation_results(run_id)
-        proposals = store.frame("proposals", run_id, stage=GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
+        proposals = store.frame("proposals", run_id, stage=Stage.GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
     failed = [
         (int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
         for r in proposals.itertuples()
