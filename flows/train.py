@@ -420,7 +420,7 @@ class Trainer:
     def __init__(self, config: RunConfig, store: Store) -> None:
         self.cfg = config
         self.store = store
-        self.run_id = config.run_id
+        self.run_id = config.require_run_id()  # train() sets one before the Trainer exists
         self.log = get_run_logger()
         self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
 
@@ -870,7 +870,7 @@ async def _train(config: RunConfig, preflight: bool) -> TrainResult:
         await check_run(config)
     # the run lock: no other live process runs this run id on this database (the store holds the file only
     # while it works, so other runs and readers share it)
-    with RunLock(config.db_path, "train", config.run_id), Store(config.db_path) as store:
+    with RunLock(config.db_path, "train", config.require_run_id()), Store(config.db_path) as store:
         await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
         config = resolve_policy_adapter(config, store)  # RUN:STEP -> the stored adapter's folder, checked
         return await Trainer(config, store).run()

@@ -213,7 +213,7 @@ def library_table(library: ExperienceLibrary, stats: Sequence[ExperienceStat] = 
 
 
 def export_dir(config: RunConfig) -> Path:
-    return Path(config.db_path).resolve().parent / config.run_id
+    return Path(config.db_path).resolve().parent / config.require_run_id()
 
 
 def export_library(library: ExperienceLibrary, directory: Path) -> list[Path]:
@@ -255,7 +255,7 @@ async def checkpoint_step(
 ) -> None:
     """Export, artifacts, the stage's rows (through ``write``), the quality artifact (``quality_history``: every
     version's quality once written) and the step's log lines."""
-    run_id, step, library = ck.config.run_id, ck.step, ck.library
+    run_id, step, library = ck.config.require_run_id(), ck.step, ck.library
     paths = checkpoint_task(ck.config, step, library.to_version())
     await acreate_table_artifact(
         library_table(library, ck.stats) or [{"id": "", "text": "(empty library)"}],

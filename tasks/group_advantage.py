@@ -114,8 +114,8 @@ def contrast_pairs(group: Group) -> list[tuple[int, int]]:
         return []
     mean = statistics.fmean(graded)
     order = sorted(range(len(values)), key=lambda i: group.rollouts[i].truncated)
-    better = [i for i in order if values[i] is not None and values[i] > mean]
-    worse = [i for i in order if values[i] is not None and values[i] < mean]
+    better = [i for i in order if (v := values[i]) is not None and v > mean]
+    worse = [i for i in order if (v := values[i]) is not None and v < mean]
     return [(better[(k + j) % len(better)], worse[j]) for k in range(len(better)) for j in range(len(worse))]
 
 
