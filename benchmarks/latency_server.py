@@ -1,7 +1,7 @@
 """A latency-controlled OpenAI-compatible server for benchmarks (loopback, its own process).
 
-Built on ``clgrpo.testing.fake_openai.FakeOpenAIServer``; replies come from ``tests.scripted_llm.ScriptedWorld``
-(the same prompt contract the test suite uses). Each call takes
+Built on ``clgrpo.testing.fake_openai.FakeOpenAIServer``; replies come from
+``clgrpo.testing.scripted_llm.ScriptedWorld`` (the same prompt contract the test suite uses). Each call takes
 
     time to first token (lognormal, median ``median_s``, shape ``sigma``; with probability ``tail_p`` a Pareto
     straggler ``tail_scale_s * U**(-1/tail_alpha)`` instead, capped at ``max_s``)
@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply, RequestLogEntry, role_of  # noqa: E402
-from tests.scripted_llm import PROBLEM_RE, REPAIR_PREFIX, ScriptedWorld  # noqa: E402
+from clgrpo.testing.scripted_llm import PROBLEM_RE, REPAIR_PREFIX, ScriptedWorld  # noqa: E402
 
 
 @dataclass(frozen=True)

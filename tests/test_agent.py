@@ -16,6 +16,7 @@ import pytest
 from clgrpo.llm import LLMClient
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
+from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
 from domains.learner import LearnerPrompts, clip, tool_trace, trajectory_text
 from domains.math.prompts import rollout_messages
@@ -29,7 +30,6 @@ from tasks.agent import (
     parse_text_action,
     tool_call_in_text,
 )
-from tests.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 
 PROBLEM = Problem(problem_id="products-000", problem=problem_text(FAMILIES[1], 47, 23), answer=str(47 * 23))
 _PRINT_RE = re.compile(r"print\((\d+) ([-+*%]) (\d+)\)\s*$")
