@@ -7,12 +7,12 @@ call an id and the choice ``finish_reason: "tool_calls"``; with ``supports_tools
 cap, fault injection and thread-safe request statistics.
 
 Faults (``server.inject(Fault(...))``, the fault model of ``clgrpo.testing.faults`` that the fakes share) are the
-replies a real proxy sees: HTTP errors ("status", e.g. 429 with
-Retry-After or 5xx), slow replies ("delay"), connections closed cleanly ("drop") or reset ("reset"), and 200
-replies that are broken ("malformed" JSON, "no_choices", "empty" contents, "truncate"d at a few words). A fault
-is scoped to a stage with ``match=match_roles(...)`` and applied a number of ``times``, with a probability
-(``rate``, drawn from the server's seeded RNG) or for a time window (``window_s``); ``Fault.mixed`` picks one of
-several kinds per affected request. Example, a reproducible 20% mix on the policy stage::
+replies a real proxy sees: HTTP errors ("status", e.g. 429 with Retry-After or 5xx), slow replies ("delay"),
+connections closed cleanly ("drop") or reset ("reset"), and 200 replies that are broken ("malformed" JSON,
+"no_choices", "empty" contents, "truncate"d at a few words). A fault is scoped to a stage with
+``match=match_roles(...)`` and applied a number of ``times``, with a probability (``rate``, drawn from the server's
+seeded RNG) or for a time window (``window_s``); ``Fault.mixed`` picks one of several kinds per affected request.
+Example, a reproducible 20% mix on the policy stage::
 
     server = FakeOpenAIServer(responder, seed=1)
     server.inject(Fault.mixed(rate=0.2, match=match_roles("policy")))
