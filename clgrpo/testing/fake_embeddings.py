@@ -34,7 +34,7 @@ def fake_vector(text: str, dim: int = 8) -> list[float]:
 class _Handler(LoopbackHandler):
     def do_POST(self) -> None:
         body = json.loads(self.read_body())
-        owner: EmbeddingServer = self.server.owner
+        owner = self.server.owner
         owner.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
         fault = owner.take_fault(body)
         if fault is not None and fault.kind in ("drop", "reset"):

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 __all__ = ["DEFAULT_MIX", "FAULT_KINDS", "WIRE_KINDS", "Fault", "FaultKind", "FaultPlan", "retry_after_header"]
 
@@ -114,7 +114,7 @@ def _as_fault(kind: "str | Fault") -> Fault:
         return replace(kind)  # a copy: options are shared by nobody
     if kind.startswith("status:"):
         return Fault(kind="status", status=int(kind.split(":", 1)[1]))
-    return Fault(kind=kind)  # type: ignore[arg-type] - validated by __post_init__
+    return Fault(kind=cast(FaultKind, kind))  # validated by __post_init__
 
 
 DEFAULT_MIX: tuple["str | Fault", ...] = (

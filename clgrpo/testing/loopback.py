@@ -89,7 +89,7 @@ class _HTTPServer(ThreadingHTTPServer):
     def __init__(
         self, address: tuple[str, int], handler: Callable[..., BaseHTTPRequestHandler], owner: LoopbackServer
     ) -> None:
-        self.owner = owner
+        self.owner: Any = owner  # the LoopbackServer subclass: its handlers call its own methods
         super().__init__(address, handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
