@@ -55,8 +55,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from critical_path import dependencies, longest_chain, makespan  # noqa: E402
-from harness import (  # noqa: E402  (sets up Prefect's environment first)
+from critical_path import dependencies, longest_chain, makespan
+from harness import (  # sets up Prefect's environment first
     RunSpec,
     fmt,
     machine,
@@ -66,11 +66,11 @@ from harness import (  # noqa: E402  (sets up Prefect's environment first)
     spread,
     table,
 )
-from latency_server import LatencyModel, LatencyServerProcess  # noqa: E402
+from latency_server import LatencyModel, LatencyServerProcess
 
-import clgrpo.sandbox as sandbox_module  # noqa: E402
-import tasks.rollout as rollout_module  # noqa: E402
-from clgrpo.store import Store  # noqa: E402
+import clgrpo.sandbox as sandbox_module
+import tasks.rollout as rollout_module
+from clgrpo.store import Store
 
 TAG_RE = re.compile(r"\[call (\d+)\]")
 _ROLLOUT: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("bench_rollout", default=None)

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in args.concurrency:
         for variant in args.variants:
             group = [r for r in runs if r["variant"] == variant and r["concurrency"] == concurrency]
-            pick = lambda key: fmt(spread([r[key] for r in group]), 2)  # noqa: E731
+            pick = lambda key, group=group: fmt(spread([r[key] for r in group]), 2)  # noqa: E731
             rows.append(
                 [
                     variant,

@@ -74,7 +74,7 @@ def clgrpo(*argv: str) -> float:
     """Run the CLI; its wall time in seconds (it must succeed)."""
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.cli", *argv],
+        [sys.executable, "-m", "clgrpo.app.cli", *argv],
         cwd=ROOT,
         text=True,
         capture_output=True,

@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clgrpo import metrics  # noqa: E402
-from clgrpo.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
+from clgrpo.app.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
+from clgrpo.app.llama_server import LlamaServer, build_server, find_binary  # noqa: E402
 from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
-from clgrpo.llama_server import LlamaServer, build_server, find_binary  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402

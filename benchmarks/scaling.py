@@ -111,7 +111,7 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
     ]
     rows = []
     for size, group in sorted(by_size.items()):
-        per = lambda key: spread([1000 * r[key] / size for r in group])  # noqa: E731
+        per = lambda key, size=size, group=group: spread([1000 * r[key] / size for r in group])  # noqa: E731
         rows.append(
             [
                 size,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import (  # noqa: E402  (sets up Prefect's environment first)
+from harness import (  # sets up Prefect's environment first
     RunSpec,
     fmt,
     machine,
@@ -28,7 +28,7 @@ from harness import (  # noqa: E402  (sets up Prefect's environment first)
     start_server,
     table,
 )
-from latency_server import LatencyModel  # noqa: E402
+from latency_server import LatencyModel
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,7 +110,7 @@ def report(runs: list[dict], args: argparse.Namespace, model: LatencyModel) -> N
     ]
     rows = []
     for (concurrency, design), group in sorted(cells.items()):
-        col = lambda key: spread([r[key] for r in group])  # noqa: E731
+        col = lambda key, group=group: spread([r[key] for r in group])  # noqa: E731
         own = [r["step_wall_s"] / r["ratio_own"] for r in group]
         rows.append(
             [

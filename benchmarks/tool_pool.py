@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from clgrpo.sandbox import PythonSandbox  # noqa: E402
-from schemas.config import SandboxConfig  # noqa: E402
+from clgrpo.sandbox import PythonSandbox
+from schemas.config import SandboxConfig
 
 CALL = "x = sum(range(1000)); print(x)"
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -38,9 +38,21 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
+@overload
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig: ...
+
+
+@overload
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, model: type[ConfigModel] = RunConfig
-) -> ConfigModel:  # type: ignore[assignment]
+    path: str | Path | None = None, overrides: list[str] | None = None, *, model: type[ConfigModel]
+) -> ConfigModel: ...
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, model: type[BaseModel] = RunConfig
+) -> BaseModel:
+    """The config at ``path`` (empty when None) with ``overrides`` applied, validated as ``model`` (the run
+    config unless told)."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

@@ -85,7 +85,8 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
     kwargs = {"gguf_file": location.gguf_file} if location.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
     dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(location.folder, dtype=dtype, **kwargs).to(device)
+    model_on_cpu = AutoModelForCausalLM.from_pretrained(location.folder, dtype=dtype, **kwargs)
+    base = model_on_cpu.to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() hides its signature
     if parent is not None:
         model = PeftModel.from_pretrained(base, parent, is_trainable=True)
     else:
@@ -93,7 +94,7 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
             base,
             LoraConfig(
                 r=settings.rank,
-                lora_alpha=settings.alpha,
+                lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft says int; scaling is alpha / r
                 lora_dropout=settings.dropout,
                 target_modules=settings.target_modules,
                 task_type="CAUSAL_LM",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ class NearDuplicates:
     that experience (its text kept, the add's source groups joined to it). ``vectors``: unit-length embeddings
     keyed by ``normalize_text`` of every text the batch may compare (the library's and the operations')."""
 
-    vectors: dict[str, Sequence[float]]
+    vectors: Mapping[str, Sequence[float]]
     threshold: float = 0.9
     mode: str = "reject"
 
@@ -209,7 +209,7 @@ class ExperienceLibrary:
     def __len__(self) -> int:
         return len(self._items)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Experience]:
         return iter(self._items)
 
     def __contains__(self, exp_id: object) -> bool:
@@ -313,11 +313,11 @@ class ExperienceLibrary:
         reason = batch.check_text(op.text, replacing=ids) or (batch.screen(op) if batch.screen else None)
         if reason:
             return reason, None
-        text = " ".join(op.text.split())  # type: ignore[union-attr]
+        text = " ".join(op.text.split())  # type: ignore[union-attr]  # check_text rejected a missing text
         if batch.near is not None and op.op in (OpKind.ADD, OpKind.MODIFY):
             found = batch.near.nearest(text, batch.live.values(), ignore=ids)
             if found is not None:
-                return self._near_duplicate(batch, op, found, seq)
+                return self._near_duplicate(batch, batch.near, op, found, seq)
         if op.op == OpKind.ADD:
             if max_size is not None and len(batch.live) >= max_size:
                 return f"library full: {len(batch.live)} experiences (limit {max_size})", None
@@ -330,13 +330,13 @@ class ExperienceLibrary:
 
     @staticmethod
     def _near_duplicate(
-        batch: _Batch, op: Operation, found: tuple[str, float], seq: int
+        batch: _Batch, near: NearDuplicates, op: Operation, found: tuple[str, float], seq: int
     ) -> tuple[str | None, str | None]:
         """Reject, or (mode "merge", an add) fold the add into its near-duplicate: the text stays, the sources
         join. The reason of an applied merge goes into the result through ``batch.notes``."""
         exp_id, similarity = found
-        where = f"{NEAR_DUPLICATE} of live experience {exp_id} (cosine {similarity:.3f} >= {batch.near.threshold:g})"
-        if batch.near.mode != "merge" or op.op != OpKind.ADD:
+        where = f"{NEAR_DUPLICATE} of live experience {exp_id} (cosine {similarity:.3f} >= {near.threshold:g})"
+        if near.mode != "merge" or op.op != OpKind.ADD:
             return where, None
         old = batch.live[exp_id]
         batch.live[exp_id] = old.model_copy(
@@ -404,7 +404,8 @@ class ExperienceLibrary:
         if total <= max_tokens:
             return self, []
         ranked = sorted(self._items, key=lambda e: (_confidence(stats.get(e.id)), e.created_step, _sort_key(e)))
-        evicted, results = set(), []
+        evicted: set[str] = set()
+        results: list[OperationResult] = []
         for exp in ranked:
             if total <= max_tokens:
                 break
@@ -495,7 +496,7 @@ class ExperienceLibrary:
         next_id = payload.get("next_id")
         if next_id is not None and not isinstance(next_id, int):
             raise LibraryFormatError(f"seed format: next_id must be an integer, got {next_id!r}")
-        return cls.from_mapping(payload["experiences"], next_id=next_id)  # type: ignore[arg-type]
+        return cls.from_mapping(payload["experiences"], next_id=next_id)  # type: ignore[arg-type]  # it checks the shape
 
     @classmethod
     def from_prompt_text(cls, text: str) -> "ExperienceLibrary":

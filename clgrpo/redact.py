@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # (kind, pattern): group 1 is kept (a prefix such as "Bearer " or "key="), the rest of the match is replaced;
@@ -36,6 +37,11 @@ PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 EMAIL = ("email", re.compile(r"()\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b"))
 
 
+def _marked(kind: str) -> Callable[[re.Match[str]], str]:
+    """The replacement of one kind's match: its kept prefix (group 1), then the marker."""
+    return lambda match: f"{match.group(1)}[REDACTED:{kind}]"
+
+
 @dataclass
 class Redactor:
     """Replaces secrets in the texts it is given and counts them by kind (never keeping the secret)."""
@@ -49,7 +55,7 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         for kind, pattern in PATTERNS + ([EMAIL] if self.emails else []):
-            text, n = pattern.subn(lambda m, kind=kind: f"{m.group(1)}[REDACTED:{kind}]", text)
+            text, n = pattern.subn(_marked(kind), text)
             self.counts[kind] += n
         return text
 

@@ -29,12 +29,13 @@ def prompt_routing(config: RunConfig) -> dict[str, Any] | None:
     settings = config.library
     routing: dict[str, Any] = {}
     if settings.injection == "top_k":
+        shaping = settings.result_settings() or {}  # never empty here: top_k is not the default injection
         routing = {
             "injection": "top_k",
             "top_k": settings.top_k,
             "pinned": settings.pinned,
-            "embedding": settings.result_settings()["embedding"],
-        }  # type: ignore[index]
+            "embedding": shaping["embedding"],
+        }
     if config.dataset.domain_field:
         routing["domain_field"] = config.dataset.domain_field
     return routing or None
@@ -61,7 +62,7 @@ def select_experiences(
         return None
     pinned_live = [i for i in pinned if i in library]
     shown: Shown = {}
-    for tag, members in _by_tag(problems).items():
+    for members in _by_tag(problems).values():
         candidates = [e for e in library if eligible(e, members[0]) and e.id not in pinned_live]
         if top_k is None or len(candidates) <= top_k:
             picked = {p.problem_id: [e.id for e in candidates] for p in members}

@@ -377,9 +377,10 @@ def conclude(
     library_ref = None
     if any(d.adopted for d in decisions):
         pending = request.pending
-        candidate = library_at(store, pending.candidate_ref or "none")
+        candidate_ref = pending.candidate_ref or "none"
+        candidate = library_at(store, candidate_ref)
         library = reviewed_library(library_at(store, pending.baseline_ref), candidate, decisions)
-        library_ref = pending.candidate_ref
+        library_ref = candidate_ref
         if library.content_hash() != candidate.content_hash():  # not every change as proposed: its own version
             store.save_library(f"{request.refresh_id}-review", library)
             library_ref = f"{request.refresh_id}-review:{library.version}"

@@ -68,7 +68,10 @@ def holder(db_path: str | os.PathLike[str], kind: str, name: str) -> Holder | No
 
 def locked_message(kind: str, name: str, found: Holder) -> str:
     pid = found.pid if found.pid is not None else "?"
-    return f"{_WHAT[kind].format(name=name)} by process {pid} (started {found.started}); wait for it or stop it (kill {pid})"
+    return (
+        f"{_WHAT[kind].format(name=name)} by process {pid} (started {found.started}); "
+        f"wait for it or stop it (kill {pid})"
+    )
 
 
 def refuse_if_running(db_path: str | os.PathLike[str], kind: str, name: str) -> None:

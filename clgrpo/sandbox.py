@@ -85,6 +85,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 from clgrpo.leftovers import owner_env, temp_prefix
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+    from types import TracebackType
+
     from schemas.config import SandboxConfig
 
 __all__ = ["PythonSandbox", "PythonSession", "RunResult", "SandboxUnavailable", "check_isolation", "sandbox_for"]
@@ -314,6 +317,24 @@ class _Interp:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def process(self) -> asyncio.subprocess.Process:
+        """The worker process, which start() created."""
+        assert self.proc is not None, "the interpreter was not started"
+        return self.proc
+
+    @property
+    def channel(self) -> asyncio.StreamReader:
+        """The reply channel, which start() opened."""
+        assert self.reader is not None, "the interpreter was not started"
+        return self.reader
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop start() ran in, which watches the output pipe."""
+        assert self.loop is not None, "the interpreter was not started"
+        return self.loop
+
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()
         res_r, res_w = os.pipe()
@@ -343,10 +364,10 @@ class _Interp:
             os.close(out_w)
         self.out_fd = out_r
         os.set_blocking(out_r, False)
-        loop.add_reader(out_r, self._on_output)
-        self.reader = asyncio.StreamReader()
+        loop.add_reader(out_r, self._on_output, out_r)
+        self.reader = reader = asyncio.StreamReader()
         self.transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(self.reader), os.fdopen(res_r, "rb", buffering=0)
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(res_r, "rb", buffering=0)
         )
         try:
             ready = await asyncio.wait_for(self.recv(), START_TIMEOUT_S)
@@ -377,19 +398,21 @@ class _Interp:
 
     async def send(self, message: dict) -> None:
         data = json.dumps(message).encode()
+        stdin = self.process.stdin
+        assert stdin is not None, "started with stdin=PIPE"
         try:
-            self.proc.stdin.write(struct.pack(">I", len(data)) + data)
-            await self.proc.stdin.drain()
+            stdin.write(struct.pack(">I", len(data)) + data)
+            await stdin.drain()
         except (ConnectionError, RuntimeError, OSError) as exc:
             raise _ChannelError(f"command channel closed: {exc}", eof=True) from None
 
     async def recv(self) -> dict:
         try:
-            head = await self.reader.readexactly(4)
+            head = await self.channel.readexactly(4)
             size = struct.unpack(">I", head)[0]
             if size > MAX_REPLY:
                 raise _ChannelError(f"reply of {size} bytes")
-            reply = json.loads(await self.reader.readexactly(size))
+            reply = json.loads(await self.channel.readexactly(size))
         except asyncio.IncompleteReadError:
             raise _ChannelError("the interpreter closed its reply channel", eof=True) from None
         except ValueError as exc:
@@ -404,17 +427,17 @@ class _Interp:
             self.out += chunk[:room]
         self.out_dropped += max(0, len(chunk) - max(room, 0))
 
-    def _on_output(self, max_reads: int = 16) -> bool:
-        """Read what the pipe holds (at most ``max_reads`` chunks). Returns False at end of file."""
+    def _on_output(self, fd: int, max_reads: int = 16) -> bool:
+        """Read what the output pipe ``fd`` holds (at most ``max_reads`` chunks). Returns False at end of file."""
         for _ in range(max_reads):
             try:
-                chunk = os.read(self.out_fd, 1 << 16)
+                chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
                 return True
             except OSError:
                 chunk = b""
             if not chunk:
-                self.loop.remove_reader(self.out_fd)
+                self.event_loop.remove_reader(fd)
                 return False
             self._keep(chunk)
         return True
@@ -422,7 +445,7 @@ class _Interp:
     def drain(self) -> None:
         """Everything written to fds 1/2 before now (bounded: a thread that writes forever cannot stall us)."""
         if self.out_fd is not None and not self.closed:
-            self._on_output(max_reads=256)
+            self._on_output(self.out_fd, max_reads=256)
 
     def take_output(self) -> tuple[str, int]:
         """The output since the last call as text, and its length counting what was dropped."""
@@ -435,7 +458,7 @@ class _Interp:
     def cpu_s(self) -> float | None:
         """CPU time of the process (all threads) from /proc; None if it cannot be read."""
         try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
@@ -456,7 +479,7 @@ class _Interp:
         self.drain()
         self.closed = True
         if self.out_fd is not None:
-            self.loop.remove_reader(self.out_fd)
+            self.event_loop.remove_reader(self.out_fd)
             os.close(self.out_fd)
         if self.transport is not None:
             self.transport.close()
@@ -479,7 +502,9 @@ def _rmtree(directory: str) -> None:
     if not os.path.lexists(root):
         return
 
-    def retry(func, path, exc_info):
+    def retry(
+        func: Callable[[str], object], path: str, exc_info: tuple[type[BaseException], BaseException, TracebackType]
+    ) -> None:
         if isinstance(exc_info[1], FileNotFoundError):
             return
         with contextlib.suppress(OSError):
@@ -512,7 +537,7 @@ class PythonSession:
             interp = self._interp
             if interp is not None:
                 self._pool._busy(interp)
-                if interp.stopped_idle or interp.proc.returncode is not None:  # died since the last call
+                if interp.stopped_idle or interp.process.returncode is not None:  # died since the last call
                     return await self._died_between_calls(interp)
             if interp is None:
                 if self._dir is None:
@@ -573,7 +598,7 @@ class PythonSession:
                 killed = "the interpreter's reply channel was corrupted: it was restarted, variables are lost"
             else:  # the process is exiting: let it finish, so its own exit status is reported, not our kill
                 try:
-                    await asyncio.wait_for(interp.proc.wait(), 2.0)
+                    await asyncio.wait_for(interp.process.wait(), 2.0)
                 except asyncio.TimeoutError:
                     killed = "the interpreter closed its reply channel: it was restarted, variables are lost"
         wall_s = time.monotonic() - start
@@ -592,7 +617,7 @@ class PythonSession:
         cpu_seen = interp.cpu_s() or cpu_seen
         await interp.close()
         if killed is None:
-            killed = self._death(interp.proc.returncode)
+            killed = self._death(interp.process.returncode)
         text, total = interp.take_output()
         return self._result(text, total, killed, restarted=True, cpu_s=max(0.0, cpu_seen - cpu_start), wall_s=wall_s)
 
@@ -633,7 +658,7 @@ class PythonSession:
         self._interp = None
         await interp.close()
         text, total = interp.take_output()
-        error = self._death(interp.proc.returncode, interp.stopped_idle) + " (the code was not run)"
+        error = self._death(interp.process.returncode, interp.stopped_idle) + " (the code was not run)"
         await self._pool._release(interp)
         return self._result(text, total, error, restarted=True, cpu_s=0.0, wall_s=0.0)
 
@@ -861,7 +886,7 @@ class PythonSandbox:
                     interp.kill()
                     self._between_calls.pop(interp, None)
 
-    def _background(self, coro) -> None:
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -477,7 +477,7 @@ class State:
     cells = 0
 
 
-def _on_sigprof(signum, frame):
+def _on_sigprof(signum: int, frame: types.FrameType | None) -> None:
     if State.mode == "user":
         raise CpuLimitExceeded(f"CPU time limit of {State.cpu_s:g}s exceeded")
 
@@ -496,7 +496,7 @@ def _one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _cell_line(tb, filename: str) -> int | None:
+def _cell_line(tb: types.TracebackType | None, filename: str) -> int | None:
     line = None
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == filename:
@@ -543,8 +543,9 @@ def run_cell(code: str, ns: dict, out: CapturedStream) -> str | None:
     try:
         tree = ast.parse(code, filename, "exec")
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(final.value)
         body = compile(tree, filename, "exec")
         tail = compile(last, filename, "eval") if last is not None else None
     except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as exc:
@@ -561,7 +562,7 @@ def run_cell(code: str, ns: dict, out: CapturedStream) -> str | None:
         if tail is not None:
             value = eval(tail, ns)
             if value is not None:
-                builtins._ = value
+                builtins.__dict__["_"] = value  # the REPL's last value
                 out.write(repr(value) + "\n")
         return None
     except CpuLimitExceeded as exc:
@@ -663,7 +664,8 @@ def bind(msg: dict) -> str:
 
 def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    faulthandler.enable(file=sys.__stderr__)  # a crash leaves "Fatal Python error: ..." in the output
+    if sys.__stderr__ is not None:  # the parent always gives one
+        faulthandler.enable(file=sys.__stderr__)  # a crash leaves "Fatal Python error: ..." in the output
     signal.signal(signal.SIGPROF, _on_sigprof)
     send({"ready": os.getpid()})
     msg = recv()
@@ -679,7 +681,7 @@ def main() -> None:
     sys.stderr = CapturedStream(capture, "<stderr>")
     # the cells' namespace is a fresh __main__ module (pickle, dataclasses and `import __main__` find it)
     main_module = types.ModuleType("__main__")
-    main_module.__builtins__ = builtins
+    main_module.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main_module
     ns = main_module.__dict__
     send({"ok": applied})

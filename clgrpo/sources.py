@@ -14,17 +14,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Protocol
 
 import duckdb
 import pandas as pd
 
+from clgrpo.dataset import LoadReport
 from clgrpo.traces import Reject, TraceRead, read_traces
-from domains.base import Domain
 from schemas.config import DatasetConfig, RefreshSource
 from schemas.records import Problem, RefreshInput, RefreshReject, RefreshWatermark, text_hash
 
 Query = Callable[[str, Sequence[object]], pd.DataFrame]
 DATASET_SUFFIXES = {".jsonl", ".json", ".csv", ".parquet"}
+
+
+class DatasetLoader(Protocol):
+    """What reading a source needs of the run's domain plug-in (``domains.Domain`` has it): its dataset loader.
+    A domain may also read a production reply's final answer (``reply_answer(output)``, looked up by name)."""
+
+    def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]: ...
 
 
 class SourceError(ValueError):
@@ -58,7 +66,7 @@ def _dataset(source: RefreshSource, path: Path) -> DatasetConfig:
 
 
 # --- reading ---------------------------------------------------------------------------------------------
-def directory_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime) -> list[Arrival]:
+def directory_arrivals(source: RefreshSource, domain: DatasetLoader, cutoff: datetime) -> list[Arrival]:
     """Problems of the dataset files in ``source.path`` modified up to ``cutoff`` (at their file's mtime)."""
     folder = Path(source.path)
     if not folder.is_dir():
@@ -79,7 +87,7 @@ def directory_arrivals(source: RefreshSource, domain: Domain, cutoff: datetime) 
 
 
 def table_arrivals(
-    source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path, query: Query | None = None
+    source: RefreshSource, domain: DatasetLoader, cutoff: datetime, scratch: Path, query: Query | None = None
 ) -> list[Arrival]:
     """Rows of ``source.table`` whose ``timestamp_column`` is at most ``cutoff``. ``query`` runs SQL on the
     source database when the caller already holds it open (the refresh's own DuckDB file)."""
@@ -122,7 +130,7 @@ def table_arrivals(
 
 
 def read_arrivals(
-    source: RefreshSource, domain: Domain, cutoff: datetime, scratch: Path, query: Query | None = None
+    source: RefreshSource, domain: DatasetLoader, cutoff: datetime, scratch: Path, query: Query | None = None
 ) -> list[Arrival]:
     cutoff = _as_utc(cutoff)
     if source.kind == "directory":
@@ -244,7 +252,7 @@ def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, 
 
 def select_traces(
     source: RefreshSource,
-    domain: Domain,
+    domain: DatasetLoader,
     cutoff: datetime,
     consumed: set[str],
     after: datetime | None,

@@ -193,7 +193,9 @@ class _Scope:
     (Prefect's flow engine replaces SIGTERM's with its own; it gets it back on exit)."""
 
     def __init__(self) -> None:
-        self.target = _Target(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
+        task = asyncio.current_task()
+        assert task is not None, "a stop scope is entered inside a task"
+        self.target = _Target(asyncio.get_running_loop(), task)
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> "_Scope":

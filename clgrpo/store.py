@@ -21,16 +21,17 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import duckdb
 import numpy as np
 import pandas as pd
 import pandera.pandas as pa
+from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
 from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, RunConfig
@@ -87,6 +88,7 @@ class StoreLockedError(StoreError):
 
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 WRITE_WAIT_S = 60.0  # how long a write-mode Store waits for another process to let go of the file
 READ_WAIT_S = 10.0  # the same for read-only Stores (CLI commands): a write holds the file for milliseconds
@@ -254,7 +256,7 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
 
 
 # --- rows -> records -----------------------------------------------------------------------------------
-def _fields(model: type, row: dict, skip: tuple[str, ...] = ()) -> dict:
+def _fields(model: type[BaseModel], row: dict, skip: tuple[str, ...] = ()) -> dict:
     """The row's values of the model's fields; a NULL in a column added after a row was written (the field
     has a non-None default) takes the default."""
     out = {}
@@ -387,11 +389,17 @@ def _describe_failures(table: str, exc: pa.errors.SchemaErrors, limit: int = 10)
     return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
 
 
-def _connected(method: Callable[..., T]) -> Callable[..., T]:
+def _aggregate(row: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """The one row of an aggregate query (``count(*)``, ``max()``), which DuckDB always returns."""
+    assert row is not None, "an aggregate query returns one row"
+    return row
+
+
+def _connected(method: Callable[Concatenate[Store, P], T]) -> Callable[Concatenate[Store, P], T]:
     """A public method that works on the file: attached for the call (reusing an attachment already open)."""
 
     @functools.wraps(method)
-    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> T:
+    def wrapper(self: Store, *args: P.args, **kwargs: P.kwargs) -> T:
         with self.connected():
             return method(self, *args, **kwargs)
 
@@ -453,16 +461,18 @@ class Store:
             self._memory = duckdb.connect(":memory:")  # ~10 ms, once: DuckDB's own start-up
         mode = " (READ_ONLY)" if self.read_only else ""
         path = str(self.path).replace("'", "''")
-        retry_while_locked(lambda: self._memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"), self.path, self.wait_s)
-        self._memory.execute(f"USE {_ALIAS}")
+        memory = self._memory
+        retry_while_locked(lambda: memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"), self.path, self.wait_s)
+        memory.execute(f"USE {_ALIAS}")
         if not self._schema_ready:
             self._create_schema()
 
     def _create_schema(self) -> None:
         try:
+            memory = self._connection()
             for statement in create_statements():
-                self._memory.execute(statement)
-            self._memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
+                memory.execute(statement)
+            memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
         except BaseException:
             self._detach()
             raise
@@ -526,7 +536,7 @@ class Store:
         columns = list(FRAMES[table].to_schema().columns)
         return self.validate(table, pd.DataFrame(rows, columns=columns))
 
-    def write_stage(self, run_id: str, step: int, stage: str, outputs: dict[str, Sequence[Any]]) -> int:
+    def write_stage(self, run_id: str, step: int, stage: str, outputs: Mapping[str, Sequence[Any]]) -> int:
         """Replace the rows of (run_id, step, stage) in every given table and mark the stage complete,
         atomically. All frames are validated before anything is touched."""
         unknown = set(outputs) - set(STAGE_TABLES)
@@ -587,7 +597,8 @@ class Store:
 
     @_connected
     def frame(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
-        where, params = ["run_id = ?"], [run_id]
+        where: list[str] = ["run_id = ?"]
+        params: list[str | int] = [run_id]
         for column, value in (("step", step), ("stage", stage)):
             if value is not None:
                 where.append(f"{column} = ?")
@@ -658,24 +669,25 @@ class Store:
         """Record a run's config; True if new (or restarted). The same run id with another config is refused
         once the run has completed a step; before that, the run's rows are removed and it starts afresh with
         the new config (fixing a dataset path after a failed first attempt needs no new run id)."""
-        row = self.con.execute("SELECT fingerprint, config_json FROM runs WHERE run_id = ?", [cfg.run_id]).fetchone()
+        run_id = cfg.require_run_id()
+        row = self.con.execute("SELECT fingerprint, config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is not None and row[0] == cfg.fingerprint():
             return False
         if row is not None and _refingerprint(row[1]) == cfg.fingerprint():
             # stored before the fingerprint left out a setting (e.g. base_url): the same run, keep its new key
-            self.con.execute("UPDATE runs SET fingerprint = ? WHERE run_id = ?", [cfg.fingerprint(), cfg.run_id])
+            self.con.execute("UPDATE runs SET fingerprint = ? WHERE run_id = ?", [cfg.fingerprint(), run_id])
             return False
         if row is not None:
-            if self.steps_done(cfg.run_id):
+            if self.steps_done(run_id):
                 raise ConfigMismatchError(_mismatch_message(cfg, json.loads(row[1])))
-            self.delete_run(cfg.run_id)
+            self.delete_run(run_id)
         now = utcnow()
         frame = self.validate(
             "runs",
             pd.DataFrame(
                 [
                     {
-                        "run_id": cfg.run_id,
+                        "run_id": run_id,
                         "fingerprint": cfg.fingerprint(),
                         "config_json": cfg.model_dump_json(),
                         "created_at": now,
@@ -702,14 +714,16 @@ class Store:
         row = self.con.execute(
             "SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0", [run_id, CHECKPOINT_STAGE]
         ).fetchone()
-        return int(row[0])
+        return int(_aggregate(row)[0])
 
     def delete_run(self, run_id: str) -> dict[str, int]:
         """Remove every row of ``run_id`` from every table, in one transaction: rows removed per table."""
         removed: dict[str, int] = {}
         with self._transaction():
             for table in RUN_TABLES:
-                count = self.con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]
+                count = _aggregate(
+                    self.con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()
+                )[0]
                 if count:
                     self.con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
                     removed[table] = int(count)

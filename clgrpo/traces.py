@@ -35,16 +35,15 @@ Query = Callable[[str, Sequence[object]], pd.DataFrame]
 AnswerReader = Callable[[str], "str | None"]
 MAX_PROBLEM_CHARS = DatasetConfig.model_fields["max_problem_chars"].default  # what training will accept
 MAX_ANSWER_CHARS = DatasetConfig.model_fields["max_answer_chars"].default
-THUMBS = {
-    1: True,
+THUMBS: dict[object, bool] = {
+    1: True,  # also JSON true (True == 1)
     -1: False,
     "+1": True,
     "-1": False,
     "1": True,
     "up": True,
     "down": False,
-    True: True,
-    False: False,
+    False: False,  # JSON false (and, as False == 0, a 0)
     "true": True,
     "false": False,
 }

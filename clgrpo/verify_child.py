@@ -113,5 +113,5 @@ def grade_one(output: str, answer: str, timeout_s: float) -> VerifyResult:
             return VerifyResult(0.0, extracted, f"cannot parse the reference answer {answer!r}", verified=False)
         correct = verify(gold, predicted, timeout_seconds=None)
         return VerifyResult(1.0 if correct else 0.0, extracted, None)
-    except Exception as exc:  # math-verify swallows most errors itself; this is the backstop
+    except Exception as exc:  # noqa: BLE001 - math-verify swallows most errors itself; this is the backstop
         return VerifyResult(0.0, None, f"verify error: {type(exc).__name__}: {exc}", verified=False)

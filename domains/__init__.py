@@ -1,4 +1,8 @@
-"""Domains are plug-ins: dataset loading, verification, prompt templates and optional tools."""
+"""Domains are plug-ins: dataset loading, verification, prompt templates and optional tools.
+
+The protocol they implement is in ``domains/base.py``; ``get_domain`` finds one by name among the installed
+plug-ins (entry point group ``clgrpo.domains``, ``domains/registry.py``).
+"""
 
 from domains.base import (
     Domain,
@@ -7,9 +11,8 @@ from domains.base import (
     ToolFailure,
     ToolOutput,
     VerifyResult,
-    get_domain,
-    register_domain,
 )
+from domains.registry import UnknownDomainError, get_domain, installed_domains, register_domain
 
 __all__ = [
     "Domain",
@@ -17,7 +20,9 @@ __all__ = [
     "ToolContext",
     "ToolFailure",
     "ToolOutput",
+    "UnknownDomainError",
     "VerifyResult",
     "get_domain",
+    "installed_domains",
     "register_domain",
 ]

@@ -1,4 +1,4 @@
-"""The Domain protocol: what a domain plug-in supplies to the pipeline."""
+"""The Domain protocol: what a domain plug-in supplies to the pipeline (found by name: ``domains/registry.py``)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from clgrpo.verify_child import VerifyResult  # noqa: F401 - re-exported: domains grade with it
+from clgrpo.dataset import LoadReport
+from clgrpo.verify_child import VerifyResult
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
 from schemas.records import Problem
 
 Message = dict[str, Any]
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What loading a dataset kept and dropped (nothing is dropped without a count)."""
-
-    source: str
-    n_rows: int  # valid rows read
-    n_duplicates_dropped: int  # rows whose normalized problem text repeats an earlier row
-    n_after_limit: int  # problems returned
-    dropped_ids: tuple[str, ...] = ()  # ids of the dropped duplicates
-    n_oversize_skipped: int = 0  # rows left out for a problem or answer over the size limits (oversize: skip)
-    oversize_ids: tuple[str, ...] = ()  # ids of those rows
 
 
 @dataclass(frozen=True)
@@ -116,20 +104,3 @@ class Domain(Protocol):
         """Start whatever verification needs, in the background; returns at once. Optional: callers use
         ``getattr(domain, "warm", None)``, so a domain without it still works."""
         ...
-
-
-_REGISTRY: dict[str, Callable[[], Domain]] = {}
-
-
-def register_domain(name: str, factory: Callable[[], Domain]) -> None:
-    _REGISTRY[name] = factory
-
-
-def get_domain(name: str) -> Domain:
-    if name not in _REGISTRY and name == "math":
-        import domains.math  # noqa: F401  (registers itself)
-    if name not in _REGISTRY and name == "web":
-        import domains.web  # noqa: F401  (registers itself)
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown domain {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()

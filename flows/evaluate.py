@@ -42,7 +42,6 @@ from clgrpo.errors import EvaluationError
 from clgrpo.journal import RunJournal, recording
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
-from clgrpo.preflight import check_policy
 from clgrpo.report import (
     collect_run,
     evaluation_markdown,
@@ -64,6 +63,7 @@ from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
+from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -216,7 +216,7 @@ def eval_fingerprint(
 ) -> str:
     """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
     ``legacy``: as stored before the transport fields were left out (read back, never written)."""
-    payload = {
+    payload: dict[str, Any] = {
         "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
         # the tag column counts through the problems' tags (below)
@@ -371,10 +371,11 @@ async def publish_evaluation(
 async def publish_run_report(store: Store, config: RunConfig) -> dict[str, Path]:
     """The step table as a markdown artifact; with ``config.plots`` also the run's plots (accuracy with CI,
     library size, tokens/cost per step) as PNGs next to the run's exported libraries and as image artifacts."""
-    data = collect_run(store, config.run_id)
+    run_id = config.require_run_id()
+    data = collect_run(store, run_id)
     await acreate_markdown_artifact(
         markdown_table(step_table(data)),
-        key=artifact_key(config.run_id, "learning-curve"),
+        key=artifact_key(run_id, "learning-curve"),
         description="Per step: accuracy and held-out Mean@k with CIs, library, cost",
     )
     if not config.plots:
@@ -384,8 +385,8 @@ async def publish_run_report(store: Store, config: RunConfig) -> dict[str, Path]
     for name, png in images.items():
         await acreate_image_artifact(
             plots.data_uri(png),
-            key=artifact_key(config.run_id, f"plot-{name}"),
-            description=f"{config.run_id}: {name.replace('_', ' ')} per step",
+            key=artifact_key(run_id, f"plot-{name}"),
+            description=f"{run_id}: {name.replace('_', ' ')} per step",
         )
     get_run_logger().info("plots written to %s", files["accuracy"].parent)
     return files

@@ -39,7 +39,6 @@ from clgrpo import stopping
 from clgrpo.adopt import adoptions
 from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
-from clgrpo.preflight import check_refresh
 from clgrpo.report import markdown_table
 from clgrpo.review import ReviewPendingError, library_at, settle_expired
 from clgrpo.run_lock import RunLock
@@ -54,6 +53,7 @@ from schemas.config import DatasetConfig, RefreshConfig, RunConfig
 from schemas.ddl import REFRESH_DECIDE_STAGE, REFRESH_GATE_STAGE, REFRESH_SELECT_STAGE
 from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
 from tasks.common import artifact_key
+from tasks.preflight import check_refresh
 
 METRIC_LABELS = {"mean_at_k": "Mean@k", "pass_at_k": "Pass@k"}
 
@@ -439,7 +439,9 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                 ),
             )
         fields = await train_and_compare(config, refresh_id, inputs, baseline)
-        fields["reasons"] = [*fields["reasons"], *notes]  # type: ignore[misc]
+        reasons = fields["reasons"]
+        assert isinstance(reasons, list), "train_and_compare gives a list of reasons"
+        fields["reasons"] = [*reasons, *notes]
         decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)
         if decision.promoted:
             decision = await promote(config, decision, baseline.library, inputs, work_dir(config))

@@ -20,13 +20,14 @@ import os
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import fsspec
 from prefect import flow, get_client, get_run_logger
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
-from prefect.client.schemas.responses import SetStateStatus
+from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
 from prefect.deployments.flow_runs import arun_deployment
 from prefect.states import Cancelling, Scheduled
 
@@ -215,7 +216,7 @@ async def start_or_rerun_child(
             get_run_logger().warning(
                 "child run %s (%s) %s in an earlier attempt: running it again", child.name, child.id, why
             )
-            result = await client.set_flow_run_state(
+            result: OrchestrationResult[Any] = await client.set_flow_run_state(
                 child.id, Scheduled(message="re-run by its retried parent"), force=True
             )
             if result.status != SetStateStatus.ACCEPT:

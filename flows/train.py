@@ -36,7 +36,6 @@ from clgrpo.journal import RunJournal, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError
 from clgrpo.llm.local import release_engines
-from clgrpo.preflight import check_run
 from clgrpo.quality import describe_quality, library_quality
 from clgrpo.retrieval import route_library
 from clgrpo.run_lock import RunLock
@@ -84,6 +83,7 @@ from tasks.load_dataset import load_dataset_task
 from tasks.numeric_update import STAGE as NUMERIC_UPDATE
 from tasks.numeric_update import numeric_inputs, numeric_update_task
 from tasks.pipeline import PipelineBatch, pipeline_task
+from tasks.preflight import check_run
 from tasks.rollout import STAGE as ROLLOUT
 from tasks.rollout import rollout_task
 from tasks.summarize import STAGE as SUMMARIZE

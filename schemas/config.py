@@ -551,6 +551,12 @@ class RunConfig(Section):
     def learner_model(self) -> ModelConfig:
         return self.learner or self.policy
 
+    def require_run_id(self) -> str:
+        """The run id, which the run sets when it starts (a config file may leave it out)."""
+        if self.run_id is None:
+            raise ValueError("the config has no run_id yet: the run sets one when it starts")
+        return self.run_id
+
     def fingerprint(self) -> str:
         """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
         the first release count only when changed from their default, so older runs keep their fingerprint."""
@@ -620,7 +626,7 @@ class TrainingTemplate(RunConfig):
     """The training settings of a refresh: a run config whose run id, dataset, initial library and
     ``grpo.max_steps`` each refresh sets (the dataset may be left out)."""
 
-    dataset: DatasetConfig | None = None  # type: ignore[assignment]
+    dataset: DatasetConfig | None = None  # type: ignore[assignment]  # optional here: each refresh sets it
 
 
 class RefreshConfig(Section):

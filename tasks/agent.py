@@ -35,33 +35,13 @@ from typing import Any, Literal
 from clgrpo.llm import LLMClient
 from clgrpo.llm.backends import ToolCall, ToolsRefused
 from clgrpo.llm.client import LLMCallError
+from clgrpo.prompts.agent import LAST_TURN_NOTE, TOOL_RESULT_TEMPLATE, agent_messages
+from clgrpo.prompts.attempts import clip
 from domains.base import Message, Tool, ToolContext, ToolFailure, ToolOutput
-from domains.learner import clip
 from schemas.config import AgentConfig
 from schemas.records import LLMCall, Rollout, Turn
 
 Protocol = Literal["tools", "text"]
-
-TOOLS_INSTRUCTIONS = """
-You can use tools while you work: {tool_list}.
-Call a tool whenever computing or checking something is more reliable than doing it by hand; you get its result
-before you continue. You have at most {max_turns} replies in all. When you are done, reply without calling a
-tool and give your final answer in the required format."""
-
-TEXT_INSTRUCTIONS = """
-You can use tools while you work:
-{tool_docs}
-To call a tool, end your reply with exactly one action and stop writing; you get its result in a
-<tool_result> block before you continue. {action_forms}
-You have at most {max_turns} replies in all. When you are done, reply without an action and give your final
-answer in the required format."""
-
-FENCED_FORM = "For {name}, write the {argument} in a fenced block:\n```{name}\n...\n```"
-TAG_FORM = 'Any tool: <tool name="NAME">{{"argument": "value"}}</tool> with its arguments as a JSON object.'
-LAST_TURN_NOTE = (
-    "This is your last reply: tools can no longer be used. Give your final answer now, in the required format."
-)
-TOOL_RESULT_TEMPLATE = '<tool_result name="{name}">\n{text}\n</tool_result>'
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_-]+)[ \t]*\n(.*?)```", re.DOTALL)
 _TAG_RE = re.compile(r'<tool\s+name\s*=\s*"([^"]+)"\s*>(.*?)</tool>', re.DOTALL)
@@ -116,29 +96,7 @@ class AgentOutcome:
     calls: list[LLMCall] = field(default_factory=list)
 
 
-# --- prompts --------------------------------------------------------------------------------------------
-def agent_messages(messages: list[Message], tools: list[Tool], protocol: Protocol, max_turns: int) -> list[Message]:
-    """The domain's rollout messages with the tool instructions added to its system message (problem-
-    independent, so the shared prompt prefix stays shared)."""
-    if protocol == "tools":
-        extra = TOOLS_INSTRUCTIONS.format(tool_list=", ".join(t.name for t in tools), max_turns=max_turns)
-    else:
-        docs = "\n".join(
-            f"- {t.name}: {t.description} Arguments (JSON schema): {json.dumps(t.parameters)}" for t in tools
-        )
-        forms = [FENCED_FORM.format(name=t.name, argument=t.text_argument) for t in tools if t.text_argument]
-        extra = TEXT_INSTRUCTIONS.format(
-            tool_docs=docs, action_forms="\n".join([*forms, TAG_FORM]), max_turns=max_turns
-        )
-    out = [dict(m) for m in messages]
-    system = next((m for m in out if m.get("role") == "system"), None)
-    if system is None:
-        out.insert(0, {"role": "system", "content": extra.strip()})
-    else:
-        system["content"] = f"{system['content']}\n{extra}"
-    return out
-
-
+# --- tool results ------------------------------------------------------------------------------------
 def result_text(output: ToolOutput) -> str:
     """The text a tool result stands for: its output, then its error line."""
     error = f"Error: {output.error}" if output.error else ""
@@ -326,7 +284,7 @@ class AgentLoop:
             return await tool.run(action.arguments, context)
         except ToolFailure:
             raise
-        except Exception as exc:  # a tool's own bug or bad arguments: the model sees it, the rollout goes on
+        except Exception as exc:  # noqa: BLE001 - a tool's own bug or bad arguments: the model sees it, the rollout goes on
             return ToolOutput("", error=f"{action.name} failed: {type(exc).__name__}: {exc}")
 
     def rollout(self, base: dict[str, Any], error: str | None = None) -> Rollout:

@@ -45,7 +45,7 @@ def stage_task(name: str, *, run_name: str) -> Callable[[F], F]:
     """The @task decorator every stage uses: named task runs (visible in the Prefect UI), no persisted or
     cached results (see the module notes), nothing kept in Prefect's in-memory result cache either, so a long
     run's memory stays flat (benchmarks/REPORT.md)."""
-    return task(  # type: ignore[return-value]
+    return task(  # type: ignore[return-value]  # a stage's Task is called like its function
         name=name,
         task_run_name=run_name,
         persist_result=False,

@@ -1,8 +1,8 @@
 """Stage: turn all group proposals of a step into one final plan of operations.
 
 With ``learning.consolidation: passthrough`` the group proposals are the plan, after de-duplication (no
-learner call). Otherwise up to ``consolidate_chunk_size`` proposals go to one learner call. Beyond that the proposals are
-consolidated hierarchically: one call per chunk, then a final pass over the chunk plans (a single giant call
+learner call). Otherwise up to ``consolidate_chunk_size`` proposals go to one learner call. Beyond that the proposals
+are consolidated hierarchically: one call per chunk, then a final pass over the chunk plans (a single giant call
 degrades). Every plan, intermediate or final, is returned as a ``Proposal`` record (group_id ``chunk-N`` or
 ``final``); a final plan that cannot be parsed even after the repair re-ask yields no operations and is kept
 with its raw text and error. A failed learner call fails the stage (a retry resumes here).

@@ -25,18 +25,9 @@ from clgrpo.journal import StageItems
 from clgrpo.library import ExperienceLibrary, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast
+from clgrpo.prompts.attempts import Attempt, clip, tool_trace, trajectory_text
 from domains import get_domain
-from domains.learner import (
-    GROUP_KINDS,
-    Attempt,
-    LearnerPrompts,
-    LessonScreen,
-    clip,
-    contrast_schema,
-    operations_schema,
-    tool_trace,
-    trajectory_text,
-)
+from domains.learner import GROUP_KINDS, LearnerPrompts, LessonScreen, contrast_schema, operations_schema
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import (
     GroupAdvantage,

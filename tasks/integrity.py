@@ -82,9 +82,10 @@ def failed_items(stage: str, outputs: dict[str, list[Any]]) -> FailedItems | Non
 def stage_failed_message(items: FailedItems, step: int, tolerance: float, run_id: str) -> str:
     cause = (items.first_cause or "").replace("\n", " ")
     cause = cause if len(cause) <= 300 else cause[:300] + "..."
+    setting = "validation" if items.stage == VALIDATE_STAGE else items.stage  # tolerance.max_failed_fraction.*
     return (
         f"step {step} {items.stage}: {items.describe()}, over the tolerance of {tolerance:.0%} "
-        f"(tolerance.max_failed_fraction.{'validation' if items.stage == VALIDATE_STAGE else items.stage}); first cause: {cause}. The stage was not stored as "
+        f"(tolerance.max_failed_fraction.{setting}); first cause: {cause}. The stage was not stored as "
         f"done; its finished items and every call are kept. Fix the cause, then Retry the flow run (Prefect "
         f"UI) or rerun with --run-id {run_id}: only the failed items are redone."
     )

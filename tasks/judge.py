@@ -17,30 +17,10 @@ from collections.abc import Sequence
 from clgrpo.llm import LLMClient, shared_client
 from clgrpo.llm.client import LLMCallError
 from clgrpo.llm.structured import StructuredOutputError, extract_json
+from clgrpo.prompts.judge import judge_messages
 from domains.base import Domain, VerifyResult
-from domains.learner import DATA_NOTICE, quote
 from schemas.config import RunConfig
 from schemas.records import Problem
-
-JUDGE_SYSTEM = (
-    """ROLE: answer judge
-You decide whether a candidate's final answer to a question says the same as the reference answer: the same
-fact, entity, number or date, whatever the wording, units written out or not, extra explanation or not. An
-answer that hedges between several values, or says it does not know, is wrong.
-"""
-    + DATA_NOTICE
-    + """
-Reply with one JSON object and nothing else: {"correct": true or false, "reason": "one short sentence"}."""
-)
-
-JUDGE_USER = """Question:
-{question}
-
-Reference answer:
-{reference}
-
-Candidate's final answer:
-{candidate}"""
 
 JUDGE_SCHEMA = {
     "type": "object",
@@ -49,15 +29,6 @@ JUDGE_SCHEMA = {
     "additionalProperties": False,
 }
 TAIL_CHARS = 1500  # of a reply without a recognisable final answer, what the judge sees
-
-
-def judge_messages(problem: Problem, candidate: str) -> list[dict[str, str]]:
-    user = JUDGE_USER.format(
-        question=quote("problem", problem.problem),
-        reference=quote("answer", problem.answer or ""),
-        candidate=quote("attempt", candidate),
-    )
-    return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
 
 
 def parse_verdict(text: str) -> tuple[bool, str]:

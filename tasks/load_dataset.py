@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
+from clgrpo.dataset import LoadReport
 from domains import get_domain
-from domains.base import LoadReport
 from schemas.config import RunConfig
 from schemas.records import Problem
 from tasks.common import stage_task

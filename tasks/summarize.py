@@ -10,8 +10,9 @@ from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from clgrpo.prompts.attempts import Attempt, tool_trace, trajectory_text
 from domains import get_domain
-from domains.learner import Attempt, LearnerPrompts, tool_trace, trajectory_text
+from domains.learner import LearnerPrompts
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
 from tasks.common import stage_task

@@ -118,7 +118,9 @@ def _candidates(
     candidate says the same), why each other one is not tried, and the repeats (rejected: tried once)."""
     settings = config.learning.lesson_validation
     screen = lesson_screen(config, problems)
-    candidates, untested, repeats = [], {}, {}
+    candidates: list[_Candidate] = []
+    untested: dict[int, str] = {}
+    repeats: dict[int, str] = {}
     for seq, op in enumerate(plan):
         if op.op not in VALIDATED:
             untested[seq] = f"{op.op.value} operations are not validated"
@@ -199,12 +201,7 @@ def judge_trial(
     candidate: _Candidate, without: list[TrialSample], with_: list[TrialSample], settings: LessonValidation
 ) -> LessonTrial:
     """The verdict on one candidate from its paired attempts (kept or rejected; ties go against it)."""
-    before = {(s.problem_id, s.sample_idx): s.reward for s in without}
-    pairs = [
-        (before[(s.problem_id, s.sample_idx)], s.reward)
-        for s in with_
-        if s.reward is not None and before.get((s.problem_id, s.sample_idx)) is not None
-    ]
+    pairs = _paired_rewards(without, with_)
     base = dict(
         seq=candidate.seq,
         operation=candidate.operation,
@@ -239,6 +236,22 @@ def judge_trial(
     )
 
 
+def _paired_rewards(without: list[TrialSample], with_: list[TrialSample]) -> list[tuple[float, float]]:
+    """(reward without, reward with) of each attempt graded in both arms, in the order of ``with_``."""
+    before = {(s.problem_id, s.sample_idx): s.reward for s in without}
+    pairs = []
+    for s in with_:
+        reward_before = before.get((s.problem_id, s.sample_idx))
+        if s.reward is not None and reward_before is not None:
+            pairs.append((reward_before, s.reward))
+    return pairs
+
+
+def _kept_gain(trial: LessonTrial) -> float:
+    assert trial.gain is not None, "judge_trial gives every kept trial its gain"
+    return trial.gain
+
+
 def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
     """Of the kept trials that share a source group, only the one with the largest gain stays kept (ties: the
     first in the plan); the others become rejections naming it."""
@@ -246,19 +259,20 @@ def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
     for t in trials:
         if t.verdict == "kept":
             for group in t.operation.source_groups or [f"#{t.seq}"]:
-                if group not in best or t.gain > best[group].gain:  # type: ignore[operator]
+                if group not in best or _kept_gain(t) > _kept_gain(best[group]):
                     best[group] = t
     out = []
     for t in trials:
         winners = {best[g].seq for g in t.operation.source_groups if g in best}
         if t.verdict == "kept" and winners and winners != {t.seq}:
             other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
-            how = "more" if other.gain > t.gain else "as much and comes first in the plan"  # type: ignore[operator]
+            how = "more" if _kept_gain(other) > _kept_gain(t) else "as much and comes first in the plan"
+            groups = ",".join(t.operation.source_groups)
             t = t.model_copy(
                 update={
                     "verdict": "rejected",
                     "reason": (
-                        f"lesson validation: another candidate of group {','.join(t.operation.source_groups)} gained {how} "
+                        f"lesson validation: another candidate of group {groups} gained {how} "
                         f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})"
                     ),
                 }

@@ -12,14 +12,14 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("CLGRPO_TUNE_GC", "0")  # flows would freeze the test session's objects (clgrpo/runtime.py)
 os.environ["CLGRPO_STATE_DIR"] = tempfile.mkdtemp(prefix="clgrpo-state-")  # never the user's recent databases
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    from clgrpo.prefect_server import install
+    from clgrpo.app.prefect_server import install
 
     install()  # the harness's server dies with this process, even a SIGKILLed one
     with prefect_test_harness(server_startup_timeout=120):

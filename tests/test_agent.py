@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from clgrpo.llm import LLMClient
+from clgrpo.prompts.attempts import clip, tool_trace, trajectory_text
+from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
-from domains.learner import LearnerPrompts, clip, tool_trace, trajectory_text
-from domains.math.prompts import rollout_messages
+from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, ModelConfig
 from schemas.records import Problem
 from tasks.agent import (
@@ -298,7 +299,7 @@ async def test_the_learner_sees_tool_calls_and_results():
     assert "[python call]" in text and "print(47 * 23)" in text and f"[python result]\n{47 * 23}" in text
     assert trace.startswith("- python: print(47 * 23)") and trace.endswith(str(47 * 23))
     prompts = LearnerPrompts(domain="arithmetic")
-    from domains.learner import Attempt
+    from clgrpo.prompts.attempts import Attempt
 
     attempt = Attempt(0, text, 1.0, tools=trace)
     summarize = prompts.summarize(PROBLEM, attempt, "", True)

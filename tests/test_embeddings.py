@@ -435,7 +435,9 @@ async def test_real_minilm_retrieval_routes_each_problem_to_its_topic(request, t
         {
             "E0": "For remainders of large powers, reduce the base modulo n and look for a repeating cycle.",
             "E1": "For circles and tangent lines, draw the radii to the points of tangency and use right angles.",
-            "E2": "For counting arrangements, decide whether order matters before choosing permutations or combinations.",
+            "E2": (
+                "For counting arrangements, decide whether order matters before choosing permutations or combinations."
+            ),
             "E3": "For probability, divide the favourable outcomes by all equally likely outcomes.",
         }
     )

@@ -12,6 +12,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from clgrpo.llm.structured import parse_operations
+from clgrpo.prompts.attempts import Attempt
 from clgrpo.testing.fake_openai import DEFAULT_MIX, ChatRequest, FakeOpenAIServer, Fault, match_roles, role_of
 from clgrpo.testing.scripted_llm import (
     FAMILIES,
@@ -21,7 +22,7 @@ from clgrpo.testing.scripted_llm import (
     make_problems,
     write_jsonl,
 )
-from domains.learner import Attempt, LearnerPrompts
+from domains.learner import LearnerPrompts
 from schemas.records import Problem
 
 PROMPTS = LearnerPrompts(domain="arithmetic")

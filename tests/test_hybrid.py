@@ -114,7 +114,7 @@ def test_advantages_come_from_the_stored_groups_and_flipping_them_flips_the_chan
     cfg = config_for(tiny_model, tmp_path)
     signs = [1.0, 1.0, -1.0, -1.0]
     changes = []
-    for flip, stored in ((1, signs), (-1, [-s for s in signs])):
+    for _flip, stored in ((1, signs), (-1, [-s for s in signs])):
         inputs = numeric_inputs(cfg, PROBLEMS, rollouts, groups(stored), version)
         assert [i.advantage for i in inputs.items] == stored * 2 and inputs.skipped == 0
         assert [i.completion for i in inputs.items] == [r.final_text for r in rollouts]

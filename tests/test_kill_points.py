@@ -191,7 +191,7 @@ class Attempt:
 
 
 def start_attempt(config: Path, run_id: str, env: dict[str, str], out: Path, server: FakeOpenAIServer) -> Attempt:
-    argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config), "--run-id", run_id]
+    argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--run-id", run_id]
     before = server.stats.chat_requests
     with open(out, "w") as handle:
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
@@ -420,15 +420,15 @@ def kill_points_scenario(
             attempt = start_attempt(config, run_id, env, where / f"attempt-{point.number:02d}.out", server)
             if point.kind == "setup":
                 target = attempt.started + point.offset_s
-                run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
+                run_until(attempt, server, lambda target=target: time.monotonic() >= target, RUN_LIMIT_S)
             else:
                 if world.progress() < point.target:
-                    run_until(attempt, server, lambda: world.progress() >= point.target, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda point=point: world.progress() >= point.target, RUN_LIMIT_S)
                 else:  # an earlier attempt got past this point: inside this attempt's first unfinished stage
-                    run_until(attempt, server, lambda: attempt.first_request_s is not None, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda attempt=attempt: attempt.first_request_s is not None, RUN_LIMIT_S)
                 if attempt.proc.poll() is None:
                     target = time.monotonic() + point.offset_s
-                    run_until(attempt, server, lambda: time.monotonic() >= target, RUN_LIMIT_S)
+                    run_until(attempt, server, lambda target=target: time.monotonic() >= target, RUN_LIMIT_S)
             if attempt.proc.poll() is None:
                 attempt.proc.send_signal(signal.SIGKILL)
                 killed_at, progress = time.monotonic(), world.progress()

@@ -8,10 +8,10 @@ import jsonschema
 import pytest
 
 from clgrpo.library import ExperienceLibrary
+from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.quoting import DATA_TAG_RE
 from domains.learner import (
-    DATA_TAG_RE,
     GROUP_KINDS,
-    Attempt,
     LearnerPrompts,
     LessonScreen,
     operations_schema,

@@ -1,4 +1,4 @@
-"""clgrpo/llama_server.py: finding the binary, the command line, start (wait for /health), stop, failures, and
+"""clgrpo/app/llama_server.py: finding the binary, the command line, start (wait for /health), stop, failures, and
 the server dying with the process that started it. A stand-in executable plays llama-server (a real process
 serving /health over HTTP); building the real one takes minutes and is exercised by `clgrpo demo`."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo import llama_server
-from clgrpo.llama_server import BINARY_ENV, LlamaServer, ServerError, find_binary
+from clgrpo.app import llama_server
+from clgrpo.app.llama_server import BINARY_ENV, LlamaServer, ServerError, find_binary
 
 STAND_IN = textwrap.dedent('''\
     #!{python}
@@ -107,7 +107,7 @@ def test_the_server_dies_with_the_process_that_started_it(stand_in, gguf, tmp_pa
         textwrap.dedent(f"""\
         import sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-        from clgrpo.llama_server import LlamaServer
+        from clgrpo.app.llama_server import LlamaServer
         server = LlamaServer({str(gguf)!r}, "m", log_path={str(tmp_path / "p.log")!r}).start()
         print(server.process.pid, flush=True)
         time.sleep(600)

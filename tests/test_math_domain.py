@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import domains.math.verify as verify_mod
-from domains.base import Domain, VerifyResult, get_domain
+from domains import Domain, VerifyResult, get_domain
 from domains.math import (
     DatasetError,
     MathDomain,

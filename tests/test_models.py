@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from clgrpo import models
-from clgrpo.cli import main
+from clgrpo.app.cli import main
 from clgrpo.models import (
     CACHE_ENV,
     EMBEDDED,

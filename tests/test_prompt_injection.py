@@ -11,8 +11,11 @@ import re
 
 import pytest
 
+import clgrpo.prompts.quoting
 import domains.learner
-import domains.math.prompts
+from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.math_rollout import rollout_messages
+from clgrpo.prompts.quoting import DATA_NOTICE, DATA_TAG_RE, DATA_TAGS, neutralize, quote
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import (
@@ -23,9 +26,8 @@ from clgrpo.testing.scripted_llm import (
     make_problems,
     write_jsonl,
 )
-from domains.learner import DATA_NOTICE, DATA_TAG_RE, DATA_TAGS, Attempt, LearnerPrompts, neutralize, quote
+from domains.learner import LearnerPrompts
 from domains.math import EXAMPLE_LESSONS
-from domains.math.prompts import rollout_messages
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from schemas.records import Problem
@@ -295,9 +297,8 @@ async def test_without_the_delimiters_the_same_run_is_poisoned(tmp_path, monkeyp
     compliant learner add the injected lesson, and every rollout prompt of the next step carries it. (The lesson
     screen would also refuse this lesson, since its "42" is a number of its own problem: that defence is turned
     off here too, so the delimiters are what the two tests compare.)"""
-    monkeypatch.setattr(domains.learner, "quote", lambda tag, text, **attrs: text)
+    monkeypatch.setattr(clgrpo.prompts.quoting, "quote", lambda tag, text, **attrs: text)
     monkeypatch.setattr(domains.learner, "problem_numbers", lambda text, problem: [])
-    monkeypatch.setattr(domains.math.prompts, "quote", lambda tag, text, **attrs: text)
     world, lessons, _ = await train_on_injected_problem(tmp_path, "poisoned")
     assert INJECTED_LESSON in lessons and world.stats.injections_followed > 0
     step_two = world.step_two_rollout_prompts()

@@ -8,9 +8,9 @@ from zoneinfo import ZoneInfo
 import pytest
 import yaml
 
-from clgrpo.cli import main
+from clgrpo.app.cli import main
+from clgrpo.app.state import remember_db
 from clgrpo.library import ExperienceLibrary
-from clgrpo.state import remember_db
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl

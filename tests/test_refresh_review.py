@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from clgrpo import adopt
-from clgrpo.cli import main
+from clgrpo.app.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.review import (
     ReviewError,

@@ -7,10 +7,10 @@ from datetime import datetime, timedelta, timezone
 import duckdb
 import pytest
 
+from clgrpo.dataset import DatasetError
 from clgrpo.sources import SourceError, problem_key, read_arrivals, select_new
 from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from domains import get_domain
-from domains.math.dataset import DatasetError
 from schemas.config import RefreshConfig, RefreshSource
 
 T0 = datetime(2026, 11, 20, 1, 0, tzinfo=timezone.utc)

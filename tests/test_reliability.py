@@ -244,7 +244,8 @@ async def test_a_learner_outage_mid_step_fails_the_stage_and_a_retry_redoes_only
 
 
 def test_the_learner_sees_that_a_reply_was_cut_off():
-    from domains.learner import Attempt, LearnerPrompts
+    from clgrpo.prompts.attempts import Attempt
+    from domains.learner import LearnerPrompts
     from schemas.records import Problem
 
     problem = Problem(problem_id="p1", problem="What is 2+2?", answer="4")

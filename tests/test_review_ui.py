@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.cli import main
+from clgrpo.app.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer

@@ -152,7 +152,7 @@ def plan_stop_points(kinds: list[str], sigs: list[signal.Signals], seed: int, re
     return points
 
 
-def wait_for_point(point: StopPoint, attempt: Attempt, server, tmpdir: Path) -> None:  # noqa: ANN001
+def wait_for_point(point: StopPoint, attempt: Attempt, server, tmpdir: Path) -> None:
     world = server.responder
     if point.kind == "setup":
         at = attempt.started + point.offset_s
@@ -187,7 +187,7 @@ def check_stopped(point: StopPoint, attempt: Attempt, tmpdir: Path) -> None:
 
 def runs_list(env: dict[str, str], db: Path) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "clgrpo.cli", "runs", "list", "--db", str(db)],
+        [sys.executable, "-m", "clgrpo.app.cli", "runs", "list", "--db", str(db)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -337,12 +337,12 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
     for number, (marker, wait_s) in enumerate(points, start=1):
         loads_before = log.read_text(errors="replace").count(": loaded in ") if log.exists() else 0
         out = tmp_path / f"attempt-{number}.out"
-        argv = [sys.executable, "-m", "clgrpo.cli", "train", "--config", str(config), "--run-id", "tiny"]
+        argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--run-id", "tiny"]
         with open(out, "w") as handle:
             proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_LIMIT_S
 
-        def reached() -> bool:
+        def reached(marker: str = marker, out: Path = out, loads_before: int = loads_before) -> bool:
             if marker == "rollout":
                 return "step 1 rollout: started" in out.read_text(errors="replace")
             return log.exists() and log.read_text(errors="replace").count(": loaded in ") > loads_before
@@ -386,7 +386,7 @@ def slow_insert(self, table, frame):
 
 Store._insert = slow_insert
 sys.argv[0] = "clgrpo"
-from clgrpo.cli import run
+from clgrpo.app.cli import run
 run()
 """
 

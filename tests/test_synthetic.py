@@ -2,7 +2,7 @@
 
 import re
 
-from domains.math.dataset import load_problems
+from clgrpo.dataset import load_problems
 from domains.math.synthetic import generate_problems, write_problems
 from schemas.config import DatasetConfig
 
@@ -46,7 +46,7 @@ def test_families_answer_their_own_questions():
 
 
 def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, capsys):
-    from clgrpo.cli import main
+    from clgrpo.app.cli import main
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert main(["data", "make", "ranges", "--n", "20", "--seed", "0", "--out", str(train)]) == 0

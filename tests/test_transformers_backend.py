@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_requests_with_different_limits_share_a_batch(backend, generate_calls):
 
 
 def test_json_schema_is_enforced_by_constrained_decoding(backend):
-    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
     gen = run(
         backend.generate(GenRequest(MESSAGES, n=4, seed=0, max_tokens=40, temperature=1.0, json_schema=ENUM_SCHEMA))
     )
@@ -165,7 +166,7 @@ async def test_missing_model_is_a_permanent_error_with_the_fix(tmp_path, monkeyp
 
 
 def test_bounded_operations_schema_makes_the_model_close_the_list(backend):
-    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
     from domains.learner import OPERATIONS_SCHEMA, operations_schema
 
     schema = operations_schema(1)
@@ -192,13 +193,33 @@ def test_bounded_operations_schema_makes_the_model_close_the_list(backend):
 
 
 def test_per_operation_schemas_and_a_lesson_pattern_compile_for_constrained_decoding(backend):
-    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
     from domains.learner import GROUP_KINDS, operations_schema
 
     grammars = backend.engine.load().grammars
     group = operations_schema(3, kinds=GROUP_KINDS, live_ids=["E1"], min_words=5, max_words=24)
     plan = operations_schema(5, live_ids=["E1", "E2"], sources=["p1"], pattern=r'^When [^".?!0-9A-Z\\\n]+\.$')
     assert grammars.matcher(group) is not None and grammars.matcher(plan) is not None  # None: unconstrained
+
+
+def test_without_llguidance_replies_are_unconstrained(tiny_model, monkeypatch, caplog):
+    from transformers import AutoTokenizer
+
+    from clgrpo.llm.transformers_backend import Grammars
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as when the package is missing
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    with caplog.at_level("WARNING"):
+        assert Grammars.create(tokenizer, len(tokenizer), [tokenizer.eos_token_id]) is None
+    assert "llguidance is not installed" in caplog.text
+
+
+def test_a_schema_the_grammar_engine_rejects_falls_back_to_unconstrained(backend, caplog):
+    pytest.importorskip("llguidance")
+    grammars = backend.engine.load().grammars
+    with caplog.at_level("WARNING"):
+        assert grammars.matcher({"type": "string", "pattern": "("}) is None
+    assert "cannot compile the JSON schema" in caplog.text
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
@@ -270,3 +291,39 @@ async def test_agent_rollouts_on_a_local_engine_use_the_text_protocol(tiny_model
     rollout = outcome.rollout
     assert rollout.error is None and 1 <= rollout.n_turns <= 2 and rollout.final_text
     assert [c.turn for c in outcome.calls] == list(range(rollout.n_turns)) and all(c.ok for c in outcome.calls)
+
+
+@pytest.fixture(scope="module")
+def embedded_backend():
+    from clgrpo.models import ModelError, fetch_embedded
+
+    try:
+        folder = fetch_embedded(log=lambda _m: None).hf_dir
+    except ModelError as exc:
+        pytest.skip(f"the embedded model is not cached and cannot be fetched here: {exc}")
+    return TransformersBackend(
+        ModelConfig(backend="transformers", model="SmolLM2-135M-Instruct", model_path=str(folder), device="cpu")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [None, r'^When [^".?!0-9A-Z\\\n]+\.$'], ids=["word-bounds", "lesson-pattern"])
+def test_the_real_embedded_model_replies_valid_json_under_the_learner_schema(embedded_backend, pattern):
+    """Constrained decoding on SmolLM2-135M: every sample closes its JSON, and the JSON is valid under the
+    learner's operations schema (kinds, live ids, word bounds or the lesson pattern)."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    from domains.learner import LearnerPrompts, operations_schema
+
+    schema = operations_schema(1, live_ids=["E1", "E2"], min_words=3, max_words=12, pattern=pattern)
+    messages = LearnerPrompts("arithmetic").consolidate(
+        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "", min_words=3, max_words=12
+    )
+    gen = run(
+        embedded_backend.generate(
+            GenRequest(messages, n=3, seed=0, max_tokens=320, temperature=0.7, json_schema=schema)
+        )
+    )
+    assert gen.finish_reasons == ["stop"] * 3, gen.texts
+    for text in gen.texts:
+        jsonschema.validate(json.loads(text), schema)

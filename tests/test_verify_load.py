@@ -69,7 +69,7 @@ def _swallower(output: str, answer: str, timeout_s: float) -> VerifyResult:
         try:
             while time.process_time() < deadline:
                 pass
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - swallowing the time limit is what this grader tests
             pass
     return VerifyResult(1.0, "swallowed")
 
@@ -199,7 +199,8 @@ def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
     results = verify_batch(CORRECT[12:22])  # no boxed integers: graded in the pool
     first_batch = time.monotonic() - started
     print(
-        f"\nwarm_pool: pool up after {up_after:.2f}s (start {pool_start_seconds():.2f}s); first batch {first_batch:.3f}s"
+        f"\nwarm_pool: pool up after {up_after:.2f}s (start {pool_start_seconds():.2f}s); "
+        f"first batch {first_batch:.3f}s"
     )
     assert all(r.verified and r.reward == 1.0 for r in results)
     assert first_batch < pool_start_seconds()  # the batch did not pay for the start

@@ -11,10 +11,10 @@ import socket
 import httpx
 import pytest
 
+from clgrpo.dataset import load_problems
 from clgrpo.testing.loopback import LoopbackHandler, LoopbackServer
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
 from domains import ToolContext, ToolFailure, get_domain
-from domains.math.dataset import load_problems
 from domains.web.fetch import FetchRefused, check_url, fetch_page
 from domains.web.search import SearchError, http_search, local_index
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
@@ -266,7 +266,18 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
 
     with _ctrl_c_not_ignored():
         world = subprocess.Popen(
-            [sys.executable, "-m", "clgrpo.cli", "web-world", "--out", str(tmp_path), "--port", "0", "--towns", "3"],
+            [
+                sys.executable,
+                "-m",
+                "clgrpo.app.cli",
+                "web-world",
+                "--out",
+                str(tmp_path),
+                "--port",
+                "0",
+                "--towns",
+                "3",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

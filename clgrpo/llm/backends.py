@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from clgrpo.llm.errors import PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
 from clgrpo.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
 from schemas.config import ModelConfig
@@ -51,45 +52,33 @@ class Generation:
     tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per choice; empty: no tool called
 
 
-class TransientLLMError(RuntimeError):
-    """Worth retrying: rate limits, server errors, connection problems, timeouts."""
-
-    def __init__(
-        self, message: str, retry_after: float | None = None, rate_limited: bool = False, counted: bool = True
-    ) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-        self.rate_limited = rate_limited
-        self.counted = counted  # False: retry at once, not against max_retries (the request was adapted)
-
-
-class SchemaRefused(TransientLLMError):
-    """The endpoint refused the request's ``response_format`` (no structured output): asked again without it,
-    and from then on the model's prompts are written for unconstrained replies (``schema_refused``)."""
-
-
-class PermanentLLMError(RuntimeError):
-    """Retrying will not help: bad request, authentication, unknown model."""
-
-
-class ToolsRefused(PermanentLLMError):
-    """The endpoint refused a request with ``tools``: it has no tool calling (use the text protocol)."""
-
-
 class Backend(Protocol):
     async def generate(self, request: GenRequest) -> Generation: ...
 
     async def aclose(self) -> None: ...
 
 
-def resolve_api_key(cfg: ModelConfig) -> str | None:
+class KeySource(Protocol):
+    """Where a config says its API key is (a model's or an embedding endpoint's config)."""
+
+    @property
+    def api_key_env(self) -> str | None: ...
+
+    @property
+    def api_key_secret_block(self) -> str | None: ...
+
+
+def resolve_api_key(cfg: KeySource) -> str | None:
     """From the configured environment variable, else a Prefect Secret block; never stored anywhere."""
     if cfg.api_key_env and os.environ.get(cfg.api_key_env):
         return os.environ[cfg.api_key_env]
     if cfg.api_key_secret_block:
         from prefect.blocks.system import Secret
 
-        return Secret.load(cfg.api_key_secret_block).get()
+        # inside an event loop (where backends are made) a plain load() returns a coroutine: _sync loads now
+        secret = Secret.load(cfg.api_key_secret_block, _sync=True)  # type: ignore[call-arg]  # prefect's own flag
+        assert isinstance(secret, Secret)
+        return secret.get()
     return None
 
 
@@ -190,7 +179,7 @@ class OpenAIBackend:
 def generation(reply: object, where: str) -> Generation:
     """A usable chat completion, else a transient error naming what is wrong with it (retried, recorded)."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
-    if not isinstance(choices, list) or not choices:
+    if not isinstance(reply, dict) or not isinstance(choices, list) or not choices:
         raise TransientLLMError(f"malformed reply from {where}: no choices in the response body")
     texts, reasons, calls = [], [], []
     for i, choice in enumerate(choices):
@@ -255,9 +244,9 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     calls = []
     for i, call in enumerate(raw if isinstance(raw, list) else []):
         function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if not name:
+        if not isinstance(function, dict) or not function.get("name"):
             continue
+        name = function["name"]
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {})
@@ -265,20 +254,6 @@ def _tool_calls(raw: object) -> list[ToolCall]:
     return calls
 
 
-def _short(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).replace("\n", " ")
+def _short(what: BaseException | str, limit: int = 200) -> str:
+    text = str(what).replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def make_backend(cfg: ModelConfig) -> Backend:
-    if cfg.backend == "openai":
-        return OpenAIBackend(cfg)
-    if cfg.backend == "transformers":  # local engines: imported here so the core install needs no torch
-        from clgrpo.llm.transformers_backend import TransformersBackend
-
-        return TransformersBackend(cfg)
-    if cfg.backend == "vllm":
-        from clgrpo.llm.vllm_backend import VLLMBackend
-
-        return VLLMBackend(cfg)
-    raise PermanentLLMError(f"unknown backend {cfg.backend!r}")

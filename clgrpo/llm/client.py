@@ -34,9 +34,9 @@ from clgrpo.llm.backends import (
     SchemaRefused,
     ToolCall,
     TransientLLMError,
-    make_backend,
     schema_refused,
 )
+from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from clgrpo.retry import Backoff, retry_after_delay
 from schemas.config import ModelConfig, RunConfig

@@ -125,7 +125,8 @@ class Engine:
     def _take(self) -> list[_Job]:
         """The oldest waiting jobs that fit in ``max_rows`` sequences (always at least one)."""
         with self._cond:
-            taken, rows = [], 0
+            taken: list[_Job] = []
+            rows = 0
             while self._queue and (not taken or rows + self._queue[0].request.n <= self.max_rows):
                 job = self._queue.pop(0)
                 taken.append(job)
@@ -135,7 +136,7 @@ class Engine:
     def _run(self, jobs: list[_Job]) -> None:
         try:
             model = self.load()
-        except Exception as exc:  # a missing or broken model fails every request, permanently
+        except Exception as exc:  # noqa: BLE001 - a missing or broken model fails every request, permanently
             error = (
                 exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
             )
@@ -159,7 +160,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             results = self._run_batch(model, requests)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the batch's failure is each request's (classify: retry or not)
             return [classify(exc)] * len(requests)
         self._account(requests, results, time.monotonic() - t0)
         return results

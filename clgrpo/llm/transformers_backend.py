@@ -8,8 +8,9 @@ requests sent together (the problems of a rollout chunk, the summaries of a step
 Sampling is done per row by ``RowSampler`` with a ``torch.Generator`` seeded from the request (sample i of a
 request with seed s uses s + i, as the client's single-request fallback does), so a seeded request gives the
 same samples whether it runs alone or batched with others. Requests with a JSON schema are constrained with
-xgrammar (the grammar engine vLLM uses by default); without xgrammar the reply is unconstrained and the
-client's tolerant parser copes.
+llguidance (the grammar engine behind guidance, also a vLLM structured-output backend; pure CPU, no
+dependencies): its token bitmask is applied to the logits of each generated token. Without llguidance the reply
+is unconstrained and the client's tolerant parser copes.
 
 torch and transformers are imported only when this backend is used.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
-from clgrpo.llm.local import Engine, Result, auto_cpu_threads, available_cpus, get_engine
+from clgrpo.llm.local import Engine, Result, auto_cpu_threads, get_engine
 from clgrpo.models import ModelError, ModelLocation, quiet_transformers, resolve_model_path
 from schemas.config import ModelConfig
 
@@ -186,45 +187,73 @@ def with_lora(model: Any, adapter: str) -> Any:
     return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
-class Grammars:
-    """JSON-schema grammars compiled once per schema for this tokenizer (xgrammar)."""
+# compact JSON as xgrammar wrote it before (any_whitespace=False): ", " and ": " between items, no other whitespace
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-    def __init__(self, xgr: Any, compiler: Any) -> None:
-        self._xgr = xgr
-        self._compiler = compiler
+
+class Grammars:
+    """JSON-schema grammars for this tokenizer (llguidance): each schema is compiled once into a matcher, and
+    every constrained row gets its own copy of it."""
+
+    def __init__(self, llguidance: Any, tokenizer: Any) -> None:
+        self._llg = llguidance
+        self._tokenizer = tokenizer
         self._compiled: dict[str, Any] = {}
 
     @classmethod
     def create(cls, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Grammars | None:
         try:
-            import xgrammar as xgr
+            import llguidance
+            import llguidance.hf
         except ImportError:
-            log.warning("xgrammar is not installed: JSON replies are not constrained (the tolerant parser copes)")
+            log.warning("llguidance is not installed: JSON replies are not constrained (the tolerant parser copes)")
             return None
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        return cls(xgr, xgr.GrammarCompiler(info, max_threads=max(1, min(4, available_cpus()))))
+        try:
+            wrapped = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids)
+        except ValueError as exc:  # only fast (Rust) tokenizers can be wrapped
+            log.warning("no constrained decoding for this tokenizer: %s", exc)
+            return None
+        return cls(llguidance, wrapped)
 
     def matcher(self, schema: dict) -> Any | None:
+        """A fresh matcher for ``schema``, or None when the schema cannot be compiled (an unsupported feature:
+        the reply is then unconstrained and the tolerant parser copes)."""
         key = json.dumps(schema, sort_keys=True)
         if key not in self._compiled:
-            try:
-                self._compiled[key] = self._compiler.compile_json_schema(key, any_whitespace=False)
-            except Exception as exc:  # an unsupported schema feature: fall back to the tolerant parser
-                log.warning("cannot compile the JSON schema for constrained decoding: %s", exc)
-                self._compiled[key] = None
+            self._compiled[key] = self._compile(key)
         compiled = self._compiled[key]
-        return None if compiled is None else self._xgr.GrammarMatcher(compiled)
+        return None if compiled is None else compiled.deep_copy()
+
+    def _compile(self, schema: str) -> Any | None:
+        matcher_type = self._llg.LLMatcher
+        try:
+            grammar = matcher_type.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except ValueError as exc:
+            error = str(exc)
+        else:
+            matcher = matcher_type(self._tokenizer, grammar, log_level=0)
+            error = matcher.get_error() if matcher.is_error() else ""
+            if not error:
+                return matcher
+        log.warning("cannot compile the JSON schema for constrained decoding: %s", error)
+        return None
+
+    @staticmethod
+    def advance(matcher: Any, token: int) -> None:
+        """The grammar takes the token just generated (only allowed tokens are generated)."""
+        matcher.consume_token(token)
 
     def apply(self, matcher: Any, row_scores: Any) -> None:
         """Mask, in place, the tokens the grammar does not allow next (``row_scores``: shape (1, vocab))."""
-        bitmask = self._xgr.allocate_token_bitmask(1, row_scores.shape[-1])
-        matcher.fill_next_token_bitmask(bitmask)
-        if row_scores.device.type == "cuda":
-            self._xgr.apply_token_bitmask_inplace(row_scores, bitmask.to(row_scores.device))
-        else:  # xgrammar masks on CPU (and CUDA) only
-            cpu = row_scores.to("cpu")
-            self._xgr.apply_token_bitmask_inplace(cpu, bitmask)
-            row_scores.copy_(cpu)
+        import numpy as np
+        import torch
+
+        width = row_scores.shape[-1]
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)  # one bit per token, little-endian
+        bits = np.unpackbits(words, bitorder="little")[:width]
+        allowed = np.zeros(width, dtype=bool)  # logits past the grammar's vocabulary stay blocked
+        allowed[: bits.shape[0]] = bits
+        row_scores[0].masked_fill_(torch.from_numpy(~allowed).to(row_scores.device), float("-inf"))
 
 
 # --- one batched generate --------------------------------------------------------------------------------
@@ -280,7 +309,7 @@ class RowSampler:
     def _advance(self, last_tokens: list[int]) -> None:
         for row, token in zip(self.rows, last_tokens):
             if not row.done and row.matcher is not None:
-                row.matcher.accept_token(token)
+                Grammars.advance(row.matcher, token)
 
     def _choose(self, row: Row, logits: Any, step: int, generated: Any) -> int:
         import torch
@@ -353,7 +382,7 @@ def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
         except PermanentLLMError as exc:
             results[qi] = exc
             continue
-        except Exception as exc:  # a template that rejects these messages
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (any error type)
             results[qi] = PermanentLLMError(f"chat template failed: {type(exc).__name__}: {exc}")
             continue
         room = loaded.max_positions - len(prompt)

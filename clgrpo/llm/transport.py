@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import aiohttp  # at import, not on the first call's critical path (~0.15 s)
 import orjson  # ~5x faster than json both ways
 
+from clgrpo.llm.errors import TransientLLMError
+
 
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value)
@@ -46,8 +48,6 @@ def _headers(api_key: str) -> dict[str, str]:
 
 
 def _connection_error(base_url: str, exc: BaseException) -> Exception:
-    from clgrpo.llm.backends import TransientLLMError
-
     detail = str(exc).replace("\n", " ")[:200] or type(exc).__name__
     return TransientLLMError(f"connection error at {base_url}: {type(exc).__name__}: {detail}")
 

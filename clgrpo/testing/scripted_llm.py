@@ -244,7 +244,7 @@ def injections(messages: list[dict]) -> list[Injection]:
         text = message_text(message)
         spans = data_spans(text, tags)
 
-        def inside(pos: int) -> bool:
+        def inside(pos: int, spans: list[tuple[int, int]] = spans) -> bool:
             return any(start <= pos < end for start, end in spans)
 
         lessons = list(_LESSON_INJECTION_RE.finditer(text))

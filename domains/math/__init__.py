@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from domains.base import Message, Tool, VerifyResult, register_domain
-from domains.learner import LearnerPrompts
-from domains.math.dataset import (
+from clgrpo.dataset import (
     DatasetError,
     LoadReport,
     load_problems,
     load_problems_with_report,
     normalize_problem_text,
 )
-from domains.math.prompts import ROLLOUT_SYSTEM, rollout_messages
+from clgrpo.prompts.math_rollout import DOMAIN, EXAMPLE_LESSONS, ROLLOUT_SYSTEM, rollout_messages
+from domains.base import Message, Tool, VerifyResult
+from domains.learner import LearnerPrompts
 from domains.math.tools import PYTHON_TOOL
 from domains.math.verify import reply_answer, warm_pool
 from domains.math.verify import verify as verify_output
@@ -26,6 +26,7 @@ from schemas.records import Problem
 
 __all__ = [
     "ROLLOUT_SYSTEM",
+    "EXAMPLE_LESSONS",
     "DatasetError",
     "LoadReport",
     "MathDomain",
@@ -36,14 +37,6 @@ __all__ = [
 ]
 
 
-# shown to the learner as its example reply: concrete lessons of this domain (never placeholders to copy)
-EXAMPLE_LESSONS = (
-    "When counting arrangements with a restriction, count all arrangements first and subtract the ones that "
-    "break the restriction.",
-    "When a problem asks for a remainder, reduce every intermediate result modulo the divisor before going on.",
-)
-
-
 class MathDomain:
     """Competition-style problems with one final answer; rollouts answer in \\boxed{}."""
 
@@ -51,7 +44,7 @@ class MathDomain:
 
     def __init__(self, verify_timeout_s: float = 5.0) -> None:  # per sample: CPU seconds in the grading child
         self.verify_timeout_s = verify_timeout_s
-        self.learner_prompts = LearnerPrompts(domain="competition mathematics", examples=EXAMPLE_LESSONS)
+        self.learner_prompts = LearnerPrompts(domain=DOMAIN, examples=EXAMPLE_LESSONS)
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)
@@ -75,6 +68,3 @@ class MathDomain:
 
     def tools(self) -> list[Tool]:
         return [PYTHON_TOOL]
-
-
-register_domain("math", MathDomain)

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from clgrpo.prompts.math_rollout import PYTHON_DESCRIPTION
 from domains.base import Tool, ToolContext, ToolFailure, ToolOutput
 from schemas.config import AgentConfig
-
-PYTHON_DESCRIPTION = (
-    "Run Python 3 code in a fresh interpreter that keeps its variables between your calls in this attempt. "
-    "Print what you want to see (the value of a last bare expression is shown too). The standard library, "
-    "sympy and numpy are available; there is no network and no access to files outside the working directory."
-)
 
 
 async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:

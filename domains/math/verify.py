@@ -132,7 +132,7 @@ class _Generation:
             self._closed = True
             try:
                 self._events.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing is best effort: the pool is going away
                 pass
 
     def _alive(self, _result: object) -> None:
@@ -210,7 +210,7 @@ class _PoolHolder:
     def _start(self, attempt: _StartAttempt, number: int) -> None:
         try:
             generation = _start_generation(self._processes, number)
-        except BaseException as exc:  # kept for the callers (see acquire)
+        except BaseException as exc:  # noqa: BLE001 - kept for the callers (see acquire)
             attempt.error = exc
         else:
             with self._lock:
@@ -330,7 +330,7 @@ def verify_batch(
     while todo:
         try:
             generation = _POOL.acquire()
-        except Exception as exc:  # the children could not be started
+        except Exception as exc:  # noqa: BLE001 - the children could not be started
             _fail(todo, results, f"verifier unavailable: {type(exc).__name__}: {exc}")
             break
         try:
@@ -375,7 +375,8 @@ def integer_answer(output: str, answer: str) -> VerifyResult | None:
     """The grade math-verify would give, without a child process, in the one case that needs no parsing: an
     integer reference (AIME-style) and an output whose only boxed expression is an integer. Two integers are
     equal or not; everything else (other boxes, several boxes, no box, non-integer answers) goes to math-verify.
-    At a thousand rollouts a step this saves ~2 ms of CPU per sample (tests/test_math_domain.py checks the agreement)."""
+    At a thousand rollouts a step this saves ~2 ms of CPU per sample (tests/test_math_domain.py checks the
+    agreement)."""
     gold = answer.strip()
     if not _INTEGER.fullmatch(gold) or output.count("\\boxed") != 1 or "\\fbox" in output:
         return None
@@ -499,7 +500,7 @@ def _wait(
 def _result_of(handle: AsyncResult) -> VerifyResult:
     try:
         result = handle.get(timeout=0)
-    except Exception as exc:  # the worker raised, or its result could not be pickled
+    except Exception as exc:  # noqa: BLE001 - the worker raised, or its result could not be pickled
         return VerifyResult(0.0, None, f"verify error: {type(exc).__name__}: {exc}", verified=False)
     if not isinstance(result, VerifyResult):
         return VerifyResult(0.0, None, f"verify error: worker returned {type(result).__name__}", verified=False)

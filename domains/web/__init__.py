@@ -1,10 +1,11 @@
 """The web domain: questions answered by searching and browsing pages (WebWalkerQA-style), with an optional
 reference answer and an optional start page.
 
-Datasets use the math loader's validation and field settings (``dataset.problem_field: question``,
-``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``: the start page is added to the question
-as "Start page: URL"). Agent rollouts get two tools (``domains/web/tools.py``). Without a judge, an answer is
-graded by normalized match: the reference's words, in order, inside the final answer (``Final answer: ...``).
+Datasets use the core loader's validation (``clgrpo/dataset.py``) and field settings
+(``dataset.problem_field: question``, ``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``:
+the start page is added to the question as "Start page: URL"). Agent rollouts get two tools
+(``domains/web/tools.py``). Without a judge, an answer is graded by normalized match: the reference's words, in
+order, inside the final answer (``Final answer: ...``).
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from domains.base import Message, Tool, VerifyResult, register_domain
+from clgrpo.dataset import LoadReport, load_problems_with_report
+from clgrpo.prompts.web_rollout import DOMAIN, EXAMPLE_LESSONS, rollout_messages
+from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
-from domains.math.dataset import LoadReport, load_problems_with_report
-from domains.web.prompts import final_answer, rollout_messages
 from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
-EXAMPLE_LESSONS = (
-    "When a question names an organisation, open its home page first and follow the menu link that matches the "
-    "topic instead of searching the whole web.",
-    "When a page lists several dates, check which event each date belongs to before answering with one.",
-)
+FINAL_ANSWER_RE = re.compile(r"final answer\s*[:\-]\s*(.+)", re.IGNORECASE)
+
+
+def final_answer(output: str) -> str | None:
+    """The text after the last ``Final answer:`` (first line, without trailing markup), or None."""
+    found = FINAL_ANSWER_RE.findall(output)
+    if not found:
+        return None
+    answer = found[-1].strip().splitlines()[0].strip().rstrip(".").strip("*_`\"' ").rstrip(".")
+    return answer or None
 
 
 def normalize_answer(text: str) -> str:
@@ -52,7 +58,7 @@ class WebDomain:
     grade_truncated = False  # a reply cut off before its final answer line is not an answer
 
     def __init__(self) -> None:
-        self.learner_prompts = LearnerPrompts(domain="web navigation and question answering", examples=EXAMPLE_LESSONS)
+        self.learner_prompts = LearnerPrompts(domain=DOMAIN, examples=EXAMPLE_LESSONS)
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)
@@ -62,6 +68,9 @@ class WebDomain:
 
     def verify_batch(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         return [match_answer(output, answer) for output, answer in items]
+
+    def warm(self) -> None:
+        """Nothing to start: answers are compared as text, in this process."""
 
     def final_answer(self, output: str) -> str | None:
         """What an LLM judge compares with the reference (``tasks/judge.py``)."""
@@ -76,6 +85,3 @@ class WebDomain:
 
     def tools(self) -> list[Tool]:
         return [SEARCH_TOOL, OPEN_TOOL]
-
-
-register_domain("web", WebDomain)

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 from domains.web.fetch import Link, Page
 
+if TYPE_CHECKING:
+    from selectolax.lexbor import LexborHTMLParser
 
-def page_links(tree, base_url: str) -> list[Link]:  # tree: selectolax LexborHTMLParser
+
+def page_links(tree: LexborHTMLParser, base_url: str) -> list[Link]:
     """Absolute http(s) links in page order, each URL once (fragments dropped), with their anchor text."""
     seen: set[str] = set()
     links = []

@@ -68,7 +68,10 @@ class Page:
 
 
 # --- the address rules ---------------------------------------------------------------------------------------
-def _allowed(host: str, port: int, address: ipaddress._BaseAddress, allow: Iterable[str]) -> bool:
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _allowed(host: str, port: int, address: IPAddress, allow: Iterable[str]) -> bool:
     for entry in allow:
         entry = entry.strip().lower()
         if entry in (host.lower(), f"{host.lower()}:{port}"):
@@ -81,7 +84,7 @@ def _allowed(host: str, port: int, address: ipaddress._BaseAddress, allow: Itera
     return False
 
 
-def _is_public(address: ipaddress._BaseAddress) -> bool:
+def _is_public(address: IPAddress) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return not (
@@ -112,7 +115,7 @@ async def check_url(url: str, settings: OpenConfig) -> tuple[str, int]:
     except (socket.gaierror, UnicodeError) as exc:
         raise FetchRefused(f"cannot open {url}: host {host!r} does not resolve ({exc})") from exc
     for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])  # an IPv6 address may end in %zone
         if not _is_public(address) and not _allowed(host, port, address, settings.allow_hosts):
             raise FetchRefused(
                 f"refused {url!r}: {host} resolves to a non-public address ({address}); only "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from clgrpo.prompts.web_rollout import OPEN_DESCRIPTION, SEARCH_DESCRIPTION
 from domains.base import Tool, ToolContext, ToolFailure, ToolOutput
 from domains.web.fetch import FetchRefused, fetch_page
 from domains.web.search import SearchError, render_hits, search
@@ -50,7 +51,7 @@ def check_search(agent: AgentConfig) -> str:
 
 SEARCH_TOOL = Tool(
     name="search",
-    description="Search the web. Returns numbered results, each with a title, a URL and a snippet.",
+    description=SEARCH_DESCRIPTION,
     parameters={
         "type": "object",
         "properties": {"query": {"type": "string", "description": "what to search for"}},
@@ -64,10 +65,7 @@ SEARCH_TOOL = Tool(
 
 OPEN_TOOL = Tool(
     name="open",
-    description=(
-        "Open a web page (http or https). Returns its title, its text and its links, numbered, so you can "
-        "open a link next."
-    ),
+    description=OPEN_DESCRIPTION,
     parameters={
         "type": "object",
         "properties": {"url": {"type": "string", "description": "the page's URL"}},

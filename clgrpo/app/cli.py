@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from clgrpo import leftovers, stopping
+from clgrpo.app.state import remember_db, resolve_db
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
-from clgrpo.preflight import PreflightError
 from clgrpo.run_lock import holder, refuse_if_running
-from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
+from tasks.preflight import PreflightError
 
 if TYPE_CHECKING:
     from flows.evaluate import EvalOutcome
@@ -44,7 +44,7 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    from clgrpo.prefect_server import install
+    from clgrpo.app.prefect_server import install
 
     install(only_if_ephemeral=True)  # a temporary Prefect server dies with this process, even on SIGKILL
 
@@ -55,7 +55,7 @@ def _open(db: str) -> Store:
 
 def _db(args: argparse.Namespace, ref: str | None = None) -> str:
     """``--db``, else the most recent database that holds the run of ``ref`` (RUN, RUN:VERSION), else the most
-    recent database (see ``clgrpo.state``)."""
+    recent database (see ``clgrpo.app.state``)."""
     return resolve_db(args.db, parse_library_ref(ref)[0] if ref else None)
 
 
@@ -67,7 +67,7 @@ def default_run_id(prefix: str) -> str:
 
 def session(db_path: str, name: str, *, flow_lines: bool = True):  # noqa: ANN201 - a context manager
     """The terminal and log file of a command that runs a flow: ``<db dir>/logs/<name>.log``."""
-    from clgrpo.terminal import Session
+    from clgrpo.app.terminal import Session
 
     return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log", flow_lines=flow_lines)
 
@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": default_run_id(Path(args.config).stem)})
-    from clgrpo.preflight import check_run
+    from tasks.preflight import check_run
 
     refuse_if_running(config.db_path, "train", config.run_id)  # the flow takes the run lock itself
     stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
@@ -155,7 +155,8 @@ def print_steps(result: TrainResult) -> None:
     )
     print(
         f"{'step':>4} {'epoch':>5} {'acc':>6} {'groups sel/all':>14} {'proposals ok/bad':>16} "
-        f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} {'cost $':>8}"
+        f"{'ops applied/rejected':>20} {'lib':>4} {'requests':>8} {'failed':>6} {'tok in':>8} {'tok out':>8} "
+        f"{'cost $':>8}"
     )
     for r in result.steps:
         print(
@@ -359,8 +360,9 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     convert = model is SMOLLM2 or args.hf  # the embedded default model is always converted (the demo loads it)
     report = fetch_model(model, args.cache_dir, force=args.force, convert=convert)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    origin = "already cached" if report.source == "cache" else "from " + report.source
     print(
-        f"{report.hf_dir if convert else report.gguf}\n({'already cached' if report.source == 'cache' else 'from ' + report.source}; "
+        f"{report.hf_dir if convert else report.gguf}\n({origin}; "
         f"{timings or 'nothing to do'}; {time.monotonic() - started:.1f} s in all)"
     )
     return 0
@@ -389,7 +391,7 @@ def cmd_model_list(args: argparse.Namespace) -> int:
 
 
 def cmd_model_build_server(args: argparse.Namespace) -> int:
-    from clgrpo.llama_server import ServerError, build_server
+    from clgrpo.app.llama_server import ServerError, build_server
 
     try:
         print(build_server(args.cache_dir, force=args.force))
@@ -400,7 +402,7 @@ def cmd_model_build_server(args: argparse.Namespace) -> int:
 
 def cmd_model_serve(args: argparse.Namespace) -> int:
     """Serve a fetched model with llama-server until interrupted (fetching and building what is missing)."""
-    from clgrpo.llama_server import LlamaServer, ServerError, build_server, find_binary
+    from clgrpo.app.llama_server import LlamaServer, ServerError, build_server, find_binary
     from clgrpo.models import fetch_model, known_model
 
     model = known_model(args.name)
@@ -455,7 +457,7 @@ def cmd_data_make(args: argparse.Namespace) -> int:
 
 
 def _problems_of(path: str) -> list:
-    from domains.math.dataset import load_problems
+    from clgrpo.dataset import load_problems
 
     return load_problems(DatasetConfig(path=path, shuffle=False))
 
@@ -483,7 +485,7 @@ def cmd_web_world(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clgrpo.demo import DemoOptions, run_demo, summary
+    from clgrpo.app.demo import DemoOptions, run_demo, summary
 
     _prefect_defaults()
     out = Path(args.out)
@@ -715,7 +717,7 @@ def print_evaluation(outcome: EvalOutcome) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from clgrpo.preflight import check_dataset, check_policy
+    from tasks.preflight import check_dataset, check_policy
 
     refs = [*args.library, *args.compare]
     config = _with_mode(_eval_model_config(args, refs), args.mode)
@@ -832,7 +834,7 @@ def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
 def cmd_refresh_run(args: argparse.Namespace) -> int:
     from datetime import datetime
 
-    from clgrpo.preflight import check_refresh
+    from tasks.preflight import check_refresh
 
     config = load_config(args.config, list(args.overrides), model=RefreshConfig)
     try:
@@ -1179,10 +1181,10 @@ def package_version() -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
     from clgrpo.adapters import AdapterError
+    from clgrpo.dataset import DatasetError
     from clgrpo.errors import EvaluationError
     from clgrpo.review import ReviewError
     from clgrpo.sources import SourceError
-    from domains.math.dataset import DatasetError
 
     return (
         ConfigError,
@@ -1203,7 +1205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
-    from clgrpo.terminal import last_log
+    from clgrpo.app.terminal import last_log
 
     try:
         code = args.func(args)
@@ -1218,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`clgrpo library show RUN | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 0
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the command's last resort: one error line, the traceback to the log
         if (signum := stopping.requested()) is not None and stopping.is_stop(exc):
             print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
             return stopping.exit_code(signum)

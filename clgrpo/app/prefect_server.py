@@ -7,7 +7,7 @@ hook, so every killed ``clgrpo train`` used to leave that server (about 200 MB) 
 ``install()`` makes Prefect launch that server through this file instead of ``-m uvicorn``, with the same
 arguments and the same environment::
 
-    python .../clgrpo/prefect_server.py --parent-pid <pid of the process that started it> <uvicorn arguments>
+    python .../clgrpo/app/prefect_server.py --parent-pid <pid of the process that started it> <uvicorn arguments>
 
 It runs uvicorn in-process (so Prefect's ``stop()`` still signals the server itself) plus a daemon thread that
 checks ``os.getppid()`` twice a second: once the parent is gone (the child was re-parented, to init or a
@@ -21,7 +21,7 @@ death signal could kill a healthy server mid-run. It would also need ctypes and 
 only depends on the parent pid, which is passed on the command line so a parent that dies before the launcher
 starts is noticed too.
 
-Why this file is run by path and not as ``-m clgrpo.prefect_server``: it imports only the standard library and
+Why this file is run by path and not as ``-m clgrpo.app.prefect_server``: it imports only the standard library and
 uvicorn, so the server starts whether or not ``clgrpo`` is importable in the child's environment, and it is
 always this copy of the file. ``install()`` changes nothing when the command Prefect builds does not look as
 expected (another Prefect version): the server then starts as before, and a warning says so.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__" and sys.path:
-    # Run by path, Python put this file's directory (clgrpo/) first on sys.path, where its modules could shadow
+    # Run by path, Python put this file's directory (clgrpo/app/) first on sys.path, where its modules could shadow
     # others (even the imports below); ``python -m uvicorn`` would have put the working directory there.
     import os
 
@@ -127,7 +127,7 @@ def _warn_once(message: str) -> None:
         _warned = True
         import logging
 
-        logging.getLogger("clgrpo.prefect_server").warning(message)
+        logging.getLogger("clgrpo.prefect_server").warning(message)  # the name its warnings always had
 
 
 def _disabled() -> bool:
@@ -152,7 +152,8 @@ def install(*, only_if_ephemeral: bool = False) -> bool:
 
         cls = prefect_server.SubprocessASGIServer
         if not isinstance(prefect_server.subprocess, _SubprocessModule):
-            prefect_server.subprocess = _SubprocessModule(prefect_server.subprocess)
+            # a stand-in for the module that watches what the server launches
+            prefect_server.subprocess = _SubprocessModule(prefect_server.subprocess)  # type: ignore[assignment]
         if getattr(cls._run_uvicorn_command, _MARK, False):
             return True
         original = cls._run_uvicorn_command
@@ -166,9 +167,9 @@ def install(*, only_if_ephemeral: bool = False) -> bool:
                 _launching.active = previous
 
         _run_uvicorn_command.__doc__ = original.__doc__
-        _run_uvicorn_command.__wrapped__ = original  # type: ignore[attr-defined]
+        _run_uvicorn_command.__wrapped__ = original  # type: ignore[attr-defined]  # functions take attributes
         setattr(_run_uvicorn_command, _MARK, True)
-        cls._run_uvicorn_command = _run_uvicorn_command
+        cls._run_uvicorn_command = _run_uvicorn_command  # type: ignore[method-assign]  # the patch itself
         return True
 
 

@@ -5,6 +5,9 @@ validated, every API key the config names is present, every OpenAI-compatible en
 the configured model (one ``GET /models`` per endpoint, bounded by ``TIMEOUT_S``), a local backend's packages
 and weights are there. Every failure is one ``PreflightError`` line naming the culprit (file, row and field;
 URL; environment variable; model name).
+
+It sits with the tasks (above the domain plug-ins, below the flows and the CLI that call it): it reads the
+dataset through the run's domain and asks the domain's tools whether they can work.
 """
 
 from __future__ import annotations

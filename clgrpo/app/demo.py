@@ -128,7 +128,7 @@ def pick_engine(opts: DemoOptions) -> str:
     """llama-server when it is built or can be built here (cmake and a C++ compiler), else transformers."""
     if opts.engine != "auto":
         return opts.engine
-    from clgrpo.llama_server import find_binary
+    from clgrpo.app.llama_server import find_binary
 
     if find_binary(opts.cache_dir) is not None or all(shutil.which(t) for t in ("cmake", "c++")):
         return "llama-server"
@@ -309,7 +309,7 @@ def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str,
     gguf = _fetch(opts, QWEN_05B, engine == "transformers" and opts.model_path is None, out, seconds)
     if engine != "llama-server":
         return []
-    from clgrpo.llama_server import LlamaServer, build_server, find_binary
+    from clgrpo.app.llama_server import LlamaServer, build_server, find_binary
 
     learner = learner_of(opts, engine)
     learner_gguf = None if learner == SAME else _fetch(opts, MODELS[learner], False, out, seconds)

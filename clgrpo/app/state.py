@@ -58,10 +58,13 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
     if explicit:
         return explicit
     recent = recent_dbs()
-    if run_id or refresh:
-        for db in recent:
-            if _holds(db, run_id) if run_id else _holds(db, refresh, column="name", tables=("refreshes",)):
-                return str(db)
+    holder = None
+    if run_id:
+        holder = next((db for db in recent if _holds(db, run_id)), None)
+    elif refresh:
+        holder = next((db for db in recent if _holds(db, refresh, column="name", tables=("refreshes",))), None)
+    if holder is not None:
+        return str(holder)
     if recent:
         return str(recent[0])
     return DEFAULT_DB

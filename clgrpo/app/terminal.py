@@ -15,8 +15,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clgrpo import progress, stopping
+
+if TYPE_CHECKING:
+    from prefect.logging.handlers import PrefectConsoleHandler
+    from rich.console import Console
+    from rich.progress import TaskID
 
 PROJECT_LOGGERS = ("clgrpo", "domains", "tasks", "flows")
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a flow's get_run_logger() lines go
@@ -85,7 +91,7 @@ def last_log() -> Path | None:
     return _last_log[0] if _last_log else None
 
 
-def console_handlers() -> list[logging.Handler]:
+def console_handlers() -> list[PrefectConsoleHandler]:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     return [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
@@ -100,7 +106,7 @@ class Session:
     flow_lines: bool = True  # the flows' own INFO lines on the terminal (the demo draws its own)
     _file: logging.Handler | None = field(default=None, init=False)
     _lines: FlowLines | None = field(default=None, init=False)
-    _renderer: object | None = field(default=None, init=False)
+    _renderer: RichBars | MilestoneLines | None = field(default=None, init=False)
 
     def __enter__(self) -> "Session":
         import prefect  # noqa: F401  (configures Prefect's logging, which is adjusted below)
@@ -131,7 +137,7 @@ class Session:
         console = handlers[0].console if handlers else None
         use_bars = self.bars if self.bars is not None else bool(console and console.is_terminal)
         self._renderer = RichBars(console) if use_bars and console else MilestoneLines()
-        progress.add_listener(self._renderer)  # type: ignore[arg-type]
+        progress.add_listener(self._renderer)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -139,7 +145,7 @@ class Session:
         if exc is not None and self._file is not None:  # the traceback goes to the file only
             self._file.handle(
                 logging.LogRecord(
-                    "clgrpo.cli",
+                    "clgrpo.cli",  # the logger name the log file has always shown
                     logging.ERROR,
                     __file__,
                     0,
@@ -149,8 +155,8 @@ class Session:
                 )
             )
         if self._renderer is not None:
-            progress.remove_listener(self._renderer)  # type: ignore[arg-type]
-            self._renderer.stop()  # type: ignore[attr-defined]
+            progress.remove_listener(self._renderer)
+            self._renderer.stop()
         if self._lines is not None:
             for name in ENGINE_LOGGERS:
                 logging.getLogger(name).removeHandler(self._lines)
@@ -163,7 +169,7 @@ class RichBars:
     """One rich progress bar per open stage (done / expected, elapsed time), drawn on Prefect's own console so
     that log lines print above the bars."""
 
-    def __init__(self, console: object) -> None:
+    def __init__(self, console: Console) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bars = Progress(
@@ -172,10 +178,10 @@ class RichBars:
             MofNCompleteColumn(),
             TextColumn("{task.fields[unit]}"),
             TimeElapsedColumn(),
-            console=console,  # type: ignore[arg-type]
+            console=console,
             transient=True,
         )
-        self.tasks: dict[str, object] = {}
+        self.tasks: dict[str, TaskID] = {}
         self.started = False
 
     def __call__(self, p: progress.StageProgress) -> None:
@@ -183,14 +189,14 @@ class RichBars:
         if p.finished:
             task = self.tasks.pop(key, None)
             if task is not None:
-                self.bars.remove_task(task)  # type: ignore[arg-type]
+                self.bars.remove_task(task)
             return
         if not self.started:
             self.bars.start()
             self.started = True
         if key not in self.tasks:
             self.tasks[key] = self.bars.add_task(key, total=p.total or None, unit=p.unit)
-        self.bars.update(self.tasks[key], completed=p.done, total=p.total or None)  # type: ignore[arg-type]
+        self.bars.update(self.tasks[key], completed=p.done, total=p.total or None)
 
     def stop(self) -> None:
         if self.started:

@@ -1,4 +1,4 @@
-"""Loading math problems: local .jsonl / .json / .csv / .parquet files or a Hugging Face dataset.
+"""Loading the problems of every domain: local .jsonl / .json / .csv / .parquet files or a Hugging Face dataset.
 
 Right after reading, every problem and answer text is measured against ``cfg.max_problem_chars`` /
 ``cfg.max_answer_chars`` (nothing else touches the text first): with ``oversize: error`` the first row over a
@@ -28,11 +28,10 @@ from typing import Any
 import pandas as pd
 import pandera.pandas as pa
 
-from domains.base import LoadReport
 from schemas.config import DatasetConfig
 from schemas.records import ANSWER_SOURCES, Problem
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("domains.math.dataset")  # its name before the move to the core: log lines unchanged
 
 MAX_REPORTED_ISSUES = 20
 JSON_ROW_KEYS = ("data", "problems", "rows")  # a .json file may wrap its rows in one of these keys
@@ -42,6 +41,19 @@ _WHITESPACE = re.compile(r"\s+")
 # (their sizes are then checked against dataset.max_problem_chars / max_answer_chars, with row and field named)
 CSV_FIELD_LIMIT = 2**31 - 1
 _CSV_LIMIT_LOCK = threading.Lock()  # csv.field_size_limit is process-wide: one reader changes it at a time
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading a dataset kept and dropped (nothing is dropped without a count)."""
+
+    source: str
+    n_rows: int  # valid rows read
+    n_duplicates_dropped: int  # rows whose normalized problem text repeats an earlier row
+    n_after_limit: int  # problems returned
+    dropped_ids: tuple[str, ...] = ()  # ids of the dropped duplicates
+    n_oversize_skipped: int = 0  # rows left out for a problem or answer over the size limits (oversize: skip)
+    oversize_ids: tuple[str, ...] = ()  # ids of those rows
 
 
 class DatasetError(ValueError):
@@ -368,8 +380,9 @@ def _schema(cfg: DatasetConfig, id_col: str | None, raw_columns: pd.Index) -> pa
         columns[cfg.domain_field] = pa.Column(
             None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
         )
-    if _tag_column(cfg, raw_columns) is not None:  # a blank tag: untagged
-        columns[cfg.tag_field] = pa.Column(
+    tag_column = _tag_column(cfg, raw_columns)
+    if tag_column is not None:  # a blank tag: untagged
+        columns[tag_column] = pa.Column(
             None, checks=[pa.Check(_is_text_or_number, element_wise=True, name="wrong type")], nullable=True
         )
     if cfg.answer_source_field is not None:

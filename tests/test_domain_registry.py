@@ -1,0 +1,110 @@
+"""Domains are found through the entry point group ``clgrpo.domains`` (domains/registry.py): ours as
+pyproject.toml declares them, and a third party's domain that only its own package's metadata declares, with
+no edit to this project; an unknown name is one line listing the installed domains."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clgrpo.app.cli import main
+from domains import UnknownDomainError, get_domain, installed_domains, registry
+from domains.math import MathDomain
+from domains.web import WebDomain
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHESS_MODULE = '''
+class ChessDomain:
+    """A domain this project has never heard of: its loader says that it ran."""
+
+    name = "chess"
+
+    def load_dataset(self, cfg):
+        raise ValueError(f"the chess domain was asked for {cfg.path}")
+'''
+
+
+def install_chess(where: Path) -> Path:
+    """What installing a package that declares a chess domain leaves on sys.path: its module and its metadata
+    (a ``*.dist-info`` whose ``entry_points.txt`` names the factory)."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "chess_domain.py").write_text(CHESS_MODULE)
+    info = where / "chess_domain-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: chess-domain\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[clgrpo.domains]\nchess = chess_domain:ChessDomain\n")
+    return where
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """What a test registers or loads is forgotten after it."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    yield
+    sys.modules.pop("chess_domain", None)
+
+
+def write_config(tmp_path: Path, domain: str) -> Path:
+    path = tmp_path / "run.yaml"
+    policy = {"model": "scripted", "base_url": "http://127.0.0.1:9/v1", "api_key_env": None}
+    run = {"domain": domain, "dataset": {"path": str(tmp_path / "games.jsonl")}, "policy": policy}
+    path.write_text(yaml.safe_dump(run | {"db_path": str(tmp_path / "r.duckdb")}))
+    return path
+
+
+def test_our_domains_are_declared_as_entry_points():
+    declared = {point.name: point.value for point in entry_points(group=registry.ENTRY_POINT_GROUP)}
+    assert declared["math"] == "domains.math:MathDomain" and declared["web"] == "domains.web:WebDomain"
+    assert isinstance(get_domain("math"), MathDomain) and isinstance(get_domain("web"), WebDomain)
+
+
+def test_a_domain_declared_only_by_its_package_metadata_is_found(tmp_path, monkeypatch, fresh_registry):
+    monkeypatch.syspath_prepend(str(install_chess(tmp_path / "site")))
+    assert {"chess", "math", "web"} <= set(installed_domains())
+    domain = get_domain("chess")
+    assert type(domain).__name__ == "ChessDomain" and domain.name == "chess"
+
+
+def test_a_registered_factory_wins_over_an_installed_one(fresh_registry):
+    class StandIn(MathDomain):
+        pass
+
+    registry.register_domain("math", StandIn)
+    assert isinstance(get_domain("math"), StandIn)
+
+
+def test_an_unknown_domain_is_one_line_naming_the_installed_ones(capsys, tmp_path, fresh_registry):
+    with pytest.raises(UnknownDomainError) as caught:
+        get_domain("go")
+    assert str(caught.value) == (
+        "unknown domain 'go'; installed domains: math, web "
+        "(a domain package declares its factory in the entry point group 'clgrpo.domains')"
+    )
+    assert main(["train", "--config", str(write_config(tmp_path, "go"))]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()  # (an earlier test's log may be named as the details)
+    assert len(lines) == 1 and lines[0].startswith(f"error: UnknownDomainError: {caught.value}")
+
+
+def test_a_real_clgrpo_process_runs_a_third_party_domain(tmp_path):
+    """The console entry point in its own process, the plug-in on its PYTHONPATH: the preflight reads the
+    dataset through the chess domain's loader, whose error is the command's one line."""
+    site = install_chess(tmp_path / "site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(write_config(tmp_path, "chess"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: dataset: the chess domain was asked for {tmp_path / 'games.jsonl'}"
+    ]
