@@ -7,9 +7,9 @@ Built on ``clgrpo.testing.fake_openai.FakeOpenAIServer``; replies come from
     straggler ``tail_scale_s * U**(-1/tail_alpha)`` instead, capped at ``max_s``)
     + completion tokens of the longest choice / ``tokens_per_s``
 
-drawn deterministically from the request's content (messages, n and sampling seed), so two pipeline designs that send the
-same requests see the same latencies. The server holds at most ``max_concurrency`` requests in service; more
-wait in its accept queue.
+drawn deterministically from the request's content (messages, n and sampling seed), so two pipeline designs that
+send the same requests see the same latencies. The server holds at most ``max_concurrency`` requests in service;
+more wait in its accept queue.
 
 Agent rollouts: a policy request that lists tools (or shows the text protocol) gets the scripted world's ReAct
 agent (``ScriptedWorld._agent``: call the python tool, then answer what it printed); every turn is one call
@@ -150,7 +150,7 @@ class SeededWorld(ScriptedWorld):
                 return digest, f"{request.seed}+{repeat}"
         return digest, request.seed
 
-    def _tool_call(self, protocol: str, text: str, code: str) -> str | Reply:
+    def _tool_call(self, protocol: str | None, text: str, code: str) -> str | Reply:
         if self.tag_tool_calls:
             with self._lock:
                 self._tags += 1

@@ -1,10 +1,10 @@
 """A fake OpenAI-compatible HTTP server for tests and benchmarks (stdlib only).
 
 The official ``openai`` SDK talks to it unchanged (``base_url=server.base_url``). A ``Responder`` produces the
-choices: a content string each, or a ``Reply`` that may call tools (OpenAI tool calling: the server gives each
-call an id and the choice ``finish_reason: "tool_calls"``; with ``supports_tools=False`` a request that lists
-``tools`` is refused with HTTP 400, as by servers without tool calling). The server adds the chat.completion envelope, usage counts, optional latency, a concurrency
-cap, fault injection and thread-safe request statistics.
+choices: a content string each, or a ``Reply`` that may call tools (OpenAI tool calling: the server gives each call
+an id and the choice ``finish_reason: "tool_calls"``; with ``supports_tools=False`` a request that lists ``tools``
+is refused with HTTP 400, as by servers without tool calling). The server adds the chat.completion envelope, usage
+counts, optional latency, a concurrency cap, fault injection and thread-safe request statistics.
 
 Faults (``server.inject(Fault(...))``, the fault model of ``clgrpo.testing.faults`` that the fakes share) are the
 replies a real proxy sees: HTTP errors ("status", e.g. 429 with Retry-After or 5xx), slow replies ("delay"),
@@ -445,7 +445,7 @@ class FakeOpenAIServer(LoopbackServer):
             return _Outcome(400, error_body(400, "this server does not support tools (no tool calling)"))
         try:
             contents = [c if isinstance(c, Reply) else str(c) for c in self.responder(asked)]
-        except Exception as exc:  # a responder bug becomes a visible 500, not a hung client
+        except Exception as exc:  # noqa: BLE001 - a responder bug becomes a visible 500, not a hung client
             return _Outcome(500, error_body(500, f"responder failed: {type(exc).__name__}: {exc}"))
         if not self.supports_n:
             contents = contents[:1]

@@ -43,7 +43,7 @@ def _name(rng: random.Random, used: set[str]) -> str:
 
 
 def make_towns(n: int = 12, seed: int = 0) -> list[Town]:
-    rng, used = random.Random(seed), set()
+    rng, used = random.Random(seed), set[str]()
     towns = []
     for _ in range(n):
         name = _name(rng, used)
@@ -109,8 +109,8 @@ def build_site(folder: Path, towns: list[Town]) -> Path:
             _page(
                 t.river,
                 (
-                    f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. It is {t.river_km} km "
-                    f"long.</p>"
+                    f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. "
+                    f"It is {t.river_km} km long.</p>"
                 ),
             )
         )
