@@ -36,6 +36,7 @@ from critical_path import limits  # noqa: E402
 from latency_server import Collected, LatencyModel, LatencyServerProcess  # noqa: E402
 
 from clgrpo.store import Store  # noqa: E402
+from clgrpo.testing.scripted_llm import FAMILIES, make_problems, write_jsonl  # noqa: E402
 from flows import train as train_module  # noqa: E402
 from schemas.config import (  # noqa: E402
     AgentConfig,
@@ -46,7 +47,6 @@ from schemas.config import (  # noqa: E402
     RunConfig,
     SandboxConfig,
 )
-from tests.scripted_llm import FAMILIES, make_problems, write_jsonl  # noqa: E402
 
 
 @contextmanager

@@ -1,15 +1,15 @@
 """A latency-controlled OpenAI-compatible server for benchmarks (loopback, its own process).
 
-Built on ``clgrpo.testing.fake_openai.FakeOpenAIServer``; replies come from ``tests.scripted_llm.ScriptedWorld``
-(the same prompt contract the test suite uses). Each call takes
+Built on ``clgrpo.testing.fake_openai.FakeOpenAIServer``; replies come from
+``clgrpo.testing.scripted_llm.ScriptedWorld`` (the same prompt contract the test suite uses). Each call takes
 
     time to first token (lognormal, median ``median_s``, shape ``sigma``; with probability ``tail_p`` a Pareto
     straggler ``tail_scale_s * U**(-1/tail_alpha)`` instead, capped at ``max_s``)
     + completion tokens of the longest choice / ``tokens_per_s``
 
-drawn deterministically from the request's content (messages, n and sampling seed), so two pipeline designs that send the
-same requests see the same latencies. The server holds at most ``max_concurrency`` requests in service; more
-wait in its accept queue.
+drawn deterministically from the request's content (messages, n and sampling seed), so two pipeline designs that
+send the same requests see the same latencies. The server holds at most ``max_concurrency`` requests in service;
+more wait in its accept queue.
 
 Agent rollouts: a policy request that lists tools (or shows the text protocol) gets the scripted world's ReAct
 agent (``ScriptedWorld._agent``: call the python tool, then answer what it printed); every turn is one call
@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply, RequestLogEntry, role_of  # noqa: E402
-from tests.scripted_llm import PROBLEM_RE, REPAIR_PREFIX, ScriptedWorld  # noqa: E402
+from clgrpo.testing.scripted_llm import PROBLEM_RE, REPAIR_PREFIX, ScriptedWorld  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class SeededWorld(ScriptedWorld):
                 return digest, f"{request.seed}+{repeat}"
         return digest, request.seed
 
-    def _tool_call(self, protocol: str, text: str, code: str) -> str | Reply:
+    def _tool_call(self, protocol: str | None, text: str, code: str) -> str | Reply:
         if self.tag_tool_calls:
             with self._lock:
                 self._tags += 1

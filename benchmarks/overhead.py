@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     from harness import machine
     from latency_server import LatencyModel
 
-    from tests.scripted_llm import make_problems, write_jsonl
+    from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 
     workdir = Path(tempfile.mkdtemp(prefix="clgrpo-bench-overhead-"))
     write_jsonl(make_problems(2, seed=0), workdir / "problems.jsonl")

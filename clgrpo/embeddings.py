@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 
 from clgrpo import models
 from clgrpo.models import cache_root, sha256_of
+from clgrpo.retry import Backoff, is_retryable_status, retry_after_seconds
 from schemas.config import EmbeddingConfig
 
 MARKER = "clgrpo-source.json"  # written last into the cached folder: the fetch finished and was verified
@@ -446,7 +446,7 @@ class OpenAIEmbedder:
                 return self._vectors(response, len(texts))
             except self._openai.APIStatusError as exc:
                 status = exc.status_code
-                if not (status == 429 or status >= 500 or status in (408, 409)):
+                if not is_retryable_status(status):
                     raise EmbeddingError(
                         f"embeddings request to {self.url} (model {self.cfg.model!r}) failed: "
                         f"HTTP {status}: {_error_text(exc)}"
@@ -459,10 +459,8 @@ class OpenAIEmbedder:
                     f"embeddings request to {self.url} (model {self.cfg.model!r}) failed after "
                     f"{attempt + 1} attempts: {reason}"
                 )
-            delay = min(self.cfg.retry_max_delay_s, self.cfg.retry_base_delay_s * 2**attempt)
-            delay = delay * (0.5 + random.random() / 2)
-            if retry_after is not None:  # the server's Retry-After, within our cap
-                delay = min(max(delay, retry_after), self.cfg.retry_max_delay_s)
+            backoff = Backoff(self.cfg.retry_base_delay_s, self.cfg.retry_max_delay_s)
+            delay = backoff.delay_within_cap(attempt, retry_after)  # the server's Retry-After, within our cap
             attempt += 1
             await asyncio.sleep(delay)
 
@@ -499,10 +497,8 @@ def _error_text(exc: Any) -> str:
 
 
 def _retry_after(exc: Any) -> float | None:
-    from clgrpo.llm.backends import _retry_after_seconds
-
     response = getattr(exc, "response", None)
-    return _retry_after_seconds(getattr(response, "headers", None))
+    return retry_after_seconds(getattr(response, "headers", None))
 
 
 def _short(value: object, limit: int = 200) -> str:

@@ -18,6 +18,7 @@ from clgrpo.prompts.attempts import clip, tool_trace, trajectory_text
 from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
+from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, ModelConfig
@@ -30,7 +31,6 @@ from tasks.agent import (
     parse_text_action,
     tool_call_in_text,
 )
-from tests.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 
 PROBLEM = Problem(problem_id="products-000", problem=problem_text(FAMILIES[1], 47, 23), answer=str(47 * 23))
 _PRINT_RE = re.compile(r"print\((\d+) ([-+*%]) (\d+)\)\s*$")

@@ -10,6 +10,7 @@ import pytest
 from clgrpo.sandbox import isolation_problem
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.evaluate import evaluate
 from flows.train import train
 from schemas.config import (
@@ -26,7 +27,6 @@ from schemas.config import (
     ToleranceConfig,
 )
 from tasks.integrity import StageFailedError
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 pytestmark = [
     pytest.mark.flow,
@@ -134,7 +134,7 @@ async def test_agent_evaluation_with_the_text_protocol(tmp_path):
         [{**p, "id": "h-" + p["id"]} for p in make_problems(n_per_family=2, seed=9)], tmp_path / "heldout.jsonl"
     )
     lessons = tmp_path / "lessons.txt"
-    from tests.scripted_llm import FAMILIES
+    from clgrpo.testing.scripted_llm import FAMILIES
 
     lessons.write_text("".join(f"[L{i}]. {f.lesson}\n" for i, f in enumerate(FAMILIES)))
     with FakeOpenAIServer(world, supports_tools=False) as server:

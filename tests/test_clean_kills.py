@@ -22,8 +22,8 @@ import yaml
 from clgrpo.app import prefect_server
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import free_port, gone
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 ORPHAN_LIMIT_S = 10.0

@@ -8,7 +8,7 @@ import yaml
 from clgrpo.app.cli import main
 from clgrpo.config import ConfigError, load_config
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 
 def test_overrides_are_typed_and_nested(tmp_path):

@@ -17,7 +17,7 @@ import yaml
 
 from clgrpo.app.cli import main
 from clgrpo.testing.fake_openai import FakeOpenAIServer
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFLIGHT_LIMIT_S = 10.0

@@ -24,8 +24,8 @@ import pytest
 
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import free_port, start_detached, stop_group, wait_healthy
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun

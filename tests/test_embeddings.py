@@ -27,6 +27,7 @@ from clgrpo.embeddings import (
     nearest,
 )
 from clgrpo.testing.fake_embeddings import EmbeddingServer, fake_vector
+from clgrpo.testing.faults import Fault
 from tests.tiny_embedder import DIM, build_tiny_embedder
 
 TEXTS = [
@@ -211,10 +212,8 @@ async def test_openai_batches_sorts_by_index_and_normalises(server, monkeypatch)
 
 
 async def test_openai_retries_429_and_5xx_then_succeeds(server):
-    server.faults += [
-        (429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),
-        (503, {"error": {"message": "overloaded"}}, {}),
-    ]
+    server.inject(Fault(status=429, message="slow down", retry_after=0))
+    server.inject(Fault(status=503, message="overloaded"))
     embedder = make_embedder(openai_cfg(server, max_retries=3))
     vecs = await embedder.embed(["one", "two"])
     assert vecs.shape == (2, 8) and len(server.requests) == 3
@@ -222,9 +221,7 @@ async def test_openai_retries_429_and_5xx_then_succeeds(server):
 
 
 async def test_openai_400_is_one_line_error_with_url(server):
-    server.faults.append(
-        (400, {"error": {"message": "input is too long\nfor this model", "type": "invalid_request_error"}}, {})
-    )
+    server.inject(Fault(status=400, message="input is too long\nfor this model"))
     embedder = make_embedder(openai_cfg(server))
     with pytest.raises(EmbeddingError) as info:
         await embedder.embed(["x"])
@@ -235,7 +232,7 @@ async def test_openai_400_is_one_line_error_with_url(server):
 
 
 async def test_openai_gives_up_after_max_retries(server):
-    server.faults += [(500, {"error": {"message": "boom"}}, {})] * 3
+    server.inject(Fault(status=500, message="boom", times=3))
     embedder = make_embedder(openai_cfg(server, max_retries=2))
     with pytest.raises(EmbeddingError, match=r"failed after 3 attempts: HTTP 500: boom") as info:
         await embedder.embed(["x"])

@@ -15,9 +15,9 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from flows.evaluate import evaluate
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
-from tests.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 

@@ -14,9 +14,16 @@ from openai import AsyncOpenAI, OpenAI
 from clgrpo.llm.structured import parse_operations
 from clgrpo.prompts.attempts import Attempt
 from clgrpo.testing.fake_openai import DEFAULT_MIX, ChatRequest, FakeOpenAIServer, Fault, match_roles, role_of
+from clgrpo.testing.scripted_llm import (
+    FAMILIES,
+    FAMILY_BY_NAME,
+    REPAIR_PREFIX,
+    ScriptedWorld,
+    make_problems,
+    write_jsonl,
+)
 from domains.learner import LearnerPrompts
 from schemas.records import Problem
-from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, REPAIR_PREFIX, ScriptedWorld, make_problems, write_jsonl
 
 PROMPTS = LearnerPrompts(domain="arithmetic")
 

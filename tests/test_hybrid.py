@@ -287,8 +287,8 @@ async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(t
     from clgrpo.llm.local import loaded_engines
     from clgrpo.store import Store
     from clgrpo.testing.fake_openai import FakeOpenAIServer
+    from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
     from flows.train import train
-    from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
     from tests.stored_steps import seed_first_step
 
     dataset = write_jsonl(make_problems(n_per_family=1, seed=2), tmp_path / "train.jsonl")

@@ -7,9 +7,9 @@ import pytest
 from clgrpo.journal import RunJournal, StageItems, recording, sample_key
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, match_roles
+from clgrpo.testing.scripted_llm import ScriptedWorld
 from flows.train import train
 from schemas.records import LLMCall, Rollout, Turn
-from tests.scripted_llm import ScriptedWorld
 from tests.test_reliability import journal_dirs, make_config
 
 

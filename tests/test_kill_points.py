@@ -49,8 +49,8 @@ import yaml
 from clgrpo.journal import run_journal_dir
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import PrefectApi, gone
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 # starts a real `prefect server` (and, for the full variant, takes minutes)

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from clgrpo.leakage import LeakageError, check_leakage, find_leakage, jaccard, shingles
+from clgrpo.testing.scripted_llm import make_problems
 from schemas.records import Problem
-from tests.scripted_llm import make_problems
 
 WORDS = (
     "triangle integer sum find number circle radius prime digits probability area square real positive value "

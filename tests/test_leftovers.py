@@ -21,8 +21,8 @@ from clgrpo import leftovers, sandbox
 from clgrpo.leftovers import OWNER_ENV, Owner, sweep, this_owner
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import gone
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.test_clean_kills import isolated_prefect_env, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
 from schemas.records import LessonTrial, Operation, OpKind, TrialSample
 from tasks.validate_lessons import _Candidate, best_per_group, judge_trial, plan_after
-from tests.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
 
 FAMILY_LESSONS = {f.lesson for f in FAMILIES}
 

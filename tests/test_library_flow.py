@@ -19,6 +19,14 @@ from clgrpo.report import write_report
 from clgrpo.store import Store
 from clgrpo.testing.fake_embeddings import EmbeddingServer
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
+from clgrpo.testing.scripted_llm import (
+    FAMILIES,
+    FAMILY_BY_NAME,
+    ScriptedWorld,
+    find_problem,
+    make_problems,
+    write_jsonl,
+)
 from flows.train import train
 from schemas.config import (
     DatasetConfig,
@@ -30,7 +38,6 @@ from schemas.config import (
     RunConfig,
 )
 from schemas.records import OpKind
-from tests.scripted_llm import FAMILIES, FAMILY_BY_NAME, ScriptedWorld, find_problem, make_problems, write_jsonl
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 LINE = re.compile(r"^\[(E\d+)\]\.\s*(.*)$", re.MULTILINE)

@@ -9,11 +9,11 @@ import pytest
 
 from clgrpo.store import ConfigMismatchError, Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from schemas.records import Operation, OpKind, Proposal
 from tasks.limits import limit_plan, limit_proposals
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 

@@ -19,7 +19,7 @@ import pytest
 from clgrpo.run_lock import RunLock, RunLockedError, holder, lock_path, refuse_if_running
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.test_kill_points import cli_env, write_config
 
 ROOT = Path(__file__).resolve().parents[1]

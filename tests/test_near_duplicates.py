@@ -11,6 +11,7 @@ from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text
 from clgrpo.store import Store
 from clgrpo.testing.fake_embeddings import EmbeddingServer, bag_of_words
 from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import (
     DatasetConfig,
@@ -22,7 +23,6 @@ from schemas.config import (
     RunConfig,
 )
 from schemas.records import Operation
-from tests.scripted_llm import FAMILIES, ScriptedWorld, make_problems, write_jsonl
 
 CARRY = "When adding numbers, carry the tens digit."
 CARRY_AGAIN = "When you add, carry the tens."

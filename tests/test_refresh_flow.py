@@ -13,10 +13,10 @@ from clgrpo.app.state import remember_db
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.refresh import decide, refresh, refresh_date
 from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 

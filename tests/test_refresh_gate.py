@@ -15,10 +15,10 @@ from clgrpo.app.cli import main
 from clgrpo.gate import promotion_gate, tag_verdict
 from clgrpo.store import FrameValidationError, Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
+from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from flows.refresh import refresh
 from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
-from tests.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from tests.test_refresh_flow import arrive, refresh_config
 
 NIGHT = datetime(2026, 11, 21, 2, 0, tzinfo=timezone.utc)

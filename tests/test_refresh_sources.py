@@ -9,9 +9,9 @@ import pytest
 
 from clgrpo.dataset import DatasetError
 from clgrpo.sources import SourceError, problem_key, read_arrivals, select_new
+from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from domains import get_domain
 from schemas.config import RefreshConfig, RefreshSource
-from tests.scripted_llm import make_problems, write_jsonl
 
 T0 = datetime(2026, 11, 20, 1, 0, tzinfo=timezone.utc)
 MATH = get_domain("math")

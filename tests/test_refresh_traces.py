@@ -10,8 +10,8 @@ import pytest
 
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems
 from flows.refresh import refresh
-from tests.scripted_llm import ScriptedWorld, make_problems
 from tests.test_refresh_flow import NIGHT, refresh_config, rows
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]

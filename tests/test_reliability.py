@@ -16,10 +16,10 @@ from clgrpo.journal import JOURNAL_DIR
 from clgrpo.llm import LLMClient
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import DEFAULT_MIX, FakeOpenAIServer, Fault, match_roles, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from tasks.integrity import StageFailedError
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 SUMMARIZER = "trajectory summarizer"
 EXTRACTOR = "experience extractor"

@@ -23,8 +23,8 @@ from clgrpo.app.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems
 from tests.processes import free_port, start_detached, stop_group, wait_healthy
-from tests.scripted_llm import ScriptedWorld, make_problems
 from tests.test_refresh_flow import refresh_config
 from tests.test_refresh_traces import land, traces_of
 

@@ -31,8 +31,8 @@ import pytest
 import yaml
 
 from clgrpo.store import Store
+from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from tests.processes import PrefectApi
-from tests.scripted_llm import make_problems, write_jsonl
 from tests.test_kill_points import (
     ORPHAN_LIMIT_S,
     POLICY_SEED,

@@ -6,9 +6,9 @@ import pytest
 
 from clgrpo.store import ConfigMismatchError, Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
-from tests.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 

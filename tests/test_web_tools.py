@@ -7,13 +7,12 @@ import asyncio
 import contextlib
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from clgrpo.dataset import load_problems
+from clgrpo.testing.loopback import LoopbackHandler, LoopbackServer
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
 from domains import ToolContext, ToolFailure, get_domain
 from domains.web.fetch import FetchRefused, check_url, fetch_page
@@ -200,32 +199,24 @@ async def test_a_local_index_over_the_site_ranks_the_page_that_names_the_query(s
         await SEARCH_TOOL.run({"query": "x"}, broken)
 
 
-class _SearchApi(BaseHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002
-        pass
-
+class _SearchApiHandler(LoopbackHandler):
     def do_GET(self):
-        self.server.seen.append({"path": self.path, "token": self.headers.get("X-Subscription-Token")})
-        body = json.dumps(
-            {
-                "web": {
-                    "results": [
-                        {"title": "Paris", "url": "https://example.org/paris", "description": "Capital of France."}
-                    ]
-                }
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
+        self.server.owner.seen.append({"path": self.path, "token": self.headers.get("X-Subscription-Token")})
+        result = {"title": "Paris", "url": "https://example.org/paris", "description": "Capital of France."}
+        self.send_json(200, {"web": {"results": [result]}})
+
+
+class _SearchApi(LoopbackServer):
+    handler_class = _SearchApiHandler
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict] = []
 
 
 async def test_an_http_search_api_is_read_through_its_field_settings(monkeypatch):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SearchApi)
-    server.seen = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
+    server = _SearchApi().start()
+    base = server.origin
     settings = SearchConfig(
         backend="http",
         url_template=f"{base}/res/v1/web/search?q={{query}}&count={{k}}",
@@ -248,8 +239,7 @@ async def test_an_http_search_api_is_read_through_its_field_settings(monkeypatch
         with pytest.raises(SearchError, match="no list at 'results'"):
             await http_search("x", settings.model_copy(update={"results_path": "results"}))
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
 # --- the domain ---------------------------------------------------------------------------------------------------

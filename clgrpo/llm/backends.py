@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from clgrpo.llm.errors import PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
+from clgrpo.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
 from schemas.config import ModelConfig
 
 Message = dict[str, Any]  # a chat message; agent turns carry "tool_calls" / "tool_call_id" besides the text
@@ -79,22 +80,6 @@ def resolve_api_key(cfg: KeySource) -> str | None:
         assert isinstance(secret, Secret)
         return secret.get()
     return None
-
-
-def _retry_after_seconds(headers: object) -> float | None:
-    value = getattr(headers, "get", lambda _k: None)("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        from datetime import datetime, timezone
-        from email.utils import parsedate_to_datetime
-
-        try:
-            return max(0.0, (parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds())
-        except (TypeError, ValueError):
-            return None
 
 
 CHAT_PATH = "chat/completions"
@@ -181,10 +166,10 @@ class OpenAIBackend:
             )
         if "tools" in body and _rejects_tools(status, message):
             return ToolsRefused(f"HTTP {status} from {self.base_url}: tool calling refused: {_error_message(data)}")
-        if status == 429:
-            return TransientLLMError(message, _retry_after_seconds(headers), rate_limited=True)
-        if status >= 500 or status in (408, 409):
-            return TransientLLMError(message, _retry_after_seconds(headers))
+        if status == RATE_LIMITED:
+            return TransientLLMError(message, retry_after_seconds(headers), rate_limited=True)
+        if is_retryable_status(status):
+            return TransientLLMError(message, retry_after_seconds(headers))
         return PermanentLLMError(message)
 
     async def aclose(self) -> None:

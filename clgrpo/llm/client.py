@@ -38,6 +38,7 @@ from clgrpo.llm.backends import (
 )
 from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
+from clgrpo.retry import Backoff, retry_after_delay
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import LLMCall, Operation, utcnow
 
@@ -422,9 +423,8 @@ class LLMClient:
     def _delay(self, cfg: ModelConfig, retries: int, exc: BaseException) -> float:
         retry_after = getattr(exc, "retry_after", None)
         if retry_after is not None:
-            return retry_after + self._rng.uniform(0, 0.1 * retry_after + 0.05)
-        ceiling = min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2**retries)
-        return self._rng.uniform(ceiling / 2, ceiling)
+            return retry_after_delay(retry_after, self._rng)
+        return Backoff(cfg.retry_base_delay_s, cfg.retry_max_delay_s).delay(retries, self._rng)
 
     @staticmethod
     async def _respect_pause(state: _LoopState) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import random
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler
 from pathlib import Path
+
+from clgrpo.testing.loopback import LoopbackHandler, LoopbackServer
 
 SYLLABLES = ["var", "sk", "mol", "dan", "tre", "ve", "lo", "rin", "bar", "tis", "ka", "nor", "el", "um", "pra"]
 FIRST = ["Ada", "Boris", "Clara", "Dmitri", "Elin", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lev"]
@@ -41,7 +43,7 @@ def _name(rng: random.Random, used: set[str]) -> str:
 
 
 def make_towns(n: int = 12, seed: int = 0) -> list[Town]:
-    rng, used = random.Random(seed), set()
+    rng, used = random.Random(seed), set[str]()
     towns = []
     for _ in range(n):
         name = _name(rng, used)
@@ -107,8 +109,8 @@ def build_site(folder: Path, towns: list[Town]) -> Path:
             _page(
                 t.river,
                 (
-                    f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. It is {t.river_km} km "
-                    f"long.</p>"
+                    f"<p>The {t.river} flows through <a href='/towns/{t.slug}.html'>{t.name}</a>. "
+                    f"It is {t.river_km} km long.</p>"
                 ),
             )
         )
@@ -147,12 +149,9 @@ def write_questions(rows: list[dict], path: Path) -> Path:
     return path
 
 
-class _Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
-        pass
-
+class _Quiet(LoopbackHandler, SimpleHTTPRequestHandler):
     def do_GET(self) -> None:
-        self.server.requests.append({"path": self.path, "headers": dict(self.headers)})  # type: ignore[attr-defined]
+        self.server.owner.requests.append({"path": self.path, "headers": dict(self.headers)})
         if self.path == "/away":  # a redirect to a private address: the hop must be checked too
             self.send_response(302)
             self.send_header("Location", "http://10.255.255.1/secret")
@@ -168,29 +167,21 @@ class _Quiet(SimpleHTTPRequestHandler):
         super().do_GET()
 
 
-class SiteServer:
-    """Serves ``folder`` on 127.0.0.1 (``port``; 0: a free one) in a thread; ``requests`` records every GET."""
+class SiteServer(LoopbackServer):
+    """Serves ``folder`` on 127.0.0.1 (``port``; 0: a free one) in a thread, from construction on; ``requests``
+    records every GET."""
+
+    thread_name = "web-world"
 
     def __init__(self, folder: Path, port: int = 0) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), partial(_Quiet, directory=str(folder)))
-        self.httpd.requests = []  # type: ignore[attr-defined]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(port=port)
+        self.folder = folder
+        self.requests: list[dict] = []
+        self.start()
+
+    def make_handler(self) -> Callable[..., BaseHTTPRequestHandler]:
+        return partial(_Quiet, directory=str(self.folder))
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    @property
-    def requests(self) -> list[dict]:
-        return self.httpd.requests  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self) -> "SiteServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self.origin

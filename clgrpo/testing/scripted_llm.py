@@ -291,7 +291,7 @@ class ScriptedWorld:
         self._seen: Counter = Counter()
         self._lock = threading.Lock()
 
-    def __call__(self, request: ChatRequest) -> list[str]:
+    def __call__(self, request: ChatRequest) -> list[str | Reply]:
         role = role_of(request)
         occurrence = self._occurrence(request)
         with self._lock:
@@ -365,7 +365,7 @@ class ScriptedWorld:
         code = f"print({a} {family.symbol} {b})" if rng.random() >= 0.1 else f"print({a} {family.symbol} {b}"
         return self._tool_call(protocol, "I will compute this with Python.", code)
 
-    def _tool_call(self, protocol: str, text: str, code: str) -> str | Reply:
+    def _tool_call(self, protocol: str | None, text: str, code: str) -> str | Reply:
         with self._lock:
             self.stats.tool_calls += 1
         if protocol == "tools":
