@@ -22,7 +22,8 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from datetime import datetime
+from typing import Any, Literal
 
 from clgrpo import journal
 from clgrpo.llm.backends import (
@@ -375,10 +376,12 @@ class LLMClient:
                 limited = isinstance(exc, TransientLLMError) and exc.rate_limited
                 reason = str(exc) or f"timeout after {cfg.timeout_s:g}s"
                 now = time.monotonic()
-                limited_since = (limited_since or now) if limited else limited_since
+                if limited and limited_since is None:
+                    limited_since = now
+                waited = now - limited_since if limited and limited_since is not None else 0.0
                 counted = getattr(exc, "counted", True)
                 if limited:
-                    gave_up = now - limited_since > cfg.max_rate_limit_wait_s
+                    gave_up = waited > cfg.max_rate_limit_wait_s
                 else:
                     gave_up = counted and errors >= cfg.max_retries
                 refused = refusal_raises and isinstance(exc, SchemaRefused)
@@ -403,8 +406,7 @@ class LLMClient:
                     raise exc
                 if gave_up:
                     budget = (
-                        f"rate limited for {now - limited_since:.0f}s (max_rate_limit_wait_s="
-                        f"{cfg.max_rate_limit_wait_s:g})"
+                        f"rate limited for {waited:.0f}s (max_rate_limit_wait_s={cfg.max_rate_limit_wait_s:g})"
                         if limited
                         else f"gave up after {errors} retries"
                     )
@@ -445,7 +447,7 @@ class LLMClient:
         cfg: ModelConfig,
         call_id: str,
         attempt: int,
-        started,
+        started: datetime,
         t0: float,
         gen: Generation | None,
         error: str | None = None,
@@ -485,7 +487,7 @@ def _request(
     n: int = 1,
     temperature: float | None,
     seed: int | None,
-    **extra: object,
+    **extra: Any,
 ) -> GenRequest:
     """A request with the model's sampling settings (``temperature`` None: the model's own)."""
     return GenRequest(
@@ -497,7 +499,7 @@ def _request(
         seed=seed,
         repetition_penalty=cfg.repetition_penalty,
         **extra,
-    )  # type: ignore[arg-type]
+    )
 
 
 def _at(values: list[str], index: int) -> str:
