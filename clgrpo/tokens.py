@@ -9,11 +9,6 @@ more finely in BPE, so leave that margin when a budget must fit a model's contex
 from __future__ import annotations
 
 import re
-import os  # CI demonstration: an unused import (ruff F401)
-
-from flows.train import train  # CI demonstration: the core importing a flow (wrong way)
-
-CI_DEMO: int = "not an int"  # CI demonstration: a type error (mypy)
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 
