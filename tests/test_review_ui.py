@@ -4,7 +4,8 @@ traces file; the run the scheduler creates trains on the traces against the scri
 and suspends with the review form; headless Chromium
 opens the paused run, approves one change, edits one, rejects the rest and submits; the worker resumes the run
 to completion; the served library has exactly those changes, the decisions and the backup are stored, and
-`clgrpo library rollback` puts the previous library back. Screenshots of the review go to docs/images/."""
+`clgrpo library rollback` puts the previous library back. Screenshots of the review go to the test's temporary
+folder, or to $CLGRPO_SCREENSHOT_DIR (`CLGRPO_SCREENSHOT_DIR=docs/images` refreshes the README's)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from tests.test_refresh_traces import land, traces_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
-IMAGES = ROOT / "docs" / "images"
 EDITED = "Write down every known quantity with its unit before computing."
 
 try:
@@ -155,9 +155,10 @@ def _scheduled_run(api_url: str, first: datetime, logs: Path, timeout: float = 1
     raise AssertionError(f"the scheduler created no run for {first}: {(logs / 'server.log').read_text()[-3000:]}")
 
 
-def _screenshot(page, name: str) -> None:
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(IMAGES / name), full_page=True)
+def _screenshot(page, name: str, folder: Path) -> None:
+    folder = Path(os.environ.get("CLGRPO_SCREENSHOT_DIR") or folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / name), full_page=True)
 
 
 def _choose(page, dialog, index: int, choice: str) -> None:
@@ -183,12 +184,12 @@ def review_in_browser(
             page.goto(f"{ui_url}/artifacts/key/nightly-review", wait_until="networkidle")
             page.locator("a[href*='/artifacts/artifact/']").first.click()
             page.get_by_text(f"Review {refresh_id}").first.wait_for()
-            _screenshot(page, "review-artifact.png")
+            _screenshot(page, "review-artifact.png", dump.parent)
             page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
             page.get_by_role("button", name="Resume").first.click()
             dialog = page.get_by_role("dialog")
             dialog.get_by_text("c1: ").first.wait_for()
-            _screenshot(page, "review-form.png")
+            _screenshot(page, "review-form.png", dump.parent)
             texts = dialog.locator("textarea")
             for i, (decision, text, reason) in enumerate(answers):
                 _choose(page, dialog, i, decision)
@@ -197,7 +198,7 @@ def review_in_browser(
                 texts.nth(2 * i + 1).fill(reason)
             texts.last.fill("ana")  # the reviewer: the form's last field
             dialog.get_by_text("c1: ").first.scroll_into_view_if_needed()
-            _screenshot(page, "review-filled.png")
+            _screenshot(page, "review-filled.png", dump.parent)
             dialog.get_by_role("button", name="Submit").click()
             dialog.wait_for(state="hidden")
         except Exception:
