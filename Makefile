@@ -50,8 +50,9 @@ ci:  ## CI itself: a fresh virtualenv, the install, the checks and the tests
 demo:  ## the offline demo on the real models
 	$(BIN)clgrpo demo
 
-bench: bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix bench-agent-step \
-	bench-tool-pool bench-embeddings  ## every loopback benchmark (not learning/hybrid: real models, long)
+LOOPBACK_BENCHES := bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix \
+	bench-agent-step bench-tool-pool bench-embeddings
+bench: $(LOOPBACK_BENCHES)  ## every loopback benchmark (not learning/hybrid: real models, long)
 
 bench-step:  ## 100 problems x G=5: wall vs critical path (~6.5 min)
 	$(PYTHON) benchmarks/step.py
