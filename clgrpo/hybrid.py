@@ -89,7 +89,8 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
     base = model_on_cpu.to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() hides its signature
     if parent is not None:
         model = PeftModel.from_pretrained(base, parent, is_trainable=True)
-    else:
+    else:  # a fresh adapter's A matrices are drawn at random: seeded, so a rerun of the step learns the same one
+        torch.manual_seed(settings.seed)
         model = get_peft_model(
             base,
             LoraConfig(

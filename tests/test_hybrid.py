@@ -109,6 +109,20 @@ def test_the_loss_decreases_on_a_fixed_batch(tiny_model):
     assert outcome.logprob_change_pos > 0 > outcome.logprob_change_neg
 
 
+def test_a_fresh_adapter_is_the_same_every_time(tiny_model):
+    """Its random A matrices are seeded (hybrid.seed): a rerun of a numeric step learns the same adapter."""
+    import torch
+
+    location = resolve_model_path(str(tiny_model))
+    weights = []
+    for draw in range(2):
+        torch.manual_seed(draw)  # whatever the process drew before
+        model, _ = hybrid.load_trainable(location, "cpu", SETTINGS, None)
+        weights.append({k: v.clone() for k, v in model.state_dict().items() if "lora_A" in k})
+    assert weights[0] and weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_advantages_come_from_the_stored_groups_and_flipping_them_flips_the_change(tiny_model, sampled, tmp_path):
     rollouts, version = sampled
     cfg = config_for(tiny_model, tmp_path)
