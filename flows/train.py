@@ -21,7 +21,7 @@ import hashlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,14 @@ class StepState:
         """The groups with a learning signal, in group order."""
         return [a.problem_id for a in self.advantages if a.selected]
 
+    def rollouts_of(self, ids: list[str]) -> list[Rollout]:
+        wanted = set(ids)
+        return [r for r in self.rollouts if r.problem_id in wanted]
+
+    def summaries_of(self, ids: list[str]) -> list[Summary]:
+        wanted = set(ids)
+        return [x for x in self.summaries if x.problem_id in wanted]
+
     def chunk_inputs(self, ids: list[str]) -> dict[str, Any]:
         """The problems, rollouts, rewards and advantages of the groups ``ids``, for a learner task."""
         wanted = set(ids)
@@ -156,12 +164,12 @@ class StepState:
             advantages=[a for a in self.advantages if a.problem_id in wanted],
         )
 
-    @property
+    @cached_property  # read after group_advantage filled ``proposals`` (consolidate, validate, apply)
     def limited(self) -> tuple[list[Proposal], list[tuple[Operation, str]]]:
         """The group proposals within ``learning.max_ops_per_group``, and the operations over it."""
         return limit_proposals(self.proposals, self.cfg.learning)
 
-    @property
+    @cached_property  # read after consolidate filled ``plans``
     def plan(self) -> Limited:
         """The consolidation's final plan within its bound and ``learning.max_ops_per_step``."""
         final_ops = next((p.operations for p in self.plans if p.group_id == FINAL), [])
@@ -194,7 +202,7 @@ async def compute_verify(t: Trainer, s: StepState) -> Outputs:
     samples (``tasks.verify``: ``numeric_group_advantages``): verify's two tables."""
     parts = await asyncio.gather(
         *[
-            verify_task(s.cfg, s.step, i, c, [r for r in s.rollouts if r.problem_id in {p.problem_id for p in c}])
+            verify_task(s.cfg, s.step, i, c, s.rollouts_of([p.problem_id for p in c]))
             for i, c in enumerate(s.rollout_chunks)
         ]
     )
@@ -239,7 +247,7 @@ async def compute_group_advantage(t: Trainer, s: StepState) -> Outputs:
                 s.step,
                 i,
                 library=s.version,
-                summaries=[x for x in s.summaries if x.problem_id in set(ids)],
+                summaries=s.summaries_of(ids),
                 **s.chunk_inputs(ids),
             )
             for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
