@@ -5,7 +5,7 @@ PYTHON ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV)/bin/python,$(if $(wildcard .venv/bi
 BIN := $(if $(findstring /,$(PYTHON)),$(dir $(PYTHON)))
 PYTEST := $(PYTHON) -m pytest -q
 
-.PHONY: help setup test test-fast test-long test-demo lint format typecheck imports check ci demo \
+.PHONY: help setup test test-fast test-long test-demo lint format typecheck imports deps check ci demo \
 	bench bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix bench-agent-step \
 	bench-tool-pool bench-embeddings bench-learning bench-hybrid
 
@@ -42,7 +42,10 @@ typecheck:  ## mypy on the files pyproject [tool.mypy] names
 imports:  ## the import layers (pyproject [tool.importlinter])
 	$(BIN)lint-imports
 
-check: lint imports typecheck test  ## every check of CI, in this environment
+deps:  ## every import declared in pyproject.toml (deptry; pyproject [tool.deptry])
+	$(BIN)deptry .
+
+check: lint imports typecheck deps test  ## every check of CI, in this environment
 
 ci:  ## CI itself: a fresh virtualenv, the install, the checks and the tests
 	bash .ci/run

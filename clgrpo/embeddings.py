@@ -275,6 +275,20 @@ def _auto_cpu_threads() -> int:
     return auto_cpu_threads()
 
 
+LOCAL_PACKAGES = ("torch", "transformers")
+LOCAL_HINT = "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
+
+
+def require_local_packages() -> None:
+    """Local embedding models (embedded, transformers) run on torch and transformers: an EmbeddingError naming
+    what is missing, found without importing them (seconds before a run, not at its first merge)."""
+    import importlib.util
+
+    missing = [name for name in LOCAL_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise EmbeddingError(f"local embedding models need {' and '.join(missing)}, not installed: {LOCAL_HINT}")
+
+
 class _LoadedEncoder:
     """One loaded tokenizer + encoder; ``encode`` runs on the caller's thread under the model's lock."""
 
@@ -283,9 +297,7 @@ class _LoadedEncoder:
             import torch
             from transformers import AutoModel, AutoTokenizer
         except ImportError as exc:
-            raise EmbeddingError(
-                "local embedding models need torch and transformers: pip install 'clgrpo[local]'"
-            ) from exc
+            raise EmbeddingError(f"local embedding models need torch and transformers: {LOCAL_HINT}") from exc
         self.torch = torch
         torch.set_num_threads(cpu_threads or _auto_cpu_threads())  # process-wide, as for the chat engine
         models.quiet_transformers()
@@ -511,6 +523,8 @@ def _short(value: object, limit: int = 200) -> str:
 
 def make_embedder(cfg: EmbeddingConfig, cache_dir: str | os.PathLike[str] | None = None) -> Embedder:
     """An embedder for ``cfg``. Nothing is downloaded: the embedded model must be fetched first."""
+    if cfg.backend in ("embedded", "transformers"):
+        require_local_packages()
     if cfg.backend == "embedded":
         folder = embedded_model_dir(cache_dir)
         if not is_fetched(folder):

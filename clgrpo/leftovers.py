@@ -56,8 +56,8 @@ TERM_GRACE_S = 2.0  # SIGTERM, then SIGKILL what still runs after this long
 # the kinds of temporary directory, and how the terminal line names them
 KINDS = {
     "py": ("sandbox directory", "sandbox directories"),
-    "llama-build": ("temporary directory", "temporary directories"),
-    "fetch": ("temporary directory", "temporary directories"),
+    "llama-build": ("llama-server build directory", "llama-server build directories"),
+    "fetch": ("model download directory", "model download directories"),
 }
 _DIR_NAME = re.compile(r"clgrpo-(?P<kind>[a-z]+(?:-[a-z]+)*)-(?P<owner>\d+-\d+-\d+)-[A-Za-z0-9_]+")
 
@@ -73,12 +73,40 @@ class Owner:
     def tag(self) -> str:
         return f"{self.pid}-{self.start}-{self.pidns}"
 
+    def describe(self, uid: int | None = None) -> str:
+        """Whose and when, for a user who may not know the pid: "user alice, started 2026-11-26 14:02"."""
+        parts = [f"user {_user_name(uid)}"] if uid is not None else []
+        started = _wall_clock(self.start)
+        if started:
+            parts.append(f"started {started}")
+        return ", ".join(parts)
+
     @classmethod
     def parse(cls, tag: str) -> Owner | None:
         parts = tag.strip().split("-")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             return None
         return cls(*(int(p) for p in parts))
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _wall_clock(start_ticks: int) -> str | None:
+    """A process start (clock ticks after boot) as local time; None where /proc does not say when it booted."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(boot + start_ticks / ticks))
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -147,7 +175,7 @@ def claim_children() -> None:
 class Swept:
     """What one sweep removed (and failed to remove)."""
 
-    owners: set[int] = field(default_factory=set)  # pids of the dead owners
+    owners: dict[int, str] = field(default_factory=dict)  # pid of each dead owner -> whose and when
     dirs: Counter[str] = field(default_factory=Counter)  # kind -> directories removed
     processes: int = 0
     failed: list[str] = field(default_factory=list)  # what could not be removed: paths, "pid N"
@@ -165,7 +193,7 @@ class Swept:
         if self.failed:
             more = " ..." if len(self.failed) > 3 else ""
             parts.append(f"{len(self.failed)} could not be removed ({', '.join(self.failed[:3])}{more})")
-        pids = ", ".join(str(p) for p in sorted(self.owners))
+        pids = ", ".join(f"{p} ({who})" if who else str(p) for p, who in sorted(self.owners.items()))
         noun = "process" if len(self.owners) == 1 else "processes"
         return f"swept leftovers of dead clgrpo {noun} {pids}: {', '.join(parts) or 'nothing left'}"
 
@@ -271,6 +299,25 @@ def _terminate(procs: list[psutil.Process], grace_s: float) -> tuple[int, list[p
     return len(signalled), _wait_gone(alive, 1.0)
 
 
+def _uid_of(proc: psutil.Process) -> int | None:
+    import psutil
+
+    try:
+        return int(proc.uids().real)
+    except psutil.Error:
+        return None
+
+
+def _uid_of_path(path: str) -> int | None:
+    """The owner's user, from a directory it made (None for the sandbox's own uid: that says nothing of whose
+    run it was)."""
+    try:
+        uid = os.stat(path, follow_symlinks=False).st_uid
+    except OSError:
+        return None
+    return None if uid == SANDBOX_UID else uid
+
+
 def _sweep_processes(swept: Swept, grace_s: float) -> None:
     spared = _spared()
     by_owner: dict[Owner, list[psutil.Process]] = defaultdict(list)
@@ -280,7 +327,8 @@ def _sweep_processes(swept: Swept, grace_s: float) -> None:
         return
     procs = _with_descendants([p for ps in by_owner.values() for p in ps], spared)
     signalled, alive = _terminate(procs, grace_s)
-    swept.owners.update(o.pid for o in by_owner)
+    for owner, ps in by_owner.items():
+        swept.owners[owner.pid] = owner.describe(_uid_of(ps[0]))
     swept.processes += signalled - len(alive)
     swept.failed += [f"pid {p.pid}" for p in alive]
     for owner, ps in by_owner.items():
@@ -294,7 +342,9 @@ def _sweep_dirs(swept: Swept, tmp: str) -> None:
     from clgrpo.sandbox import _rmtree  # removes what a cell made unreadable, never follows a symlink
 
     for owner, kind, path in found:
-        swept.owners.add(owner.pid)
+        uid = _uid_of_path(path)
+        if owner.pid not in swept.owners or uid is not None:
+            swept.owners[owner.pid] = owner.describe(uid)
         try:
             _rmtree(path)
         except OSError as exc:

@@ -234,9 +234,11 @@ def check_embeddings(config: RunConfig) -> None:
     settings = config.library
     if not settings.uses_embeddings:
         return
-    from clgrpo.embeddings import EmbeddingError, fetch_embedded_model, make_embedder
+    from clgrpo.embeddings import EmbeddingError, fetch_embedded_model, make_embedder, require_local_packages
 
     try:
+        if settings.embedding.backend in ("embedded", "transformers"):
+            require_local_packages()  # before a download the install could not use
         if settings.embedding.backend == "embedded":
             fetch_embedded_model()
         make_embedder(settings.embedding)

@@ -1,18 +1,23 @@
 """Shared test setup: an isolated Prefect home and one Prefect test harness per session (started lazily,
 only by tests that run flows)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clgrpo-prefect-"))
+import pytest
+
+# one temporary folder per test session for what must not touch the user's own: removed when the session ends
+_SESSION_DIR = tempfile.mkdtemp(prefix="clgrpo-tests-")
+atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+os.environ.setdefault("PREFECT_HOME", os.path.join(_SESSION_DIR, "prefect"))
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("CLGRPO_TUNE_GC", "0")  # flows would freeze the test session's objects (clgrpo/runtime.py)
-os.environ["CLGRPO_STATE_DIR"] = tempfile.mkdtemp(prefix="clgrpo-state-")  # never the user's recent databases
-
-import pytest
+os.environ["CLGRPO_STATE_DIR"] = os.path.join(_SESSION_DIR, "state")  # never the user's recent databases
 
 
 @pytest.fixture(scope="session")

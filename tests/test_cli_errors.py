@@ -4,6 +4,7 @@ before Prefect starts): the preflight checks of datasets, API keys, endpoints an
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -203,3 +204,32 @@ def test_hybrid_learning_refuses_an_api_policy_and_an_adapter_of_another_base(ca
         f"error: policy.adapter: adapter {adapter} was trained on base model "
         f"SmolLM2-135M-Instruct@0123abcd, but the policy is tiny@"
     ), line
+
+
+def test_local_embeddings_without_torch_are_refused_before_any_stage(tmp_path, good_dataset):
+    """An install without torch (``pip install -e ".[dev]"``, API models only) and a config that merges near-duplicate
+    lessons with the local embedding model: refused by the preflight in one line, not at the first merge."""
+    hidden = tmp_path / "no_torch"
+    hidden.mkdir()
+    # a None entry in sys.modules is how Python itself marks a module as absent (import and find_spec agree)
+    (hidden / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['torch'] = None\nsys.modules['transformers'] = None\n"
+    )
+    config = write_config(tmp_path, good_dataset)
+    tree = yaml.safe_load(config.read_text()) | {"library": {"near_duplicates": "merge"}}
+    config.write_text(yaml.safe_dump(tree))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(hidden)},
+    )
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: library.near_duplicates merge: local embedding models need torch and transformers, not installed: "
+        "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
+    ]

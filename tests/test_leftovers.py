@@ -3,7 +3,9 @@ by the next clgrpo command, and nothing of a live process ever is (``clgrpo.left
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -108,7 +110,7 @@ def test_a_live_owners_directories_are_never_swept_and_a_dead_ones_are(tmp_path)
     assert live.is_dir() and live_build.is_dir()
     assert not recycled.exists() and not dead.exists()
     assert swept.dirs == {"py": 1, "fetch": 1} and swept.processes == 0 and swept.failed == []
-    assert swept.owners == {me.pid, Owner.parse(dead.name.split("-", 2)[2].rsplit("-", 1)[0]).pid}
+    assert set(swept.owners) == {me.pid, Owner.parse(dead.name.split("-", 2)[2].rsplit("-", 1)[0]).pid}
 
 
 def test_what_the_sweep_cannot_judge_is_left_alone(tmp_path):
@@ -154,8 +156,11 @@ def test_a_dead_owners_processes_are_killed_and_a_live_owners_are_not(tmp_path):
         took = time.monotonic() - started
         assert stubborn.wait(5) == -signal.SIGKILL and polite.wait(5) == -signal.SIGTERM
         assert alive.poll() is None
-        assert swept.processes == 2 and swept.owners == {dead.pid} and swept.failed == []
-        assert swept.line() == f"swept leftovers of dead clgrpo process {dead.pid}: 2 processes"
+        assert swept.processes == 2 and set(swept.owners) == {dead.pid} and swept.failed == []
+        assert swept.line() == (
+            f"swept leftovers of dead clgrpo process {dead.pid} ({swept.owners[dead.pid]}): 2 processes"
+        )
+        assert swept.owners[dead.pid].startswith(f"user {getpass.getuser()}, started 20")  # whose and when
         assert 0.5 <= took < 5, took  # the stubborn one got SIGKILL after the grace period
     finally:
         for proc in (stubborn, polite, alive):
@@ -185,11 +190,16 @@ def test_this_process_is_spared_whatever_its_environment_says():
 
 
 def test_the_cli_prints_one_line_and_a_failing_sweep_never_fails_the_command(monkeypatch, capsys):
-    monkeypatch.setattr(leftovers, "sweep", lambda: leftovers.Swept({7}, leftovers.Counter(py=18), 2))
+    monkeypatch.setattr(
+        leftovers,
+        "sweep",
+        lambda: leftovers.Swept({7: "user alice, started 2026-11-26 14:02"}, leftovers.Counter(py=18), 2),
+    )
     monkeypatch.delenv(OWNER_ENV, raising=False)
     leftovers.on_command_start()
     assert capsys.readouterr().err == (
-        "swept leftovers of dead clgrpo process 7: 18 sandbox directories, 2 processes\n"
+        "swept leftovers of dead clgrpo process 7 (user alice, started 2026-11-26 14:02): 18 sandbox directories, "
+        "2 processes\n"
     )
     assert os.environ[OWNER_ENV] == this_owner().tag  # what this process starts from now on is its own
 
@@ -204,10 +214,15 @@ def test_the_cli_prints_one_line_and_a_failing_sweep_never_fails_the_command(mon
     monkeypatch.setattr(leftovers, "sweep", lambda: leftovers.Swept())
     leftovers.on_command_start()
     assert capsys.readouterr().err == ""
-    failed = leftovers.Swept({7, 9}, leftovers.Counter(py=2, fetch=1), 0, ["/tmp/clgrpo-py-x", "pid 12"])
+    failed = leftovers.Swept(
+        {7: "user alice, started 2026-11-26 14:02", 9: ""},
+        leftovers.Counter(py=2, fetch=1),
+        0,
+        ["/tmp/clgrpo-py-x", "pid 12"],
+    )
     assert failed.line() == (
-        "swept leftovers of dead clgrpo processes 7, 9: 2 sandbox directories, 1 temporary "
-        "directory, 2 could not be removed (/tmp/clgrpo-py-x, pid 12)"
+        "swept leftovers of dead clgrpo processes 7 (user alice, started 2026-11-26 14:02), 9: 2 sandbox "
+        "directories, 1 model download directory, 2 could not be removed (/tmp/clgrpo-py-x, pid 12)"
     )
 
 
@@ -306,8 +321,11 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
     )
     assert listed.returncode == 0, listed.stderr[-3000:]
     lines = [ln for ln in listed.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(
-        f"swept leftovers of dead clgrpo process {train.pid}: {killed['dirs']} sandbox directories"
+    # under root the sandbox's directories belong to its own uid: then the line says when the run started, not whose
+    assert len(lines) == 1 and re.fullmatch(
+        rf"swept leftovers of dead clgrpo process {train.pid} \((user \S+, )?started 20\d\d-\d\d-\d\d \d\d:\d\d\): "
+        rf"{killed['dirs']} sandbox directories",
+        lines[0],
     ), lines
     assert session_dirs(shared_tmp) == []
     assert marked_processes(tag) == []
