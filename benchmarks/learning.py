@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from clgrpo import metrics  # noqa: E402
 from clgrpo.app.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
-from clgrpo.app.llama_server import LlamaServer, build_server, find_binary  # noqa: E402
+from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
@@ -574,13 +574,13 @@ def update_report(section: str, report: Path) -> None:
 
 # --- main ------------------------------------------------------------------------------------------------
 def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, str]]]:
-    if find_binary(s.cache_dir) is None:
-        build_server(s.cache_dir)
+    engine = ensure_engine(s.cache_dir)  # built once, smoke-tested on this machine
     policy = LlamaServer(
         fetch_model(POLICY, s.cache_dir).gguf,
         POLICY.fetch_key,
         slots=8,
         cache=s.cache_dir,
+        engine=engine,
         log_path=s.out / "logs" / "policy-server.log",
     ).start()
     servers, urls = (
@@ -595,6 +595,7 @@ def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, 
                 model.fetch_key,
                 slots=2,
                 cache=s.cache_dir,
+                engine=engine,
                 context_per_slot=8192,
                 log_path=s.out / "logs" / f"{key}-server.log",
             ).start()

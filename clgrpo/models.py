@@ -14,6 +14,7 @@ Cache: ``--cache-dir`` > ``$CLGRPO_CACHE`` > ``~/.cache/clgrpo``; models live un
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -24,9 +25,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from clgrpo.leftovers import temp_prefix
 
@@ -143,6 +146,49 @@ def quiet_transformers() -> None:
 # --- cache layout ------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def cache_lock(path: Path, what: str, log: Callable[[str], None], *, every_s: float = 15.0) -> Iterator[None]:
+    """Hold the lock file ``path`` (the kernel's flock: a holder killed by SIGKILL releases it) while ``what``
+    is done to the cache; while another process holds it, wait, saying so at least every ``every_s``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as handle:
+        if not _try_lock(handle):
+            log(f"{what}: another clgrpo process{_holder(path)} is at it; waiting for it")
+            started = last = time.monotonic()
+            while not _try_lock(handle):
+                time.sleep(0.5)
+                if time.monotonic() - last >= every_s:
+                    last = time.monotonic()
+                    log(f"  {what}: still waiting for the other process after {int(last - started)} s")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_lock(handle: TextIO) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _holder(path: Path) -> str:
+    """ " (pid N, since T)" of the lock's holder, as it wrote itself into the file."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return ""
+    return f" (pid {info['pid']}, since {info['since']})" if "pid" in info and "since" in info else ""
+
+
 def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
     root = override or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "clgrpo"
     return Path(root).expanduser().resolve()
@@ -247,6 +293,16 @@ def fetch_model(
     the transformers backend). A cached GGUF file is checked against its sha256 on every fetch."""
     gguf, hf_dir = embedded_gguf(cache, model), embedded_hf_dir(cache, model)
     if not force and is_converted(hf_dir, model.sha256):
+        return FetchReport(hf_dir, gguf, "cache")
+    lock = cache_root(cache) / "locks" / f"fetch-{model.fetch_key}.lock"
+    with cache_lock(lock, f"fetching {model.name}", log):  # one fetch of a model at a time
+        return _fetch_locked(model, gguf, hf_dir, force=force, log=log, convert=convert)
+
+
+def _fetch_locked(
+    model: EmbeddedModel, gguf: Path, hf_dir: Path, *, force: bool, log: Callable[[str], None], convert: bool
+) -> FetchReport:
+    if not force and is_converted(hf_dir, model.sha256):  # converted by another process while this one waited
         return FetchReport(hf_dir, gguf, "cache")
     seconds: dict[str, float] = {}
     source = "cache"

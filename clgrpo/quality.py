@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
 from clgrpo.usefulness import cited_ids
+from clgrpo.words import counted
 from schemas.records import ExperienceStat, LibraryQuality, OperationResult, OpKind, OpStatus, Summary
 
 
@@ -86,16 +87,20 @@ def library_quality(
     )
 
 
-def describe_quality(q: LibraryQuality) -> str:
-    """One line for the step log."""
+def describe_quality(q: LibraryQuality, *, usefulness: bool = True) -> str:
+    """One line for the step log; ``usefulness``: whether the run measures citations (it summarizes)."""
 
     def share(value: float | None) -> str:
         return "-" if value is None else f"{value:.0%}"
 
     confidence = "-" if q.mean_confidence is None else f"{q.mean_confidence:.2f}"
+    cited = (
+        f"mean confidence {confidence}, never cited {share(q.never_cited_share)}, coverage {share(q.coverage)} of "
+        f"{q.coverage_problems} summarized problems"
+        if usefulness
+        else "usefulness not measured (no summaries)"
+    )
     return (
-        f"library v{q.version}: {q.size} lessons, {q.tokens} tokens, duplicate ratio {q.duplicate_ratio:.0%}, "
-        f"mean confidence {confidence}, never cited {share(q.never_cited_share)}, coverage "
-        f"{share(q.coverage)} of {q.coverage_problems} summarized problems, churn +{q.added} ~{q.modified} "
-        f"-{q.deleted} evicted {q.evicted}"
+        f"library v{q.version}: {counted(q.size, 'lesson')}, {q.tokens} tokens, duplicate ratio "
+        f"{q.duplicate_ratio:.0%}, {cited}, churn +{q.added} ~{q.modified} -{q.deleted} evicted {q.evicted}"
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from clgrpo import plots
+from clgrpo import plots, usefulness
 from clgrpo.library import ExperienceLibrary, diff
 from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
@@ -150,7 +150,11 @@ def collect_run(store: Store, run_id: str) -> RunData:
         Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
         for eid in store.evaluations_of(run_id)
     ]
-    stats = {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)} if versions else {}
+    stats = (
+        {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)}
+        if versions and usefulness.measured(config)
+        else {}  # without summaries nothing is cited: no usefulness column rather than "never cited" everywhere
+    )
     return RunData(
         run_id, config, rows, validation, first, last, evaluations, stats, store.records("library_quality", run_id)
     )

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from schemas.config import RunConfig
 from schemas.records import ExperienceStat, GroupAdvantage, Reward, Summary
 
 _SENTENCE_RE = re.compile(r"[^.;\n]+")
@@ -86,6 +87,17 @@ def step_stats(
             )
         )
     return out
+
+
+NOT_MEASURED = (
+    "usefulness not measured in this configuration (learning.summarize is off: a lesson's citations are read from "
+    "the rollout summaries)"
+)
+
+
+def measured(config: RunConfig) -> bool:
+    """Whether a run measures its lessons' usefulness: citations come from rollout summaries."""
+    return config.learning.summarize
 
 
 def describe(stat: ExperienceStat) -> str:

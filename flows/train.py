@@ -44,6 +44,7 @@ from clgrpo.runtime import tune_gc
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
+from clgrpo.words import counted
 from domains.guard import LessonGuard
 from flows.evaluate import EVAL_TABLES, Validator, publish_run_report
 from schemas.config import RunConfig
@@ -317,10 +318,9 @@ def log_numeric_update(t: Trainer, s: StepState) -> None:
 
 def log_lesson_validation(t: Trainer, s: StepState) -> None:
     t.log.info(
-        "step %d lesson validation: %d candidate lessons kept, %d rejected (clgrpo library ops %s:%d "
-        "lists each with its numbers)%s",
+        "step %d lesson validation: %s kept, %d rejected (clgrpo library ops %s:%d lists each with its numbers)%s",
         s.step,
-        sum(x.verdict == "kept" for x in s.trials),
+        counted(sum(x.verdict == "kept" for x in s.trials), "candidate lesson"),
         sum(x.verdict == "rejected" for x in s.trials),
         t.run_id,
         s.step,
@@ -410,6 +410,7 @@ STEP: tuple[StepStage, ...] = (
         ("lesson_trials", "trial_samples", "llm_calls"),
         keep={"lesson_trials": "trials"},
         when=lambda cfg: cfg.learning.lesson_validation.enabled,
+        expect=lambda s: (0, "attempts"),  # the stage announces them once it knows its candidates
         after=log_lesson_validation,
     ),
     StepStage(

@@ -279,7 +279,7 @@ async def checkpoint_step(
         key=artifact_key(run_id, "quality"),
         description="Library quality per version: size, tokens, duplicates, confidence, coverage, churn",
     )
-    log.info("step %d: %s", step, describe_quality(quality))
+    log.info("step %d: %s", step, describe_quality(quality, usefulness=ck.config.learning.summarize))
     log_step(ck, paths[0], log)
 
 

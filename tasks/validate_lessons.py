@@ -21,6 +21,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from clgrpo import progress
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
@@ -44,7 +45,7 @@ from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.common import stage_task
 from tasks.judge import make_judge
-from tasks.rollout import rollout
+from tasks.rollout import raise_if_all_failed, rollout_problem
 from tasks.verify import grade
 
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
@@ -67,6 +68,12 @@ class _Candidate:
     operation: Operation
     library: ExperienceLibrary  # the library with this operation applied
     problems: list[Problem]
+
+
+def quoted(op: Operation, limit: int = 60) -> str:
+    """Another candidate named by its text (the printed lists number operations in their own order)."""
+    text = " ".join((op.text or "").split())
+    return f'"{text[:limit]}..."' if len(text) > limit else f'"{text}"'
 
 
 def trial_problems(
@@ -126,7 +133,7 @@ def _candidates(
             untested[seq] = f"{op.op.value} operations are not validated"
             continue
         if (first := _same_as(op, candidates)) is not None:
-            repeats[seq] = f"lesson validation: the same lesson as plan #{first.seq}, which is tried instead"
+            repeats[seq] = f"lesson validation: the same lesson as {quoted(first.operation)}, which is tried instead"
             continue
         alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen)
         if results[0].status != OpStatus.APPLIED:
@@ -162,22 +169,39 @@ async def _attempts(
     seeds: dict[str, int],
     seq: int,
 ) -> tuple[list[TrialSample], list[LLMCall]]:
+    """Every problem's ``samples`` attempts with ``library``, graded; each problem's graded attempts count on
+    the stage's progress as they finish."""
+    parts = await asyncio.gather(*[_problem_attempts(p, library, domain, llm, config, seeds, seq) for p in problems])
+    raise_if_all_failed(problems, [r for _, _, rollouts in parts for r in rollouts])
+    return [s for samples, _, _ in parts for s in samples], [c for _, calls, _ in parts for c in calls]
+
+
+async def _problem_attempts(
+    problem: Problem,
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    config: RunConfig,
+    seeds: dict[str, int],
+    seq: int,
+) -> tuple[list[TrialSample], list[LLMCall], list[Rollout]]:
     settings = config.learning.lesson_validation
     temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    batch = await rollout(
-        problems,
+    batch = await rollout_problem(
+        problem,
         library,
         domain,
         llm,
-        group_size=settings.samples,
-        temperature=temperature,
-        seeds=seeds,
-        agent=config.rollout.agent_settings(),
+        settings.samples,
+        temperature,
+        seeds.get(problem.problem_id),
+        config.rollout.agent_settings(),
     )
-    rewards = await grade(problems, batch.rollouts, domain, make_judge(config, domain, Stage.VALIDATE_LESSONS))
-    return [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)], [
-        c.model_copy(update={"stage": Stage.VALIDATE_LESSONS.value}) for c in batch.calls
-    ]
+    rewards = await grade([problem], batch.rollouts, domain, make_judge(config, domain, Stage.VALIDATE_LESSONS))
+    progress.advance(Stage.VALIDATE_LESSONS, len(batch.rollouts))
+    samples = [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)]
+    calls = [c.model_copy(update={"stage": Stage.VALIDATE_LESSONS.value}) for c in batch.calls]
+    return samples, calls, batch.rollouts
 
 
 def _sample(
@@ -273,7 +297,7 @@ def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
                     "verdict": "rejected",
                     "reason": (
                         f"lesson validation: another candidate of group {groups} gained {how} "
-                        f"(plan #{other.seq}: {other.gain:+.2f} against {t.gain:+.2f})"
+                        f"({quoted(other.operation)}: {other.gain:+.2f} against {t.gain:+.2f})"
                     ),
                 }
             )
@@ -304,6 +328,7 @@ async def validate_lessons(
         return Validated(*plan_after(trials), trials)
     tried = list({p.problem_id: p for c in candidates for p in c.problems}.values())
     seeds = trial_seeds(tried, step, config.seed)
+    progress.expect(Stage.VALIDATE_LESSONS, (len(tried) + sum(len(c.problems) for c in candidates)) * settings.samples)
     # trials are redone whole by a retry of the stage
     with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
         baseline = _attempts(tried, library, domain, llm, config, seeds, BASELINE)

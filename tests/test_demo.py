@@ -20,9 +20,20 @@ from tests.tiny_model import build_tiny_model
 
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
-def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
+def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys, monkeypatch):
     """The demo's wiring with the in-process engine on a tiny random model: training (contrast candidates,
-    lesson validation), then the held-out evaluation with its table, CI and verdict."""
+    lesson validation), then the held-out evaluation with its table, CI and verdict. The engine is ``auto`` and
+    llama-server (a stand-in) crashes by SIGSEGV while loading, as the native build did on an AMX Xeon: the demo
+    says so in one line and falls back to the transformers engine by itself."""
+    from clgrpo.app import llama_server
+    from tests.test_llama_server import write_stand_in
+
+    monkeypatch.setenv(llama_server.BINARY_ENV, str(write_stand_in(tmp_path / "llama-server")))
+    monkeypatch.setenv("STAND_IN_CRASH", "always")
+    monkeypatch.setenv("CLGRPO_CACHE", str(tmp_path / "cache"))
+    smoke_model = tmp_path / "smoke.gguf"
+    smoke_model.write_bytes(b"GGUF")
+    monkeypatch.setattr(llama_server, "fetch_model", lambda *a, **k: type("Fetched", (), {"gguf": smoke_model}))
     model = build_tiny_model(tmp_path / "tiny")
     opts = DemoOptions(
         problems=3,
@@ -33,7 +44,7 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
         run_id="demo-test",
         rollout_tokens=8,
         learner_tokens=8,
-        engine="transformers",
+        engine="auto",
         model_path=str(model),
         model_name="tiny",
         verbose=True,
@@ -54,6 +65,9 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys):
         assert store.run_config("demo-test").policy.backend == "transformers"
         assert store.run_config("demo-test").learning.lesson_validation.enabled
     out = capsys.readouterr().out
+    crash = [line for line in out.splitlines() if "llama-server cannot run here" in line]
+    assert len(crash) == 1 and "crashed (SIGSEGV, a segmentation fault) while loading smoke.gguf" in crash[0]
+    assert "falling back to the transformers engine" in out and "Traceback" not in out
     assert "step 1 rollout: stored 6 rollouts" in out  # a line per stage, counts named
     assert "sequences in one batch" in out  # one line per batched generate call
     text = summary(result)

@@ -157,10 +157,10 @@ def test_only_the_best_candidate_of_a_group_goes_on():
         ]
     )
     assert [t.verdict for t in trials] == ["rejected", "kept", "kept", "rejected", "untested"]
-    assert "another candidate of group a gained more (plan #1: +0.50 against +0.25)" in trials[0].reason
+    assert 'another candidate of group a gained more ("lesson 1": +0.50 against +0.25)' in trials[0].reason
     tie = best_per_group([trial(0, ["c"], 0.25), trial(1, ["c"], 0.25)])
     assert [t.verdict for t in tie] == ["kept", "rejected"]
-    assert "gained as much and comes first in the plan (plan #0: +0.25 against +0.25)" in tie[1].reason
+    assert 'gained as much and comes first in the plan ("lesson 0": +0.25 against +0.25)' in tie[1].reason
     plan, rejected = plan_after(trials)
     assert [op.text for op in plan] == ["lesson 1", "lesson 2", None]
     assert plan[0].rationale.endswith("[validated: ...]") and len(rejected) == 2

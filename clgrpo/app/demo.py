@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 from clgrpo import stopping
 from clgrpo.llm.local import BatchReport
 from clgrpo.models import CACHE_ENV, MODELS, QWEN_05B, QWEN_15B, EmbeddedModel, fetch_model
+from clgrpo.words import counted
 from domains.math.synthetic import FAMILIES, generate_family, write_rows
 from schemas.config import (
     DatasetConfig,
@@ -63,7 +63,7 @@ class DemoOptions:
     run_id: str | None = None  # None: a fresh run per invocation; an existing id resumes it
     cache_dir: str | None = None
     seed: int = 0  # the training set's seed (the held-out set uses seed + 1000)
-    engine: str = "auto"  # llama-server when it is built or can be, else transformers
+    engine: str = "auto"  # llama-server when it can be built, trusted and started here, else transformers
     rollout_tokens: int = 320
     learner_tokens: int = 256
     model_path: str | None = None  # transformers engine: a model folder (default: the converted Qwen 0.5B)
@@ -124,17 +124,6 @@ class Progress(logging.Handler):
 
 
 # --- setup -------------------------------------------------------------------------------------------------
-def pick_engine(opts: DemoOptions) -> str:
-    """llama-server when it is built or can be built here (cmake and a C++ compiler), else transformers."""
-    if opts.engine != "auto":
-        return opts.engine
-    from clgrpo.app.llama_server import find_binary
-
-    if find_binary(opts.cache_dir) is not None or all(shutil.which(t) for t in ("cmake", "c++")):
-        return "llama-server"
-    return "transformers"
-
-
 def write_datasets(opts: DemoOptions) -> dict[str, str]:
     if opts.family not in FAMILIES:
         raise ValueError(f"unknown family {opts.family!r}: choose one of {', '.join(FAMILIES)}")
@@ -254,22 +243,32 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
     run_id = opts.run_id or datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     if opts.cache_dir:
         os.environ[CACHE_ENV] = str(Path(opts.cache_dir).expanduser().resolve())
-    engine = pick_engine(opts)
-    learner = learner_of(opts, engine)
-    writer = "its own lessons" if learner == SAME else f"lessons written by {learner} from its attempts"
     out(
-        f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size} "
-        f"({writer}), then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned "
-        f"(engine: {engine})"
+        f"clgrpo demo: {opts.model_name} learns from {opts.problems} '{opts.family}' problems x G={opts.group_size}, "
+        f"then answers {opts.heldout} held-out problems x k={opts.k} with and without what it learned"
     )
     datasets = write_datasets(opts)
     out(f"  datasets: {datasets['train']} (training), {datasets['heldout']} (held out, disjoint)")
-    servers = _start_engine(opts, engine, out, seconds)
+    engine, servers = _start_engine(opts, out, seconds)
+    learner = learner_of(opts, engine)
+    out(
+        f"  engine: {engine}; lessons written by "
+        + ("the policy itself" if learner == SAME else f"{learner}, from the policy's attempts")
+    )
     try:
         policy_url = servers[0].base_url if servers else None
         learner_url = servers[1].base_url if len(servers) > 1 else None
         config = demo_config(opts, datasets, run_id, engine, policy_url, learner_url)
-        result, evaluation = _run_flows(opts, config, datasets, out, started, seconds)
+        try:
+            result, evaluation = _run_flows(opts, config, datasets, out, started, seconds)
+        except Exception as exc:
+            crashed = next((e for e in (s.died() for s in servers) if e is not None), None)
+            if crashed is None:
+                raise
+            raise type(crashed)(
+                f"{crashed}; the finished stages are stored: rerun with --run-id {run_id} to resume, or add "
+                f"--engine transformers"
+            ) from exc
     finally:
         for server in servers:
             server.stop()
@@ -303,25 +302,47 @@ def _fetch(opts: DemoOptions, model: EmbeddedModel, convert: bool, out: Print, s
     return report.gguf
 
 
-def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str, float]) -> list[Any]:
-    """Fetch the model(s); with llama-server, build it if needed and start one server for the policy and, for
-    another learner, one for it (returned, policy first, to be stopped)."""
-    gguf = _fetch(opts, QWEN_05B, engine == "transformers" and opts.model_path is None, out, seconds)
-    if engine != "llama-server":
-        return []
-    from clgrpo.app.llama_server import LlamaServer, build_server, find_binary
+def _start_engine(opts: DemoOptions, out: Print, seconds: dict[str, float]) -> tuple[str, list[Any]]:
+    """The engine and its servers (policy first; to be stopped). llama-server: built once and smoke-tested on
+    this machine, then one server for the policy and, for another learner, one for it. ``auto`` falls back to
+    the in-process transformers engine, saying why, when llama-server cannot be built, trusted or started here."""
+    if opts.engine in ("auto", "llama-server"):
+        from clgrpo.app.llama_server import ServerError
 
-    learner = learner_of(opts, engine)
+        try:
+            return "llama-server", _start_llama_servers(opts, out, seconds)
+        except ServerError as exc:
+            if opts.engine != "auto":
+                raise
+            out(f"  engine: llama-server cannot run here: {exc}")
+            out(
+                "  engine: falling back to the transformers engine (in-process, slower; it serves one model, so the "
+                "policy writes its own lessons)"
+            )
+    if opts.model_path is None:  # the converted Qwen 0.5B (else the folder given)
+        _fetch(opts, QWEN_05B, True, out, seconds)
+    return "transformers", []
+
+
+def _start_llama_servers(opts: DemoOptions, out: Print, seconds: dict[str, float]) -> list[Any]:
+    from clgrpo.app.llama_server import LlamaServer, ensure_engine
+
+    t0 = time.monotonic()
+    engine = ensure_engine(opts.cache_dir, log=lambda m: out(f"  engine: {m}"))
+    seconds["build"] = time.monotonic() - t0
+    gguf = _fetch(opts, QWEN_05B, False, out, seconds)
+    learner = learner_of(opts, "llama-server")
     learner_gguf = None if learner == SAME else _fetch(opts, MODELS[learner], False, out, seconds)
-    if find_binary(opts.cache_dir) is None:
-        t0 = time.monotonic()
-        build_server(opts.cache_dir, log=lambda m: out(f"  engine: {m}"))
-        seconds["build"] = time.monotonic() - t0
     opts.out.joinpath("logs").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     servers = [
         LlamaServer(
-            gguf, opts.model_name, slots=8, cache=opts.cache_dir, log_path=opts.out / "logs" / "llama-server.log"
+            gguf,
+            opts.model_name,
+            slots=8,
+            cache=opts.cache_dir,
+            engine=engine,
+            log_path=opts.out / "logs" / "llama-server.log",
         )
     ]
     if learner_gguf is not None:  # two slots: the learner's prompts are long, its calls few
@@ -331,6 +352,7 @@ def _start_engine(opts: DemoOptions, engine: str, out: Print, seconds: dict[str,
                 learner,
                 slots=2,
                 cache=opts.cache_dir,
+                engine=engine,
                 context_per_slot=8192,
                 log_path=opts.out / "logs" / "llama-server-learner.log",
             )
@@ -452,7 +474,7 @@ def summary(result: DemoResult) -> str:
         f"{result.model if result.learner == SAME else result.learner}) =="
     ]
     lines += _operations_section(result)
-    lines.append(f"learned library ({len(result.library)} lessons):")
+    lines.append(f"learned library ({counted(len(result.library), 'lesson')}):")
     lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
     lines += _evaluation_section(result)
     lines += [
@@ -475,7 +497,7 @@ def _evaluation_section(result: DemoResult) -> list[str]:
         f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI",
     ]
     for e in result.evaluation:
-        label = "no library" if e.condition == "none" else f"learned ({e.library_size} lessons)"
+        label = "no library" if e.condition == "none" else f"learned ({counted(e.library_size, 'lesson')})"
         lines.append(f"  {label:<26} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")
     lines.append(f"verdict: {verdict(result.comparison)}")
     return lines

@@ -3,128 +3,217 @@
 It serves the OpenAI chat API (``backend: openai`` talks to it like to any endpoint) with continuous batching
 over parallel slots, a prompt cache per slot (the system prompt and library shared by a step's rollouts are
 prefilled once per slot, not once per request), JSON-schema constrained decoding and the model's own chat
-template. On this project's 2-core machine it decoded Qwen2.5-Coder-0.5B at about 65 tokens/s over 8 slots,
-against 37 tokens/s for the transformers backend batching 32 rows (benchmarks/REPORT.md "Engines").
+template. On this project's 2-core machine it decoded Qwen2.5-Coder-0.5B at about 54 tokens/s over 8 slots
+(benchmarks/REPORT.md "Engines").
 
-No prebuilt binary runs everywhere, so it is built once from source: the llama.cpp tree vendored in the pinned
-``llama-cpp-python`` source distribution on PyPI (``pip download --no-binary``, sha256-checked), configured with
-cmake for this CPU, only the ``llama-server`` target (about 6 minutes on 2 cores; needs cmake and a C++
-compiler). The binary is cached in ``<cache>/bin``. ``LlamaServer`` starts it on a free loopback port, waits
-until it serves, and stops it (it also dies with the process that started it).
+The engine is ``$CLGRPO_LLAMA_SERVER`` (a binary of your own) or the one built once into the cache
+(``clgrpo.app.llama_build``: portable, ggml picks the CPU kernels at run time). Before an engine is trusted on a
+machine it passes a smoke test there (``ensure_engine``): the tiny embedded model (SmolLM2-135M) loaded and one
+short completion answered; a crash is retried with the weight repacking off (``--no-repack``: the workaround
+for CPU kernels that fault at load), and what worked, or why nothing did, is kept per machine (CPU model and
+flags) and engine, so a binary that failed is not tried again there. ``LlamaServer`` starts a server on a free
+loopback port, waits until it serves, stops it (it also dies with the process that started it), and says in
+words when it crashes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tarfile
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from clgrpo.leftovers import temp_prefix
-from clgrpo.models import ModelError, cache_root, pip_download_source, sha256_of
+from clgrpo.app.llama_build import BuildError, build_engine, built_binary, cpu_flags
+from clgrpo.models import SMOLLM2, ModelError, cache_root, fetch_model
 
-LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp with the server sources
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
-    "-DBUILD_SHARED_LIBS=OFF",
-    "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=ON",
-)
 BINARY_ENV = "CLGRPO_LLAMA_SERVER"  # a llama-server binary of your own instead of the built one
 READY_TIMEOUT_S = 180.0
+SMOKE_TIMEOUT_S = 120.0
+# what each smoke-test attempt adds to the command line, in order: as built, then without weight repacking
+SMOKE_LADDER: tuple[tuple[str, ...], ...] = ((), ("--no-repack",))
 _PR_SET_PDEATHSIG = 1
+_SIGNAL_WORDS = {
+    "SIGSEGV": "a segmentation fault",
+    "SIGILL": "an instruction this CPU does not run",
+    "SIGBUS": "a bus error",
+    "SIGABRT": "aborted",
+    "SIGKILL": "killed, e.g. out of memory",
+    "SIGFPE": "an arithmetic fault",
+}
+
+Log = Callable[[str], None]
 
 
 class ServerError(RuntimeError):
-    """The server could not be built or started; the message says why and what to do."""
+    """The server could not be built, trusted or started; the message says why and what to do."""
 
 
-def binary_path(cache: str | os.PathLike[str] | None = None) -> Path:
-    return cache_root(cache) / "bin" / f"llama-server-{LLAMA_CPP_PYTHON}"
+class ServerCrashed(ServerError):
+    """The server process died by a signal or an error exit (at load or while serving)."""
 
 
-def find_binary(cache: str | os.PathLike[str] | None = None) -> Path | None:
-    """``$CLGRPO_LLAMA_SERVER``, else the built binary in the cache, else None."""
+@dataclass(frozen=True)
+class Engine:
+    """A llama-server binary and the arguments this machine needs for it (from its smoke test)."""
+
+    binary: Path
+    args: tuple[str, ...] = ()
+    source: str = "built"  # "built" or "$CLGRPO_LLAMA_SERVER"
+
+    def describe(self) -> str:
+        extra = f" with {' '.join(self.args)}" if self.args else ""
+        return f"{self.binary} ({self.source}{extra})"
+
+
+# --- which engine, and whether this machine can trust it -------------------------------------------------
+def find_engine(cache: str | os.PathLike[str] | None = None) -> Engine | None:
+    """``$CLGRPO_LLAMA_SERVER``, else the built engine in the cache, else None; with what this machine's smoke
+    test chose, if it ran (no test here: see ``ensure_engine``). One that failed its test here is refused."""
     own = os.environ.get(BINARY_ENV)
     if own:
         if not Path(own).is_file():
             raise ServerError(f"{BINARY_ENV}={own}: no such file")
-        return Path(own)
-    built = binary_path(cache)
-    return built if built.is_file() else None
+        engine = Engine(Path(own), source=f"${BINARY_ENV}")
+    else:
+        built = built_binary(cache)
+        if built is None:
+            return None
+        engine = Engine(built)
+    verdict = _verdicts(cache).get(_trust_key(engine))
+    if verdict is None:
+        return engine
+    if not verdict.get("ok"):
+        raise ServerError(
+            f"llama-server {engine.binary} does not work on this machine: {verdict.get('reason')} (its smoke test, "
+            f"{verdict.get('checked_at', '?')}; rebuild with `clgrpo model build-server --force`, or use "
+            f"--engine transformers)"
+        )
+    return Engine(engine.binary, tuple(verdict.get("args", ())), engine.source)
 
 
-def build_server(
+def ensure_engine(
     cache: str | os.PathLike[str] | None = None,
     *,
-    force: bool = False,
-    log: Callable[[str], None] = print,
-    jobs: int | None = None,
-) -> Path:
-    """Build ``llama-server`` once into the cache (see the module text); returns the binary."""
-    target = binary_path(cache)
-    if target.is_file() and not force:
-        return target
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        raise ServerError(f"building llama-server needs {' and '.join(missing)} (Debian: apt-get install cmake g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=temp_prefix("llama-build")) as tmp:
-        source = _unpacked_source(Path(tmp), log)
-        build = Path(tmp) / "build"
-        started = time.monotonic()
-        log(
-            f"building llama-server from llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON} sources; about 6 minutes "
-            "on 2 cores, once) ..."
-        )
-        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], Path(tmp) / "cmake.log")
-        _run(
-            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
-            Path(tmp) / "build.log",
-        )
-        partial = target.with_name(target.name + ".partial")
-        shutil.copy2(build / "bin" / "llama-server", partial)
-        partial.replace(target)
-        log(f"built {target} in {time.monotonic() - started:.0f} s")
-    return target
+    log: Log = print,
+    build: bool = True,
+    smoke_model: Path | None = None,
+) -> Engine:
+    """The engine this machine can trust: found or (``build``) built, and smoke-tested here once. A ServerError
+    when there is none: not built, cannot be built, or it failed here (now or before)."""
+    engine = find_engine(cache)
+    if engine is None:
+        if not build:
+            raise ServerError("llama-server is not built: run `clgrpo model build-server` once (4 to 8 minutes)")
+        try:
+            build_engine(cache, log=log)
+        except BuildError as exc:
+            raise ServerError(str(exc)) from exc
+        engine = find_engine(cache)
+        assert engine is not None, "build_engine leaves a built engine"
+    key = _trust_key(engine)
+    verdict = _verdicts(cache).get(key)
+    if verdict is None:
+        verdict = _smoke_test(engine, cache, log, smoke_model)
+        _remember(cache, key, verdict)
+    return find_engine(cache) or engine  # as this machine's verdict says (a failure is raised there)
 
 
-def _unpacked_source(tmp: Path, log: Callable[[str], None]) -> Path:
-    log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} source distribution from PyPI (77 MB) ...")
-    archive = pip_download_source("llama-cpp-python", LLAMA_CPP_PYTHON, tmp / "sdist")
-    if sha256_of(archive) != SDIST_SHA256:
-        raise ServerError(f"sha256 mismatch for {archive.name}: expected {SDIST_SHA256} (not the pinned release)")
-    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        tar.extractall(tmp / "src", members=members, filter="data")
-    return tmp / "src" / prefix
+def machine_key() -> str:
+    """This CPU, as far as compiled code cares: its model name and instruction-set flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return hashlib.sha256(f"{model}|{' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:16]
 
 
-def _run(cmd: list[str], log_file: Path) -> None:
-    with log_file.open("w") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        tail = log_file.read_text(errors="replace").strip().splitlines()[-5:]
-        raise ServerError(f"{' '.join(cmd[:3])} ... failed (exit {done.returncode}): {' / '.join(tail)}")
+def _trust_key(engine: Engine) -> str:
+    """The engine's identity (its file's size and time: a rebuild is a new engine) and this machine."""
+    try:
+        info = engine.binary.stat()
+        identity = f"{engine.binary.resolve()}|{info.st_size}|{info.st_mtime_ns}"
+    except OSError:
+        identity = str(engine.binary)
+    return f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}@{machine_key()}"
 
 
+def _verdicts_path(cache: str | os.PathLike[str] | None) -> Path:
+    return cache_root(cache) / "bin" / "engine-checks.json"
+
+
+def _verdicts(cache: str | os.PathLike[str] | None) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(_verdicts_path(cache).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember(cache: str | os.PathLike[str] | None, key: str, verdict: dict[str, Any]) -> None:
+    path = _verdicts_path(cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _verdicts(cache) | {key: verdict}
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    partial.replace(path)
+
+
+def _smoke_test(
+    engine: Engine, cache: str | os.PathLike[str] | None, log: Log, smoke_model: Path | None
+) -> dict[str, Any]:
+    """Load the tiny model and answer one completion, as built and then along ``SMOKE_LADDER``; the verdict."""
+    if smoke_model is None:
+        try:
+            smoke_model = fetch_model(SMOLLM2, cache, log=lambda m: None, convert=False).gguf
+        except ModelError as exc:
+            raise ServerError(f"cannot smoke-test llama-server: the tiny model could not be fetched: {exc}") from exc
+    log(f"checking llama-server on this machine (load {smoke_model.name}, answer one request) ...")
+    failures: list[str] = []
+    for extra in SMOKE_LADDER:
+        failure = _smoke_once(engine, extra, smoke_model, cache)
+        stamp = time.strftime("%Y-%m-%d %H:%M")
+        if failure is None:
+            how = f" with {' '.join(extra)} (as built it failed: {failures[0]})" if extra else ""
+            log(f"llama-server works on this machine{how}")
+            return {"ok": True, "args": list(extra), "checked_at": stamp, "failed_first": failures}
+        failures.append(failure)
+        log(f"  llama-server{' with ' + ' '.join(extra) if extra else ''} failed its smoke test: {failure}")
+    return {"ok": False, "reason": "; ".join(failures), "checked_at": stamp}
+
+
+def _smoke_once(engine: Engine, extra: tuple[str, ...], gguf: Path, cache: str | os.PathLike[str] | None) -> str | None:
+    log_path = cache_root(cache) / "bin" / "llama-server-smoke-test.log"
+    server = LlamaServer(
+        gguf,
+        "smoke-test",
+        slots=1,
+        context_per_slot=1024,
+        engine=Engine(engine.binary, extra, engine.source),
+        log_path=log_path,
+        ready_timeout_s=SMOKE_TIMEOUT_S,
+    )
+    try:
+        server.start()
+        server.complete("Say OK.", max_tokens=4, timeout_s=SMOKE_TIMEOUT_S)
+    except ServerError as exc:
+        return str(exc)
+    finally:
+        server.stop()
+    return None
+
+
+# --- one server ----------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -139,6 +228,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def how_it_ended(returncode: int) -> str:
+    """An exit status in words: "crashed (SIGSEGV, a segmentation fault)" or "exited with code 1"."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            return f"crashed (signal {-returncode})"
+        words = _SIGNAL_WORDS.get(name)
+        return f"crashed ({name}, {words})" if words else f"crashed ({name})"
+    return f"exited with code {returncode}"
+
+
 @dataclass
 class LlamaServer:
     """One ``llama-server`` process serving ``gguf`` as ``alias`` on 127.0.0.1. Use as a context manager or
@@ -151,18 +252,20 @@ class LlamaServer:
     context_per_slot: int = 4096
     port: int = 0  # 0: a free port
     cache: str | os.PathLike[str] | None = None
-    log_path: Path | None = None  # the server's own output (default: a file next to the cached binary)
+    log_path: Path | None = None  # the server's own output (default: a file next to the engine)
     extra_args: list[str] = field(default_factory=list)
+    engine: Engine | None = None  # None: find_engine(cache)
+    ready_timeout_s: float = READY_TIMEOUT_S
     process: subprocess.Popen | None = field(default=None, init=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def command(self, binary: Path) -> list[str]:
+    def command(self, engine: Engine) -> list[str]:
         threads = self.threads or len(os.sched_getaffinity(0))
         return [
-            str(binary),
+            str(engine.binary),
             "--model",
             str(self.gguf),
             "--alias",
@@ -177,21 +280,22 @@ class LlamaServer:
             str(self.slots),
             "--ctx-size",
             str(self.slots * self.context_per_slot),
+            *engine.args,
             *self.extra_args,
         ]
 
-    def start(self) -> "LlamaServer":
-        binary = find_binary(self.cache)
-        if binary is None:
-            raise ServerError("llama-server is not built: run `clgrpo model build-server` once (about 6 minutes)")
+    def start(self) -> LlamaServer:
+        engine = self.engine or find_engine(self.cache)
+        if engine is None:
+            raise ServerError("llama-server is not built: run `clgrpo model build-server` once (4 to 8 minutes)")
         if not Path(self.gguf).is_file():
             raise ModelError(f"GGUF file not found: {self.gguf}")
         self.port = self.port or free_port()
-        self.log_path = self.log_path or binary.parent / f"llama-server-{self.port}.log"
+        self.log_path = self.log_path or engine.binary.parent / f"llama-server-{self.port}.log"
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with Path(self.log_path).open("w") as out:
             self.process = subprocess.Popen(
-                self.command(binary),
+                self.command(engine),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -201,18 +305,34 @@ class LlamaServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise ServerError(
-                    f"llama-server exited with {self.process.returncode} while loading "
-                    f"{self.gguf.name}: {self._log_tail()}"
-                )
+                raise self._ended("while loading")
             if self._healthy():
                 return
             time.sleep(0.25)
         self.stop()
-        raise ServerError(f"llama-server did not serve within {READY_TIMEOUT_S:.0f} s: {self._log_tail()}")
+        raise ServerError(
+            f"llama-server did not serve {Path(self.gguf).name} within {self.ready_timeout_s:.0f} s: "
+            f"{self._log_tail()} (log: {self.log_path})"
+        )
+
+    def _ended(self, when: str) -> ServerError:  # when: "while loading", "while serving", ...
+        """The error for a server process that ended: crashed (a signal) or exited, when, the log's last line."""
+        assert self.process is not None and self.process.returncode is not None
+        code = self.process.returncode
+        cls = ServerCrashed if code != 0 else ServerError
+        return cls(
+            f"llama-server {how_it_ended(code)} {when} {Path(self.gguf).name}: {self._log_tail(1)} "
+            f"(log: {self.log_path})"
+        )
+
+    def died(self) -> ServerError | None:
+        """If the process ended by itself (a crash while serving): the error that says so; else None."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        return self._ended("while serving")
 
     def _healthy(self) -> bool:
         try:
@@ -221,12 +341,34 @@ class LlamaServer:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
+    def complete(self, prompt: str, *, max_tokens: int = 8, timeout_s: float = 60.0) -> str:
+        """One chat completion (the smoke test's request); a ServerError if it fails or the server dies."""
+        body = json.dumps(
+            {"model": self.alias, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+        ).encode()
+        request = urllib.request.Request(
+            f"{self.base_url}/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                answer = json.loads(reply.read())
+            return str(answer["choices"][0]["message"]["content"])
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            if self.process is not None:
+                try:
+                    self.process.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.process is not None and self.process.poll() is not None:
+                raise self._ended("while answering a request with") from exc
+            raise ServerError(f"llama-server did not answer a completion: {type(exc).__name__}: {exc}") from exc
+
     def _log_tail(self, lines: int = 3) -> str:
         try:
             text = Path(self.log_path or "").read_text(errors="replace").strip().splitlines()
         except OSError:
             return "(no server log)"
-        return " / ".join(text[-lines:]) or "(empty server log)"
+        return " / ".join(line.strip() for line in text[-lines:]) or "(empty server log)"
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -239,7 +381,7 @@ class LlamaServer:
             process.kill()
             process.wait()
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
