@@ -23,6 +23,7 @@ from clgrpo.library import ExperienceLibrary, diff
 from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
 from clgrpo.usefulness import describe
+from clgrpo.words import counted
 from schemas.config import RunConfig
 from schemas.records import EvalComparison, EvalSummary, ExperienceStat, LibraryQuality
 from schemas.stages import Stage
@@ -355,7 +356,8 @@ def evaluation_markdown(
     lines = [
         f"## Evaluation {s.eval_id}",
         "",
-        f"{s.n_problems} problems from `{s.dataset}`, {s.k} samples each at temperature {s.temperature:g} "
+        f"{counted(s.n_problems, 'problem')} from `{s.dataset}`, {counted(s.k, 'sample')} each at temperature "
+        f"{s.temperature:g} "
         f"(seed {s.seed}); {s.ci_level:.0%} bootstrap confidence intervals over problems.",
         "",
         markdown_table(evaluation_table(summaries)),

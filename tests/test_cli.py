@@ -87,6 +87,50 @@ def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
     assert "no runs in" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_run_without_summaries_and_an_eval_with_another_config(tmp_path, capsys, monkeypatch):
+    """A run like the demo's (no summaries): ``library show`` says usefulness is not measured rather than "never
+    cited" everywhere. An evaluation with ``--config`` whose db_path is another file finds the run in the database
+    that holds it (the README's follow-up to the demo); a wrong ``--db`` is one line and leaves no empty file."""
+    monkeypatch.chdir(tmp_path)
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=5), tmp_path / "train.jsonl")
+    heldout = write_jsonl(make_problems(n_per_family=1, seed=9), tmp_path / "heldout.jsonl")
+    db = tmp_path / "demo" / "clgrpo.duckdb"
+    with FakeOpenAIServer(ScriptedWorld(seed=2)) as server:
+        settings = {
+            "dataset": {"path": str(dataset)},
+            "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+            "grpo": {"group_size": 4, "epochs": 1, "batch_size": 8},
+            "learning": {"summarize": False, "max_words": 40},
+        }
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({**settings, "run_id": "nosum", "db_path": str(db)}))
+        assert main(["train", "--config", str(config)]) == 0
+        capsys.readouterr()
+        assert main(["library", "show", "nosum"]) == 0
+        shown = capsys.readouterr().out
+        assert "# usefulness not measured in this configuration (learning.summarize is off" in shown
+        assert "never cited" not in shown and "[E0]" in shown
+
+        other = tmp_path / "local.yaml"  # a config whose database is elsewhere (configs/qwen-local.yaml's case)
+        other.write_text(yaml.safe_dump({**settings, "db_path": "runs/clgrpo.duckdb"}))
+        argv = ["eval", "--library", "none", "--compare", "nosum:latest", "--dataset", str(heldout), "--k", "1"]
+        assert main([*argv, "--config", str(other), "--eval-id", "e1"]) == 0
+        printed = capsys.readouterr().out
+        assert f"DuckDB: {db} (tables evaluations" in printed and "4 problems from" in printed
+        assert ", 1 sample each at temperature" in printed
+        assert not (tmp_path / "runs").exists()  # read from (and written to) the demo's database only
+
+        wrong = tmp_path / "wrong.duckdb"
+        assert main([*argv, "--config", str(other), "--db", str(wrong)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"error: nosum:latest: {wrong} holds no run 'nosum' (clgrpo runs list shows the runs of the recent "
+            "databases; --db names the one to read)"
+        ]
+        assert not wrong.exists()
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

@@ -30,6 +30,7 @@ from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.store import Store, StoreError, parse_library_ref
+from clgrpo.words import counted
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 from tasks.preflight import PreflightError
 
@@ -195,18 +196,16 @@ def cmd_library_show(args: argparse.Namespace) -> int:
     run_id, version = parse_library_ref(args.ref)
     with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
-        config = store.run_config(run_id)
-        stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)}
+        summarized = measured(store.run_config(run_id)) if store.is_run(run_id) else True
+        stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)} if summarized else {}
         quality = [q for q in store.records("library_quality", run_id, library.step) if q.version == library.version]
-    if not measured(config):
-        stats = {}
     print(
         f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
         f"{library.prompt_tokens()} tokens (estimated)"
     )
     if quality:
-        print(f"# {describe_quality(quality[0], usefulness=measured(config))}")
-    if not measured(config):
+        print(f"# {describe_quality(quality[0], usefulness=summarized)}")
+    if not summarized:
         print(f"# {NOT_MEASURED}")
     for e in library:
         lineage = f" (from {', '.join(e.parent_ids)})" if e.parent_ids else ""
@@ -641,21 +640,41 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
 
 def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     """The policy (and domain) to evaluate with: ``--config``, else the stored config of the first run whose
-    library is evaluated; the database is ``--db``, else the config's ``db_path`` (with ``--config``), else
-    the most recent database holding that run."""
-    if args.config:
-        config = load_config(args.config, args.overrides)
-        return config.model_copy(update={"db_path": args.db or config.db_path})
+    library is evaluated; the database is ``--db``, else the most recent database holding that run (a demo's
+    run is found in the demo's database), else the config's ``db_path`` (with ``--config``)."""
     from clgrpo.adapters import split_condition
+    from clgrpo.app.state import database_holding
 
     refs = [split_condition(r)[1] for r in refs]  # adapter:RUN:STEP / both:RUN:STEP: that run's policy
     run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
+    if args.config:
+        config = load_config(args.config, args.overrides)
+        holder = database_holding(parse_library_ref(run_refs[0])[0]) if run_refs and not args.db else None
+        return config.model_copy(update={"db_path": args.db or holder or config.db_path})
     if not run_refs:
         raise ConfigError("no model settings: pass --config FILE (a run config whose policy is evaluated)")
     db = _db(args, run_refs[0])
     with _open(db) as store:
         config = store.run_config(parse_library_ref(run_refs[0])[0])
     return config.model_copy(update={"db_path": db})
+
+
+def _check_runs_in(db: str, refs: list[str]) -> None:
+    """Every run an evaluation reads a library of is in ``db``: checked before anything is written there (a
+    wrong database is one line, not an empty file left behind)."""
+    from clgrpo.adapters import split_condition
+    from clgrpo.app.state import holds
+
+    for ref in refs:
+        ref = split_condition(ref)[1]
+        if ref.lower() == "none" or Path(ref).is_file():
+            continue
+        run_id = parse_library_ref(ref)[0]
+        if not Path(db).is_file() or not holds(Path(db), run_id):
+            raise ConfigError(
+                f"{ref}: {db} holds no run {run_id!r} (clgrpo runs list shows the runs of the recent databases; "
+                f"--db names the one to read)"
+            )
 
 
 def _with_mode(config: RunConfig, mode: str | None) -> RunConfig:
@@ -698,8 +717,9 @@ def print_evaluation(outcome: EvalOutcome) -> None:
     first = outcome.summaries[0]
     level = f"{first.ci_level:.0%}"
     print(
-        f"\nevaluation {outcome.eval_id}: {first.n_problems} problems from {first.dataset}, {first.k} samples each "
-        f"at temperature {first.temperature:g} (seed {first.seed}){' [read back]' if outcome.reused else ''}"
+        f"\nevaluation {outcome.eval_id}: {counted(first.n_problems, 'problem')} from {first.dataset}, "
+        f"{counted(first.k, 'sample')} each at temperature {first.temperature:g} (seed {first.seed})"
+        f"{' [read back]' if outcome.reused else ''}"
     )
     print(
         f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
@@ -729,6 +749,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     refs = [*args.library, *args.compare]
     config = _with_mode(_eval_model_config(args, refs), args.mode)
+    _check_runs_in(config.db_path, refs)
     evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config.domain, evaluation.dataset, "--dataset")
     stopping.run(check_policy(config))

@@ -492,7 +492,7 @@ def _evaluation_section(result: DemoResult) -> list[str]:
         return ["held-out evaluation: none"]
     first = result.evaluation[0]
     lines = [
-        f"held-out check: {first.n_problems} problems never trained on, k={first.k} samples each at "
+        f"held-out check: {counted(first.n_problems, 'problem')} never trained on, k={first.k} samples each at "
         f"temperature {first.temperature:g}, the same prompt and seeds apart from the library:",
         f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI",
     ]

@@ -52,6 +52,11 @@ def recent_dbs() -> list[Path]:
     return [Path(p) for p in _read() if Path(p).is_file()]
 
 
+def database_holding(run_id: str) -> str | None:
+    """The most recent remembered database that holds ``run_id``; None if none does."""
+    return next((str(db) for db in recent_dbs() if holds(db, run_id)), None)
+
+
 def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str | None = None) -> str:
     """``--db`` when given; else the most recent database holding ``run_id`` (or the refresh named
     ``refresh``); else the most recent database; else ``runs/clgrpo.duckdb``."""
@@ -60,9 +65,9 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
     recent = recent_dbs()
     holder = None
     if run_id:
-        holder = next((db for db in recent if _holds(db, run_id)), None)
+        holder = next((db for db in recent if holds(db, run_id)), None)
     elif refresh:
-        holder = next((db for db in recent if _holds(db, refresh, column="name", tables=("refreshes",))), None)
+        holder = next((db for db in recent if holds(db, refresh, column="name", tables=("refreshes",))), None)
     if holder is not None:
         return str(holder)
     if recent:
@@ -70,7 +75,7 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
     return DEFAULT_DB
 
 
-def _holds(
+def holds(
     db: Path,
     value: str,
     *,

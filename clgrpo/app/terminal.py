@@ -121,6 +121,7 @@ class Session:
             if logger.level == logging.NOTSET or logger.level > logging.INFO:
                 logger.setLevel(logging.INFO)
         for handler in console_handlers():
+            handler.console.file = sys.stderr  # this command's terminal (Prefect bound the one of its first import)
             handler.setLevel(max(handler.level, logging.WARNING))  # Prefect's INFO lines: in the log file
             if not isinstance(handler.formatter, NoTraceback):
                 handler.setFormatter(NoTraceback(handler.formatter))
