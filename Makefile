@@ -7,13 +7,14 @@ PYTEST := $(PYTHON) -m pytest -q
 
 .PHONY: help setup test test-fast test-long test-demo lint format typecheck imports deps check ci demo \
 	bench bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix bench-agent-step \
-	bench-tool-pool bench-embeddings bench-learning bench-hybrid
+	bench-tool-pool bench-embeddings bench-learning bench-hybrid bench-engines
 
 help:  ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
 
 setup:  ## .venv with the CPU torch, the transformers backend and the dev tools (README: Setup)
 	python3 -m venv .venv
+	.venv/bin/python -m pip install --upgrade pip
 	.venv/bin/python -m pip install "torch==2.13.0"
 	.venv/bin/python -m pip install -e ".[local,dev]"
 
@@ -79,5 +80,7 @@ bench-embeddings:  ## the embedded embedding model
 bench-learning:  ## learning quality on real models, ranges and percent (~75 min on 2 cores)
 	$(PYTHON) benchmarks/learning.py --families ranges --learners qwen2.5-coder-1.5b --report
 	$(PYTHON) benchmarks/learning.py --families percent --learners qwen2.5-coder-1.5b --report
+bench-engines:  ## llama-server's CPU kernels vs a prebuilt wheel on the demo's requests (~8 min)
+	$(PYTHON) benchmarks/engines.py
 bench-hybrid:  ## hybrid learning on the embedded model (~15-30 min)
 	$(PYTHON) benchmarks/hybrid.py --report

@@ -318,7 +318,7 @@ class AgentConfig(Section):
 
     max_turns: int = Field(6, ge=1)  # model calls per rollout, the last one answers
     # tools: OpenAI tool calling (``tools`` in the request); text: a fenced ```python block or a <tool> tag in
-    # the reply (README "Agent mode"); auto: tools for the openai backend (falling back to text when the
+    # the reply (docs/agent.md); auto: tools for the openai backend (falling back to text when the
     # endpoint refuses ``tools``), text for the local engines
     protocol: Literal["auto", "tools", "text"] = "auto"
     turn_timeout_s: float = Field(600.0, gt=0)  # one turn: the model's reply (retries included) and its tools

@@ -332,16 +332,16 @@ def test_long_tool_parts_are_cut_for_the_learner():
 
 
 async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
-    """README "Tools of your own domain": the example domain registers, lists both tools, and its tool runs in
+    """docs/agent.md "Tools of your own domain": the example domain registers, lists both tools, and its tool runs in
     an agent rollout (text protocol, tag form)."""
     from pathlib import Path
 
     from domains import get_domain
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Tools of your own domain", 1)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "agent.md").read_text()
+    section = page.split("## Tools of your own domain", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/agent.md", "exec"), {})
     domain = get_domain("physics")
     assert [t.name for t in domain.tools()] == ["python", "constant"]
 

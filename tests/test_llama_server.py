@@ -261,3 +261,29 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_model_serve_says_a_crash_in_one_line(tmp_path, gguf):
+    """`clgrpo model serve` as a user runs it, the engine crashing by SIGSEGV while it loads the model: one line in
+    words, no traceback, exit 1. (This machine's smoke test of the stand-in is recorded as passed: the real test
+    loads the tiny model, which is not fetched here.)"""
+    from clgrpo.app import llama_server
+
+    binary = write_stand_in(tmp_path / "llama-server")
+    cache = tmp_path / "cache"
+    llama_server._remember(cache, llama_server._trust_key(Engine(binary)), {"ok": True, "args": []})
+    env = {**os.environ, BINARY_ENV: str(binary), "STAND_IN_CRASH": "always", "CLGRPO_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-m", "clgrpo.app.cli", "model", "serve", str(gguf), "--port", str(llama_server.free_port())],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: llama-server crashed (SIGSEGV, a segmentation fault) while loading m.gguf: load_tensors: repacking "
+        "weights (log: "
+    ), lines

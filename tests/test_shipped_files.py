@@ -59,11 +59,16 @@ def readme_paths(text: str) -> set[str]:
     return {m.group(1) for m in _README_PATH.finditer(text)}
 
 
-def test_every_path_the_readme_names_exists():
-    paths = readme_paths((ROOT / "README.md").read_text())
-    assert "data/train.jsonl" in paths and "benchmarks/learning.py" in paths  # the pattern finds paths at all
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md"))])
+def test_every_path_the_readme_and_docs_name_exists(page):
+    paths = readme_paths((ROOT / page).read_text())
     missing = sorted(p for p in paths if not list(ROOT.glob(p)))
-    assert not missing, f"README names files that do not exist: {missing}"
+    assert not missing, f"{page} names files that do not exist: {missing}"
+
+
+def test_the_path_finder_finds_the_readmes_paths():
+    paths = readme_paths((ROOT / "README.md").read_text())
+    assert "benchmarks/REPORT.md" in paths and "benchmarks/learning.py" in paths  # the pattern finds paths at all
 
 
 def test_readme_path_finder_catches_a_missing_file():

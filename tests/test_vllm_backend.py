@@ -1,5 +1,5 @@
 """The vLLM backend against a stand-in ``vllm`` module with vLLM's documented offline API (vLLM itself needs a
-GPU machine: there it runs with backend 'vllm'; see README "Local and GPU backends")."""
+GPU machine: there it runs with backend 'vllm'; see docs/backends.md)."""
 
 import asyncio
 import sys

@@ -412,34 +412,37 @@ def cmd_model_build_server(args: argparse.Namespace) -> int:
 
 
 def cmd_model_serve(args: argparse.Namespace) -> int:
-    """Serve a fetched model with llama-server until interrupted (fetching and building what is missing)."""
-    from clgrpo.app.llama_server import LlamaServer, ServerError, ensure_engine
-    from clgrpo.models import fetch_model, known_model
+    """Serve a fetched model (or a GGUF file of your own) with llama-server until interrupted (fetching and
+    building what is missing). A server that cannot start or crashes is one line (a ServerError), exit 1."""
+    from clgrpo.app.llama_server import LlamaServer, ensure_engine
+    from clgrpo.models import ModelError, fetch_model, known_model
 
-    model = known_model(args.name)
-    gguf = fetch_model(model, args.cache_dir).gguf
-    try:
-        server = LlamaServer(
-            gguf,
-            args.alias or model.fetch_key,
-            slots=args.slots,
-            threads=args.threads,
-            port=args.port,
-            cache=args.cache_dir,
-            engine=ensure_engine(args.cache_dir),  # built once and smoke-tested here if it was not
-        ).start()
-    except ServerError as exc:
-        raise ConfigError(f"{exc}; `clgrpo demo --engine transformers` runs without llama-server") from exc
+    if args.name.endswith(".gguf"):
+        gguf, name, alias = Path(args.name).expanduser(), Path(args.name).name, Path(args.name).stem
+        if not gguf.is_file():
+            raise ModelError(f"GGUF file not found: {gguf}")
+    else:
+        model = known_model(args.name)
+        gguf, name, alias = fetch_model(model, args.cache_dir).gguf, model.name, model.fetch_key
+    server = LlamaServer(
+        gguf,
+        args.alias or alias,
+        slots=args.slots,
+        threads=args.threads,
+        port=args.port,
+        cache=args.cache_dir,
+        engine=ensure_engine(args.cache_dir),  # built once and smoke-tested here if it was not
+    ).start()
     try:
         print(
-            f"serving {model.name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
+            f"serving {name} as {server.alias!r} at {server.base_url} ({args.slots} slots; log "
             f"{server.log_path})\n  policy: {{backend: openai, model: {server.alias}, base_url: {server.base_url}, "
             f"api_key_env: null}}\nCtrl-C stops it.",
             flush=True,
         )
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
-        raise ConfigError(str(server.died() or f"llama-server stopped; see {server.log_path}"))
+        raise server.died() or ConfigError(f"llama-server stopped; see {server.log_path}")
     except (KeyboardInterrupt, stopping.Stopped):  # how a server command ends
         stopping.reset()
         return 0
@@ -565,7 +568,7 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
         help="serve a fetched model over the OpenAI API with llama-server (fetches "
         "and builds what is missing) until Ctrl-C",
     )
-    serve.add_argument("name", help="e.g. qwen2.5-coder-0.5b")
+    serve.add_argument("name", help="a model clgrpo fetches (e.g. qwen2.5-coder-0.5b) or a .gguf file")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--slots", type=int, default=8, help="parallel sequences (default 8)")
     serve.add_argument("--threads", type=int, help="CPU threads (default: every usable core)")

@@ -193,7 +193,8 @@ def _smoke_test(
 
 
 def _smoke_once(engine: Engine, extra: tuple[str, ...], gguf: Path, cache: str | os.PathLike[str] | None) -> str | None:
-    log_path = cache_root(cache) / "bin" / "llama-server-smoke-test.log"
+    name = "-".join(a.lstrip("-") for a in extra) or "as-built"
+    log_path = cache_root(cache) / "bin" / f"llama-server-smoke-test-{name}.log"  # one per attempt: both kept
     server = LlamaServer(
         gguf,
         "smoke-test",
