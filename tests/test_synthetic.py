@@ -45,6 +45,33 @@ def test_families_answer_their_own_questions():
         assert int(row["answer"]) == last - first + 1
 
 
+def numbers(row: dict) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", row["problem"])]
+
+
+def test_the_newer_families_answer_by_their_rule_and_lay_their_trap():
+    from clgrpo.app.cli import FAMILY_NAMES
+    from domains.math.synthetic import FAMILIES, generate_family
+
+    assert tuple(FAMILIES) == FAMILY_NAMES  # the CLI's help names every family
+    for row in generate_family("durations", 40, seed=2):
+        h1, m1, h2, m2 = numbers(row)
+        assert int(row["answer"]) == (h2 * 60 + m2) - (h1 * 60 + m1) and m2 < m1  # a plain subtraction must borrow
+    for row in generate_family("boxes", 40, seed=2):
+        a, b = numbers(row)
+        size, total = (a, b) if "photos" in row["problem"] else (b, a)  # "puts {size} photos ... print {total}"
+        assert int(row["answer"]) == -(-total // size) and total % size  # rounding down would be wrong
+    for row in generate_family("workers", 40, seed=2):
+        workers, days, other = numbers(row)
+        assert int(row["answer"]) * other == workers * days
+    for row in generate_family("handshakes", 40, seed=2):
+        (n,) = numbers(row)
+        assert int(row["answer"]) == n * (n - 1) // 2
+    for row in generate_family("average", 40, seed=2):
+        count, mean, _, *known = numbers(row)
+        assert sum(known) + int(row["answer"]) == count * mean
+
+
 def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, capsys):
     from clgrpo.app.cli import main
 

