@@ -31,6 +31,7 @@ from clgrpo.models import ModelError
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.words import counted
+from domains.math.synthetic import FAMILIES
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
 from tasks.preflight import PreflightError
 
@@ -593,7 +594,7 @@ def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
 
     data = sub.add_parser("data", help="generated datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write N problems of a seeded problem family as JSON lines")
-    make.add_argument("family", help=f"one of: {', '.join(FAMILY_NAMES)}")
+    make.add_argument("family", help=f"one of: {', '.join(FAMILIES)}")
     make.add_argument("--n", type=int, default=40, help="problems (default 40)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--out", required=True, help="the .jsonl file to write")
