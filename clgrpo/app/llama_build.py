@@ -149,6 +149,7 @@ def build_engine(
 def _build(cache: str | os.PathLike[str] | None, log: Log, jobs: int) -> BuildReport:
     target = engine_dir(cache)
     log_path = build_log_path(cache)
+    log_path.parent.mkdir(parents=True, exist_ok=True)  # a fresh cache has no bin/ yet
     variants = kernel_variants(cpu_flags())
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=temp_prefix("llama-build")) as tmp:
