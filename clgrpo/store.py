@@ -44,6 +44,8 @@ from schemas.records import (
     EvalSummary,
     Experience,
     ExperienceStat,
+    GateDecision,
+    GateSample,
     GroupAdvantage,
     LessonChange,
     LessonTrial,
@@ -180,6 +182,10 @@ def _trial_row(t: LessonTrial) -> dict:
     }
 
 
+def _gate_row(d: GateDecision) -> dict:
+    return {**d.model_dump(exclude={"problem_ids"}), "problem_ids_json": _dumps(d.problem_ids)}
+
+
 def _operation_row(r: OperationResult) -> dict:
     op = r.operation
     return {
@@ -242,6 +248,8 @@ _ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
     "adapters": lambda items: [a.model_dump() for a in items],
     "lesson_trials": lambda items: [_trial_row(t) for t in items],
     "trial_samples": lambda items: [t.model_dump() for t in items],
+    "gate_samples": lambda items: [g.model_dump() for g in items],
+    "library_gates": lambda items: [_gate_row(d) for d in items],
     "review_requests": lambda items: [_review_request_row(r) for r in items],
     "review_decisions": lambda items: [d.model_dump() for d in items],
     "library_adoptions": lambda items: [a.model_dump() for a in items],
@@ -323,6 +331,10 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
         problem_ids=json.loads(row["problem_ids_json"]),
     ),
     "trial_samples": _plain(TrialSample),
+    "gate_samples": _plain(GateSample),
+    "library_gates": lambda row: GateDecision(
+        **_fields(GateDecision, row, skip=("problem_ids",)), problem_ids=json.loads(row["problem_ids_json"])
+    ),
     "refresh_gate": _plain(RefreshGateRow),
     "refreshes": lambda row: RefreshDecision(
         **{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"}, reasons=json.loads(row["reasons_json"])
@@ -352,6 +364,8 @@ _ORDER = {
     "experience_stats": "exp_id",
     "lesson_trials": "seq",
     "trial_samples": "seq, problem_id, sample_idx",
+    "gate_samples": "arm, problem_id, sample_idx",
+    "library_gates": "step",
     "library_quality": "version",
     "review_requests": "refresh_id",
     "review_decisions": "change_id",

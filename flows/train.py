@@ -35,7 +35,7 @@ from clgrpo import progress, stopping
 from clgrpo.adapters import resolve_policy_adapter
 from clgrpo.errors import error_line
 from clgrpo.journal import RunJournal, recording
-from clgrpo.library import ExperienceLibrary
+from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMCallError
 from clgrpo.llm.local import release_engines
 from clgrpo.retrieval import route_library
@@ -51,6 +51,7 @@ from schemas.config import RunConfig
 from schemas.records import (
     AdapterVersion,
     ExperienceStat,
+    GateDecision,
     GroupAdvantage,
     LessonTrial,
     LibraryVersion,
@@ -62,12 +63,13 @@ from schemas.records import (
     Summary,
 )
 from schemas.stages import Stage
-from tasks.apply_operations import apply_operations_task, near_duplicates_for
+from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
 from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export_dir, export_library, step_report
 from tasks.common import artifact_key, chunks
 from tasks.consolidate import FINAL, consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
 from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
+from tasks.library_gate import expected_attempts, library_gate_task, split_for_gate
 from tasks.limits import Limited, limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import load_dataset_task
 from tasks.numeric_update import numeric_inputs, numeric_update_task
@@ -136,6 +138,7 @@ class StepState:
     proposals: list[Proposal] = field(default_factory=list)  # the semantic group advantage
     plans: list[Proposal] = field(default_factory=list)  # the consolidation's
     trials: list[LessonTrial] = field(default_factory=list)
+    gates: list[GateDecision] = field(default_factory=list)  # the library gate's decision (one, when it runs)
     applied: LibraryVersion | None = None  # the library after apply_operations, saved before its rows
 
     @property
@@ -183,6 +186,15 @@ class StepState:
         if not self.cfg.learning.lesson_validation.enabled:
             return self.plan.operations, []
         return plan_after(self.trials)
+
+    @property
+    def adopted(self) -> tuple[list[Operation], list[tuple[Operation, str]]]:
+        """What apply_operations applies: the validated plan, or nothing when the library gate rejected the step
+        (its operations then rejected with the gate's numbers); and every rejection with its reason."""
+        operations, rejected = self.validated
+        if self.gates and self.gates[0].verdict == "rejected":
+            return [], rejected + [(op, self.gates[0].reason) for op in operations]
+        return operations, rejected
 
 
 async def compute_rollout(t: Trainer, s: StepState) -> Outputs:
@@ -267,20 +279,35 @@ async def compute_consolidate(t: Trainer, s: StepState) -> Outputs:
 
 async def compute_validate_lessons(t: Trainer, s: StepState) -> Outputs:
     """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
-    result = await validate_lessons_task(s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages)
+    near, _ = await t.plan_context(s, s.plan.operations)  # a candidate is tried as it would be applied
+    result = await validate_lessons_task(
+        s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages, t.learn_problems, near
+    )
     return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
 
 
-async def compute_apply_operations(t: Trainer, s: StepState) -> Outputs:
-    """The validated plan applied to the library (``tasks.apply_operations``); what is over a learning limit or
-    failed its trial is stored as rejected."""
-    operations, failed_trials = s.validated
-    near = await near_duplicates_for(s.cfg, t.store, ExperienceLibrary.from_version(s.version), operations)
-    usefulness = (  # what the token budget evicts by
-        {x.exp_id: x for x in t.experience_stats(s.step, [e.id for e in s.library])}
-        if s.cfg.library.max_tokens is not None
-        else None
+async def compute_library_gate(t: Trainer, s: StepState) -> Outputs:
+    """The library before vs after the validated plan on the problems set aside (``tasks.library_gate``)."""
+    operations, _ = s.validated
+    before = ExperienceLibrary.from_version(s.version)
+    near, usefulness = await t.plan_context(s, operations)
+    after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
+    progress.expect(Stage.LIBRARY_GATE, expected_attempts(s.cfg.learning.library_gate, t.gate_problems))
+    outcome = await library_gate_task(
+        s.cfg, s.step, s.version, after.to_version(), t.gate_problems, t.store.records("gate_samples", t.run_id)
     )
+    return {"gate_samples": outcome.samples, "library_gates": [outcome.decision], "llm_calls": outcome.calls}
+
+
+def log_library_gate(t: Trainer, s: StepState) -> None:
+    t.log.info("step %d %s", s.step, s.gates[0].reason)
+
+
+async def compute_apply_operations(t: Trainer, s: StepState) -> Outputs:
+    """The validated plan applied to the library (``tasks.apply_operations``) unless the library gate rejected
+    the step; what is over a learning limit, failed its trial or was not adopted is stored as rejected."""
+    operations, failed_trials = s.adopted
+    near, usefulness = await t.plan_context(s, operations)
     applied = apply_operations_task(s.cfg, s.step, s.version, operations, s.problems, near, usefulness)
     s.applied = applied.library
     if over_limits := s.limited[1] + s.plan.over:
@@ -414,6 +441,15 @@ STEP: tuple[StepStage, ...] = (
         after=log_lesson_validation,
     ),
     StepStage(
+        Stage.LIBRARY_GATE,
+        compute_library_gate,
+        ("gate_samples", "library_gates", "llm_calls"),
+        keep={"library_gates": "gates"},
+        when=lambda cfg: cfg.learning.library_gate.enabled,
+        expect=lambda s: (0, "attempts"),  # announced once the stage knows whether the plan changes anything
+        after=log_library_gate,
+    ),
+    StepStage(
         Stage.APPLY_OPERATIONS,
         compute_apply_operations,
         ("operations",),
@@ -432,6 +468,8 @@ class Trainer:
         self.run_id = config.require_run_id()  # train() sets one before the Trainer exists
         self.log = get_run_logger()
         self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
+        self.gate_problems: list[Problem] = []  # the library gate's own problems (learning.library_gate)
+        self.learn_problems: list[Problem] = []  # the rest: what steps and lesson trials draw from
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
     async def stage(
@@ -553,6 +591,37 @@ class Trainer:
                 len(flagged),
                 "; ".join(f"{i}: {r}" for i, r in flagged[:10]),
             )
+
+    async def plan_context(
+        self, s: StepState, operations: list[Operation]
+    ) -> tuple[NearDuplicates | None, dict[str, ExperienceStat] | None]:
+        """What applying a plan needs beside it: the near-duplicate control, and (with a token budget) each live
+        lesson's usefulness, which the budget evicts by. The library gate and apply_operations use the same."""
+        near = await near_duplicates_for(s.cfg, self.store, ExperienceLibrary.from_version(s.version), operations)
+        usefulness = (
+            {x.exp_id: x for x in self.experience_stats(s.step, [e.id for e in s.library])}
+            if s.cfg.library.max_tokens is not None
+            else None
+        )
+        return near, usefulness
+
+    def set_aside(self, problems: list[Problem]) -> list[Problem]:
+        """With the library gate: the training problems it keeps for itself are never trained on; the rest."""
+        settings = self.cfg.learning.library_gate
+        if not settings.enabled:
+            return problems
+        learn, self.gate_problems = split_for_gate(problems, settings, self.cfg.seed)
+        if not self.gate_problems or not learn:
+            raise StageFailedError(
+                f"learning.library_gate: {len(problems)} training problems leave none to set aside or none to learn "
+                f"from (share {settings.share:g}, min_problems {settings.min_problems}); use more problems"
+            )
+        self.log.info(
+            "library gate: %s set aside (never trained on), %s to learn from",
+            counted(len(self.gate_problems), "training problem"),
+            counted(len(learn), "problem"),
+        )
+        return learn
 
     # --- one step: the stages of STEP in order ------------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
@@ -782,7 +851,7 @@ class Trainer:
         return result
 
     async def steps(self) -> TrainResult:
-        problems = await self.problems()
+        problems = self.learn_problems = self.set_aside(await self.problems())
         library = self.initial_library()
         grpo = self.cfg.grpo
         planned_steps = plan_steps(

@@ -170,18 +170,59 @@ class GRPOConfig(Section):
 
 
 class LessonValidation(Section):
-    """Lesson validation (stage ``validate_lessons``): before an add, modify or merge is applied, the problems it
-    came from are attempted again ``samples`` times without it (the library as it is) and with it, on the same
-    seeds; it is kept only if the mean reward rises by more than ``min_gain``, else rejected with the numbers.
-    Among the candidates of one group only the best is kept. ``problems``: how many problems each candidate is
-    tried on: its source problems first, then other problems of the step (ones with mixed rewards first), so a
-    lesson must also help beyond the attempt it came from. Its calls are recorded and count against the
-    budget like every other."""
+    """Lesson validation (stage ``validate_lessons``): before an add, modify or merge is applied, problems are
+    attempted ``samples`` times without it (the library as it is) and with it (the operation applied as it would
+    be, near-duplicate merge included), on the same seeds. Among the candidates of one group only the best is
+    kept. Its calls are recorded and count against the budget like every other.
+
+    ``trials_on``: ``sources_first``: the candidate's source problems, then other problems of the step (mixed
+    rewards first), ``problems`` in all; ``others``: only training problems other than its sources, of its task
+    tag (the step's with mixed rewards first, then the rest of the training set), so a lesson must help where it
+    was not learned: its source problems alone measure memorisation.
+
+    ``test``: ``mean``: kept if the mean reward rises by more than ``min_gain``, else rejected with the numbers.
+    ``sign``: a sequential exact sign test over the (problem, sample) pairs that differ: ``problems`` more problems
+    per look, up to ``max_problems``; after each look the candidate is kept when the test says better at level
+    ``alpha`` / looks (Bonferroni over the looks), rejected as harmful when it says worse, and rejected as "no
+    effect" when the last look decides nothing (a tie or a lucky pair never keeps it)."""
 
     enabled: bool = False
     samples: int = Field(4, ge=1)  # per problem and arm (without / with the lesson)
-    problems: int = Field(3, ge=1)
-    min_gain: float = Field(0.0, ge=-1.0, le=1.0)  # kept if mean(with) - mean(without) > min_gain
+    problems: int = Field(3, ge=1)  # per candidate (sign test: per look)
+    min_gain: float = Field(0.0, ge=-1.0, le=1.0)  # test mean: kept if mean(with) - mean(without) > min_gain
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: grpo.rollout_temperature
+    trials_on: Literal["sources_first", "others"] = "sources_first"
+    test: Literal["mean", "sign"] = "mean"
+    max_problems: int | None = Field(None, ge=1)  # test sign: problems at most (None: ``problems``, one look)
+    alpha: float = Field(0.05, gt=0.0, lt=0.5)  # test sign: the one-sided level over all looks
+
+    @property
+    def looks(self) -> int:
+        """How many times the sign test looks (each after ``problems`` more problems)."""
+        return max(1, -(-(self.max_problems or self.problems) // self.problems)) if self.test == "sign" else 1
+
+
+class LibraryGate(Section):
+    """The library gate (stage ``library_gate``): a step's changes are adopted only if they do not make the
+    policy worse. A share of the training problems (per task tag, at least ``min_problems``) is set aside when
+    the run starts and never learned from: no rollout, lesson or trial of training uses it. At the end of each
+    step the library before and the library after the step's operations answer those problems ``samples`` times
+    each on the same seeds (paired); the mean reward's difference comes with a paired-bootstrap CI and an exact
+    sign test over the pairs that differ. ``rule`` ``better``: adopt only if the mean rises by more than
+    ``min_gain`` (a tie, a change with no measurable effect, is not adopted); ``significant``: and the sign test
+    says better at ``alpha``. Either way no task tag with at least ``min_problems`` gate problems may be worse
+    beyond noise (its sign test at ``alpha``). A step not adopted keeps the library as it was, its operations
+    stored as rejected with the numbers. A library's attempts are reused when a later step starts from it (the
+    same problems and seeds), so every adopted step raises the measured mean: the final library is the best
+    version measured, never one that measured worse than the library the run started with."""
+
+    enabled: bool = False
+    share: float = Field(0.3, gt=0.0, lt=1.0)  # of each tag's training problems
+    min_problems: int = Field(4, ge=1)
+    samples: int = Field(4, ge=1)  # per problem and arm
+    rule: Literal["better", "significant"] = "better"
+    min_gain: float = Field(0.0, ge=0.0, le=1.0)
+    alpha: float = Field(0.05, gt=0.0, lt=0.5)  # one-sided level of "worse beyond noise"
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: grpo.rollout_temperature
 
 
@@ -218,6 +259,7 @@ class LearningConfig(Section):
     fallback: Literal["none", "contrast"] = "none"
     summarize: bool = True  # the per-rollout summaries (False: the stage runs and stores none, saying so)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
+    library_gate: LibraryGate = Field(default_factory=LibraryGate)
 
     @field_validator("lesson_pattern")
     @classmethod
@@ -465,8 +507,15 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "fallback"): "none",
     ("learning", "summarize"): True,
     ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
+    ("learning", "library_gate"): LibraryGate().model_dump(mode="json"),
     ("policy", "adapter"): None,
     ("learner", "adapter"): None,
+    # settings added inside a section a run may have changed: left out while at their default (after the whole
+    # sections above, which are compared with their full defaults first)
+    ("learning.lesson_validation", "trials_on"): "sources_first",
+    ("learning.lesson_validation", "test"): "mean",
+    ("learning.lesson_validation", "max_problems"): None,
+    ("learning.lesson_validation", "alpha"): 0.05,
 }
 # whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
 LATER_SECTIONS = ("library", "hybrid")
@@ -484,6 +533,7 @@ class StageTolerances(Section):
     consolidate: float = Field(0.0, ge=0.0, le=1.0)
     validation: float = Field(0.1, ge=0.0, le=1.0)  # held-out validation samples (stage "validate")
     validate_lessons: float = Field(0.1, ge=0.0, le=1.0)  # lesson validation attempts that could not be graded
+    library_gate: float = Field(0.1, ge=0.0, le=1.0)  # library gate attempts that could not be graded
 
 
 class BudgetConfig(Section):
@@ -566,9 +616,12 @@ class RunConfig(Section):
         for section in ("policy", "learner"):
             if isinstance(payload.get(section), dict):
                 payload[section] = {k: v for k, v in payload[section].items() if k not in NOT_FINGERPRINTED_MODEL}
-        for (section, key), default in LATER_SETTINGS.items():
-            if isinstance(payload[section], dict) and payload[section].get(key) == default:
-                del payload[section][key]
+        for (section, key), default in LATER_SETTINGS.items():  # a dotted section is nested ("a.b": payload[a][b])
+            holder: Any = payload
+            for part in section.split("."):
+                holder = holder.get(part) if isinstance(holder, dict) else None
+            if isinstance(holder, dict) and key in holder and holder[key] == default:
+                del holder[key]
         validation = payload.get("validation")
         if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
             del validation["dataset"]["tag_field"]

@@ -184,6 +184,51 @@ class TrialSamplesFrame(StageKeyed):
         return not df.duplicated(["seq", "problem_id", "sample_idx"]).any()
 
 
+class GateSamplesFrame(StageKeyed):
+    arm: Series[str] = pa.Field(isin=["before", "after"])
+    library_hash: Series[str]
+    problem_id: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
+    seed: Series[int]
+    reward: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    extracted: Series[str] = pa.Field(nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
+    final_text: Series[str]
+    tokens_in: Series[int] = pa.Field(ge=0)
+    tokens_out: Series[int] = pa.Field(ge=0)
+
+    @pa.dataframe_check
+    @classmethod
+    def one_row_per_sample(cls, df: pd.DataFrame) -> bool:
+        return not df.duplicated(["arm", "problem_id", "sample_idx"]).any()
+
+
+class LibraryGatesFrame(StageKeyed):
+    verdict: Series[str] = pa.Field(isin=["adopted", "rejected", "unchanged"])
+    reason: Series[str]
+    rule: Series[str]
+    problem_ids_json: Series[str]
+    samples: Series[int] = pa.Field(ge=0)
+    pairs: Series[int] = pa.Field(ge=0)
+    before_hash: Series[str]
+    after_hash: Series[str]
+    mean_before: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    mean_after: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    diff: Series[float] = pa.Field(ge=-1.0, le=1.0, nullable=True)
+    ci_low: Series[float] = pa.Field(ge=-1.0, le=1.0, nullable=True)
+    ci_high: Series[float] = pa.Field(ge=-1.0, le=1.0, nullable=True)
+    better_pairs: Series[int] = pa.Field(ge=0)
+    worse_pairs: Series[int] = pa.Field(ge=0)
+    p_better: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    p_worse: Series[float] = pa.Field(ge=0.0, le=1.0, nullable=True)
+    tags_json: Series[str]
+
+    @pa.dataframe_check
+    @classmethod
+    def one_decision_per_step(cls, df: pd.DataFrame) -> bool:
+        return len(df) <= 1
+
+
 class LibraryVersionsFrame(Frame):
     run_id: Series[str]
     version: Series[int] = pa.Field(ge=0)
@@ -501,6 +546,8 @@ FRAMES: dict[str, type[Frame]] = {
     "experience_stats": ExperienceStatsFrame,
     "lesson_trials": LessonTrialsFrame,
     "trial_samples": TrialSamplesFrame,
+    "gate_samples": GateSamplesFrame,
+    "library_gates": LibraryGatesFrame,
     "library_quality": LibraryQualityFrame,
     "evaluations": EvaluationsFrame,
     "eval_results": EvalResultsFrame,

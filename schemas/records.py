@@ -251,6 +251,48 @@ class TrialSample(Record):
     tokens_out: int = 0
 
 
+class GateSample(Record):
+    """One graded attempt of the library gate: ``arm`` before (the library as it was) or after (the step's plan
+    applied), ``library_hash`` the content it was shown (a library's attempts are reused by a later step that
+    starts from it: same problems, same seeds)."""
+
+    arm: Literal["before", "after"]
+    library_hash: str
+    problem_id: str
+    sample_idx: int = Field(ge=0)
+    seed: int
+    reward: float | None = Field(None, ge=0.0, le=1.0)  # None: failed or not gradable (left out of the pairs)
+    extracted: str | None = None
+    error: str | None = None
+    final_text: str = ""
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
+class GateDecision(Record):
+    """The library gate's verdict on one step (stage ``library_gate``): the paired comparison over the problems
+    set aside, per task tag too, and whether the step's operations were adopted."""
+
+    verdict: Literal["adopted", "rejected", "unchanged"]  # unchanged: the plan changes no lesson (nothing to gate)
+    reason: str
+    rule: str
+    problem_ids: list[str] = Field(default_factory=list)
+    samples: int = 0
+    pairs: int = 0
+    before_hash: str = ""
+    after_hash: str = ""
+    mean_before: float | None = None
+    mean_after: float | None = None
+    diff: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    better_pairs: int = 0  # pairs where the library after scored higher
+    worse_pairs: int = 0
+    p_better: float | None = None  # exact one-sided sign test
+    p_worse: float | None = None
+    tags_json: str = "[]"  # per task tag: [{tag, problems, diff, better, worse, p_worse, verdict}]
+
+
 class Experience(Record):
     id: str = Field(min_length=1)
     text: str = Field(min_length=1)

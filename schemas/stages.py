@@ -21,6 +21,7 @@ class Stage(StrEnum):
     GROUP_ADVANTAGE = "group_advantage"  # the semantic group advantage: the learner's proposals
     CONSOLIDATE = "consolidate"
     VALIDATE_LESSONS = "validate_lessons"
+    LIBRARY_GATE = "library_gate"  # the library before vs after the step's plan, on problems set aside
     APPLY_OPERATIONS = "apply_operations"
     CHECKPOINT = "checkpoint"  # the last stage of a training step: a step is done when it is stored
     # rollout -> group advantage group by group; a Prefect task name only: its outputs are stored as those four

@@ -87,17 +87,33 @@ def apply_operations_task(
     """``problems``: the step's training problems (a lesson may not copy one or state its answer; a lesson takes
     their domain tag); ``near``: the near-duplicate control (``near_duplicates_for``); ``usefulness``: each live
     experience's stats so far, which the token budget (``library.max_tokens``) evicts by."""
+    new, results = apply_plan(
+        config, step, ExperienceLibrary.from_version(library), operations, problems, near, usefulness
+    )
+    return Applied(new.to_version(), results)
+
+
+def apply_plan(
+    config: RunConfig,
+    step: int,
+    library: ExperienceLibrary,
+    operations: Sequence[Operation],
+    problems: Sequence[Problem],
+    near: NearDuplicates | None = None,
+    usefulness: Mapping[str, ExperienceStat] | None = None,
+) -> tuple[ExperienceLibrary, list[OperationResult]]:
+    """The library after ``operations`` as the stage applies them (the library gate measures the same one)."""
     domains = {p.problem_id: p.domain_tag for p in problems} if any(p.domain_tag for p in problems) else None
     new, results = apply_operations(
-        ExperienceLibrary.from_version(library),
-        operations,
+        library,
+        list(operations),
         step=step,
         cfg=config.learning,
-        screen=lesson_screen(config, problems),
+        screen=lesson_screen(config, list(problems)),
         near=near,
         domains=domains,
     )
     if config.library.max_tokens is not None:
         new, evicted = new.evict_to_budget(config.library.max_tokens, usefulness or {}, first_seq=len(results))
         results += evicted
-    return Applied(new.to_version(), results)
+    return new, results

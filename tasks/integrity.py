@@ -76,6 +76,7 @@ FAILURE_RULES: dict[Stage, FailureRule] = {
     Stage.VALIDATE_LESSONS: FailureRule(
         "trial_samples", "lesson validation attempts", lambda s: s.reward is None, _error
     ),
+    Stage.LIBRARY_GATE: FailureRule("gate_samples", "library gate attempts", lambda s: s.reward is None, _error),
     Stage.VALIDATE: FailureRule(
         "eval_results", "validation samples", lambda s: (s.error or "").startswith(UNGRADED_CAUSES), _error
     ),

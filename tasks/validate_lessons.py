@@ -18,13 +18,16 @@ to store there.
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from clgrpo import progress
 from clgrpo.journal import active, recording
-from clgrpo.library import ExperienceLibrary
+from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.words import counted
 from domains import Domain, get_domain
 from domains.learner import overlap
 from schemas.config import LessonValidation, RunConfig
@@ -45,6 +48,7 @@ from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.common import stage_task
 from tasks.judge import make_judge
+from tasks.library_gate import sign_test
 from tasks.rollout import raise_if_all_failed, rollout_problem
 from tasks.verify import grade
 
@@ -77,17 +81,34 @@ def quoted(op: Operation, limit: int = 60) -> str:
 
 
 def trial_problems(
-    op: Operation, problems: Sequence[Problem], advantages: Sequence[GroupAdvantage], count: int, salt: str
+    op: Operation,
+    problems: Sequence[Problem],
+    advantages: Sequence[GroupAdvantage],
+    count: int,
+    salt: str,
+    pool: Sequence[Problem] = (),
+    others_only: bool = False,
 ) -> list[Problem]:
-    """The candidate's source problems, then other step problems (mixed rewards first, then the rest, each in
-    a fixed pseudo-random order), ``count`` in all."""
+    """The problems a candidate is tried on, in order, ``count`` at most. Sources first: its source problems,
+    then other step problems (mixed rewards first, then the rest, each in a fixed pseudo-random order). Others
+    only: no source problem; problems of the sources' task tag, the step's with mixed rewards first, then the
+    step's others, then the rest of ``pool`` (the run's training problems)."""
     mixed = {a.problem_id for a in advantages if a.selected}
-    sources = [p for p in problems if p.problem_id in op.source_groups]
-    others = sorted(
-        (p for p in problems if p.problem_id not in op.source_groups),
-        key=lambda p: (p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}")),
-    )
-    return [*sources, *others][:count]
+    step_ids = {p.problem_id for p in problems}
+
+    def order(p: Problem) -> tuple[bool, bool, str]:
+        return (p.problem_id not in step_ids, p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}"))
+
+    if not others_only:
+        sources = [p for p in problems if p.problem_id in op.source_groups]
+        rest = sorted((p for p in problems if p.problem_id not in op.source_groups), key=order)
+        return [*sources, *rest][:count]
+    everything = {p.problem_id: p for p in [*problems, *pool]}
+    tags = {p.tag for p in everything.values() if p.problem_id in op.source_groups}
+    candidates = [
+        p for p in everything.values() if p.problem_id not in op.source_groups and (not tags or p.tag in tags)
+    ]
+    return sorted(candidates, key=order)[:count]
 
 
 def trial_seeds(problems: Sequence[Problem], step: int, seed: int) -> dict[str, int]:
@@ -120,9 +141,13 @@ def _candidates(
     problems: list[Problem],
     advantages: list[GroupAdvantage],
     step: int,
+    pool: Sequence[Problem] = (),
+    near: NearDuplicates | None = None,
 ) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
-    """The plan's operations worth a trial (applied alone, they pass the library's rules, and no earlier
-    candidate says the same), why each other one is not tried, and the repeats (rejected: tried once)."""
+    """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
+    is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules,
+    and no earlier candidate says the same), why each other one is not tried, and the repeats (rejected: tried
+    once)."""
     settings = config.learning.lesson_validation
     screen = lesson_screen(config, problems)
     candidates: list[_Candidate] = []
@@ -135,7 +160,7 @@ def _candidates(
         if (first := _same_as(op, candidates)) is not None:
             repeats[seq] = f"lesson validation: the same lesson as {quoted(first.operation)}, which is tried instead"
             continue
-        alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen)
+        alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
         if results[0].status != OpStatus.APPLIED:
             untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
             continue
@@ -144,9 +169,13 @@ def _candidates(
             if library.shown is None
             else alone.with_shown(_shown_with(library.shown, alone, results[0].result_id))
         )
-        candidates.append(
-            _Candidate(seq, op, tried, trial_problems(op, problems, advantages, settings.problems, f"{step}:{op.text}"))
-        )
+        count = settings.problems * settings.looks
+        others = settings.trials_on == "others"
+        order = trial_problems(op, problems, advantages, count, f"{step}:{op.text}", pool, others)
+        if not order:
+            untested[seq] = "not tried: no other training problem of its task tag to try it on"
+            continue
+        candidates.append(_Candidate(seq, op, tried, order))
     return candidates, untested, repeats
 
 
@@ -222,18 +251,24 @@ def _sample(
 
 
 def judge_trial(
-    candidate: _Candidate, without: list[TrialSample], with_: list[TrialSample], settings: LessonValidation
-) -> LessonTrial:
-    """The verdict on one candidate from its paired attempts (kept or rejected; ties go against it)."""
+    candidate: _Candidate,
+    without: list[TrialSample],
+    with_: list[TrialSample],
+    settings: LessonValidation,
+    *,
+    last_look: bool = True,
+) -> LessonTrial | None:
+    """The verdict on one candidate from its paired attempts so far: kept or rejected (test ``mean``: ties go
+    against it; test ``sign``: see ``LessonValidation``), or None while the sign test is undecided before its last
+    look."""
     pairs = _paired_rewards(without, with_)
+    tried = list(dict.fromkeys(s.problem_id for s in with_))
     base = dict(
-        seq=candidate.seq,
-        operation=candidate.operation,
-        problem_ids=[p.problem_id for p in candidate.problems],
-        samples=settings.samples,
-        pairs=len(pairs),
+        seq=candidate.seq, operation=candidate.operation, problem_ids=tried, samples=settings.samples, pairs=len(pairs)
     )
     if not pairs:
+        if not last_look:
+            return None
         return LessonTrial(
             **base, verdict="rejected", reason="lesson validation: no attempt could be graded in both arms"
         )
@@ -241,23 +276,42 @@ def judge_trial(
     mean_with = sum(b for _, b in pairs) / len(pairs)
     gain = mean_with - mean_without
     numbers = (
-        f"reward {mean_without:.2f} -> {mean_with:.2f} ({gain:+.2f}) on {len(candidate.problems)} problems x "
+        f"reward {mean_without:.2f} -> {mean_with:.2f} ({gain:+.2f}) on {counted(len(tried), 'problem')} x "
         f"{settings.samples} samples ({len(pairs)} pairs)"
     )
-    kept = gain > settings.min_gain
-    reason = (
-        f"validated: {numbers}"
-        if kept
-        else f"lesson validation: {numbers}, not above learning.lesson_validation.min_gain={settings.min_gain:g}"
-    )
+    if settings.test == "sign":
+        verdict, reason = _sign_verdict(pairs, numbers, settings, last_look)
+        if verdict is None:
+            return None
+    else:
+        kept = gain > settings.min_gain
+        verdict = "kept" if kept else "rejected"
+        reason = (
+            f"validated: {numbers}"
+            if kept
+            else f"lesson validation: {numbers}, not above learning.lesson_validation.min_gain={settings.min_gain:g}"
+        )
     return LessonTrial(
-        **base,
-        mean_without=mean_without,
-        mean_with=mean_with,
-        gain=gain,
-        verdict="kept" if kept else "rejected",
-        reason=reason,
+        **base, mean_without=mean_without, mean_with=mean_with, gain=gain, verdict=verdict, reason=reason
     )
+
+
+def _sign_verdict(
+    pairs: list[tuple[float, float]], numbers: str, settings: LessonValidation, last_look: bool
+) -> tuple[Literal["kept", "rejected"] | None, str]:
+    """The sequential sign test's call: kept, rejected (harmful, or no effect at the last look), or undecided."""
+    better = sum(b > a for a, b in pairs)
+    worse = sum(b < a for a, b in pairs)
+    p_better, p_worse = sign_test(better, worse)
+    level = settings.alpha / settings.looks
+    test = f"{better} better, {worse} worse; sign test p={min(p_better, p_worse):.3f}, level {level:.3g}"
+    if p_better < level and better > worse:
+        return "kept", f"validated: {numbers}; {test}"
+    if p_worse < level and worse > better:
+        return "rejected", f"lesson validation: {numbers}; {test}: worse"
+    if last_look:
+        return "rejected", f"lesson validation: {numbers}; {test}: no effect"
+    return None, ""
 
 
 def _paired_rewards(without: list[TrialSample], with_: list[TrialSample]) -> list[tuple[float, float]]:
@@ -314,35 +368,89 @@ async def validate_lessons(
     advantages: list[GroupAdvantage],
     domain: Domain,
     llm: LLMClient,
+    pool: Sequence[Problem] = (),
+    near: NearDuplicates | None = None,
 ) -> Validated:
+    """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
+    control, so a candidate is tried as it would be applied (merged into the lesson it repeats)."""
     settings = config.learning.lesson_validation
-    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step)
+    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step, pool, near)
     trials = [
         LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
     trials += [
         LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
     ]
-    if not candidates:
-        trials.sort(key=lambda t: t.seq)
-        return Validated(*plan_after(trials), trials)
-    tried = list({p.problem_id: p for c in candidates for p in c.problems}.values())
-    seeds = trial_seeds(tried, step, config.seed)
-    progress.expect(Stage.VALIDATE_LESSONS, (len(tried) + sum(len(c.problems) for c in candidates)) * settings.samples)
+    looks = _Looks(settings, trial_seeds(_all_problems(candidates), step, config.seed))
     # trials are redone whole by a retry of the stage
     with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
-        baseline = _attempts(tried, library, domain, llm, config, seeds, BASELINE)
-        arms = [_attempts(c.problems, c.library, domain, llm, config, seeds, c.seq) for c in candidates]
-        results = await asyncio.gather(baseline, *arms)
-    without, calls = results[0]
-    samples = list(without)
-    for candidate, (with_, arm_calls) in zip(candidates, results[1:]):
-        samples += with_
-        calls += arm_calls
-        mine = {p.problem_id for p in candidate.problems}
-        trials.append(judge_trial(candidate, [s for s in without if s.problem_id in mine], with_, settings))
-    trials = best_per_group(sorted(trials, key=lambda t: t.seq))
-    return Validated(*plan_after(trials), trials, samples, calls)
+        for look in range(1, settings.looks + 1):
+            undecided = [c for c in candidates if c.seq not in looks.decided]
+            if not undecided:
+                break
+            await looks.attempt(look, undecided, library, domain, llm, config)
+            looks.judge(undecided, look == settings.looks)
+    trials = best_per_group(sorted(trials + list(looks.decided.values()), key=lambda t: t.seq))
+    return Validated(*plan_after(trials), trials, looks.samples, looks.calls)
+
+
+def _all_problems(candidates: Sequence[_Candidate]) -> list[Problem]:
+    return list({p.problem_id: p for c in candidates for p in c.problems}.values())
+
+
+class _Looks:
+    """The attempts of a sequential trial, look by look: each look tries every undecided candidate on
+    ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
+    (shared by all candidates), and judges what the pairs so far say."""
+
+    def __init__(self, settings: LessonValidation, seeds: dict[str, int]) -> None:
+        self.settings, self.seeds = settings, seeds
+        self.without: dict[str, list[TrialSample]] = {}  # problem id -> the attempts without any candidate
+        self.with_: dict[int, list[TrialSample]] = defaultdict(list)  # candidate seq -> its attempts
+        self.decided: dict[int, LessonTrial] = {}
+        self.samples: list[TrialSample] = []
+        self.calls: list[LLMCall] = []
+
+    def window(self, candidate: _Candidate, look: int) -> list[Problem]:
+        return candidate.problems[: self.settings.problems * look]
+
+    async def attempt(
+        self,
+        look: int,
+        undecided: list[_Candidate],
+        library: ExperienceLibrary,
+        domain: Domain,
+        llm: LLMClient,
+        config: RunConfig,
+    ) -> None:
+        fresh = {c.seq: [p for p in self.window(c, look) if p not in self.window(c, look - 1)] for c in undecided}
+        baseline = [p for p in _all_problems(undecided) if p.problem_id not in self.without]
+        baseline = [p for p in baseline if any(p in fresh[c.seq] for c in undecided)]
+        progress.expect(
+            Stage.VALIDATE_LESSONS, (len(baseline) + sum(len(v) for v in fresh.values())) * self.settings.samples
+        )
+        results = await asyncio.gather(
+            _attempts(baseline, library, domain, llm, config, self.seeds, BASELINE),
+            *[_attempts(fresh[c.seq], c.library, domain, llm, config, self.seeds, c.seq) for c in undecided],
+        )
+        without, calls = results[0]
+        for sample in without:
+            self.without.setdefault(sample.problem_id, []).append(sample)
+        self.samples += without
+        self.calls += calls
+        for candidate, (with_, arm_calls) in zip(undecided, results[1:]):
+            self.with_[candidate.seq] += with_
+            self.samples += with_
+            self.calls += arm_calls
+
+    def judge(self, undecided: list[_Candidate], last_look: bool) -> None:
+        for candidate in undecided:
+            mine = self.with_[candidate.seq]
+            without = [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
+            exhausted = last_look or len(mine) >= len(candidate.problems) * self.settings.samples
+            trial = judge_trial(candidate, without, mine, self.settings, last_look=exhausted)
+            if trial is not None:
+                self.decided[candidate.seq] = trial
 
 
 def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
@@ -368,6 +476,8 @@ async def validate_lessons_task(
     plan: list[Operation],
     problems: list[Problem],
     advantages: list[GroupAdvantage],
+    pool: list[Problem] | None = None,
+    near: NearDuplicates | None = None,
 ) -> Validated:
     return await validate_lessons(
         config,
@@ -378,4 +488,6 @@ async def validate_lessons_task(
         advantages,
         get_domain(config.domain),
         shared_client(config),
+        pool or [],
+        near,
     )

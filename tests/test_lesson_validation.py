@@ -26,7 +26,7 @@ def contrast_learning(**validation) -> LearningConfig:
         summarize=False,
         consolidation="passthrough",
         summarize_chunk_size=4,
-        lesson_validation=LessonValidation(enabled=True, samples=4, problems=2, **validation),
+        lesson_validation=LessonValidation(**{"enabled": True, "samples": 4, "problems": 2, **validation}),
     )
 
 
@@ -217,3 +217,62 @@ async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_a
     )
     record = json.loads(proposal.raw_text)[0]
     assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.calls) == 2
+
+
+def test_trials_on_others_skip_the_sources_and_stay_within_the_tag():
+    from schemas.records import GroupAdvantage, Problem
+    from tasks.validate_lessons import trial_problems
+
+    def p(i: int, tag: str) -> Problem:
+        return Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag=tag)
+
+    step = [p(0, "a"), p(1, "a"), p(2, "a"), p(3, "b")]
+    pool = [*step, p(4, "a"), p(5, "a"), p(6, "b")]
+    mixed = [
+        GroupAdvantage(
+            problem_id="p2", rewards=[0.0, 1.0], mean_reward=0.5, std_reward=0.5, advantages=[-1.0, 1.0],
+            selected=True, reason="mixed rewards",
+        )
+    ]  # fmt: skip
+    op = Operation(op=OpKind.ADD, text="t", source_groups=["p0"])
+    chosen = [x.problem_id for x in trial_problems(op, step, mixed, 10, "s", pool, others_only=True)]
+    assert chosen[:2] == ["p2", "p1"] and set(chosen[2:]) == {"p4", "p5"}  # the step's mixed first; no p0, no b
+    assert [x.problem_id for x in trial_problems(op, step, mixed, 2, "s")][0] == "p0"  # sources first (default)
+
+
+def test_the_sequential_sign_test_keeps_rejects_or_waits():
+    settings = LessonValidation(enabled=True, samples=2, test="sign", problems=2, max_problems=6, alpha=0.05)
+    assert settings.looks == 3  # level 0.05 / 3 per look
+
+    def pairs(before: list[float], after: list[float]):
+        return _samples(-1, before), _samples(0, after)
+
+    strong = judge_trial(_candidate(0, ["g"]), *pairs([0.0] * 8, [1.0] * 8), settings, last_look=False)
+    assert strong.verdict == "kept" and "8 better, 0 worse; sign test p=0.004" in strong.reason
+    weak = judge_trial(_candidate(0, ["g"]), *pairs([0.0] * 4, [1.0, 0.0, 0.0, 0.0]), settings, last_look=False)
+    assert weak is None  # one better pair decides nothing: another look
+    tie = judge_trial(_candidate(0, ["g"]), *pairs([0.0] * 4, [1.0, 0.0, 0.0, 0.0]), settings, last_look=True)
+    assert tie.verdict == "rejected" and tie.reason.endswith(": no effect")
+    harmful = judge_trial(_candidate(0, ["g"]), *pairs([1.0] * 8, [0.0] * 8), settings, last_look=False)
+    assert harmful.verdict == "rejected" and harmful.reason.endswith(": worse")
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_sequential_trials_on_other_problems_keep_the_helpful_lessons(tmp_path):
+    rows = [{**row, "tag": row["id"].split("-")[0]} for row in make_problems(n_per_family=5, seed=3)]  # the family
+    dataset = write_jsonl(rows, tmp_path / "train.jsonl")
+    world = ScriptedWorld(seed=5, p_base=0.2, p_misleading=0.5)
+    learning = contrast_learning(trials_on="others", test="sign", problems=2, max_problems=4)
+    with FakeOpenAIServer(world) as server:
+        cfg = make_config(server, dataset, tmp_path, "sequential", learning)
+        await train(cfg)
+    with Store(cfg.db_path, read_only=True) as store:
+        trials = store.records("lesson_trials", "sequential", 1)
+    tried = [t for t in trials if t.verdict != "untested" and "same lesson" not in t.reason]
+    assert tried and all(set(t.problem_ids).isdisjoint(t.operation.source_groups) for t in tried)
+    family = {row["id"]: row["tag"] for row in rows}  # tried only on other problems of the sources' family
+    assert all({family[p] for p in t.problem_ids} <= {family[g] for g in t.operation.source_groups} for t in tried)
+    kept = [t for t in tried if t.verdict == "kept"]
+    assert kept and all(t.operation.text in FAMILY_LESSONS and "sign test p=" in t.reason for t in kept)
+    assert all(t.verdict == "rejected" for t in tried if t.operation.text == MISLEADING_LESSON)

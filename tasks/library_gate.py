@@ -1,0 +1,354 @@
+"""Stage: the library gate. A step's changes are adopted only if they do not make the policy worse.
+
+When a run starts, a share of its training problems (per task tag) is set aside (``split_for_gate``): no step
+trains on them, so no rollout, lesson or trial of training sees them. After lesson validation, the library as
+it was and the library with the step's plan applied answer every set-aside problem ``samples`` times on the same
+seeds (paired attempts). The comparison (``compare``): the mean reward of each arm over the pairs graded in both,
+the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the pairs that
+differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few pairs the
+exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task tag too.
+
+A library's attempts depend only on its content, the problems and the seeds: the attempts of the library a
+step starts from are read back from an earlier step's, not redone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clgrpo import metrics, progress
+from clgrpo.journal import active, recording
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient, shared_client
+from domains import Domain, get_domain
+from schemas.config import LibraryGate, RunConfig
+from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Rollout, text_hash
+from schemas.stages import Stage
+from tasks.common import stage_task
+from tasks.judge import make_judge
+from tasks.rollout import raise_if_all_failed, rollout_problem
+from tasks.verify import grade
+
+_SEED_SPACE = 2**31 - 2**16
+UNTAGGED = "(untagged)"
+
+
+# --- the problems set aside ----------------------------------------------------------------------------------
+def split_for_gate(
+    problems: Sequence[Problem], settings: LibraryGate, seed: int
+) -> tuple[list[Problem], list[Problem]]:
+    """(learned from, set aside): of each task tag's problems, ``share`` (at least ``min_problems``, and never
+    all of them) set aside, chosen by a hash of the seed and the problem id (the same whatever the order)."""
+    by_tag: dict[str, list[Problem]] = defaultdict(list)
+    for p in problems:
+        by_tag[p.tag or UNTAGGED].append(p)
+    aside: set[str] = set()
+    for group in by_tag.values():
+        size = min(len(group) - 1, max(settings.min_problems, round(settings.share * len(group))))
+        ranked = sorted(group, key=lambda p: text_hash(f"gate:{seed}:{p.problem_id}"))
+        aside |= {p.problem_id for p in ranked[: max(size, 0)]}
+    return [p for p in problems if p.problem_id not in aside], [p for p in problems if p.problem_id in aside]
+
+
+def gate_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
+    """One base seed per set-aside problem (sample i uses base + i): the same for every library and step."""
+    return {p.problem_id: int(text_hash(f"gate-sample:{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
+
+
+# --- attempts --------------------------------------------------------------------------------------------------
+@dataclass
+class GateOutcome:
+    decision: GateDecision
+    samples: list[GateSample] = field(default_factory=list)  # this step's new attempts (reused ones are not)
+    calls: list[LLMCall] = field(default_factory=list)
+
+
+async def attempts(
+    arm: str,
+    library: ExperienceLibrary,
+    problems: Sequence[Problem],
+    config: RunConfig,
+    domain: Domain,
+    llm: LLMClient,
+) -> tuple[list[GateSample], list[LLMCall]]:
+    """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt."""
+    settings = config.learning.library_gate
+    seeds = gate_seeds(problems, config.seed)
+    shown = library.with_shown({}) if library.shown is not None else library  # the whole library on gate problems
+    parts = await asyncio.gather(*[_problem(arm, shown, p, config, domain, llm, seeds, settings) for p in problems])
+    raise_if_all_failed(list(problems), [r for _, _, rollouts in parts for r in rollouts])
+    return [s for samples, _, _ in parts for s in samples], [c for _, calls, _ in parts for c in calls]
+
+
+async def _problem(
+    arm: str,
+    library: ExperienceLibrary,
+    problem: Problem,
+    config: RunConfig,
+    domain: Domain,
+    llm: LLMClient,
+    seeds: dict[str, int],
+    settings: LibraryGate,
+) -> tuple[list[GateSample], list[LLMCall], list[Rollout]]:
+    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
+    batch = await rollout_problem(
+        problem,
+        library,
+        domain,
+        llm,
+        settings.samples,
+        temperature,
+        seeds[problem.problem_id],
+        config.rollout.agent_settings(),
+    )
+    rewards = await grade([problem], batch.rollouts, domain, make_judge(config, domain, Stage.LIBRARY_GATE))
+    progress.advance(Stage.LIBRARY_GATE, len(batch.rollouts))
+    samples = [
+        GateSample(
+            arm=arm,
+            library_hash=library.content_hash(),
+            problem_id=r.problem_id,
+            sample_idx=r.sample_idx,
+            seed=seeds[r.problem_id] + r.sample_idx,
+            reward=g.reward,
+            extracted=g.extracted,
+            error=r.error or g.error,
+            final_text=r.final_text,
+            tokens_in=r.tokens_in,
+            tokens_out=r.tokens_out,
+        )
+        for r, g in zip(batch.rollouts, rewards)
+    ]
+    calls = [c.model_copy(update={"stage": Stage.LIBRARY_GATE.value}) for c in batch.calls]
+    return samples, calls, batch.rollouts
+
+
+async def gate_step(
+    config: RunConfig,
+    before: ExperienceLibrary,
+    after: ExperienceLibrary,
+    problems: Sequence[Problem],
+    earlier: Sequence[GateSample],
+    domain: Domain,
+    llm: LLMClient,
+) -> GateOutcome:
+    """Attempts of both libraries (``earlier``: stored attempts, reused for a library they already measured)
+    and the decision. A plan that changes no lesson needs none."""
+    settings = config.learning.library_gate
+    if after.content_hash() == before.content_hash():
+        return GateOutcome(unchanged(settings, problems, before.content_hash()))
+    fresh: list[GateSample] = []
+    calls: list[LLMCall] = []
+    arms: dict[str, list[GateSample]] = {}
+    for arm, library in (("before", before), ("after", after)):
+        known = [s for s in earlier if s.library_hash == library.content_hash()]
+        if not _complete(known, problems, settings.samples):
+            with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
+                new, new_calls = await attempts(arm, library, problems, config, domain, llm)
+            fresh += new
+            calls += new_calls
+            known = new
+        arms[arm] = [s.model_copy(update={"arm": arm}) for s in known]
+    return GateOutcome(decide(settings, problems, arms["before"], arms["after"]), fresh, calls)
+
+
+@stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
+async def library_gate_task(
+    config: RunConfig,
+    step: int,
+    before: LibraryVersion,
+    after: LibraryVersion,
+    problems: list[Problem],
+    earlier: list[GateSample],
+) -> GateOutcome:
+    return await gate_step(
+        config,
+        ExperienceLibrary.from_version(before),
+        ExperienceLibrary.from_version(after),
+        problems,
+        earlier,
+        get_domain(config.domain),
+        shared_client(config),
+    )
+
+
+def _complete(samples: Sequence[GateSample], problems: Sequence[Problem], k: int) -> bool:
+    have = {(s.problem_id, s.sample_idx) for s in samples if s.reward is not None}
+    return all((p.problem_id, i) in have for p in problems for i in range(k))
+
+
+def expected_attempts(settings: LibraryGate, problems: Sequence[Problem]) -> int:
+    return 2 * settings.samples * len(problems)
+
+
+# --- the comparison and the decision ---------------------------------------------------------------------------
+def sign_test(better: int, worse: int) -> tuple[float, float]:
+    """Exact one-sided binomial tails over the pairs that differ: P(at least ``better`` better) and P(at least
+    ``worse`` worse) if neither library were better."""
+    n = better + worse
+    if n == 0:
+        return 1.0, 1.0
+
+    def tail(at_least: int) -> float:
+        return sum(math.comb(n, i) for i in range(at_least, n + 1)) / 2**n
+
+    return tail(better), tail(worse)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    problems: int
+    pairs: int
+    mean_before: float | None
+    mean_after: float | None
+    diff: float | None
+    ci_low: float | None
+    ci_high: float | None
+    better: int
+    worse: int
+    p_better: float
+    p_worse: float
+
+
+def compare(
+    problem_ids: Sequence[str], before: Sequence[GateSample], after: Sequence[GateSample], k: int
+) -> Comparison:
+    """The paired comparison over ``problem_ids``: means over pairs graded in both arms, the difference's CI by a
+    paired bootstrap over problems (those whose every pair was graded), and the sign test."""
+    reward_before = {(s.problem_id, s.sample_idx): s.reward for s in before}
+    wanted = set(problem_ids)
+    pairs: list[tuple[float, float]] = []
+    for s in after:
+        b = reward_before.get((s.problem_id, s.sample_idx))
+        if s.problem_id in wanted and s.reward is not None and b is not None:
+            pairs.append((b, s.reward))
+    better = sum(a > b for b, a in pairs)
+    worse = sum(a < b for b, a in pairs)
+    p_better, p_worse = sign_test(better, worse)
+    if not pairs:
+        return Comparison(len(problem_ids), 0, None, None, None, None, None, 0, 0, 1.0, 1.0)
+    mean_b = float(np.mean([b for b, _ in pairs]))
+    mean_a = float(np.mean([a for _, a in pairs]))
+    low, high = _paired_ci(problem_ids, reward_before, after, k)
+    return Comparison(
+        len(problem_ids), len(pairs), mean_b, mean_a, mean_a - mean_b, low, high, better, worse, p_better, p_worse
+    )
+
+
+def _paired_ci(
+    problem_ids: Sequence[str], before: dict[tuple[str, int], float | None], after: Sequence[GateSample], k: int
+) -> tuple[float | None, float | None]:
+    reward_after = {(s.problem_id, s.sample_idx): s.reward for s in after}
+    rows_b, rows_a = [], []
+    for pid in problem_ids:
+        b = [before.get((pid, i)) for i in range(k)]
+        a = [reward_after.get((pid, i)) for i in range(k)]
+        if all(x is not None for x in b + a):
+            rows_b.append(b)
+            rows_a.append(a)
+    if len(rows_b) < 2:
+        return None, None
+    estimate = metrics.paired_difference(np.array(rows_b, dtype=float), np.array(rows_a, dtype=float), seed=0)
+    return estimate.low, estimate.high
+
+
+def decide(
+    settings: LibraryGate, problems: Sequence[Problem], before: Sequence[GateSample], after: Sequence[GateSample]
+) -> GateDecision:
+    overall = compare([p.problem_id for p in problems], before, after, settings.samples)
+    tags = _tag_rows(settings, problems, before, after)
+    worse_tags = [t["tag"] for t in tags if t["verdict"] == "worse"]
+    numbers = describe(overall, settings.samples)
+    if overall.diff is None:
+        verdict, why = "rejected", "no attempt could be graded in both arms"
+    elif worse_tags:
+        verdict, why = "rejected", f"worse beyond noise on tag {', '.join(worse_tags)}"
+    elif overall.diff <= settings.min_gain:
+        verdict, why = "rejected", f"not better (the mean must rise by more than {settings.min_gain:g})"
+    elif settings.rule == "significant" and overall.p_better >= settings.alpha:
+        verdict, why = (
+            "rejected",
+            f"not better beyond noise (sign test p={overall.p_better:.3f}, not < {settings.alpha:g})",
+        )
+    else:
+        verdict, why = "adopted", "better"
+    return GateDecision(
+        verdict=verdict,
+        reason=f"library gate: {numbers}: {verdict}, {why}",
+        rule=settings.rule,
+        problem_ids=[p.problem_id for p in problems],
+        samples=settings.samples,
+        pairs=overall.pairs,
+        before_hash=before[0].library_hash if before else "",
+        after_hash=after[0].library_hash if after else "",
+        mean_before=overall.mean_before,
+        mean_after=overall.mean_after,
+        diff=overall.diff,
+        ci_low=overall.ci_low,
+        ci_high=overall.ci_high,
+        better_pairs=overall.better,
+        worse_pairs=overall.worse,
+        p_better=overall.p_better,
+        p_worse=overall.p_worse,
+        tags_json=json.dumps(tags),
+    )
+
+
+def _tag_rows(
+    settings: LibraryGate, problems: Sequence[Problem], before: Sequence[GateSample], after: Sequence[GateSample]
+) -> list[dict]:
+    """Per task tag with at least ``min_problems`` set-aside problems: its comparison and whether it is worse
+    beyond noise (the sign test at ``alpha``). Smaller tags are listed as not gated."""
+    by_tag: dict[str, list[str]] = defaultdict(list)
+    for p in problems:
+        if p.tag is not None:
+            by_tag[p.tag].append(p.problem_id)
+    rows = []
+    for tag, ids in sorted(by_tag.items()):
+        c = compare(ids, before, after, settings.samples)
+        gated = len(ids) >= settings.min_problems
+        verdict = "not_gated" if not gated else "worse" if c.p_worse < settings.alpha else "pass"
+        rows.append(
+            {
+                "tag": tag,
+                "problems": len(ids),
+                "diff": c.diff,
+                "better": c.better,
+                "worse": c.worse,
+                "p_worse": c.p_worse,
+                "verdict": verdict,
+            }
+        )
+    return rows
+
+
+def describe(c: Comparison, k: int) -> str:
+    """``reward 0.42 -> 0.58 (+0.17, 95% CI [+0.04, +0.29]) on 6 problems x 4 samples (24 pairs: 6 better, 2
+    worse; sign test p=0.14)``."""
+    if c.diff is None or c.mean_before is None or c.mean_after is None:
+        return f"{c.problems} problems x {k} samples, no pair graded in both arms"
+    ci = f", 95% CI [{c.ci_low:+.2f}, {c.ci_high:+.2f}]" if c.ci_low is not None and c.ci_high is not None else ""
+    p = c.p_better if c.diff >= 0 else c.p_worse
+    return (
+        f"reward {c.mean_before:.2f} -> {c.mean_after:.2f} ({c.diff:+.2f}{ci}) on {c.problems} problems x {k} "
+        f"samples ({c.pairs} pairs: {c.better} better, {c.worse} worse; sign test p={p:.3f})"
+    )
+
+
+def unchanged(settings: LibraryGate, problems: Sequence[Problem], content: str) -> GateDecision:
+    return GateDecision(
+        verdict="unchanged",
+        reason="library gate: the step's plan changes no lesson; nothing to measure",
+        rule=settings.rule,
+        problem_ids=[p.problem_id for p in problems],
+        samples=settings.samples,
+        before_hash=content,
+        after_hash=content,
+    )

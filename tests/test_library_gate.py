@@ -1,0 +1,123 @@
+"""The library gate: training problems set aside and never learned from, a step's change adopted only if the
+library after it beats the library before it on those problems (paired, same seeds), the verdict stored with its
+numbers. The flow tests run the real training flow against the scripted world over HTTP: a misleading lesson
+(every attempt shown it is wrong) is kept out by the gate even with lesson validation off; helpful ones pass."""
+
+import json
+
+import pytest
+
+from clgrpo.store import Store
+from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
+from flows.train import train
+from schemas.config import LearningConfig, LibraryGate
+from schemas.records import GateSample, Problem
+from tasks.library_gate import decide, sign_test, split_for_gate
+from tests.test_lesson_validation import make_config
+
+FAMILY_LESSONS = {f.lesson for f in FAMILIES}
+
+
+def problem(i: int, tag: str | None = None) -> Problem:
+    return Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag=tag)
+
+
+def test_the_split_is_per_tag_deterministic_and_never_takes_a_whole_tag():
+    problems = [problem(i, "a") for i in range(10)] + [problem(i, "b") for i in range(10, 13)] + [problem(13)]
+    settings = LibraryGate(enabled=True, share=0.3, min_problems=2)
+    learn, aside = split_for_gate(problems, settings, seed=0)
+    assert split_for_gate(list(reversed(problems)), settings, seed=0)[1] == list(reversed(aside))  # order-free
+    tags = [p.tag for p in aside]
+    assert tags.count("a") == 3 and tags.count("b") == 2 and tags.count(None) == 0  # a lone untagged one stays
+    assert {p.problem_id for p in learn} | {p.problem_id for p in aside} == {p.problem_id for p in problems}
+    assert not {p.problem_id for p in learn} & {p.problem_id for p in aside}
+    assert split_for_gate(problems, settings, seed=1)[1] != aside  # another seed, another set
+
+
+def test_the_sign_test_is_the_exact_binomial_tail():
+    assert sign_test(0, 0) == (1.0, 1.0)
+    assert sign_test(5, 0) == (1 / 32, 1.0)
+    better, worse = sign_test(8, 2)
+    assert better == pytest.approx(56 / 1024) and worse == pytest.approx(1013 / 1024)
+
+
+def samples(arm: str, rewards: dict[str, list[float | None]]) -> list[GateSample]:
+    return [
+        GateSample(arm=arm, library_hash=arm, problem_id=pid, sample_idx=i, seed=i, reward=r)
+        for pid, rs in rewards.items()
+        for i, r in enumerate(rs)
+    ]
+
+
+def test_the_decision_adopts_only_a_measured_rise_and_vetoes_a_worse_tag():
+    problems = [problem(i, "a") for i in range(4)] + [problem(i, "b") for i in range(4, 8)]
+    settings = LibraryGate(enabled=True, samples=2, min_problems=4)
+    zeros = {f"p{i}": [0.0, 0.0] for i in range(8)}
+    better = decide(settings, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 1.0]}))
+    assert better.verdict == "adopted" and (better.better_pairs, better.worse_pairs, better.pairs) == (2, 0, 16)
+    assert better.reason.startswith("library gate: reward 0.00 -> 0.12 (+0.12") and better.reason.endswith("better")
+    tie = decide(settings, problems, samples("before", zeros), samples("after", zeros))
+    assert tie.verdict == "rejected" and "not better" in tie.reason
+    # tag b loses every pair while tag a gains more: overall up, but a tag worse beyond noise vetoes it
+    ones_b = {**zeros, **{f"p{i}": [1.0, 1.0] for i in range(4, 8)}}
+    after = {**{f"p{i}": [1.0, 1.0] for i in range(4)}, **{f"p{i}": [0.0, 0.0] for i in range(4, 8)}}
+    mixed = decide(settings, problems, samples("before", ones_b), samples("after", {**after, "p4": [1.0, 1.0]}))
+    assert mixed.diff == 0.125 and mixed.verdict == "rejected" and "worse beyond noise on tag b" in mixed.reason
+    assert {t["tag"]: t["verdict"] for t in json.loads(mixed.tags_json)} == {"a": "pass", "b": "worse"}
+    strict = LibraryGate(enabled=True, samples=2, min_problems=4, rule="significant")
+    small = decide(strict, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 1.0]}))
+    assert small.verdict == "rejected" and "not better beyond noise (sign test p=0.250" in small.reason
+
+
+def gated_learning(**gate) -> LearningConfig:
+    return LearningConfig(
+        extract="contrast",
+        summarize=False,
+        consolidation="passthrough",
+        summarize_chunk_size=4,
+        library_gate=LibraryGate(enabled=True, samples=4, share=0.25, min_problems=2, **gate),
+    )
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_in(tmp_path):
+    dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")  # 16 problems
+    with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=1.0)) as server:
+        misled = make_config(server, dataset, tmp_path, "misled", gated_learning())
+        await train(misled)
+    with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.0)) as server:
+        helped = make_config(server, dataset, tmp_path, "helped", gated_learning())
+        helped = helped.model_copy(update={"grpo": helped.grpo.model_copy(update={"epochs": 2})})
+        await train(helped)
+
+    with Store(misled.db_path, read_only=True) as store:
+        misled_library = store.load_library("misled")
+        misled_gate = store.records("library_gates", "misled", 1)[0]
+        misled_ops = store.records("operations", "misled", 1)
+        rollout_ids = set(store.frame("rollouts", "misled")["problem_id"])
+        helped_gates = store.records("library_gates", "helped")
+        helped_library = store.load_library("helped")
+        helped_samples = store.frame("gate_samples", "helped")
+        calls = store.query("SELECT stage, count(*) AS n FROM llm_calls WHERE run_id='helped' GROUP BY stage")
+
+    # the misleading lesson makes every attempt wrong: the step is not adopted, the library stays empty, and every
+    # operation is stored as rejected with the gate's numbers
+    assert misled_gate.verdict == "rejected" and misled_gate.diff < 0 and misled_gate.worse_pairs > 0
+    assert len(misled_library) == 0 and misled_ops
+    assert all(r.status.value == "rejected" and r.operation.text == MISLEADING_LESSON for r in misled_ops)
+    assert all(r.reason.startswith("library gate: reward ") for r in misled_ops)
+    # the problems set aside are never trained on: no rollout of training shows one
+    assert len(misled_gate.problem_ids) == 4 and not set(misled_gate.problem_ids) & rollout_ids
+
+    # the helpful lessons raise the gate's mean: adopted; the second step starts from the first one's library,
+    # whose attempts are read back (the second step measures only its own change)
+    first, second = helped_gates
+    assert first.verdict == "adopted" and first.mean_after > first.mean_before and len(helped_library) > 0
+    assert {e.text for e in helped_library} <= FAMILY_LESSONS
+    if second.verdict != "unchanged":
+        assert second.before_hash == (first.after_hash if first.verdict == "adopted" else first.before_hash)
+        step2 = helped_samples[helped_samples["step"] == 2]
+        assert set(step2["arm"]) == {"after"}  # the library before step 2 was measured in step 1
+    assert dict(zip(calls.stage, calls.n))["library_gate"] > 0
