@@ -74,6 +74,15 @@ class Settings:
     eval_temperature: float
     out: Path
     cache_dir: str | None = None
+    # issue 42: lesson trials on other problems of the family with a sequential sign test, and the library gate
+    trials_on: str = "sources_first"
+    trial_test: str = "mean"
+    trial_max_problems: int | None = None
+    trial_alpha: float = 0.05
+    gate: bool = False
+    gate_share: float = 0.3
+    gate_samples: int = 3
+    gate_rule: str = "better"
 
 
 @dataclass
@@ -152,6 +161,17 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                 "samples": s.trial_samples,
                 "problems": s.trial_problems,
                 "min_gain": s.min_gain,
+                "trials_on": s.trials_on,
+                "test": s.trial_test,
+                "max_problems": s.trial_max_problems,
+                "alpha": s.trial_alpha,
+            },
+            "library_gate": {
+                "enabled": s.gate,
+                "share": s.gate_share,
+                "samples": s.gate_samples,
+                "rule": s.gate_rule,
+                "min_problems": 3,
             },
         },
         # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
@@ -619,6 +639,14 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     ap.add_argument("--trial-problems", type=int, default=2)
     ap.add_argument("--min-gain", type=float, default=0.1)
     ap.add_argument("--eval-temperature", type=float, default=0.3)
+    ap.add_argument("--trials-on", choices=["sources_first", "others"], default="sources_first")
+    ap.add_argument("--trial-test", choices=["mean", "sign"], default="mean")
+    ap.add_argument("--trial-max-problems", type=int, help="sign test: problems at most per candidate")
+    ap.add_argument("--trial-alpha", type=float, default=0.05)
+    ap.add_argument("--gate", action="store_true", help="the library gate on (learning.library_gate)")
+    ap.add_argument("--gate-share", type=float, default=0.3)
+    ap.add_argument("--gate-samples", type=int, default=3)
+    ap.add_argument("--gate-rule", choices=["better", "significant"], default="better")
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument("--cache-dir")
     ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
@@ -641,6 +669,14 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.eval_temperature,
         Path(a.out).resolve(),
         a.cache_dir,
+        a.trials_on,
+        a.trial_test,
+        a.trial_max_problems,
+        a.trial_alpha,
+        a.gate,
+        a.gate_share,
+        a.gate_samples,
+        a.gate_rule,
     ), a.report
 
 

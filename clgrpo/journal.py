@@ -117,8 +117,9 @@ class StepJournal:
         data = self._items.get((stage, key))
         return None if data is None else model.model_validate(data)
 
-    def items(self, stage: str) -> int:
-        return sum(s == stage for s, _ in self._items)
+    def items(self, stage: str, prefix: str = "") -> int:
+        """How many finished items of ``stage`` (whose key starts with ``prefix``) the journal holds."""
+        return sum(s == stage and key.startswith(prefix) for s, key in self._items)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -232,11 +233,13 @@ def active() -> StepJournal | None:
 
 
 class StageItems(Generic[M]):
-    """A stage's finished items in the active journal (none when there is no journal, e.g. a pool worker)."""
+    """A stage's finished items in the active journal (none when there is no journal, e.g. a pool worker).
+    ``always``: even where the recording keeps no items (an evaluation keeps its graded samples, never the
+    rollouts and verifications inside them, whose keys do not name the condition)."""
 
-    def __init__(self, stage: str, model: type[M]) -> None:
+    def __init__(self, stage: str, model: type[M], *, always: bool = False) -> None:
         self.stage, self.model = stage, model
-        self.journal = active() if _ITEMS.get() else None
+        self.journal = active() if always or _ITEMS.get() else None
 
     def get(self, key: str) -> M | None:
         return None if self.journal is None else self.journal.get(self.stage, key, self.model)

@@ -25,7 +25,8 @@ class StageProgress:
 
     @property
     def label(self) -> str:
-        return f"step {self.step} {self.stage}"
+        """``step 3 rollout``; a stage outside the steps (step 0: loading, an evaluation) by its name alone."""
+        return f"step {self.step} {self.stage}" if self.step else str(self.stage)
 
 
 Listener = Callable[[StageProgress], None]

@@ -28,7 +28,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
-from clgrpo import plots, stopping
+from clgrpo import plots, progress, stopping
 from clgrpo.adapters import (
     adapter_hash,
     adapter_step,
@@ -258,10 +258,12 @@ async def evaluate_conditions(
     fingerprint: str,
     leaked_ids: list[str],
     store: Store | None = None,
+    resume: bool = False,
 ) -> Outputs:
     """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
     problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
-    in ``store`` when given)."""
+    in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
+    it (keyed by ``fingerprint``)."""
     samples: dict[str, list[EvalSample]] = {}
     calls = []
     for condition in conditions:
@@ -269,7 +271,9 @@ async def evaluate_conditions(
         policy = with_adapter(config, condition.adapter) if condition.adapter else config
         batches = await asyncio.gather(
             *[
-                evaluate_task(policy, evaluation, key, condition.label, i, chunk, version)
+                evaluate_task(
+                    policy, evaluation, key, condition.label, i, chunk, version, fingerprint if resume else ""
+                )
                 for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
             ]
         )
@@ -318,12 +322,20 @@ async def _evaluate_recorded(
     fingerprint: str,
     leaked_ids: list[str],
 ) -> Outputs:
-    """``evaluate_conditions`` with every request in a work journal as it completes: an evaluation that fails
-    or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not marked done)."""
+    """``evaluate_conditions`` with every request and every graded sample in a work journal as it completes: an
+    evaluation that fails or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not
+    marked done), and the same evaluation run again reads its finished samples back and requests only the rest
+    (samples are keyed by the evaluation's fingerprint, condition, problem and sample)."""
     journal = RunJournal.open(store.path, store.db_id, eval_id)
     step = journal.step(0)
+    total = len(problems) * len(conditions) * evaluation.k
+    if found := step.items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
+        get_run_logger().info(
+            "resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found
+        )
+    progress.start(0, Stage.EVALUATE, total, "samples")
     try:
-        with recording(step, stage=Stage.EVALUATE, items=False):
+        with recording(step, stage=Stage.EVALUATE, items=False):  # calls; the samples: see evaluate_library
             outputs = await evaluate_conditions(
                 config,
                 evaluation,
@@ -334,12 +346,15 @@ async def _evaluate_recorded(
                 fingerprint=fingerprint,
                 leaked_ids=leaked_ids,
                 store=store,
+                resume=True,
             )
     except BaseException:
         if step.calls():
             store.write_unfinished(eval_id, 0, Stage.EVALUATE, {"llm_calls": step.calls()})
         journal.close()
         raise
+    finally:
+        progress.finish(Stage.EVALUATE)
     outputs["llm_calls"] = step.all_calls(Stage.EVALUATE, outputs["llm_calls"])
     journal.discard()
     return outputs

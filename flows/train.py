@@ -56,6 +56,7 @@ from schemas.records import (
     LessonTrial,
     LibraryVersion,
     Operation,
+    OpStatus,
     Problem,
     Proposal,
     Reward,
@@ -77,7 +78,7 @@ from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
 from tasks.rollout import rollout_task
 from tasks.summarize import summarize_task
-from tasks.validate_lessons import plan_after, validate_lessons_task
+from tasks.validate_lessons import Rejected, plan_after, validate_lessons_task
 from tasks.verify import verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -281,7 +282,7 @@ async def compute_validate_lessons(t: Trainer, s: StepState) -> Outputs:
     """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
     near, _ = await t.plan_context(s, s.plan.operations)  # a candidate is tried as it would be applied
     result = await validate_lessons_task(
-        s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages, t.learn_problems, near
+        s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages, t.learn_problems, near, t.ledger(s.step)
     )
     return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
 
@@ -343,6 +344,24 @@ def log_numeric_update(t: Trainer, s: StepState) -> None:
     )
 
 
+def log_learning_signal(t: Trainer, s: StepState) -> None:
+    """How many groups can teach anything (rewards that differ): said loudly when none can."""
+    mixed, total = len(s.selected_ids), len(s.advantages)
+    share = f"{mixed / total:.0%}" if total else "-"
+    if mixed:
+        t.log.info(
+            "step %d: %d of %d groups have mixed rewards (%s): only they teach anything", s.step, mixed, total, share
+        )
+        return
+    t.log.warning(
+        "step %d: no group has mixed rewards (0 of %d): nothing to learn from this step; every attempt of a problem "
+        "was graded alike. Harder or easier problems, more samples (grpo.group_size) or another "
+        "grpo.rollout_temperature give the learner something to compare",
+        s.step,
+        total,
+    )
+
+
 def log_lesson_validation(t: Trainer, s: StepState) -> None:
     t.log.info(
         "step %d lesson validation: %s kept, %d rejected (clgrpo library ops %s:%d lists each with its numbers)%s",
@@ -398,6 +417,7 @@ STEP: tuple[StepStage, ...] = (
         ("rewards", "group_advantages", "llm_calls"),
         keep={"rewards": "rewards", "group_advantages": "advantages"},
         expect=lambda s: (len(s.rollouts), "samples"),
+        after=log_learning_signal,
     ),
     StepStage(
         Stage.NUMERIC_UPDATE,
@@ -604,6 +624,17 @@ class Trainer:
             else None
         )
         return near, usefulness
+
+    def ledger(self, step: int) -> list[Rejected]:
+        """The lessons earlier steps rejected by measurement (a trial, the library gate): not tried again."""
+        return [
+            Rejected(at, r.operation.text, r.reason)
+            for at, r in self.store.operation_results(self.run_id)
+            if at < step
+            and r.status == OpStatus.REJECTED
+            and r.operation.text
+            and r.reason.startswith(("lesson validation:", "library gate:"))
+        ]
 
     def set_aside(self, problems: list[Problem]) -> list[Problem]:
         """With the library gate: the training problems it keeps for itself are never trained on; the rest."""

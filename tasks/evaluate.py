@@ -9,21 +9,33 @@ bootstrap confidence intervals (``clgrpo.metrics``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from clgrpo import metrics
+from clgrpo import metrics, progress
+from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, get_domain
 from schemas.config import AgentConfig, EvalConfig, RunConfig
-from schemas.records import EvalComparison, EvalSample, EvalSummary, LibraryVersion, LLMCall, Problem, text_hash
+from schemas.records import (
+    EvalComparison,
+    EvalSample,
+    EvalSummary,
+    LibraryVersion,
+    LLMCall,
+    Problem,
+    Reward,
+    Rollout,
+    text_hash,
+)
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
-from tasks.rollout import rollout
+from tasks.rollout import raise_if_all_failed, rollout_problem
 from tasks.verify import grade
 
 _SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
@@ -53,34 +65,65 @@ async def evaluate_library(
     seed: int,
     agent: AgentConfig | None = None,
     judge: Judge | None = None,
+    resume_key: str = "",
 ) -> EvalBatch:
-    """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set."""
+    """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set. With a
+    ``resume_key`` (the evaluation's fingerprint) each graded sample goes to the work journal as it is made and
+    a sample already there is read back, not requested again (a stopped evaluation resumes where it was)."""
     seeds = sample_seeds(problems, seed)
-    batch = await rollout(
-        problems, library, domain, llm, group_size=k, temperature=temperature, seeds=seeds, agent=agent
-    )
-    rewards = await grade(problems, batch.rollouts, domain, judge)
-    samples = [
-        EvalSample(
-            condition=condition,
-            problem_id=r.problem_id,
-            sample_idx=r.sample_idx,
-            seed=seeds[r.problem_id] + r.sample_idx,
-            reward=g.reward or 0.0,
-            extracted=g.extracted,
-            error=g.error,
-            judge_reason=g.judge_reason,
-            final_text=r.final_text,
-            tokens_in=r.tokens_in,
-            tokens_out=r.tokens_out,
-            latency_s=r.latency_s,
-            n_turns=r.n_turns,
-            tool_calls=r.tool_calls,
-            tool_errors=r.tool_errors,
+    stored = StageItems(Stage.EVALUATE, EvalSample, always=bool(resume_key))
+
+    def key(problem_id: str, index: int) -> str:
+        return f"{resume_key}|{condition}|{sample_key(problem_id, index)}"
+
+    have = {
+        (p.problem_id, i): sample
+        for p in problems
+        for i in range(k)
+        if resume_key and (sample := stored.get(key(p.problem_id, i))) is not None
+    }
+    todo = {p.problem_id: [i for i in range(k) if (p.problem_id, i) not in have] for p in problems}
+    progress.advance(Stage.EVALUATE, len(have))
+    wanted = [p for p in problems if todo[p.problem_id]]
+
+    async def one(problem: Problem, index: int) -> tuple[list[Rollout], list[LLMCall]]:
+        """One missing sample, graded and kept the moment it is (a stop loses only the replies in flight)."""
+        batch = await rollout_problem(
+            problem, library, domain, llm, k, temperature, seeds[problem.problem_id], agent, [index]
         )
-        for r, g in zip(batch.rollouts, rewards)
-    ]
-    return EvalBatch(samples, batch.calls)
+        graded = await grade([problem], batch.rollouts, domain, judge)
+        for r, g in zip(batch.rollouts, graded):
+            sample = _eval_sample(condition, r, g, seeds)
+            have[(r.problem_id, r.sample_idx)] = sample
+            if resume_key and sample.error is None:
+                stored.put(key(r.problem_id, r.sample_idx), sample)
+        progress.advance(Stage.EVALUATE, len(batch.rollouts))
+        return batch.rollouts, batch.calls
+
+    parts = await asyncio.gather(*[one(p, i) for p in wanted for i in todo[p.problem_id]])
+    raise_if_all_failed(wanted, [r for rollouts, _ in parts for r in rollouts])
+    ordered = [have[(p.problem_id, i)] for p in problems for i in range(k)]
+    return EvalBatch(ordered, [c for _, calls in parts for c in calls])
+
+
+def _eval_sample(condition: str, r: Rollout, g: Reward, seeds: dict[str, int]) -> EvalSample:
+    return EvalSample(
+        condition=condition,
+        problem_id=r.problem_id,
+        sample_idx=r.sample_idx,
+        seed=seeds[r.problem_id] + r.sample_idx,
+        reward=g.reward or 0.0,
+        extracted=g.extracted,
+        error=g.error,
+        judge_reason=g.judge_reason,
+        final_text=r.final_text,
+        tokens_in=r.tokens_in,
+        tokens_out=r.tokens_out,
+        latency_s=r.latency_s,
+        n_turns=r.n_turns,
+        tool_calls=r.tool_calls,
+        tool_errors=r.tool_errors,
+    )
 
 
 @stage_task(Stage.EVALUATE, run_name="evaluate-{condition}-chunk{chunk}")
@@ -92,8 +135,10 @@ async def evaluate_task(
     chunk: int,
     problems: list[Problem],
     library: LibraryVersion,
+    resume_key: str = "",
 ) -> EvalBatch:
-    """``key`` (the evaluation id, or run/step of a validation) only keys the cache."""
+    """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key``: see
+    ``evaluate_library``."""
     domain = get_domain(config.domain)
     return await evaluate_library(
         problems,
@@ -106,6 +151,7 @@ async def evaluate_task(
         seed=evaluation.seed,
         agent=config.rollout.agent_settings(),
         judge=make_judge(config, domain, Stage.EVALUATE),
+        resume_key=resume_key,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clgrpo import progress
@@ -38,23 +38,26 @@ async def rollout_problem(
     temperature: float,
     seed: int | None = None,
     agent: AgentConfig | None = None,
+    only: Sequence[int] | None = None,
 ) -> RolloutBatch:
     """G rollouts of one problem (agent rollouts when ``agent`` is set). Samples already in the work journal (an
     earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
-    own samples."""
+    own samples. ``only``: the sample indices wanted (the others exist elsewhere, e.g. an evaluation's stored
+    samples): the batch holds those alone."""
     messages = domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id))
     prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
+    wanted = list(range(group_size)) if only is None else sorted(set(only))
     done = StageItems(Stage.ROLLOUT, Rollout)
     rollouts = {
         i: r
-        for i in range(group_size)
+        for i in wanted
         if (r := done.get(sample_key(problem.problem_id, i))) is not None and r.prompt_hash == prompt_hash
     }
-    missing = [i for i in range(group_size) if i not in rollouts]
-    progress.advance(Stage.ROLLOUT, group_size - len(missing))
+    missing = [i for i in wanted if i not in rollouts]
+    progress.advance(Stage.ROLLOUT, len(wanted) - len(missing))
     if not missing:
-        return RolloutBatch([rollouts[i] for i in range(group_size)])
+        return RolloutBatch([rollouts[i] for i in wanted])
     if agent is None:
         fresh, calls = await _direct_samples(messages, llm, base, missing, group_size, temperature, seed)
     else:
@@ -63,7 +66,7 @@ async def rollout_problem(
         if rollout.error is None:
             done.put(sample_key(problem.problem_id, rollout.sample_idx), rollout)
         rollouts[rollout.sample_idx] = rollout
-    return RolloutBatch([rollouts[i] for i in range(group_size)], calls)
+    return RolloutBatch([rollouts[i] for i in wanted], calls)
 
 
 def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:

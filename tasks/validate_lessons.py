@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +51,7 @@ from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
 from tasks.rollout import raise_if_all_failed, rollout_problem
+from tasks.specificity import rate
 from tasks.verify import grade
 
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
@@ -119,6 +121,21 @@ def trial_seeds(problems: Sequence[Problem], step: int, seed: int) -> dict[str, 
 SAME_LESSON = 0.8  # word-trigram overlap, both ways, at which two candidates are one lesson (tried once)
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """A lesson an earlier step rejected by measurement (its trial or the library gate): the run's ledger."""
+
+    step: int
+    text: str
+    reason: str
+
+
+def _rejected_before(op: Operation, ledger: Sequence[Rejected]) -> Rejected | None:
+    """An earlier rejection of (nearly) the same lesson: such a candidate is not tried again."""
+    text = op.text or ""
+    return next((r for r in ledger if text and min(overlap(text, r.text), overlap(r.text, text)) >= SAME_LESSON), None)
+
+
 def _same_as(op: Operation, tried: list[_Candidate]) -> _Candidate | None:
     """An earlier candidate with (nearly) the same text and the same kind and target."""
     for other in tried:
@@ -143,6 +160,7 @@ def _candidates(
     step: int,
     pool: Sequence[Problem] = (),
     near: NearDuplicates | None = None,
+    ledger: Sequence[Rejected] = (),
 ) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
     is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules,
@@ -156,6 +174,9 @@ def _candidates(
     for seq, op in enumerate(plan):
         if op.op not in VALIDATED:
             untested[seq] = f"{op.op.value} operations are not validated"
+            continue
+        if (earlier := _rejected_before(op, ledger)) is not None:
+            repeats[seq] = f"rejected before, not tried again: step {earlier.step}: {earlier.reason}"
             continue
         if (first := _same_as(op, candidates)) is not None:
             repeats[seq] = f"lesson validation: the same lesson as {quoted(first.operation)}, which is tried instead"
@@ -171,7 +192,8 @@ def _candidates(
         )
         count = settings.problems * settings.looks
         others = settings.trials_on == "others"
-        order = trial_problems(op, problems, advantages, count, f"{step}:{op.text}", pool, others)
+        salt = f"{step}" if others else f"{step}:{op.text}"  # others: one order per tag, so baselines are shared
+        order = trial_problems(op, problems, advantages, count, salt, pool, others)
         if not order:
             untested[seq] = "not tried: no other training problem of its task tag to try it on"
             continue
@@ -330,21 +352,32 @@ def _kept_gain(trial: LessonTrial) -> float:
     return trial.gain
 
 
-def best_per_group(trials: list[LessonTrial]) -> list[LessonTrial]:
+def best_per_group(trials: list[LessonTrial], specific: AbstractSet[int] = frozenset()) -> list[LessonTrial]:
     """Of the kept trials that share a source group, only the one with the largest gain stays kept (ties: the
-    first in the plan); the others become rejections naming it."""
+    one the lesson rater called specific (``specific``: their seqs), then the first in the plan); the others
+    become rejections naming it."""
+
+    def rank(t: LessonTrial) -> tuple[float, bool]:
+        return _kept_gain(t), t.seq in specific
+
     best: dict[str, LessonTrial] = {}
     for t in trials:
         if t.verdict == "kept":
             for group in t.operation.source_groups or [f"#{t.seq}"]:
-                if group not in best or _kept_gain(t) > _kept_gain(best[group]):
+                if group not in best or rank(t) > rank(best[group]):
                     best[group] = t
     out = []
     for t in trials:
         winners = {best[g].seq for g in t.operation.source_groups if g in best}
         if t.verdict == "kept" and winners and winners != {t.seq}:
             other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
-            how = "more" if _kept_gain(other) > _kept_gain(t) else "as much and comes first in the plan"
+            how = (
+                "more"
+                if _kept_gain(other) > _kept_gain(t)
+                else "as much with a specific lesson (the lesson rater)"
+                if other.seq in specific
+                else "as much and comes first in the plan"
+            )
             groups = ",".join(t.operation.source_groups)
             t = t.model_copy(
                 update={
@@ -370,11 +403,13 @@ async def validate_lessons(
     llm: LLMClient,
     pool: Sequence[Problem] = (),
     near: NearDuplicates | None = None,
+    ledger: Sequence[Rejected] = (),
 ) -> Validated:
     """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
-    control, so a candidate is tried as it would be applied (merged into the lesson it repeats)."""
+    control, so a candidate is tried as it would be applied (merged into the lesson it repeats); ``ledger``: the
+    lessons earlier steps rejected by measurement, not tried again."""
     settings = config.learning.lesson_validation
-    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step, pool, near)
+    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step, pool, near, ledger)
     trials = [
         LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
@@ -390,8 +425,36 @@ async def validate_lessons(
                 break
             await looks.attempt(look, undecided, library, domain, llm, config)
             looks.judge(undecided, look == settings.looks)
-    trials = best_per_group(sorted(trials + list(looks.decided.values()), key=lambda t: t.seq))
-    return Validated(*plan_after(trials), trials, looks.samples, looks.calls)
+    trials = sorted(trials + list(looks.decided.values()), key=lambda t: t.seq)
+    specific, rater_calls = await _rate_ties(trials, llm, domain)
+    trials = best_per_group(trials, specific)
+    return Validated(*plan_after(trials), trials, looks.samples, looks.calls + rater_calls)
+
+
+async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) -> tuple[set[int], list[LLMCall]]:
+    """The seqs of the kept candidates the lesson rater calls specific, asked only where kept candidates of one
+    group tie on their gain (the rater breaks the tie)."""
+    by_group: dict[str, list[LessonTrial]] = defaultdict(list)
+    for t in trials:
+        if t.verdict == "kept":
+            for group in t.operation.source_groups:
+                by_group[group].append(t)
+    tied = {
+        t.seq: t
+        for group in by_group.values()
+        for t in group
+        if sum(_kept_gain(other) == max(_kept_gain(x) for x in group) for other in group) > 1
+        and _kept_gain(t) == max(_kept_gain(x) for x in group)
+    }
+    if not tied:
+        return set(), []
+    ratings, calls = await rate(
+        [t.operation.text or "" for t in tied.values()],
+        llm,
+        domain=domain.learner_prompts.domain,
+        stage=Stage.VALIDATE_LESSONS,
+    )
+    return {seq for seq, r in zip(tied, ratings) if r.verdict == "specific"}, calls
 
 
 def _all_problems(candidates: Sequence[_Candidate]) -> list[Problem]:
@@ -478,6 +541,7 @@ async def validate_lessons_task(
     advantages: list[GroupAdvantage],
     pool: list[Problem] | None = None,
     near: NearDuplicates | None = None,
+    ledger: list[Rejected] | None = None,
 ) -> Validated:
     return await validate_lessons(
         config,
@@ -490,4 +554,5 @@ async def validate_lessons_task(
         shared_client(config),
         pool or [],
         near,
+        ledger or [],
     )

@@ -182,6 +182,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                 "fallback": True,
                 "summarize": True,
                 "lesson_validation": True,
+                "library_gate": True,
                 "unlabeled": True,
             },
             "dataset": {

@@ -276,3 +276,41 @@ async def test_sequential_trials_on_other_problems_keep_the_helpful_lessons(tmp_
     kept = [t for t in tried if t.verdict == "kept"]
     assert kept and all(t.operation.text in FAMILY_LESSONS and "sign test p=" in t.reason for t in kept)
     assert all(t.verdict == "rejected" for t in tried if t.operation.text == MISLEADING_LESSON)
+
+
+def test_the_rater_breaks_ties_for_the_specific_lesson_and_reads_its_reply():
+    from tasks.specificity import parse_rating
+
+    def trial(seq: int, gain: float, text: str) -> LessonTrial:
+        op = Operation(op=OpKind.ADD, text=text, source_groups=["g"])
+        return LessonTrial(seq=seq, operation=op, gain=gain, verdict="kept", reason="validated: ...")
+
+    tied = [trial(0, 0.25, "Always check your work."), trial(1, 0.25, "Count both ends: last - first + 1.")]
+    assert [t.verdict for t in best_per_group(tied)] == ["kept", "rejected"]  # no rating: the first in the plan
+    rated = best_per_group(tied, specific={1})
+    assert [t.verdict for t in rated] == ["rejected", "kept"]
+    assert "gained as much with a specific lesson (the lesson rater)" in rated[0].reason
+    assert parse_rating("x", '{"verdict": "Generic", "reason": "fits  any problem"}').verdict == "generic"
+    assert parse_rating("x", "no json here").verdict == "unrated"
+    assert parse_rating("x", '{"verdict": "maybe"}').verdict == "unrated"
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_lesson_rejected_by_its_trial_is_not_tried_again(tmp_path):
+    """The ledger: two epochs over the same problems; the misleading lesson the first step's trials rejected is
+    proposed again in the second and rejected there without a trial, naming the first rejection."""
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=3), tmp_path / "train.jsonl")
+    world = ScriptedWorld(seed=5, p_base=0.2, p_misleading=1.0)
+    with FakeOpenAIServer(world) as server:
+        cfg = make_config(server, dataset, tmp_path, "ledger", contrast_learning())
+        cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"epochs": 2})})
+        await train(cfg)
+    with Store(cfg.db_path, read_only=True) as store:
+        first = store.records("lesson_trials", "ledger", 1)
+        second = store.records("lesson_trials", "ledger", 2)
+        second_samples = store.records("trial_samples", "ledger", 2)
+    assert any(t.verdict == "rejected" and t.reason.startswith("lesson validation: reward") for t in first)
+    again = [t for t in second if t.operation.text == MISLEADING_LESSON]
+    assert again and all(t.reason.startswith("rejected before, not tried again: step 1: ") for t in again)
+    assert not second_samples  # nothing was attempted for it

@@ -39,7 +39,7 @@ from schemas.config import (
     ModelConfig,
     RunConfig,
 )
-from schemas.records import EvalComparison, EvalSummary, OperationResult, Proposal
+from schemas.records import EvalComparison, EvalSummary, GateDecision, OperationResult, Proposal
 
 Print = Callable[[str], None]
 ENGINES = ("auto", "llama-server", "transformers")
@@ -88,6 +88,7 @@ class DemoResult:
     comparison: EvalComparison | None = None
     operations: list[tuple[int, OperationResult]] = field(default_factory=list)
     failed_proposals: list[tuple[int, Proposal]] = field(default_factory=list)
+    gates: list[tuple[int, GateDecision]] = field(default_factory=list)  # the library gate's verdict per step
     seconds: dict[str, float] = field(default_factory=dict)
     datasets: dict[str, str] = field(default_factory=dict)
     learner: str = SAME  # who wrote the lessons
@@ -273,7 +274,7 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
         for server in servers:
             server.stop()
     seconds["total"] = time.monotonic() - started
-    library, operations, failed = _outcome(result.db_path, result.run_id)
+    library, operations, failed, gates = _outcome(result.db_path, result.run_id)
     comparison = next((c for c in evaluation.overall if c.metric == "mean_at_k"), None)
     return DemoResult(
         run_id=result.run_id,
@@ -287,6 +288,7 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
         comparison=comparison,
         operations=operations,
         failed_proposals=failed,
+        gates=gates,
         seconds=seconds,
         datasets=datasets,
         learner=learner,
@@ -436,21 +438,26 @@ def _local_engine(config: RunConfig) -> Any:
 
 def _outcome(
     db_path: str, run_id: str
-) -> tuple[list[tuple[str, str]], list[tuple[int, OperationResult]], list[tuple[int, Proposal]]]:
-    """The learned library, every operation with its outcome, and the group proposals that failed."""
+) -> tuple[
+    list[tuple[str, str]], list[tuple[int, OperationResult]], list[tuple[int, Proposal]], list[tuple[int, GateDecision]]
+]:
+    """The learned library, every operation with its outcome, the group proposals that failed, the gate's
+    verdicts."""
     from clgrpo.store import Store
     from schemas.stages import Stage
 
     with Store(db_path, read_only=True) as store:
         library = [(e.id, e.text) for e in store.load_library(run_id)]
         operations = store.operation_results(run_id)
+        gate_rows = store.frame("library_gates", run_id)
+        gates = list(zip(map(int, gate_rows["step"]), store.records("library_gates", run_id)))
         proposals = store.frame("proposals", run_id, stage=Stage.GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
     failed = [
         (int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
         for r in proposals.itertuples()
         if isinstance(r.parse_error, str)
     ]
-    return library, operations, failed
+    return library, operations, failed, gates
 
 
 # --- the summary -------------------------------------------------------------------------------------------
@@ -474,6 +481,7 @@ def summary(result: DemoResult) -> str:
         f"{result.model if result.learner == SAME else result.learner}) =="
     ]
     lines += _operations_section(result)
+    lines += [f"step {step} {gate.reason}" for step, gate in result.gates]
     lines.append(f"learned library ({counted(len(result.library), 'lesson')}):")
     lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
     lines += _evaluation_section(result)
@@ -518,6 +526,8 @@ def _operations_section(result: DemoResult) -> list[str]:
 def _why_empty(result: DemoResult) -> str:
     if not any(r.groups_selected for r in result.steps):
         return "no group had mixed rewards, so there was nothing to learn from"
+    if result.gates and all(g.verdict == "rejected" for _, g in result.gates):
+        return "the library gate measured no step's change as better, so the library stayed as it started"
     if not result.operations:
         return "no proposal contained an operation (see the failed proposals above)"
     return "no candidate passed (the reasons are listed above)"

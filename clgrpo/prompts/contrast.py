@@ -22,7 +22,9 @@ library, one problem{answer_note}, and two attempts at it side by side: one grad
     + """
 Find the first step where the wrong attempt did something different from the correct one, and write one lesson
 that would have kept it from going wrong: a general rule for every problem of this kind, one sentence of
-{min_words} to {max_words} words, without this problem's numbers, names or answer.{revise_note}
+{min_words} to {max_words} words, without this problem's numbers, names or answer. If the rule holds only for
+some problems of this kind (for example only when an amount falls, not when it rises), begin with that
+condition ("When ..."), so that it is never applied where it is wrong.{revise_note}
 Reply with JSON only: {{"difference": what the correct attempt did at that step and the wrong one did not,
 "lesson": the lesson{revise_field}}}.{example_block}"""
 )

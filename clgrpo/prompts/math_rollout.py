@@ -15,7 +15,7 @@ ROLLOUT_SYSTEM = (
     + DATA_NOTICE
 )
 
-DOMAIN = "competition mathematics"  # how the learner prompts name the domain
+DOMAIN = "mathematics"  # how the learner prompts name the domain (not "competition": word problems too)
 
 # shown to the learner as its example reply: concrete lessons of this domain (never placeholders to copy)
 EXAMPLE_LESSONS = (
