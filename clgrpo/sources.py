@@ -240,12 +240,11 @@ def trace_arrivals(read: TraceRead) -> list[Arrival]:
 
 
 def _watermark(read: TraceRead, selection: Selection) -> tuple[datetime | None, list[Reject]]:
-    """The latest arrival this refresh consumed, and the rejects up to it. Problems left for the next refresh
-    (max_problems) are after it: rows at the first left one's time are read again (taken ones are skipped by
-    their content key), so none is lost."""
+    """The latest arrival of a usable row this refresh consumed (a skipped row never moves it: a corrupt line
+    "arrives" at its file's time, which says nothing of when the rows around it were logged), and the rejects up
+    to the cutoff. Problems left for the next refresh (max_problems) are after it."""
     limit = selection.first_deferred - timedelta(microseconds=1) if selection.first_deferred else None
-    times = [t.arrived_at for t in read.traces] + [r.arrived_at for r in read.rejects]
-    consumed = [t for t in times if limit is None or t <= limit]
+    consumed = [t.arrived_at for t in read.traces if limit is None or t.arrived_at <= limit]
     rejects = [r for r in read.rejects if limit is None or r.arrived_at <= limit]
     return max(consumed, default=None), rejects
 
@@ -262,13 +261,12 @@ def select_traces(
     reported: set[tuple[str, int, str]] | frozenset = frozenset(),
     query: Query | None = None,
 ) -> TraceSelection:
-    """The traces that arrived after ``after`` (the previous decided refresh's watermark) up to ``cutoff``,
-    not taken before, oldest first, capped at ``max_problems``; the skipped rows (less those ``reported`` by an
-    earlier refresh: a row without its own time arrives again when its file grows); the new watermark."""
+    """The traces up to ``cutoff`` not taken before (their content key), oldest first, capped at
+    ``max_problems``: those after ``after`` (the previous decided refresh's watermark) and also those logged late
+    with an earlier time (counted as late, never skipped); the skipped rows (less those ``reported`` by an earlier
+    refresh: a row without its own time arrives again when its file grows); the new watermark."""
     try:
-        read = read_traces(
-            source, _as_utc(cutoff), after and _as_utc(after), getattr(domain, "reply_answer", None), query
-        )
+        read = read_traces(source, _as_utc(cutoff), None, getattr(domain, "reply_answer", None), query)
     except FileNotFoundError as exc:
         raise SourceError(str(exc)) from exc
     except duckdb.CatalogException as exc:
@@ -282,13 +280,15 @@ def select_traces(
         for r in rejects
         if (r.file, r.line, r.reason) not in reported
     ]
+    since = after and _as_utc(after)
     mark = RefreshWatermark(
         name=name,
         after=after,
-        watermark=watermark,
+        watermark=max(filter(None, (watermark, since)), default=None),
         n_rows=len(read.traces) + len(records),
         n_rejected=len(records),
         n_redacted=read.redactor.total,
+        n_late=sum(since is not None and i.arrived_at <= since for i in selection.inputs),
     )
     return TraceSelection(selection, records, mark)
 
@@ -307,6 +307,11 @@ def trace_notes(rejects: list[RefreshReject], watermark: RefreshWatermark | None
             else ""
         )
         notes.append(f"{len(rejects)} trace row(s) skipped: {shown}{more}")
+    if watermark is not None and watermark.n_late:
+        notes.append(
+            f"{watermark.n_late} trace row(s) arrived late (logged with a time before the previous refresh's "
+            "watermark): taken"
+        )
     if watermark is not None and watermark.n_redacted:
         notes.append(f"{watermark.n_redacted} secret(s) redacted from the traces")
     return notes

@@ -407,7 +407,8 @@ TABLE_DDL: dict[str, str] = {
         watermark TIMESTAMPTZ,
         n_rows INTEGER NOT NULL,
         n_rejected INTEGER NOT NULL,
-        n_redacted INTEGER NOT NULL""",
+        n_redacted INTEGER NOT NULL,
+        n_late INTEGER""",
     # a refresh's changes waiting for a person (changes and the pending decision as JSON)
     "review_requests": """
         run_id VARCHAR NOT NULL,
@@ -497,6 +498,7 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "problems": ["domain_tag VARCHAR", "tag VARCHAR", "answer_source VARCHAR"],
     "refresh_inputs": ["tag VARCHAR", "answer_source VARCHAR", "rejected_answer VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
+    "refresh_watermarks": ["n_late INTEGER"],
     "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": [

@@ -413,6 +413,7 @@ class RefreshWatermarksFrame(StageKeyed):
     n_rows: Series[int] = pa.Field(ge=0)
     n_rejected: Series[int] = pa.Field(ge=0)
     n_redacted: Series[int] = pa.Field(ge=0)
+    n_late: Series[int] = pa.Field(ge=0)
 
 
 class DbMetaFrame(Frame):

@@ -493,6 +493,7 @@ class RefreshWatermark(Record):
     n_rows: int = Field(0, ge=0)
     n_rejected: int = Field(0, ge=0)
     n_redacted: int = Field(0, ge=0)
+    n_late: int = Field(0, ge=0)  # rows taken though logged with a time before ``after`` (out of order)
 
 
 class RefreshGateRow(Record):

@@ -101,11 +101,18 @@ async def test_traces_refresh_over_two_nights(tmp_path):
             "AND reward_source IS NOT NULL",
         ) == [(0,)]
         mark = rows(db, "SELECT watermark FROM refresh_watermarks WHERE run_id = 'prod-2026-11-21'")[0][0]
-        assert mark == NIGHT - timedelta(hours=1)  # the broken lines arrived with their file
+        # the newest usable row's time: the broken lines "arrive" at their file's time (NIGHT - 1 h), which must
+        # not move the watermark past rows logged later with an earlier time
+        assert mark == NIGHT - timedelta(hours=10) + 11 * timedelta(minutes=1)
 
-        # night 2: the file grew (old rows and four new ones); the first attempt fails in training
+        # night 2: the file grew (old rows, four new ones, and two rows logged late with earlier times: one after
+        # the broken lines' file time, one even before the first night's watermark); the first attempt fails
         day2 = traces_of(make_problems(n_per_family=1, seed=6), NIGHT + timedelta(hours=8))
-        land(incoming / "day1.jsonl", [*day1, *day2], NIGHT + timedelta(hours=20))
+        late = traces_of(make_problems(n_per_family=2, seed=7)[:2], NIGHT - timedelta(hours=2))
+        late[1]["created_at"] = (NIGHT - timedelta(hours=11)).isoformat()
+        for i, row in enumerate(late):
+            row["id"] = f"late-{i}"
+        land(incoming / "day1.jsonl", [*day1, *day2, *late], NIGHT + timedelta(hours=20))
         server.inject(Fault(kind="status", status=400, rate=1.0, match=lambda r: role_of(r) == "policy"))
         night2 = NIGHT + timedelta(days=1)
         with pytest.raises(Exception):  # noqa: B017 - every rollout fails: the training stage fails
@@ -116,8 +123,10 @@ async def test_traces_refresh_over_two_nights(tmp_path):
             assert [d.refresh_id for d in promoted] == ["prod-2026-11-21"]
             assert (tmp_path / "refresh" / "prod" / "promoted.seed.json").exists()
             retaken = store.records("refresh_inputs", "prod-2026-11-22")
-        assert sorted(t.problem_id for t in retaken) == sorted(f"tr-{p['id']}" for p in make_problems(1, seed=6))
+        expected = [f"tr-{p['id']}" for p in make_problems(1, seed=6)] + [row["id"] for row in late]
+        assert sorted(t.problem_id for t in retaken) == sorted(expected)  # the late rows too, none lost
 
         second = await refresh(config.model_copy(update={"steps": 1}), as_of=night2)
-        assert second.n_new_problems == 4 and second.baseline_ref == first.candidate_ref
-        assert not any("skipped" in r for r in second.reasons)  # the broken lines were consumed on night 1
+        assert second.n_new_problems == 6 and second.baseline_ref == first.candidate_ref
+        assert not any("skipped" in r for r in second.reasons)  # the broken lines were reported on night 1
+        assert any(r.startswith("1 trace row(s) arrived late (logged with a time before") for r in second.reasons)
