@@ -26,15 +26,31 @@ log = logging.getLogger("clgrpo.adopt")
 SERVED_FILES = (("promoted.seed.json", "seed"), ("promoted.txt", "text"), ("promoted.json", "reference"))
 
 
+def _umask() -> int:
+    """This process's umask, read from /proc (setting it to read it back would race other threads); elsewhere
+    set and restored at once."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        current = os.umask(0)
+        os.umask(current)
+        return current
+
+
 class RollbackError(StoreError):
     """A rollback that cannot be done (nothing promoted, no earlier version, unknown version)."""
 
 
 def write_atomically(path: Path, text: str) -> Path:
-    """Replace ``path`` with ``text`` so that readers see the old content or the new, never part of it."""
+    """Replace ``path`` with ``text`` so that readers see the old content or the new, never part of it. The file
+    gets the mode any file this process creates gets (0666 less the umask; ``mkstemp`` alone would leave 0600,
+    and a model server running as another user could not read the library it serves)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

@@ -20,7 +20,7 @@ import duckdb
 import pandas as pd
 
 from clgrpo.dataset import LoadReport
-from clgrpo.traces import Reject, TraceRead, read_traces
+from clgrpo.traces import Reject, TraceRead, read_traces, source_files
 from schemas.config import DatasetConfig, RefreshSource
 from schemas.records import Problem, RefreshInput, RefreshReject, RefreshWatermark, text_hash
 
@@ -67,12 +67,14 @@ def _dataset(source: RefreshSource, path: Path) -> DatasetConfig:
 
 # --- reading ---------------------------------------------------------------------------------------------
 def directory_arrivals(source: RefreshSource, domain: DatasetLoader, cutoff: datetime) -> list[Arrival]:
-    """Problems of the dataset files in ``source.path`` modified up to ``cutoff`` (at their file's mtime)."""
-    folder = Path(source.path)
-    if not folder.is_dir():
-        raise SourceError(f"refresh source: {folder} is not a directory")
+    """Problems of the dataset files of ``source`` (``source_files``: one file, or a folder's) modified up to
+    ``cutoff`` (at their file's mtime)."""
+    try:
+        files = source_files(source)
+    except FileNotFoundError as exc:
+        raise SourceError(str(exc)) from exc
     arrivals = []
-    for path in sorted(p for p in folder.glob(source.pattern) if p.is_file()):
+    for path in files:
         if path.suffix.lower() not in DATASET_SUFFIXES:
             raise SourceError(
                 f"refresh source: {path} matches {source.pattern!r} but is not a dataset file "

@@ -395,6 +395,17 @@ def _native(value: Any) -> Any:
         return value
 
 
+def source_files(source: RefreshSource) -> list[Path]:
+    """The files a folder source reads (``kind: directory``, or traces in JSON lines): ``path`` itself when it
+    names a file, else the files in the folder ``path`` that match ``pattern``, in name order."""
+    path = Path(source.path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"refresh source: {path}: no such file or directory")
+    return sorted(p for p in path.glob(source.pattern) if p.is_file())
+
+
 def read_traces(
     source: RefreshSource,
     cutoff: datetime,
@@ -406,10 +417,7 @@ def read_traces(
     name order; ``query`` runs SQL on the source database when the caller already holds it open."""
     reader = _Reader(source, after, cutoff, read_answer)
     if source.traces_layout == "jsonl":
-        folder = Path(source.path)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"refresh source: {folder} is not a directory")
-        for path in sorted(p for p in folder.glob(source.pattern) if p.is_file()):
+        for path in source_files(source):
             reader.jsonl_file(path)
     else:
         reader.table(*_table_rows(source, query))

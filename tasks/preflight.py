@@ -324,19 +324,19 @@ def check_refresh(config: RefreshConfig) -> None:
     without new problems needs no endpoint)."""
     source = config.source
     path = Path(source.path)
-    if source.kind == "directory" and not path.is_dir():
+    if source.kind == "directory" and not path.exists():
         raise PreflightError(
-            f"source.path {source.path}: no such directory (new problems arrive there as "
-            f"{source.pattern} files; create it, e.g. mkdir -p {source.path})"
+            f"source.path {source.path}: no such file or directory (name one dataset file, or a folder where new "
+            f"problems arrive as {source.pattern} files: e.g. mkdir -p {source.path})"
         )
     if source.kind == "duckdb" and not path.is_file():
         raise PreflightError(f"source.path {source.path}: no such DuckDB file")
     if source.kind == "traces":
         layout = source.traces_layout
-        if layout == "jsonl" and not path.is_dir():
+        if layout == "jsonl" and not path.exists():
             raise PreflightError(
-                f"source.path {source.path}: no such directory (traces arrive there as "
-                f"{source.pattern} files; create it, e.g. mkdir -p {source.path})"
+                f"source.path {source.path}: no such file or directory (name one .jsonl file of traces, or a "
+                f"folder where traces arrive as {source.pattern} files: e.g. mkdir -p {source.path})"
             )
         if layout != "jsonl" and not path.is_file():
             raise PreflightError(

@@ -159,7 +159,7 @@ def test_eval_and_refresh_preflight(tmp_path, capsys, good_dataset):
         )
     )
     line = one_error_line(capsys, ["refresh", "run", "--config", str(refresh)])
-    assert "source.path" in line and "no such directory" in line
+    assert "source.path" in line and "no such file or directory" in line
 
 
 def test_the_terminal_of_a_real_process_shows_one_line(tmp_path, good_dataset):

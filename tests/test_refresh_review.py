@@ -5,6 +5,8 @@ and served atomically; `clgrpo library rollback` puts the previous version back;
 out. Plus the pure parts: the answer form, answers -> library, atomic files."""
 
 import json
+import os
+import stat
 from datetime import timedelta
 
 import pytest
@@ -101,6 +103,18 @@ def test_served_files_are_replaced_atomically_and_leave_no_temporary(tmp_path):
     adopt.write_atomically(tmp_path / "promoted.json", "new")
     assert (tmp_path / "promoted.json").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["promoted.json"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_served_files_are_as_readable_as_any_other_file(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        adopt.write_atomically(tmp_path / "promoted.json", "x")
+        (tmp_path / "other.txt").write_text("y")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "promoted.json").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "other.txt").stat().st_mode) == 0o666 & ~umask
 
 
 @pytest.mark.flow

@@ -43,6 +43,15 @@ def test_directory_files_arrive_at_their_mtime_and_later_files_wait(tmp_path):
     assert [i.position for i in new] == [0, 1, 2] and all(i.name == "nightly" for i in new)
 
 
+def test_a_source_path_may_name_one_file(tmp_path):
+    problems = make_problems(n_per_family=1, seed=2)
+    single = write_jsonl(problems, tmp_path / "prod2.jsonl")
+    _touch(single, T0)
+    write_jsonl(make_problems(n_per_family=1, seed=3), tmp_path / "other.jsonl")  # beside it: not read
+    arrivals = read_arrivals(RefreshSource(path=str(single)), MATH, T0 + timedelta(hours=1), tmp_path / "scratch")
+    assert [a.problem.problem_id for a in arrivals] == [p["id"] for p in problems]
+
+
 def test_selection_is_oldest_first_capped_deduplicated_and_renames_clashing_ids(tmp_path):
     a = write_jsonl(
         [
@@ -92,7 +101,7 @@ def test_duckdb_table_rows_arrive_at_their_timestamp(tmp_path):
 
 
 def test_source_errors_name_what_is_wrong(tmp_path):
-    with pytest.raises(SourceError, match="is not a directory"):
+    with pytest.raises(SourceError, match="missing: no such file or directory"):
         read_arrivals(RefreshSource(path=str(tmp_path / "missing")), MATH, T0, tmp_path)
     bad = write_jsonl([{"id": "1", "problem": "What is 1 + 1?", "answer": ""}], tmp_path / "in" / "bad.jsonl")
     _touch(bad, T0)
