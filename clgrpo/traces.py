@@ -291,7 +291,8 @@ def _json_row(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise TraceError(f"not UTF-8 (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
-        raise TraceError(f"not JSON ({exc.msg} at column {exc.colno})") from exc
+        message = exc.msg.removesuffix(" at")  # "Unterminated string starting at" + " at column 5"
+        raise TraceError(f"not JSON ({message} at column {exc.colno})") from exc
     if not isinstance(row, dict):
         raise TraceError(f"not a JSON object ({type(row).__name__})")
     return row

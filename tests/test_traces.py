@@ -130,6 +130,7 @@ def test_malformed_rows_are_skipped_with_file_line_reasons_and_good_rows_kept(tm
         "What is 8 + 8?",
     ]
     rendered = [r.render() for r in taken.rejects]
+    assert "at at" not in " ".join(rendered)
     assert rendered == [
         "a.jsonl:2: not JSON (Expecting property name enclosed in double quotes at column 2)",
         "a.jsonl:3: no user message",
@@ -188,7 +189,9 @@ def test_the_watermark_takes_only_newer_rows_and_never_loses_deferred_ones(tmp_p
 
     nxt = take(tmp_path, cutoff=night1, after=mark, consumed=consumed)
     assert [i.problem for i in nxt.selection.inputs] == ["What is 2 + 2?", "What is 3 + 3?"]
-    assert nxt.selection.n_taken_before == 1 and nxt.watermark.watermark == stamps[3]
+    assert nxt.selection.n_taken_before == 2 and nxt.watermark.watermark == stamps[3]  # rows 0 and 1: taken
+    assert nxt.watermark.n_late == 0
+    consumed |= {i.problem_key for i in nxt.selection.inputs}
     later = take(tmp_path, cutoff=T0 + timedelta(days=2), after=nxt.watermark.watermark, consumed=consumed)
     assert [i.problem for i in later.selection.inputs] == ["What is 4 + 4?"]
     # a row without its own time arrives with its file: after the cutoff here, so it waits
@@ -249,7 +252,7 @@ def test_traces_from_a_duckdb_table_and_a_parquet_file(tmp_path):
     ]
     with pytest.raises(SourceError, match="no table or view 'nope'"):
         select_traces(RefreshSource(kind="traces", path=str(db), table="nope"), MATH, T0, set(), None, name="p")
-    with pytest.raises(SourceError, match="is not a directory"):
+    with pytest.raises(SourceError, match="missing: no such file or directory"):
         select_traces(RefreshSource(kind="traces", path=str(tmp_path / "missing")), MATH, T0, set(), None, name="p")
 
 
@@ -310,3 +313,10 @@ def test_rewards_name_their_source():
     assert {voted[("open", i)].reward_source for i in range(3)} == {"agreement"}
     assert voted[("split", 0)].reward is None  # 1 of 2: no majority
     assert agreement_rewards([problems[3]], rollouts[3:6], MATH)[("open", 2)].extracted == "4"
+
+
+def test_a_json_error_reads_as_one_sentence():
+    from clgrpo.traces import TraceError, _json_row
+
+    with pytest.raises(TraceError, match=r"^not JSON \(Unterminated string starting at column 7\)$"):
+        _json_row(b'{"a": "x')
