@@ -14,6 +14,7 @@ Prefect-free: the flow (``flows.refresh_review``) builds its suspend form from `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -141,28 +142,33 @@ def change_summary(change: LessonChange) -> str:
     return f"before: {change.before} | after: {change.proposed}"
 
 
-def _answer_model(change: LessonChange) -> type[BaseModel]:
-    """A change's own answer model, so its form group can carry the change's text as the edit default."""
+def _answer_model(change: LessonChange, refusal: str | None = None) -> type[BaseModel]:
+    """A change's own answer model, so its form group can carry the change's text as the edit default (and, for
+    an edit the lesson guard refused, why: the reviewer answers again)."""
+    edit_help = "the lesson as it will read if you choose edit"
+    if refusal:
+        edit_help = f"YOUR EDIT WAS REFUSED ({refusal}); write another text, or approve or reject"
     return create_model(
         f"Change_{change.change_id}",
         __base__=ChangeAnswer,
         decision=(Choice, Field(title="Decision", description=CHOICE_HELP)),
-        text=(
-            str,
-            Field(
-                change.proposed or "",
-                title="Lesson text (for edit)",
-                description="the lesson as it will read if you choose edit",
-            ),
-        ),
+        text=(str, Field(change.proposed or "", title="Lesson text (for edit)", description=edit_help)),
         reason=(str, Field("", title="Reason", description="why (stored with the decision)")),
     )
 
 
-def answer_form(changes: Sequence[LessonChange], base: type[BaseModel] = BaseModel) -> type[BaseModel]:
-    """The review form: one group per change (titled with its id and op) and the reviewer's name."""
+def answer_form(
+    changes: Sequence[LessonChange], base: type[BaseModel] = BaseModel, refused: Mapping[str, str] | None = None
+) -> type[BaseModel]:
+    """The review form: one group per change (titled with its id and op) and the reviewer's name; ``refused``:
+    change id -> why its edit was refused (shown with it)."""
+    refused = refused or {}
     fields: dict[str, Any] = {
-        field_name(c): (_answer_model(c), Field(title=change_title(c), description=change_summary(c))) for c in changes
+        field_name(c): (
+            _answer_model(c, refused.get(c.change_id)),
+            Field(title=change_title(c), description=change_summary(c)),
+        )
+        for c in changes
     }
     fields["reviewer"] = (
         str,
@@ -349,76 +355,148 @@ def _trials_by_step(store: Store, run_id: str) -> list[tuple[int, LessonTrial]]:
     return list(zip(frame["step"].tolist(), store.records("lesson_trials", run_id)))
 
 
-def _outcome(request: ReviewRequest, decisions: Sequence[ReviewDecision], library_ref: str | None) -> RefreshDecision:
+@dataclass(frozen=True)
+class ServedCheck:
+    """The measurement of the library a review leaves when it is not the candidate as proposed (edits or
+    rejections): the same held-out comparison and gate the candidate passed, against the same baseline."""
+
+    passed: bool
+    reasons: list[str]  # the served library's numbers and the gate's verdict, in words
+    fields: dict[str, Any]  # the decision's numbers for the served library (eval_id, values, diff, CI)
+
+
+def _outcome(
+    request: ReviewRequest,
+    decisions: Sequence[ReviewDecision],
+    library_ref: str | None,
+    check: ServedCheck | None = None,
+) -> RefreshDecision:
     counts = {k: sum(d.decision == k for d in decisions) for k in ("approve", "edit", "reject", "refused_edit")}
     summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
     reviewer = decisions[0].reviewer if decisions else "nobody"
+    pending = request.pending
     if library_ref is None:
         reason = f"review by {reviewer}: no change adopted ({summary}): nothing promoted"
-        return request.pending.model_copy(
-            update={"status": "not_promoted", "decided_at": utcnow(), "reasons": [*request.pending.reasons, reason]}
+        return pending.model_copy(
+            update={"status": "not_promoted", "decided_at": utcnow(), "reasons": [*pending.reasons, reason]}
         )
     adopted = sum(d.adopted for d in decisions)
-    reason = (
-        f"review by {reviewer}: {adopted} of {len(decisions)} change(s) adopted ({summary}); "
-        f"promoted library {library_ref}"
+    reviewed = f"review by {reviewer}: {adopted} of {len(decisions)} change(s) adopted ({summary})"
+    if check is None:  # every change as proposed: the candidate, which the gate measured, is what is served
+        return pending.model_copy(
+            update={
+                "status": "promoted",
+                "decided_at": utcnow(),
+                "reasons": [*pending.reasons, f"{reviewed}; promoted library {library_ref}"],
+            }
+        )
+    labelled = [f"the candidate as proposed (before review): {r}" for r in pending.reasons]
+    verdict = (
+        f"{reviewed}; the reviewed library {library_ref} passed the gate: promoted"
+        if check.passed
+        else f"{reviewed}; the reviewed library {library_ref} failed the gate: nothing promoted"
     )
-    return request.pending.model_copy(
-        update={"status": "promoted", "decided_at": utcnow(), "reasons": [*request.pending.reasons, reason]}
+    return pending.model_copy(
+        update={
+            **check.fields,
+            "status": "promoted" if check.passed else "not_promoted",
+            "decided_at": utcnow(),
+            "reasons": [*labelled, *check.reasons, verdict],
+        }
     )
 
 
-def conclude(
-    store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision], folder: Path
-) -> RefreshDecision:
-    """Store the decisions, promote the baseline plus the adopted changes (if any) and store the refresh's
-    decision. Run again with the same decisions, it does the same (the promotion is kept once)."""
+def store_decisions(store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision]) -> None:
     store.write_stage(request.refresh_id, 0, Stage.REVIEW_DECIDE, {"review_decisions": list(decisions)})
-    library_ref = None
-    if any(d.adopted for d in decisions):
-        pending = request.pending
-        candidate_ref = pending.candidate_ref or "none"
-        candidate = library_at(store, candidate_ref)
-        library = reviewed_library(library_at(store, pending.baseline_ref), candidate, decisions)
-        library_ref = candidate_ref
-        if library.content_hash() != candidate.content_hash():  # not every change as proposed: its own version
-            store.save_library(f"{request.refresh_id}-review", library)
-            library_ref = f"{request.refresh_id}-review:{library.version}"
+
+
+def reviewed_version(
+    store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision]
+) -> tuple[ExperienceLibrary, str, bool] | None:
+    """The library the review leaves (the baseline plus the adopted changes), its ref (the candidate's when
+    every change was taken as proposed, else a version saved as ``<refresh_id>-review``), and whether it is the
+    candidate; None when nothing was adopted."""
+    if not any(d.adopted for d in decisions):
+        return None
+    pending = request.pending
+    candidate_ref = pending.candidate_ref or "none"
+    candidate = library_at(store, candidate_ref)
+    library = reviewed_library(library_at(store, pending.baseline_ref), candidate, decisions)
+    if library.content_hash() == candidate.content_hash():
+        return library, candidate_ref, True
+    store.save_library(f"{request.refresh_id}-review", library)
+    return library, f"{request.refresh_id}-review:{library.version}", False
+
+
+def finish(
+    store: Store,
+    request: ReviewRequest,
+    decisions: Sequence[ReviewDecision],
+    folder: Path,
+    served: tuple[ExperienceLibrary, str, bool] | None,
+    check: ServedCheck | None = None,
+    *,
+    released: bool = False,
+) -> RefreshDecision:
+    """Adopt the reviewed library when there is one and it may be served (the candidate, or a reviewed version
+    that passed ``check``), and store the refresh's decision."""
+    if served is not None and (check is None or check.passed):
+        library, ref, _ = served
         adopt(
             store,
             request.name,
             folder,
             library,
-            library_ref,
+            ref,
             request.refresh_id,
             actor=decisions[0].reviewer,
             reason="; ".join(describe_decision(d) for d in decisions),
         )
-    decision = _outcome(request, decisions, library_ref)
+    decision = _outcome(request, decisions, served[1] if served else None, check)
     if any(d.decision == "timed_out" for d in decisions):
-        decision = decision.model_copy(update={"reasons": [*request.pending.reasons, decisions[0].reason]})
+        decision = decision.model_copy(
+            update={"reasons": [*request.pending.reasons, decisions[0].reason], "released": released}
+        )
     store.write_stage(request.refresh_id, 0, Stage.REFRESH_DECIDE, {"refreshes": [decision]})
     return decision
 
 
-def timeout_reason(request: ReviewRequest) -> str:
+def conclude(
+    store: Store,
+    request: ReviewRequest,
+    decisions: Sequence[ReviewDecision],
+    folder: Path,
+    *,
+    released: bool = False,
+) -> RefreshDecision:
+    """Store the decisions, promote the baseline plus the adopted changes (if any) and store the refresh's
+    decision, without measuring a reviewed version (timeouts, tests; ``flows.refresh_review.finish_review``
+    measures). Run again with the same decisions, it does the same (the promotion is kept once)."""
+    store_decisions(store, request, decisions)
+    return finish(store, request, decisions, folder, reviewed_version(store, request, decisions), released=released)
+
+
+def timeout_reason(request: ReviewRequest, released: bool = False) -> str:
+    given_back = "; its problems go back to the next refresh" if released else ""
     return (
         f"review timed out after {request.timeout_s} s (no answer by {request.deadline:%Y-%m-%d %H:%M %Z}): "
-        "nothing promoted"
+        f"nothing promoted{given_back}"
     )
 
 
 def settle_expired(
-    store: Store, name: str, now: datetime, folder: Path, skip: str
+    store: Store, name: str, now: datetime, folder: Path, skip: str, *, release: bool = False
 ) -> tuple[list[RefreshDecision], list[ReviewRequest]]:
     """Open reviews of ``name`` (other than refresh ``skip``): those past their deadline are decided as timed out
-    (returned), the others are returned as still waiting."""
+    (returned; ``release``: their problems go back to the next refresh), the others are returned as still
+    waiting."""
     settled, waiting = [], []
     for request in store.review_requests(name):
         if request.refresh_id == skip or not is_open(store, request):
             continue
         if now >= request.deadline:
-            settled.append(conclude(store, request, timed_out(request.changes, timeout_reason(request)), folder))
+            decisions = timed_out(request.changes, timeout_reason(request, release))
+            settled.append(conclude(store, request, decisions, folder, released=release))
         else:
             waiting.append(request)
     return settled, waiting

@@ -337,7 +337,7 @@ _RECORDS: dict[str, Callable[[dict], Any]] = {
     ),
     "refresh_gate": _plain(RefreshGateRow),
     "refreshes": lambda row: RefreshDecision(
-        **{k: row[k] for k in RefreshDecision.model_fields if k != "reasons"}, reasons=json.loads(row["reasons_json"])
+        **_fields(RefreshDecision, row, skip=("reasons",)), reasons=json.loads(row["reasons_json"])
     ),
     "review_requests": _review_request_record,
     "review_decisions": _plain(ReviewDecision),
@@ -834,10 +834,11 @@ class Store:
 
     @_connected
     def consumed_problem_keys(self, name: str) -> set[str]:
-        """Content keys of the problems taken by decided refreshes of ``name`` (never taken again)."""
+        """Content keys of the problems taken by decided refreshes of ``name`` (never taken again), less those of
+        refreshes that gave theirs back (a review that timed out)."""
         rows = self.con.execute(
             "SELECT DISTINCT i.problem_key FROM refresh_inputs i JOIN refreshes r ON i.run_id = r.run_id "
-            "WHERE r.name = ?",
+            "WHERE r.name = ? AND NOT coalesce(r.released, false)",
             [name],
         ).fetchall()
         return {r[0] for r in rows}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
@@ -40,14 +41,23 @@ from clgrpo.adopt import adoptions
 from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import markdown_table
-from clgrpo.review import ReviewPendingError, library_at, settle_expired
+from clgrpo.review import (
+    ReviewError,
+    ReviewPendingError,
+    ServedCheck,
+    answers_from,
+    decide_all,
+    library_at,
+    settle_expired,
+    stored_request,
+)
 from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
 from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
 from clgrpo.store import Store
 from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
-from flows.refresh_review import promote
+from flows.refresh_review import finish_review, lesson_guard, promote
 from flows.train import train
 from schemas.config import DatasetConfig, RefreshConfig, RunConfig
 from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
@@ -194,7 +204,14 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
 def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None:
     """Earlier refreshes of this name whose review timed out are decided (not promoted); one still waiting for
     its review stops this refresh (run it again once that review is answered or timed out)."""
-    settled, waiting = settle_expired(store, config.name, datetime.now(ZoneInfo("UTC")), work_dir(config), refresh_id)
+    settled, waiting = settle_expired(
+        store,
+        config.name,
+        datetime.now(ZoneInfo("UTC")),
+        work_dir(config),
+        refresh_id,
+        release=config.release_timed_out,
+    )
     for decision in settled:
         get_run_logger().info("refresh %s: %s", decision.refresh_id, decision.reasons[-1])
     if waiting:
@@ -393,6 +410,38 @@ async def train_and_compare(
     }
 
 
+async def measure_served(config: RefreshConfig, pending: RefreshDecision, served_ref: str) -> ServedCheck:
+    """A reviewed library that is not the candidate, measured as the candidate was: the same held-out set,
+    sampling and seeds against the same baseline, the same overall rule and per-tag gate (rows stored under
+    ``<refresh_id>-served``)."""
+    refresh_id = pending.refresh_id
+    folder = work_dir(config) / refresh_id
+    run_config = training_config(config, refresh_id, folder / "new-problems.jsonl", folder / "start.seed.json")
+    outcome: EvalOutcome = await evaluate(
+        run_config,
+        config.evaluation,
+        [pending.baseline_ref, served_ref],
+        eval_id=f"{refresh_id}-served",
+        train_dataset=run_config.dataset,
+    )
+    comparison = next(c for c in outcome.overall if c.metric == config.metric)
+    passes, reason = decide(comparison, config.margin)
+    gate = record_gate(config, f"{refresh_id}-served", outcome)
+    return ServedCheck(
+        passed=passes and gate.tags_pass,
+        reasons=[f"the reviewed library as served ({served_ref}): {reason}", *gate.reasons()],
+        fields={
+            "eval_id": outcome.eval_id,
+            "baseline_value": comparison.baseline_value,
+            "candidate_value": comparison.candidate_value,
+            "diff": comparison.diff,
+            "ci_low": comparison.ci_low,
+            "ci_high": comparison.ci_high,
+            "ci_level": comparison.ci_level,
+        },
+    )
+
+
 @flow(
     name="refresh",
     flow_run_name=_flow_run_name,
@@ -444,7 +493,25 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
         fields["reasons"] = [*reasons, *notes]
         decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)
         if decision.promoted:
-            decision = await promote(config, decision, baseline.library, inputs, work_dir(config))
+            measure = partial(measure_served, config, decision)
+            decision = await promote(config, decision, baseline.library, inputs, work_dir(config), measure)
         if decision.status == "awaiting_review":
             return decision
         return await record(config, decision)
+
+
+# --- a review answered from a terminal ------------------------------------------------------------------------------
+@flow(name="review", flow_run_name="review-{refresh_id}", log_prints=True)
+async def apply_review(config: RefreshConfig, refresh_id: str, form: dict[str, Any]) -> RefreshDecision:
+    """The answers of ``clgrpo review`` for a refresh run outside a deployment (or one whose run is gone):
+    decided, measured when they leave a library other than the candidate, promoted or not, recorded. Edits the
+    lesson guard refuses were caught by the command before this runs."""
+    with Store(config.training.db_path) as store:
+        request = stored_request(store, refresh_id)
+        inputs = store.records("refresh_inputs", refresh_id)
+    if request is None:
+        raise ReviewError(f"no review requested by refresh {refresh_id!r}")
+    answers, reviewer = answers_from(form, request.changes)
+    decisions = decide_all(request.changes, answers, reviewer, lesson_guard(config, inputs).check)
+    measure = partial(measure_served, config, request.pending)
+    return await finish_review(config, request, decisions, work_dir(config), measure)

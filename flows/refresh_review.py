@@ -15,6 +15,7 @@ review request and published as a markdown artifact, then
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,21 +27,28 @@ from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import markdown_table
 from clgrpo.review import (
+    ServedCheck,
     answer_form,
     answers_from,
     changes_between,
     conclude,
     decide_all,
+    describe_decision,
     field_name,
+    finish,
     library_at,
     review_sources,
+    reviewed_version,
+    store_decisions,
     stored_decisions,
     stored_request,
+    timed_out,
+    timeout_reason,
 )
 from clgrpo.store import Store
 from domains.guard import LessonGuard
 from schemas.config import RefreshConfig
-from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewRequest, utcnow
+from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewDecision, ReviewRequest, utcnow
 from schemas.stages import Stage
 from tasks.common import artifact_key
 
@@ -131,16 +139,20 @@ async def publish_request(request: ReviewRequest) -> None:
 
 
 # --- after the gate --------------------------------------------------------------------------------------------------
+Measure = Callable[[str], Awaitable[ServedCheck]]  # a reviewed library's ref -> its measurement against the baseline
+
+
 async def promote(
     config: RefreshConfig,
     pending: RefreshDecision,
     baseline: ExperienceLibrary,
     inputs: list[RefreshInput],
     folder: Path,
+    measure: Measure,
 ) -> RefreshDecision:
     """A candidate that passed the gate: adopted at once, or reviewed first (see the module notes); ``folder``
-    holds the served files. Returns the decision to record, or an ``awaiting_review`` one (not recorded) for a
-    terminal run."""
+    holds the served files; ``measure`` evaluates a reviewed library that is not the candidate. Returns the
+    decision to record, or an ``awaiting_review`` one (not recorded) for a terminal run."""
     with Store(config.training.db_path) as store:
         if config.review == "none":
             candidate = library_at(store, pending.candidate_ref or "none")
@@ -157,37 +169,126 @@ async def promote(
             return pending
         request = open_request(store, config, pending, baseline)
         decided = stored_decisions(store, pending.refresh_id)
-        if decided is not None:  # answered before this run stopped: finish the same way
-            return conclude(store, request, decided, folder)
-    await publish_request(request)
-    answers = await _ask(config, request)
-    if answers is None:
-        return _awaiting(request)
-    decisions = decide_all(request.changes, *answers, check=lesson_guard(config, inputs).check)
+    if decided is None and utcnow() >= request.deadline:  # a retried or rerun review past its deadline
+        if config.review_after_timeout == "decide":
+            return await record_timeout(config, request, folder)
+        request = reopen(config, request)
+    if decided is None:
+        await publish_request(request)
+        answers = await _ask(config, request)
+        if answers is None:
+            return _awaiting(request)
+        decided = await _with_fixed_edits(config, request, inputs, answers)
+    return await finish_review(config, request, decided, folder, measure)
+
+
+async def finish_review(
+    config: RefreshConfig,
+    request: ReviewRequest,
+    decisions: list[ReviewDecision],
+    folder: Path,
+    measure: Measure,
+) -> RefreshDecision:
+    """Store the answers; when they leave a library other than the candidate (an edit, a rejection), measure it
+    like the candidate was and serve it only if it passes the same gate; record the decision; update the review
+    artifact with the outcome."""
     with Store(config.training.db_path) as store:
-        return conclude(store, request, decisions, folder)
+        store_decisions(store, request, decisions)
+        served = reviewed_version(store, request, decisions)
+    check = await measure(served[1]) if served is not None and not served[2] else None
+    with Store(config.training.db_path) as store:
+        decision = finish(store, request, decisions, folder, served, check)
+    await publish_outcome(request, decisions, decision)
+    get_run_logger().info("refresh %s: review answered, %s", request.refresh_id, decision.status)
+    return decision
 
 
-async def _ask(config: RefreshConfig, request: ReviewRequest) -> tuple[dict, str] | None:
-    """The reviewer's answers: suspends a deployment run until they come; None outside a deployment."""
+async def record_timeout(config: RefreshConfig, request: ReviewRequest, folder: Path) -> RefreshDecision:
+    """The review's deadline passed unanswered: recorded as timed out (nothing promoted), its problems given
+    back to the next refresh when ``release_timed_out``."""
+    release = config.release_timed_out
+    decisions = timed_out(request.changes, timeout_reason(request, release))
+    with Store(config.training.db_path) as store:
+        decision = conclude(store, request, decisions, folder, released=release)
+    await publish_outcome(request, decisions, decision)
+    get_run_logger().info("refresh %s: %s", request.refresh_id, decisions[0].reason)
+    return decision
+
+
+def reopen(config: RefreshConfig, request: ReviewRequest) -> ReviewRequest:
+    """The same changes asked again with a new deadline (``review_after_timeout: reopen``); stored."""
+    now = utcnow()
+    fresh = request.model_copy(
+        update={"deadline": now + timedelta(seconds=config.review_timeout_s), "created_at": now,
+                "flow_run_id": deployment_run_id()}
+    )  # fmt: skip
+    with Store(config.training.db_path) as store:
+        store.write_stage(request.refresh_id, 0, Stage.REVIEW_REQUEST, {"review_requests": [fresh]})
+    get_run_logger().info(
+        "refresh %s: the review's deadline passed unanswered; asked again until %s",
+        request.refresh_id,
+        f"{fresh.deadline:%Y-%m-%d %H:%M %Z}",
+    )
+    return fresh
+
+
+async def _with_fixed_edits(
+    config: RefreshConfig, request: ReviewRequest, inputs: list[RefreshInput], answers: tuple[dict, str]
+) -> list[ReviewDecision]:
+    """The decisions; an edit the lesson guard refuses is asked again (the form says why) until it passes or is
+    answered otherwise, never dropped in silence."""
+    check = lesson_guard(config, inputs).check
+    by_change, reviewer = answers
+    for attempt in range(1, MAX_EDIT_ROUNDS + 1):
+        decisions = decide_all(request.changes, by_change, reviewer, check)
+        refused = [c for c, d in zip(request.changes, decisions) if d.decision == "refused_edit"]
+        if not refused or utcnow() >= request.deadline:
+            return decisions
+        reasons = {c.change_id: d.reason for c, d in zip(request.changes, decisions) if d.decision == "refused_edit"}
+        get_run_logger().info(
+            "refresh %s: %d edit(s) refused by the lesson guard, asked again: %s",
+            request.refresh_id,
+            len(refused),
+            "; ".join(f"{k}: {v}" for k, v in reasons.items()),
+        )
+        again = await _ask(config, request, refused, reasons, round_=attempt)
+        if again is None:
+            return decisions
+        by_change = {**by_change, **again[0]}
+    return decide_all(request.changes, by_change, reviewer, check)
+
+
+MAX_EDIT_ROUNDS = 3
+
+
+async def _ask(
+    config: RefreshConfig,
+    request: ReviewRequest,
+    changes: list[LessonChange] | None = None,
+    refused: dict[str, str] | None = None,
+    *,
+    round_: int = 0,
+) -> tuple[dict, str] | None:
+    """The reviewer's answers: suspends a deployment run until they come (the key names the deadline and the
+    round, so a retried run asks afresh instead of reading a spent answer); None outside a deployment."""
     from prefect.flow_runs import asuspend_flow_run
     from prefect.input import RunInput
 
-    log = get_run_logger()
     if deployment_run_id() is None:
         return None
-    log.info(
-        "refresh %s: %d change(s) await review; answer in the UI (Resume) or with `clgrpo review %s` within %d s",
+    changes = changes or request.changes
+    left = max(60, int((request.deadline - utcnow()).total_seconds()))
+    get_run_logger().info(
+        "refresh %s: %d change(s) await review; answer in the UI (Resume) or with `clgrpo review %s` by %s",
         request.refresh_id,
-        len(request.changes),
+        len(changes),
         request.refresh_id,
-        config.review_timeout_s,
+        f"{request.deadline:%Y-%m-%d %H:%M %Z}",
     )
-    form = answer_form(request.changes, base=RunInput)
-    filled: Any = await asuspend_flow_run(
-        wait_for_input=form, timeout=config.review_timeout_s, key=review_key(request.refresh_id)
-    )
-    return answers_from(filled, request.changes)
+    form = answer_form(changes, base=RunInput, refused=refused)
+    key = f"{review_key(request.refresh_id)}-{int(request.deadline.timestamp())}-{round_}"
+    filled: Any = await asuspend_flow_run(wait_for_input=form, timeout=left, key=key)
+    return answers_from(filled, changes)
 
 
 def _awaiting(request: ReviewRequest) -> RefreshDecision:
@@ -197,3 +298,23 @@ def _awaiting(request: ReviewRequest) -> RefreshDecision:
     )
     get_run_logger().info(hint)
     return request.pending.model_copy(update={"status": "awaiting_review", "reasons": [*request.pending.reasons, hint]})
+
+
+def outcome_markdown(request: ReviewRequest, decisions: list[ReviewDecision], decision: RefreshDecision) -> str:
+    lines = [
+        f"# Review {request.refresh_id}: answered, {decision.status}",
+        "",
+        *[f"- {describe_decision(d)}" for d in decisions],
+        "",
+        *[f"- {r}" for r in decision.reasons],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+async def publish_outcome(request: ReviewRequest, decisions: list[ReviewDecision], decision: RefreshDecision) -> None:
+    """The review artifact after the answer: what was decided and what is served (it said "awaiting review")."""
+    await acreate_markdown_artifact(
+        outcome_markdown(request, decisions, decision),
+        key=artifact_key(request.name, "review"),
+        description=f"Refresh {request.refresh_id}: review answered, {decision.status}",
+    )

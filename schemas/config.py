@@ -711,9 +711,17 @@ class RefreshConfig(Section):
     work_dir: str | None = None  # new-problem files and exported libraries; None: <db dir>/refresh/<name>
     # a person reviews each change of a candidate that passed the gate before it is promoted ("required"):
     # a deployment run suspends (answer in the Prefect UI or `clgrpo review`); a terminal run stores the review
-    # and returns. No answer within review_timeout_s: nothing is promoted.
+    # and returns. No answer within review_timeout_s: nothing is promoted. The library the review leaves (the
+    # approved and edited changes) is measured like the candidate was and promoted only if it passes the gate.
     review: Literal["none", "required"] = "none"
     review_timeout_s: int = Field(86400, ge=60)
+    # a retried or rerun review whose deadline passed: record the timeout ("decide"), or ask again with a new
+    # deadline ("reopen")
+    review_after_timeout: Literal["decide", "reopen"] = "decide"
+    # a night whose review timed out gives its problems back: the next refresh may take them again
+    release_timed_out: bool = True
+    # a lesson a reviewer rejected (or one near it) is not proposed again for this many nights (0: forgotten)
+    remember_rejected_nights: int = Field(30, ge=0)
 
     @model_validator(mode="after")
     def _known_timezone(self) -> "RefreshConfig":

@@ -351,7 +351,8 @@ TABLE_DDL: dict[str, str] = {
         ci_level DOUBLE,
         margin DOUBLE NOT NULL,
         reasons_json VARCHAR NOT NULL,
-        decided_at TIMESTAMPTZ NOT NULL""",
+        decided_at TIMESTAMPTZ NOT NULL,
+        released BOOLEAN""",
     # a refresh's promotion gate, (refresh_id, 0, refresh-gate): the overall row (tag NULL) and one per task tag
     "refresh_gate": """
         run_id VARCHAR NOT NULL,
@@ -499,6 +500,7 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "refresh_inputs": ["tag VARCHAR", "answer_source VARCHAR", "rejected_answer VARCHAR"],
     "library_experiences": ["domain_tag VARCHAR"],
     "refresh_watermarks": ["n_late INTEGER"],
+    "refreshes": ["released BOOLEAN"],
     "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
     "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
     "llm_calls": [

@@ -358,6 +358,7 @@ class RefreshesFrame(StageKeyed):
     margin: Series[float] = pa.Field(ge=-1.0, lt=1.0)
     reasons_json: Series[str]
     decided_at: Series[pd.DatetimeTZDtype] = pa.Field(dtype_kwargs=_UTC)
+    released: Series[bool] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     @classmethod

@@ -542,6 +542,7 @@ class RefreshDecision(Record):
     margin: float
     reasons: list[str] = Field(default_factory=list)
     decided_at: datetime = Field(default_factory=utcnow)
+    released: bool = False  # its problems go back to the next refresh (its review timed out)
 
     @property
     def promoted(self) -> bool:

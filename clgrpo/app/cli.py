@@ -953,24 +953,32 @@ def print_change(c: Any) -> None:
         print(f"    {line}")
 
 
-def _ask_terminal(changes: list, reviewer: str) -> dict[str, Any]:
-    """One answer per change from the terminal: approve, edit (then the new text) or reject, and a reason."""
+def _ask_terminal(changes: list, reviewer: str, check: Any) -> dict[str, Any]:
+    """One answer per change from the terminal: approve, edit (then the new text, asked again while the lesson
+    guard refuses it) or reject, and a reason."""
     from clgrpo.review import field_name
 
+    if not sys.stdin.isatty():
+        raise ConfigError("no terminal to answer on: use --decisions FILE.json, --approve-all or --reject-all")
     answers: dict[str, Any] = {"reviewer": reviewer}
     for c in changes:
         print_change(c)
-        choice = ""
+        choice, text = "", ""
         while choice not in {"a", "e", "r"}:
             choice = input("  [a]pprove, [e]dit or [r]eject? ").strip().lower()[:1]
-        text = input("  new text: ").strip() if choice == "e" else ""
+            if choice == "e":
+                text = " ".join(input("  new text: ").split())
+                refusal = "the edited text is empty" if not text else check(text, c.source_groups)
+                if refusal:
+                    print(f"  refused by the lesson guard: {refusal}; answer again")
+                    choice = ""
         reason = input("  reason (optional): ").strip()
         decision = {"a": "approve", "e": "edit", "r": "reject"}[choice]
         answers[field_name(c)] = {"decision": decision, "text": text, "reason": reason}
     return answers
 
 
-def review_answers(args: argparse.Namespace, changes: list) -> dict[str, Any]:
+def review_answers(args: argparse.Namespace, changes: list, check: Any) -> dict[str, Any]:
     """Form data from --decisions FILE, --approve-all / --reject-all, or the terminal."""
     import json
 
@@ -987,7 +995,7 @@ def review_answers(args: argparse.Namespace, changes: list) -> dict[str, Any]:
     if args.approve_all or args.reject_all:
         choice: Literal["approve", "reject"] = "approve" if args.approve_all else "reject"
         return uniform_answers(changes, choice, _reviewer(args), args.reason or f"{choice} all")
-    return _ask_terminal(changes, _reviewer(args))
+    return _ask_terminal(changes, _reviewer(args), check)
 
 
 def _find_request(store: Store, key: str) -> Any:
@@ -1024,17 +1032,43 @@ def _resume(request: Any, form: dict[str, Any]) -> str:
 def cmd_review(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from clgrpo.review import answers_from, conclude, decide_all, field_name, is_open, timed_out, timeout_reason
+    from clgrpo.review import (
+        ReviewError,
+        answers_from,
+        conclude,
+        decide_all,
+        field_name,
+        is_open,
+        timed_out,
+        timeout_reason,
+    )
     from clgrpo.run_lock import RunLock
 
     db = resolve_db(args.db, args.refresh)
     with _open(db) as store:
         request = _find_request(store, args.refresh)
+        inputs = store.records("refresh_inputs", request.refresh_id)
         if not is_open(store, request):
             decided = [d for d in store.refresh_decisions(request.name) if d.refresh_id == request.refresh_id]
-            raise StoreError(
-                f"refresh {request.refresh_id} is already decided: {decided[0].status if decided else '?'}"
+            raise ReviewError(
+                f"refresh {request.refresh_id} is already decided ({decided[0].status if decided else '?'}): "
+                "nothing to answer"
             )
+    config = RefreshConfig.model_validate_json(request.config_json)
+    from flows.refresh import work_dir
+    from flows.refresh_review import lesson_guard
+
+    if datetime.now(timezone.utc) >= request.deadline:  # too late: the timeout is recorded, the answers are not
+        release = config.release_timed_out
+        with RunLock(db, "refresh", request.name), Store(db) as store:
+            decision = conclude(
+                store, request, timed_out(request.changes, timeout_reason(request, release)), work_dir(config),
+                released=release,
+            )  # fmt: skip
+        raise ReviewError(
+            f"the review of refresh {request.refresh_id} closed at {request.deadline:%Y-%m-%d %H:%M %Z}: no "
+            f"answer was applied; recorded as {decision.status} (review timed out)"
+        )
     print(
         f"refresh {request.refresh_id}: {len(request.changes)} change(s), answer before "
         f"{request.deadline:%Y-%m-%d %H:%M %Z}"
@@ -1042,24 +1076,22 @@ def cmd_review(args: argparse.Namespace) -> int:
     if args.decisions or args.approve_all or args.reject_all:
         for c in request.changes:
             print_change(c)
-    form = review_answers(args, request.changes)
-    answers, reviewer = answers_from(form, request.changes)
+    check = lesson_guard(config, inputs).check
+    answers, reviewer = answers_from(review_answers(args, request.changes, check), request.changes)
+    refused = [d for d in decide_all(request.changes, answers, reviewer, check) if d.decision == "refused_edit"]
+    if refused:  # a file's edit the guard refuses: nothing is applied, the file is to be fixed
+        raise ReviewError(
+            "; ".join(f"change {d.change_id}: {d.reason}" for d in refused) + ": fix the edit and answer again"
+        )
     form = {"reviewer": reviewer, **{field_name(c): answers[c.change_id].model_dump() for c in request.changes}}
-    expired = datetime.now(timezone.utc) >= request.deadline
-    if request.flow_run_id and not expired:  # the server of PREFECT_API_URL (the one the deployment runs on)
+    if request.flow_run_id:  # the server of PREFECT_API_URL (the one the deployment runs on)
         print(_resume(request, form))
         return 0
-    config = RefreshConfig.model_validate_json(request.config_json)
-    from flows.refresh import work_dir
-    from flows.refresh_review import lesson_guard
+    _prefect_defaults()
+    from flows.refresh import apply_review
 
-    with RunLock(db, "refresh", request.name), Store(db) as store:
-        if expired:
-            decisions = timed_out(request.changes, timeout_reason(request))
-        else:
-            inputs = store.records("refresh_inputs", request.refresh_id)
-            decisions = decide_all(request.changes, answers, reviewer, lesson_guard(config, inputs).check)
-        decision = conclude(store, request, decisions, work_dir(config))
+    with RunLock(db, "refresh", request.name), session(db, f"review-{request.refresh_id}"):
+        decision = stopping.run(apply_review(config, request.refresh_id, form))
     print_decision(decision)
     return 0
 
