@@ -54,6 +54,7 @@ from clgrpo.report import (
 from clgrpo.retrieval import prompt_routing, route_library
 from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
+from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import get_domain
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
@@ -532,6 +533,7 @@ async def _evaluate(
     stopping.note_stage("evaluation")
     warm_verifier(config.domain)  # starts while the endpoint is checked
     await check_policy(config)  # the endpoint answers and serves the model, before any sampling
+    remember_db(config.db_path)  # later commands find a deployment run's database as a CLI run's
     with Store(config.db_path) as store:
         config = resolve_policy_adapter(config, store)  # policy.adapter RUN:STEP -> its folder, checked
         conditions = resolve_conditions(store, libraries, config.policy)

@@ -54,6 +54,7 @@ from clgrpo.review import (
 from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
 from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
+from clgrpo.state import remember_db
 from clgrpo.store import Store
 from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
@@ -459,6 +460,7 @@ async def refresh(config: RefreshConfig, as_of: datetime | None = None) -> Refre
 async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDecision:
     log = get_run_logger()
     check_refresh(config)
+    remember_db(config.training.db_path)  # later commands find a deployment run's database as a CLI run's
     cutoff = refresh_cutoff(config, as_of)
     date = refresh_date(config, cutoff)
     refresh_id = f"{config.name}-{date}"

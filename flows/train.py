@@ -42,6 +42,7 @@ from clgrpo.retrieval import route_library
 from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
 from clgrpo.stale_runs import mark_stale_runs_crashed
+from clgrpo.state import remember_db
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from clgrpo.words import counted
@@ -977,6 +978,7 @@ async def _train(config: RunConfig, preflight: bool) -> TrainResult:
     warm_verifier(config.domain)  # first: it starts while the checks, the store and the first rollouts wait
     if preflight:
         await check_run(config)
+    remember_db(config.db_path)  # a deployment run's database is found by later commands as a CLI run's is
     # the run lock: no other live process runs this run id on this database (the store holds the file only
     # while it works, so other runs and readers share it)
     with RunLock(config.db_path, "train", config.require_run_id()), Store(config.db_path) as store:

@@ -86,10 +86,11 @@ async def evaluate_library(
     progress.advance(Stage.EVALUATE, len(have))
     wanted = [p for p in problems if todo[p.problem_id]]
 
-    async def one(problem: Problem, index: int) -> tuple[list[Rollout], list[LLMCall]]:
-        """One missing sample, graded and kept the moment it is (a stop loses only the replies in flight)."""
+    async def one(problem: Problem, indices: list[int]) -> tuple[list[Rollout], list[LLMCall]]:
+        """Missing samples of a problem, graded and kept the moment they are (a stop loses only the replies in
+        flight)."""
         batch = await rollout_problem(
-            problem, library, domain, llm, k, temperature, seeds[problem.problem_id], agent, [index]
+            problem, library, domain, llm, k, temperature, seeds[problem.problem_id], agent, indices
         )
         graded = await grade([problem], batch.rollouts, domain, judge)
         for r, g in zip(batch.rollouts, graded):
@@ -100,7 +101,15 @@ async def evaluate_library(
         progress.advance(Stage.EVALUATE, len(batch.rollouts))
         return batch.rollouts, batch.calls
 
-    parts = await asyncio.gather(*[one(p, i) for p in wanted for i in todo[p.problem_id]])
+    # one request per problem where the endpoint returns n samples at once (the prompt is paid once); else one
+    # per sample, each kept as it comes
+    together = llm.configs["policy"].supports_n and agent is None
+    work = (
+        [(p, todo[p.problem_id]) for p in wanted]
+        if together
+        else [(p, [i]) for p in wanted for i in todo[p.problem_id]]
+    )
+    parts = await asyncio.gather(*[one(p, indices) for p, indices in work])
     raise_if_all_failed(wanted, [r for rollouts, _ in parts for r in rollouts])
     ordered = [have[(p.problem_id, i)] for p in problems for i in range(k)]
     return EvalBatch(ordered, [c for _, calls in parts for c in calls])

@@ -1,6 +1,7 @@
 """The nightly refresh end to end under the Prefect test harness, against the scripted world over HTTP: no new
 data, a promotion, idempotent dates, the next refresh starting from the promoted library, and a rejection."""
 
+import asyncio
 import os
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
@@ -9,8 +10,8 @@ import pytest
 import yaml
 
 from clgrpo.app.cli import main
-from clgrpo.app.state import remember_db
 from clgrpo.library import ExperienceLibrary
+from clgrpo.state import remember_db
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -217,3 +218,17 @@ def test_promotion_needs_the_ci_lower_bound_above_the_margin(ci_low, margin, pro
     assert decision is promoted
     assert reason.startswith("Pass@k 0.400 -> 0.500 on 30 held-out problems: gain +0.100, 90% CI")
     assert ("is above the margin" in reason) is promoted
+
+
+async def test_a_flow_run_records_its_database_for_later_commands(tmp_path, monkeypatch, capsys):
+    """A refresh run by a worker (the flow itself, no CLI around it): `refresh history` without --db, from
+    another directory, finds its database, as it does for a CLI run."""
+    monkeypatch.setenv("CLGRPO_STATE_DIR", str(tmp_path / "state"))
+    with FakeOpenAIServer(ScriptedWorld(seed=14)) as server:
+        config = refresh_config(server, tmp_path, name="deployed")
+        await refresh(config, as_of=NIGHT)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert await asyncio.to_thread(main, ["refresh", "history", "--name", "deployed"]) == 0
+    assert "deployed-2026-11-21: no_new_data" in capsys.readouterr().out

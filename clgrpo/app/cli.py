@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ValidationError
 
 from clgrpo import leftovers, stopping
-from clgrpo.app.state import remember_db, resolve_db
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.gate import failing_summary
@@ -29,6 +28,7 @@ from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff
 from clgrpo.models import ModelError
 from clgrpo.run_lock import holder, refuse_if_running
+from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.words import counted
 from domains.math.synthetic import FAMILIES
@@ -57,7 +57,7 @@ def _open(db: str) -> Store:
 
 def _db(args: argparse.Namespace, ref: str | None = None) -> str:
     """``--db``, else the most recent database that holds the run of ``ref`` (RUN, RUN:VERSION), else the most
-    recent database (see ``clgrpo.app.state``)."""
+    recent database (see ``clgrpo.state``)."""
     return resolve_db(args.db, parse_library_ref(ref)[0] if ref else None)
 
 
@@ -661,7 +661,7 @@ def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     library is evaluated; the database is ``--db``, else the most recent database holding that run (a demo's
     run is found in the demo's database), else the config's ``db_path`` (with ``--config``)."""
     from clgrpo.adapters import split_condition
-    from clgrpo.app.state import database_holding
+    from clgrpo.state import database_holding
 
     refs = [split_condition(r)[1] for r in refs]  # adapter:RUN:STEP / both:RUN:STEP: that run's policy
     run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
@@ -681,7 +681,7 @@ def _check_runs_in(db: str, refs: list[str]) -> None:
     """Every run an evaluation reads a library of is in ``db``: checked before anything is written there (a
     wrong database is one line, not an empty file left behind)."""
     from clgrpo.adapters import split_condition
-    from clgrpo.app.state import holds
+    from clgrpo.state import holds
 
     for ref in refs:
         ref = split_condition(ref)[1]

@@ -1,7 +1,9 @@
 """Which DuckDB files this user worked with, so commands find a run without ``--db``.
 
 ``train``, ``demo``, ``eval`` and ``refresh run`` remember their database (absolute path, most recent first) in
-``$CLGRPO_STATE_DIR`` (default ``$XDG_STATE_HOME/clgrpo`` or ``~/.local/state/clgrpo``). A command that names a
+``$CLGRPO_STATE_DIR`` (default ``$XDG_STATE_HOME/clgrpo`` or ``~/.local/state/clgrpo``); so do the train,
+evaluate and refresh flows themselves, so a deployment run's database (resolved in the worker's directory) is
+found as well, from any directory, when the worker runs as the same user. A command that names a
 run looks for it in those databases, newest first; ``runs list`` shows the most recent one.
 """
 
