@@ -40,6 +40,19 @@ class NearDuplicates:
     vectors: Mapping[str, Sequence[float]]
     threshold: float = 0.9
     mode: str = "reject"
+    blocked: Sequence[tuple[str, str]] = ()  # (text, reason) of lessons not to learn again (their vectors too)
+
+    def blocked_by(self, text: str) -> str | None:
+        """Why ``text`` may not be learned: a blocked lesson at or above the threshold, with the similarity."""
+        query = self.vectors.get(normalize_text(text))
+        for other, reason in self.blocked:
+            vector = self.vectors.get(normalize_text(other))
+            if query is None or vector is None:
+                continue
+            similarity = float(sum(a * b for a, b in zip(query, vector)))
+            if similarity >= self.threshold:
+                return f"near a lesson rejected before (cosine {similarity:.3f}): {reason}"
+        return None
 
     def nearest(self, text: str, live: Iterable[Experience], ignore: Iterable[str] = ()) -> tuple[str, float] | None:
         """The most similar live experience at or above the threshold, with its similarity."""
@@ -314,6 +327,8 @@ class ExperienceLibrary:
         if reason:
             return reason, None
         text = " ".join(op.text.split())  # type: ignore[union-attr]  # check_text rejected a missing text
+        if batch.near is not None and (blocked := batch.near.blocked_by(text)):
+            return blocked, None
         if batch.near is not None and op.op in (OpKind.ADD, OpKind.MODIFY):
             found = batch.near.nearest(text, batch.live.values(), ignore=ids)
             if found is not None:

@@ -356,6 +356,9 @@ def _trigrams(text: str) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + 3]) for i in range(len(words) - 2)} or ({tuple(words)} if words else set())
 
 
+SAME_LESSON = 0.8  # word-trigram overlap, both ways, at which two lesson texts say the same thing
+
+
 def overlap(text: str, source: str) -> float:
     """The share of ``text``'s word trigrams that also occur in ``source`` (0 for an empty text)."""
     grams = _trigrams(text)

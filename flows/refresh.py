@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ from domains import get_domain
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
 from flows.train import train
-from schemas.config import DatasetConfig, RefreshConfig, RunConfig
+from schemas.config import BlockedLesson, DatasetConfig, RefreshConfig, RunConfig
 from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
 from schemas.stages import Stage
 from tasks.common import artifact_key
@@ -252,7 +252,11 @@ def write_dataset(inputs: list[RefreshInput], path: Path) -> Path:
     return path
 
 
-def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start: Path) -> RunConfig:
+def training_config(
+    config: RefreshConfig, refresh_id: str, dataset: Path, start: Path, blocked: list[BlockedLesson] | None = None
+) -> RunConfig:
+    """The refresh's training run: the template with its run id, dataset, starting library, steps and the lessons
+    reviewers rejected lately (``blocked``: not learned again)."""
     template = config.training
     seed = template.dataset.seed if template.dataset else template.seed
     traces = config.source.kind == "traces"  # some traces have an answer (from feedback), some none
@@ -270,8 +274,53 @@ def training_config(config: RefreshConfig, refresh_id: str, dataset: Path, start
             ),
             "initial_library": str(start),
             "grpo": template.grpo.model_copy(update={"max_steps": config.steps}),
+            "learning": template.learning.model_copy(
+                update={"blocked": [*template.learning.blocked, *(blocked or [])]}
+            ),
         }
     )
+
+
+def blocked_notes(config: RefreshConfig, run_id: str, remembered: int) -> list[str]:
+    """How many proposals repeated a lesson a reviewer rejected (not learned again), for the decision."""
+    if not remembered:
+        return []
+    with Store(config.training.db_path) as store:
+        repeats = [
+            r
+            for _, r in store.operation_results(run_id)
+            if r.reason.startswith(("rejected before: rejected in review", "near a lesson rejected before"))
+        ]
+    return [
+        f"{len(repeats)} proposal(s) repeated one of the {remembered} lesson(s) reviewers rejected in the last "
+        f"{config.remember_rejected_nights} nights: not learned again"
+    ]
+
+
+def rejected_in_review(store: Store, config: RefreshConfig, date: str) -> list[BlockedLesson]:
+    """The lessons reviewers of ``config.name`` rejected in the ``remember_rejected_nights`` nights before
+    ``date``, each with who rejected it, why and until when it is remembered."""
+    nights = config.remember_rejected_nights
+    if nights == 0:
+        return []
+    today = datetime.fromisoformat(date).date()
+    blocked = []
+    for decision in store.refresh_decisions(config.name):
+        day = datetime.fromisoformat(decision.refresh_date).date()
+        if not 0 < (today - day).days <= nights:
+            continue
+        until = (day + timedelta(days=nights)).isoformat()
+        for d in store.records("review_decisions", decision.refresh_id):
+            if d.decision == "reject" and d.proposed:
+                why = f": {d.reason}" if d.reason else ""
+                blocked.append(
+                    BlockedLesson(
+                        text=d.proposed,
+                        reason=f"rejected in review of {decision.refresh_id} by {d.reviewer}{why} "
+                        f"(remembered until {until})",
+                    )
+                )
+    return blocked
 
 
 # --- reporting ----------------------------------------------------------------------------------------------
@@ -355,25 +404,28 @@ def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) ->
 
 # --- the flow -------------------------------------------------------------------------------------------
 async def train_and_compare(
-    config: RefreshConfig, refresh_id: str, inputs: list[RefreshInput], baseline: Baseline
+    config: RefreshConfig, refresh_id: str, date: str, inputs: list[RefreshInput], baseline: Baseline
 ) -> dict[str, object]:
     """Train from the baseline on the new problems, then evaluate baseline vs candidate: decision fields."""
     folder = work_dir(config) / refresh_id
     dataset = write_dataset(inputs, folder / "new-problems.jsonl")
     start = baseline.library.dump(folder / "start.seed.json", "seed")  # keeps ids and the next id
-    run_config = training_config(config, refresh_id, dataset, start)
+    with Store(config.training.db_path) as store:
+        blocked = rejected_in_review(store, config, date)
+    run_config = training_config(config, refresh_id, dataset, start, blocked)
     trained = await train(run_config)
     candidate_ref = f"{trained.run_id}:{trained.final_version}"
     with Store(config.training.db_path) as store:
         candidate = store.load_library(trained.run_id, trained.final_version)
     fields: dict[str, object] = {"candidate_ref": candidate_ref, "train_run_id": trained.run_id}
+    repeats = blocked_notes(config, trained.run_id, len(blocked))
     if trained.stopped:  # a budget stopped training early: never promote a half-trained library
-        return {**fields, "status": "not_promoted", "reasons": [f"training stopped early: {trained.stopped}"]}
+        return {**fields, "status": "not_promoted", "reasons": [f"training stopped early: {trained.stopped}", *repeats]}
     if candidate.content_hash() == baseline.library.content_hash():
         return {
             **fields,
             "status": "not_promoted",
-            "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged"],
+            "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged", *repeats],
         }
     outcome: EvalOutcome = await evaluate(
         run_config,
@@ -389,6 +441,7 @@ async def train_and_compare(
     reasons = [
         f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
         f"{len(baseline.library)} -> {len(candidate)} experiences",
+        *repeats,
         reason,
         *gate.reasons(),
     ]
@@ -489,7 +542,7 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                     config, refresh_id, date, cutoff, 0, baseline, status="no_new_data", reasons=[reason, *notes]
                 ),
             )
-        fields = await train_and_compare(config, refresh_id, inputs, baseline)
+        fields = await train_and_compare(config, refresh_id, date, inputs, baseline)
         reasons = fields["reasons"]
         assert isinstance(reasons, list), "train_and_compare gives a list of reasons"
         fields["reasons"] = [*reasons, *notes]

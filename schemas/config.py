@@ -226,6 +226,14 @@ class LibraryGate(Section):
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: grpo.rollout_temperature
 
 
+class BlockedLesson(Section):
+    """A lesson a person rejected: an add, modify or merge that says (nearly) the same is rejected with ``reason``
+    (a refresh fills these from its reviews, ``remember_rejected_nights``)."""
+
+    text: str = Field(min_length=1)
+    reason: str
+
+
 class LearningConfig(Section):
     """How the learner turns attempts into library edits, and what a lesson may be."""
 
@@ -260,6 +268,7 @@ class LearningConfig(Section):
     summarize: bool = True  # the per-rollout summaries (False: the stage runs and stores none, saying so)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
     library_gate: LibraryGate = Field(default_factory=LibraryGate)
+    blocked: list[BlockedLesson] = Field(default_factory=list)  # lessons not to learn again (rejected by a person)
 
     @field_validator("lesson_pattern")
     @classmethod
@@ -508,6 +517,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "summarize"): True,
     ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
     ("learning", "library_gate"): LibraryGate().model_dump(mode="json"),
+    ("learning", "blocked"): [],
     ("policy", "adapter"): None,
     ("learner", "adapter"): None,
     # settings added inside a section a run may have changed: left out while at their default (after the whole

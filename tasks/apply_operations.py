@@ -11,8 +11,8 @@ from clgrpo.retrieval import embed_cached
 from clgrpo.store import Store
 from domains import get_domain
 from domains.guard import LessonGuard, first_rejection
-from domains.learner import LessonScreen
-from schemas.config import LearningConfig, RunConfig
+from domains.learner import SAME_LESSON, LessonScreen, overlap
+from schemas.config import BlockedLesson, LearningConfig, RunConfig
 from schemas.records import ExperienceStat, LibraryVersion, Operation, OperationResult, Problem
 from schemas.stages import Stage
 from tasks.common import stage_task
@@ -52,9 +52,25 @@ def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
     problem copies, a source problem's answer, ``lesson_pattern``), then the ``LessonGuard`` at
     ``learning.guard`` strictness (``unsafe: ...`` / ``leaks_problem: ...``). The first reason wins."""
     return first_rejection(
+        BlockedScreen(config.learning.blocked),
         LessonScreen(get_domain(config.domain).learner_prompts, problems, config.learning.lesson_pattern),
         LessonGuard(config.learning.guard, problems),
     )
+
+
+class BlockedScreen:
+    """Rejects a lesson that says (nearly) what a blocked one says: word-trigram overlap both ways at
+    ``SAME_LESSON`` (with near-duplicate control on, an embedding within its threshold is caught as well)."""
+
+    def __init__(self, blocked: Sequence[BlockedLesson]) -> None:
+        self.blocked = list(blocked)
+
+    def __call__(self, op: Operation) -> str | None:
+        text = op.text or ""
+        for b in self.blocked:
+            if text and min(overlap(text, b.text), overlap(b.text, text)) >= SAME_LESSON:
+                return f"rejected before: {b.reason}"
+        return None
 
 
 async def near_duplicates_for(
@@ -65,13 +81,14 @@ async def near_duplicates_for(
     settings = config.library
     if settings.near_duplicates == "off":
         return None
-    texts = [e.text for e in library] + [op.text for op in operations if op.text]
+    blocked = [(b.text, b.reason) for b in config.learning.blocked]
+    texts = [e.text for e in library] + [op.text for op in operations if op.text] + [t for t, _ in blocked]
     embedder = make_embedder(settings.embedding)
     try:
         vectors = await embed_cached(store, embedder, texts)
     finally:
         await embedder.aclose()
-    return NearDuplicates(vectors, settings.near_duplicate_similarity, settings.near_duplicates)
+    return NearDuplicates(vectors, settings.near_duplicate_similarity, settings.near_duplicates, blocked)
 
 
 @stage_task(Stage.APPLY_OPERATIONS, run_name="apply-operations-step{step}")

@@ -30,7 +30,7 @@ from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
 from clgrpo.words import counted
 from domains import Domain, get_domain
-from domains.learner import overlap
+from domains.learner import SAME_LESSON, overlap
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (
     GroupAdvantage,
@@ -116,9 +116,6 @@ def trial_problems(
 def trial_seeds(problems: Sequence[Problem], step: int, seed: int) -> dict[str, int]:
     """One base seed per problem (sample i uses base + i), the same in both arms."""
     return {p.problem_id: int(text_hash(f"trial:{seed}:{step}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
-
-
-SAME_LESSON = 0.8  # word-trigram overlap, both ways, at which two candidates are one lesson (tried once)
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                 "summarize": True,
                 "lesson_validation": True,
                 "library_gate": True,
+                "blocked": True,
                 "unlabeled": True,
             },
             "dataset": {

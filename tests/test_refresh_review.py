@@ -303,3 +303,35 @@ async def test_an_edit_into_a_worse_lesson_is_measured_and_not_served(tmp_path, 
     assert decision.reasons[-1].endswith("failed the gate: nothing promoted")
     assert any(r.startswith("the candidate as proposed (before review): ") for r in decision.reasons)
     assert not (tmp_path / "refresh" / "nightly" / "promoted.json").exists()
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_lesson_rejected_in_review_is_not_learned_again_the_next_night(tmp_path, capsys):
+    """Night 1's reviewer rejects every change; night 2 meets the same problems' kind and its learner proposes the
+    same lessons again: each is rejected with who rejected it before and why, and the decision counts them."""
+    with FakeOpenAIServer(ScriptedWorld(seed=11)) as server:
+        config = refresh_config(server, tmp_path, review="required", review_timeout_s=3600)
+        db = config.training.db_path
+        arrive(tmp_path / "incoming" / "day2.jsonl", make_problems(n_per_family=3, seed=5), NIGHT - timedelta(hours=12))
+        assert (await refresh(config, as_of=NIGHT)).status == "awaiting_review"
+        argv = ["review", "nightly-2026-11-21", "--reject-all", "--reviewer", "ana", "--db", db]
+        assert await asyncio.to_thread(main, argv) == 0
+        with Store(db, read_only=True) as store:
+            rejected = {r.proposed for r in store.records("review_decisions", "nightly-2026-11-21") if r.proposed}
+        assert rejected
+
+        config = refresh_config(server, tmp_path, review="none", margin=-0.99)
+        arrive(tmp_path / "incoming" / "day3.jsonl", make_problems(n_per_family=3, seed=9), NIGHT + timedelta(hours=12))
+        night2 = await refresh(config, as_of=NIGHT + timedelta(days=1))
+    capsys.readouterr()
+    with Store(db, read_only=True) as store:
+        results = [r for _, r in store.operation_results("nightly-2026-11-22-train")]
+        learned = store.load_library("nightly-2026-11-22-train")
+    repeats = [r for r in results if "rejected in review of nightly-2026-11-21 by ana" in r.reason]
+    assert repeats and all(r.reason.startswith(("rejected before: ", "near a lesson rejected before")) for r in repeats)
+    assert all("(remembered until 2026-12-21)" in r.reason for r in repeats)
+    assert not rejected & {e.text for e in learned}
+    assert any(r.endswith("not learned again") and f"{len(repeats)} proposal(s)" in r for r in night2.reasons)
+    assert main(["refresh", "history", "--name", "nightly", "--db", db]) == 0
+    assert "reviewers rejected in the last 30 nights: not learned again" in capsys.readouterr().out
