@@ -820,16 +820,18 @@ class Store:
 
     @_connected
     def refresh_gates(self, name: str) -> dict[str, list[RefreshGateRow]]:
-        """The promotion-gate rows of every decided refresh of ``name`` by refresh id (overall row first)."""
+        """The promotion-gate rows of every decided refresh of ``name`` by refresh id (overall row first): those
+        of the library its decision measured, the reviewed one (``<refresh_id>-served``) when it was measured."""
         frame = self.con.execute(
-            "SELECT g.* FROM refresh_gate g JOIN refreshes r ON g.refresh_id = r.refresh_id "
+            "SELECT r.refresh_id AS decided, g.* FROM refresh_gate g JOIN refreshes r ON g.refresh_id = "
+            "CASE WHEN r.eval_id = r.refresh_id || '-served' THEN r.eval_id ELSE r.refresh_id END "
             "WHERE r.name = ? AND r.stage = ? AND g.stage = ? ORDER BY g.refresh_id, g.tag NULLS FIRST",
             [name, Stage.REFRESH_DECIDE, Stage.REFRESH_GATE],
         ).df()
         gates: dict[str, list[RefreshGateRow]] = {}
         for row in frame.to_dict(orient="records"):
-            gate = _RECORDS["refresh_gate"]({k: _clean(v) for k, v in row.items()})
-            gates.setdefault(gate.refresh_id, []).append(gate)
+            decided = row.pop("decided")
+            gates.setdefault(decided, []).append(_RECORDS["refresh_gate"]({k: _clean(v) for k, v in row.items()}))
         return gates
 
     @_connected

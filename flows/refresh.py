@@ -343,10 +343,14 @@ def decision_markdown(decision: RefreshDecision, gate: list[RefreshGateRow] | No
 
 
 def stored_gate(store: Store, decision: RefreshDecision) -> list[RefreshGateRow]:
-    """The gate rows of a refresh that evaluated its candidate (none otherwise)."""
+    """The gate rows of the library a refresh's decision measured: the candidate, or the reviewed library
+    (stored under ``<refresh_id>-served``) when a review changed it; none when nothing was evaluated."""
     if decision.eval_id is None:
         return []
-    return store.records("refresh_gate", decision.refresh_id, 0, Stage.REFRESH_GATE)
+    served = f"{decision.refresh_id}-served"
+    return store.records(
+        "refresh_gate", served if decision.eval_id == served else decision.refresh_id, 0, Stage.REFRESH_GATE
+    )
 
 
 async def publish(store: Store, decision: RefreshDecision) -> None:

@@ -15,6 +15,7 @@ review request and published as a markdown artifact, then
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -261,6 +262,25 @@ async def _with_fixed_edits(
 MAX_EDIT_ROUNDS = 3
 
 
+class SuspensionIsNotAnError(logging.Filter):
+    """Prefect's async flow engine logs "Finished in state Suspended" at ERROR like a failure; a run waiting for
+    its reviewer is expected, so that line is logged at INFO (the UI and the worker's log stop showing an error)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith(
+            ("Finished in state Suspended", "Finished in state Paused")
+        ):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_suspension() -> None:
+    """Installs ``SuspensionIsNotAnError`` on Prefect's flow-run logger once per process."""
+    logger = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, SuspensionIsNotAnError) for f in logger.filters):
+        logger.addFilter(SuspensionIsNotAnError())
+
+
 async def _ask(
     config: RefreshConfig,
     request: ReviewRequest,
@@ -285,6 +305,7 @@ async def _ask(
         request.refresh_id,
         f"{request.deadline:%Y-%m-%d %H:%M %Z}",
     )
+    quiet_suspension()
     form = answer_form(changes, base=RunInput, refused=refused)
     key = f"{review_key(request.refresh_id)}-{int(request.deadline.timestamp())}-{round_}"
     filled: Any = await asuspend_flow_run(wait_for_input=form, timeout=left, key=key)

@@ -26,6 +26,7 @@ from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import free_port, start_detached, stop_group, wait_healthy
+from tests.test_refresh_flow import NIGHT, arrive, refresh_config
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -454,10 +455,17 @@ def test_the_scheduler_service_runs_an_interval_refresh_end_to_end(stack, tmp_pa
     assert decisions[date].status == "no_new_data" and decisions[date].refresh_id == f"every-few-seconds-{date}"
 
 
-def _wait_state(stack: Stack, flow_run_id, done: Callable[["FlowRun"], bool], what: str, timeout: float = 240):
+def _wait_state(
+    stack: Stack,
+    flow_run_id,
+    done: Callable[["FlowRun"], bool],
+    what: str,
+    timeout: float = 240,
+    flow: str = "train",
+):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        runs = [r for r in asyncio.run(_flow_runs(stack, "train")) if r.id == flow_run_id]
+        runs = [r for r in asyncio.run(_flow_runs(stack, flow)) if r.id == flow_run_id]
         if runs and done(runs[0]):
             return runs[0]
         time.sleep(0.5)
@@ -598,3 +606,61 @@ def test_hybrid_numeric_update_runs_as_its_own_child_on_the_cuda_pool(stack, tmp
     (record,) = (tmp_path / "handoff" / "hybrid-pool").glob("numeric-step0001-*/record.json")
     assert json.loads(record.read_text())["meta"]["cuda_visible_devices"] == "0"
     assert "numeric_update on cpu: no CUDA device" in (stack.logs / "worker-cuda.log").read_text()
+
+
+async def _run_logs(stack: Stack, flow_run_id) -> list:
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async with PrefectClient(stack.api_url) as client:
+        return await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+
+def test_retry_of_a_review_that_timed_out_records_the_timeout_and_releases_the_problems(stack, tmp_path):
+    """A reviewed refresh deployment run suspends (logged at INFO, not ERROR), nobody answers, the server fails it
+    at the deadline; `refresh history` (no --db, another directory) says the review timed out, not that it is
+    awaited; Retry (`prefect flow-run retry`, what the UI's button does) ends Completed with the timeout recorded:
+    nothing promoted, the night's problems given back to the next refresh. It used to re-suspend on the used key
+    and crash on a ValidationError."""
+    with FakeOpenAIServer(ScriptedWorld(seed=11)) as server:
+        config = refresh_config(server, tmp_path, review="required", review_timeout_s=60, name="unanswered")
+        arrive(tmp_path / "incoming" / "day2.jsonl", make_problems(n_per_family=3, seed=5), NIGHT - timedelta(hours=12))
+        params = {"config": config.model_dump(mode="json"), "as_of": NIGHT.isoformat()}
+        started = stack.prefect(
+            "deployment", "run", "refresh/nightly-refresh", "--params", json.dumps(params), timeout=120
+        )
+        assert started.returncode == 0, started.stdout + started.stderr
+        run_id = UUID(started.stdout.split("UUID:")[1].split()[0])
+        run = _wait_state(stack, run_id, lambda r: r.state.is_paused(), "suspended", timeout=300, flow="refresh")
+        assert run.state.name == "Suspended", run.state
+        errors = [log.message for log in asyncio.run(_run_logs(stack, run_id)) if log.level >= 40]
+        assert errors == [], errors
+        failed = _wait_state(stack, run_id, lambda r: r.state.is_final(), "failed at its deadline", 180, "refresh")
+        assert failed.state.is_failed(), failed.state
+
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    history = subprocess.run(
+        [sys.executable, "-m", "clgrpo.app.cli", "refresh", "history", "--name", "unanswered"],
+        env=stack.env, cwd=other, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert history.returncode == 0, history.stderr
+    assert "timed out unanswered at" in history.stdout and "awaiting review" not in history.stdout, history.stdout
+
+    retry = stack.prefect("flow-run", "retry", str(run_id), timeout=60)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    retried = _wait_state(
+        stack, run_id, lambda r: r.state.is_final() and r.run_count >= 2, "final after Retry", 240, "refresh"
+    )
+    assert retried.state.is_completed(), (retried.state, _logs(stack))
+    with Store(config.training.db_path, read_only=True) as store:
+        (decision,) = store.refresh_decisions("unanswered")
+        assert store.consumed_problem_keys("unanswered") == set()
+        assert store.library_adoptions("unanswered") == []
+    assert decision.status == "not_promoted" and decision.released
+    assert "review timed out after 60 s" in " ".join(decision.reasons), decision.reasons
+    history = subprocess.run(
+        [sys.executable, "-m", "clgrpo.app.cli", "refresh", "history", "--name", "unanswered"],
+        env=stack.env, cwd=other, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "unanswered-2026-11-21: not_promoted" in history.stdout, history.stdout

@@ -298,6 +298,9 @@ async def test_an_edit_into_a_worse_lesson_is_measured_and_not_served(tmp_path, 
     with Store(db, read_only=True) as store:
         decision = store.refresh_decisions("nightly")[0]
         assert store.library_adoptions("nightly") == []
+        overall = store.refresh_gates("nightly")["nightly-2026-11-21"][0]
+    # history and the artifacts show the gate over what would have been served, not the candidate's
+    assert overall.refresh_id == "nightly-2026-11-21-served" and overall.tag is None and overall.diff == decision.diff
     assert decision.status == "not_promoted" and decision.diff is not None and decision.diff < 0
     assert "the reviewed library nightly-2026-11-21-review:" in decision.reasons[-1]
     assert decision.reasons[-1].endswith("failed the gate: nothing promoted")

@@ -908,6 +908,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
 def cmd_refresh_history(args: argparse.Namespace) -> int:
     from clgrpo import adopt
     from clgrpo.review import describe_decision, is_open, stored_decisions
+    from schemas.records import utcnow
 
     db = resolve_db(args.db, refresh=args.name)
     with _open(db) as store:
@@ -922,10 +923,18 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
         print_decision(d, failing_summary(gates.get(d.refresh_id, [])))
         for row in reviews[d.refresh_id]:
             print(f"      review {describe_decision(row)}")
+    now = utcnow()
     for r in waiting:
+        head = f"{r.pending.refresh_date}  {r.refresh_id}:"
+        if r.deadline <= now:
+            print(
+                f"{head} review of {len(r.changes)} change(s) timed out unanswered at {r.deadline:%Y-%m-%d %H:%M %Z} "
+                f"(recorded by the next refresh of {args.name!r}, a Retry of its run or clgrpo review {r.refresh_id})"
+            )
+            continue
         print(
-            f"{r.pending.refresh_date}  {r.refresh_id}: awaiting review of {len(r.changes)} change(s) until "
-            f"{r.deadline:%Y-%m-%d %H:%M %Z}: clgrpo review {r.refresh_id}"
+            f"{head} awaiting review of {len(r.changes)} change(s) until {r.deadline:%Y-%m-%d %H:%M %Z}: "
+            f"clgrpo review {r.refresh_id}"
         )
     if adoptions:
         print("served library (promoted.json):")
