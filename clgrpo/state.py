@@ -59,6 +59,9 @@ def database_holding(run_id: str) -> str | None:
     return next((str(db) for db in recent_dbs() if holds(db, run_id)), None)
 
 
+REFRESH_TABLES = ("refreshes", "review_requests")  # a decided refresh, or one whose review waits
+
+
 def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str | None = None) -> str:
     """``--db`` when given; else the most recent database holding ``run_id`` (or the refresh named
     ``refresh``); else the most recent database; else ``runs/clgrpo.duckdb``."""
@@ -69,7 +72,7 @@ def resolve_db(explicit: str | None, run_id: str | None = None, *, refresh: str 
     if run_id:
         holder = next((db for db in recent if holds(db, run_id)), None)
     elif refresh:
-        holder = next((db for db in recent if holds(db, refresh, column="name", tables=("refreshes",))), None)
+        holder = next((db for db in recent if holds(db, refresh, column="name", tables=REFRESH_TABLES)), None)
     if holder is not None:
         return str(holder)
     if recent:
