@@ -264,6 +264,8 @@ def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
     served = tmp_path / "refresh" / "nightly" / "promoted.json"
     assert ExperienceLibrary.load(served).as_dict() == expected
     assert decision.status == "promoted" and "review by ana: 2 of" in decision.reasons[-1]
+    # the library the review left (one change approved, one edited, the rest rejected) was measured itself
+    assert decision.eval_id == f"{request.refresh_id}-served" and "passed the gate" in decision.reasons[-1]
     assert [(a.action, a.version, a.actor) for a in history] == [("promote", 1, "ana")]
     backup = tmp_path / "refresh" / "nightly" / "backups" / "promoted.v1.seed.json"
     assert ExperienceLibrary.load(backup).as_dict() == expected
