@@ -101,10 +101,59 @@ def load_trainable(location: ModelLocation, device: str, settings: HybridConfig,
                 task_type="CAUSAL_LM",
             ),
         )
-    if settings.gradient_checkpointing:  # recompute each layer's activations in the backward pass
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     return model, tokenizer
+
+
+# --- gradient checkpointing: memory against speed, chosen for the device ------------------------------------
+GIB = 1 << 30
+CHECKPOINT_SHARE = 0.5  # "auto" on CUDA: checkpoint when the activations would take more of the free memory
+
+
+LORA_SAVED_PER_LAYER = 4  # values of the hidden size a LoRA backward keeps per token and layer (H100, 0.5B: 3.3 GiB)
+
+
+def activation_bytes(model_config: Any, rows: int, tokens: int, dtype_bytes: int) -> int:
+    """A rough peak of what one batch's backward pass keeps without checkpointing: the frozen base keeps few
+    activations for a LoRA adapter (``LORA_SAVED_PER_LAYER``, calibrated on the measured H100 difference), plus
+    the float32 logits and their log-softmax over the vocabulary, which dominate for small models."""
+    layers = LORA_SAVED_PER_LAYER * dtype_bytes * model_config.hidden_size * model_config.num_hidden_layers
+    return rows * tokens * (layers + 2 * 4 * model_config.vocab_size)
+
+
+def checkpointing_choice(setting: bool | str, device: str, free_bytes: int | None, need_bytes: int) -> tuple[bool, str]:
+    """Whether to recompute activations in the backward pass, with the reason in words."""
+    if isinstance(setting, bool):
+        return setting, "hybrid.gradient_checkpointing"
+    if not device.startswith("cuda"):
+        return True, f"on {device}: memory before speed"
+    if free_bytes is None:
+        return True, "free GPU memory unknown"
+    on = need_bytes > CHECKPOINT_SHARE * free_bytes
+    side = "more" if on else "not more"
+    return on, f"activations ~{need_bytes / GIB:.1f} GiB, {side} than half of the {free_bytes / GIB:.1f} GiB free"
+
+
+def free_gpu_bytes(device: str) -> int | None:
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
+def set_checkpointing(model: Any, examples: Sequence[Example], settings: HybridConfig) -> bool:
+    """Decide (and log) gradient checkpointing for this step's batches on the model's device; enable it."""
+    parameter = next(model.parameters())
+    device = str(parameter.device)
+    tokens = max((len(e.prompt) + len(e.completion) for e in examples), default=0)
+    need = activation_bytes(model.config, min(settings.batch_rows, len(examples)), tokens, parameter.element_size())
+    on, why = checkpointing_choice(settings.gradient_checkpointing, device, free_gpu_bytes(device), need)
+    log.info("numeric_update: gradient checkpointing %s (%s)", "on" if on else "off", why)
+    if on:  # recompute each layer's activations in the backward pass
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return on
 
 
 def examples_from(items: Sequence[NumericItem], tokenizer: Any) -> list[Example]:
@@ -213,6 +262,7 @@ def train_adapter(model: Any, examples: list[Example], settings: HybridConfig, p
     device = str(next(model.parameters()).device)
     if not examples:
         return TrainOutcome(0, None, None, None, None, device, time.monotonic() - started)
+    set_checkpointing(model, examples, settings)
     torch.manual_seed(settings.seed)
     old = _logprobs(model, examples, settings.batch_rows, pad_id)
     ref = _logprobs(model, examples, settings.batch_rows, pad_id, adapter=False) if settings.kl_coef > 0 else None

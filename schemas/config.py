@@ -432,8 +432,10 @@ class HybridConfig(Section):
     # False: every step samples with the policy as configured (the updates are then off-policy)
     rollout_adapter: bool = True
     # recompute activations in the backward pass: SmolLM2-135M, 4 x 345 tokens on CPU: peak RSS 4.6 -> 3.0 GB,
-    # +17% time (benchmarks/REPORT.md); the same gradients, so not part of the fingerprint
-    gradient_checkpointing: bool = True
+    # +17% time; on an H100 4x slower for 3.3 of 80 GiB (benchmarks/REPORT.md). "auto": on for CPU, on CUDA only
+    # when the activations' estimate exceeds half the free GPU memory (decided and logged per step). The same
+    # gradients either way, so not part of the fingerprint
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     placement: Literal["local", "pool"] = "local"  # pool: the numeric-update-gpu deployment on the cuda pool
     deployment: str = "numeric-update-gpu/numeric-update-gpu"
     handoff_storage: str | None = None  # None: <db dir>/<run_id>/handoff (shared with the GPU workers)

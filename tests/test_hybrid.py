@@ -406,3 +406,43 @@ async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny
     assert (target / "adapter_model.safetensors").read_bytes() == (
         Path(worker_side.path) / "adapter_model.safetensors"
     ).read_bytes()
+
+
+QWEN_05B = type("Shape", (), {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936})
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "free_gib", "rows", "on", "why"),
+    [
+        ("auto", "cpu", None, 8, True, "on cpu: memory before speed"),
+        ("auto", "cuda:0", 78, 64, False, "not more than half of the 78.0 GiB free"),  # the H100 measurement
+        ("auto", "cuda:0", 6, 64, True, "more than half of the 6.0 GiB free"),  # a small card
+        ("auto", "cuda", None, 8, True, "free GPU memory unknown"),
+        (False, "cpu", None, 8, False, "hybrid.gradient_checkpointing"),  # as configured, whatever the device
+        (True, "cuda:0", 78, 8, True, "hybrid.gradient_checkpointing"),
+    ],
+)
+def test_gradient_checkpointing_is_chosen_for_the_device(setting, device, free_gib, rows, on, why):
+    need = hybrid.activation_bytes(QWEN_05B, rows=rows, tokens=330, dtype_bytes=2)
+    free = None if free_gib is None else free_gib * hybrid.GIB
+    chosen, reason = hybrid.checkpointing_choice(setting, device, free, need)
+    assert chosen is on and why in reason
+
+
+def test_the_activation_estimate_is_in_the_range_measured_on_an_h100():
+    """64 rows of ~330 tokens of a Qwen2.5-0.5B shape in bf16 fit an H100 without checkpointing (measured: 3.3 GiB
+    more than with it, beside logits of ~20 GiB); the estimate is of that order, not a figure to the byte."""
+    need = hybrid.activation_bytes(QWEN_05B, rows=64, tokens=330, dtype_bytes=2) / hybrid.GIB
+    assert 20 < need < 39
+
+
+def test_the_numeric_step_logs_its_checkpointing_choice(tiny_model, caplog):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, task_type="CAUSAL_LM"))
+    examples = [hybrid.Example([1, 2, 3], [4, 5], 1.0)]
+    with caplog.at_level("INFO", logger="clgrpo.hybrid"):
+        assert hybrid.set_checkpointing(model, examples, HybridConfig(enabled=True)) is True
+    assert "gradient checkpointing on (on cpu: memory before speed)" in caplog.text
+    assert model.get_base_model().is_gradient_checkpointing

@@ -327,3 +327,40 @@ def test_the_real_embedded_model_replies_valid_json_under_the_learner_schema(emb
     assert gen.finish_reasons == ["stop"] * 3, gen.texts
     for text in gen.texts:
         jsonschema.validate(json.loads(text), schema)
+
+
+QWEN_05B = type(
+    "Shape",
+    (),
+    {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14, "hidden_size": 896, "head_dim": 64},
+)
+
+
+@pytest.mark.parametrize(("free_gib", "rows"), [(None, 32), (75, 256), (2, 47), (0.01, 1)])
+def test_the_batch_size_comes_from_the_gpu_memory_free_after_loading(free_gib, rows):
+    from clgrpo.llm import transformers_backend as tb
+
+    per_row = tb.kv_bytes_per_row(QWEN_05B, dtype_bytes=2, vocab_size=151936)
+    assert 25e6 < per_row < 30e6  # 2048 positions of bf16 keys and values, plus the row's float32 logits
+    free = None if free_gib is None else int(free_gib * (1 << 30))
+    assert tb.rows_that_fit(free, per_row) == rows
+
+
+def test_the_engine_sizes_its_batches_from_the_loaded_model():
+    """An engine whose loaded model decides the batch size takes no more rows than that in one batch."""
+    from clgrpo.llm.backends import Generation
+    from clgrpo.llm.local import Engine
+
+    batches: list[int] = []
+
+    def run_batch(_model, requests):
+        batches.append(sum(r.n for r in requests))
+        return [Generation(["ok"] * r.n) for r in requests]
+
+    engine = Engine("sized", load=lambda: "model", run_batch=run_batch, max_rows=32, rows_for=lambda _m: 3)
+
+    async def many():
+        return await asyncio.gather(*(engine.generate(GenRequest(MESSAGES, n=1)) for _ in range(7)))
+
+    assert len(asyncio.run(many())) == 7
+    assert engine.max_rows == 3 and max(batches) <= 3 and sum(batches) == 7

@@ -66,9 +66,19 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, name: str, load: Callable[[], Any], run_batch: BatchFn, max_rows: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        load: Callable[[], Any],
+        run_batch: BatchFn,
+        max_rows: int,
+        rows_for: Callable[[Any], int] | None = None,
+    ) -> None:
+        """``max_rows``: sequences per batch; ``rows_for``: when given, the loaded model decides it instead
+        (e.g. from the GPU memory left after loading)."""
         self.name = name
         self.max_rows = max_rows
+        self._rows_for = rows_for
         self.stats = EngineStats()
         self.on_batch: Callable[[BatchReport], None] | None = None  # called from the worker thread
         self._load_fn = load
@@ -87,7 +97,11 @@ class Engine:
                 t0 = time.monotonic()
                 self._model = self._load_fn()
                 self.stats.load_s = time.monotonic() - t0
-                log.info("%s: loaded in %.1f s", self.name, self.stats.load_s)
+                if self._rows_for is not None:
+                    self.max_rows = self._rows_for(self._model)
+                log.info(
+                    "%s: loaded in %.1f s, up to %d sequences per batch", self.name, self.stats.load_s, self.max_rows
+                )
             return self._model
 
     def unload(self) -> None:
@@ -115,12 +129,23 @@ class Engine:
                 while not self._queue:
                     self._cond.wait()
             time.sleep(GATHER_S)
+            model, failed = self._loaded()  # before taking a batch: its size may depend on the loaded model
             jobs = [j for j in self._take() if j.future.set_running_or_notify_cancel()]
             if jobs and stopping.stopping():  # a stop signal: hand out no new generation
-                for job in jobs:
-                    job.future.set_exception(RuntimeError(f"{self.name}: not generated, a stop signal arrived"))
-            elif jobs:
-                self._run(jobs)
+                failed = RuntimeError(f"{self.name}: not generated, a stop signal arrived")
+            for job in jobs if failed is not None else []:
+                job.future.set_exception(failed)
+            if jobs and failed is None:
+                self._run(model, jobs)
+
+    def _loaded(self) -> tuple[Any, BaseException | None]:
+        """The model, or the error every waiting request gets: a missing or broken model fails permanently."""
+        try:
+            return self.load(), None
+        except Exception as exc:  # noqa: BLE001 - reported to each request
+            if isinstance(exc, PermanentLLMError):
+                return None, exc
+            return None, PermanentLLMError(f"{self.name}: loading failed: {exc}")
 
     def _take(self) -> list[_Job]:
         """The oldest waiting jobs that fit in ``max_rows`` sequences (always at least one)."""
@@ -133,16 +158,7 @@ class Engine:
                 rows += job.request.n
             return taken
 
-    def _run(self, jobs: list[_Job]) -> None:
-        try:
-            model = self.load()
-        except Exception as exc:  # noqa: BLE001 - a missing or broken model fails every request, permanently
-            error = (
-                exc if isinstance(exc, PermanentLLMError) else PermanentLLMError(f"{self.name}: loading failed: {exc}")
-            )
-            for job in jobs:
-                job.future.set_exception(error)
-            return
+    def _run(self, model: Any, jobs: list[_Job]) -> None:
         results = self._batch(model, [j.request for j in jobs])
         if (
             len(jobs) > 1

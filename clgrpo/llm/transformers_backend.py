@@ -31,7 +31,10 @@ from schemas.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_ROWS = 32
+DEFAULT_MAX_ROWS = 32  # sequences per batch on CPU and MPS (and where the GPU's free memory is unknown)
+ROW_TOKENS = 2048  # a row's prompt and completion, for sizing batches on a GPU
+KV_SHARE = 0.6  # of the GPU memory free after loading, what the batch's KV cache and logits may take
+MAX_AUTO_ROWS = 256
 
 
 class TransformersBackend:
@@ -59,6 +62,7 @@ class TransformersBackend:
                 load=partial(load_model, location, device, dtype, cfg.cpu_threads, adapter),
                 run_batch=run_batch,
                 max_rows=cfg.max_batch_rows or DEFAULT_MAX_ROWS,
+                rows_for=None if cfg.max_batch_rows else batch_rows,
             ),
         )
 
@@ -174,7 +178,53 @@ def load_model(
         getattr(model.config, "max_position_embeddings", None) or 1 << 30,
     )
     loaded.grammars = Grammars.create(tokenizer, vocab_size, sorted(eos_ids))
+    if device.startswith("cuda"):
+        warm_up(loaded)
     return loaded
+
+
+def warm_up(loaded: LoadedModel) -> None:
+    """One short generation at load (CUDA kernels, cuBLAS handles, allocator), so the first request does not
+    pay for it and its timing means what the others' do."""
+    import time
+
+    import torch
+
+    t0 = time.monotonic()
+    ids = torch.tensor([[loaded.pad_id] * 16], device=loaded.device)
+    with torch.inference_mode():
+        loaded.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+            pad_token_id=loaded.pad_id,
+        )  # fmt: skip
+    log.info("warmed up on %s in %.1f s", loaded.device, time.monotonic() - t0)
+
+
+def kv_bytes_per_row(model_config: Any, dtype_bytes: int, vocab_size: int, tokens: int = ROW_TOKENS) -> int:
+    """A generating row's KV cache over ``tokens`` positions plus its float32 logits and sampling copies."""
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return 2 * model_config.num_hidden_layers * heads * head_dim * dtype_bytes * tokens + 3 * 4 * vocab_size
+
+
+def rows_that_fit(free_bytes: int | None, per_row: int) -> int:
+    """Sequences per batch: as many as ``KV_SHARE`` of the free GPU memory holds (1 to ``MAX_AUTO_ROWS``);
+    ``DEFAULT_MAX_ROWS`` when the free memory is unknown (CPU, MPS)."""
+    if free_bytes is None:
+        return DEFAULT_MAX_ROWS
+    return max(1, min(MAX_AUTO_ROWS, int(free_bytes * KV_SHARE) // per_row))
+
+
+def batch_rows(loaded: LoadedModel) -> int:
+    """The batch size for this loaded model on its device (GPU: from the memory free after loading)."""
+    import torch
+
+    free = None
+    if loaded.device.startswith("cuda"):
+        free = int(torch.cuda.mem_get_info(torch.device(loaded.device))[0])
+    parameter = next(loaded.model.parameters())
+    per_row = kv_bytes_per_row(loaded.model.config, parameter.element_size(), loaded.vocab_size)
+    return rows_that_fit(free, per_row)
 
 
 def with_lora(model: Any, adapter: str) -> Any:
