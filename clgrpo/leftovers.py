@@ -22,18 +22,24 @@ CLI that is before the command's log file opens, so there the line is all that i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import psutil
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "claim_children",
     "on_command_start",
     "owner_env",
+    "remove_tree",
     "sweep",
     "temp_prefix",
     "this_owner",
@@ -335,18 +342,40 @@ def _sweep_processes(swept: Swept, grace_s: float) -> None:
         log.info("killed the processes of dead clgrpo process %s: %s", owner.tag, ", ".join(str(p.pid) for p in ps))
 
 
+def remove_tree(directory: str) -> None:
+    """Remove a directory even where a sandbox cell took away its own permissions; never touches anything
+    outside it (symlinks are not followed, the directory's parent is never changed)."""
+    root = Path(directory)
+    if not os.path.lexists(root):
+        return
+
+    def inside(path: Path) -> bool:
+        return path == root or root in path.parents
+
+    def retry(
+        func: Callable[[str], object], path: str, exc_info: tuple[type[BaseException], BaseException, TracebackType]
+    ) -> None:
+        if isinstance(exc_info[1], FileNotFoundError):
+            return
+        with contextlib.suppress(OSError):
+            for target in (Path(os.path.dirname(path)), Path(path)):
+                if inside(target) and not stat.S_ISLNK(os.lstat(target).st_mode):
+                    os.chmod(target, 0o700)
+            func(path)
+
+    shutil.rmtree(root, onerror=retry)
+
+
 def _sweep_dirs(swept: Swept, tmp: str) -> None:
     found = list(_dead_dirs(tmp))
     if not found:
         return
-    from clgrpo.sandbox import _rmtree  # removes what a cell made unreadable, never follows a symlink
-
     for owner, kind, path in found:
         uid = _uid_of_path(path)
         if owner.pid not in swept.owners or uid is not None:
             swept.owners[owner.pid] = owner.describe(uid)
         try:
-            _rmtree(path)
+            remove_tree(path)  # what a sandbox cell made unreadable too; never follows a symlink
         except OSError as exc:
             log.info("could not remove %s (left by dead clgrpo process %s): %s", path, owner.tag, exc)
         if os.path.lexists(path):

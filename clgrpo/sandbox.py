@@ -69,7 +69,6 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import signal
 import site
 import stat
@@ -82,11 +81,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
-from clgrpo.leftovers import owner_env, temp_prefix
+from clgrpo.leftovers import owner_env, remove_tree, temp_prefix
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
-    from types import TracebackType
+    from collections.abc import Coroutine
 
     from schemas.config import SandboxConfig
 
@@ -492,28 +490,7 @@ def _kill_and_remove(interps: set[_Interp], dirs: set[str]) -> None:
     for interp in list(interps):
         interp.kill()
     for directory in list(dirs):
-        _rmtree(directory)
-
-
-def _rmtree(directory: str) -> None:
-    """Remove a session's directory even where a cell took away its own permissions; never touches anything
-    outside it (symlinks are not followed, the directory's parent is never changed)."""
-    root = Path(directory)
-    if not os.path.lexists(root):
-        return
-
-    def retry(
-        func: Callable[[str], object], path: str, exc_info: tuple[type[BaseException], BaseException, TracebackType]
-    ) -> None:
-        if isinstance(exc_info[1], FileNotFoundError):
-            return
-        with contextlib.suppress(OSError):
-            for target in (Path(os.path.dirname(path)), Path(path)):
-                if _inside(target, root) and not stat.S_ISLNK(os.lstat(target).st_mode):
-                    os.chmod(target, 0o700)
-            func(path)
-
-    shutil.rmtree(root, onerror=retry)
+        remove_tree(directory)
 
 
 # --- sessions and the pool --------------------------------------------------------------------------------
@@ -902,7 +879,7 @@ class PythonSandbox:
 
     def _remove_dir(self, directory: str) -> None:
         if directory in self._dirs:
-            _rmtree(directory)
+            remove_tree(directory)
             self._dirs.discard(directory)
 
 

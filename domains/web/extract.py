@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import urldefrag, urljoin, urlsplit
 
-from domains.web.fetch import Link, Page
+from domains.web.page import Link, Page
 
 if TYPE_CHECKING:
     from selectolax.lexbor import LexborHTMLParser

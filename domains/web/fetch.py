@@ -21,12 +21,13 @@ import ipaddress
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 from urllib.robotparser import RobotFileParser
 
 import httpx
 
+from domains.web.extract import html_to_page
+from domains.web.page import Page
 from schemas.config import OpenConfig
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
@@ -36,35 +37,6 @@ _ROBOTS_MAX_BYTES = 500_000
 
 class FetchRefused(ValueError):
     """A URL the safety rules refuse, or a page that could not be fetched: one line for the agent."""
-
-
-@dataclass(frozen=True)
-class Link:
-    text: str
-    url: str
-
-
-@dataclass(frozen=True)
-class Page:
-    url: str  # after redirects
-    status: int
-    title: str
-    text: str  # readable text (markdown, links inline)
-    links: list[Link] = field(default_factory=list)
-    truncated: bool = False  # the body was cut at open.max_bytes
-
-    def render(self, max_links: int = 60) -> str:
-        """What the agent reads: title, URL, text, then the page's links numbered (so it can navigate)."""
-        lines = [f"Title: {self.title or '(none)'}", f"URL: {self.url}", "", self.text.strip() or "(no text)"]
-        if self.truncated:
-            lines.append("[page cut at the size limit]")
-        if self.links:
-            lines += ["", "Links:"] + [
-                f"[{i}] {link.text or '(no text)'} -> {link.url}" for i, link in enumerate(self.links[:max_links], 1)
-            ]
-            if len(self.links) > max_links:
-                lines.append(f"... and {len(self.links) - max_links} more links")
-        return "\n".join(lines)
 
 
 # --- the address rules ---------------------------------------------------------------------------------------
@@ -224,6 +196,4 @@ async def _fetch(client: httpx.AsyncClient, url: str, settings: OpenConfig) -> P
     text = body.decode(response.encoding or "utf-8", "replace")
     if kind == "text/plain":
         return Page(final, response.status_code, "", text, [], truncated)
-    from domains.web.extract import html_to_page
-
     return html_to_page(text, final, response.status_code, truncated)
