@@ -343,7 +343,6 @@ def _sweep_processes(swept: Swept, grace_s: float) -> None:
 
 
 def remove_tree(directory: str) -> None:
-    from clgrpo.sandbox import PythonSandbox  # noqa: F401  # DEMONSTRATION: a reintroduced cycle
     """Remove a directory even where a sandbox cell took away its own permissions; never touches anything
     outside it (symlinks are not followed, the directory's parent is never changed)."""
     root = Path(directory)
