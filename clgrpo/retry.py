@@ -72,3 +72,35 @@ def retry_after_delay(retry_after: float, rng: Uniform = random) -> float:
     """The server's ``Retry-After`` as asked (not capped: a rate-limit window is bounded by time elsewhere), plus
     up to 10% and 50 ms of jitter so the callers waiting it out do not all return at the same instant."""
     return retry_after + rng.uniform(0, 0.1 * retry_after + 0.05)
+
+
+@dataclass
+class RetryBudget:
+    """What one call has left after each transient failure: ``max_retries`` counted errors, or, once rate
+    limited, ``max_rate_limit_wait_s`` seconds from its first 429 (rate limits are waited out by time, never
+    counted). ``attempt`` numbers the attempts (0 for the first)."""
+
+    max_retries: int
+    max_rate_limit_wait_s: float
+    backoff: Backoff
+    attempt: int = 0
+    errors: int = 0
+    limited_since: float | None = None
+
+    def spent(self, *, limited: bool, counted: bool, now: float) -> str | None:
+        """After a transient failure: why no attempt is left (in words), or None."""
+        if limited:
+            self.limited_since = now if self.limited_since is None else self.limited_since
+            waited = now - self.limited_since
+            if waited > self.max_rate_limit_wait_s:
+                return f"rate limited for {waited:.0f}s (max_rate_limit_wait_s={self.max_rate_limit_wait_s:g})"
+            return None
+        return f"gave up after {self.errors} retries" if counted and self.errors >= self.max_retries else None
+
+    def next_delay(self, *, limited: bool, counted: bool, retry_after: float | None, rng: Uniform = random) -> float:
+        """The wait before the next attempt (the server's ``Retry-After`` when it sent one); counts the error."""
+        delay = self.backoff.delay(self.errors, rng) if retry_after is None else retry_after_delay(retry_after, rng)
+        if counted and not limited:
+            self.errors += 1
+        self.attempt += 1
+        return delay

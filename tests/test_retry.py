@@ -8,7 +8,7 @@ from email.utils import format_datetime
 
 import pytest
 
-from clgrpo.retry import Backoff, is_retryable_status, retry_after_delay, retry_after_seconds
+from clgrpo.retry import Backoff, RetryBudget, is_retryable_status, retry_after_delay, retry_after_seconds
 from clgrpo.testing.fake_embeddings import EmbeddingServer
 from clgrpo.testing.faults import Fault, FaultPlan, retry_after_header
 
@@ -59,3 +59,18 @@ def test_a_fault_plan_serves_times_then_is_empty_and_refuses_kinds_its_server_la
         plan.inject(Fault(kind="empty"))
     with EmbeddingServer() as server, pytest.raises(ValueError, match=r"does not serve \['truncate'\]"):
         server.inject(Fault.mixed(kinds=("status:500", "truncate")))
+
+
+def test_a_call_budget_counts_errors_and_times_rate_limits():
+    budget = RetryBudget(max_retries=2, max_rate_limit_wait_s=10, backoff=Backoff(1, 8))
+    for now in (0.0, 1.0):  # two counted errors are retried, the third is not
+        assert budget.spent(limited=False, counted=True, now=now) is None
+        assert 0 < budget.next_delay(limited=False, counted=True, retry_after=None) <= 2
+    assert budget.spent(limited=False, counted=True, now=2.0) == "gave up after 2 retries"
+    assert (budget.attempt, budget.errors) == (2, 2)
+    # rate limits are waited out by time from the first 429, never counted; Retry-After sets the wait
+    assert budget.spent(limited=True, counted=True, now=100.0) is None
+    assert 30 <= budget.next_delay(limited=True, counted=True, retry_after=30) <= 33.05
+    assert budget.errors == 2 and budget.attempt == 3
+    assert budget.spent(limited=True, counted=True, now=109.0) is None
+    assert budget.spent(limited=True, counted=True, now=111.0) == "rate limited for 11s (max_rate_limit_wait_s=10)"

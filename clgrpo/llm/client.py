@@ -39,7 +39,7 @@ from clgrpo.llm.backends import (
 )
 from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
-from clgrpo.retry import Backoff, retry_after_delay
+from clgrpo.retry import Backoff, RetryBudget
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import LLMCall, Operation, utcnow
 
@@ -340,143 +340,125 @@ class LLMClient:
         ``max_rate_limit_wait_s`` of rate limiting. Every attempt is recorded (``calls`` and the journal).
         ``refusal_raises``: a refused JSON schema raises ``SchemaRefused`` (recorded) instead of being retried
         without it, so the caller can rewrite its prompt."""
-        cfg, state = self.configs[role], self._state()
-        call_id, attempt, errors, limited_since = uuid.uuid4().hex[:16], 0, 0, None
+        state, one = self._state(), _OneCall(stage, role, self.configs[role], calls, turn)
         while True:
             await self._respect_pause(state)
-            started, t0, sent = utcnow(), time.monotonic(), False
+            attempt = _Attempt()
             try:
-                async with state.semaphore:
-                    t0, sent = time.monotonic(), True
-                    gen = await asyncio.wait_for(self._backend(state, role).generate(request), cfg.timeout_s)
+                gen = await self._attempt(state, role, request, attempt)
             except asyncio.CancelledError:  # the caller gave up (a timeout around this call) while it was sent
-                if sent:
-                    self._keep(
-                        calls,
-                        self._record(
-                            stage,
-                            role,
-                            cfg,
-                            call_id,
-                            attempt,
-                            started,
-                            t0,
-                            None,
-                            "cancelled: the caller's time limit ended this request",
-                            turn=turn,
-                        ),
-                    )
+                if attempt.sent:
+                    one.record(attempt, error="cancelled: the caller's time limit ended this request")
                 raise
             except PermanentLLMError as exc:
-                self._keep(
-                    calls, self._record(stage, role, cfg, call_id, attempt, started, t0, None, str(exc), turn=turn)
-                )
+                one.record(attempt, error=str(exc))
                 raise LLMCallError(f"{stage}/{role}: {exc}", calls) from exc
             except (TransientLLMError, asyncio.TimeoutError) as exc:
-                limited = isinstance(exc, TransientLLMError) and exc.rate_limited
-                reason = str(exc) or f"timeout after {cfg.timeout_s:g}s"
-                now = time.monotonic()
-                if limited and limited_since is None:
-                    limited_since = now
-                waited = now - limited_since if limited and limited_since is not None else 0.0
-                counted = getattr(exc, "counted", True)
-                if limited:
-                    gave_up = waited > cfg.max_rate_limit_wait_s
-                else:
-                    gave_up = counted and errors >= cfg.max_retries
-                refused = refusal_raises and isinstance(exc, SchemaRefused)
-                self._keep(
-                    calls,
-                    self._record(
-                        stage,
-                        role,
-                        cfg,
-                        call_id,
-                        attempt,
-                        started,
-                        t0,
-                        None,
-                        reason,
-                        rate_limited=limited,
-                        final=gave_up or refused,
-                        turn=turn,
-                    ),
-                )
-                if refused:
-                    raise exc
-                if gave_up:
-                    budget = (
-                        f"rate limited for {waited:.0f}s (max_rate_limit_wait_s={cfg.max_rate_limit_wait_s:g})"
-                        if limited
-                        else f"gave up after {errors} retries"
-                    )
-                    raise LLMCallError(f"{stage}/{role}: {budget}: {reason}", calls) from exc
-                delay = self._delay(cfg, errors, exc)
-                if limited:  # every caller waits out the window
-                    state.pause_until = max(state.pause_until, time.monotonic() + delay)
-                elif counted:
-                    errors += 1
-                attempt += 1
-                await asyncio.sleep(delay)
+                await self._after_transient(state, one, attempt, exc, refusal_raises)
             else:
-                self._keep(calls, self._record(stage, role, cfg, call_id, attempt, started, t0, gen, turn=turn))
+                one.record(attempt, gen)
                 return gen
 
-    def _delay(self, cfg: ModelConfig, retries: int, exc: BaseException) -> float:
+    async def _attempt(self, state: _LoopState, role: Role, request: GenRequest, attempt: _Attempt) -> Generation:
+        """One request within the concurrency limit and the model's timeout (its latency from when it is sent)."""
+        async with state.semaphore:
+            attempt.sent_now()
+            return await asyncio.wait_for(self._backend(state, role).generate(request), self.configs[role].timeout_s)
+
+    async def _after_transient(
+        self, state: _LoopState, one: _OneCall, attempt: _Attempt, exc: BaseException, refusal_raises: bool
+    ) -> None:
+        """Record a transient failure; then raise (no attempt left, or a refused schema the caller rewrites its
+        prompt for) or wait for the next attempt. A rate limit pauses every caller for the window."""
+        limited = isinstance(exc, TransientLLMError) and exc.rate_limited
+        counted = getattr(exc, "counted", True)
+        reason = str(exc) or f"timeout after {one.cfg.timeout_s:g}s"
+        spent = one.budget.spent(limited=limited, counted=counted, now=time.monotonic())
+        refused = refusal_raises and isinstance(exc, SchemaRefused)
+        one.record(attempt, error=reason, rate_limited=limited, final=spent is not None or refused)
+        if refused:
+            raise exc
+        if spent is not None:
+            raise LLMCallError(f"{one.stage}/{one.role}: {spent}: {reason}", one.calls) from exc
         retry_after = getattr(exc, "retry_after", None)
-        if retry_after is not None:
-            return retry_after_delay(retry_after, self._rng)
-        return Backoff(cfg.retry_base_delay_s, cfg.retry_max_delay_s).delay(retries, self._rng)
+        delay = one.budget.next_delay(limited=limited, counted=counted, retry_after=retry_after, rng=self._rng)
+        if limited:  # every caller waits out the window
+            state.pause_until = max(state.pause_until, time.monotonic() + delay)
+        await asyncio.sleep(delay)
 
     @staticmethod
     async def _respect_pause(state: _LoopState) -> None:
         while (wait := state.pause_until - time.monotonic()) > 0:  # the window may grow while we sleep
             await asyncio.sleep(wait)
 
-    @staticmethod
-    def _keep(calls: list[LLMCall], call: LLMCall) -> None:
-        calls.append(call)
+
+@dataclass
+class _Attempt:
+    """When an attempt started (wall clock) and was sent (monotonic: its latency excludes waiting its turn)."""
+
+    started: datetime = field(default_factory=utcnow)
+    t0: float = field(default_factory=time.monotonic)
+    sent: bool = False
+
+    def sent_now(self) -> None:
+        self.t0, self.sent = time.monotonic(), True
+
+
+@dataclass
+class _OneCall:
+    """One logical call: its id, its retry budget, and where each attempt's ``LLMCall`` goes (``calls`` and the
+    active journal, the moment it exists)."""
+
+    stage: str
+    role: Role
+    cfg: ModelConfig
+    calls: list[LLMCall]
+    turn: int | None
+    call_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    budget: RetryBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        backoff = Backoff(self.cfg.retry_base_delay_s, self.cfg.retry_max_delay_s)
+        self.budget = RetryBudget(self.cfg.max_retries, self.cfg.max_rate_limit_wait_s, backoff)
+
+    def record(
+        self,
+        attempt: _Attempt,
+        gen: Generation | None = None,
+        *,
+        error: str | None = None,
+        rate_limited: bool = False,
+        final: bool = True,
+    ) -> None:
+        call = self._call_record(attempt, gen, error, rate_limited, final)
+        self.calls.append(call)
         sink = journal.active()
         if sink is not None:
             sink.add_call(call)
 
-    @staticmethod
-    def _record(
-        stage: str,
-        role: Role,
-        cfg: ModelConfig,
-        call_id: str,
-        attempt: int,
-        started: datetime,
-        t0: float,
-        gen: Generation | None,
-        error: str | None = None,
-        *,
-        rate_limited: bool = False,
-        final: bool = True,
-        turn: int | None = None,
+    def _call_record(
+        self, attempt: _Attempt, gen: Generation | None, error: str | None, rate_limited: bool, final: bool
     ) -> LLMCall:
+        cfg = self.cfg
         tokens_in, tokens_out = (gen.tokens_in, gen.tokens_out) if gen else (0, 0)
-        cost = (tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6
-        reply = _at(gen.texts, 0) if gen and role == "learner" else None
         return LLMCall(
-            stage=stage,
-            role=role,
+            stage=self.stage,
+            role=self.role,
             model=cfg.model,
             tokens_in=tokens_in,
             tokens_out=tokens_out,
-            latency_s=time.monotonic() - t0,
-            retries=attempt,
-            cost_usd=cost,
+            latency_s=time.monotonic() - attempt.t0,
+            retries=self.budget.attempt,
+            cost_usd=(tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6,
             ok=gen is not None,
             error=error,
-            started_at=started,
-            call_id=call_id,
+            started_at=attempt.started,
+            call_id=self.call_id,
             rate_limited=rate_limited,
             final=final,
             finish_reason=_at(gen.finish_reasons, 0) if gen else "",
-            turn=turn,
-            reply=reply,
+            turn=self.turn,
+            reply=_at(gen.texts, 0) if gen and self.role == "learner" else None,
         )
 
 
