@@ -1,0 +1,106 @@
+"""Snapshots of what reaches a model and what names a result: every prompt family rendered on fixed inputs, and
+the fingerprints of the shipped configs and the demo's. A refactor must leave them byte-identical; a deliberate
+change rewrites them with ``CLGRPO_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_snapshots.py`` and shows in the
+diff of tests/snapshots/."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from clgrpo.app.demo import DemoOptions, demo_config
+from clgrpo.config import load_config
+from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.judge import judge_messages
+from clgrpo.prompts.specificity import rater_messages
+from domains import get_domain
+from schemas.records import Problem
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+ROOT = Path(__file__).resolve().parents[1]
+UPDATE = os.environ.get("CLGRPO_UPDATE_SNAPSHOTS") == "1"
+
+PROBLEM = Problem(
+    problem_id="p7", problem="A shirt costs 40 dollars and its price falls by 25%. What is the new price?", answer="30"
+)
+LIBRARY = "[E1]. When a price falls by a percent, multiply by one minus that percent.\n[E2]. Check the units first."
+RIGHT = Attempt(0, "40 * 0.75 = 30. The answer is \\boxed{30}.", 1.0)
+WRONG = Attempt(1, "40 * 0.25 = 10. The answer is \\boxed{10}.", 0.0, truncated=True, tools="python: print(40*0.25)")
+SUMMARIZED = Attempt(2, "40 - 25 = 15.", 0.0, summary="Subtracted the percent as if it were dollars.")
+
+
+def _prompts() -> dict[str, object]:
+    """Every prompt family, each rendered in its variants (with and without grades, library, example)."""
+    out: dict[str, object] = {}
+    for name in ("math", "web"):
+        domain = get_domain(name)
+        prompts = domain.learner_prompts
+        out[f"{name}/rollout"] = domain.rollout_messages(PROBLEM, LIBRARY)
+        out[f"{name}/rollout-empty"] = domain.rollout_messages(PROBLEM, "")
+        for truth in (True, False):
+            out[f"{name}/summarize-{truth}"] = prompts.summarize(PROBLEM, WRONG, LIBRARY, truth)
+            for library in (LIBRARY, ""):
+                for show in (True, False):
+                    key = f"{truth}-{bool(library)}-{show}"
+                    out[f"{name}/extract-{key}"] = prompts.extract(
+                        PROBLEM,
+                        [RIGHT, WRONG, SUMMARIZED],
+                        library,
+                        use_groundtruth=truth,
+                        max_ops=3,
+                        min_words=6,
+                        max_words=40,
+                        show_example=show,
+                    )
+                    out[f"{name}/contrast-{key}"] = prompts.contrast(
+                        PROBLEM,
+                        RIGHT,
+                        WRONG,
+                        library,
+                        live_ids=["E1", "E2"] if library else [],
+                        use_groundtruth=truth,
+                        min_words=6,
+                        max_words=40,
+                        show_example=show,
+                    )
+        asked = out[f"{name}/contrast-True-True-False"]
+        out[f"{name}/generalize"] = prompts.generalize(
+            asked, "Multiply 40 by 0.75.", "it names the problem's numbers", min_words=6, max_words=40
+        )
+        for show in (True, False):
+            out[f"{name}/consolidate-{show}"] = prompts.consolidate(
+                '{"p7": []}', LIBRARY, min_words=6, max_words=40, show_example=show
+            )
+            for sources in (True, False):
+                out[f"{name}/repair-{show}-{sources}"] = prompts.repair(
+                    asked, "not json", "no JSON object", show_example=show, sources=sources
+                )
+        out[f"{name}/contrast-example"] = prompts.contrast_example(True)
+        out[f"{name}/example-reply"] = prompts.example_reply(sources=True)
+    out["judge"] = judge_messages(PROBLEM, "The new price is 30 dollars.")
+    out["specificity"] = rater_messages("mathematics", "Always check your work.")
+    return out
+
+
+def _fingerprints() -> dict[str, str]:
+    out = {}
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        if not path.name.startswith("refresh"):
+            out[path.name] = load_config(path).fingerprint()
+    opts = DemoOptions(out=Path("runs/demo"))
+    for engine in ("transformers", "llama-server"):
+        config = demo_config(opts, {"train": "train.jsonl", "test": "test.jsonl"}, "demo", engine=engine)
+        out[f"demo-{engine}"] = config.fingerprint()
+    return out
+
+
+@pytest.mark.parametrize(("name", "build"), [("prompts", _prompts), ("fingerprints", _fingerprints)])
+def test_snapshots_are_byte_identical(name, build):
+    text = json.dumps(build(), indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+    path = SNAPSHOTS / f"{name}.json"
+    if UPDATE:
+        path.write_text(text, encoding="utf-8")
+    assert path.read_text(encoding="utf-8") == text, f"{path} changed: rewrite it only for a deliberate change"
