@@ -10,12 +10,15 @@ reply (no placeholders). Problem text is data: see ``clgrpo.prompts.quoting``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from clgrpo.prompts import Message, consolidate, contrast, extract, lessons, repair, summarize
-from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts import consolidate, contrast, extract, lessons, repair, summarize
+from clgrpo.prompts.lessons import LessonAsk
+from schemas.config import LearningConfig
 from schemas.records import Operation, Problem
 
 OP_KINDS = ["add", "modify", "delete", "merge", "keep"]
@@ -121,105 +124,25 @@ def contrast_schema(live_ids: Sequence[str] = (), *, min_words: int = 1, max_wor
 class LearnerPrompts:
     """The learner's wording for one domain. ``examples``: two concrete lessons of that domain, shown as the
     example reply (a small model copies whatever it is shown, so there are no placeholders to copy; a lesson
-    copied from an example is rejected at apply time, see ``copied_from_prompt``)."""
+    copied from an example is rejected at apply time, see ``copied_from_prompt``). The prompts themselves are
+    rendered by ``clgrpo.prompts`` from the ``LessonAsk`` that ``ask`` builds."""
 
     domain: str = "general"
     examples: tuple[str, str] = lessons.DEFAULT_EXAMPLES
 
-    def summarize(self, problem: Problem, attempt: Attempt, library_text: str, use_groundtruth: bool) -> list[Message]:
-        return summarize.summarize_messages(self.domain, problem, attempt, library_text, use_groundtruth)
-
-    def extract(
-        self,
-        problem: Problem,
-        attempts: Sequence[Attempt],
-        library_text: str,
-        *,
-        use_groundtruth: bool,
-        max_ops: int,
-        min_words: int,
-        max_words: int,
-        show_example: bool = True,
-    ) -> list[Message]:
-        """``show_example``: include a complete example reply. Leave it out when the reply is constrained to
-        the schema (the grammar shows the shape; a small model copies an example's lesson word for word)."""
-        return extract.extract_messages(
-            self.domain,
-            self.examples,
-            problem,
-            attempts,
-            library_text,
-            use_groundtruth=use_groundtruth,
-            max_ops=max_ops,
-            min_words=min_words,
-            max_words=max_words,
-            show_example=show_example,
+    def ask(self, cfg: LearningConfig | None = None, **changes: Any) -> LessonAsk:
+        """Every learner prompt's settings for a run: this domain's wording and ``cfg``'s rules (defaults: a
+        ``LearningConfig()``'s), with ``changes`` to single fields (``min_words=5``, ...)."""
+        cfg = cfg or LearningConfig()
+        ask = LessonAsk(
+            domain=self.domain,
+            examples=self.examples,
+            use_groundtruth=cfg.use_groundtruth,
+            min_words=cfg.min_words,
+            max_words=cfg.max_words,
+            max_ops=cfg.max_ops_per_group,
         )
-
-    def contrast(
-        self,
-        problem: Problem,
-        right: Attempt,
-        wrong: Attempt,
-        library_text: str,
-        *,
-        live_ids: Sequence[str],
-        use_groundtruth: bool,
-        min_words: int,
-        max_words: int,
-        show_example: bool = True,
-    ) -> list[Message]:
-        """The contrast ask: one correct and one wrong attempt side by side (their trajectories, tool calls
-        included), the step where they part, and one lesson (``contrast_schema``). ``live_ids``: the lessons
-        it may revise (none: it can only add)."""
-        return contrast.contrast_messages(
-            self.domain,
-            self.examples,
-            problem,
-            right,
-            wrong,
-            library_text,
-            live_ids=live_ids,
-            use_groundtruth=use_groundtruth,
-            min_words=min_words,
-            max_words=max_words,
-            show_example=show_example,
-        )
-
-    def generalize(
-        self, asked: list[Message], draft: str, reason: str, *, min_words: int, max_words: int
-    ) -> list[Message]:
-        """The follow-up to a contrast reply whose lesson is not general (too long, or about its own problem):
-        the same conversation, then a request to rewrite the lesson."""
-        return contrast.generalize_messages(asked, draft, reason, min_words=min_words, max_words=max_words)
-
-    def contrast_example(self, revise: bool) -> str:
-        return contrast.contrast_example(self.examples, revise)
-
-    def consolidate(
-        self, proposals_text: str, library_text: str, *, min_words: int, max_words: int, show_example: bool = True
-    ) -> list[Message]:
-        return consolidate.consolidate_messages(
-            self.domain,
-            self.examples,
-            proposals_text,
-            library_text,
-            min_words=min_words,
-            max_words=max_words,
-            show_example=show_example,
-        )
-
-    def repair(
-        self, messages: list[Message], bad_reply: str, error: str, *, show_example: bool = True, sources: bool = False
-    ) -> list[Message]:
-        """The re-ask after an unusable reply (the same ``show_example`` rule as the first ask)."""
-        return repair.repair_messages(
-            messages, bad_reply, error, self.examples, show_example=show_example, sources=sources
-        )
-
-    def example_reply(self, *, sources: bool) -> str:
-        """A complete, concrete reply: what the model should produce, with a lesson of this domain."""
-        return lessons.example_reply(self.examples, sources=sources)
+        return dataclasses.replace(ask, **changes)
 
     def copied_from_prompt(self, text: str) -> str | None:
         """A rejection reason when a lesson is mostly the prompts' own wording (an example lesson or the

@@ -70,11 +70,37 @@ from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export
 from tasks.common import artifact_key, chunks
 from tasks.consolidate import FINAL, consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
-from tasks.integrity import BudgetExhaustedError, StageFailedError, failed_items, stage_failed_message
+from tasks.integrity import (
+    GATE_FAILURES,
+    PROPOSAL_FAILURES,
+    ROLLOUT_FAILURES,
+    SUMMARY_FAILURES,
+    TRIAL_FAILURES,
+    VALIDATION_FAILURES,
+    VERIFY_FAILURES,
+    BudgetExhaustedError,
+    FailedItems,
+    FailureRule,
+    StageFailedError,
+    stage_failed_message,
+)
 from tasks.library_gate import expected_attempts, library_gate_task, split_for_gate
 from tasks.limits import Limited, limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import load_dataset_task
 from tasks.numeric_update import numeric_inputs, numeric_update_task
+from tasks.outputs import (
+    Adapters,
+    Applied,
+    Gate,
+    GroupProposals,
+    Out,
+    Plans,
+    Rollouts,
+    StageOutput,
+    Summaries,
+    Trials,
+    Verified,
+)
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
 from tasks.rollout import rollout_task
@@ -122,8 +148,8 @@ def plan_steps(
 # --- one step, as data ---------------------------------------------------------------------------------------
 @dataclass
 class StepState:
-    """What one step knows, filled stage by stage: each stage's tables, computed or read back from the store,
-    land in the fields its ``StepStage.keep`` names, and later stages read them from here."""
+    """What one step knows, filled stage by stage: each stage's typed output (``tasks.outputs``), computed or read
+    back from the store, is held by its type (``get``); later stages read it from here."""
 
     cfg: RunConfig
     step: int
@@ -132,16 +158,53 @@ class StepState:
     version: LibraryVersion  # what each prompt shows (``clgrpo.retrieval``)
     sampling: RunConfig  # what rollouts sample with: the config, or with hybrid learning the latest adapter
     pipelined: PipelineBatch | None = None  # rollout .. group advantage, computed group by group, to store
-    rollouts: list[Rollout] = field(default_factory=list)
-    rewards: list[Reward] = field(default_factory=list)
-    advantages: list[GroupAdvantage] = field(default_factory=list)  # numeric, per group: verify's second output
-    adapters: list[AdapterVersion] = field(default_factory=list)
-    summaries: list[Summary] = field(default_factory=list)
-    proposals: list[Proposal] = field(default_factory=list)  # the semantic group advantage
-    plans: list[Proposal] = field(default_factory=list)  # the consolidation's
-    trials: list[LessonTrial] = field(default_factory=list)
-    gates: list[GateDecision] = field(default_factory=list)  # the library gate's decision (one, when it runs)
+    outputs: dict[type[StageOutput], StageOutput] = field(default_factory=dict)
     applied: LibraryVersion | None = None  # the library after apply_operations, saved before its rows
+
+    def get(self, kind: type[Out]) -> Out:
+        """The output of the stage that produces ``kind`` (empty when that stage did not run this step)."""
+        found = self.outputs.get(kind)
+        return found if isinstance(found, kind) else kind()
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return self.get(Rollouts).rollouts
+
+    @property
+    def rewards(self) -> list[Reward]:
+        return self.get(Verified).rewards
+
+    @property
+    def advantages(self) -> list[GroupAdvantage]:
+        """The numeric advantage of every group: verify's second table."""
+        return self.get(Verified).group_advantages
+
+    @property
+    def adapters(self) -> list[AdapterVersion]:
+        return self.get(Adapters).adapters
+
+    @property
+    def summaries(self) -> list[Summary]:
+        return self.get(Summaries).summaries
+
+    @property
+    def proposals(self) -> list[Proposal]:
+        """The semantic group advantage."""
+        return self.get(GroupProposals).proposals
+
+    @property
+    def plans(self) -> list[Proposal]:
+        """The consolidation's."""
+        return self.get(Plans).proposals
+
+    @property
+    def trials(self) -> list[LessonTrial]:
+        return self.get(Trials).lesson_trials
+
+    @property
+    def gates(self) -> list[GateDecision]:
+        """The library gate's decision (one, when it runs)."""
+        return self.get(Gate).library_gates
 
     @property
     def rollout_chunks(self) -> list[list[Problem]]:
@@ -199,7 +262,7 @@ class StepState:
         return operations, rejected
 
 
-async def compute_rollout(t: Trainer, s: StepState) -> Outputs:
+async def compute_rollout(t: Trainer, s: StepState) -> Rollouts:
     """G samples per problem, in chunks (``tasks.rollout``; ``rollout.placement: pool``: on the GPU pool)."""
     run_chunk = rollout_task
     if s.cfg.rollout.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
@@ -209,10 +272,10 @@ async def compute_rollout(t: Trainer, s: StepState) -> Outputs:
     parts = await asyncio.gather(
         *[run_chunk(s.sampling, s.step, i, c, s.version) for i, c in enumerate(s.rollout_chunks)]
     )
-    return {"rollouts": [r for p in parts for r in p.rollouts], "llm_calls": [c for p in parts for c in p.calls]}
+    return Rollouts([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
 
 
-async def compute_verify(t: Trainer, s: StepState) -> Outputs:
+async def compute_verify(t: Trainer, s: StepState) -> Verified:
     """Rewards, and from them the numeric group advantage of every group, (r - mean) / std over its graded
     samples (``tasks.verify``: ``numeric_group_advantages``): verify's two tables."""
     parts = await asyncio.gather(
@@ -221,14 +284,11 @@ async def compute_verify(t: Trainer, s: StepState) -> Outputs:
             for i, c in enumerate(s.rollout_chunks)
         ]
     )
-    return {
-        "rewards": [r for p in parts for r in p.rewards],
-        "group_advantages": [a for p in parts for a in p.advantages],
-        "llm_calls": [],  # an LLM judge's calls, from the work journal
-    }
+    # an LLM judge's calls come from the work journal
+    return Verified([r for p in parts for r in p.rewards], [a for p in parts for a in p.advantages])
 
 
-async def compute_numeric_update(t: Trainer, s: StepState) -> Outputs:
+async def compute_numeric_update(t: Trainer, s: StepState) -> Adapters:
     """Hybrid learning's numeric GRPO step on the step's stored completions (``tasks.numeric_update``): in this
     process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
     inputs = numeric_inputs(s.cfg, s.problems, s.rollouts, s.advantages, s.version)
@@ -239,10 +299,10 @@ async def compute_numeric_update(t: Trainer, s: StepState) -> Outputs:
         run = partial(numeric_update_on_pool, db_id=t.store.db_id)
     parent = t.parent_adapter(s.step)
     record = await run(s.cfg, s.step, inputs.items, inputs.skipped, parent, s.version.version, str(export_dir(s.cfg)))
-    return {"adapters": [record]}
+    return Adapters([record])
 
 
-async def compute_summarize(t: Trainer, s: StepState) -> Outputs:
+async def compute_summarize(t: Trainer, s: StepState) -> Summaries:
     """A summary of each usable rollout of the selected groups (``tasks.summarize``)."""
     parts = await asyncio.gather(
         *[
@@ -250,10 +310,10 @@ async def compute_summarize(t: Trainer, s: StepState) -> Outputs:
             for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
         ]
     )
-    return {"summaries": [x for p in parts for x in p.summaries], "llm_calls": [c for p in parts for c in p.calls]}
+    return Summaries([x for p in parts for x in p.summaries], [c for p in parts for c in p.calls])
 
 
-async def compute_group_advantage(t: Trainer, s: StepState) -> Outputs:
+async def compute_group_advantage(t: Trainer, s: StepState) -> GroupProposals:
     """The learner's proposal for each selected group (``tasks.group_advantage``)."""
     parts = await asyncio.gather(
         *[
@@ -268,27 +328,27 @@ async def compute_group_advantage(t: Trainer, s: StepState) -> Outputs:
             for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
         ]
     )
-    return {"proposals": [x for p in parts for x in p.proposals], "llm_calls": [c for p in parts for c in p.calls]}
+    return GroupProposals([x for p in parts for x in p.proposals], [c for p in parts for c in p.calls])
 
 
-async def compute_consolidate(t: Trainer, s: StepState) -> Outputs:
+async def compute_consolidate(t: Trainer, s: StepState) -> Plans:
     """One plan from the group proposals (``tasks.consolidate``)."""
     result = await consolidate_task(s.cfg, s.step, s.limited[0], s.version)
     if result.failed:
         t.log.warning("step %d: consolidation reply unusable after repair; no operations this step", s.step)
-    return {"proposals": result.plans, "llm_calls": result.calls}
+    return Plans(result.plans, result.calls)
 
 
-async def compute_validate_lessons(t: Trainer, s: StepState) -> Outputs:
+async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
     """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
     near, _ = await t.plan_context(s, s.plan.operations)  # a candidate is tried as it would be applied
     result = await validate_lessons_task(
         s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages, t.learn_problems, near, t.ledger(s.step)
     )
-    return {"lesson_trials": result.trials, "trial_samples": result.samples, "llm_calls": result.calls}
+    return Trials(result.trials, result.samples, result.calls)
 
 
-async def compute_library_gate(t: Trainer, s: StepState) -> Outputs:
+async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
     """The library before vs after the validated plan on the problems set aside (``tasks.library_gate``)."""
     operations, _ = s.validated
     before = ExperienceLibrary.from_version(s.version)
@@ -298,14 +358,14 @@ async def compute_library_gate(t: Trainer, s: StepState) -> Outputs:
     outcome = await library_gate_task(
         s.cfg, s.step, s.version, after.to_version(), t.gate_problems, t.store.records("gate_samples", t.run_id)
     )
-    return {"gate_samples": outcome.samples, "library_gates": [outcome.decision], "llm_calls": outcome.calls}
+    return Gate(outcome.samples, [outcome.decision], outcome.calls)
 
 
 def log_library_gate(t: Trainer, s: StepState) -> None:
     t.log.info("step %d %s", s.step, s.gates[0].reason)
 
 
-async def compute_apply_operations(t: Trainer, s: StepState) -> Outputs:
+async def compute_apply_operations(t: Trainer, s: StepState) -> Applied:
     """The validated plan applied to the library (``tasks.apply_operations``) unless the library gate rejected
     the step; what is over a learning limit, failed its trial or was not adopted is stored as rejected."""
     operations, failed_trials = s.adopted
@@ -319,7 +379,7 @@ async def compute_apply_operations(t: Trainer, s: StepState) -> Outputs:
             len(over_limits),
             over_limits[0][1],
         )
-    return {"operations": applied.results + rejected_results(over_limits + failed_trials, len(applied.results))}
+    return Applied(applied.results + rejected_results(over_limits + failed_trials, len(applied.results)))
 
 
 def save_applied_library(t: Trainer, s: StepState) -> None:
@@ -382,15 +442,17 @@ def _always(cfg: RunConfig) -> bool:
 @dataclass(frozen=True)
 class StepStage:
     """One stage of a step: ``compute`` runs only when the stage is neither stored (then its tables are read back)
-    nor computed by the pipeline; ``tables``: what it writes, in one transaction; ``keep``: the StepState field
-    each table fills; ``expect``: the items and unit of its progress bar; ``when``: whether the config runs it;
-    ``before_write`` and ``after``: what happens just before its rows are written, and once it is stored or read
-    back."""
+    nor computed by the pipeline; ``output``: its typed output, whose fields are the tables it writes in one
+    transaction and which the step state holds for the later stages; ``failures``: its failure rule (with the
+    tolerance it may leave), None when its items cannot fail; ``expect``: the items and unit of its progress bar;
+    ``when``: whether the config runs it; ``before_write`` and ``after``: what happens just before its rows are
+    written, and once it is stored or read back. ``stage`` is its name in the store (a ``Stage``, or any name for
+    a stage added from outside)."""
 
-    stage: Stage
-    compute: Callable[[Trainer, StepState], Awaitable[Outputs]]
-    tables: tuple[str, ...]
-    keep: dict[str, str] = field(default_factory=dict)
+    stage: str
+    compute: Callable[[Trainer, StepState], Awaitable[StageOutput]]
+    output: type[StageOutput]
+    failures: FailureRule | None = None
     expect: Callable[[StepState], tuple[int, str]] | None = None
     when: Callable[[RunConfig], bool] = _always
     before_write: Callable[[Trainer, StepState], None] | None = None
@@ -408,45 +470,43 @@ STEP: tuple[StepStage, ...] = (
     StepStage(
         Stage.ROLLOUT,
         compute_rollout,
-        ("rollouts", "llm_calls"),
-        keep={"rollouts": "rollouts"},
+        Rollouts,
+        ROLLOUT_FAILURES,
         expect=lambda s: (len(s.problems) * s.cfg.grpo.group_size, "samples"),
     ),
     StepStage(
         Stage.VERIFY,
         compute_verify,
-        ("rewards", "group_advantages", "llm_calls"),
-        keep={"rewards": "rewards", "group_advantages": "advantages"},
+        Verified,
+        VERIFY_FAILURES,
         expect=lambda s: (len(s.rollouts), "samples"),
         after=log_learning_signal,
     ),
     StepStage(
         Stage.NUMERIC_UPDATE,
         compute_numeric_update,
-        ("adapters",),
-        keep={"adapters": "adapters"},
+        Adapters,
         when=lambda cfg: cfg.hybrid.enabled,
         after=log_numeric_update,
     ),
     StepStage(
         Stage.SUMMARIZE,
         compute_summarize,
-        ("summaries", "llm_calls"),
-        keep={"summaries": "summaries"},
+        Summaries,
+        SUMMARY_FAILURES,
         expect=_summaries_expected,
     ),
     StepStage(
         Stage.GROUP_ADVANTAGE,
         compute_group_advantage,
-        ("proposals", "llm_calls"),
-        keep={"proposals": "proposals"},
+        GroupProposals,
+        PROPOSAL_FAILURES,
         expect=lambda s: (len(s.selected_ids), "groups"),
     ),
     StepStage(
         Stage.CONSOLIDATE,
         compute_consolidate,
-        ("proposals", "llm_calls"),
-        keep={"proposals": "plans"},
+        Plans,
         expect=lambda s: (
             consolidation_calls(sum(bool(p.operations) for p in s.limited[0]), s.cfg.learning),
             "learner calls",
@@ -455,8 +515,8 @@ STEP: tuple[StepStage, ...] = (
     StepStage(
         Stage.VALIDATE_LESSONS,
         compute_validate_lessons,
-        ("lesson_trials", "trial_samples", "llm_calls"),
-        keep={"lesson_trials": "trials"},
+        Trials,
+        TRIAL_FAILURES,
         when=lambda cfg: cfg.learning.lesson_validation.enabled,
         expect=lambda s: (0, "attempts"),  # the stage announces them once it knows its candidates
         after=log_lesson_validation,
@@ -464,8 +524,8 @@ STEP: tuple[StepStage, ...] = (
     StepStage(
         Stage.LIBRARY_GATE,
         compute_library_gate,
-        ("gate_samples", "library_gates", "llm_calls"),
-        keep={"library_gates": "gates"},
+        Gate,
+        GATE_FAILURES,
         when=lambda cfg: cfg.learning.library_gate.enabled,
         expect=lambda s: (0, "attempts"),  # announced once the stage knows whether the plan changes anything
         after=log_library_gate,
@@ -473,13 +533,13 @@ STEP: tuple[StepStage, ...] = (
     StepStage(
         Stage.APPLY_OPERATIONS,
         compute_apply_operations,
-        ("operations",),
+        Applied,
         before_write=save_applied_library,
     ),
 )
 # rollout -> group advantage group by group (``tasks.pipeline``): these stages' progress bars while it runs
 PIPELINED: tuple[Stage, ...] = (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE)
-STEP_STAGES: dict[Stage, StepStage] = {spec.stage: spec for spec in STEP}
+STEP_STAGES: dict[str, StepStage] = {spec.stage: spec for spec in STEP}
 
 
 class Trainer:
@@ -496,25 +556,31 @@ class Trainer:
     async def stage(
         self,
         step: int,
-        name: Stage,
+        name: str,
         compute: Callable[[], Awaitable[Outputs]],
         tables: Sequence[str],
         before_write: Callable[[], None] | None = None,
         expect: Callable[[], tuple[int, str]] | None = None,
         computed: Outputs | None = None,
+        failures: FailureRule | None = None,
+        journals_items: bool = True,
     ) -> Outputs:
         """``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar);
         ``computed``: the outputs when the pipeline computed them already (then they are only checked and written).
-        The computation's calls and finished items go to the step's work journal as they happen; the stage is
-        stored only if its failed items are within tolerance (else ``StageFailedError``)."""
+        The computation's calls (and, with ``journals_items``, its finished items) go to the step's work journal as
+        they happen; the stage is stored only if its failed items (``failures``) are within their tolerance (else
+        ``StageFailedError``)."""
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("step %d %s: already stored, reading it back", step, name)
             return {t: self.store.records(t, self.run_id, step, name) for t in tables}
         stopping.note_stage(f"step {step} {name}" if step else name)
-        outputs = computed if computed is not None else await self.compute_fresh(step, name, compute, expect)
+        if computed is None:
+            computed = await self.compute_fresh(step, name, compute, expect, journals_items)
+        outputs = dict(computed)
         if "llm_calls" in outputs:
             outputs["llm_calls"] = self.journal.step(step).all_calls(name, outputs["llm_calls"])
-        self.check_failures(step, name, outputs)
+        if failures is not None:
+            self.check_failures(step, failures.count(name, outputs))
         if before_write:
             before_write()
         self.store.write_stage(self.run_id, step, name, outputs)
@@ -524,16 +590,17 @@ class Trainer:
     async def compute_fresh(
         self,
         step: int,
-        name: Stage,
+        name: str,
         compute: Callable[[], Awaitable[Outputs]],
         expect: Callable[[], tuple[int, str]] | None,
+        journals_items: bool,
     ) -> Outputs:
         """A stage's computation, within the budget, recorded in the step's work journal, with its progress bar."""
         self.check_budget(step, name)
         if expect:
             progress.start(step, name, *expect())
         try:
-            with recording(self.journal.step(step), stage=name, items=name.journals_items):
+            with recording(self.journal.step(step), stage=name, items=journals_items):
                 return await compute()
         except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
             self.keep_calls(step, name)
@@ -545,19 +612,18 @@ class Trainer:
         finally:
             progress.finish(name)
 
-    def check_failures(self, step: int, name: Stage, outputs: Outputs) -> None:
+    def check_failures(self, step: int, items: FailedItems) -> None:
         """The integrity rule: over tolerance, keep the calls and fail; under it, warn (and count)."""
-        items = failed_items(name, outputs)
-        if items is None or items.failed == 0:
+        if items.failed == 0:
             return
-        tolerance = self.cfg.tolerance.of(name) or 0.0
+        tolerance = self.cfg.tolerance.of(items.tolerance_setting)
         if items.fraction > tolerance:
-            self.keep_calls(step, name)
+            self.keep_calls(step, items.stage)
             raise StageFailedError(stage_failed_message(items, step, tolerance, self.run_id))
         self.log.warning(
             "step %d %s: %s, within the tolerance of %.0f%%; stored with their causes (first: %s)",
             step,
-            name,
+            items.stage,
             items.describe(),
             100 * tolerance,
             items.first_cause,
@@ -667,18 +733,23 @@ class Trainer:
         return self.store.load_library(self.run_id, step)
 
     async def run_stage(self, spec: StepStage, state: StepState) -> None:
-        """One stage of the step through the stage protocol; its tables fill ``state`` for the next stages."""
-        outputs = await self.stage(
+        """One stage of the step through the stage protocol; its typed output joins ``state`` for the next."""
+
+        async def compute() -> Outputs:
+            return (await spec.compute(self, state)).rows()
+
+        computed = state.pipelined.output(spec.output) if state.pipelined else None
+        rows = await self.stage(
             state.step,
             spec.stage,
-            partial(spec.compute, self, state),
-            spec.tables,
+            compute,
+            spec.output.tables(),
             before_write=partial(spec.before_write, self, state) if spec.before_write else None,
             expect=partial(spec.expect, state) if spec.expect else None,
-            computed=state.pipelined.outputs(spec.stage) if state.pipelined else None,
+            computed=computed.rows() if computed is not None else None,
+            failures=spec.failures,
         )
-        for table, name in spec.keep.items():
-            setattr(state, name, outputs[table])
+        state.outputs[spec.output] = spec.output.from_rows(rows)
         if spec.after:
             spec.after(self, state)
 
@@ -692,9 +763,8 @@ class Trainer:
     ) -> AdapterVersion:
         """The step's numeric_update stage alone, on stored completions (the stage as the step runs it)."""
         library = ExperienceLibrary.from_version(version)
-        state = StepState(
-            self.cfg, step, problems, library, version, self.cfg, rollouts=rollouts, advantages=advantages
-        )
+        state = StepState(self.cfg, step, problems, library, version, self.cfg)
+        state.outputs = {Rollouts: Rollouts(rollouts), Verified: Verified(group_advantages=advantages)}
         await self.run_stage(STEP_STAGES[Stage.NUMERIC_UPDATE], state)
         return state.adapters[0]
 
@@ -756,7 +826,7 @@ class Trainer:
         return PipelineBatch.merge(parts)
 
     # --- the budget -------------------------------------------------------------------------------------
-    def check_budget(self, step: int, name: Stage) -> None:
+    def check_budget(self, step: int, name: str) -> None:
         """Before a stage: stop if the recorded calls of this run reached ``budget.max_tokens`` or ``max_usd``."""
         budget = self.cfg.budget
         if budget.max_tokens is None and budget.max_usd is None:
@@ -850,7 +920,14 @@ class Trainer:
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
-        outputs = await self.stage(step, Stage.VALIDATE, lambda: validator.compute(step, library), EVAL_TABLES)
+        outputs = await self.stage(
+            step,
+            Stage.VALIDATE,
+            lambda: validator.compute(step, library),
+            EVAL_TABLES,
+            failures=VALIDATION_FAILURES,
+            journals_items=False,  # its calls only: held-out samples are redone whole
+        )
         await validator.publish(step, outputs)
 
     # --- the run --------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.records import text_hash
-from schemas.stages import Stage
 
 
 class Section(BaseModel):
@@ -560,9 +559,10 @@ class BudgetConfig(Section):
 class ToleranceConfig(Section):
     max_failed_fraction: StageTolerances = Field(default_factory=StageTolerances)
 
-    def of(self, stage: Stage) -> float | None:
-        """The stage's tolerance; None for stages without items that can fail."""
-        return getattr(self.max_failed_fraction, Stage(stage).tolerance_setting, None)
+    def of(self, setting: str) -> float:
+        """The fraction of items that may fail under ``max_failed_fraction.<setting>`` (a stage's failure rule
+        names its setting); 0 for a setting that does not exist (a stage added from outside)."""
+        return float(getattr(self.max_failed_fraction, setting, 0.0))
 
 
 # Settings that change where or how fast a run executes, or when it stops, never what it computes.

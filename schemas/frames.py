@@ -414,7 +414,7 @@ class RefreshWatermarksFrame(StageKeyed):
     n_rows: Series[int] = pa.Field(ge=0)
     n_rejected: Series[int] = pa.Field(ge=0)
     n_redacted: Series[int] = pa.Field(ge=0)
-    n_late: Series[int] = pa.Field(ge=0)
+    n_late: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)  # NULL: written before the column was added
 
 
 class DbMetaFrame(Frame):

@@ -2,8 +2,8 @@
 
 The values are stored in DuckDB (``stage_runs.stage`` and every stage table), shown in log lines and terminal
 progress bars, and name the Prefect task runs, so they never change. What differs between stages is data
-here (the tolerance setting a stage reads, whether its work journal keeps finished items), not if-chains on
-the names in the code that uses them.
+with the stage (its failure rule and tolerance, whether its work journal keeps finished items: ``flows/train.py``
+``STEP``), not if-chains on the names in the code that uses them.
 """
 
 from __future__ import annotations
@@ -40,14 +40,3 @@ class Stage(StrEnum):
     REVIEW_REQUEST = "review-request"
     REVIEW_DECIDE = "review-decide"
     ADOPT = "adopt"
-
-    @property
-    def tolerance_setting(self) -> str:
-        """Its field under ``tolerance.max_failed_fraction`` (held-out validation's is ``validation``)."""
-        return "validation" if self is Stage.VALIDATE else self.value
-
-    @property
-    def journals_items(self) -> bool:
-        """Whether its work journal keeps finished items for a retry to reuse; held-out validation logs its
-        calls only (its samples are redone whole)."""
-        return self is not Stage.VALIDATE

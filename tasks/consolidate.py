@@ -21,8 +21,11 @@ from functools import partial
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary, normalize_text
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.prompts.consolidate import consolidate_messages
+from clgrpo.prompts.lessons import LessonAsk
+from clgrpo.prompts.repair import repair_messages
 from domains import get_domain
-from domains.learner import LearnerPrompts, operations_schema, overlap, restates
+from domains.learner import operations_schema, overlap, restates
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
 from schemas.stages import Stage
@@ -61,19 +64,15 @@ async def _plan(
     group_id: str,
     proposals: list[Proposal],
     library: ExperienceLibrary,
-    prompts: LearnerPrompts,
+    ask: LessonAsk,
     llm: LLMClient,
     cfg: LearningConfig,
 ) -> tuple[Proposal, list[LLMCall]]:
     known_groups = {g for p in proposals for op in p.operations for g in (op.source_groups or [p.group_id])}
 
     def messages(constrained: bool) -> list[dict[str, str]]:
-        return prompts.consolidate(
-            render_proposals(proposals),
-            library.render_for_prompt(),
-            min_words=cfg.min_words,
-            max_words=cfg.max_words,
-            show_example=not constrained,
+        return consolidate_messages(
+            ask, render_proposals(proposals), library.render_for_prompt(), show_example=not constrained
         )
 
     # a final plan needs at most one operation per proposed one plus one per library entry
@@ -87,7 +86,7 @@ async def _plan(
         pattern=cfg.lesson_pattern,
     )
     reply = await llm.complete_operations(
-        messages, stage=Stage.CONSOLIDATE, json_schema=schema, repair=partial(prompts.repair, sources=True)
+        messages, stage=Stage.CONSOLIDATE, json_schema=schema, repair=partial(repair_messages, ask, sources=True)
     )
     progress.advance(Stage.CONSOLIDATE)
     operations = attribute_sources(
@@ -197,8 +196,10 @@ def passthrough(proposals: list[Proposal]) -> Consolidation:
 
 
 async def consolidate(
-    proposals: list[Proposal], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig
+    proposals: list[Proposal], library: ExperienceLibrary, ask: LessonAsk, llm: LLMClient, cfg: LearningConfig
 ) -> Consolidation:
+    """The step's plan from the groups' proposals: passed through, or the learner's (in chunks, then a final
+    pass over the chunks' plans). ``ask``: the learner prompts' settings (``LearnerPrompts.ask``)."""
     # group-id order: the order a resumed step reads proposals back in, so a rerun sends the same prompts
     usable = sorted((p for p in proposals if p.operations), key=lambda p: p.group_id)
     if not usable:
@@ -211,13 +212,13 @@ async def consolidate(
     if len(usable) > size:
         chunks = [usable[i : i + size] for i in range(0, len(usable), size)]
         results = await asyncio.gather(
-            *[_plan(f"chunk-{i}", chunk, library, prompts, llm, cfg) for i, chunk in enumerate(chunks)]
+            *[_plan(f"chunk-{i}", chunk, library, ask, llm, cfg) for i, chunk in enumerate(chunks)]
         )
         plans = [plan for plan, _ in results]
         calls = [c for _, cs in results for c in cs]
         usable = [p for p in plans if p.operations]
     final, final_calls = (
-        await _plan(FINAL, usable, library, prompts, llm, cfg)
+        await _plan(FINAL, usable, library, ask, llm, cfg)
         if usable
         else (Proposal(group_id=FINAL, parse_error=None), [])
     )
@@ -240,7 +241,7 @@ async def consolidate_task(
     return await consolidate(
         proposals,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain).learner_prompts,
+        get_domain(config.domain).learner_prompts.ask(config.learning),
         shared_client(config),
         config.learning,
     )

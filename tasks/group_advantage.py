@@ -24,6 +24,10 @@ from clgrpo.library import ExperienceLibrary, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast
 from clgrpo.prompts.attempts import Attempt, clip, tool_trace, trajectory_text
+from clgrpo.prompts.contrast import contrast_messages, generalize_messages
+from clgrpo.prompts.extract import extract_messages
+from clgrpo.prompts.lessons import LessonAsk
+from clgrpo.prompts.repair import repair_messages
 from domains import get_domain
 from domains.learner import GROUP_KINDS, LearnerPrompts, LessonScreen, contrast_schema, operations_schema
 from schemas.config import LearningConfig, RunConfig
@@ -78,6 +82,21 @@ def build_groups(
     ]
 
 
+@dataclass(frozen=True)
+class Learner:
+    """What every ask of the stage shares: the domain's wording (and its screen of copied lessons), the
+    prompts' settings built once from the learning config, the client and the learning config itself."""
+
+    prompts: LearnerPrompts
+    ask: LessonAsk
+    llm: LLMClient
+    cfg: LearningConfig
+
+    @classmethod
+    def of(cls, prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> Learner:
+        return cls(prompts, prompts.ask(cfg), llm, cfg)
+
+
 @dataclass
 class ProposalBatch:
     proposals: list[Proposal]
@@ -120,13 +139,9 @@ def contrast_pairs(group: Group) -> list[tuple[int, int]]:
 
 
 async def _extract_one(
-    group: Group,
-    summaries: dict[tuple[str, int], Summary],
-    library: ExperienceLibrary,
-    prompts: LearnerPrompts,
-    llm: LLMClient,
-    cfg: LearningConfig,
+    group: Group, summaries: dict[tuple[str, int], Summary], library: ExperienceLibrary, learner: Learner
 ) -> ProposalBatch:
+    cfg = learner.cfg
     group_id = group.problem.problem_id
     done = StageItems(Stage.GROUP_ADVANTAGE, Proposal)
     reused = done.get(group_id)
@@ -136,9 +151,9 @@ async def _extract_one(
     attempts = _attempts(group, summaries, cfg.use_groundtruth)
     try:
         if cfg.extract == "contrast":
-            batch = await _contrast_candidates(group, attempts, library, prompts, llm, cfg)
+            batch = await _contrast_candidates(group, attempts, library, learner)
         else:
-            batch = await _operations_proposal(group, attempts, library, prompts, llm, cfg)
+            batch = await _operations_proposal(group, attempts, library, learner)
     finally:
         progress.advance(Stage.GROUP_ADVANTAGE)
     proposal = batch.proposals[0]
@@ -149,17 +164,12 @@ async def _extract_one(
 
 
 async def _operations_proposal(
-    group: Group,
-    attempts: list[Attempt],
-    library: ExperienceLibrary,
-    prompts: LearnerPrompts,
-    llm: LLMClient,
-    cfg: LearningConfig,
+    group: Group, attempts: list[Attempt], library: ExperienceLibrary, learner: Learner
 ) -> ProposalBatch:
     """The group's edit list as JSON; with ``fallback: contrast`` a reply with no usable operation is followed by
     contrast asks, whose candidates replace it (both kinds of reply kept in the raw text)."""
-    group_id = group.problem.problem_id
-    messages = partial(_extract_prompt, prompts, group.problem, attempts, library.render_for_prompt(), cfg)
+    cfg, group_id = learner.cfg, group.problem.problem_id
+    messages = partial(_extract_prompt, learner.ask, group.problem, attempts, library.render_for_prompt())
     schema = operations_schema(
         cfg.max_ops_per_group,
         kinds=GROUP_KINDS,
@@ -169,8 +179,8 @@ async def _operations_proposal(
         pattern=cfg.lesson_pattern,
     )
     try:
-        reply = await llm.complete_operations(
-            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, repair=prompts.repair
+        reply = await learner.llm.complete_operations(
+            messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, repair=partial(repair_messages, learner.ask)
         )
     except LLMCallError as exc:
         return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
@@ -178,10 +188,10 @@ async def _operations_proposal(
     proposal = Proposal(
         group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error
     )
-    unusable = _unusable(operations, prompts)
+    unusable = _unusable(operations, learner.prompts)
     if cfg.fallback != "contrast" or unusable is None:
         return ProposalBatch([proposal], reply.calls)
-    fallback = await _contrast_candidates(group, attempts, library, prompts, llm, cfg)
+    fallback = await _contrast_candidates(group, attempts, library, learner)
     contrast = fallback.proposals[0]
     raw = json.dumps(
         {
@@ -195,24 +205,10 @@ async def _operations_proposal(
 
 
 def _extract_prompt(
-    prompts: LearnerPrompts,
-    problem: Problem,
-    attempts: list[Attempt],
-    library_text: str,
-    cfg: LearningConfig,
-    constrained: bool,
+    ask: LessonAsk, problem: Problem, attempts: list[Attempt], library_text: str, constrained: bool
 ) -> list[dict[str, str]]:
     """The operations ask; an unconstrained reply gets a complete example reply to follow."""
-    return prompts.extract(
-        problem,
-        attempts,
-        library_text,
-        use_groundtruth=cfg.use_groundtruth,
-        max_ops=cfg.max_ops_per_group,
-        min_words=cfg.min_words,
-        max_words=cfg.max_words,
-        show_example=not constrained,
-    )
+    return extract_messages(ask, problem, attempts, library_text, show_example=not constrained)
 
 
 def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | None:
@@ -225,15 +221,11 @@ def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | Non
 
 
 async def _contrast_candidates(
-    group: Group,
-    attempts: list[Attempt],
-    library: ExperienceLibrary,
-    prompts: LearnerPrompts,
-    llm: LLMClient,
-    cfg: LearningConfig,
+    group: Group, attempts: list[Attempt], library: ExperienceLibrary, learner: Learner
 ) -> ProposalBatch:
     """``cfg.candidates`` contrast asks, each over the next (better, worse) pair with its own draw: one
     candidate operation per usable reply; every reply kept (raw text: a JSON list)."""
+    cfg, llm = learner.cfg, learner.llm
     group_id, pairs = group.problem.problem_id, contrast_pairs(group)
     if not pairs:
         return ProposalBatch(
@@ -248,17 +240,10 @@ async def _contrast_candidates(
     asks = [pairs[c % len(pairs)] for c in range(cfg.candidates)]
 
     def ask(better: Attempt, worse: Attempt, constrained: bool) -> list[dict[str, str]]:
-        return prompts.contrast(
-            group.problem,
-            better,
-            worse,
-            library.render_for_prompt(),
-            live_ids=live_ids,
-            use_groundtruth=cfg.use_groundtruth,
-            min_words=cfg.min_words,
-            max_words=cfg.max_words,
+        return contrast_messages(
+            learner.ask, group.problem, better, worse, library.render_for_prompt(), live_ids=live_ids,
             show_example=not constrained,
-        )
+        )  # fmt: skip
 
     replies = await asyncio.gather(
         *[
@@ -293,9 +278,9 @@ async def _contrast_candidates(
             errors.append(f"candidate {c + 1}: {exc}")
             continue
         op = op.model_copy(update={"source_groups": [group_id]})
-        if (why := not_general(op, group.problem, prompts, cfg)) is not None:
+        if (why := not_general(op, group.problem, learner.prompts, cfg)) is not None:
             asked = ask(attempts[b], attempts[w], llm.constrains_json("learner"))
-            op, rewrite_calls, entry["generalized"] = await _generalize(op, asked, why, prompts, llm, cfg, c)
+            op, rewrite_calls, entry["generalized"] = await _generalize(op, asked, why, learner, c)
             calls += rewrite_calls
         note = f"[contrast, candidate {c + 1}: attempt {attempts[b].sample_idx} vs {attempts[w].sample_idx}]"
         operations.append(op.model_copy(update={"rationale": f"{op.rationale} {note}".strip()}))
@@ -324,22 +309,16 @@ def not_general(op: Operation, problem: Problem, prompts: LearnerPrompts, cfg: L
 
 
 async def _generalize(
-    op: Operation,
-    asked: list[dict[str, str]],
-    why: str,
-    prompts: LearnerPrompts,
-    llm: LLMClient,
-    cfg: LearningConfig,
-    draw: int,
+    op: Operation, asked: list[dict[str, str]], why: str, learner: Learner, draw: int
 ) -> tuple[Operation, list[LLMCall], dict]:
     """One request to rewrite a candidate as a general lesson; the rewrite replaces it when it parses (the
     draft, the reason and the reply are kept)."""
     record: dict = {"draft": op.text, "why": why}
-    messages = prompts.generalize(asked, op.text or "", why, min_words=cfg.min_words, max_words=cfg.max_words)
-    schema = contrast_schema(min_words=cfg.min_words, max_words=cfg.max_words)
+    messages = generalize_messages(learner.ask, asked, op.text or "", why)
+    schema = contrast_schema(min_words=learner.cfg.min_words, max_words=learner.cfg.max_words)
     schema = {**schema, "properties": {"lesson": schema["properties"]["lesson"]}, "required": ["lesson"]}
     try:
-        reply = await llm.complete(
+        reply = await learner.llm.complete(
             messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, schema_name="lesson", redraw=draw
         )
     except LLMCallError as exc:
@@ -375,8 +354,8 @@ async def extract_group_advantage(
     cfg: LearningConfig,
 ) -> ProposalBatch:
     """One proposal per selected group (possibly with no operations, or with a parse error)."""
-    by_key = {(s.problem_id, s.sample_idx): s for s in summaries}
-    parts = await asyncio.gather(*[_extract_one(g, by_key, library, prompts, llm, cfg) for g in groups])
+    by_key, learner = {(s.problem_id, s.sample_idx): s for s in summaries}, Learner.of(prompts, llm, cfg)
+    parts = await asyncio.gather(*[_extract_one(g, by_key, library, learner) for g in groups])
     return ProposalBatch([p for part in parts for p in part.proposals], [c for part in parts for c in part.calls])
 
 

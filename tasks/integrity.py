@@ -9,11 +9,10 @@ first cause and what to do; a retry or rerun redoes only the failed items (the w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.stages import Stage
 from tasks.group_advantage import call_failed
 
 UNGRADED_CAUSES = ("rollout failed", "could not verify")
@@ -29,11 +28,12 @@ class BudgetExhaustedError(RuntimeError):
 
 @dataclass(frozen=True)
 class FailedItems:
-    stage: Stage
+    stage: str
     failed: int
     total: int
     unit: str
     first_cause: str | None
+    tolerance_setting: str  # its field under tolerance.max_failed_fraction
 
     @property
     def fraction(self) -> float:
@@ -45,48 +45,56 @@ class FailedItems:
 
 @dataclass(frozen=True)
 class FailureRule:
-    """Where a stage's items are (``table`` of its outputs), what one is called, when it failed and why;
-    ``attempted``: which rows are items at all."""
+    """A stage's failure rule, declared with the stage: where its items are (``table`` of its outputs), what one
+    is called, when it failed and why, and which tolerance (``tolerance.max_failed_fraction.<tolerance>``) it
+    may leave; ``attempted``: which rows are items at all."""
 
     table: str
     unit: str
     is_failed: Callable[[Any], bool]
     cause: Callable[[Any], str | None]
+    tolerance: str
     attempted: Callable[[Any], bool] = lambda _: True
 
-    def count(self, stage: Stage, outputs: dict[str, list[Any]]) -> FailedItems:
+    def count(self, stage: str, outputs: Mapping[str, Sequence[Any]]) -> FailedItems:
         items: Sequence[Any] = [x for x in outputs[self.table] if self.attempted(x)]
         failed = [x for x in items if self.is_failed(x)]
-        return FailedItems(stage, len(failed), len(items), self.unit, self.cause(failed[0]) if failed else None)
+        cause = self.cause(failed[0]) if failed else None
+        return FailedItems(stage, len(failed), len(items), self.unit, cause, self.tolerance)
 
 
-def _error(item: Any) -> str | None:
+def item_error(item: Any) -> str | None:
     return item.error
 
 
-# the stages with items that can fail this way; the others have none
-FAILURE_RULES: dict[Stage, FailureRule] = {
-    Stage.ROLLOUT: FailureRule("rollouts", "samples", lambda r: r.error is not None, _error),
-    # a reward never attempted (a failed rollout, no answer to grade against) is no verification
-    Stage.VERIFY: FailureRule(
-        "rewards", "verifications", lambda r: not r.verified, _error, attempted=lambda r: r.graded or not r.verified
-    ),
-    Stage.SUMMARIZE: FailureRule("summaries", "summaries", lambda s: s.error is not None, _error),
-    Stage.GROUP_ADVANTAGE: FailureRule("proposals", "group proposals", call_failed, lambda p: p.parse_error),
-    Stage.VALIDATE_LESSONS: FailureRule(
-        "trial_samples", "lesson validation attempts", lambda s: s.reward is None, _error
-    ),
-    Stage.LIBRARY_GATE: FailureRule("gate_samples", "library gate attempts", lambda s: s.reward is None, _error),
-    Stage.VALIDATE: FailureRule(
-        "eval_results", "validation samples", lambda s: (s.error or "").startswith(UNGRADED_CAUSES), _error
-    ),
-}
+def ungraded(item: Any) -> bool:
+    """A trial or gate sample the verifier could not grade."""
+    return item.reward is None
 
 
-def failed_items(stage: Stage, outputs: dict[str, list[Any]]) -> FailedItems | None:
-    """What failed in a stage's outputs; None for stages without items that can fail this way."""
-    rule = FAILURE_RULES.get(stage)
-    return rule.count(Stage(stage), outputs) if rule else None
+# the failure rules of the stages with items that can fail this way (the step's own are declared with each
+# stage in flows/train.py STEP; held-out validation's here, beside the evaluation's tables)
+ROLLOUT_FAILURES = FailureRule("rollouts", "samples", lambda r: r.error is not None, item_error, "rollout")
+# a reward never attempted (a failed rollout, no answer to grade against) is no verification
+VERIFY_FAILURES = FailureRule(
+    "rewards",
+    "verifications",
+    lambda r: not r.verified,
+    item_error,
+    "verify",
+    attempted=lambda r: r.graded or not r.verified,
+)
+SUMMARY_FAILURES = FailureRule("summaries", "summaries", lambda s: s.error is not None, item_error, "summarize")
+PROPOSAL_FAILURES = FailureRule("proposals", "group proposals", call_failed, lambda p: p.parse_error, "group_advantage")
+TRIAL_FAILURES = FailureRule("trial_samples", "lesson validation attempts", ungraded, item_error, "validate_lessons")
+GATE_FAILURES = FailureRule("gate_samples", "library gate attempts", ungraded, item_error, "library_gate")
+VALIDATION_FAILURES = FailureRule(
+    "eval_results",
+    "validation samples",
+    lambda s: (s.error or "").startswith(UNGRADED_CAUSES),
+    item_error,
+    "validation",
+)
 
 
 def stage_failed_message(items: FailedItems, step: int, tolerance: float, run_id: str) -> str:
@@ -94,7 +102,7 @@ def stage_failed_message(items: FailedItems, step: int, tolerance: float, run_id
     cause = cause if len(cause) <= 300 else cause[:300] + "..."
     return (
         f"step {step} {items.stage}: {items.describe()}, over the tolerance of {tolerance:.0%} "
-        f"(tolerance.max_failed_fraction.{items.stage.tolerance_setting}); first cause: {cause}. The stage was "
+        f"(tolerance.max_failed_fraction.{items.tolerance_setting}); first cause: {cause}. The stage was "
         f"not stored as done; its finished items and every call are kept. Fix the cause, then Retry the flow run "
         f"(Prefect UI) or rerun with --run-id {run_id}: only the failed items are redone."
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
@@ -23,6 +22,7 @@ from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.group_advantage import build_groups, extract_group_advantage
 from tasks.judge import Judge, make_judge
+from tasks.outputs import GroupProposals, Rollouts, StageOutput, Summaries, Verified
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
 from tasks.summarize import SummaryBatch, summarize
 from tasks.verify import compute_group_advantages, grade
@@ -70,16 +70,16 @@ class PipelineBatch:
     def merge(cls, parts: list["PipelineBatch"]) -> "PipelineBatch":
         return cls(**{name: [x for part in parts for x in getattr(part, name)] for name in cls.__dataclass_fields__})
 
-    def outputs(self, stage: Stage) -> dict[str, list[Any]] | None:
-        """One of the four stages' outputs as the flow writes them, table by table (verify's calls, an LLM
-        judge's, come from the work journal); None for the other stages."""
-        tables: dict[Stage, dict[str, list[Any]]] = {
-            Stage.ROLLOUT: {"rollouts": self.rollouts, "llm_calls": self.rollout_calls},
-            Stage.VERIFY: {"rewards": self.rewards, "group_advantages": self.advantages, "llm_calls": []},
-            Stage.SUMMARIZE: {"summaries": self.summaries, "llm_calls": self.summary_calls},
-            Stage.GROUP_ADVANTAGE: {"proposals": self.proposals, "llm_calls": self.proposal_calls},
+    def output(self, kind: type[StageOutput]) -> StageOutput | None:
+        """The output of type ``kind`` of one of the four stages, as the flow writes it (verify's calls, an LLM
+        judge's, come from the work journal); None for the other stages' types."""
+        outputs: dict[type[StageOutput], StageOutput] = {
+            Rollouts: Rollouts(self.rollouts, self.rollout_calls),
+            Verified: Verified(self.rewards, self.advantages),
+            Summaries: Summaries(self.summaries, self.summary_calls),
+            GroupProposals: GroupProposals(self.proposals, self.proposal_calls),
         }
-        return tables.get(stage)
+        return outputs.get(kind)
 
 
 async def _one_group(
@@ -104,11 +104,7 @@ async def _one_group(
     progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
     progress.expect(Stage.GROUP_ADVANTAGE, len(groups))
     prompts = domain.learner_prompts
-    summaries = (
-        await summarize(groups, library, prompts, llm, use_groundtruth=cfg.use_groundtruth)
-        if cfg.summarize
-        else SummaryBatch([])
-    )
+    summaries = await summarize(groups, library, prompts.ask(cfg), llm) if cfg.summarize else SummaryBatch([])
     proposals = await extract_group_advantage(groups, summaries.summaries, library, prompts, llm, cfg)
     outcome.summaries, outcome.summary_calls = summaries.summaries, summaries.calls
     outcome.proposals, outcome.proposal_calls = proposals.proposals, proposals.calls

@@ -11,8 +11,9 @@ from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.prompts.attempts import Attempt, tool_trace, trajectory_text
+from clgrpo.prompts.lessons import LessonAsk
+from clgrpo.prompts.summarize import summarize_messages
 from domains import get_domain
-from domains.learner import LearnerPrompts
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
 from schemas.stages import Stage
@@ -35,9 +36,8 @@ async def _summarize_one(
     rollout: Rollout,
     reward: Reward,
     library_text: str,
-    prompts: LearnerPrompts,
+    ask: LessonAsk,
     llm: LLMClient,
-    use_groundtruth: bool,
 ) -> SummaryBatch:
     base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
     done = StageItems(Stage.SUMMARIZE, Summary)
@@ -48,11 +48,11 @@ async def _summarize_one(
     attempt = Attempt(
         rollout.sample_idx,
         trajectory_text(rollout.turns),
-        reward.reward if use_groundtruth else None,
+        reward.reward if ask.use_groundtruth else None,
         truncated=rollout.truncated,
         tools=tool_trace(rollout.turns),
     )
-    messages = prompts.summarize(problem, attempt, library_text, use_groundtruth)
+    messages = summarize_messages(ask, problem, attempt, library_text)
     try:
         reply = await llm.complete(messages, stage=Stage.SUMMARIZE)
     except LLMCallError as exc:
@@ -66,16 +66,12 @@ async def _summarize_one(
     return SummaryBatch([summary], reply.calls)
 
 
-async def summarize(
-    groups: list[Group], library: ExperienceLibrary, prompts: LearnerPrompts, llm: LLMClient, *, use_groundtruth: bool
-) -> SummaryBatch:
+async def summarize(groups: list[Group], library: ExperienceLibrary, ask: LessonAsk, llm: LLMClient) -> SummaryBatch:
     """One summary per rollout; a failed call leaves a summary with ``error`` (the extractor then reads the
-    trajectory itself)."""
+    trajectory itself). ``ask``: the learner prompts' settings (``LearnerPrompts.ask``)."""
     parts = await asyncio.gather(
         *[
-            _summarize_one(
-                g.problem, r, w, library.prompt_text_for(g.problem.problem_id), prompts, llm, use_groundtruth
-            )
+            _summarize_one(g.problem, r, w, library.prompt_text_for(g.problem.problem_id), ask, llm)
             for g in groups
             for r, w in zip(g.rollouts, g.rewards)
         ]
@@ -100,7 +96,6 @@ async def summarize_task(
     return await summarize(
         groups,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain).learner_prompts,
+        get_domain(config.domain).learner_prompts.ask(config.learning),
         shared_client(config),
-        use_groundtruth=config.learning.use_groundtruth,
     )

@@ -15,7 +15,9 @@ import pytest
 
 from clgrpo.llm import LLMClient
 from clgrpo.prompts.attempts import clip, tool_trace, trajectory_text
+from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.math_rollout import rollout_messages
+from clgrpo.prompts.summarize import summarize_messages
 from clgrpo.sandbox import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
@@ -302,19 +304,16 @@ async def test_the_learner_sees_tool_calls_and_results():
     from clgrpo.prompts.attempts import Attempt
 
     attempt = Attempt(0, text, 1.0, tools=trace)
-    summarize = prompts.summarize(PROBLEM, attempt, "", True)
+    summarize = summarize_messages(prompts.ask(use_groundtruth=True), PROBLEM, attempt, "")
     assert "tool use" in summarize[0]["content"].lower() and "[python call]" in summarize[1]["content"]
-    extract = prompts.extract(
+    extract = extract_messages(
+        prompts.ask(use_groundtruth=True, max_ops=2, min_words=5, max_words=30),
         PROBLEM,
         [Attempt(0, "It computed with Python.", 1.0, tools=trace)],
         "",
-        use_groundtruth=True,
-        max_ops=2,
-        min_words=5,
-        max_words=30,
     )
     assert "Tool calls:\n- python: print(47 * 23)" in extract[1]["content"]
-    direct = prompts.summarize(PROBLEM, Attempt(0, "The answer is 3.", 0.0), "", True)
+    direct = summarize_messages(prompts.ask(use_groundtruth=True), PROBLEM, Attempt(0, "The answer is 3.", 0.0), "")
     assert "tool use" not in direct[0]["content"].lower()  # direct attempts: the prompt is unchanged
 
 

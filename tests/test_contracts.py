@@ -58,6 +58,8 @@ STAGE_RECORDS: dict[str, type[BaseModel]] = {  # written by Store.write_stage, r
     "adapters": records.AdapterVersion,
     "lesson_trials": records.LessonTrial,
     "trial_samples": records.TrialSample,
+    "gate_samples": records.GateSample,
+    "library_gates": records.GateDecision,
     "review_requests": records.ReviewRequest,
     "review_decisions": records.ReviewDecision,
     "library_adoptions": records.LibraryAdoption,

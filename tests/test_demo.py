@@ -8,10 +8,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from functools import partial
+
 from clgrpo.app.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
 from clgrpo.models import ModelError, fetch_embedded
+from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.math_rollout import rollout_messages
+from clgrpo.prompts.repair import repair_messages
 from clgrpo.store import Store
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
 from schemas.records import Problem
@@ -153,11 +157,16 @@ async def test_real_embedded_model_one_rollout_and_one_learner_call(embedded_mod
     assert len(sampled.calls) == 1 and sampled.calls[0].tokens_out > 0
 
     prompts = LearnerPrompts("arithmetic")
-    messages = prompts.consolidate(
-        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "", min_words=5, max_words=24
+    messages = consolidate_messages(
+        prompts.ask(min_words=5, max_words=24),
+        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]),
+        "",
     )
     reply = await client.complete_operations(
-        messages, stage="consolidate", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+        messages,
+        stage="consolidate",
+        json_schema=OPERATIONS_SCHEMA,
+        repair=partial(repair_messages, LearnerPrompts().ask()),
     )
     # constrained decoding: the reply is valid operations JSON unless it ran out of tokens mid-string
     assert reply.parse_error is None or "unparseable" in reply.parse_error

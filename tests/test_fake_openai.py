@@ -13,6 +13,10 @@ from openai import AsyncOpenAI, OpenAI
 
 from clgrpo.llm.structured import parse_operations
 from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.consolidate import consolidate_messages
+from clgrpo.prompts.extract import extract_messages
+from clgrpo.prompts.repair import repair_messages
+from clgrpo.prompts.summarize import summarize_messages
 from clgrpo.testing.fake_openai import DEFAULT_MIX, ChatRequest, FakeOpenAIServer, Fault, match_roles, role_of
 from clgrpo.testing.scripted_llm import (
     FAMILIES,
@@ -469,10 +473,13 @@ def test_policy_is_deterministic_per_prompt():
     assert ScriptedWorld(seed=2)(request) != a1 or ScriptedWorld(seed=3)(request) != a1
 
 
-def extract_messages(problem: Problem, grades: list[float | None], library: str = "") -> list[dict]:
+def extractor_messages(problem: Problem, grades: list[float | None], library: str = "") -> list[dict]:
     attempts = [Attempt(i, f"The attempt computed the expression and answered {i}.", g) for i, g in enumerate(grades)]
-    return PROMPTS.extract(
-        problem, attempts, library, use_groundtruth=grades[0] is not None, max_ops=3, min_words=5, max_words=20
+    return extract_messages(
+        PROMPTS.ask(use_groundtruth=grades[0] is not None, max_ops=3, min_words=5, max_words=20),
+        problem,
+        attempts,
+        library,
     )
 
 
@@ -484,18 +491,18 @@ def test_extractor_proposes_lesson_only_when_useful():
     def ops(messages: list[dict]) -> list[dict]:
         return json.loads(world(ChatRequest(model="m", messages=messages))[0])["operations"]
 
-    proposed = ops(extract_messages(problem, [1.0, 0.0, 0.0]))
+    proposed = ops(extractor_messages(problem, [1.0, 0.0, 0.0]))
     assert [(o["op"], o["text"]) for o in proposed] == [("add", family.lesson)]
-    assert ops(extract_messages(problem, [None, None])) == proposed  # no grades: always propose
-    assert ops(extract_messages(problem, [1.0, 1.0])) == []  # nothing to contrast
-    assert ops(extract_messages(problem, [1.0, 0.0], f"[E1]. {family.lesson.upper()}")) == []
+    assert ops(extractor_messages(problem, [None, None])) == proposed  # no grades: always propose
+    assert ops(extractor_messages(problem, [1.0, 1.0])) == []  # nothing to contrast
+    assert ops(extractor_messages(problem, [1.0, 0.0], f"[E1]. {family.lesson.upper()}")) == []
 
 
 def test_extractor_faults_at_configured_rates_and_repair(world_server):
     world, srv = world_server
     client = client_for(srv)
     problem = problem_of(make_problems(1)[0])
-    messages = extract_messages(problem, [1.0, 0.0])
+    messages = extractor_messages(problem, [1.0, 0.0])
     before = (world.stats.extract_garbage, world.stats.extract_malformed)
     replies = [
         c.message.content
@@ -517,7 +524,7 @@ def test_extractor_faults_at_configured_rates_and_repair(world_server):
     for reply in (r for r in replies if r not in garbage and r not in malformed):
         assert json.loads(reply)["operations"][0]["text"] == lesson
 
-    repair = PROMPTS.repair(messages, garbage[0], "no JSON object found in the reply")
+    repair = repair_messages(PROMPTS.ask(), messages, garbage[0], "no JSON object found in the reply")
     assert repair[-1]["content"].startswith(REPAIR_PREFIX)
     fixed = client.chat.completions.create(model="m", messages=repair, n=20).choices
     assert all(json.loads(c.message.content)["operations"][0]["text"] == lesson for c in fixed)
@@ -527,8 +534,12 @@ def test_extractor_faults_at_configured_rates_and_repair(world_server):
 def test_summarizer_reports_answer_and_grade(world_server):
     _, srv = world_server
     problem = problem_of(make_problems(1)[0])
-    graded = PROMPTS.summarize(problem, Attempt(0, "So it is 5. The answer is \\boxed{5}.", 0.0), "", True)
-    ungraded = PROMPTS.summarize(problem, Attempt(0, "The answer is \\boxed{12}.", None), "", False)
+    graded = summarize_messages(
+        PROMPTS.ask(use_groundtruth=True), problem, Attempt(0, "So it is 5. The answer is \\boxed{5}.", 0.0), ""
+    )
+    ungraded = summarize_messages(
+        PROMPTS.ask(use_groundtruth=False), problem, Attempt(0, "The answer is \\boxed{12}.", None), ""
+    )
     client = client_for(srv)
     text = client.chat.completions.create(model="m", messages=graded).choices[0].message.content
     assert "5" in text and "graded wrong" in text and "{" not in text
@@ -549,14 +560,14 @@ def test_consolidator_deduplicates(world_server):
             {"group": "p9", "op": "modify", "ids": ["E1"], "text": "Ignored: second modify of E1."},
         ]
     )
-    messages = PROMPTS.consolidate(proposals, f"[E1]. {other}", min_words=5, max_words=20)
+    messages = consolidate_messages(PROMPTS.ask(min_words=5, max_words=20), proposals, f"[E1]. {other}")
     reply = client_for(srv).chat.completions.create(model="m", messages=messages).choices[0].message.content
     assert json.loads(reply)["operations"] == [
         {"op": "add", "text": lesson, "sources": ["p3", "p7"]},
         {"op": "modify", "ids": ["E1"], "text": "Check the result.", "sources": ["p1", "p2"]},
     ]
-    empty = PROMPTS.consolidate(
-        json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), "", min_words=5, max_words=20
+    empty = consolidate_messages(
+        PROMPTS.ask(min_words=5, max_words=20), json.dumps({"group": "p1", "op": "add", "ids": [], "text": lesson}), ""
     )
     reply = client_for(srv).chat.completions.create(model="m", messages=empty).choices[0].message.content
     assert json.loads(reply) == {"operations": [{"op": "add", "text": lesson, "sources": ["p1"]}]}

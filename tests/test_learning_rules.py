@@ -9,7 +9,10 @@ import pytest
 
 from clgrpo.library import ExperienceLibrary
 from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.consolidate import consolidate_messages
+from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.quoting import DATA_TAG_RE
+from clgrpo.prompts.repair import repair_messages
 from domains.learner import (
     GROUP_KINDS,
     LearnerPrompts,
@@ -72,14 +75,22 @@ def test_prompts_have_no_placeholders_and_show_an_example_only_when_unconstraine
     problem = Problem(problem_id="p1", problem="How many divisors does 12 have?", answer="6")
     attempts = [Attempt(0, "Listed 1, 2, 3, 4, 6, 12: six.", 1.0), Attempt(1, "Guessed 4.", 0.0)]
     kwargs = dict(use_groundtruth=True, max_ops=2, min_words=5, max_words=24)
-    shown = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=True))
-    hidden = "\n".join(m["content"] for m in prompts.extract(problem, attempts, "", **kwargs, show_example=False))
-    for text in (shown, hidden, prompts.consolidate("{}", "[E1]. x", min_words=5, max_words=24)[0]["content"]):
+    shown = "\n".join(
+        m["content"] for m in extract_messages(prompts.ask(**kwargs), problem, attempts, "", show_example=True)
+    )
+    hidden = "\n".join(
+        m["content"] for m in extract_messages(prompts.ask(**kwargs), problem, attempts, "", show_example=False)
+    )
+    for text in (
+        shown,
+        hidden,
+        consolidate_messages(prompts.ask(min_words=5, max_words=24), "{}", "[E1]. x")[0]["content"],
+    ):
         assert "..." not in text and "<" not in DATA_TAG_RE.sub("", text)  # only the declared data tags
     reply = re.search(r'^\{"operations".*$', shown, re.MULTILINE).group(0)  # the example is a complete reply
     assert json.loads(reply)["operations"][0]["text"] == EXAMPLE_LESSONS[0]
     assert EXAMPLE_LESSONS[0] not in hidden and hidden.rstrip().endswith("(JSON only).")
-    repair = prompts.repair([], "oops", "empty reply", show_example=False)[-1]["content"]
+    repair = repair_messages(prompts.ask(), [], "oops", "empty reply", show_example=False)[-1]["content"]
     assert EXAMPLE_LESSONS[0] not in repair and "empty reply" in repair
 
 
@@ -111,7 +122,7 @@ async def test_consolidate_in_passthrough_mode_makes_no_learner_call():
 
     proposals = [Proposal(group_id="p1", operations=[Operation(op="add", text=LESSON, source_groups=["p1"])])]
     result = await consolidate(
-        proposals, ExperienceLibrary(), LearnerPrompts(), NoCalls(), LearningConfig(consolidation="passthrough")
+        proposals, ExperienceLibrary(), LearnerPrompts().ask(), NoCalls(), LearningConfig(consolidation="passthrough")
     )
     assert [o.text for o in result.operations] == [LESSON] and result.calls == []
 

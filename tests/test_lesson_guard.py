@@ -329,7 +329,7 @@ async def test_a_plan_without_sources_gets_them_matched_from_the_proposals():
         {"op": "delete", "ids": ["E2"]},
     ]
     llm = FixedPlan(plan)
-    result = await consolidate(GROUP_PROPOSALS, LIBRARY, LearnerPrompts(), llm, LearningConfig())
+    result = await consolidate(GROUP_PROPOSALS, LIBRARY, LearnerPrompts().ask(), llm, LearningConfig())
     ops = result.operations
     assert [o.source_groups for o in ops] == [["p1"], ["p2"], ["p2", "p3"], ["p4"], ["p3"], [], ["p3"]]
     assert ops[0].rationale == "[sources matched: same text]"
@@ -359,7 +359,11 @@ async def test_hierarchical_consolidation_keeps_the_real_groups():
     plan = [{"op": "add", "text": LESSON_A}]
     proposals = [*GROUP_PROPOSALS[:2], Proposal(group_id="p5", operations=[add(LESSON_A, ["p5"])])]
     result = await consolidate(
-        proposals, ExperienceLibrary(), LearnerPrompts(), FixedPlan(plan), LearningConfig(consolidate_chunk_size=2)
+        proposals,
+        ExperienceLibrary(),
+        LearnerPrompts().ask(),
+        FixedPlan(plan),
+        LearningConfig(consolidate_chunk_size=2),
     )
     assert [p.group_id for p in result.plans] == ["chunk-0", "chunk-1", FINAL]
     assert [p.operations[0].source_groups for p in result.plans] == [["p1"], ["p5"], ["p1", "p5"]]  # no "chunk-N"

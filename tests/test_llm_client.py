@@ -2,11 +2,14 @@
 
 import asyncio
 import time
+from functools import partial
 
 import pytest
 
 from clgrpo.llm import LLMCallError, LLMClient
 from clgrpo.llm.backends import OpenAIBackend
+from clgrpo.prompts.consolidate import consolidate_messages
+from clgrpo.prompts.repair import repair_messages
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
 from schemas.config import ModelConfig, PriceTable
@@ -180,7 +183,10 @@ async def test_operations_with_one_repair_re_ask():
     with FakeOpenAIServer(Replies("I would add a lesson.", good)) as server:
         client = LLMClient(model(server))
         reply = await client.complete_operations(
-            MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+            MESSAGES,
+            stage="group_advantage",
+            json_schema=OPERATIONS_SCHEMA,
+            repair=partial(repair_messages, LearnerPrompts().ask()),
         )
         assert reply.parse_error is None and [o.text for o in reply.operations] == ["Check units."]
         assert len(reply.calls) == 2 and server.stats.requests == 2
@@ -199,7 +205,10 @@ async def test_a_reply_cut_off_at_max_tokens_gets_a_fresh_draw_not_a_repair():
     with FakeOpenAIServer(responder) as server:
         client = LLMClient(model(server, max_tokens=64, seed=3))
         reply = await client.complete_operations(
-            MESSAGES, stage="group_advantage", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+            MESSAGES,
+            stage="group_advantage",
+            json_schema=OPERATIONS_SCHEMA,
+            repair=partial(repair_messages, LearnerPrompts().ask()),
         )
         await client.aclose()
     assert [o.text for o in reply.operations] == ["Check units."] and len(reply.calls) == 2
@@ -210,7 +219,10 @@ async def test_operations_still_unparseable_are_returned_with_raw_text():
     with FakeOpenAIServer(Replies("no json here", "still none")) as server:
         client = LLMClient(model(server))
         reply = await client.complete_operations(
-            MESSAGES, stage="consolidate", json_schema=OPERATIONS_SCHEMA, repair=LearnerPrompts().repair
+            MESSAGES,
+            stage="consolidate",
+            json_schema=OPERATIONS_SCHEMA,
+            repair=partial(repair_messages, LearnerPrompts().ask()),
         )
         assert reply.operations == [] and "unparseable after repair" in reply.parse_error
         assert "no json here" in reply.raw_text and "still none" in reply.raw_text
@@ -226,7 +238,7 @@ def test_missing_api_key_for_the_official_endpoint_is_a_clear_error(monkeypatch)
 
 
 def test_role_detection_of_learner_prompts():
-    messages = LearnerPrompts("math").consolidate("{}", "", min_words=5, max_words=32)
+    messages = consolidate_messages(LearnerPrompts("math").ask(min_words=5, max_words=32), "{}", "")
     assert role_of(ChatRequest(model="m", messages=messages)) == "library consolidator"
 
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
+from functools import partial
 
 import pytest
 
 from clgrpo.journal import JOURNAL_DIR
 from clgrpo.llm import LLMClient
+from clgrpo.prompts.extract import extract_messages
+from clgrpo.prompts.repair import repair_messages
+from clgrpo.prompts.summarize import summarize_messages
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import DEFAULT_MIX, FakeOpenAIServer, Fault, match_roles, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -251,9 +255,12 @@ def test_the_learner_sees_that_a_reply_was_cut_off():
     problem = Problem(problem_id="p1", problem="What is 2+2?", answer="4")
     cut = Attempt(0, "We add 2 and", 0.0, truncated=True)
     prompts = LearnerPrompts()
-    summarize = prompts.summarize(problem, cut, "", use_groundtruth=True)[1]["content"]
-    extract = prompts.extract(
-        problem, [cut, Attempt(1, "4", 1.0)], "", use_groundtruth=True, max_ops=2, min_words=5, max_words=30
+    summarize = summarize_messages(prompts.ask(use_groundtruth=True), problem, cut, "")[1]["content"]
+    extract = extract_messages(
+        prompts.ask(use_groundtruth=True, max_ops=2, min_words=5, max_words=30),
+        problem,
+        [cut, Attempt(1, "4", 1.0)],
+        "",
     )[1]["content"]
     assert "cut off at the token limit" in summarize
     assert extract.count("cut off at the token limit") == 1
@@ -297,7 +304,7 @@ async def test_an_unusable_first_reply_that_a_repair_replaced_is_kept():
             [{"role": "user", "content": "edits?"}],
             stage="group_advantage",
             json_schema={"type": "object"},
-            repair=LearnerPrompts().repair,
+            repair=partial(repair_messages, LearnerPrompts().ask()),
         )
         await client.aclose()
     assert len(done.operations) == 1 and done.parse_error is None
@@ -322,19 +329,29 @@ async def test_a_refused_schema_switches_the_learner_prompts_to_the_example_styl
     prompts, problem = LearnerPrompts(), Problem(problem_id="p1", problem="What is 2+2?", answer="4")
 
     def messages(constrained: bool):
-        return prompts.extract(
-            problem, [], "", use_groundtruth=True, max_ops=1, min_words=3, max_words=30, show_example=not constrained
+        return extract_messages(
+            prompts.ask(use_groundtruth=True, max_ops=1, min_words=3, max_words=30),
+            problem,
+            [],
+            "",
+            show_example=not constrained,
         )
 
     with FakeOpenAIServer(old_llama) as server:
         client = LLMClient(ModelConfig(model="schema-less", base_url=server.base_url, api_key_env=None, max_retries=0))
         assert client.constrains_json("learner")
         first = await client.complete_operations(
-            messages, stage="group_advantage", json_schema={"type": "object"}, repair=prompts.repair
+            messages,
+            stage="group_advantage",
+            json_schema={"type": "object"},
+            repair=partial(repair_messages, prompts.ask()),
         )
         assert not client.constrains_json("learner")
         later = await client.complete_operations(
-            messages, stage="group_advantage", json_schema={"type": "object"}, repair=prompts.repair
+            messages,
+            stage="group_advantage",
+            json_schema={"type": "object"},
+            repair=partial(repair_messages, prompts.ask()),
         )
         await client.aclose()
     assert seen == [(True, False), (False, True), (False, True)]

@@ -14,8 +14,14 @@ import pytest
 from clgrpo.app.demo import DemoOptions, demo_config
 from clgrpo.config import load_config
 from clgrpo.prompts.attempts import Attempt
+from clgrpo.prompts.consolidate import consolidate_messages
+from clgrpo.prompts.contrast import contrast_example, contrast_messages, generalize_messages
+from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.judge import judge_messages
+from clgrpo.prompts.lessons import example_reply
+from clgrpo.prompts.repair import repair_messages
 from clgrpo.prompts.specificity import rater_messages
+from clgrpo.prompts.summarize import summarize_messages
 from domains import get_domain
 from schemas.records import Problem
 
@@ -41,45 +47,30 @@ def _prompts() -> dict[str, object]:
         out[f"{name}/rollout"] = domain.rollout_messages(PROBLEM, LIBRARY)
         out[f"{name}/rollout-empty"] = domain.rollout_messages(PROBLEM, "")
         for truth in (True, False):
-            out[f"{name}/summarize-{truth}"] = prompts.summarize(PROBLEM, WRONG, LIBRARY, truth)
+            ask = prompts.ask(use_groundtruth=truth, max_ops=3, min_words=6, max_words=40)
+            out[f"{name}/summarize-{truth}"] = summarize_messages(ask, PROBLEM, WRONG, LIBRARY)
             for library in (LIBRARY, ""):
                 for show in (True, False):
                     key = f"{truth}-{bool(library)}-{show}"
-                    out[f"{name}/extract-{key}"] = prompts.extract(
-                        PROBLEM,
-                        [RIGHT, WRONG, SUMMARIZED],
-                        library,
-                        use_groundtruth=truth,
-                        max_ops=3,
-                        min_words=6,
-                        max_words=40,
+                    attempts = [RIGHT, WRONG, SUMMARIZED]
+                    out[f"{name}/extract-{key}"] = extract_messages(ask, PROBLEM, attempts, library, show_example=show)
+                    out[f"{name}/contrast-{key}"] = contrast_messages(
+                        ask, PROBLEM, RIGHT, WRONG, library, live_ids=["E1", "E2"] if library else [],
                         show_example=show,
-                    )
-                    out[f"{name}/contrast-{key}"] = prompts.contrast(
-                        PROBLEM,
-                        RIGHT,
-                        WRONG,
-                        library,
-                        live_ids=["E1", "E2"] if library else [],
-                        use_groundtruth=truth,
-                        min_words=6,
-                        max_words=40,
-                        show_example=show,
-                    )
+                    )  # fmt: skip
+        ask = prompts.ask(min_words=6, max_words=40)
         asked = out[f"{name}/contrast-True-True-False"]
-        out[f"{name}/generalize"] = prompts.generalize(
-            asked, "Multiply 40 by 0.75.", "it names the problem's numbers", min_words=6, max_words=40
+        out[f"{name}/generalize"] = generalize_messages(
+            ask, asked, "Multiply 40 by 0.75.", "it names the problem's numbers"
         )
         for show in (True, False):
-            out[f"{name}/consolidate-{show}"] = prompts.consolidate(
-                '{"p7": []}', LIBRARY, min_words=6, max_words=40, show_example=show
-            )
+            out[f"{name}/consolidate-{show}"] = consolidate_messages(ask, '{"p7": []}', LIBRARY, show_example=show)
             for sources in (True, False):
-                out[f"{name}/repair-{show}-{sources}"] = prompts.repair(
-                    asked, "not json", "no JSON object", show_example=show, sources=sources
+                out[f"{name}/repair-{show}-{sources}"] = repair_messages(
+                    ask, asked, "not json", "no JSON object", show_example=show, sources=sources
                 )
-        out[f"{name}/contrast-example"] = prompts.contrast_example(True)
-        out[f"{name}/example-reply"] = prompts.example_reply(sources=True)
+        out[f"{name}/contrast-example"] = contrast_example(prompts.examples, True)
+        out[f"{name}/example-reply"] = example_reply(prompts.examples, sources=True)
     out["judge"] = judge_messages(PROBLEM, "The new price is 30 dollars.")
     out["specificity"] = rater_messages("mathematics", "Always check your work.")
     return out

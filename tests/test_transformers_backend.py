@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from clgrpo.llm import LLMCallError, LLMClient
 from clgrpo.llm.backends import GenRequest, PermanentLLMError
 from clgrpo.llm.transformers_backend import TransformersBackend, pick_device, pick_dtype
+from clgrpo.prompts.consolidate import consolidate_messages
 from schemas.config import ModelConfig
 from tests.tiny_model import build_tiny_model
 
@@ -316,8 +317,10 @@ def test_the_real_embedded_model_replies_valid_json_under_the_learner_schema(emb
     from domains.learner import LearnerPrompts, operations_schema
 
     schema = operations_schema(1, live_ids=["E1", "E2"], min_words=3, max_words=12, pattern=pattern)
-    messages = LearnerPrompts("arithmetic").consolidate(
-        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]), "", min_words=3, max_words=12
+    messages = consolidate_messages(
+        LearnerPrompts("arithmetic").ask(min_words=3, max_words=12),
+        json.dumps([{"op": "add", "text": "Add the two numbers carefully."}]),
+        "",
     )
     gen = run(
         embedded_backend.generate(

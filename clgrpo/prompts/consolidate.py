@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from clgrpo.prompts import Message, quoting
 from clgrpo.prompts.attempts import library_block
-from clgrpo.prompts.lessons import LESSON_RULE, example_block
+from clgrpo.prompts.lessons import LESSON_RULE, LessonAsk, example_block
 from clgrpo.prompts.quoting import DATA_NOTICE
 
 CONSOLIDATE_SYSTEM = (
@@ -37,20 +37,13 @@ Task: turn these proposals into the final list of edits (JSON only)."""
 
 
 def consolidate_messages(
-    domain: str,
-    examples: tuple[str, str],
-    proposals_text: str,
-    library_text: str,
-    *,
-    min_words: int,
-    max_words: int,
-    show_example: bool = True,
+    ask: LessonAsk, proposals_text: str, library_text: str, *, show_example: bool = True
 ) -> list[Message]:
     system = CONSOLIDATE_SYSTEM.format(
-        domain=domain,
-        min_words=min_words,
-        max_words=max_words,
-        example_block=example_block(examples, show_example, sources=True),
+        domain=ask.domain,
+        min_words=ask.min_words,
+        max_words=ask.max_words,
+        example_block=example_block(ask.examples, show_example, sources=True),
     )
     user = CONSOLIDATE_USER.format(
         library=library_block(library_text), proposals=quoting.quote("proposals", proposals_text)

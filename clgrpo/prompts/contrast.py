@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from clgrpo.prompts import Message, quoting
 from clgrpo.prompts.attempts import Attempt, answer_block, library_block
-from clgrpo.prompts.lessons import EXAMPLE_BLOCK
+from clgrpo.prompts.lessons import EXAMPLE_BLOCK, LessonAsk
 from clgrpo.prompts.quoting import DATA_NOTICE
 from schemas.records import Problem
 
@@ -69,49 +69,46 @@ def contrast_example(examples: tuple[str, str], revise: bool) -> str:
 
 
 def contrast_messages(
-    domain: str,
-    examples: tuple[str, str],
+    ask: LessonAsk,
     problem: Problem,
     right: Attempt,
     wrong: Attempt,
     library_text: str,
     *,
     live_ids: Sequence[str],
-    use_groundtruth: bool,
-    min_words: int,
-    max_words: int,
     show_example: bool = True,
 ) -> list[Message]:
-    """``live_ids``: the lessons the reply may revise (none: it can only add)."""
+    """One correct and one wrong attempt side by side (their trajectories, tool calls included), the step
+    where they part, and one lesson (``domains.learner.contrast_schema``). ``live_ids``: the lessons the reply
+    may revise (none: it can only add)."""
     revise = bool(live_ids)
     system = CONTRAST_SYSTEM.format(
-        domain=domain,
-        min_words=min_words,
-        max_words=max_words,
-        answer_note=" with its reference answer" if use_groundtruth else "",
+        domain=ask.domain,
+        min_words=ask.min_words,
+        max_words=ask.max_words,
+        answer_note=" with its reference answer" if ask.use_groundtruth else "",
         revise_note=CONTRAST_REVISE_NOTE if revise else "",
         revise_field=', "revises": the id of the lesson it improves, or null' if revise else "",
-        example_block=EXAMPLE_BLOCK.format(example=contrast_example(examples, revise)) if show_example else "",
+        example_block=EXAMPLE_BLOCK.format(example=contrast_example(ask.examples, revise)) if show_example else "",
     )
     user = CONTRAST_USER.format(
         library=library_block(library_text),
         problem=quoting.quote("problem", problem.problem, id=problem.problem_id),
-        answer_block=answer_block(problem, use_groundtruth),
+        answer_block=answer_block(problem, ask.use_groundtruth),
         right=quoting.quote("attempt", right.with_tools, id=right.sample_idx) + right.mark,
         wrong=quoting.quote("attempt", wrong.with_tools, id=wrong.sample_idx) + wrong.mark,
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def generalize_messages(
-    asked: list[Message], draft: str, reason: str, *, min_words: int, max_words: int
-) -> list[Message]:
-    """The conversation of a contrast ask, its reply, then the request to rewrite the lesson."""
-    ask = GENERALIZE.format(
-        reason=reason, min_words=min_words, max_words=max_words, lesson=quoting.quote("proposals", draft)
+def generalize_messages(ask: LessonAsk, asked: list[Message], draft: str, reason: str) -> list[Message]:
+    """The follow-up to a contrast reply whose lesson is not general (too long, or about its own problem): the
+    same conversation, its reply, then the request to rewrite the lesson."""
+    rewrite = GENERALIZE.format(
+        reason=reason, min_words=ask.min_words, max_words=ask.max_words, lesson=quoting.quote("proposals", draft)
     )
     return [
         *asked,
         {"role": "assistant", "content": json.dumps({"lesson": draft})},
-        {"role": "user", "content": ask},
+        {"role": "user", "content": rewrite},
     ]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from clgrpo.prompts import Message, quoting
 from clgrpo.prompts.attempts import Attempt, answer_block, grade, library_block
-from clgrpo.prompts.lessons import LESSON_RULE, example_block
+from clgrpo.prompts.lessons import LESSON_RULE, LessonAsk, example_block
 from clgrpo.prompts.quoting import DATA_NOTICE
 from schemas.records import Problem
 
@@ -45,29 +45,20 @@ general lesson of at most {max_words} words (JSON only)."""
 
 
 def extract_messages(
-    domain: str,
-    examples: tuple[str, str],
-    problem: Problem,
-    attempts: Sequence[Attempt],
-    library_text: str,
-    *,
-    use_groundtruth: bool,
-    max_ops: int,
-    min_words: int,
-    max_words: int,
-    show_example: bool = True,
+    ask: LessonAsk, problem: Problem, attempts: Sequence[Attempt], library_text: str, *, show_example: bool = True
 ) -> list[Message]:
     """``show_example``: include a complete example reply. Leave it out when the reply is constrained to
     the schema (the grammar shows the shape; a small model copies an example's lesson word for word)."""
+    use_groundtruth = ask.use_groundtruth
     system = EXTRACT_SYSTEM.format(
-        domain=domain,
-        max_ops=max_ops,
-        min_words=min_words,
-        max_words=max_words,
+        domain=ask.domain,
+        max_ops=ask.max_ops,
+        min_words=ask.min_words,
+        max_words=ask.max_words,
         edit_kinds=EXTRACT_KINDS_MODIFY if library_text else EXTRACT_KINDS_ADD,
         answer_note=" with its reference answer," if use_groundtruth else "",
         graded="graded " if use_groundtruth else "",
-        example_block=example_block(examples, show_example, sources=False),
+        example_block=example_block(ask.examples, show_example, sources=False),
     )
     blocks = [
         f"Attempt {a.sample_idx}{grade(a.reward) if use_groundtruth and a.reward is not None else ''}{a.mark}:"
@@ -81,6 +72,6 @@ def extract_messages(
         attempts="\n\n".join(blocks),
         better="correct" if use_groundtruth else "better",
         worse="wrong" if use_groundtruth else "worse",
-        max_words=max_words,
+        max_words=ask.max_words,
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]

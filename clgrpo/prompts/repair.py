@@ -5,7 +5,7 @@ one)."""
 from __future__ import annotations
 
 from clgrpo.prompts import Message, quoting
-from clgrpo.prompts.lessons import example_block
+from clgrpo.prompts.lessons import LessonAsk, example_block
 
 REPAIR = """Your previous reply could not be used:
 {error}
@@ -13,15 +13,17 @@ Reply again with JSON only, shorter if it ran out of room.{example_block}"""
 
 
 def repair_messages(
+    ask: LessonAsk,
     messages: list[Message],
     bad_reply: str,
     error: str,
-    examples: tuple[str, str],
     *,
     show_example: bool = True,
     sources: bool = False,
 ) -> list[Message]:
-    block = example_block(examples, show_example, sources=sources)
+    """The re-ask after an unusable reply (``show_example``: as the first ask had it; ``sources``: the example
+    reply of the consolidator, whose edits name their groups)."""
+    block = example_block(ask.examples, show_example, sources=sources)
     return [
         *messages,
         {"role": "assistant", "content": bad_reply},

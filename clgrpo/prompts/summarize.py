@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from clgrpo.prompts import Message, quoting
 from clgrpo.prompts.attempts import Attempt, answer_block, grade
+from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.quoting import DATA_NOTICE
 from schemas.records import Problem
 
@@ -38,12 +39,11 @@ Attempt{grade_block}:
 {attempt}"""
 
 
-def summarize_messages(
-    domain: str, problem: Problem, attempt: Attempt, library_text: str, use_groundtruth: bool
-) -> list[Message]:
+def summarize_messages(ask: LessonAsk, problem: Problem, attempt: Attempt, library_text: str) -> list[Message]:
+    use_groundtruth = ask.use_groundtruth
     reward = attempt.reward if use_groundtruth else None  # the grade is shown only with ground truth
     system = SUMMARIZE_SYSTEM.format(
-        domain=domain,
+        domain=ask.domain,
         grading_instruction=SUMMARIZE_GRADED if reward is not None else SUMMARIZE_UNGRADED,
         tool_instruction=SUMMARIZE_TOOLS if attempt.tools else "",
     )

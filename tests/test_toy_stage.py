@@ -1,0 +1,87 @@
+"""Adding a stage to the training step touches its own module and one ``STEP`` entry, nothing else: this module is
+the toy stage's module. It writes a table the store already has (``llm_calls``: the learner's opinion of each
+step's accuracy, one call), declares its typed output and its place after verify; it is stored, visible to the later
+stages through the step state, fails the run when its call fails, and a rerun redoes it without redoing what the
+step stored before it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+import flows.train as train_flow
+from clgrpo.llm import shared_client
+from clgrpo.store import Store
+from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import ScriptedWorld
+from schemas.records import LLMCall
+from schemas.stages import Stage
+from tasks.integrity import StageFailedError
+from tasks.outputs import StageOutput
+from tests.test_pipeline import make_config
+
+pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
+
+TOY = "toy_opinion"  # its name in the store: no member of the Stage enum needed
+
+
+@dataclass
+class Opinion(StageOutput):  # the typed output: its fields are the tables it writes
+    llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+async def compute_opinion(t, s) -> Opinion:
+    correct = sum(r.reward > 0 for r in s.rewards)
+    ask = f"Step {s.step}: {correct} of {len(s.rewards)} attempts were right. Good or bad?"
+    reply = await shared_client(s.cfg).complete([{"role": "user", "content": ask}], stage=TOY)
+    return Opinion(reply.calls)
+
+
+SEEN: list[tuple[int, int]] = []
+
+
+def remember(t, s) -> None:  # the later stages see its output through the step state
+    SEEN.append((s.step, len(s.get(Opinion).llm_calls)))
+
+
+# its items cannot fail one by one (no failure rule): a call that fails after its retries fails the stage
+TOY_STAGE = train_flow.StepStage(TOY, compute_opinion, Opinion, after=remember)
+
+
+class Moody(ScriptedWorld):
+    """The scripted world, whose opinion server is down for step 2 while ``down``."""
+
+    down = True
+
+    def __call__(self, request):
+        if self.down and request.messages[-1]["content"].startswith("Step 2:"):
+            raise ValueError("the opinion server is down")
+        return super().__call__(request)
+
+
+async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch):
+    after_verify = [spec.stage for spec in train_flow.STEP].index(Stage.VERIFY) + 1
+    step = (*train_flow.STEP[:after_verify], TOY_STAGE, *train_flow.STEP[after_verify:])
+    monkeypatch.setattr(train_flow, "STEP", step)  # the one STEP entry
+    SEEN.clear()
+    world = Moody(seed=7)
+    with FakeOpenAIServer(world) as server:
+        cfg = make_config(server, tmp_path, "toy", pipeline=True)
+        cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"max_retries": 1})})
+        with pytest.raises(StageFailedError, match=f"step 2 {TOY}: a learner call failed after its retries"):
+            await train_flow.train(cfg)
+        assert SEEN == [(1, 1)]  # stored at step 1, then failed at step 2: the run stopped there
+        policy = server.stats.by_role["policy"]
+        world.down = False
+        await train_flow.train(cfg)  # the rerun: step 2's rollouts and rewards are read back, the toy stage redone
+        assert SEEN == [(1, 1), (2, 3)]  # the state holds what was stored: the opinion and the 2 failed attempts
+        assert server.stats.by_role["policy"] - policy == 1  # no rollout again: only step 2's opinion
+    with Store(cfg.db_path, read_only=True) as store:
+        stages = store.query("SELECT step, stage, n_rows FROM stage_runs WHERE stage = ? ORDER BY step", [TOY])
+        assert store.runs().set_index("run_id").loc["toy", "status"] == "completed"
+    # step 2 stored its one opinion and the two failed attempts of the first run: every request is accounted
+    assert stages.to_dict(orient="records") == [
+        {"step": 1, "stage": TOY, "n_rows": 1},
+        {"step": 2, "stage": TOY, "n_rows": 3},
+    ]
