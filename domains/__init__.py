@@ -12,7 +12,7 @@ from domains.base import (
     ToolOutput,
     VerifyResult,
 )
-from domains.registry import UnknownDomainError, get_domain, installed_domains, register_domain
+from domains.registry import UnknownDomainError, domain_for, get_domain, installed_domains, register_domain
 
 __all__ = [
     "Domain",
@@ -22,6 +22,7 @@ __all__ = [
     "ToolOutput",
     "UnknownDomainError",
     "VerifyResult",
+    "domain_for",
     "get_domain",
     "installed_domains",
     "register_domain",

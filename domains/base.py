@@ -77,6 +77,9 @@ class Tool:
 
 @runtime_checkable
 class Domain(Protocol):
+    """A domain. One with settings of its own also has ``settings_model`` (its ``schemas.config.DomainSettings``
+    class, on the factory) and ``settings`` (the run's, set by ``domains.registry.domain_for``)."""
+
     name: str
     learner_prompts: LearnerPrompts  # wording of the summarize / extract / consolidate prompts
 

@@ -8,6 +8,10 @@ returns a ``Domain``) in the entry point group ``clgrpo.domains``, as this proje
 
 ``get_domain(name)`` imports only the plug-in it is asked for, on first use. ``register_domain`` adds a factory
 in this process only (a test's stand-in, a notebook), and wins over an installed plug-in of the same name.
+
+A domain with settings of its own declares their model (a ``schemas.config.DomainSettings``) as its factory's
+``settings_model``: the run config validates ``domain_settings`` against it, and ``domain_for(config)`` gives
+the domain its settings (its ``settings`` attribute). ``domains/web`` is the worked example.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
 from domains.base import Domain
+from schemas.config import DOMAINS_GROUP, RunConfig, register_domain_settings
 
-ENTRY_POINT_GROUP = "clgrpo.domains"
+ENTRY_POINT_GROUP = DOMAINS_GROUP
 
 _REGISTRY: dict[str, Callable[[], Domain]] = {}
 
@@ -31,6 +36,7 @@ class UnknownDomainError(KeyError):
 
 def register_domain(name: str, factory: Callable[[], Domain]) -> None:
     _REGISTRY[name] = factory
+    register_domain_settings(name, getattr(factory, "settings_model", None))
 
 
 def installed_domains() -> list[str]:
@@ -42,6 +48,15 @@ def get_domain(name: str) -> Domain:
     if name not in _REGISTRY:
         _REGISTRY[name] = _installed_factory(name)
     return _REGISTRY[name]()
+
+
+def domain_for(config: RunConfig) -> Domain:
+    """The run's domain, holding the run's ``domain_settings`` (validated by the run config) when it has a model
+    for them."""
+    domain = get_domain(config.domain)
+    if (model := getattr(domain, "settings_model", None)) is not None:
+        domain.settings = model.model_validate(config.domain_settings)  # type: ignore[attr-defined]
+    return domain
 
 
 def _installed() -> list[EntryPoint]:

@@ -56,7 +56,7 @@ from clgrpo.run_lock import RunLock
 from clgrpo.runtime import tune_gc
 from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
-from domains import get_domain
+from domains import domain_for
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
 from schemas.stages import Stage
@@ -161,7 +161,7 @@ def dataset_label(cfg: DatasetConfig) -> str:
 
 
 def load_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
-    problems, report = get_domain(config.domain).load_dataset(dataset)
+    problems, report = domain_for(config).load_dataset(dataset)
     if report.n_duplicates_dropped:
         get_run_logger().warning(
             "%s: dropped %d duplicate problem(s): %s",

@@ -56,7 +56,7 @@ from clgrpo.runtime import tune_gc
 from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
 from clgrpo.state import remember_db
 from clgrpo.store import Store
-from domains import get_domain
+from domains import domain_for
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
 from flows.train import train
@@ -174,7 +174,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
         taken = select_traces(
             source,
-            get_domain(config.training.domain),
+            domain_for(config.training),
             cutoff,
             store.consumed_problem_keys(config.name),
             store.refresh_watermark(config.name),
@@ -188,7 +188,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
         return taken.selection.inputs
     arrivals = read_arrivals(
         source,
-        get_domain(config.training.domain),
+        domain_for(config.training),
         cutoff,
         work_dir(config) / refresh_id,
         query=store.query if same_file else None,

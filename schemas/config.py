@@ -8,15 +8,53 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from importlib.metadata import entry_points
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.records import text_hash
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class DomainSettings(Section):
+    """The base of a domain's own settings (``domain_settings`` in the run config). A domain declares its model
+    as the ``settings_model`` attribute of its factory (the class its ``clgrpo.domains`` entry point names); the
+    run config validates ``domain_settings`` against the chosen domain's model and the domain gets them through
+    ``domains.registry.domain_for``."""
+
+    def fingerprint_into(self, payload: dict[str, Any]) -> None:
+        """Add what of these settings shapes results to the run config's fingerprint ``payload``: by default all
+        of them, under ``domain_settings``, once any is changed from its default (runs that leave them alone keep
+        the fingerprint they had before the domain had settings)."""
+        if self != type(self)():
+            payload["domain_settings"] = self.model_dump(mode="json")
+
+
+DOMAINS_GROUP = "clgrpo.domains"  # the entry point group of domain plug-ins (domains/registry.py finds them)
+_SETTINGS_MODELS: dict[str, type[DomainSettings] | None] = {}
+
+
+def register_domain_settings(name: str, model: type[DomainSettings] | None) -> None:
+    """The settings model of a domain registered in this process (``domains.registry.register_domain``)."""
+    _SETTINGS_MODELS[name] = model
+
+
+def domain_settings_model(name: str) -> type[DomainSettings] | None:
+    """The settings model the installed domain ``name`` declares; None when it declares none or is not installed
+    (using an unknown domain fails where it is looked up, with the list of installed ones)."""
+    if name not in _SETTINGS_MODELS:
+        points = {point.value: point for point in entry_points(group=DOMAINS_GROUP) if point.name == name}
+        factory = next(iter(points.values())).load() if len(points) == 1 else None
+        _SETTINGS_MODELS[name] = getattr(factory, "settings_model", None)
+    return _SETTINGS_MODELS[name]
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 class PriceTable(Section):
@@ -26,26 +64,58 @@ class PriceTable(Section):
     output_per_mtok: float = 0.0
 
 
-class ModelConfig(Section):
+# --- pieces several sections share, declared once -------------------------------------------------------------
+Seconds = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+Delay = Annotated[float, Field(ge=0)]
+
+
+class Endpoint(Section):
+    """An OpenAI-compatible endpoint: where it is and where its key comes from (read at call time, never stored)."""
+
+    base_url: str | None = None  # None: the SDK default (api.openai.com)
+    api_key_env: str | None = "OPENAI_API_KEY"
+    api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
+
+
+class Retries(Section):
+    """How long one request may take, and how its transient errors (5xx, timeouts, resets, malformed replies) are
+    retried: at most ``max_retries`` times, backing off from ``retry_base_delay_s`` (doubling, with jitter) up to
+    ``retry_max_delay_s`` (``clgrpo.retry``). A section with other defaults declares only the defaults."""
+
+    timeout_s: Seconds = 120.0
+    max_retries: Count = 6
+    retry_base_delay_s: Delay = 1.0
+    retry_max_delay_s: Delay = 60.0
+
+
+class PoolPlacement(Section):
+    """Where GPU work runs: in the flow's process (``local``) or as child flow runs of ``deployment`` on the CUDA
+    work pool (``pool``), handing results back through ``handoff_storage``: a local path shared with the GPU
+    workers or any fsspec URL (s3://..., gs://...); None: <db dir>/<run_id>/handoff. Never changes results."""
+
+    placement: Literal["local", "pool"] = "local"
+    deployment: str  # each section using a pool names its deployment
+    handoff_storage: str | None = None
+    timeout_s: Seconds = 3600.0  # per child run
+    poll_interval_s: Seconds = 2.0
+
+
+class ModelConfig(Endpoint, Retries):
     # openai: any OpenAI-compatible endpoint; transformers / vllm: an in-process engine on this machine
     backend: Literal["openai", "transformers", "vllm"] = "openai"
     model: str = "deepseek-chat"  # the name in records; for local backends also the weights when model_path is unset
-    base_url: str | None = None  # None: the SDK default (api.openai.com)
-    api_key_env: str | None = "OPENAI_API_KEY"  # read at call time, never stored
-    api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
+    # the endpoint (openai): base_url, api_key_env, api_key_secret_block; the retries: timeout_s, max_retries,
+    # retry_base_delay_s, retry_max_delay_s (from Endpoint and Retries)
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     # >1 makes tokens already generated less likely (CTRL-style); curbs loops in small models. Not part of the
     # OpenAI API: sent as an extra field that vLLM / SGLang / llama.cpp servers read and others ignore
     repetition_penalty: float | None = Field(None, ge=1.0, le=2.0)
     max_tokens: int = Field(2048, ge=1)
-    timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(6, ge=0)  # transient errors (5xx, timeouts, resets, malformed replies) per call
     # rate limits (429) are retried by time, not counted as errors: for up to this long from a call's first 429,
     # honouring Retry-After, with every caller paused during the window
-    max_rate_limit_wait_s: float = Field(600.0, ge=0)
-    retry_base_delay_s: float = Field(1.0, ge=0)  # exponential backoff base (doubles per retry, with jitter)
-    retry_max_delay_s: float = Field(60.0, ge=0)
+    max_rate_limit_wait_s: Delay = 600.0
     supports_n: bool = True  # request G samples with n=G; False: G separate calls
     json_schema: bool = True  # request response_format=json_schema; False: prompt + tolerant parser
     price: PriceTable = Field(default_factory=PriceTable)
@@ -98,23 +168,22 @@ class DatasetConfig(Section):
         return self
 
 
-class EmbeddingConfig(Section):
+class EmbeddingConfig(Endpoint, Retries):
     """Which embedding model (``clgrpo.embeddings``): the embedded all-MiniLM-L6-v2 (offline once fetched), any
     OpenAI-compatible ``/v1/embeddings`` endpoint, or a local sentence-embedding folder."""
 
     backend: Literal["embedded", "openai", "transformers"] = "embedded"
     model: str = "all-MiniLM-L6-v2"  # openai: the model name sent; local backends: a label only
-    base_url: str | None = None  # openai: None is the SDK default (api.openai.com)
-    api_key_env: str | None = "OPENAI_API_KEY"  # openai: read at call time, never stored
-    api_key_secret_block: str | None = None  # openai: Prefect Secret block, used when the env var is unset
+    # openai: the endpoint (base_url, api_key_env, api_key_secret_block) and its retries (per batch; 429 is one of
+    # their transient errors here): shorter than a model's
+    timeout_s: Seconds = 60.0
+    max_retries: Count = 4
+    retry_base_delay_s: Delay = 0.5
+    retry_max_delay_s: Delay = 30.0
     dimensions: int | None = Field(None, ge=1)  # openai: ask for shorter vectors (text-embedding-3-*)
     model_path: str | None = None  # transformers: a local sentence-embedding folder
     batch_size: int = Field(32, ge=1)  # texts per forward pass / per request
     max_seq_length: int | None = Field(None, ge=8)  # local: truncate longer texts; None: the folder's setting
-    timeout_s: float = Field(60.0, gt=0)  # openai: per request
-    max_retries: int = Field(4, ge=0)  # openai: transient errors (429, 5xx, 408/409, timeouts, resets) per batch
-    retry_base_delay_s: float = Field(0.5, ge=0)  # openai: backoff base, doubling per retry, with jitter
-    retry_max_delay_s: float = Field(30.0, ge=0)
     cpu_threads: int | None = Field(None, ge=1)  # local: torch threads; None: the cores not busy at load time
 
 
@@ -313,47 +382,6 @@ class SandboxConfig(Section):
     max_file_mb: int = Field(64, ge=1)  # largest file a call may write in its temporary directory
 
 
-class OpenConfig(Section):
-    """The web domain's ``open(url)`` tool (``domains/web/fetch.py``): its limits and safety rules."""
-
-    timeout_s: float = Field(15.0, gt=0)  # the whole fetch, redirects and robots.txt included
-    max_bytes: int = Field(2_000_000, ge=1_000)  # of a page's body; the rest is cut and marked
-    max_redirects: int = Field(5, ge=0)
-    respect_robots: bool = True
-    user_agent: str = "clgrpo-web/0.1 (research agent; obeys robots.txt)"
-    # private, loopback and other non-public addresses are refused unless listed: "host", "host:port", an IP or
-    # a CIDR ("127.0.0.1", "10.0.0.0/8")
-    allow_hosts: list[str] = Field(default_factory=list)
-    max_links: int = Field(60, ge=0)  # links listed to the agent after a page's text
-
-
-class SearchConfig(Section):
-    """The web domain's ``search(query)`` tool (``domains/web/search.py``): a local index or an HTTP search API."""
-
-    backend: Literal["local", "http"] = "local"
-    # local: a directory of pages (.html/.htm/.txt/.md; a file's URL is base_url + its relative path) or a DuckDB
-    # file whose ``table`` has url, title and text columns
-    index: str | None = None
-    base_url: str | None = None
-    table: str = "documents"
-    # http: a GET to url_template with {query} (URL-encoded) and {k}; the key from api_key_env goes in
-    # api_key_header ("Authorization" gets "Bearer <key>"); results are read from the JSON reply at results_path
-    url_template: str | None = None
-    api_key_env: str | None = None
-    api_key_header: str = "Authorization"
-    results_path: str = "results"  # dotted path to the list of results ("web.results" for Brave)
-    title_field: str = "title"
-    url_field: str = "url"
-    snippet_field: str = "content"  # SearxNG: content; Brave: description
-    timeout_s: float = Field(15.0, gt=0)
-    top_k: int = Field(5, ge=1, le=50)
-
-
-class WebToolsConfig(Section):
-    search: SearchConfig = Field(default_factory=SearchConfig)
-    open: OpenConfig = Field(default_factory=OpenConfig)
-
-
 class JudgeConfig(Section):
     """An LLM judge (``tasks/judge.py``) grades free-text final answers against the reference, with the learner
     model (stage ``verify``, accounted like any call); problems without ground truth are not judged."""
@@ -375,23 +403,16 @@ class AgentConfig(Section):
     rollout_timeout_s: float = Field(1800.0, gt=0)  # a whole rollout; beyond it the rollout fails (not graded)
     tool_result_chars: int = Field(2_000, ge=100)  # of a tool result shown to the model (stored in full)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    web: WebToolsConfig = Field(default_factory=WebToolsConfig)  # the web domain's search and open tools
 
 
-class RolloutPlacement(Section):
+class RolloutPlacement(PoolPlacement):
     """How rollouts are made (``mode``: direct answers or an agent with tools) and where they run: in the
     training flow's process, or as child flow runs of the ``rollout-gpu`` deployment on the CUDA work pool.
     Placement never changes results; ``mode`` and the agent's limits do (they are part of the fingerprint)."""
 
     mode: Literal["direct", "agent"] = "direct"
     agent: AgentConfig = Field(default_factory=AgentConfig)
-    placement: Literal["local", "pool"] = "local"
-    deployment: str = "rollout-gpu/rollout-gpu"
-    # where child runs leave their rollouts for the orchestrator: a local path shared with the GPU workers
-    # or any fsspec URL (s3://..., gs://...); None: <db dir>/<run_id>/handoff
-    handoff_storage: str | None = None
-    timeout_s: float = Field(3600.0, gt=0)  # per child run
-    poll_interval_s: float = Field(2.0, gt=0)
+    deployment: str = "rollout-gpu/rollout-gpu"  # with placement, handoff_storage, timeout_s, poll_interval_s
 
     def agent_settings(self) -> AgentConfig | None:
         """The agent's settings in agent mode, None for direct rollouts."""
@@ -405,12 +426,10 @@ class RolloutPlacement(Section):
         settings = self.agent.model_dump(mode="json")
         for key in ("pool_size", "spares"):
             settings["sandbox"].pop(key, None)
-        if self.agent.web == WebToolsConfig():  # math agent runs keep the fingerprint they had before web tools
-            settings.pop("web")
         return settings
 
 
-class HybridConfig(Section):
+class HybridConfig(PoolPlacement):
     """Hybrid learning: after verify, a numeric GRPO step (stage ``numeric_update``) trains a LoRA adapter of the
     local transformers policy on the step's stored completions and group advantages (``clgrpo.hybrid``). Off by
     default; where it runs (``placement``, the pool's deployment and hand-off) never changes results."""
@@ -435,27 +454,13 @@ class HybridConfig(Section):
     # when the activations' estimate exceeds half the free GPU memory (decided and logged per step). The same
     # gradients either way, so not part of the fingerprint
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    placement: Literal["local", "pool"] = "local"  # pool: the numeric-update-gpu deployment on the cuda pool
-    deployment: str = "numeric-update-gpu/numeric-update-gpu"
-    handoff_storage: str | None = None  # None: <db dir>/<run_id>/handoff (shared with the GPU workers)
-    timeout_s: float = Field(3600.0, gt=0)  # per child run
-    poll_interval_s: float = Field(2.0, gt=0)
+    deployment: str = "numeric-update-gpu/numeric-update-gpu"  # placement pool: this deployment on the cuda pool
 
     def result_settings(self) -> dict[str, Any] | None:
         """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
         if not self.enabled:
             return None
-        return self.model_dump(
-            mode="json",
-            exclude={
-                "placement",
-                "deployment",
-                "handoff_storage",
-                "timeout_s",
-                "poll_interval_s",
-                "gradient_checkpointing",
-            },
-        )
+        return self.model_dump(mode="json", exclude={*PoolPlacement.model_fields, "gradient_checkpointing"})
 
 
 class EvalConfig(Section):
@@ -569,16 +574,7 @@ class ToleranceConfig(Section):
 NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
 # Model settings that say where and how a model is reached, not what it computes: moving the same model to
 # another port or key, or changing timeouts and retries, does not block a resume.
-NOT_FINGERPRINTED_MODEL = {
-    "base_url",
-    "api_key_env",
-    "api_key_secret_block",
-    "timeout_s",
-    "max_retries",
-    "retry_base_delay_s",
-    "retry_max_delay_s",
-    "max_rate_limit_wait_s",
-}
+NOT_FINGERPRINTED_MODEL = {*Endpoint.model_fields, *Retries.model_fields, "max_rate_limit_wait_s"}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -609,6 +605,43 @@ class RunConfig(Section):
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
     hybrid: HybridConfig = Field(default_factory=HybridConfig)  # a numeric LoRA step on the same trajectories
+    # the chosen domain's own settings, validated by the model it declares (``DomainSettings``; the web domain:
+    # its search and open tools, docs/web.md); {}: the domain's defaults
+    domain_settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _web_settings_moved(cls, data: Any) -> Any:
+        """``rollout.agent.web``, where the web domain's settings were before domains owned theirs, still works."""
+        if not isinstance(data, dict) or not isinstance(rollout := data.get("rollout"), dict):
+            return data
+        agent = rollout.get("agent")
+        if not isinstance(agent, dict) or "web" not in agent:
+            return data
+        if data.get("domain_settings"):
+            raise ValueError(
+                "rollout.agent.web and domain_settings are both set: the web tools' settings go in domain_settings"
+            )
+        rest = {key: value for key, value in agent.items() if key != "web"}
+        return {**data, "rollout": {**rollout, "agent": rest}, "domain_settings": agent["web"]}
+
+    @model_validator(mode="after")
+    def _domain_settings_valid(self) -> "RunConfig":
+        if not self.domain_settings:
+            return self
+        model = self.domain_settings_model()
+        if model is None:
+            raise ValueError(
+                f"domain_settings: the domain {self.domain!r} declares no settings of its own (or is not installed)"
+            )
+        try:
+            self.domain_settings = model.model_validate(self.domain_settings).model_dump(mode="json")
+        except ValidationError as exc:
+            raise ValueError(f"domain_settings ({self.domain} domain): {_errors(exc)}") from None
+        return self
+
+    def domain_settings_model(self) -> type[DomainSettings] | None:
+        return domain_settings_model(self.domain)
 
     @property
     def learner_model(self) -> ModelConfig:
@@ -624,7 +657,7 @@ class RunConfig(Section):
         """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
         the first release count only when changed from their default, so older runs keep their fingerprint."""
         unset = {name for name in ("validation", "judge") if getattr(self, name) is None}
-        payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset)
+        payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset | {"domain_settings"})
         for section in ("policy", "learner"):
             if isinstance(payload.get(section), dict):
                 payload[section] = {k: v for k, v in payload[section].items() if k not in NOT_FINGERPRINTED_MODEL}
@@ -639,6 +672,8 @@ class RunConfig(Section):
             del validation["dataset"]["tag_field"]
         if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
             payload["agent"] = agent
+        if self.domain_settings and (model := self.domain_settings_model()) is not None:
+            model.model_validate(self.domain_settings).fingerprint_into(payload)
         for name in LATER_SECTIONS:  # only when a setting of the section is changed (hybrid: when enabled)
             payload.pop(name, None)
             if (settings := getattr(self, name).result_settings()) is not None:

@@ -9,7 +9,7 @@ from clgrpo.embeddings import make_embedder
 from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen
 from clgrpo.retrieval import embed_cached
 from clgrpo.store import Store
-from domains import get_domain
+from domains import domain_for
 from domains.guard import LessonGuard, first_rejection
 from domains.learner import SAME_LESSON, LessonScreen, overlap
 from schemas.config import BlockedLesson, LearningConfig, RunConfig
@@ -53,7 +53,7 @@ def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
     ``learning.guard`` strictness (``unsafe: ...`` / ``leaks_problem: ...``). The first reason wins."""
     return first_rejection(
         BlockedScreen(config.learning.blocked),
-        LessonScreen(get_domain(config.domain).learner_prompts, problems, config.learning.lesson_pattern),
+        LessonScreen(domain_for(config).learner_prompts, problems, config.learning.lesson_pattern),
         LessonGuard(config.learning.guard, problems),
     )
 

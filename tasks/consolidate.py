@@ -24,7 +24,7 @@ from clgrpo.llm import LLMClient, shared_client
 from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.repair import repair_messages
-from domains import get_domain
+from domains import domain_for
 from domains.learner import operations_schema, overlap, restates
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
@@ -241,7 +241,7 @@ async def consolidate_task(
     return await consolidate(
         proposals,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain).learner_prompts.ask(config.learning),
+        domain_for(config).learner_prompts.ask(config.learning),
         shared_client(config),
         config.learning,
     )

@@ -19,7 +19,7 @@ from clgrpo import metrics, progress
 from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
-from domains import Domain, get_domain
+from domains import Domain, domain_for
 from schemas.config import AgentConfig, EvalConfig, RunConfig
 from schemas.records import (
     EvalComparison,
@@ -148,7 +148,7 @@ async def evaluate_task(
 ) -> EvalBatch:
     """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key``: see
     ``evaluate_library``."""
-    domain = get_domain(config.domain)
+    domain = domain_for(config)
     return await evaluate_library(
         problems,
         ExperienceLibrary.from_version(library),

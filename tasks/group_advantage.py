@@ -28,7 +28,7 @@ from clgrpo.prompts.contrast import contrast_messages, generalize_messages
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.repair import repair_messages
-from domains import get_domain
+from domains import domain_for
 from domains.learner import GROUP_KINDS, LearnerPrompts, LessonScreen, contrast_schema, operations_schema
 from schemas.config import LearningConfig, RunConfig
 from schemas.records import (
@@ -376,7 +376,7 @@ async def group_advantage_task(
         groups,
         summaries,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain).learner_prompts,
+        domain_for(config).learner_prompts,
         shared_client(config),
         config.learning,
     )

@@ -27,7 +27,7 @@ from clgrpo import metrics, progress
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
-from domains import Domain, get_domain
+from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
 from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Rollout, text_hash
 from schemas.stages import Stage
@@ -174,7 +174,7 @@ async def library_gate_task(
         ExperienceLibrary.from_version(after),
         problems,
         earlier,
-        get_domain(config.domain),
+        domain_for(config),
         shared_client(config),
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from clgrpo.dataset import LoadReport
-from domains import get_domain
+from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import Problem
 from schemas.stages import Stage
@@ -13,7 +13,7 @@ from tasks.common import stage_task
 
 
 def load_dataset(config: RunConfig) -> tuple[list[Problem], LoadReport]:
-    return get_domain(config.domain).load_dataset(config.dataset)
+    return domain_for(config).load_dataset(config.dataset)
 
 
 @stage_task(Stage.LOAD_DATASET, run_name="load-dataset")

@@ -19,7 +19,7 @@ from pathlib import Path
 from clgrpo.adapters import adapter_dir, model_identity, write_meta
 from clgrpo.library import ExperienceLibrary
 from clgrpo.models import resolve_model_path
-from domains import get_domain
+from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import AdapterVersion, GroupAdvantage, LibraryVersion, NumericItem, Problem, Rollout, text_hash
 from schemas.stages import Stage
@@ -40,7 +40,7 @@ def numeric_inputs(
     library: LibraryVersion,
 ) -> NumericInputs:
     """The completions to learn from, in problem order then sample order, at most ``hybrid.max_rows``."""
-    domain = get_domain(config.domain)
+    domain = domain_for(config)
     shown = ExperienceLibrary.from_version(library)
     by_problem = {a.problem_id: a for a in advantages}
     rollouts_of: dict[str, list[Rollout]] = {}

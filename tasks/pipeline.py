@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
-from domains import Domain, get_domain
+from domains import Domain, domain_for
 from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
 from schemas.stages import Stage
@@ -149,7 +149,7 @@ async def pipeline(
 async def pipeline_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
 ) -> PipelineBatch:
-    domain = get_domain(config.domain)
+    domain = domain_for(config)
     return await pipeline(
         problems,
         ExperienceLibrary.from_version(library),

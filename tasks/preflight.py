@@ -57,12 +57,12 @@ def endpoints(config: RunConfig) -> list[Endpoint]:
 
 
 # --- datasets and files ----------------------------------------------------------------------------------
-def check_dataset(domain_name: str, dataset: DatasetConfig, what: str = "dataset") -> int:
-    """Read and validate a dataset as the run will; the number of problems it gives."""
-    from domains import get_domain
+def check_dataset(config: RunConfig, dataset: DatasetConfig, what: str = "dataset") -> int:
+    """Read and validate a dataset as the run's domain will; the number of problems it gives."""
+    from domains import domain_for
 
     try:
-        problems, _ = get_domain(domain_name).load_dataset(dataset)
+        problems, _ = domain_for(config).load_dataset(dataset)
     except (ValueError, OSError) as exc:  # DatasetError is a ValueError
         raise PreflightError(f"{what}: {one_line(str(exc))}") from exc
     if not problems:
@@ -206,9 +206,9 @@ def check_agent(config: RunConfig) -> list[str]:
     agent = config.rollout.agent_settings()
     if agent is None:
         return []
-    from domains import ToolFailure, get_domain
+    from domains import ToolFailure, domain_for
 
-    tools = get_domain(config.domain).tools()
+    tools = domain_for(config).tools()
     if not tools:
         raise PreflightError(
             f"rollout.mode agent: domain {config.domain!r} has no tools (its tools() is empty); "
@@ -301,10 +301,10 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
     check_agent(config)
     check_embeddings(config)
     if dataset:
-        check_dataset(config.domain, config.dataset)
+        check_dataset(config, config.dataset)
     check_library_file(config.initial_library)
     if config.validation is not None:
-        check_dataset(config.domain, config.validation.dataset, "validation.dataset")
+        check_dataset(config, config.validation.dataset, "validation.dataset")
     await check_models(endpoints(config))
 
 
@@ -342,7 +342,7 @@ def check_refresh(config: RefreshConfig) -> None:
             raise PreflightError(
                 f"source.path {source.path}: no such {'Parquet' if layout == 'parquet' else 'DuckDB'} file"
             )
-    check_dataset(config.training.domain, config.evaluation.dataset, "evaluation.dataset")
+    check_dataset(config.training, config.evaluation.dataset, "evaluation.dataset")
     check_library_file(config.initial_library)
     check_writable_dir(config.training.db_path, "training.db_path")
 

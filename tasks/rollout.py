@@ -11,7 +11,7 @@ from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
-from domains import Domain, get_domain
+from domains import Domain, domain_for
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
 from schemas.stages import Stage
@@ -75,11 +75,11 @@ def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:
         return None
     signature = {
         "tools": [t.spec() for t in domain.tools()],
-        "agent": agent.model_dump(mode="json", exclude={"sandbox", "web"}),
+        "agent": agent.model_dump(mode="json", exclude={"sandbox"}),
         "sandbox": agent.sandbox.model_dump(mode="json", exclude={"pool_size", "spares"}),
     }
-    if domain.name == "web":  # the web tools' settings shape what its agent sees
-        signature["web"] = agent.web.model_dump(mode="json")
+    if (settings := getattr(domain, "settings", None)) is not None:  # the domain's tools' settings shape what
+        signature[domain.name] = settings.model_dump(mode="json")  # its agent sees (web: as before, "web")
     return signature
 
 
@@ -194,7 +194,7 @@ async def rollout_task(
     return await rollout(
         problems,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain),
+        domain_for(config),
         shared_client(config),
         group_size=config.grpo.group_size,
         temperature=config.grpo.rollout_temperature,

@@ -13,7 +13,7 @@ from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.prompts.attempts import Attempt, tool_trace, trajectory_text
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.summarize import summarize_messages
-from domains import get_domain
+from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
 from schemas.stages import Stage
@@ -96,6 +96,6 @@ async def summarize_task(
     return await summarize(
         groups,
         ExperienceLibrary.from_version(library),
-        get_domain(config.domain).learner_prompts.ask(config.learning),
+        domain_for(config).learner_prompts.ask(config.learning),
         shared_client(config),
     )

@@ -29,7 +29,7 @@ from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
 from clgrpo.words import counted
-from domains import Domain, get_domain
+from domains import Domain, domain_for
 from domains.learner import SAME_LESSON, overlap
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (
@@ -547,7 +547,7 @@ async def validate_lessons_task(
         plan,
         problems,
         advantages,
-        get_domain(config.domain),
+        domain_for(config),
         shared_client(config),
         pool or [],
         near,

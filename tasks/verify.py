@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
-from domains import Domain, VerifyResult, get_domain
+from domains import Domain, VerifyResult, domain_for, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout
 from schemas.stages import Stage
@@ -243,7 +243,7 @@ def warm_verifier(domain_name: str) -> None:
 async def verify_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout]
 ) -> VerifyBatch:
-    domain = get_domain(config.domain)
+    domain = domain_for(config)
     rewards = await grade(
         problems, rollouts, domain, make_judge(config, domain, Stage.VERIFY), config.learning.unlabeled
     )

@@ -165,7 +165,7 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
     cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
-    sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid")
+    sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid", "domain_settings")
     excluded = (
         {key: True for key in sections}
         | {"grpo": {"max_steps": True}}

@@ -9,6 +9,7 @@ import pytest
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
+from domains.web.settings import OpenConfig, SearchConfig, WebSettings
 from flows.evaluate import evaluate
 from flows.train import train
 from schemas.config import (
@@ -19,11 +20,8 @@ from schemas.config import (
     JudgeConfig,
     LearningConfig,
     ModelConfig,
-    OpenConfig,
     RolloutPlacement,
     RunConfig,
-    SearchConfig,
-    WebToolsConfig,
 )
 from tests.scripted_web import WEB_LESSON, ScriptedWebWorld
 
@@ -57,7 +55,7 @@ def web_config(
         retry_max_delay_s=0.05,
         timeout_s=10,
     )
-    tools = WebToolsConfig(
+    tools = WebSettings(
         search=SearchConfig(index=str(folder), base_url=web.base_url),
         open=OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=10),
     )
@@ -70,8 +68,9 @@ def web_config(
         dataset=DatasetConfig(path=str(questions), problem_field="question", url_field="root_url", seed=1),
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=12, rollout_chunk_size=4),
         learning=LearningConfig(use_groundtruth=use_groundtruth, consolidation="passthrough", summarize_chunk_size=4),
-        rollout=RolloutPlacement(mode="agent", agent=AgentConfig(protocol="tools", max_turns=6, web=tools)),
+        rollout=RolloutPlacement(mode="agent", agent=AgentConfig(protocol="tools", max_turns=6)),
         judge=judge,
+        domain_settings=tools.model_dump(),
     )
 
 

@@ -17,8 +17,9 @@ from clgrpo.testing.web_world import SiteServer, build_site, make_questions, mak
 from domains import ToolContext, ToolFailure, get_domain
 from domains.web.fetch import FetchRefused, check_url, fetch_page
 from domains.web.search import SearchError, http_search, local_index
-from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
-from schemas.config import AgentConfig, DatasetConfig, OpenConfig, SearchConfig, WebToolsConfig
+from domains.web.settings import OpenConfig, SearchConfig
+from domains.web.tools import open_tool, search_tool
+from schemas.config import AgentConfig, DatasetConfig
 
 TOWNS = make_towns(6, seed=3)
 LOOPBACK = OpenConfig(allow_hosts=["127.0.0.1"], timeout_s=5)
@@ -48,7 +49,7 @@ async def test_open_returns_the_text_and_every_link_of_a_page(site):
 
 async def test_the_open_tool_shows_a_refusal_to_the_agent_and_the_page_otherwise(site):
     _, server = site
-    context = ToolContext(AgentConfig(web=WebToolsConfig(open=LOOPBACK)))
+    context, OPEN_TOOL = ToolContext(AgentConfig()), open_tool(LOOPBACK)
     ok = await OPEN_TOOL.run({"url": f"{server.base_url}/index.html"}, context)
     assert ok.error is None and "Towns of the Northern Valley" in ok.text
     refused = await OPEN_TOOL.run({"url": "file:///etc/passwd"}, context)
@@ -187,16 +188,16 @@ async def test_a_local_index_over_the_site_ranks_the_page_that_names_the_query(s
     folder, server = site
     town = TOWNS[2]
     settings = SearchConfig(index=str(folder), base_url=server.base_url, top_k=3)
-    context = ToolContext(AgentConfig(web=WebToolsConfig(search=settings)))
+    context, SEARCH_TOOL = ToolContext(AgentConfig()), search_tool(settings)
     result = await SEARCH_TOOL.run({"query": f"who is the mayor of {town.name}"}, context)
     mayor = f"{server.base_url}/mayors/{town.mayor.lower().replace(' ', '-')}.html"
     top = result.text.split("\n[2] ")[0].splitlines()
     assert top[0].startswith("[1] ") and top[1].strip() in (f"{server.base_url}/towns/{town.slug}.html", mayor)
     assert (await SEARCH_TOOL.run({"query": "the of and"}, context)).text == "No results for 'the of and'."
     assert len(local_index(settings).documents) == len(list(folder.rglob("*.html")))
-    broken = ToolContext(AgentConfig(web=WebToolsConfig(search=SearchConfig(index=str(folder / "nope")))))
+    broken = search_tool(SearchConfig(index=str(folder / "nope")))
     with pytest.raises(ToolFailure, match="search tool unavailable: search.index .*nope: no such directory"):
-        await SEARCH_TOOL.run({"query": "x"}, broken)
+        await broken.run({"query": "x"}, context)
 
 
 class _SearchApiHandler(LoopbackHandler):
@@ -254,7 +255,7 @@ def test_questions_with_a_start_page_load_and_are_graded_by_their_final_answer(t
     assert web.verify(f"The mayor page says so.\nFinal answer: {rows[0]['answer']}.", rows[0]["answer"]).reward == 1
     assert web.verify("Final answer: 1850", rows[0]["answer"]).reward == 0
     assert web.verify("I think it is 1850.", "1850").error == "no 'Final answer:' line"
-    assert asyncio.iscoroutinefunction(SEARCH_TOOL.run) and [t.name for t in web.tools()] == ["search", "open"]
+    assert asyncio.iscoroutinefunction(web.tools()[0].run) and [t.name for t in web.tools()] == ["search", "open"]
 
 
 def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path):

@@ -129,17 +129,18 @@ def rollout_mode_line(config: RunConfig) -> str:
     agent = config.rollout.agent_settings()
     if agent is None:
         return ""
-    from domains import get_domain
+    from domains import domain_for
 
-    names = [t.name for t in get_domain(config.domain).tools()]
+    domain = domain_for(config)
+    names = [t.name for t in domain.tools()]
     limits = []
     if "python" in names:
         limits.append(
             f"python sandbox: {agent.sandbox.cpu_s:g} s CPU, {agent.sandbox.wall_s:g} s wall, "
             f"{agent.sandbox.memory_mb} MB per call"
         )
-    if "open" in names:
-        web = agent.web.open
+    if "open" in names and (settings := getattr(domain, "settings", None)) is not None:  # the web domain's
+        web = settings.open
         limits.append(
             f"open: {web.timeout_s:g} s, {web.max_bytes // 1000} kB, robots.txt "
             f"{'obeyed' if web.respect_robots else 'ignored'}, private hosts allowed: "
@@ -769,7 +770,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = _with_mode(_eval_model_config(args, refs), args.mode)
     _check_runs_in(config.db_path, refs)
     evaluation, train_dataset = _eval_settings(args, config)
-    check_dataset(config.domain, evaluation.dataset, "--dataset")
+    check_dataset(config, evaluation.dataset, "--dataset")
     stopping.run(check_policy(config))
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(None))  # the same evaluation id: finished samples are read back

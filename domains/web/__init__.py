@@ -18,7 +18,8 @@ from clgrpo.dataset import LoadReport, load_problems_with_report
 from clgrpo.prompts.web_rollout import DOMAIN, EXAMPLE_LESSONS, rollout_messages
 from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
-from domains.web.tools import OPEN_TOOL, SEARCH_TOOL
+from domains.web.settings import WebSettings
+from domains.web.tools import web_tools
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
@@ -57,8 +58,11 @@ class WebDomain:
     name = "web"
     grade_truncated = False  # a reply cut off before its final answer line is not an answer
 
-    def __init__(self) -> None:
+    settings_model = WebSettings  # its own settings: domain_settings in a run config
+
+    def __init__(self, settings: WebSettings | None = None) -> None:
         self.learner_prompts = LearnerPrompts(domain=DOMAIN, examples=EXAMPLE_LESSONS)
+        self.settings = settings or WebSettings()
 
     def load_dataset(self, cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
         return load_problems_with_report(cfg)
@@ -84,4 +88,4 @@ class WebDomain:
         return rollout_messages(problem, library_text)
 
     def tools(self) -> list[Tool]:
-        return [SEARCH_TOOL, OPEN_TOOL]
+        return web_tools(self.settings)

@@ -28,7 +28,7 @@ import httpx
 
 from domains.web.extract import html_to_page
 from domains.web.page import Page
-from schemas.config import OpenConfig
+from domains.web.settings import OpenConfig
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
 _ROBOTS_TTL_S = 600.0

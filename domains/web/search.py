@@ -19,7 +19,7 @@ from urllib.parse import quote_plus
 
 import httpx
 
-from schemas.config import SearchConfig
+from domains.web.settings import SearchConfig
 
 PAGE_SUFFIXES = (".html", ".htm", ".txt", ".md")
 SNIPPET_CHARS = 300
