@@ -257,6 +257,7 @@ def test_retrying_the_parent_reruns_its_failed_gpu_child_without_a_duplicate(sta
         assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='gpu-retried'")["n"][0] == 32
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_a_gpu_child_that_left_failed_samples_is_run_again_not_replayed(stack, tmp_path):
     """One of the child's 8 policy requests fails for good: 4/32 samples (12.5%) is over the rollout tolerance,
     so the parent fails; its Retry runs the completed child again instead of re-reading the failed samples."""
@@ -520,6 +521,7 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
         assert server.stats.by_role["policy"] - policy_before == 32 // 4  # only step 2's 8 requests
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_starts_a_new_one(stack, tmp_path):
     """The parent of a pool run is cancelled while its rollout child samples on the cuda worker: the child is
     cancelled too (no GPU left busy for a stopped run); the parent's rerun starts a new child run for the chunk."""

@@ -180,6 +180,7 @@ async def test_a_two_epoch_run_under_20_percent_mixed_faults_loses_nothing(tmp_p
     assert not journal_dirs(cfg)  # the work journal is gone once everything is in DuckDB
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 async def test_a_30_second_429_storm_with_retry_after_1_completes(tmp_path):

@@ -275,6 +275,7 @@ def stop_points_scenario(
     assert states.count("COMPLETED") >= 1 and set(states) <= {"CANCELLED", "COMPLETED"}, states
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_sigterm_sigint_sighup_stop_an_agent_run_cleanly_and_it_resumes_to_the_same_library(
     prefect_api, agent_dataset, agent_reference, tmp_path
 ):
