@@ -1,8 +1,9 @@
 """The training flow: epochs x batches of steps, each step the stages ``STEP`` lists, then its checkpoint.
 
-``STEP`` is the step as data, read top to bottom: each stage, the function that computes it, the tables it
-writes, the ``StepState`` fields they fill for the later stages, its progress bar's items and whether the config
-runs it. ``Trainer.run_step`` walks it; the checkpoint (``tasks.checkpoint``) closes the step.
+``STEP`` is the step as data, read top to bottom: each stage, the function that computes it, its typed output
+(the tables it writes, which the ``StepState`` holds for the later stages), its failure rule, its progress bar's
+items, whether the config runs it, and for rollout to group advantage the per-group form the pipeline chains
+(``pipeline: true``). ``Trainer.run_step`` walks it; the checkpoint (``tasks.checkpoint``) closes the step.
 
 The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's output is written in
 one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
@@ -101,7 +102,15 @@ from tasks.outputs import (
     Trials,
     Verified,
 )
-from tasks.pipeline import PipelineBatch, pipeline_task
+from tasks.pipeline import (
+    GroupStage,
+    PipelineBatch,
+    pipeline_task,
+    propose_group,
+    rollout_group,
+    summarize_group,
+    verify_group,
+)
 from tasks.preflight import check_run
 from tasks.rollout import rollout_task
 from tasks.summarize import summarize_task
@@ -446,8 +455,9 @@ class StepStage:
     transaction and which the step state holds for the later stages; ``failures``: its failure rule (with the
     tolerance it may leave), None when its items cannot fail; ``expect``: the items and unit of its progress bar;
     ``when``: whether the config runs it; ``before_write`` and ``after``: what happens just before its rows are
-    written, and once it is stored or read back. ``stage`` is its name in the store (a ``Stage``, or any name for
-    a stage added from outside)."""
+    written, and once it is stored or read back; ``group``: its per-group form, for the stages the pipeline runs
+    group by group (``tasks.pipeline``, with ``pipeline: true``), chained in ``STEP``'s order. ``stage`` is its
+    name in the store (a ``Stage``, or any name for a stage added from outside)."""
 
     stage: str
     compute: Callable[[Trainer, StepState], Awaitable[StageOutput]]
@@ -457,6 +467,7 @@ class StepStage:
     when: Callable[[RunConfig], bool] = _always
     before_write: Callable[[Trainer, StepState], None] | None = None
     after: Callable[[Trainer, StepState], None] | None = None
+    group: GroupStage | None = None
 
 
 def _summaries_expected(s: StepState) -> tuple[int, str]:
@@ -473,6 +484,7 @@ STEP: tuple[StepStage, ...] = (
         Rollouts,
         ROLLOUT_FAILURES,
         expect=lambda s: (len(s.problems) * s.cfg.grpo.group_size, "samples"),
+        group=rollout_group,
     ),
     StepStage(
         Stage.VERIFY,
@@ -481,6 +493,7 @@ STEP: tuple[StepStage, ...] = (
         VERIFY_FAILURES,
         expect=lambda s: (len(s.rollouts), "samples"),
         after=log_learning_signal,
+        group=verify_group,
     ),
     StepStage(
         Stage.NUMERIC_UPDATE,
@@ -495,6 +508,7 @@ STEP: tuple[StepStage, ...] = (
         Summaries,
         SUMMARY_FAILURES,
         expect=_summaries_expected,
+        group=summarize_group,
     ),
     StepStage(
         Stage.GROUP_ADVANTAGE,
@@ -502,6 +516,7 @@ STEP: tuple[StepStage, ...] = (
         GroupProposals,
         PROPOSAL_FAILURES,
         expect=lambda s: (len(s.selected_ids), "groups"),
+        group=propose_group,
     ),
     StepStage(
         Stage.CONSOLIDATE,
@@ -537,8 +552,8 @@ STEP: tuple[StepStage, ...] = (
         before_write=save_applied_library,
     ),
 )
-# rollout -> group advantage group by group (``tasks.pipeline``): these stages' progress bars while it runs
-PIPELINED: tuple[Stage, ...] = (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE)
+# the stages the pipeline runs group by group (``tasks.pipeline``): those with a per-group form
+PIPELINED: tuple[str, ...] = tuple(spec.stage for spec in STEP if spec.group is not None)
 STEP_STAGES: dict[str, StepStage] = {spec.stage: spec for spec in STEP}
 
 
@@ -812,17 +827,18 @@ class Trainer:
             (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
+        chain = [spec.group for spec in STEP if spec.group is not None and spec.when(self.cfg)]
         try:
             with recording(self.journal.step(step)):
                 parts = await asyncio.gather(
                     *[
-                        pipeline_task(state.sampling, step, i, c, state.version)
+                        pipeline_task(state.sampling, step, i, c, state.version, chain)
                         for i, c in enumerate(state.rollout_chunks)
                     ]
                 )
         finally:
-            for name in PIPELINED:
-                progress.finish(name)
+            for pipelined in PIPELINED:
+                progress.finish(pipelined)
         return PipelineBatch.merge(parts)
 
     # --- the budget -------------------------------------------------------------------------------------

@@ -2,14 +2,18 @@
 
 A group's summaries and semantic advantage start as soon as its own G rollouts are verified, instead of after
 the whole batch: with long-tailed LLM latencies the slowest rollouts no longer hold every learner call back.
-The work per group is exactly the stage functions' (same prompts, same records); the LLM client's semaphore
-is the only concurrency limit. The result carries each stage's outputs, so the flow still writes the four
-stages one by one, each atomically, as the barrier path does (consolidation waits for all groups there).
+Each of those stages has a per-group form here (``rollout_group``, ``verify_group``, ``summarize_group``,
+``propose_group``), named by its ``STEP`` entry in ``flows/train.py`` (``group=``): the pipeline chains the forms
+``STEP`` names, in its order, for every problem. They do exactly the stage functions' work (same prompts, same
+records); the LLM client's semaphore is the only concurrency limit. The result carries each stage's typed
+output, so the flow still writes the stages one by one, each atomically, as the stage-by-stage path does
+(consolidation waits for all groups there).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from clgrpo import progress
@@ -17,10 +21,10 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, domain_for
 from schemas.config import AgentConfig, LearningConfig, RunConfig
-from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Proposal, Reward, Rollout, Summary
+from schemas.records import GroupAdvantage, LibraryVersion, Problem, Reward
 from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import build_groups, extract_group_advantage
+from tasks.group_advantage import Group, ProposalBatch, build_groups, extract_group_advantage
 from tasks.judge import Judge, make_judge
 from tasks.outputs import GroupProposals, Rollouts, StageOutput, Summaries, Verified
 from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
@@ -29,129 +33,141 @@ from tasks.verify import compute_group_advantages, grade
 
 
 @dataclass
-class GroupOutcome:
-    rollouts: RolloutBatch
-    rewards: list[Reward]
-    advantage: GroupAdvantage | None
-    summaries: list[Summary] = field(default_factory=list)
-    proposals: list[Proposal] = field(default_factory=list)
-    summary_calls: list[LLMCall] = field(default_factory=list)
-    proposal_calls: list[LLMCall] = field(default_factory=list)
+class GroupContext:
+    """What every group of a chunk shares."""
+
+    library: ExperienceLibrary
+    domain: Domain
+    llm: LLMClient
+    group_size: int
+    temperature: float
+    cfg: LearningConfig
+    agent: AgentConfig | None = None
+    judge: Judge | None = None
+
+
+@dataclass
+class GroupWork:
+    """One problem's group on its way through the pipelined stages: what each stage added so far."""
+
+    problem: Problem
+    context: GroupContext
+    rollouts: RolloutBatch = field(default_factory=lambda: RolloutBatch([]))
+    rewards: list[Reward] = field(default_factory=list)
+    advantage: GroupAdvantage | None = None
+    groups: list[Group] = field(default_factory=list)  # the problem's group when selected for learning
+    summaries: SummaryBatch = field(default_factory=lambda: SummaryBatch([]))
+    proposals: ProposalBatch = field(default_factory=lambda: ProposalBatch([]))
+
+
+# a stage's per-group form: adds its work to the group's; False when the later stages have nothing to do for it
+GroupStage = Callable[[GroupWork], Awaitable[bool]]
+
+
+async def rollout_group(w: GroupWork) -> bool:
+    c = w.context
+    w.rollouts = await rollout_problem(
+        w.problem, c.library, c.domain, c.llm, c.group_size, c.temperature, agent=c.agent
+    )
+    return True
+
+
+async def verify_group(w: GroupWork) -> bool:
+    c = w.context
+    w.rewards = await grade([w.problem], w.rollouts.rollouts, c.domain, c.judge, c.cfg.unlabeled)
+    advantages = compute_group_advantages(
+        [w.problem], w.rollouts.rollouts, w.rewards, use_groundtruth=c.cfg.use_groundtruth
+    )
+    w.advantage = advantages[0] if advantages else None
+    w.groups = build_groups([w.problem], w.rollouts.rollouts, w.rewards, advantages)
+    if w.groups:  # the learner stages' progress bars grow as groups are selected
+        progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in w.groups) if c.cfg.summarize else 0)
+        progress.expect(Stage.GROUP_ADVANTAGE, len(w.groups))
+    return bool(w.groups)
+
+
+async def summarize_group(w: GroupWork) -> bool:
+    c = w.context
+    if c.cfg.summarize:
+        w.summaries = await summarize(w.groups, c.library, c.domain.learner_prompts.ask(c.cfg), c.llm)
+    return True
+
+
+async def propose_group(w: GroupWork) -> bool:
+    c = w.context
+    prompts = c.domain.learner_prompts
+    w.proposals = await extract_group_advantage(w.groups, w.summaries.summaries, c.library, prompts, c.llm, c.cfg)
+    return True
 
 
 @dataclass
 class PipelineBatch:
-    """The outputs of the rollout, verify, summarize and group-advantage stages for a set of problems,
-    in the order the stage-by-stage path produces them."""
+    """The typed outputs of the pipelined stages for a set of problems, in the order the stage-by-stage path
+    produces them (verify's LLM-judge calls come from the work journal, as there)."""
 
-    rollouts: list[Rollout]
-    rollout_calls: list[LLMCall]
-    rewards: list[Reward]
-    advantages: list[GroupAdvantage]
-    summaries: list[Summary]
-    summary_calls: list[LLMCall]
-    proposals: list[Proposal]
-    proposal_calls: list[LLMCall]
+    outputs: dict[type[StageOutput], StageOutput]
 
     @classmethod
-    def of(cls, outcomes: list[GroupOutcome]) -> "PipelineBatch":
+    def of(cls, works: Sequence[GroupWork]) -> "PipelineBatch":
         return cls(
-            rollouts=[r for o in outcomes for r in o.rollouts.rollouts],
-            rollout_calls=[c for o in outcomes for c in o.rollouts.calls],
-            rewards=[r for o in outcomes for r in o.rewards],
-            advantages=[o.advantage for o in outcomes if o.advantage is not None],
-            summaries=[s for o in outcomes for s in o.summaries],
-            summary_calls=[c for o in outcomes for c in o.summary_calls],
-            proposals=[p for o in outcomes for p in o.proposals],
-            proposal_calls=[c for o in outcomes for c in o.proposal_calls],
+            {
+                Rollouts: Rollouts(
+                    [r for w in works for r in w.rollouts.rollouts], [c for w in works for c in w.rollouts.calls]
+                ),
+                Verified: Verified(
+                    [r for w in works for r in w.rewards], [w.advantage for w in works if w.advantage is not None]
+                ),
+                Summaries: Summaries(
+                    [s for w in works for s in w.summaries.summaries], [c for w in works for c in w.summaries.calls]
+                ),
+                GroupProposals: GroupProposals(
+                    [p for w in works for p in w.proposals.proposals], [c for w in works for c in w.proposals.calls]
+                ),
+            }
         )
 
     @classmethod
-    def merge(cls, parts: list["PipelineBatch"]) -> "PipelineBatch":
-        return cls(**{name: [x for part in parts for x in getattr(part, name)] for name in cls.__dataclass_fields__})
+    def merge(cls, parts: Sequence["PipelineBatch"]) -> "PipelineBatch":
+        kinds = parts[0].outputs if parts else {}
+        return cls({kind: kind.from_rows(_joined(kind, parts)) for kind in kinds})
 
     def output(self, kind: type[StageOutput]) -> StageOutput | None:
-        """The output of type ``kind`` of one of the four stages, as the flow writes it (verify's calls, an LLM
-        judge's, come from the work journal); None for the other stages' types."""
-        outputs: dict[type[StageOutput], StageOutput] = {
-            Rollouts: Rollouts(self.rollouts, self.rollout_calls),
-            Verified: Verified(self.rewards, self.advantages),
-            Summaries: Summaries(self.summaries, self.summary_calls),
-            GroupProposals: GroupProposals(self.proposals, self.proposal_calls),
-        }
-        return outputs.get(kind)
+        """The output of type ``kind`` of one of the pipelined stages; None for the other stages' types."""
+        return self.outputs.get(kind)
 
 
-async def _one_group(
-    problem: Problem,
-    library: ExperienceLibrary,
-    domain: Domain,
-    llm: LLMClient,
-    *,
-    group_size: int,
-    temperature: float,
-    cfg: LearningConfig,
-    agent: AgentConfig | None = None,
-    judge: Judge | None = None,
-) -> GroupOutcome:
-    batch = await rollout_problem(problem, library, domain, llm, group_size, temperature, agent=agent)
-    rewards = await grade([problem], batch.rollouts, domain, judge, cfg.unlabeled)
-    advantages = compute_group_advantages([problem], batch.rollouts, rewards, use_groundtruth=cfg.use_groundtruth)
-    outcome = GroupOutcome(batch, rewards, advantages[0] if advantages else None)
-    groups = build_groups([problem], batch.rollouts, rewards, advantages)
-    if not groups:
-        return outcome
-    progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in groups) if cfg.summarize else 0)
-    progress.expect(Stage.GROUP_ADVANTAGE, len(groups))
-    prompts = domain.learner_prompts
-    summaries = await summarize(groups, library, prompts.ask(cfg), llm) if cfg.summarize else SummaryBatch([])
-    proposals = await extract_group_advantage(groups, summaries.summaries, library, prompts, llm, cfg)
-    outcome.summaries, outcome.summary_calls = summaries.summaries, summaries.calls
-    outcome.proposals, outcome.proposal_calls = proposals.proposals, proposals.calls
-    return outcome
+def _joined(kind: type[StageOutput], parts: Sequence[PipelineBatch]) -> dict[str, list]:
+    return {table: [x for part in parts for x in part.outputs[kind].rows()[table]] for table in kind.tables()}
 
 
-async def pipeline(
-    problems: list[Problem],
-    library: ExperienceLibrary,
-    domain: Domain,
-    llm: LLMClient,
-    *,
-    group_size: int,
-    temperature: float,
-    cfg: LearningConfig,
-    agent: AgentConfig | None = None,
-    judge: Judge | None = None,
-) -> PipelineBatch:
-    """Every group runs its own chain; raises, like ``rollout``, if every policy call failed."""
-    outcomes = await asyncio.gather(
-        *[
-            _one_group(
-                p,
-                library,
-                domain,
-                llm,
-                group_size=group_size,
-                temperature=temperature,
-                cfg=cfg,
-                agent=agent,
-                judge=judge,
-            )
-            for p in problems
-        ]
-    )
-    batch = PipelineBatch.of(outcomes)
-    raise_if_all_failed(problems, batch.rollouts)
+async def _through(work: GroupWork, chain: Sequence[GroupStage]) -> GroupWork:
+    for stage in chain:
+        if not await stage(work):
+            break
+    return work
+
+
+async def pipeline(problems: list[Problem], context: GroupContext, chain: Sequence[GroupStage]) -> PipelineBatch:
+    """Every group runs its own chain of per-group stages; raises, like ``rollout``, if every policy call
+    failed."""
+    works = await asyncio.gather(*[_through(GroupWork(p, context), chain) for p in problems])
+    batch = PipelineBatch.of(works)
+    raise_if_all_failed(problems, batch.outputs[Rollouts].rows()["rollouts"])
     return batch
 
 
 @stage_task(Stage.PIPELINE, run_name="pipeline-step{step}-chunk{chunk}")
 async def pipeline_task(
-    config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
+    config: RunConfig,
+    step: int,
+    chunk: int,
+    problems: list[Problem],
+    library: LibraryVersion,
+    chain: Sequence[GroupStage],
 ) -> PipelineBatch:
+    """``chain``: the per-group forms of the stages ``STEP`` pipelines, in its order."""
     domain = domain_for(config)
-    return await pipeline(
-        problems,
+    context = GroupContext(
         ExperienceLibrary.from_version(library),
         domain,
         shared_client(config),
@@ -161,3 +177,4 @@ async def pipeline_task(
         agent=config.rollout.agent_settings(),
         judge=make_judge(config, domain, Stage.VERIFY),
     )
+    return await pipeline(problems, context, chain)
