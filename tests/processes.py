@@ -67,6 +67,11 @@ class PrefectApi:
     home: Path
 
 
+# a real server's SQLite waits up to 60 s for a lock (Prefect's default, 10 s, lost the scheduler's insert of a run
+# to "database is locked" on a loaded 2-core machine)
+SERVER_ENV = {"PREFECT_SERVER_DATABASE_TIMEOUT": "60"}
+
+
 def real_prefect_server(home: Path) -> Iterator[PrefectApi]:
     """A real ``prefect server`` in its own session, healthy, until the generator is closed (then stopped with
     its process group)."""
@@ -74,6 +79,7 @@ def real_prefect_server(home: Path) -> Iterator[PrefectApi]:
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home / "server-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(SERVER_ENV)
     log = home / "server.log"
     server = start_detached(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],

@@ -25,7 +25,7 @@ import pytest
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
-from tests.processes import free_port, start_detached, stop_group, wait_healthy
+from tests.processes import SERVER_ENV, free_port, start_detached, stop_group, wait_healthy
 from tests.test_refresh_flow import NIGHT, arrive, refresh_config
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def stack(tmp_path_factory):
                     str(port),
                     "--no-ui",
                 ],
-                {**base, **SCHEDULER_ENV},
+                {**base, **SCHEDULER_ENV, **SERVER_ENV},
                 server_log,
                 ROOT,
             )
@@ -233,6 +233,7 @@ def test_failed_stage_is_retried_through_the_api_and_resumes(stack, tmp_path):
         assert len(store.load_library("retried")) > 0
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_retrying_the_parent_reruns_its_failed_gpu_child_without_a_duplicate(stack, tmp_path):
     gpu_down = [True]  # every policy call fails (HTTP 400) until the "GPU" is back
     with FakeOpenAIServer(ScriptedWorld(seed=7)) as server:
@@ -563,6 +564,7 @@ def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_starts_a_new_on
         assert store.query("SELECT count(*) AS n FROM rollouts WHERE run_id='parent-cancelled'")["n"][0] == 32
 
 
+@pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_hybrid_numeric_update_runs_as_its_own_child_on_the_cuda_pool(stack, tmp_path):
     pytest.importorskip("peft")
     from schemas.config import RunConfig

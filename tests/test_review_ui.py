@@ -25,7 +25,7 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems
-from tests.processes import free_port, start_detached, stop_group, wait_healthy
+from tests.processes import SERVER_ENV, free_port, start_detached, stop_group, wait_healthy
 from tests.test_refresh_flow import refresh_config
 from tests.test_refresh_traces import land, traces_of
 
@@ -42,6 +42,7 @@ except ImportError:
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.long,  # 100 s or more (a browser, a real server's scheduler, a worker): -m long runs it
     pytest.mark.skipif(not HAVE_PLAYWRIGHT, reason="playwright is not installed (pip install -e '.[dev]')"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)"),
 ]
@@ -106,7 +107,7 @@ def ui_stack(tmp_path):
         procs.append(
             start_detached(
                 [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                {**base, **SCHEDULER_ENV, "PREFECT_UI_API_URL": api_url},
+                {**base, **SCHEDULER_ENV, **SERVER_ENV, "PREFECT_UI_API_URL": api_url},
                 home / "server.log",
                 ROOT,
             )
