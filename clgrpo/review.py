@@ -25,6 +25,7 @@ from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary, describe_operation, diff, normalize_text
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.usefulness import describe as describe_stat
+from clgrpo.usefulness import measured as usefulness_measured
 from schemas.records import (
     Experience,
     ExperienceStat,
@@ -344,9 +345,12 @@ def library_at(store: Store, ref: str) -> ExperienceLibrary:
 
 def review_sources(store: Store, train_run_id: str, candidate: ExperienceLibrary) -> dict[str, Any]:
     """What ``changes_between`` shows with each change: the training run's operations, lesson trials and the
-    citation statistics at the candidate's step."""
+    citation statistics at the candidate's step (none where the run did not measure them: no summaries, so a
+    lesson is not called "never cited")."""
     trials = [(int(row_step), t) for row_step, t in _trials_by_step(store, train_run_id)]
-    stats = {s.exp_id: s for s in store.records("experience_stats", train_run_id, candidate.step)}
+    cited = store.is_run(train_run_id) and usefulness_measured(store.run_config(train_run_id))
+    rows = store.records("experience_stats", train_run_id, candidate.step) if cited else []
+    stats = {s.exp_id: s for s in rows}
     return {"operations": store.operation_results(train_run_id), "trials": trials, "stats": stats}
 
 

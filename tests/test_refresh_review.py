@@ -237,6 +237,7 @@ async def test_an_unanswered_review_times_out_and_nothing_is_promoted(tmp_path, 
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "error: no terminal to answer on: use --decisions FILE.json, --approve-all or --reject-all"
     )
+    assert "\nc1: add " in done.stdout, done.stdout  # the changes, by the ids a decisions file answers
     with Store(db) as store:
         settled, waiting = settle_expired(store, "slow", utcnow(), tmp_path / "served", skip="")
         assert settled == [] and len(waiting) == 1

@@ -968,7 +968,9 @@ def _ask_terminal(changes: list, reviewer: str, check: Any) -> dict[str, Any]:
     guard refuses it) or reject, and a reason."""
     from clgrpo.review import field_name
 
-    if not sys.stdin.isatty():
+    if not sys.stdin.isatty():  # the changes still listed: what a --decisions file answers, by change id
+        for c in changes:
+            print_change(c)
         raise ConfigError("no terminal to answer on: use --decisions FILE.json, --approve-all or --reject-all")
     answers: dict[str, Any] = {"reviewer": reviewer}
     for c in changes:
