@@ -21,8 +21,8 @@ setup:  ## .venv with the CPU torch, the transformers backend and the dev tools 
 test:  ## the default test run (what .ci/run runs after the checks)
 	$(PYTEST)
 
-test-fast:  ## without the slow and integration tests (about 3 minutes)
-	$(PYTEST) -m "not slow and not integration"
+test-fast:  ## without the slow and integration tests (about 7 minutes)
+	$(PYTEST) -m "not slow and not integration and not demo and not long"
 
 test-long:  ## the full-length reliability variants
 	$(PYTEST) -m long

@@ -187,10 +187,9 @@ def test_a_hung_worker_is_unverified_and_the_rest_of_the_batch_is_graded(monkeyp
 def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
     shutdown_pool()
     assert not pool_is_up()
-    started = time.monotonic()
     warm_pool()
     MathDomain().warm()  # idempotent: joins the start under way
-    assert time.monotonic() - started < 0.5  # returns at once
+    assert not pool_is_up()  # returned at once: the start (about half a second) goes on in the background
     up_after = _wait_until_up()
     generation = verify_mod._POOL.current()
     warm_pool()  # a no-op once up
@@ -203,8 +202,7 @@ def test_warm_pool_starts_the_pool_ahead_of_the_first_batch() -> None:
         f"first batch {first_batch:.3f}s"
     )
     assert all(r.verified and r.reward == 1.0 for r in results)
-    assert first_batch < pool_start_seconds()  # the batch did not pay for the start
-    assert verify_mod._POOL.current() is generation
+    assert verify_mod._POOL.current() is generation  # the batch used the warm pool: it did not start one
 
 
 def test_a_failed_start_is_reported_as_unverified_then_retried(monkeypatch: pytest.MonkeyPatch) -> None:
