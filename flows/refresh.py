@@ -431,41 +431,48 @@ async def train_and_compare(
             "status": "not_promoted",
             "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged", *repeats],
         }
-    outcome: EvalOutcome = await evaluate(
-        run_config,
-        config.evaluation,
-        [baseline.ref, candidate_ref],
-        eval_id=f"{refresh_id}-eval",
-        train_dataset=run_config.dataset,
+    measured = await measure(
+        config, run_config, baseline.ref, candidate_ref, eval_id=f"{refresh_id}-eval", gate_id=refresh_id
     )
-    comparison = next(c for c in outcome.overall if c.metric == config.metric)
-    promote, reason = decide(comparison, config.margin)
-    gate = record_gate(config, refresh_id, outcome)
-    promote = promote and gate.tags_pass
     reasons = [
         f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
         f"{len(baseline.library)} -> {len(candidate)} experiences",
         *repeats,
-        reason,
-        *gate.reasons(),
+        *measured.reasons,
     ]
-    failed = sum(s.n_failed for s in outcome.summaries)
-    if failed:
+    status = "promoted" if measured.passed else "not_promoted"
+    return {**fields, **measured.fields, "status": status, "reasons": reasons}
+
+
+@dataclass
+class Measured:
+    """A library against the baseline on the held-out set: whether it passes the overall rule and the per-tag
+    gate, the reasons in words, and the decision's numbers."""
+
+    passed: bool
+    reasons: list[str]
+    fields: dict[str, Any]
+
+
+async def measure(
+    config: RefreshConfig, run_config: RunConfig, baseline_ref: str, library_ref: str, *, eval_id: str, gate_id: str
+) -> Measured:
+    """Evaluate ``library_ref`` against ``baseline_ref`` (evaluation ``eval_id``), then the overall rule and the
+    per-tag gate (its rows stored under ``gate_id``); failed samples and leaks said."""
+    outcome: EvalOutcome = await evaluate(
+        run_config, config.evaluation, [baseline_ref, library_ref], eval_id=eval_id, train_dataset=run_config.dataset
+    )
+    comparison = next(c for c in outcome.overall if c.metric == config.metric)
+    passes, reason = decide(comparison, config.margin)
+    gate = record_gate(config, gate_id, outcome)
+    reasons = [reason, *gate.reasons()]
+    if failed := sum(s.n_failed for s in outcome.summaries):
         reasons.append(f"{failed} evaluation sample(s) failed (scored 0); see evaluation {outcome.eval_id}")
     if any(s.leaked_ids for s in outcome.summaries):
         reasons.append(outcome.leakage)
-    return {
-        **fields,
-        "eval_id": outcome.eval_id,
-        "status": "promoted" if promote else "not_promoted",
-        "baseline_value": comparison.baseline_value,
-        "candidate_value": comparison.candidate_value,
-        "diff": comparison.diff,
-        "ci_low": comparison.ci_low,
-        "ci_high": comparison.ci_high,
-        "ci_level": comparison.ci_level,
-        "reasons": reasons,
-    }
+    numbers = ("baseline_value", "candidate_value", "diff", "ci_low", "ci_high", "ci_level")
+    fields = {"eval_id": outcome.eval_id, **{name: getattr(comparison, name) for name in numbers}}
+    return Measured(passes and gate.tags_pass, reasons, fields)
 
 
 async def measure_served(config: RefreshConfig, pending: RefreshDecision, served_ref: str) -> ServedCheck:
@@ -475,28 +482,13 @@ async def measure_served(config: RefreshConfig, pending: RefreshDecision, served
     refresh_id = pending.refresh_id
     folder = work_dir(config) / refresh_id
     run_config = training_config(config, refresh_id, folder / "new-problems.jsonl", folder / "start.seed.json")
-    outcome: EvalOutcome = await evaluate(
-        run_config,
-        config.evaluation,
-        [pending.baseline_ref, served_ref],
-        eval_id=f"{refresh_id}-served",
-        train_dataset=run_config.dataset,
-    )
-    comparison = next(c for c in outcome.overall if c.metric == config.metric)
-    passes, reason = decide(comparison, config.margin)
-    gate = record_gate(config, f"{refresh_id}-served", outcome)
+    served_id = f"{refresh_id}-served"
+    measured = await measure(config, run_config, pending.baseline_ref, served_ref, eval_id=served_id, gate_id=served_id)
+    first, *rest = measured.reasons
     return ServedCheck(
-        passed=passes and gate.tags_pass,
-        reasons=[f"the reviewed library as served ({served_ref}): {reason}", *gate.reasons()],
-        fields={
-            "eval_id": outcome.eval_id,
-            "baseline_value": comparison.baseline_value,
-            "candidate_value": comparison.candidate_value,
-            "diff": comparison.diff,
-            "ci_low": comparison.ci_low,
-            "ci_high": comparison.ci_high,
-            "ci_level": comparison.ci_level,
-        },
+        passed=measured.passed,
+        reasons=[f"the reviewed library as served ({served_ref}): {first}", *rest],
+        fields=measured.fields,
     )
 
 
