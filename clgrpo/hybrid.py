@@ -109,15 +109,24 @@ GIB = 1 << 30
 CHECKPOINT_SHARE = 0.5  # "auto" on CUDA: checkpoint when the activations would take more of the free memory
 
 
-LORA_SAVED_PER_LAYER = 4  # values of the hidden size a LoRA backward keeps per token and layer (H100, 0.5B: 3.3 GiB)
+# What one token of a batch keeps for the backward pass without checkpointing, fitted on an H100 (Qwen2.5-0.5B
+# shape, bf16, 64 and 8 rows of 330 tokens: peak 55.7 and 7.8 GiB over 0.9 GiB of weights; 34.1 GiB with
+# checkpointing; benchmarks/REPORT.md "GPU"): per layer, the attention's and MLP's inputs and outputs in the
+# model's dtype, so that the gradient reaches the LoRA matrices of earlier layers; over the vocabulary, the
+# model's logits, their float32 copy and log-softmax, and a share of their gradients.
+HIDDEN_SAVED_PER_LAYER = 6  # values of the hidden size per token and layer
+INTERMEDIATE_SAVED_PER_LAYER = 4  # values of the MLP's intermediate size per token and layer
+VOCAB_EXTRA_BYTES = 9  # per token and vocabulary entry, beside the logits in the model's dtype
 
 
 def activation_bytes(model_config: Any, rows: int, tokens: int, dtype_bytes: int) -> int:
-    """A rough peak of what one batch's backward pass keeps without checkpointing: the frozen base keeps few
-    activations for a LoRA adapter (``LORA_SAVED_PER_LAYER``, calibrated on the measured H100 difference), plus
-    the float32 logits and their log-softmax over the vocabulary, which dominate for small models."""
-    layers = LORA_SAVED_PER_LAYER * dtype_bytes * model_config.hidden_size * model_config.num_hidden_layers
-    return rows * tokens * (layers + 2 * 4 * model_config.vocab_size)
+    """The estimated peak that one batch's backward pass adds without checkpointing (constants above)."""
+    per_layer = (
+        HIDDEN_SAVED_PER_LAYER * model_config.hidden_size
+        + INTERMEDIATE_SAVED_PER_LAYER * model_config.intermediate_size
+    )
+    layers = dtype_bytes * per_layer * model_config.num_hidden_layers
+    return rows * tokens * (layers + (dtype_bytes + VOCAB_EXTRA_BYTES) * model_config.vocab_size)
 
 
 def checkpointing_choice(setting: bool | str, device: str, free_bytes: int | None, need_bytes: int) -> tuple[bool, str]:

@@ -450,9 +450,9 @@ class HybridConfig(PoolPlacement):
     # False: every step samples with the policy as configured (the updates are then off-policy)
     rollout_adapter: bool = True
     # recompute activations in the backward pass: SmolLM2-135M, 4 x 345 tokens on CPU: peak RSS 4.6 -> 3.0 GB,
-    # +17% time; on an H100 4x slower for 3.3 of 80 GiB (benchmarks/REPORT.md). "auto": on for CPU, on CUDA only
-    # when the activations' estimate exceeds half the free GPU memory (decided and logged per step). The same
-    # gradients either way, so not part of the fingerprint
+    # +17% time; on an H100 (0.5B shape, 64 rows) +9% time, 34 instead of 56 GiB (benchmarks/REPORT.md "GPU").
+    # "auto": on for CPU, on CUDA only when the activations' estimate exceeds half the free GPU memory (decided
+    # and logged per step). The same gradients either way, so not part of the fingerprint
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     deployment: str = "numeric-update-gpu/numeric-update-gpu"  # placement pool: this deployment on the cuda pool
 

@@ -408,15 +408,18 @@ async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny
     ).read_bytes()
 
 
-QWEN_05B = type("Shape", (), {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936})
+QWEN_05B = type(
+    "Shape", (), {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "vocab_size": 151936}
+)
 
 
 @pytest.mark.parametrize(
     ("setting", "device", "free_gib", "rows", "on", "why"),
     [
         ("auto", "cpu", None, 8, True, "on cpu: memory before speed"),
-        ("auto", "cuda:0", 78, 64, False, "not more than half of the 78.0 GiB free"),  # the H100 measurement
-        ("auto", "cuda:0", 6, 64, True, "more than half of the 6.0 GiB free"),  # a small card
+        ("auto", "cuda:0", 77, 8, False, "not more than half of the 77.0 GiB free"),  # H100: 7.8 GiB peak
+        ("auto", "cuda:0", 77, 64, True, "more than half of the 77.0 GiB free"),  # H100: 55.7 GiB peak (34.1 on)
+        ("auto", "cuda:0", 6, 8, True, "more than half of the 6.0 GiB free"),  # a small card
         ("auto", "cuda", None, 8, True, "free GPU memory unknown"),
         (False, "cpu", None, 8, False, "hybrid.gradient_checkpointing"),  # as configured, whatever the device
         (True, "cuda:0", 78, 8, True, "hybrid.gradient_checkpointing"),
@@ -429,11 +432,12 @@ def test_gradient_checkpointing_is_chosen_for_the_device(setting, device, free_g
     assert chosen is on and why in reason
 
 
-def test_the_activation_estimate_is_in_the_range_measured_on_an_h100():
-    """64 rows of ~330 tokens of a Qwen2.5-0.5B shape in bf16 fit an H100 without checkpointing (measured: 3.3 GiB
-    more than with it, beside logits of ~20 GiB); the estimate is of that order, not a figure to the byte."""
-    need = hybrid.activation_bytes(QWEN_05B, rows=64, tokens=330, dtype_bytes=2) / hybrid.GIB
-    assert 20 < need < 39
+@pytest.mark.parametrize(("rows", "measured_gib"), [(64, 55.7 - 0.9), (8, 7.8 - 0.9)])
+def test_the_activation_estimate_is_near_what_an_h100_measured(rows, measured_gib):
+    """Rows of 330 tokens of a Qwen2.5-0.5B shape in bf16 without checkpointing: the peak over the weights
+    measured by benchmarks/gpu.py on an H100; the estimate within 15% of it."""
+    need = hybrid.activation_bytes(QWEN_05B, rows=rows, tokens=330, dtype_bytes=2) / hybrid.GIB
+    assert abs(need - measured_gib) < 0.15 * measured_gib
 
 
 def test_the_numeric_step_logs_its_checkpointing_choice(tiny_model, caplog):

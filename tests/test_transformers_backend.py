@@ -223,16 +223,47 @@ def test_a_schema_the_grammar_engine_rejects_falls_back_to_unconstrained(backend
     assert "cannot compile the JSON schema" in caplog.text
 
 
-def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+def test_top_p_keeps_the_smallest_set_reaching_the_mass_per_row():
     import torch
 
     from clgrpo.llm.transformers_backend import _top_p
 
-    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
-    kept = torch.isfinite(_top_p(logits, 0.6)).tolist()
-    assert kept == [False, True, True]
-    assert torch.isfinite(_top_p(logits, 0.1)).tolist() == [False, True, False]  # the top token always stays
-    assert torch.equal(_top_p(logits, 1.0), logits)
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]] * 3))
+    kept = torch.isfinite(_top_p(logits, torch.tensor([0.6, 0.1, 1.0]))).tolist()
+    assert kept[0] == [False, True, True]
+    assert kept[1] == [False, True, False]  # the top token always stays
+    assert kept[2] == [True, True, True]  # top_p 1: every token, whatever the rounding of the sums
+
+
+def test_rows_sampled_together_draw_from_their_own_distribution():
+    """The batched inverse-CDF draw: each row's tokens follow its own probabilities, a greedy row takes its
+    argmax, a row with every token masked gets None, and a row's draws do not depend on its neighbours."""
+    import torch
+
+    from clgrpo.llm.transformers_backend import Row, RowSampler
+
+    def rows(*temperatures):
+        return [Row(0, i, [1], 10, t, 1.0, 7) for i, t in enumerate(temperatures)]
+
+    sampler = RowSampler(rows(1.0, 0.0, 1.0), 1, frozenset({0}), None)
+    probs = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    masked = torch.full((4,), float("-inf"))
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        first, greedy, none = sampler._draw(
+            torch.stack([probs.log(), torch.tensor([0.0, 1.0, 5.0, 2.0]), masked]), sampler.rows
+        )
+        counts[first] += 1
+        assert greedy == 2 and none is None
+    assert counts[3] == 0  # a token of probability 0 is never drawn
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.04)
+    alone = RowSampler(rows(1.0), 1, frozenset({0}), None)
+    together = RowSampler(rows(1.0, 1.0), 1, frozenset({0}), None)
+    for _ in range(50):
+        assert (
+            alone._draw(probs.log()[None], alone.rows)[0]
+            == together._draw(torch.stack([probs.log(), torch.zeros(4)]), together.rows)[0]
+        )
 
 
 def test_repetition_penalty_lowers_only_tokens_already_generated():

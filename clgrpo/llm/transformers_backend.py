@@ -5,8 +5,8 @@ GPUs, fp32 on CPU). Requests go through a shared ``Engine`` (see ``clgrpo.llm.lo
 waiting requests in one ``generate`` call: the G samples of a request are G rows of that batch, and
 requests sent together (the problems of a rollout chunk, the summaries of a step) are batched too.
 
-Sampling is done per row by ``RowSampler`` with a ``torch.Generator`` seeded from the request (sample i of a
-request with seed s uses s + i, as the client's single-request fallback does), so a seeded request gives the
+Sampling is done by ``RowSampler``, each row from its own random stream seeded from the request (sample i of
+a request with seed s uses s + i, as the client's single-request fallback does), so a seeded request gives the
 same samples whether it runs alone or batched with others. Requests with a JSON schema are constrained with
 llguidance (the grammar engine behind guidance, also a vLLM structured-output backend; pure CPU, no
 dependencies): its token bitmask is applied to the logits of each generated token. Without llguidance the reply
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -322,7 +323,7 @@ class Row:
     seed: int | None
     matcher: Any | None = None
     repetition_penalty: float | None = None
-    generator: Any = None
+    generator: random.Random | None = None  # the row's random stream, made at its first draw
     done: bool = False
     truncated: bool = False
 
@@ -333,9 +334,14 @@ class GenerationStopped(RuntimeError):
 
 @dataclass
 class RowSampler:
-    """A logits processor that samples each row itself (temperature, top-p, its own generator, grammar mask,
+    """A logits processor that samples each row itself (temperature, top-p, its own random stream, grammar mask,
     own length limit) and returns scores that leave exactly the chosen token, so greedy decoding in
-    ``generate`` takes it. Handles rows of different requests in one batch."""
+    ``generate`` takes it. Handles rows of different requests in one batch.
+
+    The rows are sampled together (one softmax, one cumulative sum, one device sync per token): a row draws a
+    uniform number from its own seeded stream and takes the token where the cumulative probability passes it
+    (inverse CDF), so a row's tokens do not depend on the other rows of its batch. Only the grammar mask and the
+    repetition penalty are applied row by row."""
 
     rows: list[Row]
     prompt_len: int  # padded prompt length
@@ -350,8 +356,18 @@ class RowSampler:
         step = input_ids.shape[1] - self.prompt_len
         if step > 0:
             self._advance(input_ids[:, -1].tolist())
-        generated = input_ids[:, self.prompt_len :]
-        chosen = [self._choose(row, scores[i : i + 1], step, generated[i]) for i, row in enumerate(self.rows)]
+        end = min(self.eos_ids)
+        chosen = [end] * len(self.rows)
+        active = [i for i, row in enumerate(self.rows) if self._active(row, step)]
+        if active:
+            logits = scores[active].float()
+            generated = input_ids[:, self.prompt_len :]
+            for j, i in enumerate(active):
+                self._shape(self.rows[i], logits[j : j + 1], step, generated[i])
+            for i, token in zip(active, self._draw(logits, [self.rows[i] for i in active])):
+                row = self.rows[i]
+                row.done = token is None or token in self.eos_ids  # None: the grammar allows nothing more
+                chosen[i] = end if token is None else token
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(chosen), device=scores.device), torch.tensor(chosen, device=scores.device)] = 0.0
         return out
@@ -361,41 +377,52 @@ class RowSampler:
             if not row.done and row.matcher is not None:
                 Grammars.advance(row.matcher, token)
 
-    def _choose(self, row: Row, logits: Any, step: int, generated: Any) -> int:
-        import torch
-
+    @staticmethod
+    def _active(row: Row, step: int) -> bool:
+        """Whether the row samples a token at this step (else it ends or has ended)."""
         if row.done:
-            return min(self.eos_ids)
+            return False
         if step >= row.limit:
             row.done = row.truncated = True
-            return min(self.eos_ids)
+            return False
+        return True
+
+    def _shape(self, row: Row, logits: Any, step: int, generated: Any) -> None:
+        """The row's own changes to its (1, vocab) logits, in place: grammar mask, repetition penalty."""
         if row.matcher is not None and self.grammars is not None:
             self.grammars.apply(row.matcher, logits)
-        logits = logits[0].float()
         if row.repetition_penalty and step > 0:
-            logits = _penalize_repeats(logits, generated, row.repetition_penalty)
-        if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing more: end the row
-            row.done = True
-            return min(self.eos_ids)
-        if row.temperature <= 0:
-            token = int(torch.argmax(logits))
-        else:
-            probs = _top_p(logits / row.temperature, row.top_p).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=self._generator(row, logits.device)))
-        row.done = token in self.eos_ids
-        return token
+            logits[0] = _penalize_repeats(logits[0], generated, row.repetition_penalty)
 
-    @staticmethod
-    def _generator(row: Row, device: Any) -> Any:
+    def _draw(self, logits: Any, rows: list[Row]) -> list[int | None]:
+        """One token per row (None where every token is masked), sampled together."""
         import torch
 
-        if row.generator is None:
-            row.generator = torch.Generator(device=device)
-            if row.seed is None:
-                row.generator.seed()
-            else:
-                row.generator.manual_seed(row.seed + row.index)
-        return row.generator
+        device = logits.device
+        allowed = torch.isfinite(logits).any(-1)
+        logits = torch.where(allowed[:, None], logits, torch.zeros_like(logits))
+        temperature = torch.tensor([r.temperature for r in rows], device=device, dtype=logits.dtype)
+        greedy = temperature <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+        top_p = [r.top_p for r in rows]
+        if min(top_p) < 1.0:
+            scaled = _top_p(scaled, torch.tensor(top_p, device=device, dtype=logits.dtype))
+        cdf = scaled.softmax(-1).cumsum(-1)
+        u = torch.tensor([_uniform(r) for r in rows], device=device, dtype=cdf.dtype)
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
+        token = torch.where(greedy, scaled.argmax(-1), sampled.clamp(max=cdf.shape[-1] - 1))
+        tokens, ok = torch.stack([token, allowed.long()]).tolist()  # the one sync of the step
+        return [t if a else None for t, a in zip(tokens, ok)]
+
+
+UNIFORM_TOP = 1.0 - 2.0**-23  # keeps u * total strictly below the total in float32
+
+
+def _uniform(row: Row) -> float:
+    """The next number in [0, 1) of the row's own stream (seeded: seed + sample index)."""
+    if row.generator is None:
+        row.generator = random.Random(None if row.seed is None else row.seed + row.index)
+    return row.generator.random() * UNIFORM_TOP
 
 
 def _penalize_repeats(logits: Any, generated: Any, penalty: float) -> Any:
@@ -407,17 +434,16 @@ def _penalize_repeats(logits: Any, generated: Any, penalty: float) -> Any:
     return logits.scatter(0, generated, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
-def _top_p(logits: Any, top_p: float) -> Any:
-    """Keep the smallest set of tokens whose probability mass reaches ``top_p`` (as HF's TopPLogitsWarper)."""
-    if top_p >= 1.0:
-        return logits
+def _top_p(logits: Any, top_p: Any) -> Any:
+    """Per row, keep the smallest set of tokens whose probability mass reaches its ``top_p`` (as HF's
+    TopPLogitsWarper); rows with ``top_p`` 1 keep every token."""
     import torch
 
-    ordered, order = torch.sort(logits, descending=True)
+    ordered, order = torch.sort(logits, descending=True, dim=-1)
     probs = ordered.softmax(-1)
-    drop = probs.cumsum(-1) - probs >= top_p
-    drop[0] = False
-    return logits.scatter(0, order[drop], float("-inf"))
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    return logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
 def run_batch(loaded: LoadedModel, requests: list[GenRequest]) -> list[Result]:
