@@ -7,7 +7,8 @@ PYTEST := $(PYTHON) -m pytest -q
 
 .PHONY: help setup test test-fast test-long test-demo lint format typecheck imports deps check ci demo \
 	bench bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix bench-agent-step \
-	bench-tool-pool bench-embeddings bench-learning bench-hybrid bench-engines bench-gpu
+	bench-tool-pool bench-embeddings bench-learning bench-hybrid bench-engines bench-gpu \
+	bench-saturation
 
 help:  ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -84,5 +85,7 @@ bench-engines:  ## llama-server's CPU kernels vs a prebuilt wheel on the demo's 
 	$(PYTHON) benchmarks/engines.py
 bench-hybrid:  ## hybrid learning on the embedded model (~15-30 min)
 	$(PYTHON) benchmarks/hybrid.py --report
+bench-saturation:  ## the demo's stages against the engine's own ceiling (~20 min; needs the built engine)
+	$(PYTHON) benchmarks/saturation.py --report
 bench-gpu:  ## numeric step and transformers engine on a CUDA GPU, random 0.5B shape (~3 min on an H100)
 	$(PYTHON) benchmarks/gpu.py

@@ -48,6 +48,10 @@ LEARNERS = (QWEN_15B.fetch_key, SAME)
 # an added lesson within this cosine (all-MiniLM-L6-v2) of a live one is merged into it: rewordings of one rule
 # scored 0.57-0.78, different rules <= 0.3 (measured on ranges lessons); the benchmark uses the same
 NEAR_DUPLICATE_SIMILARITY = 0.7
+POLICY_SLOTS = 8  # sequences llama-server decodes together: 8 was the best of 4/8/16 on 2 cores
+# the learner's calls of a step arrive together (8 in flight): with 2 slots its stage ran at 72 tokens/s, with
+# 4 at 88, its server's ceiling (benchmarks/REPORT.md, "Saturation")
+LEARNER_SLOTS = 4
 
 
 @dataclass
@@ -341,18 +345,18 @@ def _start_llama_servers(opts: DemoOptions, out: Print, seconds: dict[str, float
         LlamaServer(
             gguf,
             opts.model_name,
-            slots=8,
+            slots=POLICY_SLOTS,
             cache=opts.cache_dir,
             engine=engine,
             log_path=opts.out / "logs" / "llama-server.log",
         )
     ]
-    if learner_gguf is not None:  # two slots: the learner's prompts are long, its calls few
+    if learner_gguf is not None:
         servers.append(
             LlamaServer(
                 learner_gguf,
                 learner,
-                slots=2,
+                slots=LEARNER_SLOTS,
                 cache=opts.cache_dir,
                 engine=engine,
                 context_per_slot=8192,
@@ -368,8 +372,8 @@ def _start_llama_servers(opts: DemoOptions, out: Print, seconds: dict[str, float
         raise
     seconds["serve"] = time.monotonic() - t0
     out(
-        f"  engine: llama-server at {servers[0].base_url} (policy, 8 slots)"
-        + (f", {servers[1].base_url} (learner, 2 slots)" if len(servers) > 1 else "")
+        f"  engine: llama-server at {servers[0].base_url} (policy, {POLICY_SLOTS} slots)"
+        + (f", {servers[1].base_url} (learner, {LEARNER_SLOTS} slots)" if len(servers) > 1 else "")
         + f"; started in {seconds['serve']:.1f} s"
     )
     return servers
