@@ -27,6 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report_block import write_block  # noqa: E402
+
 REPORT_BEGIN, REPORT_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 GIB = 1 << 30
 SHAPES = {  # Qwen2.5-0.5B-Instruct's config.json, and a tiny one for checking the path on CPU
@@ -314,15 +316,7 @@ def report_text(figures: dict) -> str:
 
 
 def write_report(figures: dict) -> None:
-    path = ROOT / "benchmarks" / "REPORT.md"
-    text = path.read_text()
-    block = report_text(figures)
-    if REPORT_BEGIN in text:
-        head, rest = text.split(REPORT_BEGIN, 1)
-        text = head + block + rest.split(REPORT_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## GPU\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(report_text(figures), REPORT_BEGIN, REPORT_END, "GPU")
 
 
 def environment(device: str, shape: str) -> dict:

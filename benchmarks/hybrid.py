@@ -30,6 +30,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report_block import write_block  # noqa: E402
+
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import split_sets, write_rows  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
@@ -195,17 +197,6 @@ def section(results: dict, settings: dict) -> str:
     return "\n".join(lines)
 
 
-def update_report(text: str, report: Path) -> None:
-    body = report.read_text()
-    block = f"{REPORT_BEGIN}\n{text}\n{REPORT_END}"
-    if REPORT_BEGIN in body:
-        head, rest = body.split(REPORT_BEGIN, 1)
-        body = head + block + rest.split(REPORT_END, 1)[1]
-    else:
-        body = body.rstrip() + "\n\n## Hybrid learning: a numeric LoRA step on the same trajectories\n\n" + block + "\n"
-    report.write_text(body)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-hybrid")
@@ -257,7 +248,8 @@ def main() -> None:
     text = section(results, settings)
     print(text)
     if args.report:
-        update_report(text, ROOT / "benchmarks" / "REPORT.md")
+        block = f"{REPORT_BEGIN}\n{text}\n{REPORT_END}"
+        write_block(block, REPORT_BEGIN, REPORT_END, "Hybrid learning: a numeric LoRA step on the same trajectories")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report_block import write_block  # noqa: E402
+
 from clgrpo import metrics  # noqa: E402
 from clgrpo.app.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
 from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
@@ -581,17 +583,6 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def update_report(section: str, report: Path) -> None:
-    text = report.read_text()
-    block = f"{REPORT_BEGIN}\n{section}\n{REPORT_END}"
-    if REPORT_BEGIN in text:
-        head, rest = text.split(REPORT_BEGIN, 1)
-        text = head + block + rest.split(REPORT_END, 1)[1]
-    else:
-        text += f"\n## Learning quality (benchmarks/learning.py)\n\n{block}\n"
-    report.write_text(text)
-
-
 # --- main ------------------------------------------------------------------------------------------------
 def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, str]]]:
     engine = ensure_engine(s.cache_dir)  # built once, smoke-tested on this machine
@@ -722,9 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(section)
     if report:
         plot(every, ROOT / "benchmarks" / "plots" / "learning.png")
-        update_report(
-            section + "\n\n![held-out Mean@k per condition](plots/learning.png)", ROOT / "benchmarks" / "REPORT.md"
-        )
+        body = section + "\n\n![held-out Mean@k per condition](plots/learning.png)"
+        block = f"{REPORT_BEGIN}\n{body}\n{REPORT_END}"
+        write_block(block, REPORT_BEGIN, REPORT_END, "Learning quality (benchmarks/learning.py)")
     return 0
 
 

@@ -46,6 +46,8 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)  # as the CLI does: no telemetry, quiet consoles
 
+from report_block import write_block  # noqa: E402
+
 from clgrpo import stopping  # noqa: E402
 from clgrpo.app.demo import (  # noqa: E402
     DemoOptions,
@@ -361,20 +363,8 @@ def report_text(figures: dict[str, Any]) -> str:
 
 
 def write_report(figures: dict[str, Any]) -> None:
-    path = ROOT / "benchmarks" / "REPORT.md"
-    text = path.read_text()
-    block = report_text(figures)
-    if REPORT_BEGIN in text:
-        head, rest = text.split(REPORT_BEGIN, 1)
-        text = head + block + rest.split(REPORT_END, 1)[1]
-    else:
-        text = (
-            text.rstrip("\n")
-            + "\n\n## Saturation: the demo's engine against its own ceiling (issue 40)\n\n"
-            + block
-            + "\n"
-        )
-    path.write_text(text)
+    heading = "Saturation: the demo's engine against its own ceiling (issue 40)"
+    write_block(report_text(figures), REPORT_BEGIN, REPORT_END, heading)
 
 
 def main() -> None:
