@@ -8,7 +8,7 @@ tokenizer trained on the spot and padded to the model's vocabulary. A random mod
 end-of-sequence token, so every row generates its full ``--max-tokens``; tokens are counted, not assumed.
 
     python benchmarks/gpu.py --out runs/bench-gpu                # on a CUDA machine: ~3 minutes on an H100
-    python benchmarks/gpu.py --shape tiny --device cpu --out /tmp/g   # the same code path on CPU (a check)
+    python benchmarks/gpu.py --shape tiny --device cpu --out /tmp/g   # the same code path on CPU (~3 min)
     python benchmarks/gpu.py --report runs/bench-gpu/gpu.json      # the figures into benchmarks/REPORT.md
 """
 
