@@ -85,7 +85,7 @@ bench-engines:  ## llama-server's CPU kernels vs a prebuilt wheel on the demo's 
 	$(PYTHON) benchmarks/engines.py
 bench-hybrid:  ## hybrid learning on the embedded model (~15-30 min)
 	$(PYTHON) benchmarks/hybrid.py --report
-bench-saturation:  ## the demo's stages against the engine's own ceiling (~20 min; needs the built engine)
+bench-saturation:  ## the demo's stages against the engine's own ceiling (~25 min; needs the built engine)
 	$(PYTHON) benchmarks/saturation.py --report
 bench-gpu:  ## numeric step and transformers engine on a CUDA GPU, random 0.5B shape (~3 min on an H100)
 	$(PYTHON) benchmarks/gpu.py

@@ -14,9 +14,9 @@ the same work when nothing waits on anything. Reported:
   and the next stage's; its window ends with its last reply), the time in each with no request in flight on
   either server, and the training time outside every stage's window (verification, DuckDB, Prefect).
 
-    python benchmarks/saturation.py                       # ~12 minutes on 2 cores (models and engine cached)
+    python benchmarks/saturation.py                       # ~25 minutes on 2 cores (models and engine cached)
     python benchmarks/saturation.py --report              # the same, figures into benchmarks/REPORT.md
-    python benchmarks/saturation.py --no-eval             # the training step only
+    python benchmarks/saturation.py --no-eval             # the training step only (~18 minutes)
 """
 
 from __future__ import annotations
@@ -39,13 +39,7 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-for _name, _value in (
-    ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-    ("DO_NOT_TRACK", "1"),
-    ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING"),
-):
-    os.environ.setdefault(_name, _value)  # as the CLI does: no telemetry, quiet consoles
-
+from harness import union_length  # noqa: E402  # first: an isolated, quiet Prefect without telemetry
 from report_block import write_block  # noqa: E402
 
 from clgrpo import stopping  # noqa: E402
@@ -173,17 +167,6 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Seconds of [lo, hi] inside the union of ``intervals``."""
-    total, reach = 0.0, lo
-    for a, b in sorted(intervals):
-        a, b = max(a, reach), min(b, hi)
-        if b > a:
-            total += b - a
-            reach = b
-    return total
-
-
 def stage_starts(db: str, run_id: str) -> list[tuple[str, float]]:
     """(stage, when its first LLM call was made) in order. ``started_at`` is when a call was made, before it
     waited for its turn, so a stage's requests are those sent between its start and the next stage's."""
@@ -223,7 +206,7 @@ def work_figures(name: str, lo: float, hi: float, mine: list[Sent], replays: dic
     return {
         "name": name,
         "wall_s": round(wall, 1),
-        "idle_s": round(wall - covered([(s.start, s.end) for s in mine], lo, hi), 1),
+        "idle_s": round(wall - union_length([(s.start, s.end) for s in mine], lo, hi), 1),
         "replay_s": round(ideal, 1),
         "saturation": round(ideal / wall, 2) if wall > 0 else None,
         "roles": roles,
@@ -309,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         training = work_figures("training", t_lo, t_hi, [s for s in sent if t_lo <= s.start <= t_hi], {})
         training["replay_s"] = round(sum(st["replay_s"] for st in figures["stages"]), 1)
         training["saturation"] = round(training["replay_s"] / training["wall_s"], 2)
-        training["outside_stages_s"] = round(training["wall_s"] - covered(stage_spans, t_lo, t_hi), 1)
+        training["outside_stages_s"] = round(training["wall_s"] - union_length(stage_spans, t_lo, t_hi), 1)
         figures["phases"].append(training)
         for name, lo, hi in phases[1:]:
             mine = [s for s in sent if lo <= s.start <= hi]

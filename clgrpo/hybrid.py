@@ -121,10 +121,8 @@ VOCAB_EXTRA_BYTES = 9  # per token and vocabulary entry, beside the logits in th
 
 def activation_bytes(model_config: Any, rows: int, tokens: int, dtype_bytes: int) -> int:
     """The estimated peak that one batch's backward pass adds without checkpointing (constants above)."""
-    per_layer = (
-        HIDDEN_SAVED_PER_LAYER * model_config.hidden_size
-        + INTERMEDIATE_SAVED_PER_LAYER * model_config.intermediate_size
-    )
+    intermediate = getattr(model_config, "intermediate_size", None) or 4 * model_config.hidden_size  # GPT-2: none
+    per_layer = HIDDEN_SAVED_PER_LAYER * model_config.hidden_size + INTERMEDIATE_SAVED_PER_LAYER * intermediate
     layers = dtype_bytes * per_layer * model_config.num_hidden_layers
     return rows * tokens * (layers + (dtype_bytes + VOCAB_EXTRA_BYTES) * model_config.vocab_size)
 
