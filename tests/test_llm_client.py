@@ -90,6 +90,33 @@ async def test_endpoint_that_ignores_n_is_topped_up_and_remembered():
         await client.aclose()
 
 
+async def test_endpoint_that_refuses_n_gets_singles_and_keeps_smaller_n():
+    """llama-server answers n above its slot count with HTTP 400: those samples are asked for one per request
+    (the refusal recorded), and later requests of that many or more go singly, fewer still together."""
+    with FakeOpenAIServer(Echo(), max_n=2) as server:
+        client = LLMClient(model(server))
+        first = await client.sample(MESSAGES, 3, stage="rollout", seed=10)
+        assert first.texts == ["reply 0"] * 3 and not first.failed
+        assert [(e.n, e.status) for e in server.stats.log] == [(3, 400), (1, 200), (1, 200), (1, 200)]
+        refused = first.calls[0]
+        assert not refused.ok and "n=3 refused" in refused.error and "between 1 <= value <= 2" in refused.error
+        assert sorted(b["seed"] for b in server.responder.bodies) == [10, 11, 12]  # sample i: seed + i
+        server.reset_stats()
+        await client.sample(MESSAGES, 4, stage="rollout")
+        await client.sample(MESSAGES, 2, stage="rollout")
+        assert [e.n for e in server.stats.log] == [1, 1, 1, 1, 2]
+        await client.aclose()
+
+
+async def test_other_refusals_of_a_request_with_n_fail_its_samples(echo_server):
+    echo_server.inject(Fault(kind="status", status=400, message="prompt is too long", times=1))
+    client = LLMClient(model(echo_server))
+    sampled = await client.sample(MESSAGES, 3, stage="rollout")
+    assert len(sampled.failed) == 3 and "prompt is too long" in sampled.failed[0].error
+    assert echo_server.stats.requests == 1  # not resent singly: only a refused n is
+    await client.aclose()
+
+
 async def test_429_honours_retry_after_and_records_retries(echo_server):
     echo_server.inject(Fault(kind="status", status=429, retry_after=0.3, times=2))
     client = LLMClient(model(echo_server))

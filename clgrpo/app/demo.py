@@ -166,7 +166,9 @@ def model_config(
             max_tokens=max_tokens,
             timeout_s=1800,
             max_retries=2,
-            supports_n=False,
+            # the G samples of a problem in one request: llama-server evaluates the prompt once for all of them
+            # (n above its slots is refused and sent one per request instead)
+            supports_n=True,
         )
     return ModelConfig(
         backend="transformers",

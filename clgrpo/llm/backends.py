@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clgrpo.llm.errors import PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
+from clgrpo.llm.errors import CountRefused, PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
 from clgrpo.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
 from schemas.config import ModelConfig
@@ -164,6 +165,8 @@ class OpenAIBackend:
                 retry_after=0.0,
                 counted=False,
             )
+        if body.get("n", 1) > 1 and _rejects_n(status, message):
+            return CountRefused(f"HTTP {status} from {self.base_url}: n={body['n']} refused: {_error_message(data)}")
         if "tools" in body and _rejects_tools(status, message):
             return ToolsRefused(f"HTTP {status} from {self.base_url}: tool calling refused: {_error_message(data)}")
         if status == RATE_LIMITED:
@@ -231,6 +234,16 @@ def _rejects_response_format(status: int, message: str) -> bool:
     the body late (llama-cpp-python 0.3.x answers json_schema with HTTP 500 "Input should be 'text' or
     'json_object'")."""
     return status in (400, 422, 500) and "response_format" in message
+
+
+# the field named in a refusal: 'n' / "n" / `n` quoted, or "n must ..." (llama-server: "Field 'n': Value must be
+# between 1 <= value <= 8, but got 10")
+_NAMES_N = re.compile(r"""['"`]n['"`]|\bn (?:must|should|is|cannot)\b""")
+
+
+def _rejects_n(status: int, message: str) -> bool:
+    """The endpoint refused the request's ``n`` (too many choices for it): a 400/422 that names the field."""
+    return status in (400, 422) and _NAMES_N.search(message) is not None
 
 
 def _rejects_tools(status: int, message: str) -> bool:

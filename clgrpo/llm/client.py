@@ -37,6 +37,7 @@ from clgrpo.llm.backends import (
     TransientLLMError,
     schema_refused,
 )
+from clgrpo.llm.errors import CountRefused
 from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
 from clgrpo.retry import Backoff, RetryBudget
@@ -134,7 +135,8 @@ class LLMClient:
         self._factory = backend_factory
         self._rng = rng or random.Random()
         self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
-        self._n_unsupported: set[str] = set()
+        # per model, the most choices asked for in one request: lowered when an endpoint ignores or refuses n
+        self._most_n: dict[str, int] = {}
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> "LLMClient":
@@ -158,15 +160,18 @@ class LLMClient:
         wanted = list(range(n)) if indices is None else sorted(indices)
         calls: list[LLMCall] = []
         samples: dict[int, Sample] = {}
-        if cfg.supports_n and n > 1 and wanted == list(range(n)) and cfg.model not in self._n_unsupported:
+        if cfg.supports_n and 1 < n <= self._most_n.get(cfg.model, n) and wanted == list(range(n)):
             try:
                 gen = await self._call("policy", request, stage, calls)
             except LLMCallError as exc:
-                return Sampled([Sample(i, error=str(exc)) for i in wanted], calls)
-            for i, text in enumerate(gen.texts[:n]):
-                samples[i] = Sample(i, text, _at(gen.finish_reasons, i))
-            if len(samples) < n:  # the endpoint ignored n: top up, and send single requests from now on
-                self._n_unsupported.add(cfg.model)
+                if not isinstance(exc.__cause__, CountRefused):
+                    return Sampled([Sample(i, error=str(exc)) for i in wanted], calls)
+                self._most_n[cfg.model] = n - 1  # refused (recorded): one per request, now and for n or more
+            else:
+                for i, text in enumerate(gen.texts[:n]):
+                    samples[i] = Sample(i, text, _at(gen.finish_reasons, i))
+                if len(samples) < n:  # the endpoint ignored n: top up, and send single requests from now on
+                    self._most_n[cfg.model] = 1
         rest = [i for i in wanted if i not in samples]
         outcomes = await asyncio.gather(
             *[self._call("policy", _single(request, i), stage, calls) for i in rest], return_exceptions=True

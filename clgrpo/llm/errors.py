@@ -30,3 +30,8 @@ class PermanentLLMError(RuntimeError):
 
 class ToolsRefused(PermanentLLMError):
     """The endpoint refused a request with ``tools``: it has no tool calling (use the text protocol)."""
+
+
+class CountRefused(PermanentLLMError):
+    """The endpoint refused ``n`` choices in one request (llama-server allows at most its slot count): the samples
+    are asked for one per request instead, and from then on for this many or more."""

@@ -321,6 +321,7 @@ class FakeOpenAIServer(LoopbackServer):
         responder: Responder,
         *,
         supports_n: bool = True,
+        max_n: int | None = None,
         supports_tools: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -334,6 +335,7 @@ class FakeOpenAIServer(LoopbackServer):
         super().__init__(host=host, port=port, seed=seed)
         self.responder = responder
         self.supports_n = supports_n
+        self.max_n = max_n  # more choices in one request are refused with llama-server's HTTP 400
         self.supports_tools = supports_tools
         self.latency = latency
         # what GET /models lists: given, else what the responder says it serves (its ``models``), else fake-model
@@ -427,6 +429,9 @@ class FakeOpenAIServer(LoopbackServer):
             self.wait(fault.delay_s)
         if self.latency is not None:
             self.wait(max(0.0, self.latency(request)))
+        if self.max_n is not None and request.n > self.max_n:
+            message = f"Field 'n': Value must be between 1 <= value <= {self.max_n}, but got {request.n}"
+            return _Outcome(400, error_body(400, message))
         n = request.n if self.supports_n else 1
         if kind == "malformed":  # a chat.completion cut in half: no longer JSON
             data = json.dumps(completion_body(request, [""] * n)).encode("utf-8")
