@@ -8,7 +8,7 @@ PYTEST := $(PYTHON) -m pytest -q
 .PHONY: help setup test test-fast test-long test-demo lint format typecheck imports deps check ci demo \
 	bench bench-step bench-scale bench-client-cpu bench-overhead bench-scaling bench-prefix bench-agent-step \
 	bench-tool-pool bench-embeddings bench-learning bench-hybrid bench-engines bench-gpu \
-	bench-saturation
+	bench-saturation bench-shared-prompts
 
 help:  ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -87,5 +87,7 @@ bench-hybrid:  ## hybrid learning on the embedded model (~15-30 min)
 	$(PYTHON) benchmarks/hybrid.py --report
 bench-saturation:  ## the demo's stages against the engine's own ceiling (~25 min; needs the built engine)
 	$(PYTHON) benchmarks/saturation.py --report
+bench-shared-prompts:  ## a problem's samples in one request (n=G) vs one per sample, on llama-server (~18 min)
+	$(PYTHON) benchmarks/shared_prompts.py --report
 bench-gpu:  ## numeric step and transformers engine on a CUDA GPU, random 0.5B shape (~3 min on an H100)
 	$(PYTHON) benchmarks/gpu.py

@@ -1,15 +1,16 @@
 """A problem's samples in one request (``n`` = G) against one request per sample, on the demo's engine.
 
-llama-server evaluates the prompt of a request with ``n`` choices once and copies it to the other slots; sent as
-G separate requests at once, the same prompt is evaluated in G slots (its prompt cache only helps a slot that
-already holds the prefix). On 2 cores a prompt token costs about what a generated one does, so this is engine
-time. Measured here on the demo's own requests: its rollouts (10 training problems x G=4, the prompt the rollout
-stage builds) and its held-out evaluation without a library (20 problems x k=2), through the project's LLM client
-with ``supports_n`` off and on, the same seeds (sample i: seed + i either way), 8 requests in flight, 8 slots.
-Each run gets a freshly started server, so no run finds another's prompts cached; the two modes alternate.
-Reported per mode: wall time, prompt tokens the server evaluated (its log) and tokens generated.
+llama-server answers a request with ``n`` choices from ``n`` slots that start together from one prompt; sent as
+G separate requests, the samples take slots one by one as they free up, and each slot finds the prompt's shared
+prefix in its cache or evaluates it. Which keeps the engine busier is measured here on the demo's own requests:
+its rollouts (10 training problems x G=4, the prompt the rollout stage builds) and its held-out evaluation (20
+problems x k=2), the bodies the project's client sends (``OpenAIBackend.body``), 8 requests in flight, 8 slots,
+every sample generating exactly ``--tokens`` tokens (llama-server's ``ignore_eos``), so both modes do the same
+work and only the engine's schedule differs. Each run gets a freshly started server (no run finds another's
+prompts cached); the modes alternate. Reported per mode and workload: wall time, tokens/s, and the server's busy
+slots (its /slots endpoint, polled every 0.25 s).
 
-    python benchmarks/shared_prompts.py [--reps 2] [--report]     # ~10 min on 2 cores, models cached
+    python benchmarks/shared_prompts.py [--reps 2] [--tokens 120] [--report]    # ~15 min on 2 cores
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling benchmark modules when imported
@@ -32,7 +34,8 @@ from report_block import write_block  # noqa: E402
 
 from clgrpo.app.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
 from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
-from clgrpo.llm import LLMClient  # noqa: E402
+from clgrpo.llm.backends import GenRequest, OpenAIBackend  # noqa: E402
+from clgrpo.llm.transport import make_transport  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
 from domains.math import MathDomain  # noqa: E402
 from domains.math.synthetic import generate_family  # noqa: E402
@@ -41,7 +44,6 @@ from schemas.records import Problem  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "shared_prompts_runs"
 BEGIN, END = "<!-- shared-prompts:begin -->", "<!-- shared-prompts:end -->"
-PROMPT_EVAL = re.compile(r"prompt eval time =\s+[\d.]+ ms /\s+(\d+) tokens")
 
 
 def workloads(opts: DemoOptions) -> list[tuple[str, list[Problem], int]]:
@@ -55,84 +57,111 @@ def workloads(opts: DemoOptions) -> list[tuple[str, list[Problem], int]]:
     return [("rollout", as_problems, opts.group_size), ("evaluation", held, opts.k)]
 
 
-async def send(url: str, together: bool, problems: list[Problem], n: int, seed: int) -> dict[str, float]:
-    cfg = ModelConfig(
-        backend="openai",
-        model=QWEN_05B.fetch_key,
-        base_url=url,
-        api_key_env=None,
-        temperature=0.7,
-        max_tokens=DemoOptions.rollout_tokens,
-        timeout_s=1800,
-        supports_n=together,
-    )
-    client, domain = LLMClient(cfg, concurrency=POLICY_SLOTS), MathDomain()
-    started = time.monotonic()
-    done = await asyncio.gather(
-        *[
-            client.sample(domain.rollout_messages(p, ""), n, stage="rollout", seed=seed + 100 * i)
-            for i, p in enumerate(problems)
-        ]
-    )
+async def send(url: str, together: bool, problems: list[Problem], n: int, seed: int, tokens: int) -> dict[str, Any]:
+    """The requests as the project's client builds them (``OpenAIBackend.body``), each sample generating exactly
+    ``tokens`` tokens (llama-server's ``ignore_eos``), so both modes do the same work: one request per problem
+    with ``n`` (seed s: sample i is s + i) or one per sample (seed s + i), ``POLICY_SLOTS`` in flight."""
+    cfg = ModelConfig(backend="openai", model=QWEN_05B.fetch_key, base_url=url, api_key_env=None, timeout_s=1800)
+    backend, domain = OpenAIBackend(cfg), MathDomain()
+    bodies = []
+    for i, p in enumerate(problems):
+        messages, first = domain.rollout_messages(p, ""), seed + 100 * i
+        asks = (
+            [GenRequest(messages, n, max_tokens=tokens, seed=first)]
+            if together
+            else [GenRequest(messages, 1, max_tokens=tokens, seed=first + j) for j in range(n)]
+        )
+        bodies += [{**backend.body(a), "ignore_eos": True} for a in asks]
+    transport, gate = make_transport(backend.base_url, "not-needed", 1800), asyncio.Semaphore(POLICY_SLOTS)
+
+    async def post(body: dict[str, Any]) -> int:
+        async with gate:
+            status, _, data = await transport.post("chat/completions", body)
+        reply = json.loads(data)
+        if status != 200 or len(reply["choices"]) != body["n"]:
+            raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
+        return body["n"] * tokens
+
+    started, busy = time.monotonic(), []
+    poller = asyncio.create_task(poll_busy_slots(url, busy))
+    generated = await asyncio.gather(*[post(b) for b in bodies])
     wall = time.monotonic() - started
-    await client.aclose()
-    calls = [c for s in done for c in s.calls]
-    failed = sum(len(s.failed) for s in done)
-    return {"wall_s": wall, "requests": len(calls), "generated": sum(c.tokens_out for c in calls), "failed": failed}
+    poller.cancel()
+    await transport.aclose()
+    return {
+        "wall_s": wall,
+        "requests": len(bodies),
+        "generated": sum(generated),
+        "tokens_per_s": sum(generated) / wall,
+        "busy_slots_mean": statistics.mean(busy) if busy else None,
+    }
 
 
-def one_run(engine: Any, gguf: Path, together: bool, opts: DemoOptions, log_dir: Path) -> dict[str, Any]:
+async def poll_busy_slots(url: str, busy: list[int]) -> None:
+    """How many of the server's slots are processing, every 0.25 s (llama-server's GET /slots)."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(url.removesuffix("/v1") + "/slots") as response:
+                busy.append(sum(1 for slot in await response.json() if slot.get("is_processing")))
+            await asyncio.sleep(0.25)
+
+
+def one_run(engine: Any, gguf: Path, together: bool, opts: DemoOptions, log_dir: Path, tokens: int) -> dict[str, Any]:
     log = log_dir / f"server-{'n' if together else 'single'}-{time.monotonic_ns()}.log"
     with LlamaServer(gguf, QWEN_05B.fetch_key, slots=POLICY_SLOTS, engine=engine, log_path=log) as server:
         figures = {
-            name: asyncio.run(send(server.base_url, together, problems, n, opts.seed))
+            name: asyncio.run(send(server.base_url, together, problems, n, opts.seed, tokens))
             for name, problems, n in workloads(opts)
         }
-    evaluated = [int(m[1]) for m in PROMPT_EVAL.finditer(log.read_text())]
-    return {"together": together, "stages": figures, "prompt_tokens_evaluated": sum(evaluated)}
+    return {"together": together, "tokens_per_sample": tokens, "stages": figures}
+
+
+def mode(run: dict[str, Any]) -> str:
+    return "n per request" if run["together"] else "one per sample"
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for together in (False, True):
-        mine = [r for r in runs if r["together"] is together]
-        out["n=G" if together else "single"] = {
-            "wall_s": statistics.mean(sum(s["wall_s"] for s in r["stages"].values()) for r in mine),
-            "prompt_tokens_evaluated": statistics.mean(r["prompt_tokens_evaluated"] for r in mine),
-            "generated": statistics.mean(sum(s["generated"] for s in r["stages"].values()) for r in mine),
-            "requests": statistics.mean(sum(s["requests"] for s in r["stages"].values()) for r in mine),
+    """Per mode and workload, the mean over runs of wall time, tokens/s and busy slots."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        for name, figures in run["stages"].items():
+            groups.setdefault(f"{mode(run)} / {name}", []).append(figures)
+    return {
+        key: {
             "runs": len(mine),
+            "wall_s": statistics.mean(m["wall_s"] for m in mine),
+            "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in mine),
+            "busy_slots_mean": statistics.mean(m["busy_slots_mean"] or 0.0 for m in mine),
         }
-    return out
+        for key, mine in groups.items()
+    }
 
 
-def report_block(runs: list[dict[str, Any]], cpu: str, when: str) -> str:
-    rows = []
-    for r in runs:
-        for name, s in r["stages"].items():
-            rows.append(
-                f"| {'n=G' if r['together'] else 'single'} | {name} | {s['requests']} | {s['wall_s']:.1f} | "
-                f"{s['generated']} | {s['failed']} |"
-            )
-    means = summary(runs)
+def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> str:
+    rows = [
+        f"| {mode(r)} | {name} | {s['requests']} | {s['wall_s']:.1f} | {s['tokens_per_s']:.1f} | "
+        f"{s['busy_slots_mean']:.1f} |"
+        for r in runs
+        for name, s in r["stages"].items()
+    ]
     lines = [
         BEGIN,
-        f"`python benchmarks/shared_prompts.py --report` on {cpu}, {when}: the demo's rollouts (10 problems x G=4) "
-        f"and no-library evaluation (20 x k=2) on a fresh llama-server each run ({POLICY_SLOTS} slots, "
-        "Qwen2.5-Coder-0.5B, 8 requests in flight), one request per sample against one per problem with `n`.",
+        f"`python benchmarks/shared_prompts.py --report` on {cpu}: the demo's rollouts (10 problems x G=4) "
+        f"and evaluation (20 x k=2), {runs[0]['tokens_per_sample']} tokens generated per sample, a fresh "
+        f"llama-server per run ({POLICY_SLOTS} slots, Qwen2.5-Coder-0.5B, 8 requests in flight); runs in order:",
         "",
-        "| mode | workload | requests | wall s | tokens generated | failed |",
+        "| mode | workload | requests | wall s | generated tokens/s | busy slots (mean of 8) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
-        "| mode (mean of runs) | wall s | prompt tokens evaluated by the server | tokens generated |",
-        "|---|---|---|---|",
+        "| mode / workload (mean of runs) | runs | wall s | generated tokens/s | busy slots |",
+        "|---|---|---|---|---|",
         *[
-            f"| {mode} | {m['wall_s']:.1f} | {m['prompt_tokens_evaluated']:.0f} | {m['generated']:.0f} |"
-            for mode, m in means.items()
+            f"| {key} | {m['runs']:.0f} | {m['wall_s']:.1f} | {m['tokens_per_s']:.1f} | {m['busy_slots_mean']:.1f} |"
+            for key, m in sorted(summary(runs).items())
         ],
         "",
-        f"Raw figures: benchmarks/shared_prompts_runs/{when}.json.",
+        "Raw figures: " + ", ".join(f"benchmarks/shared_prompts_runs/{name}" for name in sources) + ".",
         END,
     ]
     return "\n".join(lines)
@@ -148,9 +177,31 @@ def cpu_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2, help="runs per mode, alternating (default 2)")
+    ap.add_argument("--tokens", type=int, default=120, help="tokens each sample generates (default 120)")
     ap.add_argument("--report", action="store_true", help="write the figures into benchmarks/REPORT.md")
     ap.add_argument("--cache-dir", default=None, help="models and engine cache (default ~/.cache/clgrpo)")
+    ap.add_argument("--from-json", nargs="+", metavar="FILE", help="report stored runs (shared_prompts_runs/*.json)")
     args = ap.parse_args()
+    if args.from_json:  # the report of stored runs, in the order given
+        stored = [json.loads(Path(f).read_text()) for f in args.from_json]
+        runs, cpu, sources = (
+            [r for f in stored for r in f["runs"]],
+            stored[0]["cpu"],
+            [Path(f).name for f in args.from_json],
+        )
+    else:
+        runs, cpu = measure(args), cpu_name()
+        sources = [time.strftime("%Y-%m-%d-%H%M") + ".json"]
+        RUNS.mkdir(exist_ok=True)
+        (RUNS / sources[0]).write_text(json.dumps({"cpu": cpu, "runs": runs, "summary": summary(runs)}, indent=1))
+    print(json.dumps(summary(runs), indent=1))
+    if args.report:
+        heading = "Shared prompts: a problem's samples in one request"
+        write_block(report_block(runs, cpu, sources), BEGIN, END, heading)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--reps`` runs of each mode, alternating which goes first."""
     opts = DemoOptions()
     engine = ensure_engine(args.cache_dir)
     gguf = fetch_model(QWEN_05B, args.cache_dir, convert=False).gguf
@@ -158,18 +209,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         for rep in range(args.reps):
             for together in (False, True) if rep % 2 == 0 else (True, False):
-                runs.append(one_run(engine, gguf, together, opts, Path(logs)))
+                runs.append(one_run(engine, gguf, together, opts, Path(logs), args.tokens))
                 print(json.dumps(runs[-1]), flush=True)
-    when = time.strftime("%Y-%m-%d-%H%M")
-    RUNS.mkdir(exist_ok=True)
-    (RUNS / f"{when}.json").write_text(
-        json.dumps({"cpu": cpu_name(), "runs": runs, "summary": summary(runs)}, indent=1)
-    )
-    print(json.dumps(summary(runs), indent=1))
-    if args.report:
-        write_block(
-            report_block(runs, cpu_name(), when), BEGIN, END, "Shared prompts: a problem's samples in one request"
-        )
+    return runs
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ COVERAGE: list[tuple[str, str]] = [
         r"clgrpo report RUN_ID",
         "tests/test_evaluate_flow.py::test_validation_curve_report_and_eval_from_the_command_line",
     ),
-    (r"clgrpo train --config configs/local\.yaml --set policy\.model=smollm2-135m .*", f"{REAL_MODEL} (40 problems)"),
+    (r"clgrpo train --config configs/local\.yaml --set policy\.model=smollm2-135m", f"{REAL_MODEL} (40 problems)"),
     (
         r"clgrpo train --config configs/local\.yaml --set dataset\.path=my/problems\.jsonl .*",
         "an example: my/problems.jsonl is the user's",

@@ -166,9 +166,9 @@ def model_config(
             max_tokens=max_tokens,
             timeout_s=1800,
             max_retries=2,
-            # the G samples of a problem in one request: llama-server evaluates the prompt once for all of them
-            # (n above its slots is refused and sent one per request instead)
-            supports_n=True,
+            # one request per sample: a problem's G samples in one request (n=G, its prompt evaluated once) were
+            # not faster beyond the run-to-run noise here (benchmarks/REPORT.md, "Shared prompts")
+            supports_n=False,
         )
     return ModelConfig(
         backend="transformers",

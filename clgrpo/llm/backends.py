@@ -201,13 +201,24 @@ def generation(reply: object, where: str) -> Generation:
         calls.append(tool_calls)
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
+    tokens_out = _count(usage.get("completion_tokens"))
+    if len(texts) > 1 and "timings" in reply:  # llama.cpp's server: usage counts the first choice only
+        tokens_out = _with_other_choices(tokens_out, texts)
     return Generation(
         texts=texts,
         tokens_in=_count(usage.get("prompt_tokens")),
-        tokens_out=_count(usage.get("completion_tokens")),
+        tokens_out=tokens_out,
         finish_reasons=reasons,
         tool_calls=calls,
     )
+
+
+def _with_other_choices(first: int, texts: list[str]) -> int:
+    """The completion tokens of every choice of a llama.cpp server reply, whose ``usage`` counts only choice 0
+    (the others run in child slots): each other choice estimated at choice 0's tokens per character."""
+    if not texts[0]:
+        return first * len(texts)
+    return first + round(first / len(texts[0]) * sum(len(t) for t in texts[1:]))
 
 
 def _count(value: object) -> int:
