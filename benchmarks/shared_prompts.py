@@ -34,7 +34,7 @@ from report_block import write_block  # noqa: E402
 
 from clgrpo.app.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
 from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
-from clgrpo.llm.backends import GenRequest, OpenAIBackend  # noqa: E402
+from clgrpo.llm.backends import CHAT_PATH, GenRequest, OpenAIBackend  # noqa: E402
 from clgrpo.llm.transport import make_transport  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
 from domains.math import MathDomain  # noqa: E402
@@ -76,7 +76,7 @@ async def send(url: str, together: bool, problems: list[Problem], n: int, seed: 
 
     async def post(body: dict[str, Any]) -> int:
         async with gate:
-            status, _, data = await transport.post("chat/completions", body)
+            status, _, data = await transport.post(CHAT_PATH, body)
         reply = json.loads(data)
         if status != 200 or len(reply["choices"]) != body["n"]:
             raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
