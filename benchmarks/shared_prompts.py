@@ -137,6 +137,29 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's 1.96)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per workload, n-per-request minus one-per-sample wall time over the pairs of runs (runs 2r and 2r+1 of
+    one invocation, which alternate the order): each difference, their mean and its 95% t-interval."""
+    out = {}
+    for name in runs[0]["stages"]:
+        diffs = []
+        for first, second in zip(runs[::2], runs[1::2]):
+            together, single = (first, second) if first["together"] else (second, first)
+            diffs.append(together["stages"][name]["wall_s"] - single["stages"][name]["wall_s"])
+        mean = statistics.mean(diffs)
+        half = T_975.get(len(diffs) - 1, 1.96) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+        out[name] = {
+            "differences_s": diffs,
+            "mean_s": mean,
+            "ci95_s": None if half is None else [mean - half, mean + half],
+        }
+    return out
+
+
 def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> str:
     rows = [
         f"| {mode(r)} | {name} | {s['requests']} | {s['wall_s']:.1f} | {s['tokens_per_s']:.1f} | "
@@ -159,6 +182,15 @@ def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> st
         *[
             f"| {key} | {m['runs']:.0f} | {m['wall_s']:.1f} | {m['tokens_per_s']:.1f} | {m['busy_slots_mean']:.1f} |"
             for key, m in sorted(summary(runs).items())
+        ],
+        "",
+        "| workload | n per request minus one per sample, each pair (s) | mean s | 95% CI s |",
+        "|---|---|---|---|",
+        *[
+            f"| {name} | {', '.join(f'{d:+.1f}' for d in p['differences_s'])} | {p['mean_s']:+.1f} | "
+            + ("-" if p["ci95_s"] is None else f"[{p['ci95_s'][0]:+.1f}, {p['ci95_s'][1]:+.1f}]")
+            + " |"
+            for name, p in paired(runs).items()
         ],
         "",
         "Raw figures: " + ", ".join(f"benchmarks/shared_prompts_runs/{name}" for name in sources) + ".",
