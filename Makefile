@@ -87,7 +87,7 @@ bench-hybrid:  ## hybrid learning on the embedded model (~15-30 min)
 	$(PYTHON) benchmarks/hybrid.py --report
 bench-saturation:  ## the demo's stages against the engine's own ceiling (~25 min; needs the built engine)
 	$(PYTHON) benchmarks/saturation.py --report
-bench-shared-prompts:  ## a problem's samples in one request (n=G) vs one per sample, on llama-server (~18 min)
+bench-shared-prompts:  ## a problem's samples in one request (n=G) vs one per sample, on llama-server (~10 min)
 	$(PYTHON) benchmarks/shared_prompts.py --report
 bench-gpu:  ## numeric step and transformers engine on a CUDA GPU, random 0.5B shape (~3 min on an H100)
 	$(PYTHON) benchmarks/gpu.py

@@ -10,7 +10,7 @@ work and only the engine's schedule differs. Each run gets a freshly started ser
 prompts cached); the modes alternate. Reported per mode and workload: wall time, tokens/s, and the server's busy
 slots (its /slots endpoint, polled every 0.25 s).
 
-    python benchmarks/shared_prompts.py [--reps 2] [--tokens 120] [--report]    # ~15 min on 2 cores
+    python benchmarks/shared_prompts.py [--reps 2] [--tokens 120] [--report]    # ~10 min on 2 cores
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling
 from report_block import write_block  # noqa: E402
 
 from clgrpo.app.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
-from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
+from clgrpo.app.llama_server import LlamaServer, cpu_model_name, ensure_engine  # noqa: E402
 from clgrpo.llm.backends import CHAT_PATH, GenRequest, OpenAIBackend  # noqa: E402
 from clgrpo.llm.transport import make_transport  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
@@ -86,6 +86,8 @@ async def send(url: str, together: bool, problems: list[Problem], n: int, seed: 
     poller = asyncio.create_task(poll_busy_slots(url, busy))
     generated = await asyncio.gather(*[post(b) for b in bodies])
     wall = time.monotonic() - started
+    if poller.done():
+        poller.result()  # the poller failed (no /slots?): say so rather than report a partial figure
     poller.cancel()
     await transport.aclose()
     return {
@@ -199,13 +201,6 @@ def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> st
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "this CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2, help="runs per mode, alternating (default 2)")
@@ -222,7 +217,7 @@ def main() -> None:
             [Path(f).name for f in args.from_json],
         )
     else:
-        runs, cpu = measure(args), cpu_name()
+        runs, cpu = measure(args), (cpu_model_name() or "this CPU")
         sources = [time.strftime("%Y-%m-%d-%H%M") + ".json"]
         RUNS.mkdir(exist_ok=True)
         (RUNS / sources[0]).write_text(json.dumps({"cpu": cpu, "runs": runs, "summary": summary(runs)}, indent=1))

@@ -128,14 +128,18 @@ def ensure_engine(
     return find_engine(cache) or engine  # as this machine's verdict says (a failure is raised there)
 
 
-def machine_key() -> str:
-    """This CPU, as far as compiled code cares: its model name and instruction-set flags."""
+def cpu_model_name() -> str:
+    """This CPU's model name (/proc/cpuinfo), or "" where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
-        model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
     except OSError:
-        model = ""
-    return hashlib.sha256(f"{model}|{' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:16]
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+
+
+def machine_key() -> str:
+    """This CPU, as far as compiled code cares: its model name and instruction-set flags."""
+    return hashlib.sha256(f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:16]
 
 
 def _trust_key(engine: Engine) -> str:
