@@ -66,6 +66,7 @@ from schemas.records import (
     ReviewRequest,
     Reward,
     Rollout,
+    Sample,
     Summary,
     TrialSample,
     Turn,
@@ -303,6 +304,9 @@ def _advantage_record(row: dict) -> GroupAdvantage:
 def _plain(model: type) -> Callable[[dict], Any]:
     return lambda row: model(**_fields(model, row))
 
+
+# the tables whose rows are measured samples (schemas.records.Sample and a role): what a measurement may reuse
+SAMPLE_TABLES = ("eval_results", "trial_samples", "gate_samples")
 
 _RECORDS: dict[str, Callable[[dict], Any]] = {
     "problems": _plain(Problem),
@@ -619,6 +623,28 @@ class Store:
         frame = self.frame(table, run_id, step, stage)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [_RECORDS[table](row) for row in rows]
+
+    @_connected
+    def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:
+        """Samples without error stored under these draw keys (``tasks.measure``), by key, from every table that holds
+        samples (evaluations, lesson trials, library gates; any run of this file): the earliest of each key."""
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return {}
+        columns = ", ".join(Sample.model_fields)
+        union = " UNION ALL ".join(
+            f"SELECT {columns}, created.done_at FROM {table} "
+            f"JOIN (SELECT run_id AS r, step AS s, stage AS g, completed_at AS done_at FROM stage_runs) AS created "
+            f"ON {table}.run_id = created.r AND {table}.step = created.s AND {table}.stage = created.g "
+            "WHERE draw_key IN (SELECT unnest(?)) AND error IS NULL"
+            for table in SAMPLE_TABLES
+        )
+        frame = self.con.execute(f"SELECT * FROM ({union}) ORDER BY done_at", [wanted] * len(SAMPLE_TABLES)).df()
+        found: dict[str, Sample] = {}
+        for row in frame.drop(columns=["done_at"]).to_dict(orient="records"):
+            sample = Sample(**_fields(Sample, {k: _clean(v) for k, v in row.items()}))
+            found.setdefault(row["draw_key"], sample)
+        return found
 
     @_connected
     def operation_results(self, run_id: str, step: int | None = None) -> list[tuple[int, OperationResult]]:

@@ -58,12 +58,13 @@ from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
-from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, text_hash
+from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, Sample, text_hash
 from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
+from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, reusable, sample_seeds
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
@@ -181,23 +182,6 @@ def guard_leakage(train: list[Problem], problems: list[Problem], evaluation: Eva
     return report
 
 
-# how the policy is reached, not what it answers: a server restarted on another port, a longer timeout or
-# another key still gives the same evaluation (a resumed benchmark's llama-server gets a new port)
-TRANSPORT_FIELDS = {
-    "base_url",
-    "api_key_env",
-    "api_key_secret_block",
-    "timeout_s",
-    "max_retries",
-    "max_rate_limit_wait_s",
-    "retry_base_delay_s",
-    "retry_max_delay_s",
-    "price",
-    "cpu_threads",
-    "max_batch_rows",
-}
-
-
 LATER_PROBLEM_FIELDS = ("domain_tag", "tag", "answer_source")  # fingerprinted only when set
 LATER_DATASET_FIELDS = ("answer_source_field", "answers_optional")  # fingerprinted only when not the default
 
@@ -214,9 +198,11 @@ def eval_fingerprint(
     problems: list[Problem],
     *,
     legacy: bool = False,
+    template: bool = True,
 ) -> str:
-    """What shapes the results: policy, domain, sampling and CI settings, the libraries and the problems.
-    ``legacy``: as stored before the transport fields were left out (read back, never written)."""
+    """What shapes the results: policy, domain, the rollout prompt's template, sampling and CI settings, the
+    libraries and the problems. Read back, never written: ``legacy``, as stored before the transport fields were
+    left out; ``template`` False, as stored before the template counted."""
     payload: dict[str, Any] = {
         "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
@@ -244,7 +230,23 @@ def eval_fingerprint(
         payload["agent"] = agent
     if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint
         payload["routing"] = routing
+    if template:
+        payload["template"] = template_fingerprint(config)
     return text_hash(json.dumps(payload, sort_keys=True))
+
+
+_PROBE = Problem(problem_id="probe", problem="What is 1 + 1?", answer="2")
+
+
+def template_fingerprint(config: RunConfig) -> str:
+    """The rollout prompt's template, as it renders a fixed problem with a fixed lesson: another template (a
+    changed prompt module, another domain) is another evaluation."""
+    library = ExperienceLibrary.from_mapping({"G0": "Check the answer before writing it down."})
+    return text_hash(
+        json.dumps(
+            domain_for(config).rollout_messages(_PROBE, library.prompt_text_for(_PROBE.problem_id)), sort_keys=True
+        )
+    )
 
 
 # --- the evaluation itself (shared by the flow and the training validation) -----------------------------------
@@ -267,18 +269,30 @@ async def evaluate_conditions(
     it (keyed by ``fingerprint``)."""
     samples: dict[str, list[EvalSample]] = {}
     calls = []
+    drawn: dict[str, Sample] = {}  # this evaluation's samples by draw key: a condition identical to another reads them
     for condition in conditions:
-        version = (await route_library(config, store, condition.library, problems)).to_version()
+        library = await route_library(config, store, condition.library, problems)
+        version = library.to_version()
         policy = with_adapter(config, condition.adapter) if condition.adapter else config
+        known = _known_samples(store, policy, evaluation, library, problems, drawn)
         batches = await asyncio.gather(
             *[
                 evaluate_task(
-                    policy, evaluation, key, condition.label, i, chunk, version, fingerprint if resume else ""
+                    policy,
+                    evaluation,
+                    key,
+                    condition.label,
+                    i,
+                    chunk,
+                    version,
+                    fingerprint if resume else "",
+                    {k: s for p in chunk for k, s in known.get(p.problem_id, {}).items()},
                 )
                 for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
             ]
         )
         samples[condition.label] = [s for b in batches for s in b.samples]
+        drawn |= reusable(samples[condition.label])
         calls += [c for b in batches for c in b.calls]
     problem_ids = [p.problem_id for p in problems]
     summaries = [
@@ -310,6 +324,30 @@ async def evaluate_conditions(
         "eval_comparisons": comparisons,
         "llm_calls": calls,
     }
+
+
+def _known_samples(
+    store: Store | None,
+    config: RunConfig,
+    evaluation: EvalConfig,
+    library: ExperienceLibrary,
+    problems: list[Problem],
+    drawn: dict[str, Sample],
+) -> dict[str, dict[str, Sample]]:
+    """Per problem id, the samples already drawn with this condition's draw keys: by this evaluation (an identical
+    condition) or stored in the database by any earlier evaluation, trial or gate."""
+    sampling = Sampling.of(config, evaluation.temperature)
+    keys = draw_keys(
+        problems, library, evaluation.k, sample_seeds(problems, evaluation.seed), sampling, domain_for(config)
+    )
+    found = {key: drawn[key] for key in keys.values() if key in drawn}
+    if store is not None:
+        found |= store.reusable_samples([key for key in keys.values() if key not in found])
+    by_problem: dict[str, dict[str, Sample]] = {}
+    for (pid, _), key in keys.items():
+        if key in found:
+            by_problem.setdefault(pid, {})[key] = found[key]
+    return by_problem
 
 
 async def _evaluate_recorded(
@@ -545,9 +583,11 @@ async def _evaluate(
         if not _ID_RE.match(eval_id) or store.is_run(eval_id):
             raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
         with RunLock(config.db_path, "eval", eval_id):  # one live process per evaluation id and database
-            outputs = _read_back(
-                store, eval_id, {fingerprint, eval_fingerprint(config, evaluation, conditions, problems, legacy=True)}
-            )
+            earlier = {
+                eval_fingerprint(config, evaluation, conditions, problems, legacy=legacy, template=False)
+                for legacy in (False, True)
+            }
+            outputs = _read_back(store, eval_id, {fingerprint, *earlier})
             reused = outputs is not None
             if outputs is None:
                 outputs = await _evaluate_recorded(

@@ -114,7 +114,7 @@ from tasks.pipeline import (
 from tasks.preflight import check_run
 from tasks.rollout import rollout_task
 from tasks.summarize import summarize_task
-from tasks.validate_lessons import Rejected, plan_after, validate_lessons_task
+from tasks.validate_lessons import Rejected, StepDraws, plan_after, validate_lessons_task
 from tasks.verify import verify_task, warm_verifier
 
 Outputs = dict[str, list[Any]]
@@ -351,8 +351,22 @@ async def compute_consolidate(t: Trainer, s: StepState) -> Plans:
 async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
     """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
     near, _ = await t.plan_context(s, s.plan.operations)  # a candidate is tried as it would be applied
+    drawn = StepDraws(
+        s.rollouts if s.sampling.policy == s.cfg.policy else [],  # rollouts of another adapter are not the baseline
+        s.rewards,
+        t.store.records("trial_samples", t.run_id),
+    )
     result = await validate_lessons_task(
-        s.cfg, s.step, s.version, s.plan.operations, s.problems, s.advantages, t.learn_problems, near, t.ledger(s.step)
+        s.cfg,
+        s.step,
+        s.version,
+        s.plan.operations,
+        s.problems,
+        s.advantages,
+        t.learn_problems,
+        near,
+        t.ledger(s.step),
+        drawn,
     )
     return Trials(result.trials, result.samples, result.calls)
 

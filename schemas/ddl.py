@@ -485,6 +485,18 @@ STAGE_TABLES += (
 STAGE_TABLES += ("review_requests", "review_decisions", "library_adoptions")
 
 
+# what a sample (schemas.records.Sample) gained after its tables were first released: how it was drawn (its key,
+# and whether this row drew it or reused it), and for trial and gate samples the fields evaluation samples had
+SAMPLE_KEY_COLUMNS = ["draw_key VARCHAR", "drawn BOOLEAN"]
+SAMPLE_COLUMNS = [
+    "judge_reason VARCHAR",
+    "latency_s DOUBLE",
+    "n_turns INTEGER",
+    "tool_calls INTEGER",
+    "tool_errors INTEGER",
+    *SAMPLE_KEY_COLUMNS,
+]
+
 # Columns added after the first release: files created before get them on open.
 ADDED_COLUMNS: dict[str, list[str]] = {
     "runs": ["status VARCHAR", "updated_at TIMESTAMPTZ", "error VARCHAR"],
@@ -502,7 +514,15 @@ ADDED_COLUMNS: dict[str, list[str]] = {
     "refresh_watermarks": ["n_late INTEGER"],
     "refreshes": ["released BOOLEAN"],
     "eval_comparisons": ["tag VARCHAR"],  # NULL: over all problems (every row written before tags)
-    "eval_results": ["n_turns INTEGER", "tool_calls INTEGER", "tool_errors INTEGER", "judge_reason VARCHAR"],
+    "eval_results": [
+        "n_turns INTEGER",
+        "tool_calls INTEGER",
+        "tool_errors INTEGER",
+        "judge_reason VARCHAR",
+        *SAMPLE_KEY_COLUMNS,
+    ],
+    "trial_samples": SAMPLE_COLUMNS,
+    "gate_samples": SAMPLE_COLUMNS,
     "llm_calls": [
         "call_id VARCHAR",
         "finish_reason VARCHAR",

@@ -177,6 +177,13 @@ class TrialSamplesFrame(StageKeyed):
     final_text: Series[str]
     tokens_in: Series[int] = pa.Field(ge=0)
     tokens_out: Series[int] = pa.Field(ge=0)
+    judge_reason: Series[str] = pa.Field(nullable=True)
+    latency_s: Series[float] = pa.Field(ge=0, nullable=True)
+    n_turns: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    draw_key: Series[str] = pa.Field(nullable=True)
+    drawn: Series[bool] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     @classmethod
@@ -196,6 +203,13 @@ class GateSamplesFrame(StageKeyed):
     final_text: Series[str]
     tokens_in: Series[int] = pa.Field(ge=0)
     tokens_out: Series[int] = pa.Field(ge=0)
+    judge_reason: Series[str] = pa.Field(nullable=True)
+    latency_s: Series[float] = pa.Field(ge=0, nullable=True)
+    n_turns: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
+    draw_key: Series[str] = pa.Field(nullable=True)
+    drawn: Series[bool] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     @classmethod
@@ -296,6 +310,8 @@ class EvalResultsFrame(StageKeyed):
     tool_calls: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
     tool_errors: Series[pd.Int64Dtype] = pa.Field(ge=0, nullable=True)
     judge_reason: Series[str] = pa.Field(nullable=True)
+    draw_key: Series[str] = pa.Field(nullable=True)
+    drawn: Series[bool] = pa.Field(nullable=True)
 
     @pa.dataframe_check
     @classmethod

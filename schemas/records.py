@@ -235,38 +235,50 @@ class LessonTrial(Record):
     reason: str = ""
 
 
-class TrialSample(Record):
-    """One graded attempt of lesson validation: ``seq`` -1 is the library as it is (shared by every candidate of
-    the step), else the plan's operation ``seq`` applied."""
+class Sample(Record):
+    """One graded answer of a library to a problem (``tasks.measure``): the one sample record of evaluation,
+    lesson trials and the library gate, whose tables add only the role (condition, candidate, arm).
+    ``draw_key``: what determined the draw (policy and sampling settings, rendered prompt, reference, seed); a
+    later measurement with the same key reads this sample instead of drawing it again. ``drawn``: False when
+    this row reuses a sample drawn earlier (its tokens were spent once, by the row that drew it)."""
 
-    seq: int = Field(ge=-1)
-    problem_id: str
-    sample_idx: int = Field(ge=0)
-    seed: int
-    reward: float | None = Field(None, ge=0.0, le=1.0)  # None: failed or not gradable (left out of the means)
-    extracted: str | None = None
-    error: str | None = None
-    final_text: str = ""
-    tokens_in: int = 0
-    tokens_out: int = 0
-
-
-class GateSample(Record):
-    """One graded attempt of the library gate: ``arm`` before (the library as it was) or after (the step's plan
-    applied), ``library_hash`` the content it was shown (a library's attempts are reused by a later step that
-    starts from it: same problems, same seeds)."""
-
-    arm: Literal["before", "after"]
-    library_hash: str
     problem_id: str
     sample_idx: int = Field(ge=0)
     seed: int
     reward: float | None = Field(None, ge=0.0, le=1.0)  # None: failed or not gradable (left out of the pairs)
     extracted: str | None = None
-    error: str | None = None
+    error: str | None = None  # failed policy call or verifier error
+    judge_reason: str | None = None  # graded by the LLM judge: its reason
     final_text: str = ""
     tokens_in: int = 0
     tokens_out: int = 0
+    latency_s: float = 0.0
+    n_turns: int = 1  # agent rollouts: model calls, tool calls and tool errors
+    tool_calls: int = 0
+    tool_errors: int = 0
+    draw_key: str | None = None  # None: stored before samples were keyed (never reused)
+    drawn: bool = True
+
+    @property
+    def reusable(self) -> bool:
+        """Keyed and without error (a reward of None without one: a problem without ground truth, ungraded by
+        design): a later measurement with its key may read it."""
+        return self.draw_key is not None and self.error is None
+
+
+class TrialSample(Sample):
+    """One graded attempt of lesson validation: ``seq`` -1 is the library as it is (shared by every candidate of
+    the step), else the plan's operation ``seq`` applied."""
+
+    seq: int = Field(ge=-1)
+
+
+class GateSample(Sample):
+    """One graded attempt of the library gate: ``arm`` before (the library as it was) or after (the step's plan
+    applied), ``library_hash`` the content it was shown."""
+
+    arm: Literal["before", "after"]
+    library_hash: str
 
 
 class GateDecision(Record):
@@ -373,24 +385,13 @@ class LLMCall(Record):
     reply: str | None = None
 
 
-class EvalSample(Record):
+class EvalSample(Sample):
     """One graded evaluation sample: a condition's (library's) rollout of one problem."""
 
     condition: str
-    problem_id: str
-    sample_idx: int = Field(ge=0)
-    seed: int  # the same for every condition, so (problem, sample) pairs are matched across conditions
+    # the same seeds for every condition, so (problem, sample) pairs are matched across conditions; a failed
+    # policy call or verifier error counts as reward 0
     reward: float = Field(ge=0.0, le=1.0)
-    extracted: str | None = None
-    error: str | None = None  # failed policy call or verifier error (reward is then 0)
-    judge_reason: str | None = None  # graded by the LLM judge: its reason
-    final_text: str = ""
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latency_s: float = 0.0
-    n_turns: int = 1  # agent rollouts: model calls, tool calls and tool errors
-    tool_calls: int = 0
-    tool_errors: int = 0
 
 
 class EvalSummary(Record):

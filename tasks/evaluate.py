@@ -1,26 +1,25 @@
 """Stage: evaluate a library on held-out problems, and turn graded samples into metrics with CIs.
 
-``evaluate_library`` samples k rollouts per problem with the library in the prompt exactly as in training
-(``tasks.rollout.rollout``), at the evaluation temperature, with a seed per (problem, sample) that depends only
-on the evaluation seed and the problem id, so every condition sees the same seeds; then grades them with
-``tasks.verify.verify``. ``summarize_condition`` and ``compare_conditions`` compute Mean@k / Pass@k with
+``evaluate_library`` measures k graded samples per problem with the library in the prompt exactly as in training
+(``tasks.measure``: samples already drawn with the same key are read, not drawn again), at the evaluation
+temperature, with a seed per (problem, sample) that depends only on the evaluation seed and the problem id, so
+every condition sees the same seeds. ``summarize_condition`` and ``compare_conditions`` compute Mean@k / Pass@k with
 bootstrap confidence intervals (``clgrpo.metrics``).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from clgrpo import metrics, progress
-from clgrpo.journal import StageItems, sample_key
+from clgrpo import metrics
+from clgrpo.journal import StageItems
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, domain_for
-from schemas.config import AgentConfig, EvalConfig, RunConfig
+from schemas.config import EvalConfig, RunConfig
 from schemas.records import (
     EvalComparison,
     EvalSample,
@@ -28,29 +27,18 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     Problem,
-    Reward,
-    Rollout,
-    text_hash,
+    Sample,
 )
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
-from tasks.rollout import raise_if_all_failed, rollout_problem
-from tasks.verify import grade
-
-_SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
+from tasks.measure import Sampling, as_sample, measure, sample_seeds
 
 
 @dataclass
 class EvalBatch:
     samples: list[EvalSample]
     calls: list[LLMCall] = field(default_factory=list)
-
-
-def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
-    """The base sampling seed of each problem (sample i uses base + i): a function of the evaluation seed
-    and the problem id only, never of the condition or the problem's position."""
-    return {p.problem_id: int(text_hash(f"{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
 
 
 async def evaluate_library(
@@ -61,78 +49,45 @@ async def evaluate_library(
     *,
     condition: str,
     k: int,
-    temperature: float,
+    sampling: Sampling,
     seed: int,
-    agent: AgentConfig | None = None,
     judge: Judge | None = None,
     resume_key: str = "",
+    known: Mapping[str, Sample] | None = None,
 ) -> EvalBatch:
-    """k graded samples per problem for one condition (library); agent rollouts when ``agent`` is set. With a
+    """k graded samples per problem for one condition (library), through ``tasks.measure``: a sample whose draw
+    key is in ``known`` (stored by an earlier evaluation, trial or gate) is read, not drawn. With a
     ``resume_key`` (the evaluation's fingerprint) each graded sample goes to the work journal as it is made and
-    a sample already there is read back, not requested again (a stopped evaluation resumes where it was)."""
-    seeds = sample_seeds(problems, seed)
-    stored = StageItems(Stage.EVALUATE, EvalSample, always=bool(resume_key))
+    one already there is read back, not requested again (a stopped evaluation resumes where it was)."""
+    journal = StageItems(Stage.EVALUATE, Sample, always=bool(resume_key))
+    stored = known or {}
 
-    def key(problem_id: str, index: int) -> str:
-        return f"{resume_key}|{condition}|{sample_key(problem_id, index)}"
+    def lookup(key: str) -> Sample | None:
+        return stored.get(key) or (journal.get(f"{resume_key}|{key}") if resume_key else None)
 
-    have = {
-        (p.problem_id, i): sample
-        for p in problems
-        for i in range(k)
-        if resume_key and (sample := stored.get(key(p.problem_id, i))) is not None
-    }
-    todo = {p.problem_id: [i for i in range(k) if (p.problem_id, i) not in have] for p in problems}
-    progress.advance(Stage.EVALUATE, len(have))
-    wanted = [p for p in problems if todo[p.problem_id]]
+    def keep(sample: Sample) -> None:
+        if resume_key and sample.error is None:
+            journal.put(f"{resume_key}|{sample.draw_key}", sample)
 
-    async def one(problem: Problem, indices: list[int]) -> tuple[list[Rollout], list[LLMCall]]:
-        """Missing samples of a problem, graded and kept the moment they are (a stop loses only the replies in
-        flight)."""
-        batch = await rollout_problem(
-            problem, library, domain, llm, k, temperature, seeds[problem.problem_id], agent, indices
-        )
-        graded = await grade([problem], batch.rollouts, domain, judge)
-        for r, g in zip(batch.rollouts, graded):
-            sample = _eval_sample(condition, r, g, seeds)
-            have[(r.problem_id, r.sample_idx)] = sample
-            if resume_key and sample.error is None:
-                stored.put(key(r.problem_id, r.sample_idx), sample)
-        progress.advance(Stage.EVALUATE, len(batch.rollouts))
-        return batch.rollouts, batch.calls
-
-    # one request per problem where the endpoint returns n samples at once (the prompt is paid once); else one
-    # per sample, each kept as it comes
-    together = llm.configs["policy"].supports_n and agent is None
-    work = (
-        [(p, todo[p.problem_id]) for p in wanted]
-        if together
-        else [(p, [i]) for p in wanted for i in todo[p.problem_id]]
+    measured = await measure(
+        problems,
+        library,
+        k,
+        sample_seeds(problems, seed),
+        sampling,
+        domain,
+        llm,
+        stage=Stage.EVALUATE,
+        known=lookup,
+        judge=judge,
+        keep=keep,
     )
-    parts = await asyncio.gather(*[one(p, indices) for p, indices in work])
-    raise_if_all_failed(wanted, [r for rollouts, _ in parts for r in rollouts])
-    ordered = [have[(p.problem_id, i)] for p in problems for i in range(k)]
-    return EvalBatch(ordered, [c for _, calls in parts for c in calls])
+    return EvalBatch([eval_sample(condition, s) for s in measured.samples], measured.calls)
 
 
-def _eval_sample(condition: str, r: Rollout, g: Reward, seeds: dict[str, int]) -> EvalSample:
-    return EvalSample(
-        condition=condition,
-        problem_id=r.problem_id,
-        sample_idx=r.sample_idx,
-        seed=seeds[r.problem_id] + r.sample_idx,
-        reward=g.reward or 0.0,
-        extracted=g.extracted,
-        error=g.error,
-        judge_reason=g.judge_reason,
-        final_text=r.final_text,
-        tokens_in=r.tokens_in,
-        tokens_out=r.tokens_out,
-        latency_s=r.latency_s,
-        n_turns=r.n_turns,
-        tool_calls=r.tool_calls,
-        tool_errors=r.tool_errors,
-    )
+def eval_sample(condition: str, sample: Sample) -> EvalSample:
+    """A measured sample as a condition's evaluation row (a failed or ungradable sample counts as reward 0)."""
+    return EvalSample(**{**as_sample(sample).model_dump(), "reward": sample.reward or 0.0, "condition": condition})
 
 
 @stage_task(Stage.EVALUATE, run_name="evaluate-{condition}-chunk{chunk}")
@@ -145,9 +100,10 @@ async def evaluate_task(
     problems: list[Problem],
     library: LibraryVersion,
     resume_key: str = "",
+    known: dict[str, Sample] | None = None,
 ) -> EvalBatch:
-    """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key``: see
-    ``evaluate_library``."""
+    """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key`` and
+    ``known``: see ``evaluate_library``."""
     domain = domain_for(config)
     return await evaluate_library(
         problems,
@@ -156,11 +112,11 @@ async def evaluate_task(
         shared_client(config),
         condition=condition,
         k=evaluation.k,
-        temperature=evaluation.temperature,
+        sampling=Sampling.of(config, evaluation.temperature),
         seed=evaluation.seed,
-        agent=config.rollout.agent_settings(),
         judge=make_judge(config, domain, Stage.EVALUATE),
         resume_key=resume_key,
+        known=known,
     )
 
 

@@ -8,35 +8,33 @@ the difference with a paired-bootstrap CI over problems, and an exact one-sided 
 differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few pairs the
 exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task tag too.
 
-A library's attempts depend only on its content, the problems and the seeds: the attempts of the library a
-step starts from are read back from an earlier step's, not redone.
+Attempts are measured by ``tasks.measure``: a sample is drawn once for its key (library content, problem,
+seed, sampling settings), so the attempts of the library a step starts from are read back from the earlier
+step that measured it, not redone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from clgrpo import metrics, progress
+from clgrpo import metrics
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
-from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Rollout, text_hash
+from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Sample, text_hash
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import make_judge
-from tasks.rollout import raise_if_all_failed, rollout_problem
-from tasks.verify import grade
+from tasks.measure import Sampling, measure, reusable, sample_seeds
 
-_SEED_SPACE = 2**31 - 2**16
 UNTAGGED = "(untagged)"
 
 
@@ -57,16 +55,11 @@ def split_for_gate(
     return [p for p in problems if p.problem_id not in aside], [p for p in problems if p.problem_id in aside]
 
 
-def gate_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
-    """One base seed per set-aside problem (sample i uses base + i): the same for every library and step."""
-    return {p.problem_id: int(text_hash(f"gate-sample:{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
-
-
 # --- attempts --------------------------------------------------------------------------------------------------
 @dataclass
 class GateOutcome:
     decision: GateDecision
-    samples: list[GateSample] = field(default_factory=list)  # this step's new attempts (reused ones are not)
+    samples: list[GateSample] = field(default_factory=list)  # both arms' samples (read ones: drawn False)
     calls: list[LLMCall] = field(default_factory=list)
 
 
@@ -77,57 +70,28 @@ async def attempts(
     config: RunConfig,
     domain: Domain,
     llm: LLMClient,
+    known: Mapping[str, Sample],
 ) -> tuple[list[GateSample], list[LLMCall]]:
-    """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt."""
+    """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt (``tasks.measure``:
+    those already drawn, e.g. by the step that measured this library as its "after", are read)."""
     settings = config.learning.library_gate
-    seeds = gate_seeds(problems, config.seed)
-    shown = library.with_shown({}) if library.shown is not None else library  # the whole library on gate problems
-    parts = await asyncio.gather(*[_problem(arm, shown, p, config, domain, llm, seeds, settings) for p in problems])
-    raise_if_all_failed(list(problems), [r for _, _, rollouts in parts for r in rollouts])
-    return [s for samples, _, _ in parts for s in samples], [c for _, calls, _ in parts for c in calls]
-
-
-async def _problem(
-    arm: str,
-    library: ExperienceLibrary,
-    problem: Problem,
-    config: RunConfig,
-    domain: Domain,
-    llm: LLMClient,
-    seeds: dict[str, int],
-    settings: LibraryGate,
-) -> tuple[list[GateSample], list[LLMCall], list[Rollout]]:
     temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    batch = await rollout_problem(
-        problem,
-        library,
+    shown = library.with_shown({}) if library.shown is not None else library  # the whole library on gate problems
+    measured = await measure(
+        problems,
+        shown,
+        settings.samples,
+        sample_seeds(problems, config.seed),
+        Sampling.of(config, temperature),
         domain,
         llm,
-        settings.samples,
-        temperature,
-        seeds[problem.problem_id],
-        config.rollout.agent_settings(),
+        stage=Stage.LIBRARY_GATE,
+        known=known.get,
+        judge=make_judge(config, domain, Stage.LIBRARY_GATE),
     )
-    rewards = await grade([problem], batch.rollouts, domain, make_judge(config, domain, Stage.LIBRARY_GATE))
-    progress.advance(Stage.LIBRARY_GATE, len(batch.rollouts))
-    samples = [
-        GateSample(
-            arm=arm,
-            library_hash=library.content_hash(),
-            problem_id=r.problem_id,
-            sample_idx=r.sample_idx,
-            seed=seeds[r.problem_id] + r.sample_idx,
-            reward=g.reward,
-            extracted=g.extracted,
-            error=r.error or g.error,
-            final_text=r.final_text,
-            tokens_in=r.tokens_in,
-            tokens_out=r.tokens_out,
-        )
-        for r, g in zip(batch.rollouts, rewards)
-    ]
-    calls = [c.model_copy(update={"stage": Stage.LIBRARY_GATE.value}) for c in batch.calls]
-    return samples, calls, batch.rollouts
+    content = shown.content_hash()
+    samples = [GateSample(**s.model_dump(), arm=arm, library_hash=content) for s in measured.samples]
+    return samples, measured.calls
 
 
 async def gate_step(
@@ -135,28 +99,25 @@ async def gate_step(
     before: ExperienceLibrary,
     after: ExperienceLibrary,
     problems: Sequence[Problem],
-    earlier: Sequence[GateSample],
+    earlier: Sequence[Sample],
     domain: Domain,
     llm: LLMClient,
 ) -> GateOutcome:
-    """Attempts of both libraries (``earlier``: stored attempts, reused for a library they already measured)
-    and the decision. A plan that changes no lesson needs none."""
+    """Attempts of both libraries (``earlier``: stored samples, read where their draw keys match) and the
+    decision. A plan that changes no lesson needs none."""
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
         return GateOutcome(unchanged(settings, problems, before.content_hash()))
-    fresh: list[GateSample] = []
+    known = reusable(earlier)
+    samples: list[GateSample] = []
     calls: list[LLMCall] = []
     arms: dict[str, list[GateSample]] = {}
     for arm, library in (("before", before), ("after", after)):
-        known = [s for s in earlier if s.library_hash == library.content_hash()]
-        if not _complete(known, problems, settings.samples):
-            with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
-                new, new_calls = await attempts(arm, library, problems, config, domain, llm)
-            fresh += new
-            calls += new_calls
-            known = new
-        arms[arm] = [s.model_copy(update={"arm": arm}) for s in known]
-    return GateOutcome(decide(settings, problems, arms["before"], arms["after"]), fresh, calls)
+        with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
+            arms[arm], arm_calls = await attempts(arm, library, problems, config, domain, llm, known)
+        samples += arms[arm]
+        calls += arm_calls
+    return GateOutcome(decide(settings, problems, arms["before"], arms["after"]), samples, calls)
 
 
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
@@ -177,11 +138,6 @@ async def library_gate_task(
         domain_for(config),
         shared_client(config),
     )
-
-
-def _complete(samples: Sequence[GateSample], problems: Sequence[Problem], k: int) -> bool:
-    have = {(s.problem_id, s.sample_idx) for s in samples if s.reward is not None}
-    return all((p.problem_id, i) in have for p in problems for i in range(k))
 
 
 def expected_attempts(settings: LibraryGate, problems: Sequence[Problem]) -> int:

@@ -45,7 +45,7 @@ async def rollout_problem(
     own samples. ``only``: the sample indices wanted (the others exist elsewhere, e.g. an evaluation's stored
     samples): the batch holds those alone."""
     messages = domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id))
-    prompt_hash = text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
+    prompt_hash = _prompt_hash(messages, domain, agent)
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     wanted = list(range(group_size)) if only is None else sorted(set(only))
     done = StageItems(Stage.ROLLOUT, Rollout)
@@ -67,6 +67,17 @@ async def rollout_problem(
             done.put(sample_key(problem.problem_id, rollout.sample_idx), rollout)
         rollouts[rollout.sample_idx] = rollout
     return RolloutBatch([rollouts[i] for i in wanted], calls)
+
+
+def prompt_fingerprint(
+    problem: Problem, library: ExperienceLibrary, domain: Domain, agent: AgentConfig | None = None
+) -> str:
+    """What the policy is shown for ``problem`` with ``library``: the rendered messages and the agent's tools."""
+    return _prompt_hash(domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id)), domain, agent)
+
+
+def _prompt_hash(messages: list[dict], domain: Domain, agent: AgentConfig | None) -> str:
+    return text_hash(json.dumps([messages, agent_signature(domain, agent)], sort_keys=True))
 
 
 def agent_signature(domain: Domain, agent: AgentConfig | None) -> dict | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,7 +41,9 @@ from schemas.records import (
     OpKind,
     OpStatus,
     Problem,
+    Reward,
     Rollout,
+    Sample,
     TrialSample,
     text_hash,
 )
@@ -50,13 +52,12 @@ from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
-from tasks.rollout import raise_if_all_failed, rollout_problem
+from tasks.measure import Sampling, draw_keys, measure, reusable, sample_seeds
+from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
-from tasks.verify import grade
 
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
-_SEED_SPACE = 2**31 - 2**16
 
 
 @dataclass
@@ -111,11 +112,6 @@ def trial_problems(
         p for p in everything.values() if p.problem_id not in op.source_groups and (not tags or p.tag in tags)
     ]
     return sorted(candidates, key=order)[:count]
-
-
-def trial_seeds(problems: Sequence[Problem], step: int, seed: int) -> dict[str, int]:
-    """One base seed per problem (sample i uses base + i), the same in both arms."""
-    return {p.problem_id: int(text_hash(f"trial:{seed}:{step}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
 
 
 @dataclass(frozen=True)
@@ -216,57 +212,76 @@ async def _attempts(
     config: RunConfig,
     seeds: dict[str, int],
     seq: int,
+    known: Mapping[str, Sample],
 ) -> tuple[list[TrialSample], list[LLMCall]]:
-    """Every problem's ``samples`` attempts with ``library``, graded; each problem's graded attempts count on
-    the stage's progress as they finish."""
-    parts = await asyncio.gather(*[_problem_attempts(p, library, domain, llm, config, seeds, seq) for p in problems])
-    raise_if_all_failed(problems, [r for _, _, rollouts in parts for r in rollouts])
-    return [s for samples, _, _ in parts for s in samples], [c for _, calls, _ in parts for c in calls]
-
-
-async def _problem_attempts(
-    problem: Problem,
-    library: ExperienceLibrary,
-    domain: Domain,
-    llm: LLMClient,
-    config: RunConfig,
-    seeds: dict[str, int],
-    seq: int,
-) -> tuple[list[TrialSample], list[LLMCall], list[Rollout]]:
+    """Every problem's ``samples`` graded attempts with ``library`` (``tasks.measure``: those ``known`` by their
+    draw key are read, not drawn); they count on the stage's progress as they finish."""
     settings = config.learning.lesson_validation
-    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    batch = await rollout_problem(
-        problem,
+    measured = await measure(
+        problems,
         library,
+        settings.samples,
+        seeds,
+        trial_sampling(config),
         domain,
         llm,
-        settings.samples,
-        temperature,
-        seeds.get(problem.problem_id),
-        config.rollout.agent_settings(),
+        stage=Stage.VALIDATE_LESSONS,
+        known=known.get,
+        judge=make_judge(config, domain, Stage.VALIDATE_LESSONS),
     )
-    rewards = await grade([problem], batch.rollouts, domain, make_judge(config, domain, Stage.VALIDATE_LESSONS))
-    progress.advance(Stage.VALIDATE_LESSONS, len(batch.rollouts))
-    samples = [_sample(seq, r, g.reward, g.extracted, g.error, seeds) for r, g in zip(batch.rollouts, rewards)]
-    calls = [c.model_copy(update={"stage": Stage.VALIDATE_LESSONS.value}) for c in batch.calls]
-    return samples, calls, batch.rollouts
+    return [TrialSample(**s.model_dump(), seq=seq) for s in measured.samples], measured.calls
 
 
-def _sample(
-    seq: int, rollout_: Rollout, reward: float | None, extracted: str | None, error: str | None, seeds: dict[str, int]
-) -> TrialSample:
-    return TrialSample(
-        seq=seq,
-        problem_id=rollout_.problem_id,
-        sample_idx=rollout_.sample_idx,
-        seed=seeds[rollout_.problem_id] + rollout_.sample_idx,
-        reward=reward,
-        extracted=extracted,
-        error=rollout_.error or error,
-        final_text=rollout_.final_text,
-        tokens_in=rollout_.tokens_in,
-        tokens_out=rollout_.tokens_out,
-    )
+def trial_sampling(config: RunConfig) -> Sampling:
+    settings = config.learning.lesson_validation
+    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
+    return Sampling.of(config, temperature)
+
+
+def rollout_baseline(
+    config: RunConfig,
+    library: ExperienceLibrary,
+    problems: Sequence[Problem],
+    rollouts: Sequence[Rollout],
+    rewards: Sequence[Reward],
+    domain: Domain,
+    seed: int,
+) -> dict[str, Sample]:
+    """The step's own rollouts as the attempts without any candidate, by the draw key they stand in for: where
+    they match (the same prompt, the library as it is; the trial's temperature is the rollouts'; graded by the
+    problem's answer or the judge, not by agreement), rollout i of a problem is baseline sample i. Pairs are
+    matched by problem and sample index, so they need not share a seed."""
+    settings = config.learning.lesson_validation
+    if settings.temperature not in (None, config.grpo.rollout_temperature):
+        return {}
+    sampling = trial_sampling(config)
+    keys = draw_keys(problems, library, settings.samples, sample_seeds(problems, seed), sampling, domain)
+    prompts = {p.problem_id: prompt_fingerprint(p, library, domain, sampling.agent) for p in problems}
+    graded = {(g.problem_id, g.sample_idx): g for g in rewards if g.reward_source in ("ground_truth", "judge")}
+    found: dict[str, Sample] = {}
+    for r in rollouts:
+        g = graded.get((r.problem_id, r.sample_idx))
+        key = keys.get((r.problem_id, r.sample_idx))
+        if g is None or key is None or r.error is not None or r.prompt_hash != prompts[r.problem_id]:
+            continue
+        found[key] = Sample(
+            problem_id=r.problem_id,
+            sample_idx=r.sample_idx,
+            seed=0,
+            reward=g.reward,
+            extracted=g.extracted,
+            error=g.error,
+            judge_reason=g.judge_reason,
+            final_text=r.final_text,
+            tokens_in=r.tokens_in,
+            tokens_out=r.tokens_out,
+            latency_s=r.latency_s,
+            n_turns=r.n_turns,
+            tool_calls=r.tool_calls,
+            tool_errors=r.tool_errors,
+            draw_key=key,
+        )
+    return found
 
 
 def judge_trial(
@@ -401,10 +416,12 @@ async def validate_lessons(
     pool: Sequence[Problem] = (),
     near: NearDuplicates | None = None,
     ledger: Sequence[Rejected] = (),
+    drawn: StepDraws | None = None,
 ) -> Validated:
     """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
     control, so a candidate is tried as it would be applied (merged into the lesson it repeats); ``ledger``: the
-    lessons earlier steps rejected by measurement, not tried again."""
+    lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
+    rollouts, earlier trials' samples), read instead of drawn again where the draw keys match."""
     settings = config.learning.lesson_validation
     candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step, pool, near, ledger)
     trials = [
@@ -413,7 +430,9 @@ async def validate_lessons(
     trials += [
         LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
     ]
-    looks = _Looks(settings, trial_seeds(_all_problems(candidates), step, config.seed))
+    tried = _all_problems(candidates)
+    known = drawn.known(config, library, tried, domain) if drawn is not None else {}
+    looks = _Looks(settings, sample_seeds(tried, config.seed), known)
     # trials are redone whole by a retry of the stage
     with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
         for look in range(1, settings.looks + 1):
@@ -458,13 +477,30 @@ def _all_problems(candidates: Sequence[_Candidate]) -> list[Problem]:
     return list({p.problem_id: p for c in candidates for p in c.problems}.values())
 
 
+@dataclass(frozen=True)
+class StepDraws:
+    """What a step drew before its trials: its rollouts (with their rewards) and this run's earlier samples."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    rewards: list[Reward] = field(default_factory=list)
+    earlier: list[Sample] = field(default_factory=list)
+
+    def known(
+        self, config: RunConfig, library: ExperienceLibrary, problems: Sequence[Problem], domain: Domain
+    ) -> dict[str, Sample]:
+        return {
+            **reusable(self.earlier),
+            **rollout_baseline(config, library, problems, self.rollouts, self.rewards, domain, config.seed),
+        }
+
+
 class _Looks:
     """The attempts of a sequential trial, look by look: each look tries every undecided candidate on
     ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
     (shared by all candidates), and judges what the pairs so far say."""
 
-    def __init__(self, settings: LessonValidation, seeds: dict[str, int]) -> None:
-        self.settings, self.seeds = settings, seeds
+    def __init__(self, settings: LessonValidation, seeds: dict[str, int], known: Mapping[str, Sample]) -> None:
+        self.settings, self.seeds, self.known = settings, seeds, known
         self.without: dict[str, list[TrialSample]] = {}  # problem id -> the attempts without any candidate
         self.with_: dict[int, list[TrialSample]] = defaultdict(list)  # candidate seq -> its attempts
         self.decided: dict[int, LessonTrial] = {}
@@ -490,8 +526,11 @@ class _Looks:
             Stage.VALIDATE_LESSONS, (len(baseline) + sum(len(v) for v in fresh.values())) * self.settings.samples
         )
         results = await asyncio.gather(
-            _attempts(baseline, library, domain, llm, config, self.seeds, BASELINE),
-            *[_attempts(fresh[c.seq], c.library, domain, llm, config, self.seeds, c.seq) for c in undecided],
+            _attempts(baseline, library, domain, llm, config, self.seeds, BASELINE, self.known),
+            *[
+                _attempts(fresh[c.seq], c.library, domain, llm, config, self.seeds, c.seq, self.known)
+                for c in undecided
+            ],
         )
         without, calls = results[0]
         for sample in without:
@@ -539,6 +578,7 @@ async def validate_lessons_task(
     pool: list[Problem] | None = None,
     near: NearDuplicates | None = None,
     ledger: list[Rejected] | None = None,
+    drawn: StepDraws | None = None,
 ) -> Validated:
     return await validate_lessons(
         config,
@@ -552,4 +592,5 @@ async def validate_lessons_task(
         pool or [],
         near,
         ledger or [],
+        drawn,
     )

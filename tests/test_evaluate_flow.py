@@ -211,11 +211,16 @@ def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys
             assert curve["mean_at_k"].iloc[-1] > curve["mean_ci_high"].iloc[0]  # learned lessons generalize
             assert set(curve["temperature"]) == {0.3}
             calls = store.query("SELECT count(*) AS n FROM llm_calls WHERE run_id = 'curve' AND stage = 'validate'")
-            assert calls["n"][0] == 3 * 12  # 12 held-out problems at steps 0, 1, 2: one request (n=4) each
+            libraries = store.query("SELECT DISTINCT library_hash FROM evaluations WHERE run_id = 'curve'")
+            # 12 held-out problems: one request (n=4) each, once per library content (a step that left the
+            # library as it was reads the earlier step's samples: the same draw keys)
+            assert calls["n"][0] == 12 * len(libraries) and len(libraries) >= 2
         assert (tmp_path / "curve" / "plots" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
         capsys.readouterr()
 
-        # evaluate the learned library against none: model settings come from the run's stored config
+        # evaluate the learned library against none: model settings come from the run's stored config; both
+        # libraries were measured by the validation at the same temperature, k and seeds: nothing is drawn again
+        policy_calls = server.stats.by_role["policy"]
         assert (
             main(
                 [
@@ -237,6 +242,7 @@ def test_validation_curve_report_and_eval_from_the_command_line(tmp_path, capsys
             == 0
         )
         out = capsys.readouterr().out
+        assert server.stats.by_role["policy"] == policy_calls
         # evaluating on the training set itself is refused on request, naming the problems
         assert (
             main(

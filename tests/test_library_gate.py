@@ -119,5 +119,6 @@ async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_
     if second.verdict != "unchanged":
         assert second.before_hash == (first.after_hash if first.verdict == "adopted" else first.before_hash)
         step2 = helped_samples[helped_samples["step"] == 2]
-        assert set(step2["arm"]) == {"after"}  # the library before step 2 was measured in step 1
+        # the library before step 2 was measured in step 1: its samples are read (drawn False), not drawn again
+        assert set(step2[step2["drawn"]]["arm"]) == {"after"} and set(step2[~step2["drawn"]]["arm"]) == {"before"}
     assert dict(zip(calls.stage, calls.n))["library_gate"] > 0

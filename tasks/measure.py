@@ -1,0 +1,213 @@
+"""One measurement: a library answers problems k times at given seeds, graded.
+
+Evaluation, lesson trials and the library gate all measure through ``measure``, with one seed scheme
+(``sample_seeds``: sample i of a problem uses its base seed + i) and one sample record
+(``schemas.records.Sample``). A sample is keyed by what determines it (``draw_key``): the policy model and its
+sampling settings, the rendered prompt (the library as shown, the problem, the template, the agent's tools), the
+reference it is graded against, and the seed. A sample whose key is already stored is read, not drawn again;
+only the missing ones are drawn. Changing anything in the key (the prompt template, the model, the temperature)
+draws anew.
+
+llama-server's batched slots are not bit-reproducible: a stored sample is one valid draw for its key, not a
+claim that its seed reproduces the text. Comparisons pair two arms by problem and sample index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clgrpo import progress
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient
+from domains import Domain
+from schemas.config import AgentConfig, RunConfig
+from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash
+from schemas.stages import Stage
+from tasks.judge import Judge
+from tasks.rollout import prompt_fingerprint, raise_if_all_failed, rollout_problem
+from tasks.verify import grade
+
+_SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
+
+# how the policy is reached, not what it answers: a server restarted on another port, a longer timeout, another
+# key, or samples asked together (n) instead of one by one still draw the same samples
+TRANSPORT_FIELDS = {
+    "base_url",
+    "api_key_env",
+    "api_key_secret_block",
+    "timeout_s",
+    "max_retries",
+    "max_rate_limit_wait_s",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+    "price",
+    "cpu_threads",
+    "max_batch_rows",
+}
+_NOT_DRAWN_BY = TRANSPORT_FIELDS | {"supports_n", "json_schema", "temperature"}  # temperature: the call's own
+
+Known = Callable[[str], Sample | None]  # a stored sample by its draw key, None if there is none
+
+
+def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
+    """The base sampling seed of each problem (sample i uses base + i): a function of the seed and the problem
+    id only, never of the library, the step, the stage or the problem's position."""
+    return {p.problem_id: int(text_hash(f"{seed}:{p.problem_id}"), 16) % _SEED_SPACE for p in problems}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What besides the prompt and the seed determines a draw: ``identity`` hashes the policy (without how it
+    is reached), the temperature, the domain and what grades (the judge's model when one grades)."""
+
+    identity: str
+    temperature: float
+    agent: AgentConfig | None = None
+
+    @classmethod
+    def of(cls, config: RunConfig, temperature: float) -> Sampling:
+        agent = config.rollout.agent_settings()
+        payload: dict[str, Any] = {
+            "policy": config.policy.model_dump(mode="json", exclude=_NOT_DRAWN_BY),
+            "temperature": temperature,
+            "domain": config.domain,
+            "domain_settings": config.domain_settings,
+        }
+        if config.judge is not None:
+            learner = config.learner or config.policy
+            payload["judge"] = [
+                config.judge.model_dump(mode="json"),
+                learner.model_dump(mode="json", exclude=_NOT_DRAWN_BY),
+            ]
+        return cls(text_hash(json.dumps(payload, sort_keys=True)), temperature, agent)
+
+
+def draw_key(sampling: Sampling, prompt_hash: str, problem: Problem, seed: int) -> str:
+    return text_hash(json.dumps([sampling.identity, prompt_hash, problem.answer, seed]))
+
+
+def draw_keys(
+    problems: Sequence[Problem],
+    library: ExperienceLibrary,
+    k: int,
+    seeds: Mapping[str, int],
+    sampling: Sampling,
+    domain: Domain,
+) -> dict[tuple[str, int], str]:
+    """The draw key of each (problem, sample index)."""
+    keys = {}
+    for p in problems:
+        prompt_hash = prompt_fingerprint(p, library, domain, sampling.agent)
+        for i in range(k):
+            keys[(p.problem_id, i)] = draw_key(sampling, prompt_hash, p, seeds[p.problem_id] + i)
+    return keys
+
+
+def reusable(samples: Sequence[Sample]) -> dict[str, Sample]:
+    """The samples a later measurement may read, by draw key (the first of each key)."""
+    out: dict[str, Sample] = {}
+    for s in samples:
+        if s.reusable and s.draw_key not in out:
+            out[s.draw_key] = s  # type: ignore[index]  # reusable: keyed
+    return out
+
+
+def nothing_known(_key: str) -> Sample | None:
+    return None
+
+
+@dataclass
+class Measured:
+    samples: list[Sample]  # every (problem, sample index), in problem order then index order
+    calls: list[LLMCall] = field(default_factory=list)
+
+    @property
+    def drawn(self) -> list[Sample]:
+        return [s for s in self.samples if s.drawn]
+
+
+def as_sample(sample: Sample) -> Sample:
+    """The measurement fields of a role record (an evaluation, trial or gate sample)."""
+    return Sample(**{name: getattr(sample, name) for name in Sample.model_fields})
+
+
+async def measure(
+    problems: Sequence[Problem],
+    library: ExperienceLibrary,
+    k: int,
+    seeds: Mapping[str, int],
+    sampling: Sampling,
+    domain: Domain,
+    llm: LLMClient,
+    *,
+    stage: Stage,
+    known: Known = nothing_known,
+    judge: Judge | None = None,
+    keep: Callable[[Sample], None] | None = None,
+) -> Measured:
+    """k graded samples of every problem with ``library`` in the prompt: those ``known`` by their draw key are
+    read (``drawn`` False), the rest drawn, graded and handed to ``keep`` as each problem's come back (so a
+    stopped measurement loses only the replies in flight). Progress counts on ``stage``; the calls are labelled
+    with it. Raises if every call failed (the endpoint is unusable)."""
+    keys = draw_keys(problems, library, k, seeds, sampling, domain)
+    have: dict[tuple[str, int], Sample] = {}
+    for (pid, i), key in keys.items():
+        if (stored := known(key)) is not None and stored.reusable:
+            have[(pid, i)] = as_sample(stored).model_copy(
+                update={"problem_id": pid, "sample_idx": i, "seed": seeds[pid] + i, "drawn": False}
+            )
+    progress.advance(stage, len(have))
+    todo = {p.problem_id: [i for i in range(k) if (p.problem_id, i) not in have] for p in problems}
+    wanted = [p for p in problems if todo[p.problem_id]]
+
+    async def draw(problem: Problem, indices: list[int]) -> tuple[list[Rollout], list[LLMCall]]:
+        pid = problem.problem_id
+        batch = await rollout_problem(
+            problem, library, domain, llm, k, sampling.temperature, seeds[pid], sampling.agent, indices
+        )
+        graded = await grade([problem], batch.rollouts, domain, judge)
+        for r, g in zip(batch.rollouts, graded):
+            sample = _graded(r, g, seeds[pid] + r.sample_idx, keys[(pid, r.sample_idx)])
+            have[(pid, r.sample_idx)] = sample
+            if keep is not None:
+                keep(sample)
+        progress.advance(stage, len(batch.rollouts))
+        return batch.rollouts, batch.calls
+
+    # one request per problem where the endpoint returns n samples at once (the prompt is paid once); else one
+    # per sample, each kept as it comes
+    together = llm.configs["policy"].supports_n and sampling.agent is None
+    work = (
+        [(p, todo[p.problem_id]) for p in wanted]
+        if together
+        else [(p, [i]) for p in wanted for i in todo[p.problem_id]]
+    )
+    parts = await asyncio.gather(*[draw(p, indices) for p, indices in work])
+    raise_if_all_failed(wanted, [r for rollouts, _ in parts for r in rollouts])
+    calls = [c.model_copy(update={"stage": stage.value}) for _, part_calls in parts for c in part_calls]
+    return Measured([have[(p.problem_id, i)] for p in problems for i in range(k)], calls)
+
+
+def _graded(r: Rollout, g: Reward, seed: int, key: str) -> Sample:
+    return Sample(
+        problem_id=r.problem_id,
+        sample_idx=r.sample_idx,
+        seed=seed,
+        reward=g.reward,
+        extracted=g.extracted,
+        error=r.error or g.error,
+        judge_reason=g.judge_reason,
+        final_text=r.final_text,
+        tokens_in=r.tokens_in,
+        tokens_out=r.tokens_out,
+        latency_s=r.latency_s,
+        n_turns=r.n_turns,
+        tool_calls=r.tool_calls,
+        tool_errors=r.tool_errors,
+        draw_key=key,
+        drawn=True,
+    )
