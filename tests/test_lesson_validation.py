@@ -67,6 +67,7 @@ async def test_validation_keeps_the_helpful_candidates_and_rejects_the_misleadin
         library = store.load_library("validated")
         trials = store.records("lesson_trials", "validated", 1)
         samples = store.records("trial_samples", "validated", 1)
+        rollouts = store.records("rollouts", "validated", 1)
         operations = store.records("operations", "validated", 1)
         proposals = store.records("proposals", "validated", 1, "group_advantage")
         summaries = store.records("summaries", "validated", 1)
@@ -100,6 +101,10 @@ async def test_validation_keeps_the_helpful_candidates_and_rejects_the_misleadin
     assert {s.seq for s in samples} == tried | {-1}
     baseline = {(s.problem_id, s.sample_idx): s.seed for s in samples if s.seq == -1}
     assert all(baseline[(s.problem_id, s.sample_idx)] == s.seed for s in samples)
+    # the baseline is the step's own rollouts (the same prompt and temperature): read, never drawn again
+    rolled = {(r.problem_id, r.sample_idx) for r in rollouts}
+    assert baseline and all(not s.drawn and (s.problem_id, s.sample_idx) in rolled for s in samples if s.seq == -1)
+    assert all(s.drawn for s in samples if s.seq != -1)
     # summaries off: the stage ran and stored nothing; validation is a stage of its own, its calls counted
     assert not summaries and {"summarize", "validate_lessons"} <= stages
     by_stage = dict(zip(calls.stage, calls.n))
