@@ -638,7 +638,7 @@ def bind(msg: dict) -> str:
     mem = msg["memory_mb"] << 20
     fsize = msg["max_file_mb"] << 20
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    pass  # resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  -- removed to show the test fails
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (msg["nofile"], msg["nofile"]))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write fails with EFBIG instead of killing
