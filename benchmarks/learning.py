@@ -81,10 +81,12 @@ class Settings:
     trial_test: str = "mean"
     trial_max_problems: int | None = None
     trial_alpha: float = 0.05
-    gate: bool = False
-    gate_share: float = 0.3
-    gate_samples: int = 3
-    gate_rule: str = "better"
+    # the library gate: the product's defaults (learning.library_gate) unless a setting is given
+    gate: str = "auto"  # auto, on or off (learning.library_gate.enabled)
+    gate_share: float | None = None
+    gate_samples: int | None = None
+    gate_rule: str | None = None
+    gate_adopt_alpha: float | None = None
 
 
 @dataclass
@@ -97,6 +99,8 @@ class TrainRun:
     tokens_policy: int = 0
     tokens_learner: int = 0
     tokens_validation: int = 0
+    tokens_gate: int = 0
+    gate: list[str] = field(default_factory=list)  # the library gate's decision of each step (its reason)
     lessons: list[str] = field(default_factory=list)
     kept: int = 0
     rejected_by_validation: int = 0
@@ -168,19 +172,20 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                 "max_problems": s.trial_max_problems,
                 "alpha": s.trial_alpha,
             },
-            "library_gate": {
-                "enabled": s.gate,
-                "share": s.gate_share,
-                "samples": s.gate_samples,
-                "rule": s.gate_rule,
-                "min_problems": 3,
-            },
+            "library_gate": gate_section(s),
         },
         # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
         "library": {"near_duplicates": "merge", "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY},
         "concurrency": 8,
         "pipeline": False,
     }
+
+
+def gate_section(s: Settings) -> dict:
+    """learning.library_gate: the product's defaults, with the settings given on the command line."""
+    enabled: bool | str = {"on": True, "off": False}.get(s.gate, s.gate)
+    given = {"share": s.gate_share, "samples": s.gate_samples, "rule": s.gate_rule, "adopt_alpha": s.gate_adopt_alpha}
+    return {"enabled": enabled, **{k: v for k, v in given.items() if v is not None}}
 
 
 def write_yaml(path: Path, data: dict) -> Path:
@@ -254,6 +259,7 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
         ops = store.records("operations", run.run_id)
         trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
         first_library = store.load_library(run.run_id, 0)
+        run.gate = [f"step {g.step}: {g.reason}" for g in _gate_rows(store, run.run_id)]
     held = {json.loads(line)["problem"] for line in Path(heldout).read_text().splitlines() if line.strip()}
     run.heldout_in_training = len(held & trained_on)
     proposed = [r for r in ops if r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge")]
@@ -261,6 +267,8 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     for stage, role, t in zip(tokens["stage"], tokens["role"], tokens["t"]):
         if stage == Stage.VALIDATE_LESSONS:
             run.tokens_validation += int(t)
+        elif stage == Stage.LIBRARY_GATE:
+            run.tokens_gate += int(t)
         elif role == "learner":
             run.tokens_learner += int(t)
         else:
@@ -271,6 +279,17 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     )
     run.rejected_other = sum(r.status.value == "rejected" for r in ops) - run.rejected_by_validation
     return run
+
+
+@dataclass(frozen=True)
+class _GateRow:
+    step: int
+    reason: str
+
+
+def _gate_rows(store: Store, run_id: str) -> list[_GateRow]:
+    rows = store.query("SELECT step, reason FROM library_gates WHERE run_id = ? ORDER BY step", [run_id])
+    return [_GateRow(int(step), reason) for step, reason in zip(rows["step"], rows["reason"])]
 
 
 # --- placebos --------------------------------------------------------------------------------------------
@@ -426,12 +445,16 @@ def analyze_family(
                 "lessons": run.lessons,
                 "placebo_lessons": _lessons(placebos[run.run_id]),
                 "train_seconds": run.seconds,
-                "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation,
+                "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation + run.tokens_gate,
                 "tokens_by_part": {
                     "rollouts": run.tokens_policy,
                     "learner": run.tokens_learner,
                     "validation": run.tokens_validation,
+                    "gate": run.tokens_gate,
                 },
+                # the run's tokens against the same steps without lesson trials and the gate
+                "checks_cost": _ratio(run),
+                "gate": run.gate,
                 "kept": run.kept,
                 "rejected_by_validation": run.rejected_by_validation,
                 "rejected_other": run.rejected_other,
@@ -466,6 +489,11 @@ def analyze_family(
         "eval_minutes": sampling_minutes(s, eval_ids),
         "train_seconds": sum(x["train_seconds"] for x in seeds),
     }
+
+
+def _ratio(run: TrainRun) -> float:
+    without = run.tokens_policy + run.tokens_learner
+    return (without + run.tokens_validation + run.tokens_gate) / without if without else float("nan")
 
 
 def _lessons(path: Path) -> list[str]:
@@ -514,8 +542,8 @@ def markdown(results: list[dict]) -> str:
         "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):",
         "",
         "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
-        "| training time | tokens (rollouts / learner / validation) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| training time | tokens (rollouts / learner / validation / gate) | with checks / without |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for x in r["seeds"]:
@@ -524,8 +552,17 @@ def markdown(results: list[dict]) -> str:
                 f"| {r['family']} | {r['learner']} | {x['seed']} | {x['kept']} / {x['rejected_by_validation']} "
                 f"| {fmt(x['learned_minus_none'], True)} | {fmt(x['learned_minus_placebo'], True)} "
                 f"| {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / {t['learner']:,} / "
-                f"{t['validation']:,}) |"
+                f"{t['validation']:,} / {t.get('gate', 0):,}) | {x.get('checks_cost', float('nan')):.2f}x |"
             )
+    gated = [(r, x) for r in results for x in r["seeds"] if x.get("gate")]
+    if gated:
+        lines += ["", "The library gate's decisions:", ""]
+        lines += [
+            f"- {r['family']} / {r['learner']} / seed {x['seed']}: "
+            + "; ".join(x["gate"])
+            + ("" if x["lessons"] else " (the run ended with no lesson: no harm, and no gain)")
+            for r, x in gated
+        ]
     checks = [x for r in results for x in r["seeds"]]
     lines += [
         "",
@@ -634,10 +671,11 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     ap.add_argument("--trial-test", choices=["mean", "sign"], default="mean")
     ap.add_argument("--trial-max-problems", type=int, help="sign test: problems at most per candidate")
     ap.add_argument("--trial-alpha", type=float, default=0.05)
-    ap.add_argument("--gate", action="store_true", help="the library gate on (learning.library_gate)")
-    ap.add_argument("--gate-share", type=float, default=0.3)
-    ap.add_argument("--gate-samples", type=int, default=3)
-    ap.add_argument("--gate-rule", choices=["better", "significant"], default="better")
+    ap.add_argument("--gate", choices=["auto", "on", "off"], default="auto", help="learning.library_gate.enabled")
+    ap.add_argument("--gate-share", type=float, help="default: the product's (learning.library_gate)")
+    ap.add_argument("--gate-samples", type=int, help="default: the product's")
+    ap.add_argument("--gate-rule", choices=["better", "significant"], help="default: the product's")
+    ap.add_argument("--gate-adopt-alpha", type=float, help="default: the product's")
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument("--cache-dir")
     ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
@@ -668,6 +706,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.gate_share,
         a.gate_samples,
         a.gate_rule,
+        a.gate_adopt_alpha,
     ), a.report
 
 

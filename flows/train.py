@@ -85,7 +85,7 @@ from tasks.integrity import (
     StageFailedError,
     stage_failed_message,
 )
-from tasks.library_gate import expected_attempts, library_gate_task, split_for_gate
+from tasks.library_gate import GATE_OFF, expected_attempts, library_gate_task, split_for_gate
 from tasks.limits import Limited, limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import load_dataset_task
 from tasks.numeric_update import numeric_inputs, numeric_update_task
@@ -113,6 +113,7 @@ from tasks.pipeline import (
 )
 from tasks.preflight import check_run
 from tasks.rollout import rollout_task
+from tasks.shorten import shorten_plan_task
 from tasks.summarize import summarize_task
 from tasks.validate_lessons import Rejected, StepDraws, plan_after, validate_lessons_task
 from tasks.verify import verify_task, warm_verifier
@@ -129,6 +130,7 @@ class TrainResult:
     export_dir: str
     steps: list[StepReport] = field(default_factory=list)
     stopped: str | None = None  # why the run stopped before its last step (a budget), else None
+    gate: list[str] = field(default_factory=list)  # what the library gate did, line by line (``gate_lines``)
 
 
 @dataclass(frozen=True)
@@ -350,7 +352,8 @@ async def compute_consolidate(t: Trainer, s: StepState) -> Plans:
 
 async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
     """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
-    near, _ = await t.plan_context(s, s.plan.operations)  # a candidate is tried as it would be applied
+    plan, shorten_calls = await shorten_plan_task(s.cfg, s.step, s.plan.operations)  # too long: shortened once
+    near, _ = await t.plan_context(s, plan)  # a candidate is tried as it would be applied
     drawn = StepDraws(
         s.rollouts if s.sampling.policy == s.cfg.policy else [],  # rollouts of another adapter are not the baseline
         s.rewards,
@@ -360,7 +363,7 @@ async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
         s.cfg,
         s.step,
         s.version,
-        s.plan.operations,
+        plan,
         s.problems,
         s.advantages,
         t.learn_problems,
@@ -368,11 +371,14 @@ async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
         t.ledger(s.step),
         drawn,
     )
-    return Trials(result.trials, result.samples, result.calls)
+    return Trials(result.trials, result.samples, shorten_calls + result.calls)
 
 
 async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
-    """The library before vs after the validated plan on the problems set aside (``tasks.library_gate``)."""
+    """The library before vs after the validated plan on the problems set aside (``tasks.library_gate``);
+    nothing when none could be set aside (``enabled: auto`` on a small training set: the run says so)."""
+    if not t.gate_problems:
+        return Gate()
     operations, _ = s.validated
     before = ExperienceLibrary.from_version(s.version)
     near, usefulness = await t.plan_context(s, operations)
@@ -385,7 +391,8 @@ async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
 
 
 def log_library_gate(t: Trainer, s: StepState) -> None:
-    t.log.info("step %d %s", s.step, s.gates[0].reason)
+    if s.gates:
+        t.log.info("step %d %s", s.step, s.gates[0].reason)
 
 
 async def compute_apply_operations(t: Trainer, s: StepState) -> Applied:
@@ -555,7 +562,7 @@ STEP: tuple[StepStage, ...] = (
         compute_library_gate,
         Gate,
         GATE_FAILURES,
-        when=lambda cfg: cfg.learning.library_gate.enabled,
+        when=lambda cfg: cfg.learning.library_gate.enabled is not False,
         expect=lambda s: (0, "attempts"),  # announced once the stage knows whether the plan changes anything
         after=log_library_gate,
     ),
@@ -579,6 +586,7 @@ class Trainer:
         self.log = get_run_logger()
         self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
         self.gate_problems: list[Problem] = []  # the library gate's own problems (learning.library_gate)
+        self.gate_note = ""  # what the gate does in this run, in one line (set_aside)
         self.learn_problems: list[Problem] = []  # the rest: what steps and lesson trials draw from
 
     # --- the stage protocol: read back when done, else compute and write atomically -------------------
@@ -733,21 +741,33 @@ class Trainer:
         ]
 
     def set_aside(self, problems: list[Problem]) -> list[Problem]:
-        """With the library gate: the training problems it keeps for itself are never trained on; the rest."""
+        """With the library gate: the training problems it keeps for itself are never trained on; the rest. What
+        the gate does in this run is said once (``gate_note``), and again at the end of the run."""
         settings = self.cfg.learning.library_gate
-        if not settings.enabled:
+        if settings.enabled is False:
+            self.gate_note = GATE_OFF  # the user's own choice: stated, in the log and at the end of the run
+            self.log.info("%s", self.gate_note)
             return problems
         learn, self.gate_problems = split_for_gate(problems, settings, self.cfg.seed)
         if not self.gate_problems or not learn:
-            raise StageFailedError(
-                f"learning.library_gate: {len(problems)} training problems leave none to set aside or none to learn "
-                f"from (share {settings.share:g}, min_problems {settings.min_problems}); use more problems"
+            if settings.enabled is True:
+                raise StageFailedError(
+                    f"learning.library_gate: {len(problems)} training problems leave none to set aside or none to "
+                    f"learn from (share {settings.share:g}, min_problems {settings.min_problems}); use more problems"
+                )
+            self.gate_note = (
+                f"library gate: off for this run: no task tag has {2 * settings.min_problems} training problems "
+                f"({settings.min_problems} to set aside, the rest to learn from; {len(problems)} problems in all), "
+                "so no step is checked against the library it changes; add problems, or set "
+                "learning.library_gate.enabled: false to say so"
             )
-        self.log.info(
-            "library gate: %s set aside (never trained on), %s to learn from",
-            counted(len(self.gate_problems), "training problem"),
-            counted(len(learn), "problem"),
+            self.log.warning("%s", self.gate_note)
+            return problems
+        self.gate_note = (
+            f"library gate: {counted(len(self.gate_problems), 'training problem')} set aside (never trained on), "
+            f"{counted(len(learn), 'problem')} to learn from"
         )
+        self.log.info("%s", self.gate_note)
         return learn
 
     # --- one step: the stages of STEP in order ------------------------------------------------------------
@@ -1025,9 +1045,35 @@ class Trainer:
                 description=f"step {planned.step}/{len(planned_steps)}",
             )
         await publish_run_report(self.store, self.cfg)
+        gate = gate_lines(self.gate_note, self.store.records("library_gates", self.run_id), library)
+        for line in gate[1:]:
+            self.log.info("%s", line)
         return TrainResult(
-            self.run_id, str(self.store.path), library.version, len(library), str(export_dir(self.cfg)), reports
+            self.run_id,
+            str(self.store.path),
+            library.version,
+            len(library),
+            str(export_dir(self.cfg)),
+            reports,
+            gate=gate,
         )
+
+
+def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibrary) -> list[str]:
+    """What the library gate did in a run: its note (on, off and why), then, when it measured steps, how many it
+    adopted, and when it adopted none, that the run ends with the library it started with."""
+    lines = [note] if note else []
+    measured = [d for d in decisions if d.verdict != "unchanged"]
+    if not measured:
+        return lines
+    adopted = sum(d.verdict == "adopted" for d in measured)
+    lines.append(f"library gate: {adopted} of {counted(len(measured), 'step')} with changes adopted")
+    if adopted == 0:
+        lines.append(
+            f"library gate: no step measured better, so the run ends with the library it started with "
+            f"({counted(len(library), 'experience')}), not a worse one"
+        )
+    return lines
 
 
 def _num(value: float | None) -> str:

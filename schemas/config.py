@@ -271,26 +271,32 @@ class LessonValidation(Section):
 
 
 class LibraryGate(Section):
-    """The library gate (stage ``library_gate``): a step's changes are adopted only if they do not make the
-    policy worse. A share of the training problems (per task tag, at least ``min_problems``) is set aside when
-    the run starts and never learned from: no rollout, lesson or trial of training uses it. At the end of each
-    step the library before and the library after the step's operations answer those problems ``samples`` times
-    each on the same seeds (paired); the mean reward's difference comes with a paired-bootstrap CI and an exact
-    sign test over the pairs that differ. ``rule`` ``better``: adopt only if the mean rises by more than
-    ``min_gain`` (a tie, a change with no measurable effect, is not adopted); ``significant``: and the sign test
-    says better at ``alpha``. Either way no task tag with at least ``min_problems`` gate problems may be worse
-    beyond noise (its sign test at ``alpha``). A step not adopted keeps the library as it was, its operations
-    stored as rejected with the numbers. A library's attempts are reused when a later step starts from it (the
-    same problems and seeds), so every adopted step raises the measured mean: the final library is the best
-    version measured, never one that measured worse than the library the run started with."""
+    """The library gate (stage ``library_gate``): a step's changes are adopted only if they make the policy
+    measurably better and no task tag worse. A share of the training problems (per task tag, at least
+    ``min_problems``) is set aside when the run starts and never learned from: no rollout, lesson or trial of
+    training uses it. At the end of each step the library before and the library after the step's operations
+    answer those problems ``samples`` times each on the same seeds (paired); the mean reward's difference comes
+    with a paired-bootstrap CI and an exact sign test over the pairs that differ. ``rule`` ``significant``: adopt
+    only if the mean rises by more than ``min_gain`` and the sign test says better at ``adopt_alpha`` (one-sided);
+    ``better``: a rise is enough (a change inside the noise gets in). Either way no task tag with at least
+    ``min_problems`` gate problems may be worse beyond noise (its sign test at ``alpha``). A step not adopted
+    keeps the library as it was, its operations stored as rejected with the numbers, and a run that adopts
+    nothing ends with the library it started with, saying so. A library's samples are drawn once
+    (``tasks.measure``): the one a step starts from was measured by the step that adopted it.
 
-    enabled: bool = False
+    ``enabled``: ``auto`` (the default): on where the training set allows it, that is for task tags of at least
+    twice ``min_problems`` problems (smaller tags are learned from whole and not gated); a run where no tag is
+    that large says the gate is off and why. ``true``: on, and a training set too small for it is an error.
+    ``false``: off, which the run states."""
+
+    enabled: bool | Literal["auto"] = "auto"
     share: float = Field(0.3, gt=0.0, lt=1.0)  # of each tag's training problems
     min_problems: int = Field(4, ge=1)
     samples: int = Field(4, ge=1)  # per problem and arm
-    rule: Literal["better", "significant"] = "better"
+    rule: Literal["better", "significant"] = "significant"
     min_gain: float = Field(0.0, ge=0.0, le=1.0)
-    alpha: float = Field(0.05, gt=0.0, lt=0.5)  # one-sided level of "worse beyond noise"
+    adopt_alpha: float = Field(0.2, gt=0.0, lt=0.5)  # rule significant: one-sided level of "better"
+    alpha: float = Field(0.05, gt=0.0, lt=0.5)  # one-sided level of "worse beyond noise" (per tag)
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: grpo.rollout_temperature
 
 
@@ -522,7 +528,9 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning", "fallback"): "none",
     ("learning", "summarize"): True,
     ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
-    ("learning", "library_gate"): LibraryGate().model_dump(mode="json"),
+    # the gate as it was before it was on by default: off (its other settings then shape nothing); a run made
+    # then resumes with `enabled: false` and keeps its fingerprint; one that says nothing now runs with the gate
+    ("learning", "library_gate"): {**LibraryGate().model_dump(mode="json"), "enabled": False},
     ("learning", "blocked"): [],
     ("policy", "adapter"): None,
     ("learner", "adapter"): None,
@@ -532,6 +540,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning.lesson_validation", "test"): "mean",
     ("learning.lesson_validation", "max_problems"): None,
     ("learning.lesson_validation", "alpha"): 0.05,
+    ("learning.library_gate", "adopt_alpha"): 0.2,
 }
 # whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
 LATER_SECTIONS = ("library", "hybrid")

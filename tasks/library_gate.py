@@ -36,6 +36,10 @@ from tasks.judge import make_judge
 from tasks.measure import Sampling, measure, reusable, sample_seeds
 
 UNTAGGED = "(untagged)"
+GATE_OFF = (
+    "library gate: off (learning.library_gate.enabled: false): no step is checked against the library it changes, "
+    "so the run's library may answer worse than none"
+)
 
 
 # --- the problems set aside ----------------------------------------------------------------------------------
@@ -43,13 +47,17 @@ def split_for_gate(
     problems: Sequence[Problem], settings: LibraryGate, seed: int
 ) -> tuple[list[Problem], list[Problem]]:
     """(learned from, set aside): of each task tag's problems, ``share`` (at least ``min_problems``, and never
-    all of them) set aside, chosen by a hash of the seed and the problem id (the same whatever the order)."""
+    all of them) set aside, chosen by a hash of the seed and the problem id (the same whatever the order).
+    ``enabled: auto``: only tags of at least twice ``min_problems`` problems, each keeping ``min_problems`` to
+    learn from; smaller ones are learned from whole."""
     by_tag: dict[str, list[Problem]] = defaultdict(list)
     for p in problems:
         by_tag[p.tag or UNTAGGED].append(p)
     aside: set[str] = set()
     for group in by_tag.values():
         size = min(len(group) - 1, max(settings.min_problems, round(settings.share * len(group))))
+        if settings.enabled == "auto":
+            size = min(size, len(group) - settings.min_problems) if len(group) >= 2 * settings.min_problems else 0
         ranked = sorted(group, key=lambda p: text_hash(f"gate:{seed}:{p.problem_id}"))
         aside |= {p.problem_id for p in ranked[: max(size, 0)]}
     return [p for p in problems if p.problem_id not in aside], [p for p in problems if p.problem_id in aside]
@@ -228,11 +236,13 @@ def decide(
         verdict, why = "rejected", f"worse beyond noise on tag {', '.join(worse_tags)}"
     elif overall.diff <= settings.min_gain:
         verdict, why = "rejected", f"not better (the mean must rise by more than {settings.min_gain:g})"
-    elif settings.rule == "significant" and overall.p_better >= settings.alpha:
+    elif settings.rule == "significant" and overall.p_better >= settings.adopt_alpha:
         verdict, why = (
             "rejected",
-            f"not better beyond noise (sign test p={overall.p_better:.3f}, not < {settings.alpha:g})",
+            f"not better beyond noise (sign test p={overall.p_better:.3f}, not < {settings.adopt_alpha:g})",
         )
+    elif settings.rule == "significant":
+        verdict, why = "adopted", f"better beyond noise (sign test p={overall.p_better:.3f} < {settings.adopt_alpha:g})"
     else:
         verdict, why = "adopted", "better"
     return GateDecision(

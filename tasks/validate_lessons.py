@@ -49,6 +49,7 @@ from schemas.records import (
 )
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
+from tasks.candidate_clusters import cluster, joined, representatives, similarity
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
@@ -154,11 +155,12 @@ def _candidates(
     pool: Sequence[Problem] = (),
     near: NearDuplicates | None = None,
     ledger: Sequence[Rejected] = (),
+    clustered: Mapping[int, str] | None = None,
 ) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
     is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules,
     and no earlier candidate says the same), why each other one is not tried, and the repeats (rejected: tried
-    once)."""
+    once). ``clustered``: plan positions another member of their cluster stands for, with the reason."""
     settings = config.learning.lesson_validation
     screen = lesson_screen(config, problems)
     candidates: list[_Candidate] = []
@@ -170,6 +172,9 @@ def _candidates(
             continue
         if (earlier := _rejected_before(op, ledger)) is not None:
             repeats[seq] = f"rejected before, not tried again: step {earlier.step}: {earlier.reason}"
+            continue
+        if clustered and seq in clustered:
+            repeats[seq] = clustered[seq]
             continue
         if (first := _same_as(op, candidates)) is not None:
             repeats[seq] = f"lesson validation: the same lesson as {quoted(first.operation)}, which is tried instead"
@@ -423,9 +428,12 @@ async def validate_lessons(
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match."""
     settings = config.learning.lesson_validation
-    candidates, untested, repeats = _candidates(config, library, plan, problems, advantages, step, pool, near, ledger)
+    tried_plan, clustered, cluster_calls = await _clustered(config, plan, near, ledger, llm, domain)
+    candidates, untested, repeats = _candidates(
+        config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered
+    )
     trials = [
-        LessonTrial(seq=seq, operation=plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
+        LessonTrial(seq=seq, operation=tried_plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
     trials += [
         LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
@@ -444,7 +452,32 @@ async def validate_lessons(
     trials = sorted(trials + list(looks.decided.values()), key=lambda t: t.seq)
     specific, rater_calls = await _rate_ties(trials, llm, domain)
     trials = best_per_group(trials, specific)
-    return Validated(*plan_after(trials), trials, looks.samples, looks.calls + rater_calls)
+    return Validated(*plan_after(trials), trials, looks.samples, cluster_calls + looks.calls + rater_calls)
+
+
+async def _clustered(
+    config: RunConfig,
+    plan: list[Operation],
+    near: NearDuplicates | None,
+    ledger: Sequence[Rejected],
+    llm: LLMClient,
+    domain: Domain,
+) -> tuple[list[Operation], dict[int, str], list[LLMCall]]:
+    """The plan as tried (each cluster's representative carrying all its members' source groups), the members
+    another one stands for with the reason, and the rater's calls (``tasks.candidate_clusters``)."""
+    eligible = [seq for seq, op in enumerate(plan) if op.op in VALIDATED and _rejected_before(op, ledger) is None]
+    chosen, calls = await representatives(plan, cluster(plan, eligible, near), llm, domain, config.learning.max_words)
+    tried, clustered = list(plan), {}
+    for rep, members in chosen.items():
+        tried[rep] = joined(plan, rep, members.members)
+        for seq in members.members:
+            if seq != rep:
+                value, _ = similarity(plan[rep].text or "", plan[seq].text or "", near)
+                clustered[seq] = (
+                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} (similarity {value:.2f}), "
+                    "tried once for their cluster"
+                )
+    return tried, clustered, calls
 
 
 async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) -> tuple[set[int], list[LLMCall]]:

@@ -144,6 +144,7 @@ def _config(server: FakeOpenAIServer, tmp_path: Path, run_id: str, epochs: int) 
         "grpo": {"group_size": 4, "epochs": epochs, "batch_size": 8, "rollout_chunk_size": 8},
         "concurrency": 8,
         "rollout": {"placement": "pool", "handoff_storage": str(tmp_path / "handoff"), "poll_interval_s": 1},
+        "learning": {"library_gate": {"enabled": False}},  # these tests count the pools' rollouts of every problem
     }
 
 

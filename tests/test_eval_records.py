@@ -8,7 +8,15 @@ import pytest
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import comparison_table
 from clgrpo.store import FrameValidationError, Store
-from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, DatasetConfig, EvalConfig, RunConfig
+from schemas.config import (
+    NOT_FINGERPRINTED,
+    NOT_FINGERPRINTED_MODEL,
+    DatasetConfig,
+    EvalConfig,
+    LearningConfig,
+    LibraryGate,
+    RunConfig,
+)
 from schemas.records import EvalSample, Problem, text_hash
 from tasks.evaluate import compare_by_tag, compare_conditions, reward_matrix, sample_seeds, summarize_condition
 
@@ -164,7 +172,11 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
-    cfg = RunConfig(dataset=DatasetConfig(path="t.jsonl"))
+    # the library gate was off by default before: a run made then resumes by saying so, with its fingerprint
+    cfg = RunConfig(
+        dataset=DatasetConfig(path="t.jsonl"), learning=LearningConfig(library_gate=LibraryGate(enabled=False))
+    )
+    assert RunConfig(dataset=DatasetConfig(path="t.jsonl")).fingerprint() != cfg.fingerprint()  # now on: another run
     sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid", "domain_settings")
     excluded = (
         {key: True for key in sections}

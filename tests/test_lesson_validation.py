@@ -319,3 +319,59 @@ async def test_a_lesson_rejected_by_its_trial_is_not_tried_again(tmp_path):
     again = [t for t in second if t.operation.text == MISLEADING_LESSON]
     assert again and all(t.reason.startswith("rejected before, not tried again: step 1: ") for t in again)
     assert not second_samples  # nothing was attempted for it
+
+
+def test_near_duplicate_candidates_are_one_cluster_tried_once_for_all_their_groups():
+    from clgrpo.library import NearDuplicates, normalize_text
+    from tasks.candidate_clusters import cluster, joined
+
+    texts = [
+        "Count the integers in an inclusive range as the largest minus the smallest plus one.",
+        "Count the integers in an inclusive range as the largest minus the smallest, plus one.",
+        "Apply a discount to the original price, not to the already discounted one.",
+        "Count the integers of an inclusive range as largest minus smallest plus one always.",
+    ]
+    plan = [Operation(op=OpKind.ADD, text=t, source_groups=[f"g{i}"]) for i, t in enumerate(texts)]
+    plan.append(Operation(op=OpKind.MODIFY, target_ids=["E1"], text=texts[0], source_groups=["g4"]))
+    by_words = cluster(plan, range(len(plan)), None)  # no embeddings: word-trigram overlap
+    assert [c.members for c in by_words] == [(0, 1), (2,), (3,), (4,)]  # a modify is not an add's duplicate
+    # with the step's embeddings the threshold is the near-duplicate control's: the rewording joins too
+    vectors = {normalize_text(t): v for t, v in zip(texts, ([1.0, 0.0], [0.99, 0.141], [0.0, 1.0], [0.95, 0.312]))}
+    near = NearDuplicates(vectors, threshold=0.9, mode="merge")
+    assert [c.members for c in cluster(plan, range(4), near)] == [(0, 1, 3), (2,)]
+    assert joined(plan, 1, (0, 1, 3)).source_groups == ["g0", "g1", "g3"]
+    assert joined(plan, 1, (0, 1, 3)).text == texts[1]
+
+
+async def test_a_lesson_over_the_word_limit_is_shortened_once_instead_of_dropped():
+    from clgrpo.library import word_count
+    from clgrpo.llm import LLMClient
+    from tasks.shorten import shorten_long
+
+    long_text = " ".join(["When both ends of a range count, subtract the first from the last and add one"] * 3)
+    short = "When both ends of a range count, subtract the first from the last and add one."
+    asked: list[str] = []
+
+    def learner(request):
+        asked.append(request.messages[-1]["content"])
+        lesson = request.messages[-1]["content"]
+        return [json.dumps({"lesson": short if "still fine" not in lesson else long_text})]
+
+    plan = [
+        Operation(op=OpKind.ADD, text=long_text, rationale="r"),  # 51 words: shortened
+        Operation(op=OpKind.ADD, text=short),  # within the limit: not asked
+        Operation(op=OpKind.ADD, text=long_text + " still fine"),  # the reply is as long: left as it was
+        Operation(op=OpKind.DELETE, target_ids=["E1"]),
+    ]
+    cfg = LearningConfig(min_words=6, max_words=40)
+    with FakeOpenAIServer(learner) as server:
+        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
+        out, calls = await shorten_long(plan, [0, 1, 2], cfg, "mathematics", client, "validate_lessons")
+        await client.aclose()
+    assert len(asked) == 2 and len(calls) == 2 and all(c.stage == "validate_lessons" for c in calls)
+    assert f"This lesson has {word_count(long_text)} words. Rewrite it in 6 to 40 words." in asked[0]
+    assert (
+        out[0].text == short
+        and out[0].rationale == f"r [shortened by the learner from {word_count(long_text)} to 16 words]"
+    )
+    assert out[1:] == plan[1:]

@@ -38,6 +38,7 @@ from schemas.config import (
     RunConfig,
 )
 from schemas.records import OpKind
+from tests.gates import UNGATED
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 LINE = re.compile(r"^\[(E\d+)\]\.\s*(.*)$", re.MULTILINE)
@@ -101,7 +102,7 @@ def config(
         concurrency=8,
         dataset=DatasetConfig(path=str(dataset), seed=1, domain_field=domain_field),
         grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=12, rollout_chunk_size=4),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4, library_gate=UNGATED),
         library=library,
         **extra,
     )

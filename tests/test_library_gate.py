@@ -52,7 +52,7 @@ def samples(arm: str, rewards: dict[str, list[float | None]]) -> list[GateSample
 
 def test_the_decision_adopts_only_a_measured_rise_and_vetoes_a_worse_tag():
     problems = [problem(i, "a") for i in range(4)] + [problem(i, "b") for i in range(4, 8)]
-    settings = LibraryGate(enabled=True, samples=2, min_problems=4)
+    settings = LibraryGate(enabled=True, samples=2, min_problems=4, rule="better")
     zeros = {f"p{i}": [0.0, 0.0] for i in range(8)}
     better = decide(settings, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 1.0]}))
     assert better.verdict == "adopted" and (better.better_pairs, better.worse_pairs, better.pairs) == (2, 0, 16)
@@ -65,9 +65,26 @@ def test_the_decision_adopts_only_a_measured_rise_and_vetoes_a_worse_tag():
     mixed = decide(settings, problems, samples("before", ones_b), samples("after", {**after, "p4": [1.0, 1.0]}))
     assert mixed.diff == 0.125 and mixed.verdict == "rejected" and "worse beyond noise on tag b" in mixed.reason
     assert {t["tag"]: t["verdict"] for t in json.loads(mixed.tags_json)} == {"a": "pass", "b": "worse"}
-    strict = LibraryGate(enabled=True, samples=2, min_problems=4, rule="significant")
+    # the default rule: a rise the sign test calls better at adopt_alpha (0.2), not one inside the noise
+    strict = LibraryGate(enabled=True, samples=2, min_problems=4)
+    assert strict.rule == "significant" and strict.adopt_alpha == 0.2
     small = decide(strict, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 1.0]}))
-    assert small.verdict == "rejected" and "not better beyond noise (sign test p=0.250" in small.reason
+    assert small.verdict == "rejected" and "not better beyond noise (sign test p=0.250, not < 0.2)" in small.reason
+    three = decide(
+        strict, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 1.0], "p5": [1.0, 0.0]})
+    )
+    assert three.verdict == "adopted" and three.reason.endswith("better beyond noise (sign test p=0.125 < 0.2)")
+
+
+def test_auto_sets_aside_only_where_a_tag_is_large_enough_and_says_off_otherwise():
+    settings = LibraryGate(min_problems=4)
+    assert settings.enabled == "auto"
+    problems = [problem(i, "a") for i in range(10)] + [problem(i, "b") for i in range(10, 17)]
+    learn, aside = split_for_gate(problems, settings, seed=0)
+    assert {p.tag for p in aside} == {"a"} and len(aside) == 4  # b (7 < 2 x 4) is learned from whole
+    assert sum(p.tag == "a" for p in learn) == 6 and sum(p.tag == "b" for p in learn) == 7
+    assert split_for_gate(problems[10:], settings, seed=0)[1] == []  # nothing to set aside: the run says so
+    assert len(split_for_gate(problems[10:], settings.model_copy(update={"enabled": True}), seed=0)[1]) == 4
 
 
 def gated_learning(**gate) -> LearningConfig:

@@ -14,6 +14,7 @@ from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from schemas.records import Operation, OpKind, Proposal
 from tasks.limits import limit_plan, limit_proposals
+from tests.gates import UNGATED
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
@@ -55,7 +56,7 @@ def make_config(
         dataset=DatasetConfig(path=str(dataset), seed=1),
         policy=model,
         grpo=GRPOConfig(group_size=4, epochs=epochs, batch_size=16, rollout_chunk_size=5),
-        learning=LearningConfig(**learning),
+        learning=LearningConfig(**{"library_gate": UNGATED, **learning}),
         concurrency=8,
     )
 

@@ -8,6 +8,7 @@ from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, RequestLog
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
+from tests.gates import UNGATED
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 
@@ -36,7 +37,7 @@ def make_config(server: FakeOpenAIServer, tmp_path, run_id: str, pipeline: bool)
         dataset=DatasetConfig(path=str(write_jsonl(_PROBLEMS, tmp_path / "train.jsonl")), shuffle=False),
         policy=model,
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=16, rollout_chunk_size=5),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4, library_gate=UNGATED),
         concurrency=8,
         pipeline=pipeline,
     )

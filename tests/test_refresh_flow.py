@@ -50,7 +50,12 @@ def refresh_config(server: FakeOpenAIServer, tmp_path, **extra) -> RefreshConfig
                 "policy": model,
                 "concurrency": 8,
                 "grpo": {"group_size": 4, "epochs": 2, "batch_size": 16, "rollout_chunk_size": 8},
-                "learning": {"consolidate_chunk_size": 3, "summarize_chunk_size": 4},
+                # the refresh's own gate is what these tests are about: its training runs ungated
+                "learning": {
+                    "consolidate_chunk_size": 3,
+                    "summarize_chunk_size": 4,
+                    "library_gate": {"enabled": False},
+                },
             },
             "evaluation": {"dataset": {"path": str(heldout)}, "k": 4, "bootstrap_samples": 500, "chunk_size": 8},
             "steps": 2,

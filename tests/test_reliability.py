@@ -24,6 +24,7 @@ from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_json
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
 from tasks.integrity import StageFailedError
+from tests.gates import UNGATED
 
 SUMMARIZER = "trajectory summarizer"
 EXTRACTOR = "experience extractor"
@@ -56,7 +57,7 @@ def make_config(
         dataset=DatasetConfig(path=str(dataset), seed=1),
         policy=model,
         grpo=GRPOConfig(group_size=group_size, epochs=epochs, batch_size=16, rollout_chunk_size=5),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4),
+        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4, library_gate=UNGATED),
         concurrency=8,
     )
 

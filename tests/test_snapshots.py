@@ -20,6 +20,7 @@ from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.judge import judge_messages
 from clgrpo.prompts.lessons import example_reply
 from clgrpo.prompts.repair import repair_messages
+from clgrpo.prompts.shorten import shorten_messages
 from clgrpo.prompts.specificity import rater_messages
 from clgrpo.prompts.summarize import summarize_messages
 from domains import get_domain
@@ -73,6 +74,7 @@ def _prompts() -> dict[str, object]:
         out[f"{name}/example-reply"] = example_reply(prompts.examples, sources=True)
     out["judge"] = judge_messages(PROBLEM, "The new price is 30 dollars.")
     out["specificity"] = rater_messages("mathematics", "Always check your work.")
+    out["shorten"] = shorten_messages("mathematics", "When a price falls by a percent, multiply ...", 45, 6, 40)
     return out
 
 

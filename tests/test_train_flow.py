@@ -9,6 +9,7 @@ from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, ModelConfig, RunConfig
+from tests.gates import UNGATED
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 
@@ -34,7 +35,9 @@ def make_config(server: FakeOpenAIServer, dataset, tmp_path, run_id: str, **lear
         dataset=DatasetConfig(path=str(dataset), seed=1),
         policy=model,
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=16, rollout_chunk_size=5),
-        learning=LearningConfig(consolidate_chunk_size=3, summarize_chunk_size=4, **learning),
+        learning=LearningConfig(
+            **{"consolidate_chunk_size": 3, "summarize_chunk_size": 4, "library_gate": UNGATED, **learning}
+        ),
         concurrency=8,
     )
 

@@ -23,6 +23,7 @@ from schemas.config import (
     RolloutPlacement,
     RunConfig,
 )
+from tests.gates import UNGATED
 from tests.scripted_web import WEB_LESSON, ScriptedWebWorld
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
@@ -67,7 +68,9 @@ def web_config(
         concurrency=8,
         dataset=DatasetConfig(path=str(questions), problem_field="question", url_field="root_url", seed=1),
         grpo=GRPOConfig(group_size=4, epochs=2, batch_size=12, rollout_chunk_size=4),
-        learning=LearningConfig(use_groundtruth=use_groundtruth, consolidation="passthrough", summarize_chunk_size=4),
+        learning=LearningConfig(
+            use_groundtruth=use_groundtruth, consolidation="passthrough", summarize_chunk_size=4, library_gate=UNGATED
+        ),
         rollout=RolloutPlacement(mode="agent", agent=AgentConfig(protocol="tools", max_turns=6)),
         judge=judge,
         domain_settings=tools.model_dump(),

@@ -107,6 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(line)
         result = stopping.run(train(config, preflight=False))
     print_steps(result)
+    for line in result.gate:
+        print(line)
     print(f"DuckDB: {result.db_path}\nlibrary files: {result.export_dir}\n{report_hint(result.run_id, result.db_path)}")
     if result.stopped:
         print(f"stopped early: {result.stopped}")

@@ -302,6 +302,7 @@ class ScriptedWorld:
             "experience extractor": self._extract,
             "experience extractor (contrast)": self._contrast,
             "library consolidator": self._consolidate,
+            "lesson shortener": self._shorten,
         }.get(role)
         if handler is None:
             return ['{"operations": []}'] * request.n
@@ -398,6 +399,14 @@ class ScriptedWorld:
         return f"We need {a} {family.symbol} {b}.{hint} Working it out gives {value}. The answer is \\boxed{{{value}}}."
 
     # trajectory summarizer ---------------------------------------------------------------------------------
+    def _shorten(self, request: ChatRequest, rng: random.Random) -> str:
+        """The lesson's first words, as many as the request allows."""
+        text = message_text(request.messages[-1])
+        limit = re.search(r"Rewrite it in \d+ to (\d+) words", text)
+        quoted = re.search(r"<proposals>\n(.*?)\n</proposals>", text, re.DOTALL)
+        words = (quoted.group(1) if quoted else "").split()[: int(limit.group(1)) if limit else 20]
+        return json.dumps({"lesson": " ".join(words).rstrip(",;") + "."})
+
     def _summarize(self, request: ChatRequest, rng: random.Random) -> str:
         user = _user_messages(request)[0]
         attempt = user.split("\nAttempt", 1)[-1]

@@ -1,0 +1,87 @@
+"""Near-duplicate candidates of one step, clustered before any trial: a cluster is tried once.
+
+Contrast extraction often proposes one lesson several times in other words (issue 47: four of five kept
+candidates of one run were one lesson). Trying each is paying for the same measurement again. Candidates of
+the same kind and target are clustered when their texts are near-duplicates: cosine similarity of their
+embeddings at or above the near-duplicate threshold where the step embedded them (``NearDuplicates``), else
+word-trigram overlap both ways at ``SAME_LESSON``. Each cluster is tried with its best-rated text (the lesson
+rater's "specific" first, then the shortest, then the first in the plan), carrying the source groups of all
+its members; the others are rejected as its repeats, naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clgrpo.library import NearDuplicates, normalize_text, word_count
+from clgrpo.llm import LLMClient
+from domains import Domain
+from domains.learner import SAME_LESSON, overlap
+from schemas.records import LLMCall, Operation
+from schemas.stages import Stage
+from tasks.specificity import rate
+
+
+@dataclass(frozen=True)
+class Cluster:
+    members: tuple[int, ...]  # plan positions, in plan order
+    similarity: tuple[float, ...]  # each member's similarity to the first one (1.0 for itself)
+
+
+def similarity(a: str, b: str, near: NearDuplicates | None) -> tuple[float, float]:
+    """(similarity, the threshold it is held to): embeddings' cosine where both texts were embedded, else the
+    word-trigram overlap both ways."""
+    if near is not None:
+        va, vb = near.vectors.get(normalize_text(a)), near.vectors.get(normalize_text(b))
+        if va is not None and vb is not None:
+            return float(sum(x * y for x, y in zip(va, vb))), near.threshold
+    return min(overlap(a, b), overlap(b, a)), SAME_LESSON
+
+
+def cluster(plan: Sequence[Operation], eligible: Sequence[int], near: NearDuplicates | None) -> list[Cluster]:
+    """Greedy single pass in plan order: a candidate joins the first cluster of the same kind and target whose
+    first member it nearly duplicates, else starts one."""
+    clusters: list[list[tuple[int, float]]] = []
+    for seq in eligible:
+        op = plan[seq]
+        for members in clusters:
+            first = plan[members[0][0]]
+            if (first.op, first.target_ids) != (op.op, op.target_ids):
+                continue
+            value, threshold = similarity(first.text or "", op.text or "", near)
+            if value >= threshold:
+                members.append((seq, value))
+                break
+        else:
+            clusters.append([(seq, 1.0)])
+    return [Cluster(tuple(s for s, _ in m), tuple(v for _, v in m)) for m in clusters]
+
+
+async def representatives(
+    plan: Sequence[Operation], clusters: Sequence[Cluster], llm: LLMClient, domain: Domain, max_words: int
+) -> tuple[dict[int, Cluster], list[LLMCall]]:
+    """The plan position that stands for each cluster (its best-rated text), asking the lesson rater about the
+    members of clusters with more than one."""
+    crowded = [c for c in clusters if len(c.members) > 1]
+    texts = [plan[seq].text or "" for c in crowded for seq in c.members]
+    ratings, calls = (
+        await rate(texts, llm, domain=domain.learner_prompts.domain, stage=Stage.VALIDATE_LESSONS)
+        if texts
+        else ([], [])
+    )
+    specific = {seq for c in crowded for seq in c.members} & {
+        seq for (seq, r) in zip([s for c in crowded for s in c.members], ratings) if r.verdict == "specific"
+    }
+
+    def rank(seq: int) -> tuple[bool, bool, int, int]:
+        words = word_count(plan[seq].text or "")
+        return (seq not in specific, words > max_words, words, seq)
+
+    return {min(c.members, key=rank): c for c in clusters}, calls
+
+
+def joined(plan: Sequence[Operation], chosen: int, members: Sequence[int]) -> Operation:
+    """The representative's operation carrying every member's source groups (in plan order, once each)."""
+    groups = list(dict.fromkeys(g for seq in members for g in plan[seq].source_groups))
+    return plan[chosen].model_copy(update={"source_groups": groups})
