@@ -292,7 +292,10 @@ class LibraryGate(Section):
     enabled: bool | Literal["auto"] = "auto"
     share: float = Field(0.3, gt=0.0, lt=1.0)  # of each tag's training problems
     min_problems: int = Field(4, ge=1)
-    samples: int = Field(4, ge=1)  # per problem and arm
+    samples: int = Field(4, ge=1)  # per problem and arm, at most
+    # sequential: the samples are drawn in this many equal parts; after each, a step is adopted (or found worse
+    # on a tag) at adopt_alpha (alpha) divided by the looks, else the next part is drawn; the last look decides
+    looks: int = Field(2, ge=1)
     rule: Literal["better", "significant"] = "significant"
     min_gain: float = Field(0.0, ge=0.0, le=1.0)
     adopt_alpha: float = Field(0.2, gt=0.0, lt=0.5)  # rule significant: one-sided level of "better"
@@ -541,6 +544,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning.lesson_validation", "max_problems"): None,
     ("learning.lesson_validation", "alpha"): 0.05,
     ("learning.library_gate", "adopt_alpha"): 0.2,
+    ("learning.library_gate", "looks"): 1,
 }
 # whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
 LATER_SECTIONS = ("library", "hybrid")

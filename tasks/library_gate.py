@@ -79,6 +79,7 @@ async def attempts(
     domain: Domain,
     llm: LLMClient,
     known: Mapping[str, Sample],
+    k: int | None = None,
 ) -> tuple[list[GateSample], list[LLMCall]]:
     """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt (``tasks.measure``:
     those already drawn, e.g. by the step that measured this library as its "after", are read)."""
@@ -88,7 +89,7 @@ async def attempts(
     measured = await measure(
         problems,
         shown,
-        settings.samples,
+        k or settings.samples,
         sample_seeds(problems, config.seed),
         Sampling.of(config, temperature),
         domain,
@@ -117,15 +118,20 @@ async def gate_step(
     if after.content_hash() == before.content_hash():
         return GateOutcome(unchanged(settings, problems, before.content_hash()))
     known = reusable(earlier)
-    samples: list[GateSample] = []
     calls: list[LLMCall] = []
     arms: dict[str, list[GateSample]] = {}
-    for arm, library in (("before", before), ("after", after)):
-        with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
-            arms[arm], arm_calls = await attempts(arm, library, problems, config, domain, llm, known)
-        samples += arms[arm]
-        calls += arm_calls
-    return GateOutcome(decide(settings, problems, arms["before"], arms["after"]), samples, calls)
+    drawn: dict[str | None, GateSample] = {}  # drawn by this step at an earlier look: stored as drawn
+    for look in looks(settings):  # sequential: a clear verdict stops before every sample is drawn
+        for arm, library in (("before", before), ("after", after)):
+            with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
+                fresh, arm_calls = await attempts(arm, library, problems, config, domain, llm, known, look.k)
+            arms[arm] = [drawn.get(s.draw_key, s) if not s.drawn else s for s in fresh]
+            drawn |= {s.draw_key: s for s in arms[arm] if s.drawn}
+            known |= reusable(arms[arm])
+            calls += arm_calls
+        if (decision := decide(settings, problems, arms["before"], arms["after"], look)) is not None:
+            return GateOutcome(decision, arms["before"] + arms["after"], calls)
+    raise AssertionError("the last look always decides")  # pragma: no cover
 
 
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
@@ -223,34 +229,71 @@ def _paired_ci(
     return estimate.low, estimate.high
 
 
+@dataclass(frozen=True)
+class Look:
+    """One look of the sequential gate: the samples per problem so far, and the one-sided levels at this look
+    (``adopt_alpha`` and ``alpha`` divided by the number of looks: Bonferroni over the looks)."""
+
+    k: int
+    adopt_level: float
+    worse_level: float
+    number: int = 1
+    of: int = 1
+
+    @property
+    def last(self) -> bool:
+        return self.number == self.of
+
+
+def looks(settings: LibraryGate) -> list[Look]:
+    """``samples`` per problem in ``looks`` equal parts (the last takes what is left)."""
+    count = max(1, min(settings.looks, settings.samples))
+    per = -(-settings.samples // count)
+    ks = sorted({min(settings.samples, per * i) for i in range(1, count + 1)})
+    return [Look(k, settings.adopt_alpha / len(ks), settings.alpha / len(ks), i + 1, len(ks)) for i, k in enumerate(ks)]
+
+
 def decide(
-    settings: LibraryGate, problems: Sequence[Problem], before: Sequence[GateSample], after: Sequence[GateSample]
-) -> GateDecision:
-    overall = compare([p.problem_id for p in problems], before, after, settings.samples)
-    tags = _tag_rows(settings, problems, before, after)
+    settings: LibraryGate,
+    problems: Sequence[Problem],
+    before: Sequence[GateSample],
+    after: Sequence[GateSample],
+    look: Look | None = None,
+) -> GateDecision | None:
+    """The verdict on the pairs so far; None at a look before the last when it neither adopts nor finds a tag
+    worse beyond noise (the next look draws more). Without ``look``: one look with every sample."""
+    look = look or Look(settings.samples, settings.adopt_alpha, settings.alpha)
+    overall = compare([p.problem_id for p in problems], before, after, look.k)
+    tags = _tag_rows(settings, problems, before, after, look)
     worse_tags = [t["tag"] for t in tags if t["verdict"] == "worse"]
-    numbers = describe(overall, settings.samples)
+    numbers = describe(overall, look.k)
+    when = f" at look {look.number} of {look.of}" if look.of > 1 else ""
     if overall.diff is None:
         verdict, why = "rejected", "no attempt could be graded in both arms"
     elif worse_tags:
-        verdict, why = "rejected", f"worse beyond noise on tag {', '.join(worse_tags)}"
+        verdict, why = "rejected", f"worse beyond noise on tag {', '.join(worse_tags)}{when}"
     elif overall.diff <= settings.min_gain:
         verdict, why = "rejected", f"not better (the mean must rise by more than {settings.min_gain:g})"
-    elif settings.rule == "significant" and overall.p_better >= settings.adopt_alpha:
+    elif settings.rule == "significant" and overall.p_better >= look.adopt_level:
         verdict, why = (
             "rejected",
-            f"not better beyond noise (sign test p={overall.p_better:.3f}, not < {settings.adopt_alpha:g})",
+            f"not better beyond noise (sign test p={overall.p_better:.3f}, not < {look.adopt_level:g})",
         )
     elif settings.rule == "significant":
-        verdict, why = "adopted", f"better beyond noise (sign test p={overall.p_better:.3f} < {settings.adopt_alpha:g})"
+        verdict, why = (
+            "adopted",
+            f"better beyond noise{when} (sign test p={overall.p_better:.3f} < {look.adopt_level:g})",
+        )
     else:
         verdict, why = "adopted", "better"
+    if verdict == "rejected" and not worse_tags and not look.last and overall.diff is not None:
+        return None
     return GateDecision(
         verdict=verdict,
         reason=f"library gate: {numbers}: {verdict}, {why}",
         rule=settings.rule,
         problem_ids=[p.problem_id for p in problems],
-        samples=settings.samples,
+        samples=look.k,
         pairs=overall.pairs,
         before_hash=before[0].library_hash if before else "",
         after_hash=after[0].library_hash if after else "",
@@ -268,7 +311,11 @@ def decide(
 
 
 def _tag_rows(
-    settings: LibraryGate, problems: Sequence[Problem], before: Sequence[GateSample], after: Sequence[GateSample]
+    settings: LibraryGate,
+    problems: Sequence[Problem],
+    before: Sequence[GateSample],
+    after: Sequence[GateSample],
+    look: Look,
 ) -> list[dict]:
     """Per task tag with at least ``min_problems`` set-aside problems: its comparison and whether it is worse
     beyond noise (the sign test at ``alpha``). Smaller tags are listed as not gated."""
@@ -278,9 +325,9 @@ def _tag_rows(
             by_tag[p.tag].append(p.problem_id)
     rows = []
     for tag, ids in sorted(by_tag.items()):
-        c = compare(ids, before, after, settings.samples)
+        c = compare(ids, before, after, look.k)
         gated = len(ids) >= settings.min_problems
-        verdict = "not_gated" if not gated else "worse" if c.p_worse < settings.alpha else "pass"
+        verdict = "not_gated" if not gated else "worse" if c.p_worse < look.worse_level else "pass"
         rows.append(
             {
                 "tag": tag,

@@ -428,7 +428,9 @@ async def validate_lessons(
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match."""
     settings = config.learning.lesson_validation
-    tried_plan, clustered, cluster_calls = await _clustered(config, plan, near, ledger, llm, domain)
+    tried_plan, clustered, cluster_calls = await _clustered(
+        config, step, library, plan, problems, near, ledger, llm, domain
+    )
     candidates, untested, repeats = _candidates(
         config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered
     )
@@ -457,15 +459,29 @@ async def validate_lessons(
 
 async def _clustered(
     config: RunConfig,
+    step: int,
+    library: ExperienceLibrary,
     plan: list[Operation],
+    problems: list[Problem],
     near: NearDuplicates | None,
     ledger: Sequence[Rejected],
     llm: LLMClient,
     domain: Domain,
 ) -> tuple[list[Operation], dict[int, str], list[LLMCall]]:
     """The plan as tried (each cluster's representative carrying all its members' source groups), the members
-    another one stands for with the reason, and the rater's calls (``tasks.candidate_clusters``)."""
-    eligible = [seq for seq, op in enumerate(plan) if op.op in VALIDATED and _rejected_before(op, ledger) is None]
+    another one stands for with the reason, and the rater's calls (``tasks.candidate_clusters``). Only
+    candidates the library accepts are clustered: a refused one could not stand for the others."""
+    screen = lesson_screen(config, problems)
+
+    def accepted(op: Operation) -> bool:
+        _, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
+        return results[0].status == OpStatus.APPLIED
+
+    eligible = [
+        seq
+        for seq, op in enumerate(plan)
+        if op.op in VALIDATED and _rejected_before(op, ledger) is None and accepted(op)
+    ]
     chosen, calls = await representatives(plan, cluster(plan, eligible, near), llm, domain, config.learning.max_words)
     tried, clustered = list(plan), {}
     for rep, members in chosen.items():

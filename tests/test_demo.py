@@ -182,7 +182,7 @@ def test_default_demo_learns_and_checks_on_held_out_problems(tmp_path):
     """The acceptance of the demo, end to end on the real Qwen2.5-Coder-0.5B with the 1.5B writing the lessons
     (fetched from PyPI, served by llama-server; about 7 minutes on 2 cores once they are cached): the held-out table
     and its CI are produced, every lesson in the library passed the lesson guard, and every rejected candidate is
-    listed with its reason.
+    listed with its reason, and the library gate's decision is printed with its numbers.
     Not that the gain is positive: a real model may fail on a given day (benchmarks/learning.py shows the gain)."""
     from domains.guard import LessonGuard
 
@@ -198,3 +198,7 @@ def test_default_demo_learns_and_checks_on_held_out_problems(tmp_path):
     assert all(guard.check(lesson) is None for _, lesson in result.library), result.library
     rejected = [r for _, r in result.operations if r.status.value == "rejected"]
     assert all(r.reason in text for r in rejected)
+    # the library gate is on: the step's decision is printed with its numbers (or the step changed nothing)
+    assert [step for step, _ in result.gates] == [1]
+    gate = result.gates[0][1]
+    assert gate.verdict == "unchanged" or (f"step 1 {gate.reason}" in text and "sign test p=" in gate.reason)

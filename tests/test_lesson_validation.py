@@ -375,3 +375,25 @@ async def test_a_lesson_over_the_word_limit_is_shortened_once_instead_of_dropped
         and out[0].rationale == f"r [shortened by the learner from {word_count(long_text)} to 16 words]"
     )
     assert out[1:] == plan[1:]
+
+
+async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplicates():
+    from clgrpo.llm import LLMClient
+    from domains.math import MathDomain
+    from tasks.validate_lessons import _clustered
+
+    refused = "Count the integers in an inclusive range as the largest minus the smallest plus one (always))."
+    fine = "Count the integers in an inclusive range as the largest minus the smallest plus one, always."
+    plan = [
+        Operation(op=OpKind.ADD, text=refused, source_groups=["g0"]),
+        Operation(op=OpKind.ADD, text=fine, source_groups=["g1"]),
+    ]
+    cfg = RunConfig(dataset=DatasetConfig(path="unused.jsonl"))
+    with FakeOpenAIServer(lambda request: [json.dumps({"verdict": "specific", "reason": "r"})]) as server:
+        client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
+        tried, clustered, calls = await _clustered(
+            cfg, 1, ExperienceLibrary(), plan, [], None, [], client, MathDomain()
+        )
+        await client.aclose()
+    assert clustered == {} and calls == []  # the refused one is left for its own reason, the other tried alone
+    assert tried == plan

@@ -6,6 +6,7 @@ numbers. The flow tests run the real training flow against the scripted world ov
 import json
 
 import pytest
+import yaml
 
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
@@ -103,7 +104,7 @@ async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_
     dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")  # 16 problems
     with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=1.0)) as server:
         misled = make_config(server, dataset, tmp_path, "misled", gated_learning())
-        await train(misled)
+        misled_result = await train(misled)
     with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.0)) as server:
         helped = make_config(server, dataset, tmp_path, "helped", gated_learning())
         helped = helped.model_copy(update={"grpo": helped.grpo.model_copy(update={"epochs": 2})})
@@ -125,6 +126,12 @@ async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_
     assert len(misled_library) == 0 and misled_ops
     assert all(r.status.value == "rejected" and r.operation.text == MISLEADING_LESSON for r in misled_ops)
     assert all(r.reason.startswith("library gate: reward ") for r in misled_ops)
+    assert misled_result.gate == [
+        "library gate: 4 training problems set aside (never trained on), 12 problems to learn from",
+        "library gate: 0 of 1 step with changes adopted",
+        "library gate: no step measured better, so the run ends with the library it started with (0 experiences), "
+        "not a worse one",
+    ]
     # the problems set aside are never trained on: no rollout of training shows one
     assert len(misled_gate.problem_ids) == 4 and not set(misled_gate.problem_ids) & rollout_ids
 
@@ -139,3 +146,60 @@ async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_
         # the library before step 2 was measured in step 1: its samples are read (drawn False), not drawn again
         assert set(step2[step2["drawn"]]["arm"]) == {"after"} and set(step2[~step2["drawn"]]["arm"]) == {"before"}
     assert dict(zip(calls.stage, calls.n))["library_gate"] > 0
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_run_says_when_its_gate_is_off_and_why(tmp_path, capsys):
+    from clgrpo.app.cli import main
+
+    dataset = write_jsonl(make_problems(n_per_family=1, seed=3)[:3] * 1, tmp_path / "small.jsonl")  # 3 problems
+    with FakeOpenAIServer(ScriptedWorld(seed=5)) as server:
+        config = tmp_path / "run.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "db_path": str(tmp_path / "runs.duckdb"),
+                    "dataset": {"path": str(dataset)},
+                    "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+                    "grpo": {"group_size": 2, "batch_size": 3},
+                    "learning": {"summarize": False, "consolidation": "passthrough"},
+                }
+            )
+        )
+        assert main(["train", "--config", str(config), "--run-id", "small"]) == 0
+        default = capsys.readouterr()
+        off = ["train", "--config", str(config), "--run-id", "off", "--set", "learning.library_gate.enabled=false"]
+        assert main(off) == 0
+        explicit = capsys.readouterr()
+    assert (
+        "library gate: off for this run: no task tag has 8 training problems (4 to set aside, the rest to learn "
+        "from; 3 problems in all)" in default.out
+    )
+    assert "library gate: off (learning.library_gate.enabled: false)" in explicit.out
+    assert "the run's library may answer worse than none" in explicit.out
+
+
+def test_the_gate_looks_twice_and_stops_at_the_first_clear_verdict():
+    from tasks.library_gate import Look, looks
+
+    settings = LibraryGate(samples=4, min_problems=4)  # looks=2: 2 samples per problem, then 2 more
+    assert [(x.k, x.adopt_level, x.worse_level, x.last) for x in looks(settings)] == [
+        (2, 0.1, 0.025, False),
+        (4, 0.1, 0.025, True),
+    ]
+    assert [x.k for x in looks(LibraryGate(samples=3, looks=2))] == [2, 3]
+    assert [x.k for x in looks(LibraryGate(samples=1, looks=3))] == [1]
+    problems = [problem(i, "a") for i in range(4)]
+    zeros = {f"p{i}": [0.0, 0.0] for i in range(4)}
+    first = Look(2, 0.1, 0.025, 1, 2)
+    # every pair better at the first look (p = 1/256 < 0.1): adopted without the second
+    clear = decide(
+        settings, problems, samples("before", zeros), samples("after", {k: [1.0, 1.0] for k in zeros}), first
+    )
+    assert clear.verdict == "adopted" and "at look 1 of 2" in clear.reason and clear.samples == 2
+    # one better pair is not enough yet: undecided, the next look draws more
+    assert (
+        decide(settings, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 0.0]}), first)
+        is None
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import sys
 import threading
@@ -80,10 +81,11 @@ def report_hint(run_id: str, db_path: str) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
+    # quoted: a run id or path is a string even where YAML would read another type ("off", "2026", "null")
     if args.run_id:
-        overrides.append(f"run_id={args.run_id}")
+        overrides.append(f"run_id={json.dumps(args.run_id)}")
     if args.db:
-        overrides.append(f"db_path={args.db}")
+        overrides.append(f"db_path={json.dumps(args.db)}")
     if args.mode:
         overrides.append(f"rollout.mode={args.mode}")
     if args.plots:

@@ -5,9 +5,11 @@
 instead), writes a training set and a disjoint held-out set of one problem family (``ranges`` by default:
 counting the whole numbers of a range whose both ends count), and runs the real Prefect ``train`` flow with the
 model as policy and as its own learner: rollouts, grading, contrast candidates (a correct and a wrong attempt
-side by side), lesson validation (each candidate tried on its problems without and with it), library versions
-in DuckDB. Then the ``evaluate`` flow samples the held-out problems with no library and with the learned one
-(same prompt otherwise, same seeds) and the demo prints Mean@k of both with 95% CIs, the paired difference with
+side by side), lesson validation (each candidate tried on its own problem without and with it), the library gate
+(the step adopted only if the library after it answers problems set aside better beyond noise than the library
+before it; its decision printed with its numbers), library versions in DuckDB. Then the ``evaluate`` flow
+samples the held-out problems with no library and with the learned one (same prompt otherwise, same seeds) and
+the demo prints Mean@k of both with 95% CIs, the paired difference with
 its CI, and says plainly whether it is inside the noise. No problem of the held-out set is trained on (the
 leakage guard refuses any overlap).
 """
@@ -200,7 +202,9 @@ def demo_config(
     themselves), the group proposals applied without a consolidation call. The learner is the policy itself or,
     with ``learner_url``, the model ``opts.learner`` served there."""
     learner = learner_of(opts, engine)
-    validation = LessonValidation(enabled=True, samples=3, problems=2, min_gain=0.0)
+    # a cheap first filter on each candidate's own problem (its baseline is the step's rollouts: free); the check
+    # that counts is the library gate's, on problems set aside (learning.library_gate, on by default)
+    validation = LessonValidation(enabled=True, samples=3, problems=1, min_gain=0.0)
     return RunConfig(
         run_id=run_id,
         db_path=str(opts.out / "clgrpo.duckdb"),
