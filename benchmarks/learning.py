@@ -723,9 +723,34 @@ def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]
     return merged
 
 
+# what a run and a sample took here (2026-11-25/27, 2 cores, llama-server): the estimate printed before a start
+MINUTES_PER_TRAINING_RUN = {"same": 7.0, QWEN_15B.fetch_key: 12.0}
+SECONDS_PER_EVAL_SAMPLE = 0.4  # 7 conditions x 24 problems x k=4 in 4-5 minutes of sampling
+
+
+def estimate_minutes(s: Settings) -> tuple[float, str]:
+    """The whole invocation's expected time, and how it was reckoned: training runs not yet completed in
+    ``--out`` at their measured minutes, and the evaluation samples (no library once per family; a learned and a
+    placebo library per run)."""
+    runs = [
+        (learner, run_id(family, learner, seed)) for family in s.families for learner in s.learners for seed in s.seeds
+    ]
+    todo = [(learner, rid) for learner, rid in runs if not _completed(s, rid)]
+    train = sum(MINUTES_PER_TRAINING_RUN.get(learner, 12.0) * s.train / 20 for learner, _ in todo)
+    samples = len(s.families) * s.heldout * s.k + 2 * len(todo) * s.heldout * s.k
+    evaluation = samples * SECONDS_PER_EVAL_SAMPLE / 60
+    how = (
+        f"{len(todo)} of {len(runs)} training runs to do at ~{train / max(1, len(todo)):.0f} min each, "
+        f"{samples:,} evaluation samples at ~{SECONDS_PER_EVAL_SAMPLE:g} s"
+    )
+    return train + evaluation, how
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     s, report = parse(argv)
     started = time.monotonic()
+    minutes, how = estimate_minutes(s)
+    print(f"estimated time: {minutes / 60:.1f} h ({how}; measured on 2 cores, CPU only)", flush=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     command = "python benchmarks/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)

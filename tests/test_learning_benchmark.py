@@ -128,3 +128,17 @@ def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
             store.write_stage(run_id, 0, "evaluate", {"llm_calls": rows})
     # e0: first start to last end is 2 minutes; e1: 30 s; "other" is not asked for
     assert np.isclose(bench.sampling_minutes(s, {"none": "e0", "learned": "e1"}), 2.5)
+
+
+def test_the_estimate_counts_the_runs_left_to_do_and_their_samples(tmp_path):
+    s = settings(tmp_path, ["ranges", "percent"], [0, 1, 2])
+    minutes, how = bench.estimate_minutes(s)
+    # 6 training runs of the policy as its own learner, 2 families' "none" + a learned and a placebo per run
+    assert how.startswith("6 of 6 training runs to do") and "1,344 evaluation samples" in how
+    assert minutes == 6 * bench.MINUTES_PER_TRAINING_RUN["same"] + 1344 * bench.SECONDS_PER_EVAL_SAMPLE / 60
+    # the product's gate defaults go into the run config unless one is given on the command line
+    assert bench.gate_section(s) == {"enabled": "auto"}
+    assert bench.gate_section(bench.Settings(**{**s.__dict__, "gate": "off", "gate_samples": 2})) == {
+        "enabled": False,
+        "samples": 2,
+    }
