@@ -16,9 +16,12 @@ benchmarks/plots/learning.png.
 
 Learners: ``same`` (the policy learns for itself: Qwen2.5-Coder-0.5B) and ``qwen2.5-coder-1.5b`` (a stronger
 learner for the same 0.5B policy, served by a second llama-server; a real configuration, e.g. an API learner
-for a local model, but not the same claim). Completed training runs and evaluations are read back, so an
-interrupted benchmark resumes where it stopped; ``results.json`` in ``--out`` keeps every (family, learner)
-measured there, so separate invocations (another family, another learner) add up to one report.
+for a local model, but not the same claim). Each finished (family, learner, seed) and each family's no-library
+measurement is kept as a small JSON file in the repository (``--runs-dir``, default benchmarks/learning_runs/,
+one folder per combination of the settings that shape results): a later invocation, on another machine too,
+reads those back and runs only what is missing. Within one ``--out``, completed training runs and evaluations
+are read back from its DuckDB file; ``results.json`` there keeps every (family, learner) measured, so separate
+invocations (another family, another learner) add up to one report. The estimated time is printed first.
 
     python benchmarks/learning.py --report                       # the full benchmark (hours on 2 cores)
     python benchmarks/learning.py --families ranges --seeds 0 --heldout 12 --k 2    # a small smoke run
@@ -27,6 +30,7 @@ measured there, so separate invocations (another family, another learner) add up
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -87,6 +91,7 @@ class Settings:
     gate_samples: int | None = None
     gate_rule: str | None = None
     gate_adopt_alpha: float | None = None
+    runs_dir: Path = field(default_factory=lambda: RUNS_DIR)  # where each (family, learner, seed) result is kept
 
 
 @dataclass
@@ -210,27 +215,23 @@ def clgrpo(*args: str, log: Path) -> float:
 
 
 # --- training --------------------------------------------------------------------------------------------
-def train_family(s: Settings, family: str, data: dict, urls: dict[str, tuple[str, str]]) -> list[TrainRun]:
-    """Train (or read back) every seed of ``family`` for every learner."""
-    runs = []
+def train_run(
+    s: Settings, family: str, learner: str, seed: int, data: dict, urls: dict[str, tuple[str, str]]
+) -> TrainRun:
+    """Train (or read back from ``--out``) one seed of ``family`` with one learner."""
     timings_file = s.out / "train-seconds.json"
     timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
-    for learner in s.learners:
-        learner_url, alias = urls[learner]
-        for seed in s.seeds:
-            rid = run_id(family, learner, seed)
-            if rid not in timings or not _completed(s, rid):
-                config = write_yaml(
-                    s.out / "configs" / f"{rid}.yaml",
-                    train_config(s, data[family]["train"][seed], seed, urls["policy"][0], learner_url, alias),
-                )
-                print(f"training {rid} ...", flush=True)
-                timings[rid] = clgrpo(
-                    "train", "--config", str(config), "--run-id", rid, log=s.out / "logs" / f"{rid}.out"
-                )
-                timings_file.write_text(json.dumps(timings, indent=1))
-            runs.append(describe_run(s, TrainRun(family, learner, seed, rid, timings[rid]), data[family]["heldout"]))
-    return runs
+    learner_url, alias = urls[learner]
+    rid = run_id(family, learner, seed)
+    if rid not in timings or not _completed(s, rid):
+        config = write_yaml(
+            s.out / "configs" / f"{rid}.yaml",
+            train_config(s, data[family]["train"][seed], seed, urls["policy"][0], learner_url, alias),
+        )
+        print(f"training {rid} ...", flush=True)
+        timings[rid] = clgrpo("train", "--config", str(config), "--run-id", rid, log=s.out / "logs" / f"{rid}.out")
+        timings_file.write_text(json.dumps(timings, indent=1))
+    return describe_run(s, TrainRun(family, learner, seed, rid, timings[rid]), data[family]["heldout"])
 
 
 def _completed(s: Settings, rid: str) -> bool:
@@ -323,12 +324,13 @@ def placebo_files(s: Settings, runs: list[TrainRun]) -> dict[str, Path]:
 
 # --- evaluation ------------------------------------------------------------------------------------------
 def evaluate_family(
-    s: Settings, family: str, data: dict, runs: list[TrainRun], placebos: dict[str, Path], policy_url: str
+    s: Settings, family: str, data: dict, conditions: dict[str, str], policy_url: str
 ) -> dict[str, str]:
-    """One ``clgrpo eval`` per condition (each its own eval id, so an interrupted benchmark keeps the conditions
-    it finished): no library, then each run's learned library and its placebo. An id already stored in ``--out``
-    is read from there (ids name the family, condition, problems and k: other settings need another ``--out``).
-    Returns condition -> eval id."""
+    """One ``clgrpo eval`` per condition (label -> library reference; each its own eval id, so an interrupted
+    benchmark keeps the conditions it finished). An id already stored in ``--out`` is read from there (ids name
+    the family, condition, problems and k: other settings need another ``--out``); a sample already drawn with the
+    same key (an identical library: an empty learned one and no library) is read, not drawn again. Returns
+    condition -> eval id."""
     config = write_yaml(
         s.out / "configs" / f"eval-{family}.yaml",
         {
@@ -339,10 +341,6 @@ def evaluate_family(
             "concurrency": 8,
         },
     )
-    conditions = {"none": "none"}
-    for run in runs:
-        conditions[run.run_id] = f"{run.run_id}:latest"
-        conditions[f"placebo-{run.run_id}"] = str(placebos[run.run_id])
     eval_ids = {}
     for label, ref in conditions.items():
         eval_id = f"eval-{family}-{label}-n{s.heldout}-k{s.k}"
@@ -372,8 +370,9 @@ def evaluate_family(
     return eval_ids
 
 
-def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.ndarray]:
-    """Condition -> (problems x k) rewards, problems in one order for every condition (paired comparisons)."""
+def condition_matrices(s: Settings, eval_ids: dict[str, str], problems: list[str]) -> dict[str, np.ndarray]:
+    """Condition -> (problems x k) rewards in the order of ``problems`` (paired comparisons), and "__parsed__"
+    -> the share of samples with an extracted answer, per condition."""
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
         frames = {
             label: store.query(
@@ -381,7 +380,6 @@ def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.nd
             )
             for label, eval_id in eval_ids.items()
         }
-    problems = sorted(frames["none"]["problem_id"].unique())
     index = {p: i for i, p in enumerate(problems)}
     out = {}
     for label, frame in frames.items():
@@ -389,8 +387,13 @@ def condition_matrices(s: Settings, eval_ids: dict[str, str]) -> dict[str, np.nd
         for p, j, r in zip(frame["problem_id"], frame["sample_idx"], frame["reward"]):
             matrix[index[p], j] = r
         out[label] = matrix
-    out["__parsed__"] = np.array([frames["none"]["extracted"].notna().mean()])
+        out[f"__parsed__{label}"] = np.array([frame["extracted"].notna().mean()])
     return out
+
+
+def heldout_ids(data: dict, family: str) -> list[str]:
+    path = Path(data[family]["heldout"])
+    return sorted(json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip())
 
 
 def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
@@ -415,57 +418,59 @@ def paired(baseline: np.ndarray, candidate: np.ndarray, seed: int = 0) -> dict:
     return {"value": interval.value, "low": interval.low, "high": interval.high}
 
 
-def analyze_family(
-    s: Settings,
-    family: str,
-    learner: str,
-    eval_ids: dict[str, str],
-    runs: list[TrainRun],
-    placebos: dict[str, Path],
-    command: str,
+def seed_entry(
+    run: TrainRun, none: np.ndarray, learned: np.ndarray, fake: np.ndarray, placebo_lessons: list[str], minutes: float
 ) -> dict:
-    m = condition_matrices(s, eval_ids)
-    none = m["none"]
-    seeds = []
-    learned_all, placebo_all = [], []
-    for run in runs:
-        learned = m[run.run_id]
-        fake = m[f"placebo-{run.run_id}"]
-        learned_all.append(learned)
-        placebo_all.append(fake)
-        gain = paired(none, learned)
-        seeds.append(
-            {
-                "seed": run.seed,
-                "run_id": run.run_id,
-                "learned": ci(learned),
-                "placebo": ci(fake),
-                "learned_minus_none": gain,
-                "learned_minus_placebo": paired(fake, learned),
-                "lessons": run.lessons,
-                "placebo_lessons": _lessons(placebos[run.run_id]),
-                "train_seconds": run.seconds,
-                "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation + run.tokens_gate,
-                "tokens_by_part": {
-                    "rollouts": run.tokens_policy,
-                    "learner": run.tokens_learner,
-                    "validation": run.tokens_validation,
-                    "gate": run.tokens_gate,
-                },
-                # the run's tokens against the same steps without lesson trials and the gate
-                "checks_cost": _ratio(run),
-                "gate": run.gate,
-                "kept": run.kept,
-                "rejected_by_validation": run.rejected_by_validation,
-                "rejected_other": run.rejected_other,
-                "heldout_in_training": run.heldout_in_training,
-                "lessons_without_learner": run.lessons_without_learner,
-            }
-        )
-    n = len(runs)
-    pooled_gain = paired(np.tile(none, (1, n)), np.hstack(learned_all))
-    pooled_vs_placebo = paired(np.hstack(placebo_all), np.hstack(learned_all))
-    tokens = sum(x["tokens"] for x in seeds)
+    """One (family, learner, seed): its figures against no library and its placebo, its lessons, costs and gate
+    decisions, and its reward matrices (so later invocations pool it without its database)."""
+    return {
+        "seed": run.seed,
+        "run_id": run.run_id,
+        "learned": ci(learned),
+        "placebo": ci(fake),
+        "learned_minus_none": paired(none, learned),
+        "learned_minus_placebo": paired(fake, learned),
+        "lessons": run.lessons,
+        "placebo_lessons": placebo_lessons,
+        "train_seconds": run.seconds,
+        "eval_minutes": minutes,
+        "tokens": run.tokens_policy + run.tokens_learner + run.tokens_validation + run.tokens_gate,
+        "tokens_by_part": {
+            "rollouts": run.tokens_policy,
+            "learner": run.tokens_learner,
+            "validation": run.tokens_validation,
+            "gate": run.tokens_gate,
+        },
+        # the run's tokens against the same steps without lesson trials and the gate
+        "checks_cost": _ratio(run),
+        "gate": run.gate,
+        "kept": run.kept,
+        "rejected_by_validation": run.rejected_by_validation,
+        "rejected_other": run.rejected_other,
+        "heldout_in_training": run.heldout_in_training,
+        "lessons_without_learner": run.lessons_without_learner,
+        "matrices": {"learned": _matrix(learned), "placebo": _matrix(fake)},
+    }
+
+
+def _matrix(m: np.ndarray) -> list[list[float | None]]:
+    return [[None if np.isnan(x) else float(x) for x in row] for row in m]
+
+
+def _array(rows: list[list[float | None]]) -> np.ndarray:
+    return np.array([[np.nan if x is None else x for x in row] for row in rows], dtype=float)
+
+
+def pool_family(s: Settings, family: str, learner: str, none: dict, entries: list[dict], command: str) -> dict:
+    """The family's result for one learner from its seeds' entries: pooled differences stack the seeds' samples
+    per problem; tokens per point of pooled gain only where there is a gain (a run that learned nothing has
+    none)."""
+    base = _array(none["matrix"])
+    learned_all = [_array(e["matrices"]["learned"]) for e in entries]
+    placebo_all = [_array(e["matrices"]["placebo"]) for e in entries]
+    n = len(entries)
+    pooled_gain = paired(np.tile(base, (1, n)), np.hstack(learned_all))
+    tokens = sum(e["tokens"] for e in entries)
     points = 100 * pooled_gain["value"]
     return {
         "family": family,
@@ -473,27 +478,113 @@ def analyze_family(
         "command": command,
         "measured": time.strftime("%Y-%m-%d"),
         "settings": {k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners")},
-        "eval_ids": eval_ids,
-        "problems": int(none.shape[0]),
+        "problems": int(base.shape[0]),
         "k": s.k,
-        "none": ci(none),
-        "baseline_parsed": float(m["__parsed__"][0]),
-        "seeds": seeds,
+        "none": ci(base),
+        "baseline_parsed": none["parsed"],
+        "seeds": [{k: v for k, v in e.items() if k != "matrices"} for e in entries],
         "pooled": {
             "learned": ci(np.hstack(learned_all)),
             "placebo": ci(np.hstack(placebo_all)),
             "learned_minus_none": pooled_gain,
-            "learned_minus_placebo": pooled_vs_placebo,
+            "learned_minus_placebo": paired(np.hstack(placebo_all), np.hstack(learned_all)),
         },
         "tokens_per_point": tokens / points if points > 0 else None,
-        "eval_minutes": sampling_minutes(s, eval_ids),
-        "train_seconds": sum(x["train_seconds"] for x in seeds),
+        "eval_minutes": none["eval_minutes"] + sum(e["eval_minutes"] for e in entries),
+        "train_seconds": sum(e["train_seconds"] for e in entries),
     }
+
+
+# --- results kept in the repository, one file per (family, learner, seed) ---------------------------------------
+RUNS_DIR = ROOT / "benchmarks" / "learning_runs"
+RESULT_SETTINGS = (
+    "train",
+    "heldout",
+    "k",
+    "group_size",
+    "epochs",
+    "candidates",
+    "trial_samples",
+    "trial_problems",
+    "min_gain",
+    "eval_temperature",
+    "trials_on",
+    "trial_test",
+    "trial_max_problems",
+    "trial_alpha",
+    "gate",
+    "gate_share",
+    "gate_samples",
+    "gate_rule",
+    "gate_adopt_alpha",
+)
+
+
+def results_dir(s: Settings) -> Path:
+    """Where this configuration's results are kept: one folder per combination of the settings that shape them,
+    so a rerun with the same settings continues and another configuration starts its own."""
+    key = json.dumps({k: getattr(s, k) for k in RESULT_SETTINGS}, sort_keys=True)
+    return s.runs_dir / hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load_kept(s: Settings, name: str) -> dict | None:
+    path = results_dir(s) / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def keep(s: Settings, name: str, data: dict) -> Path:
+    """Write one result file (and the settings it was measured with, once per folder)."""
+    folder = results_dir(s)
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = folder / "settings.json"
+    if not settings.is_file():
+        settings.write_text(json.dumps({k: getattr(s, k) for k in RESULT_SETTINGS}, indent=1) + "\n")
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({**data, "measured": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
+    return path
 
 
 def _ratio(run: TrainRun) -> float:
     without = run.tokens_policy + run.tokens_learner
     return (without + run.tokens_validation + run.tokens_gate) / without if without else float("nan")
+
+
+def family_none(s: Settings, family: str, data: dict, policy_url: str) -> dict:
+    """The held-out problems with no library: kept in the repository once measured."""
+    if (kept := load_kept(s, f"{family}-none")) is not None:
+        return kept
+    problems = heldout_ids(data, family)
+    eval_ids = evaluate_family(s, family, data, {"none": "none"}, policy_url)
+    m = condition_matrices(s, eval_ids, problems)
+    none = {
+        "family": family,
+        "problems": problems,
+        "matrix": _matrix(m["none"]),
+        "parsed": float(m["__parsed__none"][0]),
+        "eval_minutes": sampling_minutes(s, eval_ids),
+    }
+    keep(s, f"{family}-none", none)
+    return none
+
+
+def family_seed(
+    s: Settings, family: str, learner: str, seed: int, data: dict, urls: dict[str, tuple[str, str]], none: dict
+) -> dict:
+    """One (family, learner, seed): read from the repository when it was measured with these settings, else
+    trained, its placebo drawn, both evaluated, and kept (an interruption loses at most the run in progress)."""
+    rid = run_id(family, learner, seed)
+    if (kept := load_kept(s, rid)) is not None:
+        print(f"{rid}: measured on {kept['measured']}, read from {results_dir(s) / rid}.json", flush=True)
+        return kept
+    run = train_run(s, family, learner, seed, data, urls)
+    fake = placebo_files(s, [run])[rid]
+    conditions = {rid: f"{rid}:latest", f"placebo-{rid}": str(fake)}
+    eval_ids = evaluate_family(s, family, data, conditions, urls["policy"][0])
+    m = condition_matrices(s, eval_ids, none["problems"])
+    base = _array(none["matrix"])
+    entry = seed_entry(run, base, m[rid], m[f"placebo-{rid}"], _lessons(fake), sampling_minutes(s, eval_ids))
+    keep(s, rid, {"family": family, "learner": learner, **entry})
+    return entry
 
 
 def _lessons(path: Path) -> list[str]:
@@ -533,8 +624,8 @@ def markdown(results: list[dict]) -> str:
     lines += [
         f"- {r['family']} / {r['learner']}, measured {r['measured']}: `{r['command']}`; training "
         f"{r['train_seconds'] / 60:.0f} min over {len(r['seeds'])} seeds, evaluation {r['eval_minutes']:.0f} min "
-        f'of sampling over {len(r["eval_ids"])} conditions (the "none" condition is shared by every learner '
-        "of a family)"
+        f'of sampling over {1 + 2 * len(r["seeds"])} conditions (the "none" condition is shared by every '
+        "learner of a family)"
         for r in results
     ]
     lines += [
@@ -677,6 +768,12 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     ap.add_argument("--gate-rule", choices=["better", "significant"], help="default: the product's")
     ap.add_argument("--gate-adopt-alpha", type=float, help="default: the product's")
     ap.add_argument("--out", default="runs/learning-benchmark")
+    ap.add_argument(
+        "--runs-dir",
+        default=str(RUNS_DIR),
+        help="where each (family, learner, seed) result is kept and read back (commit it: a later invocation, "
+        "on another machine too, continues from there)",
+    )
     ap.add_argument("--cache-dir")
     ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
     a = ap.parse_args(argv)
@@ -707,6 +804,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.gate_samples,
         a.gate_rule,
         a.gate_adopt_alpha,
+        Path(a.runs_dir).resolve(),
     ), a.report
 
 
@@ -735,9 +833,10 @@ def estimate_minutes(s: Settings) -> tuple[float, str]:
     runs = [
         (learner, run_id(family, learner, seed)) for family in s.families for learner in s.learners for seed in s.seeds
     ]
-    todo = [(learner, rid) for learner, rid in runs if not _completed(s, rid)]
+    todo = [(learner, rid) for learner, rid in runs if not _completed(s, rid) and load_kept(s, rid) is None]
     train = sum(MINUTES_PER_TRAINING_RUN.get(learner, 12.0) * s.train / 20 for learner, _ in todo)
-    samples = len(s.families) * s.heldout * s.k + 2 * len(todo) * s.heldout * s.k
+    nones = sum(load_kept(s, f"{family}-none") is None for family in s.families)
+    samples = nones * s.heldout * s.k + 2 * len(todo) * s.heldout * s.k
     evaluation = samples * SECONDS_PER_EVAL_SAMPLE / 60
     how = (
         f"{len(todo)} of {len(runs)} training runs to do at ~{train / max(1, len(todo)):.0f} min each, "
@@ -758,16 +857,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers, urls = start_servers(s)
     try:
         results = []
-        for family in s.families:  # one evaluation per family: "none" is sampled once for every learner
-            mine = train_family(s, family, data, urls)
-            placebos = placebo_files(s, mine)
-            eval_ids = evaluate_family(s, family, data, mine, placebos, urls["policy"][0])
-            results += [
-                analyze_family(
-                    s, family, learner, eval_ids, [r for r in mine if r.learner == learner], placebos, command.strip()
-                )
-                for learner in s.learners
-            ]
+        for family in s.families:  # "none" is sampled once per family, for every learner and seed
+            none = family_none(s, family, data, urls["policy"][0])
+            for learner in s.learners:
+                entries = [family_seed(s, family, learner, seed, data, urls, none) for seed in s.seeds]
+                results.append(pool_family(s, family, learner, none, entries, command.strip()))
             save_results(s, results, (time.monotonic() - started) / 60)  # a family at a time: partial runs count
     finally:
         for server in servers:

@@ -20,7 +20,9 @@ spec.loader.exec_module(bench)
 
 
 def settings(tmp_path: Path, families: list[str], seeds: list[int]) -> "bench.Settings":
-    return bench.Settings(families, seeds, ["same"], 20, 24, 4, 4, 1, 2, 3, 2, 0.1, 0.3, tmp_path)
+    s = bench.Settings(families, seeds, ["same"], 20, 24, 4, 4, 1, 2, 3, 2, 0.1, 0.3, tmp_path)
+    s.runs_dir = tmp_path / "kept"  # never the repository's
+    return s
 
 
 def interval(value: float) -> dict:
@@ -142,3 +144,34 @@ def test_the_estimate_counts_the_runs_left_to_do_and_their_samples(tmp_path):
         "enabled": False,
         "samples": 2,
     }
+
+
+def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_path, capsys):
+    s = settings(tmp_path, ["ranges"], [0, 1])
+    none = {
+        "family": "ranges",
+        "problems": ["a", "b", "c"],
+        "matrix": [[0.0, 0.0]] * 3,
+        "parsed": 1.0,
+        "eval_minutes": 1.0,
+    }
+    bench.keep(s, "ranges-none", none)
+    run = bench.TrainRun("ranges", "same", 0, "ranges-self-s0", 60.0, 100, 50, 30, 20, lessons=["Add one."])
+    learned = np.array([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    entry = bench.seed_entry(run, np.zeros((3, 2)), learned, np.zeros((3, 2)), ["Be careful."], 0.5)
+    assert entry["checks_cost"] == (100 + 50 + 30 + 20) / (100 + 50)
+    bench.keep(s, "ranges-self-s0", {"family": "ranges", "learner": "same", **entry})
+    second = {**entry, "seed": 1, "run_id": "ranges-self-s1", "lessons": []}
+    second["matrices"] = {"learned": none["matrix"], "placebo": none["matrix"]}  # learned nothing: the same draws
+    bench.keep(s, "ranges-self-s1", second)
+    # another invocation (another machine: no database in --out) reads both seeds back instead of training them
+    kept = [bench.family_seed(s, "ranges", "same", seed, {}, {}, none) for seed in (0, 1)]
+    assert "ranges-self-s0: measured on " in capsys.readouterr().out
+    pooled = bench.pool_family(s, "ranges", "same", bench.load_kept(s, "ranges-none"), kept, "cmd")
+    assert pooled["pooled"]["learned_minus_none"]["value"] == 0.25  # (0.5 + 0) / 2 over 3 problems x 2 samples
+    assert [x["seed"] for x in pooled["seeds"]] == [0, 1] and "matrices" not in pooled["seeds"][0]
+    assert pooled["tokens_per_point"] == 2 * 200 / 25
+    assert bench.estimate_minutes(s)[1].startswith("0 of 2 training runs to do")
+    another = settings(tmp_path, ["ranges"], [0])
+    another.k = 8  # other settings: another folder, nothing read back
+    assert bench.results_dir(another) != bench.results_dir(s) and bench.load_kept(another, "ranges-none") is None
