@@ -904,15 +904,17 @@ class Trainer:
         self.log.warning("%s", message)
         library = self.store.load_library(self.run_id)
         export_library(library, export_dir(self.cfg))
+        return self.result(library, reports, stopped=message)
+
+    def result(self, library: ExperienceLibrary, reports: list[StepReport], stopped: str | None = None) -> TrainResult:
+        """What the run returns; what the library gate did is logged too."""
+        gate = gate_lines(self.gate_note, self.store.records("library_gates", self.run_id), library)
+        for line in gate[1:]:
+            self.log.info("%s", line)
         return TrainResult(
-            self.run_id,
-            str(self.store.path),
-            library.version,
-            len(library),
-            str(export_dir(self.cfg)),
-            reports,
-            stopped=message,
-        )
+            self.run_id, str(self.store.path), library.version, len(library), str(export_dir(self.cfg)), reports,
+            stopped=stopped, gate=gate,
+        )  # fmt: skip
 
     # --- reporting ------------------------------------------------------------------------------------
     def report(self, planned: PlannedStep, library: ExperienceLibrary) -> StepReport:
@@ -1045,18 +1047,7 @@ class Trainer:
                 description=f"step {planned.step}/{len(planned_steps)}",
             )
         await publish_run_report(self.store, self.cfg)
-        gate = gate_lines(self.gate_note, self.store.records("library_gates", self.run_id), library)
-        for line in gate[1:]:
-            self.log.info("%s", line)
-        return TrainResult(
-            self.run_id,
-            str(self.store.path),
-            library.version,
-            len(library),
-            str(export_dir(self.cfg)),
-            reports,
-            gate=gate,
-        )
+        return self.result(library, reports)
 
 
 def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibrary) -> list[str]:

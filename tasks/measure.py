@@ -171,7 +171,7 @@ async def measure(
         )
         graded = await grade([problem], batch.rollouts, domain, judge)
         for r, g in zip(batch.rollouts, graded):
-            sample = _graded(r, g, seeds[pid] + r.sample_idx, keys[(pid, r.sample_idx)])
+            sample = graded_sample(r, g, seeds[pid] + r.sample_idx, keys[(pid, r.sample_idx)])
             have[(pid, r.sample_idx)] = sample
             if keep is not None:
                 keep(sample)
@@ -192,7 +192,8 @@ async def measure(
     return Measured([have[(p.problem_id, i)] for p in problems for i in range(k)], calls)
 
 
-def _graded(r: Rollout, g: Reward, seed: int, key: str) -> Sample:
+def graded_sample(r: Rollout, g: Reward, seed: int, key: str) -> Sample:
+    """A graded rollout as a sample drawn under ``key``."""
     return Sample(
         problem_id=r.problem_id,
         sample_idx=r.sample_idx,

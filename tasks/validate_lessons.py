@@ -53,7 +53,7 @@ from tasks.candidate_clusters import cluster, joined, representatives, similarit
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
-from tasks.measure import Sampling, draw_keys, measure, reusable, sample_seeds
+from tasks.measure import Sampling, draw_keys, graded_sample, measure, reusable, sample_seeds
 from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
 
@@ -269,23 +269,7 @@ def rollout_baseline(
         key = keys.get((r.problem_id, r.sample_idx))
         if g is None or key is None or r.error is not None or r.prompt_hash != prompts[r.problem_id]:
             continue
-        found[key] = Sample(
-            problem_id=r.problem_id,
-            sample_idx=r.sample_idx,
-            seed=0,
-            reward=g.reward,
-            extracted=g.extracted,
-            error=g.error,
-            judge_reason=g.judge_reason,
-            final_text=r.final_text,
-            tokens_in=r.tokens_in,
-            tokens_out=r.tokens_out,
-            latency_s=r.latency_s,
-            n_turns=r.n_turns,
-            tool_calls=r.tool_calls,
-            tool_errors=r.tool_errors,
-            draw_key=key,
-        )
+        found[key] = graded_sample(r, g, 0, key).model_copy(update={"drawn": False})  # the rollout stage drew it
     return found
 
 
