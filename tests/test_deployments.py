@@ -567,7 +567,7 @@ def test_cancelling_a_parent_cancels_its_gpu_child_and_the_rerun_starts_a_new_on
 
 @pytest.mark.long  # about 30 s or more; a shorter test of the same guarantee stays in the default run
 def test_hybrid_numeric_update_runs_as_its_own_child_on_the_cuda_pool(stack, tmp_path):
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="the local extra (torch, transformers, peft) is not installed")
     from schemas.config import RunConfig
     from tests.stored_steps import seed_first_step
     from tests.tiny_model import build_tiny_model

@@ -325,6 +325,7 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
     """Three SIGTERMs to `clgrpo train` with the transformers backend (a tiny random model, long replies):
     as the rollout stage starts (the model loading), and twice inside the first batched generate call, which
     checks for a stop between two tokens."""
+    pytest.importorskip("torch", reason="the local extra (torch, transformers) is not installed")
     from tests.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
