@@ -477,7 +477,9 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
         "learner": learner,
         "command": command,
         "measured": time.strftime("%Y-%m-%d"),
-        "settings": {k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners")},
+        "settings": {
+            k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners", "runs_dir")
+        },
         "problems": int(base.shape[0]),
         "k": s.k,
         "none": ci(base),

@@ -172,6 +172,7 @@ def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_
     assert [x["seed"] for x in pooled["seeds"]] == [0, 1] and "matrices" not in pooled["seeds"][0]
     assert pooled["tokens_per_point"] == 2 * 200 / 25
     assert bench.estimate_minutes(s)[1].startswith("0 of 2 training runs to do")
+    assert bench.save_results(s, [pooled], 1.0)[0]["family"] == "ranges"  # results.json takes it as it is
     another = settings(tmp_path, ["ranges"], [0])
     another.k = 8  # other settings: another folder, nothing read back
     assert bench.results_dir(another) != bench.results_dir(s) and bench.load_kept(another, "ranges-none") is None
