@@ -260,7 +260,8 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
         ops = store.records("operations", run.run_id)
         trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
         first_library = store.load_library(run.run_id, 0)
-        run.gate = [f"step {g.step}: {g.reason}" for g in _gate_rows(store, run.run_id)]
+        gates = store.query("SELECT step, reason FROM library_gates WHERE run_id = ? ORDER BY step", [run.run_id])
+        run.gate = [f"step {step}: {reason}" for step, reason in zip(gates["step"], gates["reason"])]
     held = {json.loads(line)["problem"] for line in Path(heldout).read_text().splitlines() if line.strip()}
     run.heldout_in_training = len(held & trained_on)
     proposed = [r for r in ops if r.status.value == "applied" and r.operation.op.value in ("add", "modify", "merge")]
@@ -280,17 +281,6 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
     )
     run.rejected_other = sum(r.status.value == "rejected" for r in ops) - run.rejected_by_validation
     return run
-
-
-@dataclass(frozen=True)
-class _GateRow:
-    step: int
-    reason: str
-
-
-def _gate_rows(store: Store, run_id: str) -> list[_GateRow]:
-    rows = store.query("SELECT step, reason FROM library_gates WHERE run_id = ? ORDER BY step", [run_id])
-    return [_GateRow(int(step), reason) for step, reason in zip(rows["step"], rows["reason"])]
 
 
 # --- placebos --------------------------------------------------------------------------------------------

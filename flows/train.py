@@ -85,7 +85,7 @@ from tasks.integrity import (
     StageFailedError,
     stage_failed_message,
 )
-from tasks.library_gate import GATE_OFF, expected_attempts, library_gate_task, split_for_gate
+from tasks.library_gate import GATE_OFF, describe_split, library_gate_task, split_for_gate
 from tasks.limits import Limited, limit_plan, limit_proposals, plan_bound, rejected_results
 from tasks.load_dataset import load_dataset_task
 from tasks.numeric_update import numeric_inputs, numeric_update_task
@@ -383,7 +383,6 @@ async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
     before = ExperienceLibrary.from_version(s.version)
     near, usefulness = await t.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
-    progress.expect(Stage.LIBRARY_GATE, expected_attempts(s.cfg.learning.library_gate, t.gate_problems))
     outcome = await library_gate_task(
         s.cfg, s.step, s.version, after.to_version(), t.gate_problems, t.store.records("gate_samples", t.run_id)
     )
@@ -749,25 +748,13 @@ class Trainer:
             self.log.info("%s", self.gate_note)
             return problems
         learn, self.gate_problems = split_for_gate(problems, settings, self.cfg.seed)
-        if not self.gate_problems or not learn:
-            if settings.enabled is True:
-                raise StageFailedError(
-                    f"learning.library_gate: {len(problems)} training problems leave none to set aside or none to "
-                    f"learn from (share {settings.share:g}, min_problems {settings.min_problems}); use more problems"
-                )
-            self.gate_note = (
-                f"library gate: off for this run: no task tag has {2 * settings.min_problems} training problems "
-                f"({settings.min_problems} to set aside, the rest to learn from; {len(problems)} problems in all), "
-                "so no step is checked against the library it changes; add problems, or set "
-                "learning.library_gate.enabled: false to say so"
+        if (not self.gate_problems or not learn) and settings.enabled is True:
+            raise StageFailedError(
+                f"learning.library_gate: {len(problems)} training problems leave none to set aside or none to "
+                f"learn from (share {settings.share:g}, min_problems {settings.min_problems}); use more problems"
             )
-            self.log.warning("%s", self.gate_note)
-            return problems
-        self.gate_note = (
-            f"library gate: {counted(len(self.gate_problems), 'training problem')} set aside (never trained on), "
-            f"{counted(len(learn), 'problem')} to learn from"
-        )
-        self.log.info("%s", self.gate_note)
+        self.gate_note, complete = describe_split(settings, learn, self.gate_problems)
+        (self.log.info if complete else self.log.warning)("%s", self.gate_note)
         return learn
 
     # --- one step: the stages of STEP in order ------------------------------------------------------------

@@ -26,36 +26,37 @@ from tasks.specificity import rate
 @dataclass(frozen=True)
 class Cluster:
     members: tuple[int, ...]  # plan positions, in plan order
-    similarity: tuple[float, ...]  # each member's similarity to the first one (1.0 for itself)
 
 
-def similarity(a: str, b: str, near: NearDuplicates | None) -> tuple[float, float]:
-    """(similarity, the threshold it is held to): embeddings' cosine where both texts were embedded, else the
-    word-trigram overlap both ways."""
+def duplicate_of(a: str, b: str, near: NearDuplicates | None) -> str | None:
+    """How two lesson texts say the same thing ("cosine 0.93", "word overlap 0.85"), or None: their embeddings'
+    cosine at the near-duplicate threshold where the step embedded both, or word-trigram overlap both ways at
+    ``SAME_LESSON``."""
     if near is not None:
         va, vb = near.vectors.get(normalize_text(a)), near.vectors.get(normalize_text(b))
         if va is not None and vb is not None:
-            return float(sum(x * y for x, y in zip(va, vb))), near.threshold
-    return min(overlap(a, b), overlap(b, a)), SAME_LESSON
+            cosine = float(sum(x * y for x, y in zip(va, vb)))
+            if cosine >= near.threshold:
+                return f"cosine {cosine:.2f}"
+    words = min(overlap(a, b), overlap(b, a))
+    return f"word overlap {words:.2f}" if words >= SAME_LESSON else None
 
 
 def cluster(plan: Sequence[Operation], eligible: Sequence[int], near: NearDuplicates | None) -> list[Cluster]:
-    """Greedy single pass in plan order: a candidate joins the first cluster of the same kind and target whose
-    first member it nearly duplicates, else starts one."""
-    clusters: list[list[tuple[int, float]]] = []
+    """Greedy single pass in plan order: a candidate joins the first cluster of the same kind and target with a
+    member it nearly duplicates, else starts one."""
+    clusters: list[list[int]] = []
     for seq in eligible:
         op = plan[seq]
         for members in clusters:
-            first = plan[members[0][0]]
-            if (first.op, first.target_ids) != (op.op, op.target_ids):
-                continue
-            value, threshold = similarity(first.text or "", op.text or "", near)
-            if value >= threshold:
-                members.append((seq, value))
+            first = plan[members[0]]
+            same_kind = (first.op, first.target_ids) == (op.op, op.target_ids)
+            if same_kind and any(duplicate_of(plan[m].text or "", op.text or "", near) for m in members):
+                members.append(seq)
                 break
         else:
-            clusters.append([(seq, 1.0)])
-    return [Cluster(tuple(s for s, _ in m), tuple(v for _, v in m)) for m in clusters]
+            clusters.append([seq])
+    return [Cluster(tuple(members)) for members in clusters]
 
 
 async def representatives(
@@ -64,15 +65,18 @@ async def representatives(
     """The plan position that stands for each cluster (its best-rated text), asking the lesson rater about the
     members of clusters with more than one."""
     crowded = [c for c in clusters if len(c.members) > 1]
-    texts = [plan[seq].text or "" for c in crowded for seq in c.members]
+    rated = [seq for c in crowded for seq in c.members]
     ratings, calls = (
-        await rate(texts, llm, domain=domain.learner_prompts.domain, stage=Stage.VALIDATE_LESSONS)
-        if texts
+        await rate(
+            [plan[seq].text or "" for seq in rated],
+            llm,
+            domain=domain.learner_prompts.domain,
+            stage=Stage.VALIDATE_LESSONS,
+        )
+        if rated
         else ([], [])
     )
-    specific = {seq for c in crowded for seq in c.members} & {
-        seq for (seq, r) in zip([s for c in crowded for s in c.members], ratings) if r.verdict == "specific"
-    }
+    specific = {seq for seq, r in zip(rated, ratings) if r.verdict == "specific"}
 
     def rank(seq: int) -> tuple[bool, bool, int, int]:
         words = word_count(plan[seq].text or "")

@@ -32,7 +32,7 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
-from tasks.measure import Sampling, as_sample, measure, sample_seeds
+from tasks.measure import Sampling, measure, sample_seeds
 
 
 @dataclass
@@ -87,7 +87,7 @@ async def evaluate_library(
 
 def eval_sample(condition: str, sample: Sample) -> EvalSample:
     """A measured sample as a condition's evaluation row (a failed or ungradable sample counts as reward 0)."""
-    return EvalSample(**{**as_sample(sample).model_dump(), "reward": sample.reward or 0.0, "condition": condition})
+    return EvalSample(**{**sample.model_dump(), "reward": sample.reward or 0.0, "condition": condition})
 
 
 @stage_task(Stage.EVALUATE, run_name="evaluate-{condition}-chunk{chunk}")

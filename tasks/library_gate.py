@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from clgrpo import metrics
+from clgrpo import metrics, progress
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.words import counted
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
 from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Sample, text_hash
@@ -61,6 +62,30 @@ def split_for_gate(
         ranked = sorted(group, key=lambda p: text_hash(f"gate:{seed}:{p.problem_id}"))
         aside |= {p.problem_id for p in ranked[: max(size, 0)]}
     return [p for p in problems if p.problem_id not in aside], [p for p in problems if p.problem_id in aside]
+
+
+def describe_split(settings: LibraryGate, learn: Sequence[Problem], aside: Sequence[Problem]) -> tuple[str, bool]:
+    """What the gate does in a run, in one line, and whether it gates every task tag (else the line is a
+    warning): the problems set aside, the tags learned from whole (``enabled: auto``, too few problems), or that
+    it is off for the run because no tag could be split."""
+    least = 2 * settings.min_problems
+    if not aside:
+        return (
+            f"library gate: off for this run: no task tag has {least} training problems ({settings.min_problems} to "
+            f"set aside, the rest to learn from; {len(learn)} problems in all), so no step is checked against the "
+            "library it changes; add problems, or set learning.library_gate.enabled: false to say so"
+        ), False
+    note = (
+        f"library gate: {counted(len(aside), 'training problem')} set aside (never trained on), "
+        f"{counted(len(learn), 'problem')} to learn from"
+    )
+    whole = sorted({p.tag or UNTAGGED for p in learn} - {p.tag or UNTAGGED for p in aside})
+    if not whole:
+        return note, True
+    return (
+        f"{note}; task tags with fewer than {least} problems are learned from whole, not gated: {', '.join(whole)}",
+        False,
+    )
 
 
 # --- attempts --------------------------------------------------------------------------------------------------
@@ -122,6 +147,7 @@ async def gate_step(
     arms: dict[str, list[GateSample]] = {}
     drawn: dict[str | None, GateSample] = {}  # drawn by this step at an earlier look: stored as drawn
     for look in looks(settings):  # sequential: a clear verdict stops before every sample is drawn
+        progress.expect(Stage.LIBRARY_GATE, 2 * look.k * len(problems))  # each look counts its samples, read or drawn
         for arm, library in (("before", before), ("after", after)):
             with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
                 fresh, arm_calls = await attempts(arm, library, problems, config, domain, llm, known, look.k)
@@ -152,10 +178,6 @@ async def library_gate_task(
         domain_for(config),
         shared_client(config),
     )
-
-
-def expected_attempts(settings: LibraryGate, problems: Sequence[Problem]) -> int:
-    return 2 * settings.samples * len(problems)
 
 
 # --- the comparison and the decision ---------------------------------------------------------------------------

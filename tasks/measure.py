@@ -125,10 +125,6 @@ class Measured:
     samples: list[Sample]  # every (problem, sample index), in problem order then index order
     calls: list[LLMCall] = field(default_factory=list)
 
-    @property
-    def drawn(self) -> list[Sample]:
-        return [s for s in self.samples if s.drawn]
-
 
 def as_sample(sample: Sample) -> Sample:
     """The measurement fields of a role record (an evaluation, trial or gate sample)."""

@@ -3,8 +3,8 @@
 Issue 47: 5 of 22 candidates of one run were rejected for length alone (41-53 words against 40). Before its
 trial, such a lesson gets one request to the learner (``clgrpo/prompts/shorten.py``, constrained to the lesson
 length where the backend enforces JSON schemas); the shorter text replaces it when it is within the limit, its
-rationale saying so. When the call fails or the reply is still too long, the lesson goes on as it was and the
-library refuses it with its length, as before.
+rationale saying so. When the call fails or the reply is still too long, the lesson goes on as it was, its
+rationale saying why it was not shortened, and the library refuses it with its length.
 """
 
 from __future__ import annotations
@@ -52,15 +52,20 @@ async def _shorten(
     try:
         reply = await llm.complete(messages, stage=stage, json_schema=lesson_schema(cfg), schema_name="lesson")
     except LLMCallError as exc:
-        return op, exc.calls
+        return _noted(op, f"not shortened: the learner call failed ({exc})"), exc.calls
     try:
         shorter = " ".join((parse_contrast(reply.text).text or "").split())
-    except StructuredOutputError:
-        return op, reply.calls
+    except StructuredOutputError as exc:
+        return _noted(op, f"not shortened: the learner's reply has no lesson ({exc})"), reply.calls
     if not cfg.min_words <= word_count(shorter) <= cfg.max_words:
-        return op, reply.calls
-    note = f"[shortened by the learner from {words} to {word_count(shorter)} words]"
-    return op.model_copy(update={"text": shorter, "rationale": f"{op.rationale} {note}".strip()}), reply.calls
+        return _noted(op, f"not shortened: the learner's rewrite has {word_count(shorter)} words"), reply.calls
+    note = f"shortened by the learner from {words} to {word_count(shorter)} words"
+    return _noted(op.model_copy(update={"text": shorter}), note), reply.calls
+
+
+def _noted(op: Operation, note: str) -> Operation:
+    """The operation with ``note`` in its rationale (stored with the operation, whatever becomes of it)."""
+    return op.model_copy(update={"rationale": f"{op.rationale} [{note}]".strip()})
 
 
 @stage_task(Stage.VALIDATE_LESSONS, run_name="shorten-lessons-step{step}")

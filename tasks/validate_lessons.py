@@ -49,7 +49,7 @@ from schemas.records import (
 )
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
-from tasks.candidate_clusters import cluster, joined, representatives, similarity
+from tasks.candidate_clusters import cluster, duplicate_of, joined, representatives
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
@@ -130,21 +130,6 @@ def _rejected_before(op: Operation, ledger: Sequence[Rejected]) -> Rejected | No
     return next((r for r in ledger if text and min(overlap(text, r.text), overlap(r.text, text)) >= SAME_LESSON), None)
 
 
-def _same_as(op: Operation, tried: list[_Candidate]) -> _Candidate | None:
-    """An earlier candidate with (nearly) the same text and the same kind and target."""
-    for other in tried:
-        same_target = (other.operation.op, other.operation.target_ids) == (op.op, op.target_ids)
-        if (
-            same_target
-            and min(
-                overlap(op.text or "", other.operation.text or ""), overlap(other.operation.text or "", op.text or "")
-            )
-            >= SAME_LESSON
-        ):
-            return other
-    return None
-
-
 def _candidates(
     config: RunConfig,
     library: ExperienceLibrary,
@@ -158,9 +143,9 @@ def _candidates(
     clustered: Mapping[int, str] | None = None,
 ) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
-    is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules,
-    and no earlier candidate says the same), why each other one is not tried, and the repeats (rejected: tried
-    once). ``clustered``: plan positions another member of their cluster stands for, with the reason."""
+    is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
+    why each other one is not tried, and the repeats (rejected: tried once). ``clustered``: plan positions
+    another member of their cluster stands for, with the reason (``_clustered``)."""
     settings = config.learning.lesson_validation
     screen = lesson_screen(config, problems)
     candidates: list[_Candidate] = []
@@ -175,9 +160,6 @@ def _candidates(
             continue
         if clustered and seq in clustered:
             repeats[seq] = clustered[seq]
-            continue
-        if (first := _same_as(op, candidates)) is not None:
-            repeats[seq] = f"lesson validation: the same lesson as {quoted(first.operation)}, which is tried instead"
             continue
         alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
         if results[0].status != OpStatus.APPLIED:
@@ -250,7 +232,6 @@ def rollout_baseline(
     rollouts: Sequence[Rollout],
     rewards: Sequence[Reward],
     domain: Domain,
-    seed: int,
 ) -> dict[str, Sample]:
     """The step's own rollouts as the attempts without any candidate, by the draw key they stand in for: where
     they match (the same prompt, the library as it is; the trial's temperature is the rollouts'; graded by the
@@ -260,7 +241,7 @@ def rollout_baseline(
     if settings.temperature not in (None, config.grpo.rollout_temperature):
         return {}
     sampling = trial_sampling(config)
-    keys = draw_keys(problems, library, settings.samples, sample_seeds(problems, seed), sampling, domain)
+    keys = draw_keys(problems, library, settings.samples, sample_seeds(problems, config.seed), sampling, domain)
     prompts = {p.problem_id: prompt_fingerprint(p, library, domain, sampling.agent) for p in problems}
     graded = {(g.problem_id, g.sample_idx): g for g in rewards if g.reward_source in ("ground_truth", "judge")}
     found: dict[str, Sample] = {}
@@ -472,10 +453,9 @@ async def _clustered(
         tried[rep] = joined(plan, rep, members.members)
         for seq in members.members:
             if seq != rep:
-                value, _ = similarity(plan[rep].text or "", plan[seq].text or "", near)
+                how = duplicate_of(plan[rep].text or "", plan[seq].text or "", near) or "through another member"
                 clustered[seq] = (
-                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} (similarity {value:.2f}), "
-                    "tried once for their cluster"
+                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}), tried once for their cluster"
                 )
     return tried, clustered, calls
 
@@ -523,7 +503,7 @@ class StepDraws:
     ) -> dict[str, Sample]:
         return {
             **reusable(self.earlier),
-            **rollout_baseline(config, library, problems, self.rollouts, self.rewards, domain, config.seed),
+            **rollout_baseline(config, library, problems, self.rollouts, self.rewards, domain),
         }
 
 

@@ -375,7 +375,10 @@ async def test_a_lesson_over_the_word_limit_is_shortened_once_instead_of_dropped
         out[0].text == short
         and out[0].rationale == f"r [shortened by the learner from {word_count(long_text)} to 16 words]"
     )
-    assert out[1:] == plan[1:]
+    assert out[1] == plan[1] and out[3] == plan[3]  # within the limit, and not a lesson: untouched
+    # still too long after one try: the text as it was, the rationale saying why (the library then refuses it)
+    assert out[2].text == plan[2].text
+    assert out[2].rationale == f"[not shortened: the learner's rewrite has {word_count(long_text)} words]"
 
 
 async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplicates():

@@ -203,3 +203,23 @@ def test_the_gate_looks_twice_and_stops_at_the_first_clear_verdict():
         decide(settings, problems, samples("before", zeros), samples("after", {**zeros, "p0": [1.0, 0.0]}), first)
         is None
     )
+
+
+def test_the_run_says_which_tags_the_gate_covers():
+    from tasks.library_gate import describe_split
+
+    settings = LibraryGate(min_problems=4)
+    problems = [problem(i, "a") for i in range(10)] + [problem(i, "b") for i in range(10, 13)]
+    learn, aside = split_for_gate(problems, settings, seed=0)
+    note, complete = describe_split(settings, learn, aside)
+    assert not complete and note == (
+        "library gate: 4 training problems set aside (never trained on), 9 problems to learn from; task tags "
+        "with fewer than 8 problems are learned from whole, not gated: b"
+    )
+    learn, aside = split_for_gate(problems[:10], settings, seed=0)
+    assert describe_split(settings, learn, aside) == (
+        "library gate: 4 training problems set aside (never trained on), 6 problems to learn from",
+        True,
+    )
+    note, complete = describe_split(settings, *split_for_gate(problems[10:], settings, seed=0))
+    assert not complete and note.startswith("library gate: off for this run: no task tag has 8 training problems")
