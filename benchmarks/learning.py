@@ -81,6 +81,7 @@ class Settings:
     out: Path
     cache_dir: str | None = None
     # issue 42: lesson trials on other problems of the family with a sequential sign test, and the library gate
+    trials: str = "on"  # lesson trials (learning.lesson_validation); "off": one candidate per group, the gate alone
     trials_on: str = "sources_first"
     trial_test: str = "mean"
     trial_max_problems: int | None = None
@@ -168,7 +169,7 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
             "max_words": 40,
             "summarize_chunk_size": s.train,
             "lesson_validation": {
-                "enabled": True,
+                "enabled": s.trials == "on",
                 "samples": s.trial_samples,
                 "problems": s.trial_problems,
                 "min_gain": s.min_gain,
@@ -500,6 +501,7 @@ RESULT_SETTINGS = (
     "trial_problems",
     "min_gain",
     "eval_temperature",
+    "trials",
     "trials_on",
     "trial_test",
     "trial_max_problems",
@@ -595,8 +597,13 @@ def markdown(results: list[dict]) -> str:
     lines = [
         f"Measured on this project's 2-core machine (no GPU): policy {POLICY.name} (llama-server, 8 slots), "
         f"G={first['group_size']}, {first['epochs']} epoch(s), {first['candidates']} contrast candidates per group, "
-        f"lesson validation on {first['trial_problems']} problems x {first['trial_samples']} samples (min gain "
-        f"{first['min_gain']:g}); held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
+        + (
+            f"lesson validation on {first['trial_problems']} problems x {first['trial_samples']} samples (min gain "
+            f"{first['min_gain']:g})"
+            if first.get("trials", "on") == "on"
+            else "no lesson trials (the library gate alone)"
+        )
+        + f"; held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
         f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}. Mean@k with 95% bootstrap CIs; "
         "differences with 95% paired-bootstrap CIs over held-out problems, pooled over the seeds.",
         "",
@@ -747,9 +754,15 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--candidates", type=int, default=2)
     ap.add_argument("--trial-samples", type=int, default=3)
-    ap.add_argument("--trial-problems", type=int, default=2)
+    ap.add_argument("--trial-problems", type=int, default=1)
     ap.add_argument("--min-gain", type=float, default=0.1)
     ap.add_argument("--eval-temperature", type=float, default=0.3)
+    ap.add_argument(
+        "--trials",
+        choices=["on", "off"],
+        default="on",
+        help="lesson trials before the gate; off: one contrast candidate per group and the library gate alone",
+    )
     ap.add_argument("--trials-on", choices=["sources_first", "others"], default="sources_first")
     ap.add_argument("--trial-test", choices=["mean", "sign"], default="mean")
     ap.add_argument("--trial-max-problems", type=int, help="sign test: problems at most per candidate")
@@ -780,13 +793,14 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.k,
         a.group_size,
         a.epochs,
-        a.candidates,
+        a.candidates if a.trials == "on" else 1,  # more than one needs trials to choose among them
         a.trial_samples,
         a.trial_problems,
         a.min_gain,
         a.eval_temperature,
         Path(a.out).resolve(),
         a.cache_dir,
+        a.trials,
         a.trials_on,
         a.trial_test,
         a.trial_max_problems,
