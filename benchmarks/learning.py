@@ -591,6 +591,90 @@ def fmt(x: dict, signed: bool = False) -> str:
     return f"{x['value']:{sign}.3f} [{x['low']:{sign}.3f}, {x['high']:{sign}.3f}]"
 
 
+HELD_BACK = ("arithmetic", "workers")  # pre-registered (issue 42): never run before the final report
+NO_HARM_FLOOR = -0.02  # the pooled learned - none point estimate a family may not fall below
+
+
+def verdict(r: dict) -> str:
+    """What a family's pooled result says: gain (learned - none's CI above 0 and learned - placebo above 0),
+    harm (the point estimate below NO_HARM_FLOOR or the CI's upper bound not above 0), no lesson kept (no harm),
+    or no harm without a clear gain."""
+    gain, over_placebo = r["pooled"]["learned_minus_none"], r["pooled"]["learned_minus_placebo"]
+    if not any(x["lessons"] for x in r["seeds"]):
+        return "no lesson kept (no harm)"
+    if gain["low"] > 0 and over_placebo["value"] > 0:
+        return "gain"
+    if gain["value"] < NO_HARM_FLOOR or gain["high"] <= 0:
+        return "HARM"
+    return "no harm, no clear gain"
+
+
+def adopted_steps(x: dict) -> str:
+    """A seed's gate decisions as "adopted / steps" (or "off" when no gate ran)."""
+    if not x.get("gate"):
+        return "off"
+    return f"{sum(': adopted,' in d for d in x['gate'])}/{len(x['gate'])}"
+
+
+def family_label(family: str) -> str:
+    return f"{family} (held back)" if family in HELD_BACK else family
+
+
+def glance(results: list[dict]) -> str:
+    """The report's opening table: a row per (family, learner), the pooled differences with their CIs, the
+    lessons each seed kept, what the gate adopted, the tokens and the verdict."""
+    lines = [
+        "| family | learner | learned - none (pooled, 95% CI) | learned - placebo | lessons kept per seed "
+        "| gate adopted per seed | tokens, all seeds | tokens per point | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        p, seeds = r["pooled"], r["seeds"]
+        per_point = f"{r['tokens_per_point']:,.0f}" if r["tokens_per_point"] else "no gain"
+        lines.append(
+            f"| {family_label(r['family'])} | {r['learner']} | {fmt(p['learned_minus_none'], True)} "
+            f"| {fmt(p['learned_minus_placebo'], True)} | {' / '.join(str(len(x['lessons'])) for x in seeds)} "
+            f"| {' / '.join(adopted_steps(x) for x in seeds)} | {sum(x['tokens'] for x in seeds):,} | {per_point} "
+            f"| {verdict(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def glance_plot(results: list[dict], path: Path) -> None:
+    """One picture: a row per (family, learner), learned - none and learned - placebo with their 95% CIs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(results) + 1.4))
+    rows = list(reversed(results))
+    for y, r in enumerate(rows):
+        for offset, key, color, label in (
+            (0.12, "learned_minus_none", "#3a7bd5", "learned - none"),
+            (-0.12, "learned_minus_placebo", "#d9a441", "learned - placebo"),
+        ):
+            d = r["pooled"][key]
+            ax.errorbar(
+                d["value"],
+                y + offset,
+                xerr=[[d["value"] - d["low"]], [d["high"] - d["value"]]],
+                fmt="o",
+                color=color,
+                capsize=3,
+                label=label if y == 0 else None,
+            )
+        kept = "/".join(str(len(x["lessons"])) for x in r["seeds"])
+        ax.annotate(f"lessons {kept}", (1.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="center")
+    ax.axvline(0, color="#444444", linewidth=0.8)
+    ax.set_yticks(range(len(rows)), [f"{family_label(r['family'])} / {r['learner']}" for r in rows], fontsize=8)
+    ax.set_xlabel("held-out Mean@k difference, pooled over seeds (95% paired-bootstrap CI)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def markdown(results: list[dict]) -> str:
     """The report section for every (family, learner) result in ``results`` (one or several invocations)."""
     first = results[0]["settings"]
@@ -873,11 +957,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for server in servers:
             server.stop()
     every = save_results(s, results, (time.monotonic() - started) / 60)
-    section = markdown(every)
+    section = glance(every) + "\n\n" + markdown(every)
     print(section)
     if report:
+        glance_plot(every, ROOT / "benchmarks" / "plots" / "learning-glance.png")
         plot(every, ROOT / "benchmarks" / "plots" / "learning.png")
-        body = section + "\n\n![held-out Mean@k per condition](plots/learning.png)"
+        body = (
+            "![learned - none and learned - placebo per family](plots/learning-glance.png)\n\n"
+            + section
+            + "\n\n![held-out Mean@k per condition](plots/learning.png)"
+        )
         block = f"{REPORT_BEGIN}\n{body}\n{REPORT_END}"
         write_block(block, REPORT_BEGIN, REPORT_END, "Learning quality (benchmarks/learning.py)")
     return 0

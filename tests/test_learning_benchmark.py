@@ -176,3 +176,30 @@ def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_
     another = settings(tmp_path, ["ranges"], [0])
     another.k = 8  # other settings: another folder, nothing read back
     assert bench.results_dir(another) != bench.results_dir(s) and bench.load_kept(another, "ranges-none") is None
+
+
+def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_ones(tmp_path):
+    s = settings(tmp_path, ["ranges"], [0, 1, 2])
+    gain, harm, flat = result(s, "ranges", 0.2), result(s, "percent", -0.05), result(s, "arithmetic", 0.05)
+    empty = result(s, "units", 0.0)
+    for x in empty["seeds"]:
+        x["lessons"] = []
+    gain["seeds"][0]["gate"] = ["step 1: library gate: ...: adopted, better beyond noise", "step 2: ...: rejected, x"]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in bench.glance([gain, harm, flat, empty]).splitlines()}
+    assert rows["ranges"].endswith("| gain |") and "| 1/2 / off / off |" in rows["ranges"]
+    assert rows["percent"].endswith("| HARM |")  # the point estimate below -0.02
+    assert rows["arithmetic (held back)"].endswith("| no harm, no clear gain |")  # its CI holds 0
+    assert rows["units"].endswith("| no lesson kept (no harm) |") and "| 0 / 0 / 0 |" in rows["units"]
+    bench.glance_plot([gain, harm, flat, empty], tmp_path / "glance.png")
+    assert (tmp_path / "glance.png").stat().st_size > 0
+
+
+def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
+    off, _ = bench.parse(["--trials", "off", "--candidates", "3", "--out", str(tmp_path)])
+    config = bench.train_config(off, "train.jsonl", 0, "http://p", "http://l", "l")["learning"]
+    assert off.candidates == 1 and config["candidates"] == 1 and config["lesson_validation"]["enabled"] is False
+    on, _ = bench.parse(["--out", str(tmp_path)])
+    assert bench.train_config(on, "train.jsonl", 0, "http://p", "http://l", "l")["learning"]["lesson_validation"][
+        "enabled"
+    ]
+    assert bench.results_dir(on) != bench.results_dir(off)  # kept apart
