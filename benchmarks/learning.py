@@ -968,7 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             + "\n\n![held-out Mean@k per condition](plots/learning.png)"
         )
         block = f"{REPORT_BEGIN}\n{body}\n{REPORT_END}"
-        write_block(block, REPORT_BEGIN, REPORT_END, "Learning quality (benchmarks/learning.py)")
+        heading = "Learning quality: held-out accuracy with a learned library, none and a placebo"
+        write_block(block, REPORT_BEGIN, REPORT_END, heading)
     return 0
 
 

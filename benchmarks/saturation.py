@@ -346,7 +346,7 @@ def report_text(figures: dict[str, Any]) -> str:
 
 
 def write_report(figures: dict[str, Any]) -> None:
-    heading = "Saturation: the demo's engine against its own ceiling (issue 40)"
+    heading = "Saturation: the demo's engine against its own ceiling"
     write_block(report_text(figures), REPORT_BEGIN, REPORT_END, heading)
 
 
