@@ -50,7 +50,8 @@ def use_domain_registry(lookup: SettingsModelLookup) -> None:
 def domain_settings_model(name: str) -> type[DomainSettings] | None:
     """The settings model the domain ``name`` declares, as the domain registry finds it; None when it declares
     none or is not installed (using an unknown domain fails where it is looked up, with the list of installed
-    ones). Without a registry in this process (``domains`` not imported) a domain's settings cannot be read."""
+    ones). Without a registry in this process (``domains`` not imported) a domain's settings cannot be read: a run
+    config keeps them as given, and its fingerprint, which needs them read, is refused."""
     if _settings_model_of is None:
         raise ValueError(
             f"domain_settings: no domain registry in this process to read the {name!r} domain's settings with "
@@ -646,7 +647,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _domain_settings_valid(self) -> "RunConfig":
-        if not self.domain_settings:
+        """Read by the domain registry's model; kept as given where no registry is in this process yet (the
+        schemas alone: a domain's settings are read, and fingerprinted, only with the registry)."""
+        if not self.domain_settings or _settings_model_of is None:
             return self
         model = self.domain_settings_model()
         if model is None:
