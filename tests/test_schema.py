@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from clgrpo.store import Store
-from schemas.frames import FRAMES
+from schemas.catalog import TABLES
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "schema.json"
 
@@ -54,7 +54,7 @@ def tables(store: Store) -> dict[str, Any]:
 def frames(names: list[str]) -> dict[str, Any]:
     out = {}
     for table in names:
-        schema = FRAMES[table].to_schema()
+        schema = TABLES[table].frame.to_schema()
         out[table] = {
             "strict": schema.strict,
             "coerce": schema.coerce,
