@@ -190,7 +190,7 @@ class Probe:
 
 
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("duckdb", ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/store.py", "/schemas/frames.py")),
+    ("duckdb", ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/store.py", "/schemas/tables.py", "/schemas/catalog.py")),
     (
         "llm client",
         ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/aiohttp/", "/multidict/", "/yarl/", "/clgrpo/llm/"),

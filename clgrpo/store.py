@@ -34,45 +34,21 @@ import pandera.pandas as pa
 from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
+from schemas.catalog import TABLES
 from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, RunConfig
-from schemas.ddl import RUN_TABLES, STAGE_TABLES, create_statements
-from schemas.frames import FRAMES
 from schemas.records import (
-    AdapterVersion,
-    EvalComparison,
-    EvalSample,
-    EvalSummary,
-    Experience,
-    ExperienceStat,
-    GateDecision,
-    GateSample,
-    GroupAdvantage,
-    LessonChange,
-    LessonTrial,
     LibraryAdoption,
-    LibraryQuality,
+    LibraryHead,
     LibraryVersion,
-    LLMCall,
-    Operation,
     OperationResult,
-    Problem,
-    Proposal,
     RefreshDecision,
     RefreshGateRow,
-    RefreshInput,
-    RefreshReject,
-    RefreshWatermark,
-    ReviewDecision,
     ReviewRequest,
-    Reward,
-    Rollout,
     Sample,
-    Summary,
-    TrialSample,
-    Turn,
     utcnow,
 )
 from schemas.stages import Stage
+from schemas.tables import create_statements, run_tables, stage_tables
 
 
 class StoreError(RuntimeError):
@@ -145,125 +121,12 @@ def _locked_message(path: str | Path, exc: duckdb.Error, wait_s: float) -> str:
     )
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-# --- records -> rows -----------------------------------------------------------------------------------
-def _problem_rows(items: Sequence[Problem]) -> list[dict]:
-    return [{"position": i, **p.model_dump()} for i, p in enumerate(items)]
-
-
-def _rollout_row(r: Rollout) -> dict:
-    row = r.model_dump(exclude={"turns"})
-    return {**row, "turns_json": _dumps([t.model_dump() for t in r.turns]), "final_text": r.final_text}
-
-
-def _advantage_row(g: GroupAdvantage) -> dict:
-    row = g.model_dump(exclude={"rewards", "advantages"})
-    return {**row, "rewards_json": _dumps(g.rewards), "advantages_json": _dumps(g.advantages)}
-
-
-def _proposal_row(p: Proposal) -> dict:
-    ops = [o.model_dump(mode="json") for o in p.operations]
-    return {
-        "group_id": p.group_id,
-        "n_operations": len(ops),
-        "operations_json": _dumps(ops),
-        "raw_text": p.raw_text,
-        "parse_error": p.parse_error,
-    }
-
-
-def _trial_row(t: LessonTrial) -> dict:
-    return {
-        **t.model_dump(exclude={"operation", "problem_ids"}),
-        "operation_json": _dumps(t.operation.model_dump(mode="json")),
-        "problem_ids_json": _dumps(t.problem_ids),
-    }
-
-
-def _gate_row(d: GateDecision) -> dict:
-    return {**d.model_dump(exclude={"problem_ids"}), "problem_ids_json": _dumps(d.problem_ids)}
-
-
-def _operation_row(r: OperationResult) -> dict:
-    op = r.operation
-    return {
-        "seq": r.seq,
-        "op": op.op.value,
-        "target_ids_json": _dumps(op.target_ids),
-        "text": op.text,
-        "rationale": op.rationale,
-        "source_groups_json": _dumps(op.source_groups),
-        "status": r.status.value,
-        "reason": r.reason,
-        "result_id": r.result_id,
-    }
-
-
-def _evaluation_row(e: EvalSummary) -> dict:
-    return {**e.model_dump(exclude={"leaked_ids"}), "leaked_ids_json": _dumps(e.leaked_ids)}
-
-
-def _refresh_row(d: RefreshDecision) -> dict:
-    return {**d.model_dump(exclude={"reasons"}), "reasons_json": _dumps(d.reasons)}
-
-
-def _review_request_row(r: ReviewRequest) -> dict:
-    return {
-        **r.model_dump(exclude={"changes", "pending"}),
-        "changes_json": _dumps([c.model_dump() for c in r.changes]),
-        "pending_json": r.pending.model_dump_json(),
-    }
-
-
-def _review_request_record(row: dict) -> ReviewRequest:
-    fields = {k: row[k] for k in ReviewRequest.model_fields if k not in ("changes", "pending")}
-    return ReviewRequest(
-        **fields,
-        changes=[LessonChange(**c) for c in json.loads(row["changes_json"])],
-        pending=RefreshDecision.model_validate_json(row["pending_json"]),
-    )
-
-
-_ROWS: dict[str, Callable[[Sequence[Any]], list[dict]]] = {
-    "problems": _problem_rows,
-    "rollouts": lambda items: [_rollout_row(r) for r in items],
-    "rewards": lambda items: [r.model_dump() for r in items],
-    "group_advantages": lambda items: [_advantage_row(g) for g in items],
-    "summaries": lambda items: [s.model_dump() for s in items],
-    "proposals": lambda items: [_proposal_row(p) for p in items],
-    "operations": lambda items: [_operation_row(r) for r in items],
-    "llm_calls": lambda items: [c.model_dump() for c in items],
-    "evaluations": lambda items: [_evaluation_row(e) for e in items],
-    "eval_results": lambda items: [r.model_dump() for r in items],
-    "eval_comparisons": lambda items: [c.model_dump() for c in items],
-    "refresh_inputs": lambda items: [i.model_dump() for i in items],
-    "refreshes": lambda items: [_refresh_row(d) for d in items],
-    "refresh_gate": lambda items: [r.model_dump() for r in items],
-    "refresh_rejects": lambda items: [r.model_dump() for r in items],
-    "refresh_watermarks": lambda items: [w.model_dump() for w in items],
-    "experience_stats": lambda items: [s.model_dump() for s in items],
-    "library_quality": lambda items: [q.model_dump() for q in items],
-    "adapters": lambda items: [a.model_dump() for a in items],
-    "lesson_trials": lambda items: [_trial_row(t) for t in items],
-    "trial_samples": lambda items: [t.model_dump() for t in items],
-    "gate_samples": lambda items: [g.model_dump() for g in items],
-    "library_gates": lambda items: [_gate_row(d) for d in items],
-    "review_requests": lambda items: [_review_request_row(r) for r in items],
-    "review_decisions": lambda items: [d.model_dump() for d in items],
-    "library_adoptions": lambda items: [a.model_dump() for a in items],
-}
-
-
-# --- rows -> records -----------------------------------------------------------------------------------
-def _fields(model: type[BaseModel], row: dict, skip: tuple[str, ...] = ()) -> dict:
+def _fields(model: type[BaseModel], row: dict) -> dict:
     """The row's values of the model's fields; a NULL in a column added after a row was written (the field
     has a non-None default) takes the default."""
     out = {}
     for name, info in model.model_fields.items():
-        if name in skip or name not in row:
+        if name not in row:
             continue
         if row[name] is None and info.default is not None and not info.is_required():
             continue
@@ -271,111 +134,13 @@ def _fields(model: type[BaseModel], row: dict, skip: tuple[str, ...] = ()) -> di
     return out
 
 
-def _rollout_record(row: dict) -> Rollout:
-    turns = [Turn(**t) for t in json.loads(row["turns_json"])]
-    return Rollout(**_fields(Rollout, row, skip=("turns",)), turns=turns)
-
-
-def _proposal_record(row: dict) -> Proposal:
-    ops = [Operation(**o) for o in json.loads(row["operations_json"])]
-    return Proposal(group_id=row["group_id"], operations=ops, raw_text=row["raw_text"], parse_error=row["parse_error"])
-
-
-def _operation_record(row: dict) -> OperationResult:
-    op = Operation(
-        op=row["op"],
-        target_ids=json.loads(row["target_ids_json"]),
-        text=row["text"],
-        rationale=row["rationale"],
-        source_groups=json.loads(row["source_groups_json"]),
-    )
-    return OperationResult(
-        seq=row["seq"], operation=op, status=row["status"], reason=row["reason"], result_id=row["result_id"]
-    )
-
-
-def _advantage_record(row: dict) -> GroupAdvantage:
-    fields = {k: row[k] for k in ("problem_id", "mean_reward", "std_reward", "selected", "reason")}
-    return GroupAdvantage(
-        **fields, rewards=json.loads(row["rewards_json"]), advantages=json.loads(row["advantages_json"])
-    )
-
-
-def _plain(model: type) -> Callable[[dict], Any]:
-    return lambda row: model(**_fields(model, row))
-
-
 # the tables whose rows are measured samples (schemas.records.Sample and a role): what a measurement may reuse
 SAMPLE_TABLES = ("eval_results", "trial_samples", "gate_samples")
 
-_RECORDS: dict[str, Callable[[dict], Any]] = {
-    "problems": _plain(Problem),
-    "rollouts": _rollout_record,
-    "rewards": _plain(Reward),
-    "group_advantages": _advantage_record,
-    "summaries": _plain(Summary),
-    "proposals": _proposal_record,
-    "operations": _operation_record,
-    "llm_calls": _plain(LLMCall),
-    "evaluations": lambda row: EvalSummary(
-        **{k: row[k] for k in EvalSummary.model_fields if k != "leaked_ids"},
-        leaked_ids=json.loads(row["leaked_ids_json"]),
-    ),
-    "eval_results": _plain(EvalSample),
-    "eval_comparisons": _plain(EvalComparison),
-    "refresh_inputs": _plain(RefreshInput),
-    "refresh_rejects": _plain(RefreshReject),
-    "refresh_watermarks": _plain(RefreshWatermark),
-    "experience_stats": _plain(ExperienceStat),
-    "library_quality": _plain(LibraryQuality),
-    "adapters": _plain(AdapterVersion),
-    "lesson_trials": lambda row: LessonTrial(
-        **_fields(LessonTrial, row, skip=("operation", "problem_ids")),
-        operation=Operation(**json.loads(row["operation_json"])),
-        problem_ids=json.loads(row["problem_ids_json"]),
-    ),
-    "trial_samples": _plain(TrialSample),
-    "gate_samples": _plain(GateSample),
-    "library_gates": lambda row: GateDecision(
-        **_fields(GateDecision, row, skip=("problem_ids",)), problem_ids=json.loads(row["problem_ids_json"])
-    ),
-    "refresh_gate": _plain(RefreshGateRow),
-    "refreshes": lambda row: RefreshDecision(
-        **_fields(RefreshDecision, row, skip=("reasons",)), reasons=json.loads(row["reasons_json"])
-    ),
-    "review_requests": _review_request_record,
-    "review_decisions": _plain(ReviewDecision),
-    "library_adoptions": _plain(LibraryAdoption),
-}
 
-_ORDER = {
-    "problems": "position",
-    "rollouts": "problem_id, sample_idx",
-    "rewards": "problem_id, sample_idx",
-    "group_advantages": "problem_id",
-    "summaries": "problem_id, sample_idx",
-    "proposals": "group_id",
-    "operations": "seq",
-    "llm_calls": "started_at",
-    "evaluations": "created_at, condition",
-    "eval_results": "condition, problem_id, sample_idx",
-    "eval_comparisons": "baseline, candidate, tag NULLS FIRST, metric",
-    "refresh_inputs": "position",
-    "refreshes": "refresh_date",
-    "refresh_gate": "tag NULLS FIRST",
-    "refresh_rejects": "file, line",
-    "refresh_watermarks": "name",
-    "experience_stats": "exp_id",
-    "lesson_trials": "seq",
-    "trial_samples": "seq, problem_id, sample_idx",
-    "gate_samples": "arm, problem_id, sample_idx",
-    "library_gates": "step",
-    "library_quality": "version",
-    "review_requests": "refresh_id",
-    "review_decisions": "change_id",
-    "library_adoptions": "seq",
-    "adapters": "step",
-}
+def _records(table: str, frame: pd.DataFrame) -> list[Any]:
+    rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
+    return [TABLES[table].record_of(row) for row in rows]
 
 
 def _clean(value: Any) -> Any:
@@ -529,7 +294,7 @@ class Store:
     @staticmethod
     def validate(table: str, frame: pd.DataFrame) -> pd.DataFrame:
         try:
-            return FRAMES[table].validate(frame, lazy=True)
+            return TABLES[table].frame.validate(frame, lazy=True)
         except pa.errors.SchemaErrors as exc:
             raise FrameValidationError(_describe_failures(table, exc)) from exc
 
@@ -542,15 +307,18 @@ class Store:
         finally:
             self.con.unregister("_clgrpo_frame")
 
+    def keyed_frame(self, table: str, records: Sequence[Any], key: Callable[[int], dict[str, Any]]) -> pd.DataFrame:
+        """The validated frame of these records' rows, each with its key's columns (``key(position)``)."""
+        rows = [{**row, **key(i)} for i, row in enumerate(TABLES[table].rows(records))]
+        return self.validate(table, pd.DataFrame(rows, columns=TABLES[table].column_names))
+
     def stage_frame(self, table: str, run_id: str, step: int, stage: str, records: Sequence[Any]) -> pd.DataFrame:
-        rows = [{**row, "run_id": run_id, "step": step, "stage": stage} for row in _ROWS[table](records)]
-        columns = list(FRAMES[table].to_schema().columns)
-        return self.validate(table, pd.DataFrame(rows, columns=columns))
+        return self.keyed_frame(table, records, lambda _: {"run_id": run_id, "step": step, "stage": stage})
 
     def write_stage(self, run_id: str, step: int, stage: str, outputs: Mapping[str, Sequence[Any]]) -> int:
         """Replace the rows of (run_id, step, stage) in every given table and mark the stage complete,
         atomically. All frames are validated before anything is touched."""
-        unknown = set(outputs) - set(STAGE_TABLES)
+        unknown = set(outputs) - set(stage_tables())
         if unknown:
             raise StoreError(f"not stage tables: {sorted(unknown)}")
         frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
@@ -614,15 +382,13 @@ class Store:
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
-        order = _ORDER.get(table, "1")
+        order = TABLES[table].order
         sql = f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY step, {order}"
         return self.con.execute(sql, params).df()
 
     @_connected
     def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
-        frame = self.frame(table, run_id, step, stage)
-        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
-        return [_RECORDS[table](row) for row in rows]
+        return _records(table, self.frame(table, run_id, step, stage))
 
     @_connected
     def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:
@@ -651,7 +417,7 @@ class Store:
         """Every applied or rejected operation of a run (or one step), with its step, in order."""
         frame = self.frame("operations", run_id, step)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
-        return [(int(row["step"]), _operation_record(row)) for row in rows]
+        return [(int(row["step"]), TABLES["operations"].record_of(row)) for row in rows]
 
     # --- embeddings (shared by all runs of this file) ----------------------------------------------------
     @_connected
@@ -753,7 +519,7 @@ class Store:
         """Remove every row of ``run_id`` from every table, in one transaction: rows removed per table."""
         removed: dict[str, int] = {}
         with self._transaction():
-            for table in RUN_TABLES:
+            for table in run_tables():
                 count = _aggregate(
                     self.con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()
                 )[0]
@@ -841,8 +607,7 @@ class Store:
         frame = self.con.execute(
             "SELECT * FROM refreshes WHERE name = ? AND stage = ? ORDER BY refresh_date", [name, Stage.REFRESH_DECIDE]
         ).df()
-        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
-        return [_RECORDS["refreshes"](row) for row in rows]
+        return _records("refreshes", frame)
 
     @_connected
     def refresh_gates(self, name: str) -> dict[str, list[RefreshGateRow]]:
@@ -857,7 +622,9 @@ class Store:
         gates: dict[str, list[RefreshGateRow]] = {}
         for row in frame.to_dict(orient="records"):
             decided = row.pop("decided")
-            gates.setdefault(decided, []).append(_RECORDS["refresh_gate"]({k: _clean(v) for k, v in row.items()}))
+            gates.setdefault(decided, []).append(
+                TABLES["refresh_gate"].record_of({k: _clean(v) for k, v in row.items()})
+            )
         return gates
 
     @_connected
@@ -894,56 +661,24 @@ class Store:
     def review_requests(self, name: str) -> list[ReviewRequest]:
         """Every review requested by refreshes of ``name``, oldest first (answered or not)."""
         frame = self.con.execute("SELECT * FROM review_requests WHERE name = ? ORDER BY created_at", [name]).df()
-        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
-        return [_review_request_record(row) for row in rows]
+        return _records("review_requests", frame)
 
     @_connected
     def library_adoptions(self, name: str) -> list[LibraryAdoption]:
         """Promotions and rollbacks of ``name``'s served library, in order."""
         frame = self.con.execute("SELECT * FROM library_adoptions WHERE name = ? ORDER BY seq", [name]).df()
-        rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
-        return [_RECORDS["library_adoptions"](row) for row in rows]
+        return _records("library_adoptions", frame)
 
     # --- library versions -----------------------------------------------------------------------------
     def save_library(self, run_id: str, library: ExperienceLibrary) -> None:
         """Save one version (replacing that version if it was saved before)."""
         v = library.to_version()
-        head = self.validate(
-            "library_versions",
-            pd.DataFrame(
-                [
-                    {
-                        "run_id": run_id,
-                        "version": v.version,
-                        "step": v.step,
-                        "parent_version": v.parent_version,
-                        "next_id": v.next_id,
-                        "id_prefix": v.id_prefix,
-                        "n_experiences": len(v.experiences),
-                        "content_hash": library.content_hash(),
-                        "retired_ids_json": _dumps(v.retired_ids),
-                        "created_at": v.created_at,
-                    }
-                ]
-            ),
+        fields = v.model_dump(include=set(LibraryHead.model_fields))
+        record = LibraryHead(**fields, n_experiences=len(v.experiences), content_hash=library.content_hash())
+        head = self.keyed_frame("library_versions", [record], lambda _: {"run_id": run_id})
+        body = self.keyed_frame(
+            "library_experiences", v.experiences, lambda i: {"run_id": run_id, "version": v.version, "position": i}
         )
-        rows = [
-            {
-                "run_id": run_id,
-                "version": v.version,
-                "position": i,
-                "exp_id": e.id,
-                "text": e.text,
-                "created_step": e.created_step,
-                "updated_step": e.updated_step,
-                "parent_ids_json": _dumps(e.parent_ids),
-                "source_groups_json": _dumps(e.source_groups),
-                "domain_tag": e.domain_tag,
-            }
-            for i, e in enumerate(v.experiences)
-        ]
-        columns = list(FRAMES["library_experiences"].to_schema().columns)
-        body = self.validate("library_experiences", pd.DataFrame(rows, columns=columns))
         with self._transaction():
             for table in ("library_versions", "library_experiences"):
                 self.con.execute(f"DELETE FROM {table} WHERE run_id = ? AND version = ?", [run_id, v.version])
@@ -970,34 +705,13 @@ class Store:
         ).df()
         if head.empty:
             raise StoreError(f"{self.path}: run {run_id!r} has no library version {version}")
-        h = {k: _clean(v) for k, v in head.iloc[0].to_dict().items()}
+        (h,) = _records("library_versions", head)
         body = self.con.execute(
             "SELECT * FROM library_experiences WHERE run_id = ? AND version = ? ORDER BY position", [run_id, version]
         ).df()
-        experiences = [
-            Experience(
-                id=r["exp_id"],
-                text=r["text"],
-                created_step=r["created_step"],
-                updated_step=r["updated_step"],
-                parent_ids=json.loads(r["parent_ids_json"]),
-                source_groups=json.loads(r["source_groups_json"]),
-                domain_tag=_clean(r["domain_tag"]),
-            )
-            for r in body.to_dict(orient="records")
-        ]
-        parent = h["parent_version"]
+        fields = h.model_dump(include=set(LibraryVersion.model_fields))
         return ExperienceLibrary.from_version(
-            LibraryVersion(
-                version=int(h["version"]),
-                step=int(h["step"]),
-                parent_version=None if parent is None else int(parent),
-                experiences=experiences,
-                retired_ids=json.loads(h["retired_ids_json"]),
-                next_id=int(h["next_id"]),
-                id_prefix=h["id_prefix"],
-                created_at=h["created_at"],
-            )
+            LibraryVersion(**fields, experiences=_records("library_experiences", body))
         )
 
 

@@ -10,8 +10,9 @@ returns a ``Domain``) in the entry point group ``clgrpo.domains``, as this proje
 in this process only (a test's stand-in, a notebook), and wins over an installed plug-in of the same name.
 
 A domain with settings of its own declares their model (a ``schemas.config.DomainSettings``) as its factory's
-``settings_model``: the run config validates ``domain_settings`` against it, and ``domain_for(config)`` gives
-the domain its settings (its ``settings`` attribute). ``domains/web`` is the worked example.
+``settings_model``: this registry is the one that finds it (the run config validates ``domain_settings`` with
+the lookup it hands to ``schemas.config`` on import; the schemas load no plug-in), and ``domain_for(config)``
+gives the domain its settings (its ``settings`` attribute). ``domains/web`` is the worked example.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
 from domains.base import Domain
-from schemas.config import DOMAINS_GROUP, RunConfig, register_domain_settings
+from schemas.config import DomainSettings, RunConfig, use_domain_registry
 
-ENTRY_POINT_GROUP = DOMAINS_GROUP
+ENTRY_POINT_GROUP = "clgrpo.domains"
 
 _REGISTRY: dict[str, Callable[[], Domain]] = {}
 
@@ -36,7 +37,6 @@ class UnknownDomainError(KeyError):
 
 def register_domain(name: str, factory: Callable[[], Domain]) -> None:
     _REGISTRY[name] = factory
-    register_domain_settings(name, getattr(factory, "settings_model", None))
 
 
 def installed_domains() -> list[str]:
@@ -48,6 +48,17 @@ def get_domain(name: str) -> Domain:
     if name not in _REGISTRY:
         _REGISTRY[name] = _installed_factory(name)
     return _REGISTRY[name]()
+
+
+def settings_model(name: str) -> type[DomainSettings] | None:
+    """The settings model the domain ``name`` declares (its factory's ``settings_model``); None when it declares
+    none, or is not installed (using it fails where it is looked up, with the list of installed ones)."""
+    if name not in _REGISTRY:
+        try:
+            _REGISTRY[name] = _installed_factory(name)
+        except UnknownDomainError:
+            return None
+    return getattr(_REGISTRY[name], "settings_model", None)
 
 
 def domain_for(config: RunConfig) -> Domain:
@@ -74,3 +85,6 @@ def _installed_factory(name: str) -> Callable[[], Domain]:
     if len(points) > 1:
         raise UnknownDomainError(f"domain {name!r} is declared by more than one installed package: {', '.join(points)}")
     return next(iter(points.values())).load()
+
+
+use_domain_registry(settings_model)  # the run config reads a domain's settings with this registry's models

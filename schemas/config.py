@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from importlib.metadata import entry_points
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,8 +23,8 @@ class Section(BaseModel):
 class DomainSettings(Section):
     """The base of a domain's own settings (``domain_settings`` in the run config). A domain declares its model
     as the ``settings_model`` attribute of its factory (the class its ``clgrpo.domains`` entry point names); the
-    run config validates ``domain_settings`` against the chosen domain's model and the domain gets them through
-    ``domains.registry.domain_for``."""
+    run config validates ``domain_settings`` against the model the domain registry finds for the chosen domain
+    (``use_domain_registry``) and the domain gets them through ``domains.registry.domain_for``."""
 
     def fingerprint_into(self, payload: dict[str, Any]) -> None:
         """Add what of these settings shapes results to the run config's fingerprint ``payload``: by default all
@@ -34,23 +34,30 @@ class DomainSettings(Section):
             payload["domain_settings"] = self.model_dump(mode="json")
 
 
-DOMAINS_GROUP = "clgrpo.domains"  # the entry point group of domain plug-ins (domains/registry.py finds them)
-_SETTINGS_MODELS: dict[str, type[DomainSettings] | None] = {}
+# How the run config finds the settings model a domain declares: the domain registry (``domains/registry.py``)
+# hands its lookup here when it is imported. The schemas never look for a plug-in themselves.
+SettingsModelLookup = Callable[[str], "type[DomainSettings] | None"]
+_settings_model_of: SettingsModelLookup | None = None
 
 
-def register_domain_settings(name: str, model: type[DomainSettings] | None) -> None:
-    """The settings model of a domain registered in this process (``domains.registry.register_domain``)."""
-    _SETTINGS_MODELS[name] = model
+def use_domain_registry(lookup: SettingsModelLookup) -> None:
+    """Validate ``domain_settings`` with the settings models that ``lookup`` finds (the domain registry's own:
+    None for a domain that declares none or is not installed)."""
+    global _settings_model_of
+    _settings_model_of = lookup
 
 
 def domain_settings_model(name: str) -> type[DomainSettings] | None:
-    """The settings model the installed domain ``name`` declares; None when it declares none or is not installed
-    (using an unknown domain fails where it is looked up, with the list of installed ones)."""
-    if name not in _SETTINGS_MODELS:
-        points = {point.value: point for point in entry_points(group=DOMAINS_GROUP) if point.name == name}
-        factory = next(iter(points.values())).load() if len(points) == 1 else None
-        _SETTINGS_MODELS[name] = getattr(factory, "settings_model", None)
-    return _SETTINGS_MODELS[name]
+    """The settings model the domain ``name`` declares, as the domain registry finds it; None when it declares
+    none or is not installed (using an unknown domain fails where it is looked up, with the list of installed
+    ones). Without a registry in this process (``domains`` not imported) a domain's settings cannot be read: a run
+    config keeps them as given, and its fingerprint, which needs them read, is refused."""
+    if _settings_model_of is None:
+        raise ValueError(
+            f"domain_settings: no domain registry in this process to read the {name!r} domain's settings with "
+            "(import domains)"
+        )
+    return _settings_model_of(name)
 
 
 def _errors(exc: ValidationError) -> str:
@@ -640,7 +647,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _domain_settings_valid(self) -> "RunConfig":
-        if not self.domain_settings:
+        """Read by the domain registry's model; kept as given where no registry is in this process yet (the
+        schemas alone: a domain's settings are read, and fingerprinted, only with the registry)."""
+        if not self.domain_settings or _settings_model_of is None:
             return self
         model = self.domain_settings_model()
         if model is None:

@@ -1,6 +1,7 @@
 """Typed records exchanged between stages.
 
-Every stage takes and returns these; the store turns them into DuckDB rows (see ``schemas.frames``).
+Every stage takes and returns these; each table of the store holds one of them (``schemas/catalog.py``), whose
+columns, frame checks and mappers are derived from the record (``schemas/tables.py``).
 Nested fields (turns, id lists) are plain Python lists here and JSON text in DuckDB.
 """
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.columns import DIFF, LEVEL, NOT_EMPTY, NOT_NEGATIVE, SHARE, UNIQUE, Check, PydanticJson, Sql
 
 
 def utcnow() -> datetime:
@@ -21,6 +24,17 @@ def utcnow() -> datetime:
 def text_hash(text: str) -> str:
     """Short, stable content hash used for prompts, libraries and configs."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+# What a field's column checks beyond the record's own validation (``schemas.columns``; the table's frame applies
+# them to every row written): counts and durations are never negative, names never empty, shares within [0, 1].
+Count = Annotated[int, NOT_NEGATIVE]
+Amount = Annotated[float, NOT_NEGATIVE]  # seconds, USD, a standard deviation
+Share = Annotated[float, SHARE]
+Diff = Annotated[float, DIFF]
+Level = Annotated[float, LEVEL]
+Name = Annotated[str, NOT_EMPTY]
+Seed = Annotated[int, Sql("BIGINT")]
 
 
 class Record(BaseModel):
@@ -41,7 +55,7 @@ REWARD_SOURCES = (
 
 
 class Problem(Record):
-    problem_id: str = Field(min_length=1)
+    problem_id: Annotated[str, UNIQUE] = Field(min_length=1)
     problem: str = Field(min_length=1)
     answer: str | None = None  # None when the dataset has no ground truth
     source: str = ""
@@ -50,7 +64,7 @@ class Problem(Record):
     # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.gate``)
     tag: str | None = None
     # where the answer came from: None (a dataset's ground truth) or one of ANSWER_SOURCES (refresh traces)
-    answer_source: str | None = None
+    answer_source: Annotated[str, Check(isin=list(ANSWER_SOURCES))] | None = None
 
 
 class Turn(Record):
@@ -73,17 +87,17 @@ class Rollout(Record):
     prompt_hash: str
     library_version: int = Field(ge=0)
     turns: list[Turn] = Field(default_factory=list)
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latency_s: float = 0.0
+    tokens_in: Count = 0
+    tokens_out: Count = 0
+    latency_s: Amount = 0.0
     error: str | None = None  # set when the policy call failed after its retries: not graded, not learned from
     # the endpoint's reason for stopping: "stop", or "length" when the reply was cut at max_tokens
     finish_reason: str = ""
     # agent rollouts: model calls made, tool calls and how many returned an error, seconds spent in tools
-    n_turns: int = 1
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_time_s: float = 0.0
+    n_turns: Count = 1
+    tool_calls: Count = 0
+    tool_errors: Count = 0
+    tool_time_s: Amount = 0.0
 
     @property
     def truncated(self) -> bool:
@@ -109,7 +123,9 @@ class Reward(Record):
     error: str | None = None
     verified: bool = True  # False: the verifier could not grade this sample (a failed item of the verify stage)
     judge_reason: str | None = None  # graded by the LLM judge: its reason
-    reward_source: str | None = None  # what graded it (REWARD_SOURCES); None: not graded, or an older row
+    reward_source: Annotated[str, Check(isin=list(REWARD_SOURCES))] | None = (
+        None  # what graded it (REWARD_SOURCES); None: not graded, or an older row
+    )
 
     @property
     def graded(self) -> bool:
@@ -121,8 +137,8 @@ class GroupAdvantage(Record):
 
     problem_id: str
     rewards: list[float | None]  # per sample; None: not graded (failed or unverifiable), left out of mean and std
-    mean_reward: float
-    std_reward: float
+    mean_reward: Share
+    std_reward: Amount
     advantages: list[float | None]
     selected: bool  # goes on to the semantic stages
     reason: str  # why it was or was not selected
@@ -145,7 +161,7 @@ class AdapterVersion(Record):
     ``numeric_update``); versioned beside the library versions. ``logprob_change_*``: mean change of the mean
     token log-prob of the step's positive / negative-advantage completions (None: no such completion)."""
 
-    base_model: str  # the policy's identity (``clgrpo.adapters.model_identity``): an adapter loads on it only
+    base_model: Name  # the policy's identity (``clgrpo.adapters.model_identity``): an adapter loads on it only
     rank: int = Field(ge=1)
     rows_used: int = Field(ge=0)
     rows_skipped: int = Field(0, ge=0)  # zero-advantage, failed, over max_rows, or prompt not reproducible
@@ -155,9 +171,9 @@ class AdapterVersion(Record):
     logprob_change_neg: float | None = None
     library_version: int = Field(ge=0)  # the library the completions were sampled with
     parent_path: str | None = None  # the adapter this one continued from (None: a fresh LoRA)
-    path: str
-    device: str = "cpu"
-    seconds: float = 0.0
+    path: Name
+    device: Name = "cpu"
+    seconds: Amount = 0.0
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -202,7 +218,7 @@ class OpStatus(StrEnum):
 
 
 class OperationResult(Record):
-    seq: int  # position of the operation in its batch
+    seq: Count  # position of the operation in its batch
     operation: Operation
     status: OpStatus
     reason: str = ""
@@ -223,14 +239,14 @@ class LessonTrial(Record):
     and with it on the same seeds, and the verdict. ``verdict``: kept, rejected (no gain, or a better candidate
     of its group), or untested (not a lesson text, or refused by the library's rules before any trial)."""
 
-    seq: int = Field(ge=0)  # position of the operation in the step's plan
+    seq: Annotated[int, UNIQUE] = Field(ge=0)  # position of the operation in the step's plan
     operation: Operation
     problem_ids: list[str] = Field(default_factory=list)
-    samples: int = 0  # per problem and arm
-    pairs: int = 0  # (problem, sample) pairs graded in both arms: what the means are over
-    mean_without: float | None = None
-    mean_with: float | None = None
-    gain: float | None = None
+    samples: Count = 0  # per problem and arm
+    pairs: Count = 0  # (problem, sample) pairs graded in both arms: what the means are over
+    mean_without: Share | None = None
+    mean_with: Share | None = None
+    gain: Diff | None = None
     verdict: Literal["kept", "rejected", "untested"]
     reason: str = ""
 
@@ -244,18 +260,18 @@ class Sample(Record):
 
     problem_id: str
     sample_idx: int = Field(ge=0)
-    seed: int
+    seed: Seed
     reward: float | None = Field(None, ge=0.0, le=1.0)  # None: failed or not gradable (left out of the pairs)
     extracted: str | None = None
     error: str | None = None  # failed policy call or verifier error
     judge_reason: str | None = None  # graded by the LLM judge: its reason
     final_text: str = ""
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latency_s: float = 0.0
-    n_turns: int = 1  # agent rollouts: model calls, tool calls and tool errors
-    tool_calls: int = 0
-    tool_errors: int = 0
+    tokens_in: Count = 0
+    tokens_out: Count = 0
+    latency_s: Amount = 0.0
+    n_turns: Count = 1  # agent rollouts: model calls, tool calls and tool errors
+    tool_calls: Count = 0
+    tool_errors: Count = 0
     draw_key: str | None = None  # None: stored before samples were keyed (never reused)
     drawn: bool = True
 
@@ -289,27 +305,27 @@ class GateDecision(Record):
     reason: str
     rule: str
     problem_ids: list[str] = Field(default_factory=list)
-    samples: int = 0
-    pairs: int = 0
+    samples: Count = 0
+    pairs: Count = 0
     before_hash: str = ""
     after_hash: str = ""
-    mean_before: float | None = None
-    mean_after: float | None = None
-    diff: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    better_pairs: int = 0  # pairs where the library after scored higher
-    worse_pairs: int = 0
-    p_better: float | None = None  # exact one-sided sign test
-    p_worse: float | None = None
+    mean_before: Share | None = None
+    mean_after: Share | None = None
+    diff: Diff | None = None
+    ci_low: Diff | None = None
+    ci_high: Diff | None = None
+    better_pairs: Count = 0  # pairs where the library after scored higher
+    worse_pairs: Count = 0
+    p_better: Share | None = None  # exact one-sided sign test
+    p_worse: Share | None = None
     tags_json: str = "[]"  # per task tag: [{tag, problems, diff, better, worse, p_worse, verdict}]
 
 
 class Experience(Record):
-    id: str = Field(min_length=1)
+    id: Annotated[str, UNIQUE] = Field(min_length=1)
     text: str = Field(min_length=1)
-    created_step: int = 0
-    updated_step: int = 0
+    created_step: Count = 0
+    updated_step: Count = 0
     parent_ids: list[str] = Field(default_factory=list)  # merged or modified-from ids
     source_groups: list[str] = Field(default_factory=list)  # groups (problem ids) that produced it
     domain_tag: str | None = None  # shown only to problems of this domain; None: shared by all domains
@@ -319,14 +335,14 @@ class ExperienceStat(Record):
     """How an experience fared up to a library version: attempts whose summaries cited it, by outcome, and a
     confidence (Beta posterior mean with a credible interval, ``clgrpo.usefulness``)."""
 
-    exp_id: str
-    cited: int = 0
-    cited_correct: float = 0.0  # sum of the rewards of the citing attempts
-    cited_wrong: float = 0.0  # sum of 1 - reward
-    cited_in_variance: int = 0  # citations in groups with reward variance
-    confidence: float = 0.5
-    ci_low: float = 0.0
-    ci_high: float = 1.0
+    exp_id: Name
+    cited: Count = 0
+    cited_correct: Amount = 0.0  # sum of the rewards of the citing attempts
+    cited_wrong: Amount = 0.0  # sum of 1 - reward
+    cited_in_variance: Count = 0  # citations in groups with reward variance
+    confidence: Share = 0.5
+    ci_low: Share = 0.0
+    ci_high: Share = 1.0
 
 
 class LibraryQuality(Record):
@@ -337,9 +353,9 @@ class LibraryQuality(Record):
     tokens: int = Field(ge=0)  # estimated tokens of the whole rendered library (``clgrpo.tokens``)
     near_duplicates: int = Field(0, ge=0)  # adds / modifies of the step rejected or merged as near-duplicates
     duplicate_ratio: float = Field(0.0, ge=0)  # near_duplicates / adds and modifies applied or rejected
-    mean_confidence: float | None = None  # over live experiences (None: empty library)
-    never_cited_share: float | None = None  # live experiences no summary has cited yet
-    coverage: float | None = None  # share of the step's summarized problems whose attempts cited >= 1 lesson
+    mean_confidence: Share | None = None  # over live experiences (None: empty library)
+    never_cited_share: Share | None = None  # live experiences no summary has cited yet
+    coverage: Share | None = None  # share of the step's summarized problems whose attempts cited >= 1 lesson
     coverage_problems: int = Field(0, ge=0)  # the denominator: problems with summaries (groups with variance)
     added: int = Field(0, ge=0)  # churn, the step's applied operations: new ids (adds, merge results)
     modified: int = Field(0, ge=0)  # modified texts
@@ -368,11 +384,11 @@ class LLMCall(Record):
     stage: str
     role: Literal["policy", "learner"]
     model: str
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latency_s: float = 0.0
-    retries: int = 0  # retries before this attempt: 0 for a call's first request
-    cost_usd: float = 0.0
+    tokens_in: Count = 0
+    tokens_out: Count = 0
+    latency_s: Amount = 0.0
+    retries: Count = 0  # retries before this attempt: 0 for a call's first request
+    cost_usd: Amount = 0.0
     ok: bool = True
     error: str | None = None
     started_at: datetime = Field(default_factory=utcnow)
@@ -380,7 +396,7 @@ class LLMCall(Record):
     finish_reason: str = ""  # of the first choice, for a successful attempt
     rate_limited: bool = False  # this attempt was answered 429
     final: bool = True  # the call's last attempt (its outcome); False: an attempt that was retried
-    turn: int | None = None  # agent rollouts: the model call's turn (0-based) in its rollout
+    turn: Count | None = None  # agent rollouts: the model call's turn (0-based) in its rollout
     # a learner call's reply text, usable or not (a policy reply is stored with its rollout)
     reply: str | None = None
 
@@ -388,7 +404,7 @@ class LLMCall(Record):
 class EvalSample(Sample):
     """One graded evaluation sample: a condition's (library's) rollout of one problem."""
 
-    condition: str
+    condition: Name
     # the same seeds for every condition, so (problem, sample) pairs are matched across conditions; a failed
     # policy call or verifier error counts as reward 0
     reward: float = Field(ge=0.0, le=1.0)
@@ -397,8 +413,8 @@ class EvalSample(Sample):
 class EvalSummary(Record):
     """One condition of an evaluation: Mean@k and Pass@k with bootstrap confidence intervals."""
 
-    eval_id: str
-    condition: str  # unique label within the evaluation
+    eval_id: Name
+    condition: Annotated[str, NOT_EMPTY, UNIQUE]  # unique label within the evaluation
     library_ref: str  # "none", a library file, or RUN_ID:VERSION
     library_hash: str
     library_size: int = Field(ge=0)
@@ -407,15 +423,15 @@ class EvalSummary(Record):
     n_problems: int = Field(ge=1)
     k: int = Field(ge=1)
     pass_k: int = Field(ge=1)
-    temperature: float
-    seed: int
-    ci_level: float
-    mean_at_k: float
-    mean_ci_low: float
-    mean_ci_high: float
-    pass_at_k: float
-    pass_ci_low: float
-    pass_ci_high: float
+    temperature: Amount
+    seed: Seed
+    ci_level: Level
+    mean_at_k: Share
+    mean_ci_low: Share
+    mean_ci_high: Share
+    pass_at_k: Share
+    pass_ci_low: Share
+    pass_ci_high: Share
     n_failed: int = Field(
         0, ge=0
     )  # samples whose policy call failed or that could not be verified (scored 0, counted here)
@@ -426,16 +442,16 @@ class EvalSummary(Record):
 class EvalComparison(Record):
     """The paired difference candidate - baseline on the same problems and per-sample seeds."""
 
-    eval_id: str
+    eval_id: Name
     baseline: str
     candidate: str
     metric: Literal["mean_at_k", "pass_at_k"]
     baseline_value: float
     candidate_value: float
-    diff: float
-    ci_low: float
-    ci_high: float
-    ci_level: float
+    diff: Diff
+    ci_low: Diff
+    ci_high: Diff
+    ci_level: Level
     n_problems: int = Field(ge=1)
     tag: str | None = None  # None: over all problems; else over the problems of this task tag (``Problem.tag``)
 
@@ -449,16 +465,18 @@ class RefreshInput(Record):
     """A new problem taken by a refresh: where it came from, when it arrived, and its content key (a problem
     is taken by one decided refresh only)."""
 
-    name: str  # the refresh (RefreshConfig.name)
+    name: Name  # the refresh (RefreshConfig.name)
     position: int = Field(ge=0)  # oldest first
-    problem_id: str = Field(min_length=1)
+    problem_id: Annotated[str, UNIQUE] = Field(min_length=1)
     problem: str = Field(min_length=1)
     answer: str | None = None
     source: str  # file name or table
     arrived_at: datetime
-    problem_key: str  # hash of the normalized problem text
+    problem_key: Annotated[str, NOT_EMPTY, UNIQUE]  # hash of the normalized problem text
     tag: str | None = None
-    answer_source: str | None = None  # ANSWER_SOURCES; None: a dataset row's answer field
+    answer_source: Annotated[str, Check(isin=list(ANSWER_SOURCES))] | None = (
+        None  # ANSWER_SOURCES; None: a dataset row's answer field
+    )
     rejected_answer: str | None = None  # a trace's thumbs-down answer: known wrong (kept, not used in grading)
 
     def to_problem(self) -> Problem:
@@ -475,10 +493,10 @@ class RefreshInput(Record):
 class RefreshReject(Record):
     """A source row a refresh skipped, and why (``file:line: reason``)."""
 
-    name: str
-    file: str
+    name: Name
+    file: Name
     line: int = Field(ge=0)  # 1-based line of a JSONL file; a table's row number (0-based)
-    reason: str
+    reason: Name
 
     def render(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}"
@@ -488,7 +506,7 @@ class RefreshWatermark(Record):
     """What a traces refresh read: rows that arrived after ``after`` up to ``watermark`` (the next refresh
     starts after it), how many were skipped as malformed and how many secrets were redacted."""
 
-    name: str
+    name: Annotated[str, NOT_EMPTY, UNIQUE]
     after: datetime | None = None  # the previous decided refresh's watermark; None: the first
     watermark: datetime | None = None  # None: nothing arrived (the next refresh starts after ``after``)
     n_rows: int = Field(0, ge=0)
@@ -503,17 +521,17 @@ class RefreshGateRow(Record):
     Overall: pass when the CI lower bound is above ``threshold`` (the margin). A tag: fail when the CI upper
     bound is below ``threshold`` (-tag_margin), not_gated when it has fewer than ``min_tag_problems``."""
 
-    refresh_id: str
+    refresh_id: Name
     tag: str | None = None  # None: all held-out problems
     metric: Literal["mean_at_k", "pass_at_k"]
     n_problems: int = Field(ge=1)
-    baseline_value: float
-    candidate_value: float
-    diff: float
-    ci_low: float
-    ci_high: float
-    ci_level: float
-    threshold: float
+    baseline_value: Share
+    candidate_value: Share
+    diff: Diff
+    ci_low: Diff
+    ci_high: Diff
+    ci_level: Level
+    threshold: Diff
     verdict: Literal["pass", "fail", "not_gated"]
     reason: str
 
@@ -523,24 +541,30 @@ class RefreshDecision(Record):
     not_promoted (candidate kept out; ``reasons`` say why). awaiting_review is never stored: what a refresh
     returns while its changes wait for a person (``review: required``)."""
 
-    refresh_id: str
-    name: str
-    refresh_date: str  # YYYY-MM-DD in the refresh's timezone: one refresh per name and date
+    refresh_id: Annotated[str, NOT_EMPTY, UNIQUE]
+    name: Name
+    refresh_date: Annotated[
+        str, Check(str_matches=r"^\d{4}-\d{2}-\d{2}$")
+    ]  # YYYY-MM-DD in the refresh's timezone: one refresh per name and date
     cutoff: datetime  # problems that arrived up to this instant were considered
-    status: Literal["no_new_data", "promoted", "not_promoted", "awaiting_review"]
+    # awaiting_review is never stored
+    status: Annotated[
+        Literal["no_new_data", "promoted", "not_promoted", "awaiting_review"],
+        Check(isin=["no_new_data", "promoted", "not_promoted"]),
+    ]
     n_new_problems: int = Field(ge=0)
-    baseline_ref: str  # the promoted library the refresh started from ("none", a file, or RUN_ID:VERSION)
+    baseline_ref: Name  # the promoted library the refresh started from ("none", a file, or RUN_ID:VERSION)
     candidate_ref: str | None = None  # RUN_ID:VERSION of the trained library
     train_run_id: str | None = None
     eval_id: str | None = None
     metric: Literal["mean_at_k", "pass_at_k"]
     baseline_value: float | None = None
     candidate_value: float | None = None
-    diff: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    ci_level: float | None = None
-    margin: float
+    diff: Diff | None = None
+    ci_low: Diff | None = None
+    ci_high: Diff | None = None
+    ci_level: Level | None = None
+    margin: Annotated[float, Check(ge=-1.0, lt=1.0)]
     reasons: list[str] = Field(default_factory=list)
     decided_at: datetime = Field(default_factory=utcnow)
     released: bool = False  # its problems go back to the next refresh (its review timed out)
@@ -571,13 +595,13 @@ class ReviewRequest(Record):
     before it returns ``awaiting_review``); ``pending`` is the decision it would record if every change were
     approved. ``flow_run_id``: the suspended Prefect flow run (None: a terminal refresh)."""
 
-    refresh_id: str
-    name: str
+    refresh_id: Annotated[str, NOT_EMPTY, UNIQUE]
+    name: Name
     flow_run_id: str | None = None
     timeout_s: int = Field(ge=1)
     deadline: datetime
     changes: list[LessonChange]
-    pending: RefreshDecision
+    pending: Annotated[RefreshDecision, PydanticJson()]
     config_json: str  # the RefreshConfig, so `clgrpo review` can finish a terminal refresh
     created_at: datetime = Field(default_factory=utcnow)
 
@@ -586,16 +610,16 @@ class ReviewDecision(Record):
     """A reviewer's answer for one change and what it did: ``after`` is the lesson text promoted (None: the
     change was not adopted, or a delete was); ``reason`` is the reviewer's, or the guard's for a refused edit."""
 
-    change_id: str
+    change_id: Annotated[str, UNIQUE, Check(str_matches=r"^c\d+$")]
     op: Literal["add", "modify", "delete"]
-    exp_id: str
+    exp_id: Name
     before: str | None = None
     proposed: str | None = None
     after: str | None = None
     decision: Literal["approve", "edit", "reject", "refused_edit", "timed_out"]
     adopted: bool
     reason: str = ""
-    reviewer: str
+    reviewer: Name
     decided_at: datetime = Field(default_factory=utcnow)
 
 
@@ -603,15 +627,71 @@ class LibraryAdoption(Record):
     """One change of the library that serving reads (the refresh's exported ``promoted.json``): a promotion
     (a new ``version``) or a rollback (back to an earlier ``version``)."""
 
-    name: str  # the refresh name (RefreshConfig.name)
+    name: Name  # the refresh name (RefreshConfig.name)
     seq: int = Field(ge=0)  # order of events of this name
     action: Literal["promote", "rollback"]
     version: int = Field(ge=1)  # the version now in place
-    from_version: int | None = None  # the version it replaced (None: nothing was promoted before)
-    refresh_id: str  # the refresh that produced the version now in place
-    library_ref: str  # RUN_ID:VERSION in DuckDB
-    content_hash: str
-    folder: str  # where the served files and backups are
-    actor: str
+    from_version: Annotated[int, Check(ge=1)] | None = (
+        None  # the version it replaced (None: nothing was promoted before)
+    )
+    refresh_id: Name  # the refresh that produced the version now in place
+    library_ref: Name  # RUN_ID:VERSION in DuckDB
+    content_hash: Name
+    folder: Name  # where the served files and backups are
+    actor: Name
     reason: str = ""
     adopted_at: datetime = Field(default_factory=utcnow)
+
+
+# --- rows the store keeps itself (no stage writes them) -----------------------------------------------------------
+class DbMeta(Record):
+    """One row: this database's identity (a uuid made when the file is created); work journals and anything else
+    kept outside the file are keyed by it, so a new or re-created database never picks up stale work."""
+
+    key: Annotated[str, UNIQUE]
+    value: str
+
+
+class RunRow(Record):
+    """A run: its ``RunConfig`` as JSON with its fingerprint, and its status (``Store.register_run``)."""
+
+    run_id: Annotated[str, NOT_EMPTY, UNIQUE]
+    fingerprint: str
+    config_json: str
+    created_at: datetime
+    status: Literal["running", "completed", "failed", "budget_exhausted"] | None = None
+    updated_at: datetime | None = None
+    error: str | None = None
+
+
+class StageRun(Record):
+    """The store's marker of a stored stage (``Store.write_stage``): a stage is done when it has one."""
+
+    n_rows: int = Field(ge=0)
+    completed_at: datetime
+
+
+class LibraryHead(Record):
+    """A library version without its lessons (rows of ``library_experiences``): what ``Store.save_library``
+    stores of a ``LibraryVersion`` besides them."""
+
+    version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    parent_version: int | None = None
+    next_id: int = Field(ge=0)
+    id_prefix: str
+    n_experiences: int = Field(ge=0)
+    content_hash: str
+    retired_ids: list[str] = Field(default_factory=list)
+    created_at: datetime
+
+
+class Embedding(Record):
+    """The embedding of a text (lessons, operation texts), computed once per text and model and shared by all
+    runs of a file."""
+
+    model: str = Field(min_length=1)
+    text_hash: str = Field(min_length=1)
+    dim: int = Field(gt=0)
+    vector: Annotated[list[float], Sql("FLOAT[]")]
+    created_at: datetime

@@ -1,17 +1,17 @@
-"""The data contract is written three times and mapped once more; this test fails when they disagree, for every
-table.
+"""The data contract: each table is declared once (``schemas/catalog.py``, from its record in
+``schemas/records.py``), and the store's DDL, frames and mappers are derived from the declaration
+(``schemas/tables.py``). This test fails where the derivation would lose something, for every table:
 
-- ``schemas/ddl.py``: the DuckDB tables, as a new file gets them and as an old file gets them after its columns
-  were added (``ADDED_COLUMNS``, ``DROPPED_NOT_NULL``): both must end up the same.
-- ``schemas/frames.py``: one pandera model per table, with the same columns in the same order, the pandas dtype
-  that each DuckDB type takes, and the same nullability.
-- ``schemas/records.py`` and the store's mappers (``clgrpo/store.py``): each table has the record the store writes
-  to it (or a reason below why not); every field of the record is stored (under its name, as ``NAME_json``, or as
-  listed in ``FIELD_COLUMNS``), every column comes from a field or is one the store adds (``ADDED_BY_STORE``); a
-  field and its same-named column agree on type and on NULL; the mappers write exactly the table's columns; and a
-  record with every field set (and one with only what is required) comes back from DuckDB equal to itself.
+- the DDL as a new file gets it and as an old file gets it after its migrations (columns added, NOT NULLs lifted)
+  end up the same;
+- the pandera frame has the table's columns in the same order, the pandas dtype that each DuckDB type takes, and
+  the same nullability;
+- every field of the record is stored (under its name, as ``NAME_json``, renamed, or flattened), every column
+  comes from a field or is one the store adds (the key, a computed column); a field and its same-named column
+  agree on type and on NULL; the mappers write exactly the table's columns; and a record with every field set (and
+  one with only what is required) comes back from DuckDB equal to itself.
 
-A new column therefore goes into all three (and a mapper when it is not a plain field): see CONTRIBUTING.md.
+``tests/test_schema.py`` holds the schema itself (what the hand-written DDL and frames were).
 """
 
 from __future__ import annotations
@@ -21,75 +21,28 @@ import typing
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import duckdb
 import pytest
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
-from clgrpo import store as store_module
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from schemas import records
-from schemas.ddl import ADDED_COLUMNS, DROPPED_NOT_NULL, STAGE_KEY, STAGE_TABLES, TABLE_DDL, create_statements
-from schemas.frames import FRAMES
+from schemas.catalog import RUN_TABLES, STAGE_TABLES, TABLES
+from schemas.tables import STAGE_KEY, AddColumns, DropNotNull, create_statements
 
-# --- which record each table holds ------------------------------------------------------------------------------
-STAGE_RECORDS: dict[str, type[BaseModel]] = {  # written by Store.write_stage, read by Store.records
-    "problems": records.Problem,
-    "rollouts": records.Rollout,
-    "rewards": records.Reward,
-    "group_advantages": records.GroupAdvantage,
-    "summaries": records.Summary,
-    "proposals": records.Proposal,
-    "operations": records.OperationResult,
-    "llm_calls": records.LLMCall,
-    "evaluations": records.EvalSummary,
-    "eval_results": records.EvalSample,
-    "eval_comparisons": records.EvalComparison,
-    "refresh_inputs": records.RefreshInput,
-    "refreshes": records.RefreshDecision,
-    "refresh_gate": records.RefreshGateRow,
-    "refresh_rejects": records.RefreshReject,
-    "refresh_watermarks": records.RefreshWatermark,
-    "experience_stats": records.ExperienceStat,
-    "library_quality": records.LibraryQuality,
-    "adapters": records.AdapterVersion,
-    "lesson_trials": records.LessonTrial,
-    "trial_samples": records.TrialSample,
-    "gate_samples": records.GateSample,
-    "library_gates": records.GateDecision,
-    "review_requests": records.ReviewRequest,
-    "review_decisions": records.ReviewDecision,
-    "library_adoptions": records.LibraryAdoption,
-}
+STAGE_RECORDS: dict[str, type[BaseModel]] = {name: TABLES[name].record for name in STAGE_TABLES}
 LIBRARY_RECORDS: dict[str, type[BaseModel]] = {  # Store.save_library / load_library: a version and its lessons
-    "library_versions": records.LibraryVersion,
+    "library_versions": records.LibraryHead,
     "library_experiences": records.Experience,
 }
-NO_RECORD = {  # tables the store fills itself, from no record
-    "db_meta": "the file's identity (key, value), written once when the file is created",
-    "runs": "a run's RunConfig as JSON with its fingerprint and status (Store.register_run, set_run_status)",
-    "stage_runs": "the store's marker of a completed stage (Store.write_stage)",
-    "embeddings": "cached vectors by model and text hash (Store.store_vectors)",
-}
-
-# --- how fields become columns, besides NAME -> NAME and NAME -> NAME_json ---------------------------------------
-FIELD_COLUMNS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("rollouts", "turns"): ("turns_json", "final_text"),  # final_text: the last assistant turn, for SQL readers
-    ("proposals", "operations"): ("operations_json", "n_operations"),
-    ("operations", "operation"): ("op", "target_ids_json", "text", "rationale", "source_groups_json"),
-    ("library_versions", "experiences"): ("n_experiences",),  # the lessons are rows of library_experiences
-    ("library_experiences", "id"): ("exp_id",),
-}
-NOT_STORED = {
-    ("library_versions", "shown"): "which lessons each prompt shows: travels with the version, never stored",
-}
-ADDED_BY_STORE: dict[str, tuple[str, ...]] = {  # columns no field holds (besides the stage key of stage tables)
-    "problems": ("position",),  # the problem's place in the step's batch
-    "library_versions": ("run_id", "content_hash"),
-    "library_experiences": ("run_id", "version", "position"),
+STORE_RECORDS = {  # tables the store fills itself
+    "db_meta": records.DbMeta,
+    "runs": records.RunRow,
+    "stage_runs": records.StageRun,
+    "embeddings": records.Embedding,
 }
 
 # the pandas dtype (as pandera names it) each DuckDB type is validated with, NOT NULL / nullable
@@ -136,27 +89,30 @@ DDL = _columns(create_statements())
 
 
 def _first_release_statements() -> list[str]:
-    """The tables as the first release created them: without the columns added since, NOT NULLs not yet lifted."""
+    """The tables as their first release created them: without the columns added since, NOT NULLs not yet
+    lifted."""
     statements = []
-    for table, body in TABLE_DDL.items():
-        added = {c.split()[0] for c in ADDED_COLUMNS.get(table, [])}
-        lifted = set(DROPPED_NOT_NULL.get(table, []))
-        lines = [line for line in body.strip().splitlines() if line.strip().split()[0] not in added]
-        lines = [f"{line.rstrip(',')} NOT NULL," if line.split()[0] in lifted else line for line in lines]
-        statements.append(f"CREATE TABLE {table} ({chr(10).join(lines).rstrip(',')})")
+    for table in TABLES.values():
+        added = {c for m in table.migrations if isinstance(m, AddColumns) for c in m.columns}
+        lifted = {c for m in table.migrations if isinstance(m, DropNotNull) for c in m.columns}
+        lines = [
+            f"{c.name} {c.sql}{' NOT NULL' if c.name in lifted or not c.nullable else ''}"
+            for c in table.columns
+            if c.name not in added
+        ]
+        statements.append(f"CREATE TABLE {table.name} ({', '.join(lines)})")
     return statements
 
 
-# --- tables and their three definitions --------------------------------------------------------------------------
-def test_every_table_has_a_frame_and_a_record_or_a_reason():
-    assert set(DDL) == set(TABLE_DDL) == set(FRAMES)
-    homes = [set(STAGE_RECORDS), set(LIBRARY_RECORDS), set(NO_RECORD)]
-    assert set().union(*homes) == set(TABLE_DDL), "a table with neither a record nor a reason"
-    assert sum(len(h) for h in homes) == len(TABLE_DDL), "a table listed twice"
-    assert set(STAGE_TABLES) == set(STAGE_RECORDS)
-    assert set(store_module._ROWS) == set(STAGE_RECORDS), "a stage table without a record -> rows mapper"
-    assert set(store_module._RECORDS) == set(STAGE_RECORDS), "a stage table without a row -> record mapper"
-    assert set(store_module._ORDER) <= set(STAGE_RECORDS)
+# --- tables and their declarations -------------------------------------------------------------------------------
+def test_every_table_is_declared_with_its_record():
+    assert set(DDL) == set(TABLES)
+    homes = [set(STAGE_RECORDS), set(LIBRARY_RECORDS), set(STORE_RECORDS)]
+    assert set().union(*homes) == set(TABLES), "a table nobody writes"
+    assert sum(len(h) for h in homes) == len(TABLES), "a table listed twice"
+    for name, record in {**LIBRARY_RECORDS, **STORE_RECORDS}.items():
+        assert TABLES[name].record is record, name
+    assert RUN_TABLES == ("runs", "stage_runs", *STAGE_TABLES, "library_versions", "library_experiences")
 
 
 def test_an_old_file_after_its_columns_were_added_has_the_new_file_s_schema():
@@ -165,9 +121,9 @@ def test_an_old_file_after_its_columns_were_added_has_the_new_file_s_schema():
         assert dict(sorted(migrated[table].items())) == dict(sorted(columns.items())), table
 
 
-@pytest.mark.parametrize("table", sorted(TABLE_DDL))
+@pytest.mark.parametrize("table", sorted(TABLES))
 def test_the_frame_has_the_table_s_columns_types_and_nulls(table):
-    frame = FRAMES[table].to_schema().columns
+    frame = TABLES[table].frame.to_schema().columns
     assert list(frame) == list(DDL[table]), f"{table}: frame columns differ from the DDL's"
     for name, column in DDL[table].items():
         dtype = FRAME_DTYPES[column.type][column.nullable]
@@ -177,36 +133,40 @@ def test_the_frame_has_the_table_s_columns_types_and_nulls(table):
 
 # --- records and the store's mappers -----------------------------------------------------------------------------
 def _records() -> dict[str, type[BaseModel]]:
-    return {**STAGE_RECORDS, **LIBRARY_RECORDS}
+    return {**STAGE_RECORDS, **LIBRARY_RECORDS, **STORE_RECORDS}
 
 
 def _base(annotation: Any) -> tuple[Any, bool]:
-    """The annotation without ``None``, and whether None is allowed."""
+    """The annotation without ``None`` (and without what ``Annotated`` declares beside it), and whether None is
+    allowed."""
+    optional = False
     if get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
-        return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), len(args) < len(get_args(annotation))
-    return annotation, False
+        optional = len(args) < len(get_args(annotation))
+        annotation = args[0] if len(args) == 1 else typing.Union[tuple(args)]
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation, optional
 
 
-def _stored_under(table: str, name: str, info: FieldInfo) -> tuple[str, ...]:
-    if (table, name) in FIELD_COLUMNS:
-        return FIELD_COLUMNS[(table, name)]
-    return (name,) if name in DDL[table] else (f"{name}_json",)
+def _stored_under(table: str, name: str) -> tuple[str, ...]:
+    """The columns a field is stored in: its own (by name, as JSON, renamed) or its nested record's."""
+    declared = TABLES[table]
+    if name in declared.key:
+        return (name,)
+    return tuple(c.name for c in declared.columns if c.parent == name or (c.field == name and c.parent is None))
 
 
 @pytest.mark.parametrize("table", sorted(_records()))
 def test_every_field_is_a_column_and_every_column_a_field(table):
-    model = _records()[table]
-    stored = {
-        column: name
-        for name, info in model.model_fields.items()
-        if (table, name) not in NOT_STORED
-        for column in _stored_under(table, name, info)
-    }
+    model, declared = _records()[table], TABLES[table]
+    stored = {column: name for name in model.model_fields for column in _stored_under(table, name)}
+    unstored = sorted(name for name in model.model_fields if not _stored_under(table, name))
+    assert unstored == sorted(declared.skip), f"{table}: fields of {model.__name__} with no column: {unstored}"
     missing = sorted(c for c in stored if c not in DDL[table])
     assert not missing, f"{table}: fields of {model.__name__} with no column: {missing}"
-    key = STAGE_KEY if table in STAGE_RECORDS else ()
-    extra = sorted(set(DDL[table]) - set(stored) - set(key) - set(ADDED_BY_STORE.get(table, ())))
+    computed = {c.name for c in declared.computed}
+    extra = sorted(set(DDL[table]) - set(stored) - set(declared.key) - computed)
     assert not extra, f"{table}: columns no field of {model.__name__} holds: {extra}"
 
 
@@ -215,10 +175,12 @@ def test_a_field_and_its_column_agree_on_type_and_null(table):
     model = _records()[table]
     for name, info in model.model_fields.items():
         column = DDL[table].get(name)
-        if column is None or (table, name) in FIELD_COLUMNS:
+        if column is None or _stored_under(table, name) != (name,):
             continue
         base, optional = _base(info.annotation)
         kind = str if get_origin(base) is Literal or (isinstance(base, type) and issubclass(base, StrEnum)) else base
+        if get_origin(kind) is list:  # a native DuckDB list (an embedding's vector)
+            continue
         assert column.type in FIELD_TYPES[kind], f"{table}.{name}: {column.type} holds a {base}"
         assert column.nullable or not optional, f"{table}.{name}: the field may be None, the column is NOT NULL"
         if column.nullable and not optional:  # an older row's NULL reads back as the field's default
@@ -240,7 +202,7 @@ def _choices(annotation: Any) -> set[str] | None:
 
 
 def _allowed(table: str, column: str) -> set[str] | None:
-    checks = FRAMES[table].to_schema().columns[column].checks
+    checks = TABLES[table].frame.to_schema().columns[column].checks
     return next((set(c.statistics["allowed_values"]) for c in checks if c.name == "isin"), None)
 
 
@@ -325,7 +287,7 @@ def _variants(table: str) -> Iterator[tuple[str, Any]]:
 @pytest.mark.parametrize("table", sorted(STAGE_RECORDS))
 def test_the_mappers_write_exactly_the_table_s_columns(table):
     for variant, record in _variants(table):
-        written = set(store_module._ROWS[table]([record])[0]) | set(STAGE_KEY)
+        written = set(TABLES[table].rows([record])[0]) | set(STAGE_KEY)
         assert written == set(DDL[table]), f"{table} ({variant}): the mapper writes {sorted(written ^ set(DDL[table]))}"
 
 

@@ -170,6 +170,64 @@ def test_settings_enter_the_fingerprint_only_when_changed_and_are_refused_for_a_
         RunConfig(dataset=base["dataset"], domain_settings={"komi": 7})
 
 
+SCHEMAS_ALONE = """
+import importlib.metadata, pkgutil, sys
+
+import schemas
+
+entry_points = importlib.metadata.entry_points
+
+
+def refuse_domains(**selection):
+    assert selection.get("group") != "clgrpo.domains", "the schemas looked for a domain plug-in"
+    return entry_points(**selection)  # pydantic's own plug-ins
+
+
+importlib.metadata.entry_points = refuse_domains
+for module in pkgutil.iter_modules(schemas.__path__):
+    __import__(f"schemas.{module.name}")
+from schemas.config import RunConfig
+
+plain = RunConfig(domain="web", dataset={"path": "q.jsonl"})
+assert plain.fingerprint()
+given = RunConfig(domain="web", dataset={"path": "q.jsonl"}, domain_settings={"search": {"top_k": 3}})
+assert given.domain_settings == {"search": {"top_k": 3}}
+try:
+    given.fingerprint()
+except ValueError as exc:
+    print(exc)
+print(sorted(name for name in sys.modules if name.split(".")[0] in ("domains", "tasks", "flows", "clgrpo")))
+"""
+
+
+def test_the_schemas_load_no_plug_in():
+    """Every schemas module imported with the entry-point loader refusing: a run config without domain settings
+    validates and has its fingerprint; one with them keeps them as given, and its fingerprint says that only the
+    domain registry reads them; no module of ours above the schemas was imported."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SCHEMAS_ALONE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "domain_settings: no domain registry in this process to read the 'web' domain's settings with (import domains)",
+        "[]",
+    ]
+
+
+def test_the_registry_reads_the_settings_of_a_domain_it_knows_without_entry_points(monkeypatch, fresh_registry):
+    """The run config's ``domain_settings`` are read with the registry's own models: a domain registered in this
+    process needs no entry point."""
+    monkeypatch.setattr(registry, "entry_points", lambda **_: pytest.fail("looked for installed plug-ins"))
+    registry.register_domain("go", Go)
+    config = RunConfig(domain="go", dataset={"path": "games.jsonl"}, domain_settings={"komi": 7})
+    assert config.domain_settings == {"komi": 7.0} and registry.settings_model("go") is Go.Settings
+
+
 def test_the_web_settings_old_place_is_read_with_the_same_fingerprint():
     web = {"search": {"index": "site", "base_url": "http://127.0.0.1:8765"}, "open": {"allow_hosts": ["127.0.0.1"]}}
     base = {"domain": "web", "dataset": {"path": "q.jsonl"}}

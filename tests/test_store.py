@@ -8,9 +8,8 @@ import pytest
 
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import ConfigMismatchError, FrameValidationError, Store, StoreError, StoreLockedError
+from schemas.catalog import TABLES
 from schemas.config import DatasetConfig, RunConfig
-from schemas.ddl import TABLE_DDL
-from schemas.frames import FRAMES
 from schemas.records import (
     GroupAdvantage,
     LLMCall,
@@ -50,10 +49,10 @@ def rollouts(problem_id="p1", n=3, text="answer \\boxed{4}"):
 
 
 def test_every_table_has_a_pandera_model_with_the_same_columns(store):
-    assert set(FRAMES) == set(TABLE_DDL)
-    for table, model in FRAMES.items():
+    assert set(TABLES) == set(store.query("SELECT table_name FROM duckdb_tables()")["table_name"])
+    for table, declared in TABLES.items():
         db_columns = list(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
-        assert db_columns == list(model.to_schema().columns), table
+        assert db_columns == list(declared.frame.to_schema().columns), table
 
 
 def test_round_trip_of_every_stage_record(store):
