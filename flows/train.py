@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,7 @@ from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
 from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export_dir, export_library, step_report
 from tasks.common import artifact_key, chunks
-from tasks.consolidate import FINAL, consolidate_task, consolidation_calls
+from tasks.consolidate import consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
 from tasks.integrity import (
     GATE_FAILURES,
@@ -252,9 +252,8 @@ class StepState:
     @cached_property  # read after consolidate filled ``plans``
     def plan(self) -> Limited:
         """The consolidation's final plan within its bound and ``learning.max_ops_per_step``."""
-        final_ops = next((p.operations for p in self.plans if p.group_id == FINAL), [])
         bound = plan_bound(self.limited[0], len(self.library))
-        return limit_plan(final_ops, bound=bound, cfg=self.cfg.learning)
+        return limit_plan(self.get(Plans).operations, bound=bound, cfg=self.cfg.learning)
 
     @property
     def validated(self) -> tuple[list[Operation], list[tuple[Operation, str]]]:
@@ -283,7 +282,7 @@ async def compute_rollout(t: Trainer, s: StepState) -> Rollouts:
     parts = await asyncio.gather(
         *[run_chunk(s.sampling, s.step, i, c, s.version) for i, c in enumerate(s.rollout_chunks)]
     )
-    return Rollouts([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
+    return Rollouts.joined(parts)
 
 
 async def compute_verify(t: Trainer, s: StepState) -> Verified:
@@ -295,8 +294,7 @@ async def compute_verify(t: Trainer, s: StepState) -> Verified:
             for i, c in enumerate(s.rollout_chunks)
         ]
     )
-    # an LLM judge's calls come from the work journal
-    return Verified([r for p in parts for r in p.rewards], [a for p in parts for a in p.advantages])
+    return Verified.joined(parts)  # an LLM judge's calls come from the work journal
 
 
 async def compute_numeric_update(t: Trainer, s: StepState) -> Adapters:
@@ -321,7 +319,7 @@ async def compute_summarize(t: Trainer, s: StepState) -> Summaries:
             for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
         ]
     )
-    return Summaries([x for p in parts for x in p.summaries], [c for p in parts for c in p.calls])
+    return Summaries.joined(parts)
 
 
 async def compute_group_advantage(t: Trainer, s: StepState) -> GroupProposals:
@@ -339,15 +337,15 @@ async def compute_group_advantage(t: Trainer, s: StepState) -> GroupProposals:
             for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
         ]
     )
-    return GroupProposals([x for p in parts for x in p.proposals], [c for p in parts for c in p.calls])
+    return GroupProposals.joined(parts)
 
 
 async def compute_consolidate(t: Trainer, s: StepState) -> Plans:
     """One plan from the group proposals (``tasks.consolidate``)."""
-    result = await consolidate_task(s.cfg, s.step, s.limited[0], s.version)
-    if result.failed:
+    plans = await consolidate_task(s.cfg, s.step, s.limited[0], s.version)
+    if plans.failed:
         t.log.warning("step %d: consolidation reply unusable after repair; no operations this step", s.step)
-    return Plans(result.plans, result.calls)
+    return plans
 
 
 async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
@@ -359,7 +357,7 @@ async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
         s.rewards,
         t.store.records("trial_samples", t.run_id),
     )
-    result = await validate_lessons_task(
+    trials = await validate_lessons_task(
         s.cfg,
         s.step,
         s.version,
@@ -371,7 +369,7 @@ async def compute_validate_lessons(t: Trainer, s: StepState) -> Trials:
         t.ledger(s.step),
         drawn,
     )
-    return Trials(result.trials, result.samples, shorten_calls + result.calls)
+    return replace(trials, llm_calls=shorten_calls + trials.llm_calls)
 
 
 async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
@@ -383,10 +381,9 @@ async def compute_library_gate(t: Trainer, s: StepState) -> Gate:
     before = ExperienceLibrary.from_version(s.version)
     near, usefulness = await t.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
-    outcome = await library_gate_task(
+    return await library_gate_task(
         s.cfg, s.step, s.version, after.to_version(), t.gate_problems, t.store.records("gate_samples", t.run_id)
     )
-    return Gate(outcome.samples, [outcome.decision], outcome.calls)
 
 
 def log_library_gate(t: Trainer, s: StepState) -> None:
@@ -408,7 +405,9 @@ async def compute_apply_operations(t: Trainer, s: StepState) -> Applied:
             len(over_limits),
             over_limits[0][1],
         )
-    return Applied(applied.results + rejected_results(over_limits + failed_trials, len(applied.results)))
+    return replace(
+        applied, operations=applied.operations + rejected_results(over_limits + failed_trials, len(applied.operations))
+    )
 
 
 def save_applied_library(t: Trainer, s: StepState) -> None:
@@ -848,7 +847,7 @@ class Trainer:
             (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
-        chain = [spec.group for spec in STEP if spec.group is not None and spec.when(self.cfg)]
+        chain = [(spec.group, spec.output) for spec in STEP if spec.group is not None and spec.when(self.cfg)]
         try:
             with recording(self.journal.step(step)):
                 parts = await asyncio.gather(

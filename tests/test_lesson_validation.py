@@ -221,7 +221,7 @@ async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_a
         "[rewritten as a general lesson: the draft copied from training problem p1]" in proposal.operations[0].rationale
     )
     record = json.loads(proposal.raw_text)[0]
-    assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.calls) == 2
+    assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.llm_calls) == 2
 
 
 def test_trials_on_others_skip_the_sources_and_stay_within_the_tag():
