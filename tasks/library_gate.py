@@ -89,6 +89,23 @@ def describe_split(settings: LibraryGate, learn: Sequence[Problem], aside: Seque
     )
 
 
+def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibrary) -> list[str]:
+    """What the library gate did in a run: its note (on, off and why), then, when it measured steps, how many it
+    adopted, and when it adopted none, that the run ends with the library it started with."""
+    lines = [note] if note else []
+    measured = [d for d in decisions if d.verdict != "unchanged"]
+    if not measured:
+        return lines
+    adopted = sum(d.verdict == "adopted" for d in measured)
+    lines.append(f"library gate: {adopted} of {counted(len(measured), 'step')} with changes adopted")
+    if adopted == 0:
+        lines.append(
+            f"library gate: no step measured better, so the run ends with the library it started with "
+            f"({counted(len(library), 'experience')}), not a worse one"
+        )
+    return lines
+
+
 # --- attempts --------------------------------------------------------------------------------------------------
 async def attempts(
     arm: str,

@@ -3,7 +3,7 @@
 A group's summaries and semantic advantage start as soon as its own G rollouts are verified, instead of after
 the whole batch: with long-tailed LLM latencies the slowest rollouts no longer hold every learner call back.
 Each of those stages has a per-group form here (``rollout_group``, ``verify_group``, ``summarize_group``,
-``propose_group``), named by its ``STEP`` entry in ``flows/train.py`` (``group=``): the pipeline chains the forms
+``propose_group``), named by its ``STEP`` entry in ``flows/step.py`` (``group=``): the pipeline chains the forms
 ``STEP`` names, in its order, for every problem. They do exactly the stage functions' work (same prompts, same
 records); the LLM client's semaphore is the only concurrency limit. The result carries each stage's typed
 output, so the flow still writes the stages one by one, each atomically, as the stage-by-stage path does

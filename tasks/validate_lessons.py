@@ -12,7 +12,7 @@ alternatives). The attempts without the lesson are shared by every candidate of 
 
 Delete and keep operations are not validated. Output (``tasks.outputs.Trials``): one ``LessonTrial`` per plan
 operation, every graded attempt as a ``TrialSample``, the calls; the plan that goes on to ``apply_operations``,
-with the rejections to store there, follows from the trials (``plan_after``).
+with the rejections to store there, follows from the trials (``tasks.plan``).
 """
 
 from __future__ import annotations
@@ -555,21 +555,6 @@ class _Looks:
             trial = judge_trial(candidate, without, mine, self.settings, last_look=exhausted)
             if trial is not None:
                 self.decided[candidate.seq] = trial
-
-
-def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
-    """The plan that goes on (kept operations carry their numbers in their rationale; untested ones as they
-    were) and the rejected operations with their reasons, from the stored trials (so a resumed step gets the
-    same)."""
-    plan, rejected = [], []
-    for t in sorted(trials, key=lambda t: t.seq):
-        if t.verdict == "rejected":
-            rejected.append((t.operation, t.reason))
-        elif t.verdict == "kept":
-            plan.append(t.operation.model_copy(update={"rationale": f"{t.operation.rationale} [{t.reason}]".strip()}))
-        else:
-            plan.append(t.operation)
-    return plan, rejected
 
 
 @stage_task(Stage.VALIDATE_LESSONS, run_name="validate-lessons-step{step}")

@@ -14,7 +14,8 @@ from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWor
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
 from schemas.records import LessonTrial, Operation, OpKind, TrialSample
-from tasks.validate_lessons import _Candidate, best_per_group, judge_trial, plan_after
+from tasks.plan import plan_after
+from tasks.validate_lessons import _Candidate, best_per_group, judge_trial
 
 FAMILY_LESSONS = {f.lesson for f in FAMILIES}
 
