@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 import duckdb
 import numpy as np
@@ -49,6 +49,22 @@ from schemas.records import (
 )
 from schemas.stages import Stage
 from schemas.tables import create_statements, run_tables, stage_tables
+
+
+class StageRows(Protocol):
+    """A stage's typed output (``tasks.outputs.StageOutput``): its tables by name, written as ``rows()`` and read
+    back with ``from_rows``, so no code outside the store names a stage's tables."""
+
+    @classmethod
+    def tables(cls) -> tuple[str, ...]: ...
+
+    @classmethod
+    def from_rows(cls, rows: Mapping[str, Sequence[Any]]) -> Self: ...
+
+    def rows(self) -> dict[str, list[Any]]: ...
+
+
+Rows = TypeVar("Rows", bound=StageRows)
 
 
 class StoreError(RuntimeError):
@@ -341,7 +357,7 @@ class Store:
             self._insert("stage_runs", marker)
         return n_rows
 
-    def write_unfinished(self, run_id: str, step: int, stage: str, outputs: dict[str, Sequence[Any]]) -> int:
+    def write_unfinished(self, run_id: str, step: int, stage: str, outputs: Mapping[str, Sequence[Any]]) -> int:
         """Replace the rows of (run_id, step, stage) in the given tables WITHOUT marking the stage complete:
         what a failed or killed stage attempt already paid for (its calls), stored so it is counted; the
         stage's own write later replaces these rows with its complete set."""
@@ -389,6 +405,10 @@ class Store:
     @_connected
     def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
         return _records(table, self.frame(table, run_id, step, stage))
+
+    def read_stage(self, kind: type[Rows], run_id: str, step: int | None = None, stage: str | None = None) -> Rows:
+        """The typed output ``kind`` of (run_id, step, stage) as stored: each of its tables' rows."""
+        return kind.from_rows({table: self.records(table, run_id, step, stage) for table in kind.tables()})
 
     @_connected
     def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:

@@ -58,18 +58,31 @@ from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
-from schemas.records import EvalComparison, EvalSample, EvalSummary, Problem, Sample, text_hash
+from schemas.records import EvalComparison, EvalSample, EvalSummary, LLMCall, Problem, Sample, text_hash
 from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
 from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, reusable, sample_seeds
+from tasks.outputs import StageOutput
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
 Outputs = dict[str, list[Any]]
-EVAL_TABLES = ("evaluations", "eval_results", "eval_comparisons", "llm_calls")
+
+
+@dataclass
+class Evaluated(StageOutput):
+    """An evaluation's tables (stage ``evaluate``; inside a training run, its held-out validation)."""
+
+    evaluations: list[EvalSummary] = field(default_factory=list)
+    eval_results: list[EvalSample] = field(default_factory=list)
+    eval_comparisons: list[EvalComparison] = field(default_factory=list)
+    llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+EVAL_TABLES = Evaluated.tables()
 NO_LIBRARY = "none"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -461,10 +474,10 @@ class Validator:
     def due(self, step: int, last_step: int) -> bool:
         return step == 0 or step % self.evaluation.every_n_steps == 0 or step == last_step
 
-    async def compute(self, step: int, library: ExperienceLibrary) -> Outputs:
+    async def compute(self, step: int, library: ExperienceLibrary) -> Evaluated:
         ref = f"{self.config.run_id}:{library.version}"
         fingerprint = text_hash(self.config.fingerprint() + library.content_hash())
-        return await evaluate_conditions(
+        outputs = await evaluate_conditions(
             self.config,
             self.evaluation,
             self.problems,
@@ -475,9 +488,10 @@ class Validator:
             leaked_ids=self.leakage.eval_ids,
             store=self.store,
         )
+        return Evaluated.from_rows(outputs)
 
-    async def publish(self, step: int, outputs: Outputs) -> None:
-        summary: EvalSummary = outputs["evaluations"][0]
+    async def publish(self, step: int, outputs: Evaluated) -> None:
+        summary = outputs.evaluations[0]
         get_run_logger().info(
             "step %d validation: Mean@%d %.3f [%.3f, %.3f], Pass@%d %.3f [%.3f, %.3f] on %d held-out problems "
             "(library %d)",

@@ -37,7 +37,8 @@ from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
 from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import inputs_hash
-from tasks.rollout import RolloutBatch, rollout_task
+from tasks.outputs import Rollouts
+from tasks.rollout import rollout_task
 
 
 class RemoteRolloutError(RuntimeError):
@@ -49,10 +50,10 @@ def handoff_url(config: RunConfig, step: int, chunk: int, key: str) -> str:
     return f"{base.rstrip('/')}/{config.run_id}/step{step:04d}-chunk{chunk:03d}-{key}.json"
 
 
-def write_handoff(url: str, batch: RolloutBatch, meta: dict[str, str | None]) -> None:
+def write_handoff(url: str, batch: Rollouts, meta: dict[str, str | None]) -> None:
     payload = {
         "rollouts": [r.model_dump(mode="json") for r in batch.rollouts],
-        "calls": [c.model_dump(mode="json") for c in batch.calls],
+        "calls": [c.model_dump(mode="json") for c in batch.llm_calls],
         "meta": meta,
     }
     if "://" not in url:
@@ -64,13 +65,13 @@ def write_handoff(url: str, batch: RolloutBatch, meta: dict[str, str | None]) ->
     fs.mv(fsspec.core.url_to_fs(tmp)[1], path)  # readers never see a half-written file
 
 
-def read_handoff(url: str) -> tuple[RolloutBatch, dict[str, str | None]] | None:
+def read_handoff(url: str) -> tuple[Rollouts, dict[str, str | None]] | None:
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         return None
     with fsspec.open(url, "r", encoding="utf-8") as handle:
         payload = json.load(handle)
-    batch = RolloutBatch(
+    batch = Rollouts(
         [Rollout.model_validate(r) for r in payload["rollouts"]], [LLMCall.model_validate(c) for c in payload["calls"]]
     )
     return batch, payload.get("meta", {})
@@ -104,7 +105,7 @@ async def _rollout_gpu(
 
 async def rollout_on_pool(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion, *, db_id: str = ""
-) -> RolloutBatch:
+) -> Rollouts:
     """The orchestrator's side: start (or find) the child run for this chunk and ingest its hand-off.
     ``db_id``: the identity of the database the batch is for, so a re-created database never ingests a
     hand-off (or finds a child run) of another one."""
@@ -149,7 +150,8 @@ async def rollout_on_pool(
         url,
         meta.get("cuda_visible_devices"),
     )
-    if batch.n_failed:  # never replayed: a retried parent runs the child again instead of re-reading failures
+    # never replayed: a retried parent runs the child again instead of re-reading failures
+    if any(r.error is not None for r in batch.rollouts):
         fs, path = fsspec.core.url_to_fs(url)
         fs.mv(path, fsspec.core.url_to_fs(failed_marker(url))[1])
     return batch

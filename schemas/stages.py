@@ -2,7 +2,7 @@
 
 The values are stored in DuckDB (``stage_runs.stage`` and every stage table), shown in log lines and terminal
 progress bars, and name the Prefect task runs, so they never change. What differs between stages is data
-with the stage (its failure rule and tolerance, whether its work journal keeps finished items: ``flows/train.py``
+with the stage (its failure rule and tolerance, whether its work journal keeps finished items: ``flows/step.py``
 ``STEP``), not if-chains on the names in the code that uses them.
 """
 
@@ -12,7 +12,7 @@ from enum import StrEnum
 
 
 class Stage(StrEnum):
-    # a training run: its dataset (step 0), then per step in this order (flows/train.py lists the step)
+    # a training run: its dataset (step 0), then per step in this order (flows/step.py lists the step)
     LOAD_DATASET = "load_dataset"
     ROLLOUT = "rollout"
     VERIFY = "verify"  # rewards, and the numeric group advantages they give (verify's second output)

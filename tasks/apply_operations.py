@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from clgrpo.embeddings import make_embedder
 from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen
@@ -16,12 +15,7 @@ from schemas.config import BlockedLesson, LearningConfig, RunConfig
 from schemas.records import ExperienceStat, LibraryVersion, Operation, OperationResult, Problem
 from schemas.stages import Stage
 from tasks.common import stage_task
-
-
-@dataclass
-class Applied:
-    library: LibraryVersion
-    results: list[OperationResult]
+from tasks.outputs import Applied
 
 
 def apply_operations(
@@ -107,7 +101,7 @@ def apply_operations_task(
     new, results = apply_plan(
         config, step, ExperienceLibrary.from_version(library), operations, problems, near, usefulness
     )
-    return Applied(new.to_version(), results)
+    return Applied(results, new.to_version())
 
 
 def apply_plan(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 from functools import partial
 
 from clgrpo import progress
@@ -30,20 +29,9 @@ from schemas.config import LearningConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Operation, Proposal
 from schemas.stages import Stage
 from tasks.common import stage_task
+from tasks.outputs import FINAL, Plans
 
-FINAL = "final"
 LINEAGE_OVERLAP = 0.5  # word-trigram share (either way) at which a planned text counts as from a proposed one
-
-
-@dataclass
-class Consolidation:
-    operations: list[Operation]
-    plans: list[Proposal]
-    calls: list[LLMCall] = field(default_factory=list)
-
-    @property
-    def failed(self) -> bool:
-        return any(p.group_id == FINAL and p.parse_error for p in self.plans)
 
 
 def render_proposals(proposals: list[Proposal]) -> str:
@@ -173,7 +161,7 @@ def attribute_sources(operations: list[Operation], proposals: list[Proposal]) ->
     return attributed
 
 
-def passthrough(proposals: list[Proposal]) -> Consolidation:
+def passthrough(proposals: list[Proposal]) -> Plans:
     """The group proposals are the final plan, de-duplicated: operations of the same kind on the same ids with
     the same (normalized) text become one operation that names every proposing group. Nothing else is dropped:
     conflicting operations on one id reach the library, which rejects all but the first with the reason."""
@@ -192,18 +180,18 @@ def passthrough(proposals: list[Proposal]) -> Consolidation:
         f"passthrough: {total} proposed operation(s) from {len(proposals)} group(s); "
         f"{total - len(operations)} duplicate(s) combined"
     )
-    return Consolidation(operations, [Proposal(group_id=FINAL, operations=operations, raw_text=note)])
+    return Plans([Proposal(group_id=FINAL, operations=operations, raw_text=note)])
 
 
 async def consolidate(
     proposals: list[Proposal], library: ExperienceLibrary, ask: LessonAsk, llm: LLMClient, cfg: LearningConfig
-) -> Consolidation:
+) -> Plans:
     """The step's plan from the groups' proposals: passed through, or the learner's (in chunks, then a final
     pass over the chunks' plans). ``ask``: the learner prompts' settings (``LearnerPrompts.ask``)."""
     # group-id order: the order a resumed step reads proposals back in, so a rerun sends the same prompts
     usable = sorted((p for p in proposals if p.operations), key=lambda p: p.group_id)
     if not usable:
-        return Consolidation([], [])
+        return Plans()
     if cfg.consolidation == "passthrough":
         return passthrough(usable)
     plans: list[Proposal] = []
@@ -222,7 +210,7 @@ async def consolidate(
         if usable
         else (Proposal(group_id=FINAL, parse_error=None), [])
     )
-    return Consolidation(final.operations, [*plans, final], [*calls, *final_calls])
+    return Plans([*plans, final], [*calls, *final_calls])
 
 
 def consolidation_calls(n_proposals: int, cfg: LearningConfig) -> int:
@@ -235,9 +223,7 @@ def consolidation_calls(n_proposals: int, cfg: LearningConfig) -> int:
 
 
 @stage_task(Stage.CONSOLIDATE, run_name="consolidate-step{step}")
-async def consolidate_task(
-    config: RunConfig, step: int, proposals: list[Proposal], library: LibraryVersion
-) -> Consolidation:
+async def consolidate_task(config: RunConfig, step: int, proposals: list[Proposal], library: LibraryVersion) -> Plans:
     return await consolidate(
         proposals,
         ExperienceLibrary.from_version(library),

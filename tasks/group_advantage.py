@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from clgrpo import progress
@@ -44,6 +44,7 @@ from schemas.records import (
 )
 from schemas.stages import Stage
 from tasks.common import stage_task
+from tasks.outputs import GroupProposals
 
 CALL_FAILED = "learner call failed: "
 ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
@@ -97,12 +98,6 @@ class Learner:
         return cls(prompts, prompts.ask(cfg), llm, cfg)
 
 
-@dataclass
-class ProposalBatch:
-    proposals: list[Proposal]
-    calls: list[LLMCall] = field(default_factory=list)
-
-
 def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groundtruth: bool) -> list[Attempt]:
     """Each attempt as the extractor sees it: the trajectory itself (tool calls and results inline for agent
     rollouts), with its summary when there is one."""
@@ -140,14 +135,14 @@ def contrast_pairs(group: Group) -> list[tuple[int, int]]:
 
 async def _extract_one(
     group: Group, summaries: dict[tuple[str, int], Summary], library: ExperienceLibrary, learner: Learner
-) -> ProposalBatch:
+) -> GroupProposals:
     cfg = learner.cfg
     group_id = group.problem.problem_id
     done = StageItems(Stage.GROUP_ADVANTAGE, Proposal)
     reused = done.get(group_id)
     if reused is not None:
         progress.advance(Stage.GROUP_ADVANTAGE)
-        return ProposalBatch([reused])
+        return GroupProposals([reused])
     attempts = _attempts(group, summaries, cfg.use_groundtruth)
     try:
         if cfg.extract == "contrast":
@@ -165,7 +160,7 @@ async def _extract_one(
 
 async def _operations_proposal(
     group: Group, attempts: list[Attempt], library: ExperienceLibrary, learner: Learner
-) -> ProposalBatch:
+) -> GroupProposals:
     """The group's edit list as JSON; with ``fallback: contrast`` a reply with no usable operation is followed by
     contrast asks, whose candidates replace it (both kinds of reply kept in the raw text)."""
     cfg, group_id = learner.cfg, group.problem.problem_id
@@ -183,14 +178,14 @@ async def _operations_proposal(
             messages, stage=Stage.GROUP_ADVANTAGE, json_schema=schema, repair=partial(repair_messages, learner.ask)
         )
     except LLMCallError as exc:
-        return ProposalBatch([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
+        return GroupProposals([Proposal(group_id=group_id, parse_error=f"{CALL_FAILED}{exc}")], exc.calls)
     operations = [op.model_copy(update={"source_groups": [group_id]}) for op in reply.operations]
     proposal = Proposal(
         group_id=group_id, operations=operations, raw_text=reply.raw_text, parse_error=reply.parse_error
     )
     unusable = _unusable(operations, learner.prompts)
     if cfg.fallback != "contrast" or unusable is None:
-        return ProposalBatch([proposal], reply.calls)
+        return GroupProposals([proposal], reply.calls)
     fallback = await _contrast_candidates(group, attempts, library, learner)
     contrast = fallback.proposals[0]
     raw = json.dumps(
@@ -201,7 +196,7 @@ async def _operations_proposal(
         },
         ensure_ascii=False,
     )
-    return ProposalBatch([contrast.model_copy(update={"raw_text": raw})], [*reply.calls, *fallback.calls])
+    return GroupProposals([contrast.model_copy(update={"raw_text": raw})], [*reply.calls, *fallback.llm_calls])
 
 
 def _extract_prompt(
@@ -222,13 +217,13 @@ def _unusable(operations: list[Operation], prompts: LearnerPrompts) -> str | Non
 
 async def _contrast_candidates(
     group: Group, attempts: list[Attempt], library: ExperienceLibrary, learner: Learner
-) -> ProposalBatch:
+) -> GroupProposals:
     """``cfg.candidates`` contrast asks, each over the next (better, worse) pair with its own draw: one
     candidate operation per usable reply; every reply kept (raw text: a JSON list)."""
     cfg, llm = learner.cfg, learner.llm
     group_id, pairs = group.problem.problem_id, contrast_pairs(group)
     if not pairs:
-        return ProposalBatch(
+        return GroupProposals(
             [
                 Proposal(
                     group_id=group_id, parse_error="no contrast: no attempt is rewarded above or below the group mean"
@@ -286,7 +281,7 @@ async def _contrast_candidates(
         operations.append(op.model_copy(update={"rationale": f"{op.rationale} {note}".strip()}))
     all_calls_failed = all(e.startswith(CALL_FAILED) for e in errors) and len(errors) == len(asks)
     error = None if operations else errors[0] if all_calls_failed else "no usable candidate: " + "; ".join(errors)
-    return ProposalBatch(
+    return GroupProposals(
         [
             Proposal(
                 group_id=group_id,
@@ -352,11 +347,11 @@ async def extract_group_advantage(
     prompts: LearnerPrompts,
     llm: LLMClient,
     cfg: LearningConfig,
-) -> ProposalBatch:
+) -> GroupProposals:
     """One proposal per selected group (possibly with no operations, or with a parse error)."""
     by_key, learner = {(s.problem_id, s.sample_idx): s for s in summaries}, Learner.of(prompts, llm, cfg)
     parts = await asyncio.gather(*[_extract_one(g, by_key, library, learner) for g in groups])
-    return ProposalBatch([p for part in parts for p in part.proposals], [c for part in parts for c in part.calls])
+    return GroupProposals.joined(parts)
 
 
 @stage_task(Stage.GROUP_ADVANTAGE, run_name="group-advantage-step{step}-chunk{chunk}")
@@ -370,7 +365,7 @@ async def group_advantage_task(
     advantages: list[GroupAdvantage],
     summaries: list[Summary],
     library: LibraryVersion,
-) -> ProposalBatch:
+) -> GroupProposals:
     groups = build_groups(problems, rollouts, rewards, advantages)
     return await extract_group_advantage(
         groups,

@@ -9,7 +9,7 @@ first cause and what to do; a retry or rerun redoes only the failed items (the w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,19 +45,19 @@ class FailedItems:
 
 @dataclass(frozen=True)
 class FailureRule:
-    """A stage's failure rule, declared with the stage: where its items are (``table`` of its outputs), what one
-    is called, when it failed and why, and which tolerance (``tolerance.max_failed_fraction.<tolerance>``) it
+    """A stage's failure rule, declared with the stage: where its items are (``items`` of its typed output), what
+    one is called, when it failed and why, and which tolerance (``tolerance.max_failed_fraction.<tolerance>``) it
     may leave; ``attempted``: which rows are items at all."""
 
-    table: str
+    items: Callable[[Any], Sequence[Any]]
     unit: str
     is_failed: Callable[[Any], bool]
     cause: Callable[[Any], str | None]
     tolerance: str
     attempted: Callable[[Any], bool] = lambda _: True
 
-    def count(self, stage: str, outputs: Mapping[str, Sequence[Any]]) -> FailedItems:
-        items: Sequence[Any] = [x for x in outputs[self.table] if self.attempted(x)]
+    def count(self, stage: str, output: Any) -> FailedItems:
+        items: Sequence[Any] = [x for x in self.items(output) if self.attempted(x)]
         failed = [x for x in items if self.is_failed(x)]
         cause = self.cause(failed[0]) if failed else None
         return FailedItems(stage, len(failed), len(items), self.unit, cause, self.tolerance)
@@ -73,23 +73,29 @@ def ungraded(item: Any) -> bool:
 
 
 # the failure rules of the stages with items that can fail this way (the step's own are declared with each
-# stage in flows/train.py STEP; held-out validation's here, beside the evaluation's tables)
-ROLLOUT_FAILURES = FailureRule("rollouts", "samples", lambda r: r.error is not None, item_error, "rollout")
+# stage in flows/step.py STEP; held-out validation's here)
+ROLLOUT_FAILURES = FailureRule(lambda o: o.rollouts, "samples", lambda r: r.error is not None, item_error, "rollout")
 # a reward never attempted (a failed rollout, no answer to grade against) is no verification
 VERIFY_FAILURES = FailureRule(
-    "rewards",
+    lambda o: o.rewards,
     "verifications",
     lambda r: not r.verified,
     item_error,
     "verify",
     attempted=lambda r: r.graded or not r.verified,
 )
-SUMMARY_FAILURES = FailureRule("summaries", "summaries", lambda s: s.error is not None, item_error, "summarize")
-PROPOSAL_FAILURES = FailureRule("proposals", "group proposals", call_failed, lambda p: p.parse_error, "group_advantage")
-TRIAL_FAILURES = FailureRule("trial_samples", "lesson validation attempts", ungraded, item_error, "validate_lessons")
-GATE_FAILURES = FailureRule("gate_samples", "library gate attempts", ungraded, item_error, "library_gate")
+SUMMARY_FAILURES = FailureRule(
+    lambda o: o.summaries, "summaries", lambda s: s.error is not None, item_error, "summarize"
+)
+PROPOSAL_FAILURES = FailureRule(
+    lambda o: o.proposals, "group proposals", call_failed, lambda p: p.parse_error, "group_advantage"
+)
+TRIAL_FAILURES = FailureRule(
+    lambda o: o.trial_samples, "lesson validation attempts", ungraded, item_error, "validate_lessons"
+)
+GATE_FAILURES = FailureRule(lambda o: o.gate_samples, "library gate attempts", ungraded, item_error, "library_gate")
 VALIDATION_FAILURES = FailureRule(
-    "eval_results",
+    lambda o: o.eval_results,
     "validation samples",
     lambda s: (s.error or "").startswith(UNGRADED_CAUSES),
     item_error,

@@ -19,7 +19,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.measure import Sampling, measure, reusable, sample_seeds
+from tasks.outputs import Gate
 
 UNTAGGED = "(untagged)"
 GATE_OFF = (
@@ -88,14 +89,24 @@ def describe_split(settings: LibraryGate, learn: Sequence[Problem], aside: Seque
     )
 
 
+def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibrary) -> list[str]:
+    """What the library gate did in a run: its note (on, off and why), then, when it measured steps, how many it
+    adopted, and when it adopted none, that the run ends with the library it started with."""
+    lines = [note] if note else []
+    measured = [d for d in decisions if d.verdict != "unchanged"]
+    if not measured:
+        return lines
+    adopted = sum(d.verdict == "adopted" for d in measured)
+    lines.append(f"library gate: {adopted} of {counted(len(measured), 'step')} with changes adopted")
+    if adopted == 0:
+        lines.append(
+            f"library gate: no step measured better, so the run ends with the library it started with "
+            f"({counted(len(library), 'experience')}), not a worse one"
+        )
+    return lines
+
+
 # --- attempts --------------------------------------------------------------------------------------------------
-@dataclass
-class GateOutcome:
-    decision: GateDecision
-    samples: list[GateSample] = field(default_factory=list)  # both arms' samples (read ones: drawn False)
-    calls: list[LLMCall] = field(default_factory=list)
-
-
 async def attempts(
     arm: str,
     library: ExperienceLibrary,
@@ -136,12 +147,12 @@ async def gate_step(
     earlier: Sequence[Sample],
     domain: Domain,
     llm: LLMClient,
-) -> GateOutcome:
+) -> Gate:
     """Attempts of both libraries (``earlier``: stored samples, read where their draw keys match) and the
     decision. A plan that changes no lesson needs none."""
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
-        return GateOutcome(unchanged(settings, problems, before.content_hash()))
+        return Gate(library_gates=[unchanged(settings, problems, before.content_hash())])
     known = reusable(earlier)
     calls: list[LLMCall] = []
     arms: dict[str, list[GateSample]] = {}
@@ -156,7 +167,7 @@ async def gate_step(
             known |= reusable(arms[arm])
             calls += arm_calls
         if (decision := decide(settings, problems, arms["before"], arms["after"], look)) is not None:
-            return GateOutcome(decision, arms["before"] + arms["after"], calls)
+            return Gate(arms["before"] + arms["after"], [decision], calls)
     raise AssertionError("the last look always decides")  # pragma: no cover
 
 
@@ -168,7 +179,7 @@ async def library_gate_task(
     after: LibraryVersion,
     problems: list[Problem],
     earlier: list[GateSample],
-) -> GateOutcome:
+) -> Gate:
     return await gate_step(
         config,
         ExperienceLibrary.from_version(before),

@@ -172,7 +172,7 @@ async def measure(
             if keep is not None:
                 keep(sample)
         progress.advance(stage, len(batch.rollouts))
-        return batch.rollouts, batch.calls
+        return batch.rollouts, batch.llm_calls
 
     # one request per problem where the endpoint returns n samples at once (the prompt is paid once); else one
     # per sample, each kept as it comes

@@ -3,7 +3,7 @@
 A group's summaries and semantic advantage start as soon as its own G rollouts are verified, instead of after
 the whole batch: with long-tailed LLM latencies the slowest rollouts no longer hold every learner call back.
 Each of those stages has a per-group form here (``rollout_group``, ``verify_group``, ``summarize_group``,
-``propose_group``), named by its ``STEP`` entry in ``flows/train.py`` (``group=``): the pipeline chains the forms
+``propose_group``), named by its ``STEP`` entry in ``flows/step.py`` (``group=``): the pipeline chains the forms
 ``STEP`` names, in its order, for every problem. They do exactly the stage functions' work (same prompts, same
 records); the LLM client's semaphore is the only concurrency limit. The result carries each stage's typed
 output, so the flow still writes the stages one by one, each atomically, as the stage-by-stage path does
@@ -21,14 +21,14 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from domains import Domain, domain_for
 from schemas.config import AgentConfig, LearningConfig, RunConfig
-from schemas.records import GroupAdvantage, LibraryVersion, Problem, Reward
+from schemas.records import LibraryVersion, Problem
 from schemas.stages import Stage
 from tasks.common import stage_task
-from tasks.group_advantage import Group, ProposalBatch, build_groups, extract_group_advantage
+from tasks.group_advantage import Group, build_groups, extract_group_advantage
 from tasks.judge import Judge, make_judge
-from tasks.outputs import GroupProposals, Rollouts, StageOutput, Summaries, Verified
-from tasks.rollout import RolloutBatch, raise_if_all_failed, rollout_problem
-from tasks.summarize import SummaryBatch, summarize
+from tasks.outputs import GroupProposals, Out, Rollouts, StageOutput, Summaries, Verified
+from tasks.rollout import raise_if_all_failed, rollout_problem
+from tasks.summarize import summarize
 from tasks.verify import compute_group_advantages, grade
 
 
@@ -48,25 +48,28 @@ class GroupContext:
 
 @dataclass
 class GroupWork:
-    """One problem's group on its way through the pipelined stages: what each stage added so far."""
+    """One problem's group on its way through the pipelined stages: each stage's typed output for this group (its
+    rows of the stage's tables), and the group itself once it is selected for learning."""
 
     problem: Problem
     context: GroupContext
-    rollouts: RolloutBatch = field(default_factory=lambda: RolloutBatch([]))
-    rewards: list[Reward] = field(default_factory=list)
-    advantage: GroupAdvantage | None = None
+    outputs: dict[type[StageOutput], StageOutput] = field(default_factory=dict)
     groups: list[Group] = field(default_factory=list)  # the problem's group when selected for learning
-    summaries: SummaryBatch = field(default_factory=lambda: SummaryBatch([]))
-    proposals: ProposalBatch = field(default_factory=lambda: ProposalBatch([]))
+
+    def get(self, kind: type[Out]) -> Out:
+        found = self.outputs.get(kind)
+        return found if isinstance(found, kind) else kind()
 
 
 # a stage's per-group form: adds its work to the group's; False when the later stages have nothing to do for it
 GroupStage = Callable[[GroupWork], Awaitable[bool]]
+# a pipelined stage: its per-group form and the output type it adds to each group's work
+PerGroup = tuple[GroupStage, type[StageOutput]]
 
 
 async def rollout_group(w: GroupWork) -> bool:
     c = w.context
-    w.rollouts = await rollout_problem(
+    w.outputs[Rollouts] = await rollout_problem(
         w.problem, c.library, c.domain, c.llm, c.group_size, c.temperature, agent=c.agent
     )
     return True
@@ -74,12 +77,11 @@ async def rollout_group(w: GroupWork) -> bool:
 
 async def verify_group(w: GroupWork) -> bool:
     c = w.context
-    w.rewards = await grade([w.problem], w.rollouts.rollouts, c.domain, c.judge, c.cfg.unlabeled)
-    advantages = compute_group_advantages(
-        [w.problem], w.rollouts.rollouts, w.rewards, use_groundtruth=c.cfg.use_groundtruth
-    )
-    w.advantage = advantages[0] if advantages else None
-    w.groups = build_groups([w.problem], w.rollouts.rollouts, w.rewards, advantages)
+    rollouts = w.get(Rollouts).rollouts
+    rewards = await grade([w.problem], rollouts, c.domain, c.judge, c.cfg.unlabeled)
+    advantages = compute_group_advantages([w.problem], rollouts, rewards, use_groundtruth=c.cfg.use_groundtruth)
+    w.outputs[Verified] = Verified(rewards, advantages[:1])
+    w.groups = build_groups([w.problem], rollouts, rewards, advantages)
     if w.groups:  # the learner stages' progress bars grow as groups are selected
         progress.expect(Stage.SUMMARIZE, sum(len(g.rollouts) for g in w.groups) if c.cfg.summarize else 0)
         progress.expect(Stage.GROUP_ADVANTAGE, len(w.groups))
@@ -89,14 +91,15 @@ async def verify_group(w: GroupWork) -> bool:
 async def summarize_group(w: GroupWork) -> bool:
     c = w.context
     if c.cfg.summarize:
-        w.summaries = await summarize(w.groups, c.library, c.domain.learner_prompts.ask(c.cfg), c.llm)
+        w.outputs[Summaries] = await summarize(w.groups, c.library, c.domain.learner_prompts.ask(c.cfg), c.llm)
     return True
 
 
 async def propose_group(w: GroupWork) -> bool:
     c = w.context
     prompts = c.domain.learner_prompts
-    w.proposals = await extract_group_advantage(w.groups, w.summaries.summaries, c.library, prompts, c.llm, c.cfg)
+    summaries = w.get(Summaries).summaries
+    w.outputs[GroupProposals] = await extract_group_advantage(w.groups, summaries, c.library, prompts, c.llm, c.cfg)
     return True
 
 
@@ -108,51 +111,33 @@ class PipelineBatch:
     outputs: dict[type[StageOutput], StageOutput]
 
     @classmethod
-    def of(cls, works: Sequence[GroupWork]) -> "PipelineBatch":
-        return cls(
-            {
-                Rollouts: Rollouts(
-                    [r for w in works for r in w.rollouts.rollouts], [c for w in works for c in w.rollouts.calls]
-                ),
-                Verified: Verified(
-                    [r for w in works for r in w.rewards], [w.advantage for w in works if w.advantage is not None]
-                ),
-                Summaries: Summaries(
-                    [s for w in works for s in w.summaries.summaries], [c for w in works for c in w.summaries.calls]
-                ),
-                GroupProposals: GroupProposals(
-                    [p for w in works for p in w.proposals.proposals], [c for w in works for c in w.proposals.calls]
-                ),
-            }
-        )
+    def of(cls, works: Sequence[GroupWork], kinds: Sequence[type[StageOutput]]) -> PipelineBatch:
+        """Each stage's output over the groups, in group order (a group that stopped early adds nothing)."""
+        return cls({kind: kind.joined([w.get(kind) for w in works]) for kind in kinds})
 
     @classmethod
-    def merge(cls, parts: Sequence["PipelineBatch"]) -> "PipelineBatch":
+    def merge(cls, parts: Sequence[PipelineBatch]) -> PipelineBatch:
         kinds = parts[0].outputs if parts else {}
-        return cls({kind: kind.from_rows(_joined(kind, parts)) for kind in kinds})
+        return cls({kind: kind.joined([part.outputs[kind] for part in parts]) for kind in kinds})
 
     def output(self, kind: type[StageOutput]) -> StageOutput | None:
         """The output of type ``kind`` of one of the pipelined stages; None for the other stages' types."""
         return self.outputs.get(kind)
 
 
-def _joined(kind: type[StageOutput], parts: Sequence[PipelineBatch]) -> dict[str, list]:
-    return {table: [x for part in parts for x in part.outputs[kind].rows()[table]] for table in kind.tables()}
-
-
-async def _through(work: GroupWork, chain: Sequence[GroupStage]) -> GroupWork:
-    for stage in chain:
+async def _through(work: GroupWork, chain: Sequence[PerGroup]) -> GroupWork:
+    for stage, _ in chain:
         if not await stage(work):
             break
     return work
 
 
-async def pipeline(problems: list[Problem], context: GroupContext, chain: Sequence[GroupStage]) -> PipelineBatch:
+async def pipeline(problems: list[Problem], context: GroupContext, chain: Sequence[PerGroup]) -> PipelineBatch:
     """Every group runs its own chain of per-group stages; raises, like ``rollout``, if every policy call
     failed."""
     works = await asyncio.gather(*[_through(GroupWork(p, context), chain) for p in problems])
-    batch = PipelineBatch.of(works)
-    raise_if_all_failed(problems, batch.outputs[Rollouts].rows()["rollouts"])
+    batch = PipelineBatch.of(works, [kind for _, kind in chain])
+    raise_if_all_failed(problems, [r for w in works for r in w.get(Rollouts).rollouts])
     return batch
 
 
@@ -163,9 +148,9 @@ async def pipeline_task(
     chunk: int,
     problems: list[Problem],
     library: LibraryVersion,
-    chain: Sequence[GroupStage],
+    chain: Sequence[PerGroup],
 ) -> PipelineBatch:
-    """``chain``: the per-group forms of the stages ``STEP`` pipelines, in its order."""
+    """``chain``: the per-group forms of the stages ``STEP`` pipelines, in its order, with their outputs."""
     domain = domain_for(config)
     context = GroupContext(
         ExperienceLibrary.from_version(library),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
@@ -17,16 +16,7 @@ from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, tex
 from schemas.stages import Stage
 from tasks.agent import AgentOutcome, agent_rollout
 from tasks.common import stage_task
-
-
-@dataclass
-class RolloutBatch:
-    rollouts: list[Rollout]
-    calls: list[LLMCall] = field(default_factory=list)
-
-    @property
-    def n_failed(self) -> int:
-        return sum(r.error is not None for r in self.rollouts)
+from tasks.outputs import Rollouts
 
 
 async def rollout_problem(
@@ -39,7 +29,7 @@ async def rollout_problem(
     seed: int | None = None,
     agent: AgentConfig | None = None,
     only: Sequence[int] | None = None,
-) -> RolloutBatch:
+) -> Rollouts:
     """G rollouts of one problem (agent rollouts when ``agent`` is set). Samples already in the work journal (an
     earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
     own samples. ``only``: the sample indices wanted (the others exist elsewhere, e.g. an evaluation's stored
@@ -57,7 +47,7 @@ async def rollout_problem(
     missing = [i for i in wanted if i not in rollouts]
     progress.advance(Stage.ROLLOUT, len(wanted) - len(missing))
     if not missing:
-        return RolloutBatch([rollouts[i] for i in wanted])
+        return Rollouts([rollouts[i] for i in wanted])
     if agent is None:
         fresh, calls = await _direct_samples(messages, llm, base, missing, group_size, temperature, seed)
     else:
@@ -66,7 +56,7 @@ async def rollout_problem(
         if rollout.error is None:
             done.put(sample_key(problem.problem_id, rollout.sample_idx), rollout)
         rollouts[rollout.sample_idx] = rollout
-    return RolloutBatch([rollouts[i] for i in wanted], calls)
+    return Rollouts([rollouts[i] for i in wanted], calls)
 
 
 def prompt_fingerprint(
@@ -175,7 +165,7 @@ async def rollout(
     temperature: float,
     seeds: Mapping[str, int] | None = None,
     agent: AgentConfig | None = None,
-) -> RolloutBatch:
+) -> Rollouts:
     """G samples for each problem; a sample whose policy call failed after retries is a rollout with ``error``
     set (stored and counted). Raises if every call failed: the endpoint is unusable.
     ``seeds``: a sampling seed per problem id (sample i of a problem sent separately gets seed + i).
@@ -187,7 +177,7 @@ async def rollout(
             for p in problems
         ]
     )
-    batch = RolloutBatch([r for p in parts for r in p.rollouts], [c for p in parts for c in p.calls])
+    batch = Rollouts.joined(parts)
     raise_if_all_failed(problems, batch.rollouts)
     return batch
 
@@ -201,7 +191,7 @@ def raise_if_all_failed(problems: list[Problem], rollouts: list[Rollout]) -> Non
 @stage_task(Stage.ROLLOUT, run_name="rollout-step{step}-chunk{chunk}")
 async def rollout_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], library: LibraryVersion
-) -> RolloutBatch:
+) -> Rollouts:
     return await rollout(
         problems,
         ExperienceLibrary.from_version(library),

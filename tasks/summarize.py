@@ -4,7 +4,6 @@ stage still runs and is stored, empty, and the extractor reads the attempts them
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
@@ -15,20 +14,11 @@ from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.summarize import summarize_messages
 from domains import domain_for
 from schemas.config import RunConfig
-from schemas.records import GroupAdvantage, LibraryVersion, LLMCall, Problem, Reward, Rollout, Summary
+from schemas.records import GroupAdvantage, LibraryVersion, Problem, Reward, Rollout, Summary
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.group_advantage import Group, build_groups
-
-
-@dataclass
-class SummaryBatch:
-    summaries: list[Summary]
-    calls: list[LLMCall] = field(default_factory=list)
-
-    @property
-    def n_failed(self) -> int:
-        return sum(s.error is not None for s in self.summaries)
+from tasks.outputs import Summaries
 
 
 async def _summarize_one(
@@ -38,13 +28,13 @@ async def _summarize_one(
     library_text: str,
     ask: LessonAsk,
     llm: LLMClient,
-) -> SummaryBatch:
+) -> Summaries:
     base = dict(problem_id=rollout.problem_id, sample_idx=rollout.sample_idx)
     done = StageItems(Stage.SUMMARIZE, Summary)
     reused = done.get(sample_key(rollout.problem_id, rollout.sample_idx))
     if reused is not None:
         progress.advance(Stage.SUMMARIZE)
-        return SummaryBatch([reused])
+        return Summaries([reused])
     attempt = Attempt(
         rollout.sample_idx,
         trajectory_text(rollout.turns),
@@ -56,17 +46,17 @@ async def _summarize_one(
     try:
         reply = await llm.complete(messages, stage=Stage.SUMMARIZE)
     except LLMCallError as exc:
-        return SummaryBatch([Summary(**base, text="", error=str(exc))], exc.calls)
+        return Summaries([Summary(**base, text="", error=str(exc))], exc.calls)
     finally:
         progress.advance(Stage.SUMMARIZE)
     text = reply.text.strip()
     summary = Summary(**base, text=text, error=None if text else "empty summary")
     if text:
         done.put(sample_key(rollout.problem_id, rollout.sample_idx), summary)
-    return SummaryBatch([summary], reply.calls)
+    return Summaries([summary], reply.calls)
 
 
-async def summarize(groups: list[Group], library: ExperienceLibrary, ask: LessonAsk, llm: LLMClient) -> SummaryBatch:
+async def summarize(groups: list[Group], library: ExperienceLibrary, ask: LessonAsk, llm: LLMClient) -> Summaries:
     """One summary per rollout; a failed call leaves a summary with ``error`` (the extractor then reads the
     trajectory itself). ``ask``: the learner prompts' settings (``LearnerPrompts.ask``)."""
     parts = await asyncio.gather(
@@ -76,7 +66,7 @@ async def summarize(groups: list[Group], library: ExperienceLibrary, ask: Lesson
             for r, w in zip(g.rollouts, g.rewards)
         ]
     )
-    return SummaryBatch([s for p in parts for s in p.summaries], [c for p in parts for c in p.calls])
+    return Summaries.joined(parts)
 
 
 @stage_task(Stage.SUMMARIZE, run_name="summarize-step{step}-chunk{chunk}")
@@ -89,9 +79,9 @@ async def summarize_task(
     rewards: list[Reward],
     advantages: list[GroupAdvantage],
     library: LibraryVersion,
-) -> SummaryBatch:
+) -> Summaries:
     if not config.learning.summarize:
-        return SummaryBatch([])
+        return Summaries([])
     groups = build_groups(problems, rollouts, rewards, advantages)
     return await summarize(
         groups,

@@ -10,9 +10,9 @@ pairs graded in both arms rises by more than ``min_gain``; else it is rejected w
 candidates of one group, only the one with the largest gain goes on (a group's contrast candidates are
 alternatives). The attempts without the lesson are shared by every candidate of the step.
 
-Delete and keep operations are not validated. Outputs: one ``LessonTrial`` per plan operation, every graded
-attempt as a ``TrialSample``, the calls, and the plan that goes on to ``apply_operations`` with the rejections
-to store there.
+Delete and keep operations are not validated. Output (``tasks.outputs.Trials``): one ``LessonTrial`` per plan
+operation, every graded attempt as a ``TrialSample``, the calls; the plan that goes on to ``apply_operations``,
+with the rejections to store there, follows from the trials (``tasks.plan``).
 """
 
 from __future__ import annotations
@@ -54,20 +54,12 @@ from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
 from tasks.measure import Sampling, draw_keys, graded_sample, measure, reusable, sample_seeds
+from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
 
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
-
-
-@dataclass
-class Validated:
-    plan: list[Operation]  # what goes on to apply_operations (kept, untested), in plan order
-    rejected: list[tuple[Operation, str]]  # rejected by validation, with the reason (stored as operations)
-    trials: list[LessonTrial]
-    samples: list[TrialSample] = field(default_factory=list)
-    calls: list[LLMCall] = field(default_factory=list)
 
 
 @dataclass
@@ -387,7 +379,7 @@ async def validate_lessons(
     near: NearDuplicates | None = None,
     ledger: Sequence[Rejected] = (),
     drawn: StepDraws | None = None,
-) -> Validated:
+) -> Trials:
     """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
     control, so a candidate is tried as it would be applied (merged into the lesson it repeats); ``ledger``: the
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
@@ -419,7 +411,7 @@ async def validate_lessons(
     trials = sorted(trials + list(looks.decided.values()), key=lambda t: t.seq)
     specific, rater_calls = await _rate_ties(trials, llm, domain)
     trials = best_per_group(trials, specific)
-    return Validated(*plan_after(trials), trials, looks.samples, cluster_calls + looks.calls + rater_calls)
+    return Trials(trials, looks.samples, cluster_calls + looks.calls + rater_calls)
 
 
 async def _clustered(
@@ -565,21 +557,6 @@ class _Looks:
                 self.decided[candidate.seq] = trial
 
 
-def plan_after(trials: Sequence[LessonTrial]) -> tuple[list[Operation], list[tuple[Operation, str]]]:
-    """The plan that goes on (kept operations carry their numbers in their rationale; untested ones as they
-    were) and the rejected operations with their reasons, from the stored trials (so a resumed step gets the
-    same)."""
-    plan, rejected = [], []
-    for t in sorted(trials, key=lambda t: t.seq):
-        if t.verdict == "rejected":
-            rejected.append((t.operation, t.reason))
-        elif t.verdict == "kept":
-            plan.append(t.operation.model_copy(update={"rationale": f"{t.operation.rationale} [{t.reason}]".strip()}))
-        else:
-            plan.append(t.operation)
-    return plan, rejected
-
-
 @stage_task(Stage.VALIDATE_LESSONS, run_name="validate-lessons-step{step}")
 async def validate_lessons_task(
     config: RunConfig,
@@ -592,7 +569,7 @@ async def validate_lessons_task(
     near: NearDuplicates | None = None,
     ledger: list[Rejected] | None = None,
     drawn: StepDraws | None = None,
-) -> Validated:
+) -> Trials:
     return await validate_lessons(
         config,
         step,

@@ -13,7 +13,6 @@ import asyncio
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
@@ -23,6 +22,7 @@ from schemas.records import GroupAdvantage, Problem, Reward, Rollout
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
+from tasks.outputs import Verified
 
 
 def _selection(valid: list[float], usable: int, use_groundtruth: bool, group_size: int) -> tuple[bool, str]:
@@ -77,12 +77,6 @@ def compute_group_advantages(
             )
         )
     return out
-
-
-@dataclass
-class VerifyBatch:
-    rewards: list[Reward]
-    advantages: list[GroupAdvantage]  # the numeric group advantages: verify's second output
 
 
 Grader = Callable[[list[tuple[Problem, str]]], list[VerifyResult]]  # (problem, output) pairs -> grades
@@ -242,10 +236,10 @@ def warm_verifier(domain_name: str) -> None:
 @stage_task(Stage.VERIFY, run_name="verify-step{step}-chunk{chunk}")
 async def verify_task(
     config: RunConfig, step: int, chunk: int, problems: list[Problem], rollouts: list[Rollout]
-) -> VerifyBatch:
+) -> Verified:
     domain = domain_for(config)
     rewards = await grade(
         problems, rollouts, domain, make_judge(config, domain, Stage.VERIFY), config.learning.unlabeled
     )
     advantages = compute_group_advantages(problems, rollouts, rewards, use_groundtruth=config.learning.use_groundtruth)
-    return VerifyBatch(rewards, advantages)
+    return Verified(rewards, advantages)

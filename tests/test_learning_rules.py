@@ -107,7 +107,7 @@ def test_passthrough_applies_group_proposals_after_combining_duplicates():
     ]
     result = passthrough(proposals)
     assert [(o.op.value, o.source_groups) for o in result.operations] == [("add", ["p1", "p2"]), ("modify", ["p2"])]
-    (plan,) = result.plans
+    (plan,) = result.proposals
     assert (
         plan.group_id == "final" and "3 proposed operation(s) from 2 group(s); 1 duplicate(s) combined" in plan.raw_text
     )
@@ -124,7 +124,7 @@ async def test_consolidate_in_passthrough_mode_makes_no_learner_call():
     result = await consolidate(
         proposals, ExperienceLibrary(), LearnerPrompts().ask(), NoCalls(), LearningConfig(consolidation="passthrough")
     )
-    assert [o.text for o in result.operations] == [LESSON] and result.calls == []
+    assert [o.text for o in result.operations] == [LESSON] and result.llm_calls == []
 
 
 def test_lesson_screen_rejects_copies_answers_and_pattern_misses():

@@ -253,7 +253,7 @@ def test_apply_rejects_hostile_operations_of_every_kind_with_reasons_and_applies
     ]
     cfg = _config()
     applied = apply_operations_task.fn(cfg, 1, library.to_version(), operations, PROBLEMS)
-    outcome = [(r.status, r.reason.split(" (")[0]) for r in applied.results]
+    outcome = [(r.status, r.reason.split(" (")[0]) for r in applied.operations]
     assert outcome == [
         (OpStatus.REJECTED, "unsafe: instruction override"),
         (OpStatus.REJECTED, "unsafe: role impersonation"),
@@ -337,20 +337,20 @@ async def test_a_plan_without_sources_gets_them_matched_from_the_proposals():
     assert ops[2].rationale == "[sources matched: same ids]"
     assert ops[4].rationale == ""  # named by the consolidator: kept as it is
     assert ops[5].rationale == "[sources: none matched]"  # visible, not rejected
-    assert result.plans[-1].group_id == FINAL and result.plans[-1].operations == ops
+    assert result.proposals[-1].group_id == FINAL and result.proposals[-1].operations == ops
     assert llm.schemas[0]["properties"]["operations"]["items"]  # the schema was sent
 
     # applied: the injected lesson is rejected with its lineage recorded; with the lineage matched, the lesson
     # screen's source-answer rule names the problem; the guard alone would reject it too
     applied = apply_operations_task.fn(_config(), 1, LIBRARY.to_version(), ops, PROBLEMS)
-    injected = applied.results[3]
+    injected = applied.operations[3]
     assert (injected.status, injected.reason) == (OpStatus.REJECTED, "states the answer 42 of problem p4")
     assert injected.operation.source_groups == ["p4"]
     assert LessonGuard("standard", PROBLEMS)(ops[3]) == 'unsafe: answer override ("always answer 42")'
-    assert [r.status for r in applied.results[:6]] == [OpStatus.APPLIED] * 3 + [OpStatus.REJECTED] + [
+    assert [r.status for r in applied.operations[:6]] == [OpStatus.APPLIED] * 3 + [OpStatus.REJECTED] + [
         OpStatus.APPLIED
     ] * 2
-    assert applied.results[6].reason.startswith("conflict: E2")  # the delete of a merged id: the library's rule
+    assert applied.operations[6].reason.startswith("conflict: E2")  # the delete of a merged id: the library's rule
     by_text = {e.text: e for e in applied.library.experiences}
     assert by_text[" ".join(LESSON_A.upper().split())].source_groups == ["p1"]
 
@@ -365,8 +365,8 @@ async def test_hierarchical_consolidation_keeps_the_real_groups():
         FixedPlan(plan),
         LearningConfig(consolidate_chunk_size=2),
     )
-    assert [p.group_id for p in result.plans] == ["chunk-0", "chunk-1", FINAL]
-    assert [p.operations[0].source_groups for p in result.plans] == [["p1"], ["p5"], ["p1", "p5"]]  # no "chunk-N"
+    assert [p.group_id for p in result.proposals] == ["chunk-0", "chunk-1", FINAL]
+    assert [p.operations[0].source_groups for p in result.proposals] == [["p1"], ["p5"], ["p1", "p5"]]  # no "chunk-N"
 
 
 def test_match_sources_directly():

@@ -14,7 +14,8 @@ from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWor
 from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
 from schemas.records import LessonTrial, Operation, OpKind, TrialSample
-from tasks.validate_lessons import _Candidate, best_per_group, judge_trial, plan_after
+from tasks.plan import plan_after
+from tasks.validate_lessons import _Candidate, best_per_group, judge_trial
 
 FAMILY_LESSONS = {f.lesson for f in FAMILIES}
 
@@ -221,7 +222,7 @@ async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_a
         "[rewritten as a general lesson: the draft copied from training problem p1]" in proposal.operations[0].rationale
     )
     record = json.loads(proposal.raw_text)[0]
-    assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.calls) == 2
+    assert record["generalized"]["draft"].startswith("Seats 50 through 79") and len(batch.llm_calls) == 2
 
 
 def test_trials_on_others_skip_the_sources_and_stay_within_the_tag():

@@ -1,8 +1,8 @@
-"""Adding a stage to the training step touches its own module and one ``STEP`` entry, nothing else: this module is
-the toy stage's module. It writes a table the store already has (``llm_calls``: the learner's opinion of each
-step's accuracy, one call), declares its typed output and its place after verify; it is stored, visible to the later
-stages through the step state, fails the run when its call fails, and a rerun redoes it without redoing what the
-step stored before it."""
+"""Adding a stage to the training step touches its own module and one ``STEP`` entry (``flows/step.py``), nothing
+else: this module is the toy stage's module. It writes a table the store already has (``llm_calls``: the learner's
+opinion of each step's accuracy, one call), declares its typed output and its place after verify; it is stored,
+visible to the later stages through the step state, fails the run when its call fails, and a rerun redoes it
+without redoing what the step stored before it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import flows.step as step_flow
 import flows.train as train_flow
 from clgrpo.llm import shared_client
 from clgrpo.store import Store
@@ -18,7 +19,7 @@ from clgrpo.testing.scripted_llm import ScriptedWorld
 from schemas.records import LLMCall
 from schemas.stages import Stage
 from tasks.integrity import StageFailedError
-from tasks.outputs import StageOutput
+from tasks.outputs import StageOutput, Verified
 from tests.test_pipeline import make_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
@@ -31,9 +32,10 @@ class Opinion(StageOutput):  # the typed output: its fields are the tables it wr
     llm_calls: list[LLMCall] = field(default_factory=list)
 
 
-async def compute_opinion(t, s) -> Opinion:
-    correct = sum(r.reward > 0 for r in s.rewards)
-    ask = f"Step {s.step}: {correct} of {len(s.rewards)} attempts were right. Good or bad?"
+async def compute_opinion(context, s) -> Opinion:  # the step's context and state: the flow is not passed
+    rewards = s.get(Verified).rewards
+    correct = sum(r.reward > 0 for r in rewards)
+    ask = f"Step {s.step}: {correct} of {len(rewards)} attempts were right. Good or bad?"
     reply = await shared_client(s.cfg).complete([{"role": "user", "content": ask}], stage=TOY)
     return Opinion(reply.calls)
 
@@ -41,12 +43,12 @@ async def compute_opinion(t, s) -> Opinion:
 SEEN: list[tuple[int, int]] = []
 
 
-def remember(t, s) -> None:  # the later stages see its output through the step state
+def remember(context, s) -> None:  # the later stages see its output through the step state
     SEEN.append((s.step, len(s.get(Opinion).llm_calls)))
 
 
 # its items cannot fail one by one (no failure rule): a call that fails after its retries fails the stage
-TOY_STAGE = train_flow.StepStage(TOY, compute_opinion, Opinion, after=remember)
+TOY_STAGE = step_flow.StepStage(TOY, compute_opinion, Opinion, after=remember)
 
 
 class Moody(ScriptedWorld):
@@ -61,9 +63,9 @@ class Moody(ScriptedWorld):
 
 
 async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch):
-    after_verify = [spec.stage for spec in train_flow.STEP].index(Stage.VERIFY) + 1
-    step = (*train_flow.STEP[:after_verify], TOY_STAGE, *train_flow.STEP[after_verify:])
-    monkeypatch.setattr(train_flow, "STEP", step)  # the one STEP entry
+    after_verify = [spec.stage for spec in step_flow.STEP].index(Stage.VERIFY) + 1
+    step = (*step_flow.STEP[:after_verify], TOY_STAGE, *step_flow.STEP[after_verify:])
+    monkeypatch.setattr(step_flow, "STEP", step)  # the one STEP entry
     SEEN.clear()
     world = Moody(seed=7)
     with FakeOpenAIServer(world) as server:

@@ -1,0 +1,498 @@
+"""One training step as data: ``STEP``, the state a step fills stage by stage, and the stages' functions.
+
+``STEP`` is read top to bottom: each stage, the function that computes it, its typed output (``tasks.outputs``:
+the tables it writes, which the ``StepState`` holds for the later stages), its failure rule, its progress bar's
+items, whether the config runs it, and for rollout to group advantage the per-group form the pipeline chains
+(``pipeline: true``). The training flow (``flows.train``) walks it through the stage protocol: a stage already
+stored is read back instead of computed. A stage function gets the step's context (``StepContext``: the store to
+read, the ledger of lessons rejected before, the problems set aside, the plan's context) and the state, never the
+flow itself; what the step learns is decided by one pure function of its outputs (``tasks.plan``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from functools import cached_property, partial
+from typing import Any
+
+from clgrpo.library import ExperienceLibrary, NearDuplicates
+from clgrpo.store import Store
+from clgrpo.usefulness import step_stats
+from clgrpo.words import counted
+from schemas.config import RunConfig
+from schemas.records import (
+    ExperienceStat,
+    LibraryVersion,
+    Operation,
+    OpStatus,
+    Problem,
+    Rollout,
+    Summary,
+)
+from schemas.stages import Stage
+from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
+from tasks.checkpoint import export_dir
+from tasks.common import chunks
+from tasks.consolidate import consolidate_task, consolidation_calls
+from tasks.group_advantage import group_advantage_task
+from tasks.integrity import (
+    GATE_FAILURES,
+    PROPOSAL_FAILURES,
+    ROLLOUT_FAILURES,
+    SUMMARY_FAILURES,
+    TRIAL_FAILURES,
+    VERIFY_FAILURES,
+    FailureRule,
+)
+from tasks.library_gate import library_gate_task
+from tasks.limits import rejected_results
+from tasks.numeric_update import numeric_inputs, numeric_update_task
+from tasks.outputs import (
+    Adapters,
+    Applied,
+    Gate,
+    GroupProposals,
+    Out,
+    Plans,
+    Rollouts,
+    StageOutput,
+    Summaries,
+    Trials,
+    Verified,
+)
+from tasks.pipeline import GroupStage, PipelineBatch, propose_group, rollout_group, summarize_group, verify_group
+from tasks.plan import StepPlan, step_plan
+from tasks.rollout import rollout_task
+from tasks.shorten import shorten_plan_task
+from tasks.summarize import summarize_task
+from tasks.validate_lessons import Rejected, StepDraws, validate_lessons_task
+from tasks.verify import verify_task
+
+PlanContext = tuple[NearDuplicates | None, dict[str, ExperienceStat] | None]
+
+
+@dataclass
+class StepState:
+    """What one step knows, filled stage by stage: each stage's typed output (``tasks.outputs``), computed or read
+    back from the store, is held by its type (``get``); later stages read it from here."""
+
+    cfg: RunConfig
+    step: int
+    problems: list[Problem]
+    library: ExperienceLibrary  # before the step
+    version: LibraryVersion  # what each prompt shows (``clgrpo.retrieval``)
+    sampling: RunConfig  # what rollouts sample with: the config, or with hybrid learning the latest adapter
+    pipelined: PipelineBatch | None = None  # rollout .. group advantage, computed group by group, to store
+    outputs: dict[type[StageOutput], StageOutput] = field(default_factory=dict)
+
+    def get(self, kind: type[Out]) -> Out:
+        """The output of the stage that produces ``kind`` (empty when that stage did not run this step)."""
+        found = self.outputs.get(kind)
+        return found if isinstance(found, kind) else kind()
+
+    @property
+    def plan(self) -> StepPlan:
+        """What the step learns so far, from its outputs (``tasks.plan``: the limits, the trials, the gate)."""
+        return step_plan(
+            self.get(GroupProposals),
+            self.get(Plans),
+            self.get(Trials),
+            self.get(Gate),
+            len(self.library),
+            self.cfg.learning,
+        )
+
+    @property
+    def rollout_chunks(self) -> list[list[Problem]]:
+        return chunks(self.problems, self.cfg.grpo.rollout_chunk_size)
+
+    @property
+    def selected_ids(self) -> list[str]:
+        """The groups with a learning signal, in group order."""
+        return [a.problem_id for a in self.get(Verified).group_advantages if a.selected]
+
+    def rollouts_of(self, ids: list[str]) -> list[Rollout]:
+        wanted = set(ids)
+        return [r for r in self.get(Rollouts).rollouts if r.problem_id in wanted]
+
+    def summaries_of(self, ids: list[str]) -> list[Summary]:
+        wanted = set(ids)
+        return [x for x in self.get(Summaries).summaries if x.problem_id in wanted]
+
+    def chunk_inputs(self, ids: list[str]) -> dict[str, Any]:
+        """The problems, rollouts, rewards and advantages of the groups ``ids``, for a learner task."""
+        wanted, verified = set(ids), self.get(Verified)
+        return dict(
+            problems=[p for p in self.problems if p.problem_id in wanted],
+            rollouts=self.rollouts_of(ids),
+            rewards=[r for r in verified.rewards if r.problem_id in wanted],
+            advantages=[a for a in verified.group_advantages if a.problem_id in wanted],
+        )
+
+
+@dataclass
+class StepContext:
+    """What a step's stages need from the run beside the state: the store (read, and the embeddings' cache), the
+    log, the problems the library gate set aside and the rest (``pool``: what lesson trials draw from). The ledger
+    of lessons rejected before and the plan's usefulness are read once per step, when first needed."""
+
+    cfg: RunConfig
+    run_id: str
+    step: int
+    store: Store
+    log: logging.Logger | logging.LoggerAdapter[Any]
+    aside: list[Problem] = field(default_factory=list)
+    pool: list[Problem] = field(default_factory=list)
+    _usefulness: dict[str, ExperienceStat] | None = field(default=None, init=False, repr=False)
+
+    @cached_property
+    def ledger(self) -> list[Rejected]:
+        """The lessons earlier steps rejected by measurement (a trial, the library gate): not tried again."""
+        return [
+            Rejected(at, r.operation.text, r.reason)
+            for at, r in self.store.operation_results(self.run_id)
+            if at < self.step
+            and r.status == OpStatus.REJECTED
+            and r.operation.text
+            and r.reason.startswith(("lesson validation:", "library gate:"))
+        ]
+
+    async def plan_context(self, s: StepState, operations: list[Operation]) -> PlanContext:
+        """What applying ``operations`` needs beside them: the near-duplicate control (embeddings of the library and
+        of the operations' texts, cached in the store) and, with a token budget (``library.max_tokens``), each live
+        lesson's usefulness, which the budget evicts by (read once per step: every stage that applies a plan comes
+        after the step's rewards and summaries are stored). Lesson validation, the library gate and
+        apply_operations use the same, so a plan is tried, measured and applied alike."""
+        near = await near_duplicates_for(s.cfg, self.store, ExperienceLibrary.from_version(s.version), operations)
+        if s.cfg.library.max_tokens is not None and self._usefulness is None:
+            stats = experience_stats(self.store, self.run_id, s.step, [e.id for e in s.library])
+            self._usefulness = {x.exp_id: x for x in stats}
+        return near, self._usefulness
+
+    def parent_adapter(self) -> str | None:
+        return parent_adapter(self.store, self.cfg, self.run_id, self.step)
+
+
+def experience_stats(store: Store, run_id: str, step: int, live_ids: list[str]) -> list[ExperienceStat]:
+    """Usefulness and confidence of the lessons ``live_ids`` with the citations of ``step`` counted
+    (``clgrpo.usefulness``)."""
+    shown = store.load_library(run_id, step - 1) if step > 0 else ExperienceLibrary()
+    return step_stats(
+        store.records("experience_stats", run_id, step - 1),
+        live_ids,
+        [e.id for e in shown],
+        store.records("summaries", run_id, step),
+        store.records("rewards", run_id, step),
+        store.records("group_advantages", run_id, step),
+    )
+
+
+def parent_adapter(store: Store, cfg: RunConfig, run_id: str, step: int) -> str | None:
+    """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
+    earlier = store.query(
+        "SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC LIMIT 1", [run_id, step]
+    )
+    return str(earlier["path"][0]) if len(earlier) else cfg.policy.adapter
+
+
+# --- the stages ------------------------------------------------------------------------------------------------
+async def compute_rollout(c: StepContext, s: StepState) -> Rollouts:
+    """G samples per problem, in chunks (``tasks.rollout``; ``rollout.placement: pool``: on the GPU pool)."""
+    run_chunk = rollout_task
+    if s.cfg.rollout.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+        from flows.rollout_gpu import rollout_on_pool
+
+        run_chunk = partial(rollout_on_pool, db_id=c.store.db_id)
+    parts = await asyncio.gather(
+        *[run_chunk(s.sampling, s.step, i, chunk, s.version) for i, chunk in enumerate(s.rollout_chunks)]
+    )
+    return Rollouts.joined(parts)
+
+
+async def compute_verify(c: StepContext, s: StepState) -> Verified:
+    """Rewards, and from them the numeric group advantage of every group, (r - mean) / std over its graded
+    samples (``tasks.verify``: ``numeric_group_advantages``): verify's two tables."""
+    parts = await asyncio.gather(
+        *[
+            verify_task(s.cfg, s.step, i, chunk, s.rollouts_of([p.problem_id for p in chunk]))
+            for i, chunk in enumerate(s.rollout_chunks)
+        ]
+    )
+    return Verified.joined(parts)  # an LLM judge's calls come from the work journal
+
+
+async def compute_numeric_update(c: StepContext, s: StepState) -> Adapters:
+    """Hybrid learning's numeric GRPO step on the step's stored completions (``tasks.numeric_update``): in this
+    process, or as a child run on the cuda pool (``hybrid.placement: pool``)."""
+    advantages = s.get(Verified).group_advantages
+    inputs = numeric_inputs(s.cfg, s.problems, s.get(Rollouts).rollouts, advantages, s.version)
+    run = numeric_update_task
+    if s.cfg.hybrid.placement == "pool":  # the GPU pool's flow, imported only by runs that use it
+        from flows.numeric_gpu import numeric_update_on_pool
+
+        run = partial(numeric_update_on_pool, db_id=c.store.db_id)
+    parent = c.parent_adapter()
+    record = await run(s.cfg, s.step, inputs.items, inputs.skipped, parent, s.version.version, str(export_dir(s.cfg)))
+    return Adapters([record])
+
+
+async def compute_summarize(c: StepContext, s: StepState) -> Summaries:
+    """A summary of each usable rollout of the selected groups (``tasks.summarize``)."""
+    parts = await asyncio.gather(
+        *[
+            summarize_task(s.cfg, s.step, i, library=s.version, **s.chunk_inputs(ids))
+            for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
+        ]
+    )
+    return Summaries.joined(parts)
+
+
+async def compute_group_advantage(c: StepContext, s: StepState) -> GroupProposals:
+    """The learner's proposal for each selected group (``tasks.group_advantage``)."""
+    parts = await asyncio.gather(
+        *[
+            group_advantage_task(
+                s.cfg, s.step, i, library=s.version, summaries=s.summaries_of(ids), **s.chunk_inputs(ids)
+            )
+            for i, ids in enumerate(chunks(s.selected_ids, s.cfg.learning.summarize_chunk_size))
+        ]
+    )
+    return GroupProposals.joined(parts)
+
+
+async def compute_consolidate(c: StepContext, s: StepState) -> Plans:
+    """One plan from the group proposals within their limit (``tasks.consolidate``)."""
+    plans = await consolidate_task(s.cfg, s.step, s.plan.proposals, s.version)
+    if plans.failed:
+        c.log.warning("step %d: consolidation reply unusable after repair; no operations this step", s.step)
+    return plans
+
+
+async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
+    """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
+    plan, shorten_calls = await shorten_plan_task(s.cfg, s.step, s.plan.planned)  # too long: shortened once
+    near, _ = await c.plan_context(s, plan)  # a candidate is tried as it would be applied
+    drawn = StepDraws(
+        s.get(Rollouts).rollouts if s.sampling.policy == s.cfg.policy else [],  # another adapter's: no baseline
+        s.get(Verified).rewards,
+        c.store.records("trial_samples", c.run_id),
+    )
+    advantages = s.get(Verified).group_advantages
+    trials = await validate_lessons_task(
+        s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn
+    )
+    return replace(trials, llm_calls=shorten_calls + trials.llm_calls)
+
+
+async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
+    """The library before vs after the validated plan on the problems set aside (``tasks.library_gate``);
+    nothing when none could be set aside (``enabled: auto`` on a small training set: the run says so)."""
+    if not c.aside:
+        return Gate()
+    operations = s.plan.validated
+    before = ExperienceLibrary.from_version(s.version)
+    near, usefulness = await c.plan_context(s, operations)
+    after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
+    earlier = c.store.records("gate_samples", c.run_id)
+    return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier)
+
+
+async def compute_apply_operations(c: StepContext, s: StepState) -> Applied:
+    """The validated plan applied to the library (``tasks.apply_operations``) unless the library gate rejected
+    the step; what is over a learning limit, failed its trial or was not adopted is stored as rejected."""
+    plan = s.plan
+    near, usefulness = await c.plan_context(s, plan.adopted)
+    applied = apply_operations_task(s.cfg, s.step, s.version, plan.adopted, s.problems, near, usefulness)
+    if plan.over_limits:
+        c.log.warning(
+            "step %d: %d operations over the learning limits rejected (first: %s)",
+            s.step,
+            len(plan.over_limits),
+            plan.over_limits[0][1],
+        )
+    rejected = rejected_results(plan.rejected, len(applied.operations))
+    return replace(applied, operations=applied.operations + rejected)
+
+
+def save_applied_library(c: StepContext, s: StepState, applied: Applied) -> None:
+    assert applied.library is not None  # compute_apply_operations returns it
+    c.store.save_library(c.run_id, ExperienceLibrary.from_version(applied.library))
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.4f}"
+
+
+def log_numeric_update(c: StepContext, s: StepState) -> None:
+    record = s.get(Adapters).adapters[0]
+    c.log.info(
+        "step %d numeric_update: %d completions (%d skipped), loss %s -> %s, mean log-prob change "
+        "%s (positive advantage) / %s (negative), %.1fs on %s; adapter %s",
+        s.step,
+        record.rows_used,
+        record.rows_skipped,
+        _num(record.loss_before),
+        _num(record.loss_after),
+        _num(record.logprob_change_pos),
+        _num(record.logprob_change_neg),
+        record.seconds,
+        record.device,
+        record.path,
+    )
+
+
+def log_learning_signal(c: StepContext, s: StepState) -> None:
+    """How many groups can teach anything (rewards that differ): said loudly when none can."""
+    mixed, total = len(s.selected_ids), len(s.get(Verified).group_advantages)
+    share = f"{mixed / total:.0%}" if total else "-"
+    if mixed:
+        c.log.info(
+            "step %d: %d of %d groups have mixed rewards (%s): only they teach anything", s.step, mixed, total, share
+        )
+        return
+    c.log.warning(
+        "step %d: no group has mixed rewards (0 of %d): nothing to learn from this step; every attempt of a problem "
+        "was graded alike. Harder or easier problems, more samples (grpo.group_size) or another "
+        "grpo.rollout_temperature give the learner something to compare",
+        s.step,
+        total,
+    )
+
+
+def log_lesson_validation(c: StepContext, s: StepState) -> None:
+    trials = s.get(Trials).lesson_trials
+    c.log.info(
+        "step %d lesson validation: %s kept, %d rejected (clgrpo library ops %s:%d lists each with its numbers)%s",
+        s.step,
+        counted(sum(x.verdict == "kept" for x in trials), "candidate lesson"),
+        sum(x.verdict == "rejected" for x in trials),
+        c.run_id,
+        s.step,
+        "".join(f"; {x.reason}" for x in trials if x.verdict == "kept"),
+    )
+
+
+def log_library_gate(c: StepContext, s: StepState) -> None:
+    if gates := s.get(Gate).library_gates:
+        c.log.info("step %d %s", s.step, gates[0].reason)
+
+
+# --- the step, as data -----------------------------------------------------------------------------------------
+def _always(cfg: RunConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class StepStage:
+    """One stage of a step: ``compute`` runs only when the stage is neither stored (then its tables are read back)
+    nor computed by the pipeline; ``output``: its typed output, whose fields are the tables it writes in one
+    transaction and which the step state holds for the later stages; ``failures``: its failure rule (with the
+    tolerance it may leave), None when its items cannot fail; ``expect``: the items and unit of its progress bar;
+    ``when``: whether the config runs it; ``before_write`` (with the output about to be stored) and ``after``:
+    what happens just before its rows are written, and once it is stored or read back; ``group``: its per-group
+    form, for the stages the pipeline runs group by group (``tasks.pipeline``, with ``pipeline: true``), chained
+    in ``STEP``'s order. ``stage`` is its name in the store (a ``Stage``, or any name for a stage added from
+    outside)."""
+
+    stage: str
+    compute: Callable[[StepContext, StepState], Awaitable[StageOutput]]
+    output: type[StageOutput]
+    failures: FailureRule | None = None
+    expect: Callable[[StepState], tuple[int, str]] | None = None
+    when: Callable[[RunConfig], bool] = _always
+    before_write: Callable[[StepContext, StepState, Any], None] | None = None
+    after: Callable[[StepContext, StepState], None] | None = None
+    group: GroupStage | None = None
+
+
+def _summaries_expected(s: StepState) -> tuple[int, str]:
+    selected = set(s.selected_ids)
+    rollouts = s.get(Rollouts).rollouts
+    n = sum(r.error is None and r.problem_id in selected for r in rollouts) if s.cfg.learning.summarize else 0
+    return n, "summaries"
+
+
+# The training step, top to bottom (then the checkpoint, ``tasks.checkpoint``: a step is done when it is stored).
+STEP: tuple[StepStage, ...] = (
+    StepStage(
+        Stage.ROLLOUT,
+        compute_rollout,
+        Rollouts,
+        ROLLOUT_FAILURES,
+        expect=lambda s: (len(s.problems) * s.cfg.grpo.group_size, "samples"),
+        group=rollout_group,
+    ),
+    StepStage(
+        Stage.VERIFY,
+        compute_verify,
+        Verified,
+        VERIFY_FAILURES,
+        expect=lambda s: (len(s.get(Rollouts).rollouts), "samples"),
+        after=log_learning_signal,
+        group=verify_group,
+    ),
+    StepStage(
+        Stage.NUMERIC_UPDATE,
+        compute_numeric_update,
+        Adapters,
+        when=lambda cfg: cfg.hybrid.enabled,
+        after=log_numeric_update,
+    ),
+    StepStage(
+        Stage.SUMMARIZE,
+        compute_summarize,
+        Summaries,
+        SUMMARY_FAILURES,
+        expect=_summaries_expected,
+        group=summarize_group,
+    ),
+    StepStage(
+        Stage.GROUP_ADVANTAGE,
+        compute_group_advantage,
+        GroupProposals,
+        PROPOSAL_FAILURES,
+        expect=lambda s: (len(s.selected_ids), "groups"),
+        group=propose_group,
+    ),
+    StepStage(
+        Stage.CONSOLIDATE,
+        compute_consolidate,
+        Plans,
+        expect=lambda s: (
+            consolidation_calls(sum(bool(p.operations) for p in s.plan.proposals), s.cfg.learning),
+            "learner calls",
+        ),
+    ),
+    StepStage(
+        Stage.VALIDATE_LESSONS,
+        compute_validate_lessons,
+        Trials,
+        TRIAL_FAILURES,
+        when=lambda cfg: cfg.learning.lesson_validation.enabled,
+        expect=lambda s: (0, "attempts"),  # the stage announces them once it knows its candidates
+        after=log_lesson_validation,
+    ),
+    StepStage(
+        Stage.LIBRARY_GATE,
+        compute_library_gate,
+        Gate,
+        GATE_FAILURES,
+        when=lambda cfg: cfg.learning.library_gate.enabled is not False,
+        expect=lambda s: (0, "attempts"),  # announced once the stage knows whether the plan changes anything
+        after=log_library_gate,
+    ),
+    StepStage(
+        Stage.APPLY_OPERATIONS,
+        compute_apply_operations,
+        Applied,
+        before_write=save_applied_library,
+    ),
+)
+
+
+def pipelined(stages: tuple[StepStage, ...]) -> tuple[str, ...]:
+    """The stages the pipeline runs group by group (``tasks.pipeline``): those with a per-group form."""
+    return tuple(spec.stage for spec in stages if spec.group is not None)
