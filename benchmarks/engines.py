@@ -29,8 +29,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clgrpo.app.llama_build import built_binary  # noqa: E402
-from clgrpo.app.llama_server import Engine, LlamaServer, free_port  # noqa: E402
+from application.llama_build import built_binary  # noqa: E402
+from application.llama_server import Engine, LlamaServer, free_port  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
 
 XLLAMACPP = "2026.10.11549"

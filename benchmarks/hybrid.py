@@ -76,7 +76,7 @@ def clgrpo(*argv: str) -> float:
     """Run the CLI; its wall time in seconds (it must succeed)."""
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", *argv],
+        [sys.executable, "-m", "application.cli", *argv],
         cwd=ROOT,
         text=True,
         capture_output=True,

@@ -48,9 +48,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling
 
 from report_block import write_block  # noqa: E402
 
+from application.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
+from application.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo import metrics  # noqa: E402
-from clgrpo.app.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
-from clgrpo.app.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402

@@ -42,8 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling
 from harness import union_length  # noqa: E402  # first: an isolated, quiet Prefect without telemetry
 from report_block import write_block  # noqa: E402
 
-from clgrpo import stopping  # noqa: E402
-from clgrpo.app.demo import (  # noqa: E402
+from application.demo import (  # noqa: E402
     DemoOptions,
     _start_llama_servers,
     demo_config,
@@ -51,6 +50,7 @@ from clgrpo.app.demo import (  # noqa: E402
     say,
     write_datasets,
 )
+from clgrpo import stopping  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from schemas.config import DatasetConfig  # noqa: E402
 

@@ -32,8 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling
 
 from report_block import write_block  # noqa: E402
 
-from clgrpo.app.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
-from clgrpo.app.llama_server import LlamaServer, cpu_model_name, ensure_engine  # noqa: E402
+from application.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
+from application.llama_server import LlamaServer, cpu_model_name, ensure_engine  # noqa: E402
 from clgrpo.llm.backends import CHAT_PATH, GenRequest, OpenAIBackend  # noqa: E402
 from clgrpo.llm.transport import make_transport  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402

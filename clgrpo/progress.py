@@ -2,7 +2,7 @@
 
 The training flow opens a stage (``start``) with what it expects (rollout samples, summaries, groups, ...);
 the stage functions report each finished item (``advance``), wherever they run in this process (an event
-loop, a worker thread). Listeners render it: rich progress bars on a terminal (``clgrpo.app.terminal``), or
+loop, a worker thread). Listeners render it: rich progress bars on a terminal (``application.terminal``), or
 nothing. Without an open stage of that name, ``advance`` does nothing (the same stage functions serve
 evaluations and GPU child runs, which have no bar).
 """

@@ -24,7 +24,7 @@ os.environ["CLGRPO_STATE_DIR"] = os.path.join(_SESSION_DIR, "state")  # never th
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    from clgrpo.app.prefect_server import install
+    from application.prefect_server import install
 
     install()  # the harness's server dies with this process, even a SIGKILLed one
     with prefect_test_harness(server_startup_timeout=120):

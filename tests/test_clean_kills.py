@@ -1,5 +1,5 @@
 """A SIGKILLed run leaves nothing behind: Prefect's temporary server dies with the process that started it
-(``clgrpo.app.prefect_server``), and resuming the run marks the flow run the killed process left Running as
+(``application.prefect_server``), and resuming the run marks the flow run the killed process left Running as
 Crashed (``clgrpo.stale_runs``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from clgrpo.app import prefect_server
+from application import prefect_server
 from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -313,7 +313,7 @@ def test_a_sigkilled_train_leaves_no_server_and_its_rerun_marks_the_flow_run_cra
                 }
             )
         )
-        argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)]
+        argv = [sys.executable, "-m", "application.cli", "train", "--config", str(config)]
         try:
             with open(tmp_path / "first.out", "w") as out:
                 first = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

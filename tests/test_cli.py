@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.config import ConfigError, load_config
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
@@ -193,7 +193,7 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
             ),
         )
     show = subprocess.Popen(
-        [sys.executable, "-m", "clgrpo.app.cli", "library", "show", "big", "--db", str(db)],
+        [sys.executable, "-m", "application.cli", "library", "show", "big", "--db", str(db)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

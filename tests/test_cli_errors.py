@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
@@ -166,7 +166,7 @@ def test_the_terminal_of_a_real_process_shows_one_line(tmp_path, good_dataset):
     """The installed entry point, as a user runs it: no traceback, one line, a non-zero exit."""
     config = write_config(tmp_path, tmp_path / "missing.jsonl")
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)],
+        [sys.executable, "-m", "application.cli", "train", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -225,7 +225,7 @@ def test_local_embeddings_without_torch_are_refused_before_any_stage(tmp_path, g
     config.write_text(yaml.safe_dump(tree))
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config)],
+        [sys.executable, "-m", "application.cli", "train", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from functools import partial
 
-from clgrpo.app.demo import DemoOptions, demo_config, run_demo, summary
+from application.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
 from clgrpo.models import ModelError, fetch_embedded
 from clgrpo.prompts.consolidate import consolidate_messages
@@ -29,7 +29,7 @@ def test_demo_runs_the_real_flows_on_a_local_model(tmp_path, capsys, monkeypatch
     lesson validation), then the held-out evaluation with its table, CI and verdict. The engine is ``auto`` and
     llama-server (a stand-in) crashes by SIGSEGV while loading, as the native build did on an AMX Xeon: the demo
     says so in one line and falls back to the transformers engine by itself."""
-    from clgrpo.app import llama_server
+    from application import llama_server
     from tests.test_llama_server import write_stand_in
 
     monkeypatch.setenv(llama_server.BINARY_ENV, str(write_stand_in(tmp_path / "llama-server")))
@@ -106,7 +106,7 @@ def test_demo_config_is_one_run_config_that_learns_and_validates(tmp_path):
 
 
 def test_the_verdict_says_when_the_difference_is_noise():
-    from clgrpo.app.demo import verdict
+    from application.demo import verdict
     from schemas.records import EvalComparison
 
     def cmp(diff, low, high):

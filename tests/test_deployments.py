@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -480,7 +481,12 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
     the flow run ends Cancelled (not Crashed or Failed), the run is stored as cancelled with its stage, the
     worker stays healthy (it executes the rerun), and the rerun resumes: no stored stage is redone, no row is
     duplicated."""
-    with FakeOpenAIServer(ScriptedWorld(seed=11), latency=lambda _r: 0.3) as server:
+    # the learner's calls are held until the cancel has landed: on a loaded machine `prefect flow-run cancel`
+    # may take longer to start than the rest of a fast run takes to finish
+    learner_held = threading.Event()
+    learner_held.set()
+    latency = lambda r: 30.0 if learner_held.is_set() and role_of(r) != "policy" else 0.3  # noqa: E731
+    with FakeOpenAIServer(ScriptedWorld(seed=11), latency=latency) as server:
         config = {**_config(server, tmp_path, "ui-cancelled", epochs=2), "rollout": {}}  # rollouts in the flow
         started = stack.prefect(
             "deployment", "run", "train/train", "--params", json.dumps({"config": config}), timeout=120
@@ -495,6 +501,7 @@ def test_a_cancel_from_the_ui_ends_the_run_cancelled_and_a_rerun_resumes_without
         cancel = stack.prefect("flow-run", "cancel", str(run.id), timeout=60)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         cancelled = _wait_state(stack, run.id, lambda r: r.state.is_final(), "final", timeout=120)
+        learner_held.clear()
         assert cancelled.state.is_cancelled(), (cancelled.state, _logs(stack))
         with Store(config["db_path"], read_only=True) as store:
             status = store.runs().set_index("run_id").loc["ui-cancelled"]
@@ -646,7 +653,7 @@ def test_retry_of_a_review_that_timed_out_records_the_timeout_and_releases_the_p
     other = tmp_path / "elsewhere"
     other.mkdir()
     history = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "refresh", "history", "--name", "unanswered"],
+        [sys.executable, "-m", "application.cli", "refresh", "history", "--name", "unanswered"],
         env=stack.env, cwd=other, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert history.returncode == 0, history.stderr
@@ -665,7 +672,7 @@ def test_retry_of_a_review_that_timed_out_records_the_timeout_and_releases_the_p
     assert decision.status == "not_promoted" and decision.released
     assert "review timed out after 60 s" in " ".join(decision.reasons), decision.reasons
     history = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "refresh", "history", "--name", "unanswered"],
+        [sys.executable, "-m", "application.cli", "refresh", "history", "--name", "unanswered"],
         env=stack.env, cwd=other, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "unanswered-2026-11-21: not_promoted" in history.stdout, history.stdout

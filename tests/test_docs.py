@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.app.cli import build_parser
+from application.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
@@ -280,7 +280,7 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 # --- the layout ------------------------------------------------------------------------------------------------
-PACKAGES = ["schemas", "clgrpo", "clgrpo/app", "clgrpo/llm", "clgrpo/prompts", "clgrpo/testing", "domains", "tasks",
+PACKAGES = ["schemas", "clgrpo", "application", "clgrpo/llm", "clgrpo/prompts", "clgrpo/testing", "domains", "tasks",
             "flows"]  # fmt: skip
 NOT_LISTED = {"README.md", ".gitignore"}  # the file itself, and git's own
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from clgrpo.app.cli import main
+from application.cli import main
 from domains import UnknownDomainError, domain_for, get_domain, installed_domains, registry
 from domains.math import MathDomain
 from domains.web import WebDomain
@@ -111,7 +111,7 @@ def test_a_real_clgrpo_process_runs_a_third_party_domain(tmp_path):
     dataset through the chess domain's loader, whose error is the command's one line."""
     site = install_chess(tmp_path / "site")
     proc = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(write_config(tmp_path, "chess"))],
+        [sys.executable, "-m", "application.cli", "train", "--config", str(write_config(tmp_path, "chess"))],
         capture_output=True,
         text=True,
         timeout=120,
@@ -128,7 +128,7 @@ def test_a_real_clgrpo_process_runs_a_third_party_domain(tmp_path):
 def run_chess(tmp_path: Path, **more) -> subprocess.CompletedProcess:
     site = install_chess(tmp_path / "site")
     return subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(write_config(tmp_path, "chess", **more))],
+        [sys.executable, "-m", "application.cli", "train", "--config", str(write_config(tmp_path, "chess", **more))],
         capture_output=True,
         text=True,
         timeout=120,

@@ -84,7 +84,7 @@ def write_inputs(where: Path, server: FakeOpenAIServer) -> tuple[Path, Path, lis
 def eval_argv(config: Path, dataset: Path, libraries: list[str], db: Path) -> list[str]:
     compare = [x for lib in libraries for x in ("--compare", lib)]
     return [
-        sys.executable, "-m", "clgrpo.app.cli", "eval", "--config", str(config), "--db", str(db),
+        sys.executable, "-m", "application.cli", "eval", "--config", str(config), "--db", str(db),
         "--dataset", str(dataset), "--k", str(K), "--seed", str(SEED), "--eval-id", "resume-me",
         "--library", "none", *compare,
     ]  # fmt: skip

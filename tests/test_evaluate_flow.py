@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.errors import EvaluationError
 from clgrpo.leakage import LeakageError
 from clgrpo.library import ExperienceLibrary

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from domains.math import DatasetError, load_problems_with_report
 from schemas.config import DatasetConfig
 

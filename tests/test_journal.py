@@ -88,7 +88,7 @@ async def test_a_rerun_into_a_fresh_database_recomputes_instead_of_replaying(tmp
 
 
 def test_runs_delete_removes_the_run_journal(tmp_path, capsys):
-    from clgrpo.app.cli import main
+    from application.cli import main
 
     db = tmp_path / "d.duckdb"
     with Store(db) as store:

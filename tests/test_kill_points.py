@@ -191,7 +191,7 @@ class Attempt:
 
 
 def start_attempt(config: Path, run_id: str, env: dict[str, str], out: Path, server: FakeOpenAIServer) -> Attempt:
-    argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--run-id", run_id]
+    argv = [sys.executable, "-m", "application.cli", "train", "--config", str(config), "--run-id", run_id]
     before = server.stats.chat_requests
     with open(out, "w") as handle:
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)

@@ -272,7 +272,7 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
                 }
             )
         )
-        argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--mode", "agent"]
+        argv = [sys.executable, "-m", "application.cli", "train", "--config", str(config), "--mode", "agent"]
         with open(tmp_path / "train.out", "w") as out:
             train = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -302,7 +302,7 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
 
             started = time.monotonic()
             listed = subprocess.run(
-                [sys.executable, "-m", "clgrpo.app.cli", "runs", "list", "--db", str(db)],
+                [sys.executable, "-m", "application.cli", "runs", "list", "--db", str(db)],
                 env=env,
                 cwd=ROOT,
                 capture_output=True,
@@ -331,7 +331,7 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
     assert marked_processes(tag) == []
     # nothing more to sweep: the next command is silent
     again = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "runs", "list", "--db", str(db)],
+        [sys.executable, "-m", "application.cli", "runs", "list", "--db", str(db)],
         env=env,
         cwd=ROOT,
         capture_output=True,

@@ -13,7 +13,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import write_report
 from clgrpo.store import Store

@@ -151,7 +151,7 @@ async def test_the_gate_keeps_a_misleading_lesson_out_and_lets_the_helpful_ones_
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_run_says_when_its_gate_is_off_and_why(tmp_path, capsys):
-    from clgrpo.app.cli import main
+    from application.cli import main
 
     dataset = write_jsonl(make_problems(n_per_family=1, seed=3)[:3] * 1, tmp_path / "small.jsonl")  # 3 problems
     with FakeOpenAIServer(ScriptedWorld(seed=5)) as server:

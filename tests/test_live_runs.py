@@ -88,7 +88,7 @@ HOLDER = textwrap.dedent("""
 
 
 def test_the_run_lock_names_its_live_owner_and_dies_with_it(tmp_path, capsys):
-    from clgrpo.app.cli import main
+    from application.cli import main
 
     db = tmp_path / "runs.duckdb"
     with Store(db) as store, store.connected() as con:
@@ -140,7 +140,7 @@ READER_LIMIT_S = 10.0
 
 def clgrpo(*args: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "clgrpo.app.cli", *args],
+        [sys.executable, "-m", "application.cli", *args],
         env=env,
         cwd=ROOT,
         text=True,
@@ -186,7 +186,7 @@ def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, t
         config = write_config(tmp_path / "run.yaml", db, dataset, server)
         with open(out, "w") as handle:
             train = subprocess.Popen(
-                [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--run-id", "live"],
+                [sys.executable, "-m", "application.cli", "train", "--config", str(config), "--run-id", "live"],
                 env=env,
                 cwd=ROOT,
                 stdout=handle,
@@ -225,7 +225,7 @@ def test_a_training_run_can_be_inspected_and_is_not_trained_twice(prefect_api, t
                 train.kill()
                 train.wait()
     finished = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "runs", "show", "live", "--db", str(db)],
+        [sys.executable, "-m", "application.cli", "runs", "show", "live", "--db", str(db)],
         env=env,
         cwd=ROOT,
         capture_output=True,

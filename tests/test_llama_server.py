@@ -1,4 +1,4 @@
-"""clgrpo/app/llama_server.py and llama_build.py: finding the engine, the command line, start (wait for /health),
+"""application/llama_server.py and llama_build.py: finding the engine, the command line, start (wait for /health),
 stop, crashes in words, the smoke test that decides whether a machine can trust an engine (and what it needs),
 the build's kernel choice and its lock, and the server dying with the process that started it. A stand-in
 executable plays llama-server (a real process serving /health and a chat completion over HTTP, or dying by
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.app import llama_build
-from clgrpo.app.llama_server import (
+from application import llama_build
+from application.llama_server import (
     BINARY_ENV,
     Engine,
     LlamaServer,
@@ -210,7 +210,7 @@ def test_a_second_build_waits_for_the_first(tmp_path):
     script = textwrap.dedent(f"""\
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from clgrpo.app import llama_build
+        from application import llama_build
         with llama_build.build_lock({str(tmp_path)!r}, print):
             print("holding", flush=True)
             time.sleep(3)
@@ -239,7 +239,7 @@ def test_the_server_dies_with_the_process_that_started_it(stand_in, gguf, tmp_pa
         textwrap.dedent(f"""\
         import sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-        from clgrpo.app.llama_server import LlamaServer
+        from application.llama_server import LlamaServer
         server = LlamaServer({str(gguf)!r}, "m", log_path={str(tmp_path / "p.log")!r}).start()
         print(server.process.pid, flush=True)
         time.sleep(600)
@@ -267,14 +267,14 @@ def test_model_serve_says_a_crash_in_one_line(tmp_path, gguf):
     """`clgrpo model serve` as a user runs it, the engine crashing by SIGSEGV while it loads the model: one line in
     words, no traceback, exit 1. (This machine's smoke test of the stand-in is recorded as passed: the real test
     loads the tiny model, which is not fetched here.)"""
-    from clgrpo.app import llama_server
+    from application import llama_server
 
     binary = write_stand_in(tmp_path / "llama-server")
     cache = tmp_path / "cache"
     llama_server._remember(cache, llama_server._trust_key(Engine(binary)), {"ok": True, "args": []})
     env = {**os.environ, BINARY_ENV: str(binary), "STAND_IN_CRASH": "always", "CLGRPO_CACHE": str(cache)}
     done = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "model", "serve", str(gguf), "--port", str(llama_server.free_port())],
+        [sys.executable, "-m", "application.cli", "model", "serve", str(gguf), "--port", str(llama_server.free_port())],
         env=env,
         cwd=ROOT,
         capture_output=True,

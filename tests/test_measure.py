@@ -10,7 +10,7 @@ import threading
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from application.cli import main
 from clgrpo import models
-from clgrpo.app.cli import main
 from clgrpo.models import (
     CACHE_ENV,
     EMBEDDED,

@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import yaml
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.state import remember_db
 from clgrpo.store import Store

@@ -11,7 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.gate import promotion_gate, tag_verdict
 from clgrpo.store import FrameValidationError, Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer

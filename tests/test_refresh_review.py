@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from application.cli import main
 from clgrpo import adopt
-from clgrpo.app.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.review import (
     ReviewError,
@@ -231,7 +231,7 @@ async def test_an_unanswered_review_times_out_and_nothing_is_promoted(tmp_path, 
     db = config.training.db_path
     # no terminal to answer on: one line saying what to use instead (was an EOFError)
     done = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "review", "slow-2026-11-21", "--db", db],
+        [sys.executable, "-m", "application.cli", "review", "slow-2026-11-21", "--db", db],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.app.cli import main
+from application.cli import main
 from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer

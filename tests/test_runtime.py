@@ -1,4 +1,4 @@
-"""Process settings for long runs (clgrpo/runtime.py) and the console script's exit (clgrpo.app.cli.run)."""
+"""Process settings for long runs (clgrpo/runtime.py) and the console script's exit (application.cli.run)."""
 
 import subprocess
 import sys
@@ -49,7 +49,7 @@ def test_the_console_script_exits_with_the_command_code_after_threads_and_exit_h
     handlers run (in order), output is flushed, and the exit code is the command's."""
     done = _python("""
         import atexit, sys, threading, time
-        from clgrpo.app import cli
+        from application import cli
         atexit.register(lambda: print("second handler", flush=True))
         atexit.register(lambda: print("first handler", end="\\n"))
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()

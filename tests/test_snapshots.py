@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.app.demo import DemoOptions, demo_config
+from application.demo import DemoOptions, demo_config
 from clgrpo.config import load_config
 from clgrpo.prompts.attempts import Attempt
 from clgrpo.prompts.consolidate import consolidate_messages

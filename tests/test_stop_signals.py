@@ -187,7 +187,7 @@ def check_stopped(point: StopPoint, attempt: Attempt, tmpdir: Path) -> None:
 
 def runs_list(env: dict[str, str], db: Path) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "clgrpo.app.cli", "runs", "list", "--db", str(db)],
+        [sys.executable, "-m", "application.cli", "runs", "list", "--db", str(db)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -339,7 +339,7 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
     for number, (marker, wait_s) in enumerate(points, start=1):
         loads_before = log.read_text(errors="replace").count(": loaded in ") if log.exists() else 0
         out = tmp_path / f"attempt-{number}.out"
-        argv = [sys.executable, "-m", "clgrpo.app.cli", "train", "--config", str(config), "--run-id", "tiny"]
+        argv = [sys.executable, "-m", "application.cli", "train", "--config", str(config), "--run-id", "tiny"]
         with open(out, "w") as handle:
             proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_LIMIT_S
@@ -388,7 +388,7 @@ def slow_insert(self, table, frame):
 
 Store._insert = slow_insert
 sys.argv[0] = "clgrpo"
-from clgrpo.app.cli import run
+from application.cli import run
 run()
 """
 

@@ -71,7 +71,7 @@ def test_the_newer_families_answer_by_their_rule_and_lay_their_trap():
 
 
 def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, capsys):
-    from clgrpo.app.cli import main
+    from application.cli import main
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert main(["data", "make", "ranges", "--n", "20", "--seed", "0", "--out", str(train)]) == 0

@@ -270,7 +270,7 @@ def test_the_web_world_command_serves_the_site_and_writes_the_questions(tmp_path
             [
                 sys.executable,
                 "-m",
-                "clgrpo.app.cli",
+                "application.cli",
                 "web-world",
                 "--out",
                 str(tmp_path),

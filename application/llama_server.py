@@ -7,7 +7,7 @@ template. On this project's 2-core machine it decoded Qwen2.5-Coder-0.5B at abou
 (benchmarks/REPORT.md "Engines").
 
 The engine is ``$CLGRPO_LLAMA_SERVER`` (a binary of your own) or the one built once into the cache
-(``clgrpo.app.llama_build``: portable, ggml picks the CPU kernels at run time). Before an engine is trusted on a
+(``application.llama_build``: portable, ggml picks the CPU kernels at run time). Before an engine is trusted on a
 machine it passes a smoke test there (``ensure_engine``): the tiny embedded model (SmolLM2-135M) loaded and one
 short completion answered; a crash is retried with the weight repacking off (``--no-repack``: the workaround
 for CPU kernels that fault at load), and what worked, or why nothing did, is kept per machine (CPU model and
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clgrpo.app.llama_build import BuildError, build_engine, built_binary, cpu_flags
+from application.llama_build import BuildError, build_engine, built_binary, cpu_flags
 from clgrpo.models import SMOLLM2, ModelError, cache_root, fetch_model
 
 BINARY_ENV = "CLGRPO_LLAMA_SERVER"  # a llama-server binary of your own instead of the built one

@@ -7,7 +7,7 @@ hook, so every killed ``clgrpo train`` used to leave that server (about 200 MB) 
 ``install()`` makes Prefect launch that server through this file instead of ``-m uvicorn``, with the same
 arguments and the same environment::
 
-    python .../clgrpo/app/prefect_server.py --parent-pid <pid of the process that started it> <uvicorn arguments>
+    python .../application/prefect_server.py --parent-pid <pid of the process that started it> <uvicorn arguments>
 
 It runs uvicorn in-process (so Prefect's ``stop()`` still signals the server itself) plus a daemon thread that
 checks ``os.getppid()`` twice a second: once the parent is gone (the child was re-parented, to init or a
@@ -21,7 +21,7 @@ death signal could kill a healthy server mid-run. It would also need ctypes and 
 only depends on the parent pid, which is passed on the command line so a parent that dies before the launcher
 starts is noticed too.
 
-Why this file is run by path and not as ``-m clgrpo.app.prefect_server``: it imports only the standard library and
+Why this file is run by path and not as ``-m application.prefect_server``: it imports only the standard library and
 uvicorn, so the server starts whether or not ``clgrpo`` is importable in the child's environment, and it is
 always this copy of the file. ``install()`` changes nothing when the command Prefect builds does not look as
 expected (another Prefect version): the server then starts as before, and a warning says so.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__" and sys.path:
-    # Run by path, Python put this file's directory (clgrpo/app/) first on sys.path, where its modules could shadow
+    # Run by path, Python put this file's directory (application/) first on sys.path, where its modules could shadow
     # others (even the imports below); ``python -m uvicorn`` would have put the working directory there.
     import os
 

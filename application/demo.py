@@ -320,7 +320,7 @@ def _start_engine(opts: DemoOptions, out: Print, seconds: dict[str, float]) -> t
     this machine, then one server for the policy and, for another learner, one for it. ``auto`` falls back to
     the in-process transformers engine, saying why, when llama-server cannot be built, trusted or started here."""
     if opts.engine in ("auto", "llama-server"):
-        from clgrpo.app.llama_server import ServerError
+        from application.llama_server import ServerError
 
         try:
             return "llama-server", _start_llama_servers(opts, out, seconds)
@@ -338,7 +338,7 @@ def _start_engine(opts: DemoOptions, out: Print, seconds: dict[str, float]) -> t
 
 
 def _start_llama_servers(opts: DemoOptions, out: Print, seconds: dict[str, float]) -> list[Any]:
-    from clgrpo.app.llama_server import LlamaServer, ensure_engine
+    from application.llama_server import LlamaServer, ensure_engine
 
     t0 = time.monotonic()
     engine = ensure_engine(opts.cache_dir, log=lambda m: out(f"  engine: {m}"))

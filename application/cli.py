@@ -47,7 +47,7 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    from clgrpo.app.prefect_server import install
+    from application.prefect_server import install
 
     install(only_if_ephemeral=True)  # a temporary Prefect server dies with this process, even on SIGKILL
 
@@ -70,7 +70,7 @@ def default_run_id(prefix: str) -> str:
 
 def session(db_path: str, name: str, *, flow_lines: bool = True):  # noqa: ANN201 - a context manager
     """The terminal and log file of a command that runs a flow: ``<db dir>/logs/<name>.log``."""
-    from clgrpo.app.terminal import Session
+    from application.terminal import Session
 
     return Session(Path(db_path).expanduser().resolve().parent / "logs" / f"{name}.log", flow_lines=flow_lines)
 
@@ -403,8 +403,8 @@ def cmd_model_list(args: argparse.Namespace) -> int:
 
 def cmd_model_build_server(args: argparse.Namespace) -> int:
     """Build the portable llama-server (or wait for another process's build), then smoke-test it here."""
-    from clgrpo.app.llama_build import BuildError, build_engine
-    from clgrpo.app.llama_server import ServerError, ensure_engine
+    from application.llama_build import BuildError, build_engine
+    from application.llama_server import ServerError, ensure_engine
 
     try:
         report = build_engine(args.cache_dir, force=args.force)
@@ -420,7 +420,7 @@ def cmd_model_build_server(args: argparse.Namespace) -> int:
 def cmd_model_serve(args: argparse.Namespace) -> int:
     """Serve a fetched model (or a GGUF file of your own) with llama-server until interrupted (fetching and
     building what is missing). A server that cannot start or crashes is one line (a ServerError), exit 1."""
-    from clgrpo.app.llama_server import LlamaServer, ensure_engine
+    from application.llama_server import LlamaServer, ensure_engine
     from clgrpo.models import ModelError, fetch_model, known_model
 
     if args.name.endswith(".gguf"):
@@ -501,7 +501,7 @@ def cmd_web_world(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clgrpo.app.demo import DemoOptions, run_demo, summary
+    from application.demo import DemoOptions, run_demo, summary
 
     _prefect_defaults()
     out = Path(args.out)
@@ -1299,8 +1299,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def worded_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message is written for the user as it is (no exception type in front), exit 1: the local
     engine could not be built, trusted or kept running."""
-    from clgrpo.app.llama_build import BuildError
-    from clgrpo.app.llama_server import ServerError
+    from application.llama_build import BuildError
+    from application.llama_server import ServerError
 
     return (ServerError, BuildError)
 
@@ -1309,7 +1309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
-    from clgrpo.app.terminal import last_log
+    from application.terminal import last_log
 
     try:
         code = args.func(args)
