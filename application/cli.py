@@ -34,6 +34,7 @@ from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.words import counted
 from domains.math.synthetic import FAMILIES
 from schemas.config import DatasetConfig, EvalConfig, RefreshConfig, RunConfig
+from schemas.records import ExperienceStat, LibraryQuality, RefreshInput
 from tasks.preflight import PreflightError
 
 if TYPE_CHECKING:
@@ -203,8 +204,8 @@ def cmd_library_show(args: argparse.Namespace) -> int:
     with _open(_db(args, args.ref)) as store:
         library = store.load_library(run_id, version)
         summarized = measured(store.run_config(run_id)) if store.is_run(run_id) else True
-        stats = {s.exp_id: s for s in store.records("experience_stats", run_id, library.step)} if summarized else {}
-        quality = [q for q in store.records("library_quality", run_id, library.step) if q.version == library.version]
+        stats = {s.exp_id: s for s in store.records(ExperienceStat, run_id, library.step)} if summarized else {}
+        quality = [q for q in store.records(LibraryQuality, run_id, library.step) if q.version == library.version]
     print(
         f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
         f"{library.prompt_tokens()} tokens (estimated)"
@@ -1019,8 +1020,8 @@ def _find_request(store: Store, key: str) -> Any:
 
     found = stored_request(store, key)
     if found is None:
-        matches = store.query("SELECT run_id FROM review_requests WHERE flow_run_id = ?", [key])
-        found = stored_request(store, matches["run_id"][0]) if len(matches) else None
+        refresh_id = store.review_of_flow_run(key)
+        found = stored_request(store, refresh_id) if refresh_id is not None else None
     if found is None:
         raise StoreError(f"{store.path}: no review requested by refresh or flow run {key!r}")
     return found
@@ -1063,7 +1064,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     db = resolve_db(args.db, args.refresh)
     with _open(db) as store:
         request = _find_request(store, args.refresh)
-        inputs = store.records("refresh_inputs", request.refresh_id)
+        inputs = store.records(RefreshInput, request.refresh_id)
         if not is_open(store, request):
             decided = [d for d in store.refresh_decisions(request.name) if d.refresh_id == request.refresh_id]
             raise ReviewError(

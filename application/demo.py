@@ -460,9 +460,9 @@ def _outcome(
     with Store(db_path, read_only=True) as store:
         library = [(e.id, e.text) for e in store.load_library(run_id)]
         operations = store.operation_results(run_id)
-        gate_rows = store.frame("library_gates", run_id)
-        gates = list(zip(map(int, gate_rows["step"]), store.records("library_gates", run_id)))
-        proposals = store.frame("proposals", run_id, stage=Stage.GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
+        gate_rows = store.frame(GateDecision, run_id)
+        gates = list(zip(map(int, gate_rows["step"]), store.records(GateDecision, run_id)))
+        proposals = store.frame(Proposal, run_id, stage=Stage.GROUP_ADVANTAGE)[["step", "group_id", "parse_error"]]
     failed = [
         (int(r.step), Proposal(group_id=r.group_id, parse_error=r.parse_error))
         for r in proposals.itertuples()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from clgrpo.models import ModelError, ModelLocation, resolve_model_path
 from schemas.config import ModelConfig, RunConfig
+from schemas.records import AdapterVersion
 from schemas.stages import Stage
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def resolve_adapter(ref: str, store: Store | None) -> str:
     if store is None:
         raise AdapterError(f"adapter {ref!r}: a stored adapter needs the run's database")
     run_id, step = match["run"], match["step"]
-    rows = store.records("adapters", run_id, None if step == "latest" else int(step), Stage.NUMERIC_UPDATE)
+    rows = store.records(AdapterVersion, run_id, None if step == "latest" else int(step), Stage.NUMERIC_UPDATE)
     if not rows:
         raise AdapterError(
             f"adapter {ref!r}: {store.path} has no adapter of run {run_id!r}"

@@ -88,7 +88,7 @@ def current(history: list[LibraryAdoption]) -> LibraryAdoption | None:
 
 
 def _record(store: Store, adoption: LibraryAdoption) -> LibraryAdoption:
-    store.write_stage(adoption.name, adoption.seq, Stage.ADOPT, {"library_adoptions": [adoption]})
+    store.write_stage(adoption.name, adoption.seq, Stage.ADOPT, {LibraryAdoption: [adoption]})
     return adoption
 
 

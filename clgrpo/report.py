@@ -25,7 +25,18 @@ from clgrpo.store import Store
 from clgrpo.usefulness import describe
 from clgrpo.words import counted
 from schemas.config import RunConfig
-from schemas.records import EvalComparison, EvalSummary, ExperienceStat, LibraryQuality
+from schemas.records import (
+    EvalComparison,
+    EvalSample,
+    EvalSummary,
+    ExperienceStat,
+    LibraryHead,
+    LibraryQuality,
+    LLMCall,
+    OperationResult,
+    Reward,
+    Rollout,
+)
 from schemas.stages import Stage
 
 Gain = tuple[int, int, Estimate]  # first validated step, last validated step, paired Mean@k difference
@@ -81,7 +92,7 @@ def _training_accuracy(rewards: pd.DataFrame, ci_seed: int) -> dict[int, Estimat
 
 def _library_sizes(store: Store, run_id: str) -> dict[int, int]:
     """Library size at the end of each step (the last version saved at that step)."""
-    versions = store.frame("library_versions", run_id).sort_values("version")
+    versions = store.frame(LibraryHead, run_id).sort_values("version")
     return {int(r.step): int(r.n_experiences) for r in versions.itertuples()}
 
 
@@ -105,14 +116,14 @@ def _tool_use(rollouts: pd.DataFrame) -> dict[int, str]:
 
 def collect_run(store: Store, run_id: str) -> RunData:
     config = store.run_config(run_id)
-    accuracy = _training_accuracy(store.frame("rewards", run_id), config.seed)
+    accuracy = _training_accuracy(store.frame(Reward, run_id), config.seed)
     # a run's own evaluations are its validations (standalone evaluations are keyed by their own id);
     # records and frame come from the same ordered query, so the frame gives each record's step
-    validation = store.records("evaluations", run_id)
-    heldout = {int(step): v for step, v in zip(store.frame("evaluations", run_id)["step"], validation)}
+    validation = store.records(EvalSummary, run_id)
+    heldout = {int(step): v for step, v in zip(store.frame(EvalSummary, run_id)["step"], validation)}
     sizes = _library_sizes(store, run_id)
-    ops = store.frame("operations", run_id)
-    calls = store.frame("llm_calls", run_id)
+    ops = store.frame(OperationResult, run_id)
+    calls = store.frame(LLMCall, run_id)
     is_validation = calls["stage"] == Stage.VALIDATE
     train_calls = calls[~is_validation]
     val_calls = calls.assign(tokens=calls["tokens_in"] + calls["tokens_out"])[is_validation]
@@ -122,7 +133,7 @@ def collect_run(store: Store, run_id: str) -> RunData:
     val_tokens = _sum_by_step(val_calls, "tokens")
     applied = _sum_by_step(ops.assign(n=ops["status"] == "applied"), "n") if len(ops) else {}
     rejected = _sum_by_step(ops.assign(n=ops["status"] == "rejected"), "n") if len(ops) else {}
-    tool_use = _tool_use(store.frame("rollouts", run_id))
+    tool_use = _tool_use(store.frame(Rollout, run_id))
     rows, size = [], 0
     for step in steps:
         size = sizes.get(step, size)
@@ -148,16 +159,16 @@ def collect_run(store: Store, run_id: str) -> RunData:
     first = store.load_library(run_id, versions[0]) if versions else ExperienceLibrary()
     last = store.load_library(run_id, versions[-1]) if versions else ExperienceLibrary()
     evaluations = [
-        Evaluation(eid, store.records("evaluations", eid), store.records("eval_comparisons", eid))
+        Evaluation(eid, store.records(EvalSummary, eid), store.records(EvalComparison, eid))
         for eid in store.evaluations_of(run_id)
     ]
     stats = (
-        {s.exp_id: s for s in store.records("experience_stats", run_id, last.step)}
+        {s.exp_id: s for s in store.records(ExperienceStat, run_id, last.step)}
         if versions and usefulness.measured(config)
         else {}  # without summaries nothing is cited: no usefulness column rather than "never cited" everywhere
     )
     return RunData(
-        run_id, config, rows, validation, first, last, evaluations, stats, store.records("library_quality", run_id)
+        run_id, config, rows, validation, first, last, evaluations, stats, store.records(LibraryQuality, run_id)
     )
 
 
@@ -167,7 +178,7 @@ def heldout_gain(store: Store, run_id: str, data: RunData) -> Gain | None:
     validated = [r.step for r in data.steps if r.heldout_mean is not None]
     if len(validated) < 2:
         return None
-    results = store.frame("eval_results", run_id, stage=Stage.VALIDATE)
+    results = store.frame(EvalSample, run_id, stage=Stage.VALIDATE)
     first, last = validated[0], validated[-1]
     matrices = [
         results[results["step"] == s].pivot(index="problem_id", columns="sample_idx", values="reward")

@@ -318,14 +318,14 @@ class ReviewPendingError(StoreError):
 
 
 def stored_request(store: Store, refresh_id: str) -> ReviewRequest | None:
-    found = store.records("review_requests", refresh_id, 0, Stage.REVIEW_REQUEST)
+    found = store.records(ReviewRequest, refresh_id, 0, Stage.REVIEW_REQUEST)
     return found[0] if found else None
 
 
 def stored_decisions(store: Store, refresh_id: str) -> list[ReviewDecision] | None:
     if not store.stage_done(refresh_id, 0, Stage.REVIEW_DECIDE):
         return None
-    return store.records("review_decisions", refresh_id, 0, Stage.REVIEW_DECIDE)
+    return store.records(ReviewDecision, refresh_id, 0, Stage.REVIEW_DECIDE)
 
 
 def is_open(store: Store, request: ReviewRequest) -> bool:
@@ -349,14 +349,14 @@ def review_sources(store: Store, train_run_id: str, candidate: ExperienceLibrary
     lesson is not called "never cited")."""
     trials = [(int(row_step), t) for row_step, t in _trials_by_step(store, train_run_id)]
     cited = store.is_run(train_run_id) and usefulness_measured(store.run_config(train_run_id))
-    rows = store.records("experience_stats", train_run_id, candidate.step) if cited else []
+    rows = store.records(ExperienceStat, train_run_id, candidate.step) if cited else []
     stats = {s.exp_id: s for s in rows}
     return {"operations": store.operation_results(train_run_id), "trials": trials, "stats": stats}
 
 
 def _trials_by_step(store: Store, run_id: str) -> list[tuple[int, LessonTrial]]:
-    frame = store.frame("lesson_trials", run_id)
-    return list(zip(frame["step"].tolist(), store.records("lesson_trials", run_id)))
+    frame = store.frame(LessonTrial, run_id)
+    return list(zip(frame["step"].tolist(), store.records(LessonTrial, run_id)))
 
 
 @dataclass(frozen=True)
@@ -411,7 +411,7 @@ def _outcome(
 
 
 def store_decisions(store: Store, request: ReviewRequest, decisions: Sequence[ReviewDecision]) -> None:
-    store.write_stage(request.refresh_id, 0, Stage.REVIEW_DECIDE, {"review_decisions": list(decisions)})
+    store.write_stage(request.refresh_id, 0, Stage.REVIEW_DECIDE, {ReviewDecision: list(decisions)})
 
 
 def reviewed_version(
@@ -461,7 +461,7 @@ def finish(
         decision = decision.model_copy(
             update={"reasons": [*request.pending.reasons, decisions[0].reason], "released": released}
         )
-    store.write_stage(request.refresh_id, 0, Stage.REFRESH_DECIDE, {"refreshes": [decision]})
+    store.write_stage(request.refresh_id, 0, Stage.REFRESH_DECIDE, {RefreshDecision: [decision]})
     return decision
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar, overload
 
 import duckdb
 import numpy as np
@@ -48,7 +48,7 @@ from schemas.records import (
     utcnow,
 )
 from schemas.stages import Stage
-from schemas.tables import create_statements, run_tables, stage_tables
+from schemas.tables import create_statements, run_tables, stage_tables, table_of
 
 
 class StageRows(Protocol):
@@ -65,6 +65,16 @@ class StageRows(Protocol):
 
 
 Rows = TypeVar("Rows", bound=StageRows)
+R = TypeVar("R")
+
+# A stage's rows to write by table: each table named by its record class (``{Summary: [...]}``) or by its name
+# (``StageRows.rows()``, and a table whose record another table holds too).
+Outputs = Mapping[Any, Sequence[Any]]
+
+
+def table_name(table: str | type) -> str:
+    """The table a read or write names: a record class's one table (``schemas.tables.table_of``), or the name."""
+    return table if isinstance(table, str) else table_of(table)
 
 
 class StoreError(RuntimeError):
@@ -152,6 +162,10 @@ def _fields(model: type[BaseModel], row: dict) -> dict:
 
 # the tables whose rows are measured samples (schemas.records.Sample and a role): what a measurement may reuse
 SAMPLE_TABLES = ("eval_results", "trial_samples", "gate_samples")
+
+
+def _by_name(outputs: Outputs) -> dict[str, Sequence[Any]]:
+    return {table_name(table): records for table, records in outputs.items()}
 
 
 def _records(table: str, frame: pd.DataFrame) -> list[Any]:
@@ -331,9 +345,10 @@ class Store:
     def stage_frame(self, table: str, run_id: str, step: int, stage: str, records: Sequence[Any]) -> pd.DataFrame:
         return self.keyed_frame(table, records, lambda _: {"run_id": run_id, "step": step, "stage": stage})
 
-    def write_stage(self, run_id: str, step: int, stage: str, outputs: Mapping[str, Sequence[Any]]) -> int:
+    def write_stage(self, run_id: str, step: int, stage: str, outputs: Outputs) -> int:
         """Replace the rows of (run_id, step, stage) in every given table and mark the stage complete,
         atomically. All frames are validated before anything is touched."""
+        outputs = _by_name(outputs)
         unknown = set(outputs) - set(stage_tables())
         if unknown:
             raise StoreError(f"not stage tables: {sorted(unknown)}")
@@ -357,11 +372,11 @@ class Store:
             self._insert("stage_runs", marker)
         return n_rows
 
-    def write_unfinished(self, run_id: str, step: int, stage: str, outputs: Mapping[str, Sequence[Any]]) -> int:
+    def write_unfinished(self, run_id: str, step: int, stage: str, outputs: Outputs) -> int:
         """Replace the rows of (run_id, step, stage) in the given tables WITHOUT marking the stage complete:
         what a failed or killed stage attempt already paid for (its calls), stored so it is counted; the
         stage's own write later replaces these rows with its complete set."""
-        frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in outputs.items()}
+        frames = {t: self.stage_frame(t, run_id, step, stage, recs) for t, recs in _by_name(outputs).items()}
         with self._transaction():
             for table, frame in frames.items():
                 self.con.execute(
@@ -391,7 +406,9 @@ class Store:
         return row is not None
 
     @_connected
-    def frame(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
+    def frame(self, table: str | type, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
+        """The rows of a table (a record class names its table) of ``run_id`` (one step, one stage), in order."""
+        table = table_name(table)
         where: list[str] = ["run_id = ?"]
         params: list[str | int] = [run_id]
         for column, value in (("step", step), ("stage", stage)):
@@ -402,9 +419,16 @@ class Store:
         sql = f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY step, {order}"
         return self.con.execute(sql, params).df()
 
-    @_connected
-    def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
-        return _records(table, self.frame(table, run_id, step, stage))
+    @overload
+    def records(self, table: type[R], run_id: str, step: int | None = None, stage: str | None = None) -> list[R]: ...
+
+    @overload
+    def records(self, table: str, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]: ...
+
+    def records(self, table: str | type, run_id: str, step: int | None = None, stage: str | None = None) -> list[Any]:
+        """The records of a table (``store.records(Summary, run_id, step)``: the table whose record is ``Summary``)
+        of ``run_id`` (one step, one stage), in order."""
+        return _records(table_name(table), self.frame(table, run_id, step, stage))
 
     def read_stage(self, kind: type[Rows], run_id: str, step: int | None = None, stage: str | None = None) -> Rows:
         """The typed output ``kind`` of (run_id, step, stage) as stored: each of its tables' rows."""
@@ -438,6 +462,14 @@ class Store:
         frame = self.frame("operations", run_id, step)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [(int(row["step"]), TABLES["operations"].record_of(row)) for row in rows]
+
+    @_connected
+    def adapter_before(self, run_id: str, step: int) -> str | None:
+        """The folder of the latest adapter a step of ``run_id`` before ``step`` trained (None: none did)."""
+        row = self.con.execute(
+            "SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC LIMIT 1", [run_id, step]
+        ).fetchone()
+        return None if row is None else str(row[0])
 
     # --- embeddings (shared by all runs of this file) ----------------------------------------------------
     @_connected
@@ -534,6 +566,17 @@ class Store:
             "SELECT count(*) FROM stage_runs WHERE run_id = ? AND stage = ? AND step > 0", [run_id, Stage.CHECKPOINT]
         ).fetchone()
         return int(_aggregate(row)[0])
+
+    @_connected
+    def spent(self, run_id: str) -> tuple[int, float]:
+        """The tokens (in and out) and the cost in USD of every recorded model call of ``run_id``."""
+        row = self.con.execute(
+            "SELECT coalesce(sum(tokens_in + tokens_out), 0), coalesce(sum(cost_usd), 0) FROM llm_calls "
+            "WHERE run_id = ?",
+            [run_id],
+        ).fetchone()
+        tokens, usd = _aggregate(row)
+        return int(tokens), float(usd)
 
     def delete_run(self, run_id: str) -> dict[str, int]:
         """Remove every row of ``run_id`` from every table, in one transaction: rows removed per table."""
@@ -677,6 +720,14 @@ class Store:
             [name, Stage.REFRESH_DECIDE],
         ).fetchall()
         return {(f, int(line), reason) for f, line, reason in rows}
+
+    @_connected
+    def review_of_flow_run(self, flow_run_id: str) -> str | None:
+        """The refresh id of the review that the flow run ``flow_run_id`` requested (None: it requested none)."""
+        row = self.con.execute(
+            "SELECT run_id FROM review_requests WHERE flow_run_id = ? LIMIT 1", [flow_run_id]
+        ).fetchone()
+        return None if row is None else str(row[0])
 
     def review_requests(self, name: str) -> list[ReviewRequest]:
         """Every review requested by refreshes of ``name``, oldest first (answered or not)."""

@@ -65,7 +65,7 @@ from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
 from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, reusable, sample_seeds
-from tasks.outputs import StageOutput
+from tasks.outputs import Calls, StageOutput
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
@@ -82,7 +82,6 @@ class Evaluated(StageOutput):
     llm_calls: list[LLMCall] = field(default_factory=list)
 
 
-EVAL_TABLES = Evaluated.tables()
 NO_LIBRARY = "none"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -402,7 +401,7 @@ async def _evaluate_recorded(
             )
     except BaseException:
         if step.calls():
-            store.write_unfinished(eval_id, 0, Stage.EVALUATE, {"llm_calls": step.calls()})
+            store.write_unfinished(eval_id, 0, Stage.EVALUATE, Calls(step.calls()).rows())
         journal.close()
         raise
     finally:
@@ -539,7 +538,7 @@ def _training_problems(
 def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | None:
     if not store.stage_done(eval_id, 0, Stage.EVALUATE):
         return None
-    outputs = {t: store.records(t, eval_id, 0, Stage.EVALUATE) for t in EVAL_TABLES}
+    outputs = store.read_stage(Evaluated, eval_id, 0, Stage.EVALUATE).rows()
     if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
         raise EvaluationError(
             f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "

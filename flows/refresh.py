@@ -61,7 +61,15 @@ from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
 from flows.train import train
 from schemas.config import BlockedLesson, DatasetConfig, RefreshConfig, RunConfig
-from schemas.records import EvalComparison, RefreshDecision, RefreshGateRow, RefreshInput
+from schemas.records import (
+    EvalComparison,
+    RefreshDecision,
+    RefreshGateRow,
+    RefreshInput,
+    RefreshReject,
+    RefreshWatermark,
+    ReviewDecision,
+)
 from schemas.stages import Stage
 from tasks.common import artifact_key
 from tasks.preflight import check_refresh
@@ -146,7 +154,7 @@ def decision_record(
 def stored_decision(store: Store, refresh_id: str) -> RefreshDecision | None:
     if not store.stage_done(refresh_id, 0, Stage.REFRESH_DECIDE):
         return None
-    return store.records("refreshes", refresh_id, 0, Stage.REFRESH_DECIDE)[0]
+    return store.records(RefreshDecision, refresh_id, 0, Stage.REFRESH_DECIDE)[0]
 
 
 def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, refresh_id: str = "") -> Baseline:
@@ -168,7 +176,7 @@ def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, ref
 def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cutoff: datetime) -> list[RefreshInput]:
     """The problems this refresh trains on: read back when already taken, else selected and stored."""
     if store.stage_done(refresh_id, 0, Stage.REFRESH_SELECT):
-        return store.records("refresh_inputs", refresh_id, 0, Stage.REFRESH_SELECT)
+        return store.records(RefreshInput, refresh_id, 0, Stage.REFRESH_SELECT)
     source = config.source
     same_file = source.kind != "directory" and Path(source.path).resolve() == store.path.resolve()
     if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
@@ -197,7 +205,7 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
         arrivals, store.consumed_problem_keys(config.name), name=config.name, max_problems=config.max_problems
     )
     if selection.inputs:
-        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, {"refresh_inputs": selection.inputs})
+        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, {RefreshInput: selection.inputs})
     get_run_logger().info(selection.message(cutoff))
     return selection.inputs
 
@@ -226,9 +234,9 @@ def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None
 # --- files for the subflows --------------------------------------------------------------------------------
 def input_notes(store: Store, refresh_id: str) -> list[str]:
     """What the decision reports about its input beyond the count: a traces source's skipped rows and redactions."""
-    watermarks = store.records("refresh_watermarks", refresh_id, 0, Stage.REFRESH_SELECT)
+    watermarks = store.records(RefreshWatermark, refresh_id, 0, Stage.REFRESH_SELECT)
     return trace_notes(
-        store.records("refresh_rejects", refresh_id, 0, Stage.REFRESH_SELECT), watermarks[0] if watermarks else None
+        store.records(RefreshReject, refresh_id, 0, Stage.REFRESH_SELECT), watermarks[0] if watermarks else None
     )
 
 
@@ -310,7 +318,7 @@ def rejected_in_review(store: Store, config: RefreshConfig, date: str) -> list[B
         if not 0 < (today - day).days <= nights:
             continue
         until = (day + timedelta(days=nights)).isoformat()
-        for d in store.records("review_decisions", decision.refresh_id):
+        for d in store.records(ReviewDecision, decision.refresh_id):
             if d.decision == "reject" and d.proposed:
                 why = f": {d.reason}" if d.reason else ""
                 blocked.append(
@@ -349,7 +357,7 @@ def stored_gate(store: Store, decision: RefreshDecision) -> list[RefreshGateRow]
         return []
     served = f"{decision.refresh_id}-served"
     return store.records(
-        "refresh_gate", served if decision.eval_id == served else decision.refresh_id, 0, Stage.REFRESH_GATE
+        RefreshGateRow, served if decision.eval_id == served else decision.refresh_id, 0, Stage.REFRESH_GATE
     )
 
 
@@ -389,7 +397,7 @@ async def publish(store: Store, decision: RefreshDecision) -> None:
 async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDecision:
     with Store(config.training.db_path) as store:
         if not store.stage_done(decision.refresh_id, 0, Stage.REFRESH_DECIDE):  # a concluded review stored it
-            store.write_stage(decision.refresh_id, 0, Stage.REFRESH_DECIDE, {"refreshes": [decision]})
+            store.write_stage(decision.refresh_id, 0, Stage.REFRESH_DECIDE, {RefreshDecision: [decision]})
         await publish(store, decision)
     log = get_run_logger()
     log.info("refresh %s: %s", decision.refresh_id, decision.status)
@@ -402,7 +410,7 @@ def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) ->
     """The promotion gate over the evaluation's comparisons, stored as its own stage before the decision."""
     gate = promotion_gate(refresh_id, outcome.comparisons, config)
     with Store(config.training.db_path) as store:
-        store.write_stage(refresh_id, 0, Stage.REFRESH_GATE, {"refresh_gate": gate.rows})
+        store.write_stage(refresh_id, 0, Stage.REFRESH_GATE, {RefreshGateRow: gate.rows})
     return gate
 
 
@@ -559,7 +567,7 @@ async def apply_review(config: RefreshConfig, refresh_id: str, form: dict[str, A
     lesson guard refuses were caught by the command before this runs."""
     with Store(config.training.db_path) as store:
         request = stored_request(store, refresh_id)
-        inputs = store.records("refresh_inputs", refresh_id)
+        inputs = store.records(RefreshInput, refresh_id)
     if request is None:
         raise ReviewError(f"no review requested by refresh {refresh_id!r}")
     answers, reviewer = answers_from(form, request.changes)

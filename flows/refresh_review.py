@@ -92,7 +92,7 @@ def open_request(
         config_json=config.model_dump_json(),
         created_at=now,
     )
-    store.write_stage(pending.refresh_id, 0, Stage.REVIEW_REQUEST, {"review_requests": [request]})
+    store.write_stage(pending.refresh_id, 0, Stage.REVIEW_REQUEST, {ReviewRequest: [request]})
     return request
 
 
@@ -224,7 +224,7 @@ def reopen(config: RefreshConfig, request: ReviewRequest) -> ReviewRequest:
                 "flow_run_id": deployment_run_id()}
     )  # fmt: skip
     with Store(config.training.db_path) as store:
-        store.write_stage(request.refresh_id, 0, Stage.REVIEW_REQUEST, {"review_requests": [fresh]})
+        store.write_stage(request.refresh_id, 0, Stage.REVIEW_REQUEST, {ReviewRequest: [fresh]})
     get_run_logger().info(
         "refresh %s: the review's deadline passed unanswered; asked again until %s",
         request.refresh_id,

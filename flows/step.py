@@ -25,12 +25,16 @@ from clgrpo.words import counted
 from schemas.config import RunConfig
 from schemas.records import (
     ExperienceStat,
+    GateSample,
+    GroupAdvantage,
     LibraryVersion,
     Operation,
     OpStatus,
     Problem,
+    Reward,
     Rollout,
     Summary,
+    TrialSample,
 )
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
@@ -181,21 +185,19 @@ def experience_stats(store: Store, run_id: str, step: int, live_ids: list[str]) 
     (``clgrpo.usefulness``)."""
     shown = store.load_library(run_id, step - 1) if step > 0 else ExperienceLibrary()
     return step_stats(
-        store.records("experience_stats", run_id, step - 1),
+        store.records(ExperienceStat, run_id, step - 1),
         live_ids,
         [e.id for e in shown],
-        store.records("summaries", run_id, step),
-        store.records("rewards", run_id, step),
-        store.records("group_advantages", run_id, step),
+        store.records(Summary, run_id, step),
+        store.records(Reward, run_id, step),
+        store.records(GroupAdvantage, run_id, step),
     )
 
 
 def parent_adapter(store: Store, cfg: RunConfig, run_id: str, step: int) -> str | None:
     """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
-    earlier = store.query(
-        "SELECT path FROM adapters WHERE run_id = ? AND step < ? ORDER BY step DESC LIMIT 1", [run_id, step]
-    )
-    return str(earlier["path"][0]) if len(earlier) else cfg.policy.adapter
+    earlier = store.adapter_before(run_id, step)
+    return earlier if earlier is not None else cfg.policy.adapter
 
 
 # --- the stages ------------------------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
     drawn = StepDraws(
         s.get(Rollouts).rollouts if s.sampling.policy == s.cfg.policy else [],  # another adapter's: no baseline
         s.get(Verified).rewards,
-        c.store.records("trial_samples", c.run_id),
+        c.store.records(TrialSample, c.run_id),
     )
     advantages = s.get(Verified).group_advantages
     trials = await validate_lessons_task(
@@ -296,7 +298,7 @@ async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
     before = ExperienceLibrary.from_version(s.version)
     near, usefulness = await c.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
-    earlier = c.store.records("gate_samples", c.run_id)
+    earlier = c.store.records(GateSample, c.run_id)
     return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier)
 
 

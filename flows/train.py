@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
@@ -47,7 +47,20 @@ from flows import step as step_module
 from flows.evaluate import Evaluated, Validator, publish_run_report
 from flows.step import StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
 from schemas.config import RunConfig
-from schemas.records import AdapterVersion, GroupAdvantage, LibraryVersion, Problem, Rollout
+from schemas.records import (
+    AdapterVersion,
+    GateDecision,
+    GroupAdvantage,
+    LibraryQuality,
+    LibraryVersion,
+    LLMCall,
+    OperationResult,
+    Problem,
+    Proposal,
+    Reward,
+    Rollout,
+    Summary,
+)
 from schemas.stages import Stage
 from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export_dir, export_library, step_report
 from tasks.common import artifact_key
@@ -65,6 +78,8 @@ from tasks.outputs import Adapters, Calls, Out, Problems, Rollouts, Verified
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
 from tasks.verify import warm_verifier
+
+R = TypeVar("R")  # a stored record type
 
 
 @dataclass
@@ -362,12 +377,7 @@ class Trainer:
         budget = self.cfg.budget
         if budget.max_tokens is None and budget.max_usd is None:
             return
-        spent = self.store.query(
-            "SELECT coalesce(sum(tokens_in + tokens_out), 0) AS tokens, "
-            "coalesce(sum(cost_usd), 0) AS usd FROM llm_calls WHERE run_id = ?",
-            [self.run_id],
-        )
-        tokens, usd = int(spent["tokens"][0]), float(spent["usd"][0])
+        tokens, usd = self.store.spent(self.run_id)
         reached = []
         if budget.max_tokens is not None and tokens >= budget.max_tokens:
             reached.append(f"{tokens} tokens >= budget.max_tokens={budget.max_tokens}")
@@ -389,7 +399,7 @@ class Trainer:
 
     def result(self, library: ExperienceLibrary, reports: list[StepReport], stopped: str | None = None) -> TrainResult:
         """What the run returns; what the library gate did is logged too."""
-        gate = gate_lines(self.gate_note, self.store.records("library_gates", self.run_id), library)
+        gate = gate_lines(self.gate_note, self.store.records(GateDecision, self.run_id), library)
         for line in gate[1:]:
             self.log.info("%s", line)
         return TrainResult(
@@ -399,22 +409,22 @@ class Trainer:
 
     # --- reporting ------------------------------------------------------------------------------------
     def report(self, planned: PlannedStep, library: ExperienceLibrary) -> StepReport:
-        def read(table: str, stage: str | None = None) -> list[Any]:
-            return self.store.records(table, self.run_id, planned.step, stage)
+        def read(record: type[R], stage: str | None = None) -> list[R]:
+            return self.store.records(record, self.run_id, planned.step, stage)
 
         return step_report(
             run_id=self.run_id,
             step=planned.step,
             epoch=planned.epoch,
-            rollouts=read("rollouts"),
-            rewards=read("rewards"),
-            advantages=read("group_advantages"),
-            summaries=read("summaries"),
-            proposals=read("proposals", Stage.GROUP_ADVANTAGE),
-            consolidation_plans=read("proposals", Stage.CONSOLIDATE),
-            results=read("operations"),
+            rollouts=read(Rollout),
+            rewards=read(Reward),
+            advantages=read(GroupAdvantage),
+            summaries=read(Summary),
+            proposals=read(Proposal, Stage.GROUP_ADVANTAGE),
+            consolidation_plans=read(Proposal, Stage.CONSOLIDATE),
+            results=read(OperationResult),
             library_size=len(library),
-            calls=[c for c in read("llm_calls") if c.stage != Stage.VALIDATE],
+            calls=[c for c in read(LLMCall) if c.stage != Stage.VALIDATE],
         )
 
     async def checkpoint(self, planned: PlannedStep, library: ExperienceLibrary, reports: list[StepReport]) -> None:
@@ -427,14 +437,14 @@ class Trainer:
             library,
             previous=self.store.load_library(self.run_id, step - 1),
             stats=experience_stats(self.store, self.run_id, step, [e.id for e in library]),
-            operations=self.store.records("operations", self.run_id, step),
-            summaries=self.store.records("summaries", self.run_id, step),
+            operations=self.store.records(OperationResult, self.run_id, step),
+            summaries=self.store.records(Summary, self.run_id, step),
             reports=reports,
         )
         await checkpoint_step(
             stored,
             write=partial(self.store.write_stage, self.run_id, step, Stage.CHECKPOINT),
-            quality_history=lambda: self.store.records("library_quality", self.run_id),
+            quality_history=lambda: self.store.records(LibraryQuality, self.run_id),
             log=self.log,
         )
 

@@ -397,6 +397,17 @@ def declare(table: Table) -> Table:
     return table
 
 
+def table_of(record: type) -> str:
+    """The one table whose record is ``record`` (this very class, not a subclass): how a typed read or write
+    names its table. A record no table holds, or one that two tables hold, is a ``TypeError``: name such a
+    table itself."""
+    names = [name for name, table in TABLES.items() if table.record is record]
+    if len(names) != 1:
+        held = f"is the record of {len(names)} tables ({', '.join(names)})" if names else "is the record of no table"
+        raise TypeError(f"{getattr(record, '__qualname__', record)} {held}: name the table instead")
+    return names[0]
+
+
 def create_statements() -> list[str]:
     tables = [table.create_statement() for table in TABLES.values()]
     return tables + [statement for table in TABLES.values() for statement in table.migration_statements()]

@@ -249,7 +249,7 @@ class StepCheckpoint:
 async def checkpoint_step(
     ck: StepCheckpoint,
     *,
-    write: Callable[[dict[str, Sequence[Any]]], object],
+    write: Callable[[dict[type, Sequence[Any]]], object],
     quality_history: Callable[[], list[LibraryQuality]],
     log: logging.Logger | logging.LoggerAdapter,
 ) -> None:
@@ -273,7 +273,7 @@ async def checkpoint_step(
         description="Per-step counts: groups, proposals, operations, tokens, cost",
     )
     quality = library_quality(ck.previous, library, ck.stats, ck.operations, ck.summaries)
-    write({"experience_stats": ck.stats, "library_quality": [quality]})
+    write({ExperienceStat: ck.stats, LibraryQuality: [quality]})
     await acreate_table_artifact(
         [q.model_dump() for q in quality_history()],
         key=artifact_key(run_id, "quality"),

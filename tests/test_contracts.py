@@ -16,11 +16,14 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import types
 import typing
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import duckdb
@@ -31,7 +34,9 @@ from clgrpo.library import ExperienceLibrary
 from clgrpo.store import Store
 from schemas import records
 from schemas.catalog import RUN_TABLES, STAGE_TABLES, TABLES
-from schemas.tables import STAGE_KEY, AddColumns, DropNotNull, create_statements
+from schemas.tables import STAGE_KEY, AddColumns, DropNotNull, Table, create_statements, declare, table_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STAGE_RECORDS: dict[str, type[BaseModel]] = {name: TABLES[name].record for name in STAGE_TABLES}
 LIBRARY_RECORDS: dict[str, type[BaseModel]] = {  # Store.save_library / load_library: a version and its lessons
@@ -297,6 +302,8 @@ def test_a_stage_record_comes_back_equal(tmp_path, table):
         for step, (variant, record) in enumerate(_variants(table)):
             store.write_stage("run-1", step, "stage-1", {table: [record]})
             assert store.records(table, "run-1", step, "stage-1") == [record], f"{table} ({variant})"
+            typed = store.records(TABLES[table].record, "run-1", step, "stage-1")  # the record names its table
+            assert typed == [record], f"{table} ({variant}) read by its record"
 
 
 def test_a_library_version_comes_back_equal(tmp_path):
@@ -306,3 +313,84 @@ def test_a_library_version_comes_back_equal(tmp_path):
             store.save_library("run-1", ExperienceLibrary.from_version(v))
             back = store.load_library("run-1", v.version).to_version()
             assert back.model_dump(exclude={"created_at"}) == v.model_dump(exclude={"created_at"})
+
+
+# --- a table named by its record, not by a string ----------------------------------------------------------------
+def test_every_record_names_its_one_table():
+    for name, table in TABLES.items():
+        assert table_of(table.record) == name
+
+
+@pytest.fixture
+def summaries_twice():
+    """A second table whose record is ``Summary`` (a table declared from outside may reuse a record)."""
+    yield declare(Table("toy_summaries", records.Summary, order="problem_id"))
+    TABLES.pop("toy_summaries")
+
+
+def test_a_record_of_two_tables_or_of_none_names_no_table(tmp_path, summaries_twice):
+    with pytest.raises(TypeError, match=r"Summary is the record of 2 tables \(summaries, toy_summaries\)"):
+        table_of(records.Summary)
+    with pytest.raises(TypeError, match="LibraryVersion is the record of no table"):
+        table_of(records.LibraryVersion)  # a library version is stored as its head and its lessons
+    with pytest.raises(TypeError, match="Sample is the record of no table"):
+        table_of(records.Sample)  # each sample table's record is a subclass: no table is the base class's
+    summary = records.Summary(problem_id="p1", sample_idx=0, text="tried 4")
+    with Store(tmp_path / "twice.duckdb") as store:
+        with pytest.raises(TypeError, match="Summary is the record of 2 tables"):
+            store.write_stage("run-1", 1, "summarize", {records.Summary: [summary]})
+        with pytest.raises(TypeError, match="Summary is the record of 2 tables"):
+            store.records(records.Summary, "run-1")
+        store.write_stage("run-1", 1, "summarize", {"toy_summaries": [summary]})  # the explicit way: its name
+        assert store.records("toy_summaries", "run-1") == [summary]
+        assert store.records("summaries", "run-1") == []
+
+
+# the store's methods: a string argument (or a key of a dict argument) of a call to one of them names no table
+STORE_METHODS = {name for name in dir(Store) if not name.startswith("_")} | {"execute", "sql"}
+SQL_TABLE = re.compile(r"\b(?:FROM|JOIN|INTO|UPDATE|TABLE)\s+(\w+)")  # this code writes SQL in capitals
+
+
+def tables_named(source: str) -> list[tuple[int, str]]:
+    """(line, table) where ``source`` names a table by a string: an argument of a store call (or a key of a dict
+    argument), or SQL text that reads or writes a table."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [(node.lineno, m) for m in SQL_TABLE.findall(node.value) if m in TABLES]
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in STORE_METHODS:
+            continue
+        arguments = [*node.args, *(k.value for k in node.keywords)]
+        arguments += [key for a in arguments if isinstance(a, ast.Dict) for key in a.keys if key is not None]
+        found += [
+            (a.lineno, a.value)
+            for a in arguments
+            if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in TABLES
+        ]
+    return sorted(set(found))
+
+
+def test_a_table_named_by_a_string_is_found():
+    source = (
+        'rows = store.records("summaries", run_id, step)\n'
+        'self.store.write_unfinished(run_id, 0, stage, {"llm_calls": calls})\n'
+        "frame = store.frame(Summary, run_id)\n"
+        'spent = store.query("SELECT sum(cost_usd) FROM llm_calls WHERE run_id = ?", [run_id])\n'
+        'key = artifact_key(run_id, "operations")\n'  # not a store call: an artifact's name
+    )
+    assert tables_named(source) == [(1, "summaries"), (2, "llm_calls"), (4, "llm_calls")]
+
+
+def test_flows_and_tasks_read_and_write_tables_by_their_records():
+    """Outside the store, a table is named by its record (``store.records(Summary, ...)``) or by a stage's output
+    type (``Store.read_stage``), and a query over a table is a named store method: flows/ and tasks/ spell no
+    table's name in a store call or in SQL."""
+    named = [
+        f"{path.relative_to(ROOT)}:{line}: {table}"
+        for folder in ("flows", "tasks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, table in tables_named(path.read_text())
+    ]
+    assert named == []

@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,15 @@ from clgrpo.store import ConfigMismatchError, FrameValidationError, Store, Store
 from schemas.catalog import TABLES
 from schemas.config import DatasetConfig, RunConfig
 from schemas.records import (
+    AdapterVersion,
     GroupAdvantage,
     LLMCall,
     Operation,
     OperationResult,
     Problem,
     Proposal,
+    RefreshDecision,
+    ReviewRequest,
     Reward,
     Rollout,
     Summary,
@@ -253,3 +257,53 @@ def test_only_the_first_open_creates_the_tables(tmp_path, monkeypatch):
         for _ in range(3):
             store.steps_done("r1")
     assert calls == [1]
+
+
+def test_a_run_s_spending_is_every_call_of_it(store):
+    assert store.spent("r1") == (0, 0.0)
+    calls = [
+        LLMCall(stage="rollout", role="policy", model="m", tokens_in=10, tokens_out=5, cost_usd=0.25),
+        LLMCall(stage="summarize", role="learner", model="m", tokens_in=7, tokens_out=1, cost_usd=0.5, ok=False),
+    ]
+    store.write_stage("r1", 1, "rollout", {LLMCall: calls[:1]})
+    store.write_unfinished("r1", 1, "summarize", {LLMCall: calls[1:]})  # a failed attempt's calls count too
+    store.write_stage("r2", 1, "rollout", {LLMCall: calls})
+    assert store.spent("r1") == (23, 0.75)
+
+
+def test_the_adapter_before_a_step_is_the_latest_earlier_one(store):
+    def adapter(step):
+        return AdapterVersion(base_model="m", rank=4, rows_used=8, library_version=step - 1, path=f"/a/step{step}")
+
+    for step in (1, 3):
+        store.write_stage("r1", step, "numeric_update", {AdapterVersion: [adapter(step)]})
+    store.write_stage("r2", 2, "numeric_update", {AdapterVersion: [adapter(2)]})
+    assert [store.adapter_before("r1", step) for step in (1, 2, 3, 4)] == [None, "/a/step1", "/a/step1", "/a/step3"]
+
+
+def test_a_review_is_found_by_the_flow_run_that_requested_it(store):
+    pending = RefreshDecision(
+        refresh_id="nightly-2026-01-02",
+        name="nightly",
+        refresh_date="2026-01-02",
+        cutoff=datetime(2026, 1, 2, tzinfo=timezone.utc),
+        status="not_promoted",
+        n_new_problems=3,
+        baseline_ref="none",
+        metric="mean_at_k",
+        margin=0.0,
+    )
+    request = ReviewRequest(
+        refresh_id=pending.refresh_id,
+        name="nightly",
+        flow_run_id="flow-run-7",
+        timeout_s=60,
+        deadline=datetime(2026, 1, 3, tzinfo=timezone.utc),
+        changes=[],
+        pending=pending,
+        config_json="{}",
+    )
+    store.write_stage(request.refresh_id, 0, "review_request", {ReviewRequest: [request]})
+    assert store.review_of_flow_run("flow-run-7") == "nightly-2026-01-02"
+    assert store.review_of_flow_run("flow-run-8") is None
+    assert store.records(ReviewRequest, request.refresh_id) == [request]
