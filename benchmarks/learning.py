@@ -534,8 +534,18 @@ def keep(s: Settings, name: str, data: dict) -> Path:
     if not settings.is_file():
         settings.write_text(json.dumps({k: getattr(s, k) for k in RESULT_SETTINGS}, indent=1) + "\n")
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({**data, "measured": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
+    path.write_text(
+        json.dumps({**data, "measured": time.strftime("%Y-%m-%d"), "commit": code_commit()}, indent=1) + "\n"
+    )
     return path
+
+
+def code_commit() -> str:
+    """The commit of the code that measured a result (the settings' hash does not see a change of code)."""
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    return done.stdout.strip() or "unknown"
 
 
 def _ratio(run: TrainRun) -> float:

@@ -270,6 +270,9 @@ class LessonValidation(Section):
     test: Literal["mean", "sign"] = "mean"
     max_problems: int | None = Field(None, ge=1)  # test sign: problems at most (None: ``problems``, one look)
     alpha: float = Field(0.05, gt=0.0, lt=0.5)  # test sign: the one-sided level over all looks
+    # near-duplicate candidates of a step form a cluster (tasks.candidate_clusters): its members are tried one
+    # after another, best-rated first, until one is kept, at most this many
+    cluster_tries: int = Field(3, ge=1)
 
     @property
     def looks(self) -> int:
@@ -550,6 +553,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning.lesson_validation", "test"): "mean",
     ("learning.lesson_validation", "max_problems"): None,
     ("learning.lesson_validation", "alpha"): 0.05,
+    ("learning.lesson_validation", "cluster_tries"): 1,
     ("learning.library_gate", "adopt_alpha"): 0.2,
     ("learning.library_gate", "looks"): 1,
 }

@@ -6,7 +6,10 @@ the same kind and target are clustered when their texts are near-duplicates: cos
 embeddings at or above the near-duplicate threshold where the step embedded them (``NearDuplicates``), else
 word-trigram overlap both ways at ``SAME_LESSON``. Each cluster is tried with its best-rated text (the lesson
 rater's "specific" first, then the shortest, then the first in the plan), carrying the source groups of all
-its members; the others are rejected as its repeats, naming it.
+its members; when the trial rejects it, the next member in that order is tried, up to
+``lesson_validation.cluster_tries`` members (embeddings cannot tell "the difference" from "the difference plus
+one": seen on `ranges`, where a cluster of eight stood or fell with its shortest text); the members never tried
+are rejected as its repeats, naming the one tried first.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from tasks.specificity import rate
 
 @dataclass(frozen=True)
 class Cluster:
-    members: tuple[int, ...]  # plan positions, in plan order
+    members: tuple[int, ...]  # plan positions, in plan order (``representatives``: in the order they are tried)
 
 
 def duplicate_of(a: str, b: str, near: NearDuplicates | None) -> str | None:
@@ -62,8 +65,8 @@ def cluster(plan: Sequence[Operation], eligible: Sequence[int], near: NearDuplic
 async def representatives(
     plan: Sequence[Operation], clusters: Sequence[Cluster], llm: LLMClient, domain: Domain, max_words: int
 ) -> tuple[dict[int, Cluster], list[LLMCall]]:
-    """The plan position that stands for each cluster (its best-rated text), asking the lesson rater about the
-    members of clusters with more than one."""
+    """The plan position that stands for each cluster (its best-rated text) with the cluster's members in the
+    order they are tried (it first), asking the lesson rater about the members of clusters with more than one."""
     crowded = [c for c in clusters if len(c.members) > 1]
     rated = [seq for c in crowded for seq in c.members]
     ratings, calls = (
@@ -82,7 +85,8 @@ async def representatives(
         words = word_count(plan[seq].text or "")
         return (seq not in specific, words > max_words, words, seq)
 
-    return {min(c.members, key=rank): c for c in clusters}, calls
+    ranked = [tuple(sorted(c.members, key=rank)) for c in clusters]
+    return {members[0]: Cluster(members) for members in ranked}, calls
 
 
 def joined(plan: Sequence[Operation], chosen: int, members: Sequence[int]) -> Operation:

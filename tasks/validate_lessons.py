@@ -133,6 +133,7 @@ def _candidates(
     near: NearDuplicates | None = None,
     ledger: Sequence[Rejected] = (),
     clustered: Mapping[int, str] | None = None,
+    only: AbstractSet[int] | None = None,
 ) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
     is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
@@ -144,6 +145,8 @@ def _candidates(
     untested: dict[int, str] = {}
     repeats: dict[int, str] = {}
     for seq, op in enumerate(plan):
+        if only is not None and seq not in only:
+            continue
         if op.op not in VALIDATED:
             untested[seq] = f"{op.op.value} operations are not validated"
             continue
@@ -385,7 +388,7 @@ async def validate_lessons(
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match."""
     settings = config.learning.lesson_validation
-    tried_plan, clustered, cluster_calls = await _clustered(
+    tried_plan, clustered, ranked, cluster_calls = await _clustered(
         config, step, library, plan, problems, near, ledger, llm, domain
     )
     candidates, untested, repeats = _candidates(
@@ -394,24 +397,75 @@ async def validate_lessons(
     trials = [
         LessonTrial(seq=seq, operation=tried_plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
+    looks = _Looks(settings, {}, {})
+    # trials are redone whole by a retry of the stage
+    with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
+        for attempt in range(settings.cluster_tries):
+            if attempt:  # a cluster whose member was rejected: its next member, until one is kept
+                candidates = _next_members(
+                    config, library, plan, ranked, attempt, looks.decided, problems, advantages, step, pool, near
+                )
+                repeats = {seq: why for seq, why in repeats.items() if seq not in {c.seq for c in candidates}}
+            if not candidates:
+                break
+            await _try(looks, candidates, drawn, library, domain, llm, config)
     trials += [
         LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
     ]
-    tried = _all_problems(candidates)
-    known = drawn.known(config, library, tried, domain) if drawn is not None else {}
-    looks = _Looks(settings, sample_seeds(tried, config.seed), known)
-    # trials are redone whole by a retry of the stage
-    with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
-        for look in range(1, settings.looks + 1):
-            undecided = [c for c in candidates if c.seq not in looks.decided]
-            if not undecided:
-                break
-            await looks.attempt(look, undecided, library, domain, llm, config)
-            looks.judge(undecided, look == settings.looks)
     trials = sorted(trials + list(looks.decided.values()), key=lambda t: t.seq)
     specific, rater_calls = await _rate_ties(trials, llm, domain)
     trials = best_per_group(trials, specific)
     return Trials(trials, looks.samples, cluster_calls + looks.calls + rater_calls)
+
+
+async def _try(
+    looks: _Looks,
+    candidates: list[_Candidate],
+    drawn: StepDraws | None,
+    library: ExperienceLibrary,
+    domain: Domain,
+    llm: LLMClient,
+    config: RunConfig,
+) -> None:
+    """Trials of ``candidates`` look by look until each is decided; the attempts without any candidate, the
+    step's draws and every earlier trial's are shared."""
+    settings = config.learning.lesson_validation
+    tried = _all_problems(candidates)
+    looks.seeds.update(sample_seeds(tried, config.seed))
+    looks.known.update(drawn.known(config, library, tried, domain) if drawn is not None else {})
+    for look in range(1, settings.looks + 1):
+        undecided = [c for c in candidates if c.seq not in looks.decided]
+        if not undecided:
+            break
+        await looks.attempt(look, undecided, library, domain, llm, config)
+        looks.judge(undecided, look == settings.looks)
+
+
+def _next_members(
+    config: RunConfig,
+    library: ExperienceLibrary,
+    plan: list[Operation],
+    ranked: Sequence[tuple[int, ...]],
+    attempt: int,
+    decided: Mapping[int, LessonTrial],
+    problems: list[Problem],
+    advantages: list[GroupAdvantage],
+    step: int,
+    pool: Sequence[Problem],
+    near: NearDuplicates | None,
+) -> list[_Candidate]:
+    """The member tried at ``attempt`` (0: the representative) of each cluster none of whose members tried so
+    far was kept, carrying the cluster's source groups."""
+    chosen = {
+        members[attempt]: members
+        for members in ranked
+        if len(members) > attempt and not any(m in decided and decided[m].verdict == "kept" for m in members[:attempt])
+    }
+    if not chosen:
+        return []
+    tried = [joined(plan, seq, chosen[seq]) if seq in chosen else op for seq, op in enumerate(plan)]
+    candidates, _, _ = _candidates(config, library, tried, problems, advantages, step, pool, near, only=set(chosen))
+    return candidates
 
 
 async def _clustered(
@@ -424,10 +478,11 @@ async def _clustered(
     ledger: Sequence[Rejected],
     llm: LLMClient,
     domain: Domain,
-) -> tuple[list[Operation], dict[int, str], list[LLMCall]]:
-    """The plan as tried (each cluster's representative carrying all its members' source groups), the members
-    another one stands for with the reason, and the rater's calls (``tasks.candidate_clusters``). Only
-    candidates the library accepts are clustered: a refused one could not stand for the others."""
+) -> tuple[list[Operation], dict[int, str], list[tuple[int, ...]], list[LLMCall]]:
+    """The plan as tried first (each cluster's representative carrying all its members' source groups), the
+    members another one stands for with the reason, the clusters of several members in the order their members
+    are tried, and the rater's calls (``tasks.candidate_clusters``). Only candidates the library accepts are
+    clustered: a refused one could not stand for the others."""
     screen = lesson_screen(config, problems)
 
     def accepted(op: Operation) -> bool:
@@ -440,16 +495,18 @@ async def _clustered(
         if op.op in VALIDATED and _rejected_before(op, ledger) is None and accepted(op)
     ]
     chosen, calls = await representatives(plan, cluster(plan, eligible, near), llm, domain, config.learning.max_words)
-    tried, clustered = list(plan), {}
+    tried, clustered, tries = list(plan), {}, config.learning.lesson_validation.cluster_tries
     for rep, members in chosen.items():
         tried[rep] = joined(plan, rep, members.members)
         for seq in members.members:
             if seq != rep:
                 how = duplicate_of(plan[rep].text or "", plan[seq].text or "", near) or "through another member"
                 clustered[seq] = (
-                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}), tried once for their cluster"
+                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}); their cluster's members "
+                    f"are tried best-rated first until one is kept, {counted(tries, 'member')} at most"
                 )
-    return tried, clustered, calls
+    ranked = [members.members for members in chosen.values() if len(members.members) > 1]
+    return tried, clustered, ranked, calls
 
 
 async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) -> tuple[set[int], list[LLMCall]]:
@@ -504,7 +561,7 @@ class _Looks:
     ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
     (shared by all candidates), and judges what the pairs so far say."""
 
-    def __init__(self, settings: LessonValidation, seeds: dict[str, int], known: Mapping[str, Sample]) -> None:
+    def __init__(self, settings: LessonValidation, seeds: dict[str, int], known: dict[str, Sample]) -> None:
         self.settings, self.seeds, self.known = settings, seeds, known
         self.without: dict[str, list[TrialSample]] = {}  # problem id -> the attempts without any candidate
         self.with_: dict[int, list[TrialSample]] = defaultdict(list)  # candidate seq -> its attempts

@@ -396,9 +396,55 @@ async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplica
     cfg = RunConfig(dataset=DatasetConfig(path="unused.jsonl"))
     with FakeOpenAIServer(lambda request: [json.dumps({"verdict": "specific", "reason": "r"})]) as server:
         client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
-        tried, clustered, calls = await _clustered(
+        tried, clustered, ranked, calls = await _clustered(
             cfg, 1, ExperienceLibrary(), plan, [], None, [], client, MathDomain()
         )
         await client.aclose()
-    assert clustered == {} and calls == []  # the refused one is left for its own reason, the other tried alone
+    assert clustered == {} and ranked == [] and calls == []  # the refused one is left for its own reason, the other tried alone
     assert tried == plan
+
+
+@pytest.mark.parametrize("tries", [1, 3])
+async def test_a_cluster_whose_first_member_is_rejected_tries_the_next_one(tries):
+    """Embeddings put a misleading lesson and a helpful one of the same topic in one cluster (seen on `ranges`:
+    "the difference" and "the difference plus one"); the shorter, misleading text is tried first. With one try the
+    cluster stands or falls with it; with more, the next member is tried and kept, carrying the cluster's groups."""
+    from clgrpo.library import NearDuplicates, normalize_text
+    from clgrpo.llm import LLMClient
+    from domains.math import MathDomain
+    from schemas.records import Problem
+    from tasks.validate_lessons import validate_lessons
+
+    helpful = (
+        "When adding multi-digit numbers, always align digits by place value and carry into the next column, "
+        "every single time."
+    )
+    plan = [
+        Operation(op=OpKind.ADD, text=MISLEADING_LESSON, source_groups=["sums-000"]),
+        Operation(op=OpKind.ADD, text=helpful, source_groups=["sums-001"]),
+    ]
+    problems = [Problem(problem_id=p["id"], problem=p["problem"], answer=p["answer"]) for p in make_problems(2, 3)]
+    near = NearDuplicates({normalize_text(t): [1.0, 0.0] for t in (MISLEADING_LESSON, helpful)}, 0.7, "merge")
+    world = ScriptedWorld(seed=5, p_base=0.0)
+    with FakeOpenAIServer(world) as server:
+        model = ModelConfig(model="scripted", base_url=server.base_url, api_key_env=None, max_retries=0, seed=11)
+        cfg = RunConfig(
+            dataset=DatasetConfig(path="unused.jsonl"),
+            policy=model,
+            learning=contrast_learning(samples=3, problems=1, min_gain=0.1, cluster_tries=tries),
+        )
+        client = LLMClient(model)
+        out = await validate_lessons(cfg, 1, ExperienceLibrary(), plan, problems, [], MathDomain(), client, near=near)
+        await client.aclose()
+    by_seq = {t.seq: t for t in out.lesson_trials}
+    assert by_seq[0].verdict == "rejected" and by_seq[0].reason.startswith("lesson validation: reward")
+    if tries == 1:
+        assert (
+            by_seq[1].verdict == "rejected" and "their cluster's members are tried best-rated first" in by_seq[1].reason
+        )
+        assert {s.seq for s in out.trial_samples} == {-1, 0}
+    else:
+        assert by_seq[1].verdict == "kept" and by_seq[1].reason.startswith("validated: reward")
+        assert by_seq[1].operation.source_groups == ["sums-000", "sums-001"]  # it stands for the whole cluster
+        baseline = [s for s in out.trial_samples if s.seq == -1]
+        assert len(baseline) == len({(s.problem_id, s.sample_idx) for s in baseline})  # shared, drawn once
