@@ -84,3 +84,14 @@ def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, ca
     assert len(held_out) == 30 and not seen & {p.problem for p in held_out}  # same seed, yet disjoint
     assert main(["data", "make", "nonsense", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "unknown family 'nonsense'" in capsys.readouterr().err
+
+
+def test_every_family_holds_the_learning_benchmarks_problems():
+    """benchmarks/learning.py's default: 3 training seeds of 20 problems and 24 held-out problems disjoint from
+    all of them (`units` once held only 48 distinct problems)."""
+    from domains.math.synthetic import FAMILIES, generate_family
+
+    for family in FAMILIES:
+        seen = {r["problem"] for seed in (0, 1, 2) for r in generate_family(family, 20, seed)}
+        heldout = generate_family(family, 24, 1000, exclude=seen)
+        assert len({r["problem"] for r in heldout}) == 24 and not seen & {r["problem"] for r in heldout}
