@@ -92,6 +92,7 @@ class Settings:
     gate_samples: int | None = None
     gate_rule: str | None = None
     gate_adopt_alpha: float | None = None
+    gate_temperature: float | None = None  # None: the product's (the rollouts' temperature)
     runs_dir: Path = field(default_factory=lambda: RUNS_DIR)  # where each (family, learner, seed) result is kept
 
 
@@ -190,7 +191,13 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
 def gate_section(s: Settings) -> dict:
     """learning.library_gate: the product's defaults, with the settings given on the command line."""
     enabled: bool | str = {"on": True, "off": False}.get(s.gate, s.gate)
-    given = {"share": s.gate_share, "samples": s.gate_samples, "rule": s.gate_rule, "adopt_alpha": s.gate_adopt_alpha}
+    given = {
+        "share": s.gate_share,
+        "samples": s.gate_samples,
+        "rule": s.gate_rule,
+        "adopt_alpha": s.gate_adopt_alpha,
+        "temperature": s.gate_temperature,
+    }
     return {"enabled": enabled, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -511,13 +518,18 @@ RESULT_SETTINGS = (
     "gate_samples",
     "gate_rule",
     "gate_adopt_alpha",
+    "gate_temperature",
 )
+# settings added after results were kept: left out of a folder's key at this value, so those results stay found
+LATER_RESULT_SETTINGS = {"gate_temperature": None}
 
 
 def results_dir(s: Settings) -> Path:
     """Where this configuration's results are kept: one folder per combination of the settings that shape them,
     so a rerun with the same settings continues and another configuration starts its own."""
-    key = json.dumps({k: getattr(s, k) for k in RESULT_SETTINGS}, sort_keys=True)
+    shaping = {k: getattr(s, k) for k in RESULT_SETTINGS}
+    shaping = {k: v for k, v in shaping.items() if k not in LATER_RESULT_SETTINGS or v != LATER_RESULT_SETTINGS[k]}
+    key = json.dumps(shaping, sort_keys=True)
     return s.runs_dir / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -866,6 +878,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     ap.add_argument("--gate-samples", type=int, help="default: the product's")
     ap.add_argument("--gate-rule", choices=["better", "significant"], help="default: the product's")
     ap.add_argument("--gate-adopt-alpha", type=float, help="default: the product's")
+    ap.add_argument("--gate-temperature", type=float, help="default: the product's (the rollouts')")
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument(
         "--runs-dir",
@@ -904,6 +917,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.gate_samples,
         a.gate_rule,
         a.gate_adopt_alpha,
+        a.gate_temperature,
         Path(a.runs_dir).resolve(),
     ), a.report
 

@@ -203,3 +203,12 @@ def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
         "enabled"
     ]
     assert bench.results_dir(on) != bench.results_dir(off)  # kept apart
+
+
+def test_a_setting_added_later_keeps_the_folders_of_results_kept_before(tmp_path):
+    before, _ = bench.parse(["--out", str(tmp_path)])
+    key = json.dumps({k: getattr(before, k) for k in bench.RESULT_SETTINGS if k != "gate_temperature"}, sort_keys=True)
+    assert bench.results_dir(before).name == bench.hashlib.sha256(key.encode()).hexdigest()[:12]  # as it was
+    cooler, _ = bench.parse(["--out", str(tmp_path), "--gate-temperature", "0.3"])
+    assert bench.results_dir(cooler) != bench.results_dir(before)
+    assert bench.gate_section(cooler) == {"enabled": "auto", "temperature": 0.3}
