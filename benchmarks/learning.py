@@ -816,6 +816,50 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# --- lesson trials against the gate alone, from the kept results ---------------------------------------------
+TRIALS_BEGIN, TRIALS_END = "<!-- learning-trials:begin -->", "<!-- learning-trials:end -->"
+
+
+def kept_family(s: Settings, family: str, learner: str) -> dict | None:
+    """A family's pooled result from the files kept for these settings (the seeds measured so far), or None."""
+    none = load_kept(s, f"{family}-none")
+    entries = [e for seed in s.seeds if (e := load_kept(s, run_id(family, learner, seed))) is not None]
+    if none is None or not entries:
+        return None
+    return pool_family(s, family, learner, none, entries, "")
+
+
+def trials_comparison(s: Settings) -> str:
+    """Per family and learner, the same settings with lesson trials and with the library gate alone (``--trials
+    on`` / ``off``): pooled held-out differences, lessons, gate adoptions, tokens, tokens per point and the
+    checks' cost per seed, read from the kept results (nothing is run)."""
+    lines = [
+        "| family | learner | trials | seeds measured | learned - none (pooled) | learned - placebo | lessons kept "
+        "| gate adopted | tokens | tokens per point | with checks / without, per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family in s.families:
+        for learner in s.learners:
+            for trials in ("off", "on"):
+                setting = Settings(
+                    **{**asdict(s), "trials": trials, "candidates": s.candidates if trials == "on" else 1}
+                )
+                r = kept_family(setting, family, learner)
+                if r is None:
+                    continue
+                seeds, p = r["seeds"], r["pooled"]
+                per_point = f"{r['tokens_per_point']:,.0f}" if r["tokens_per_point"] else "no gain"
+                costs = " / ".join(f"{x['checks_cost']:.2f}x" for x in seeds)
+                lines.append(
+                    f"| {family_label(family)} | {learner} | {trials} | {', '.join(str(x['seed']) for x in seeds)} "
+                    f"| {fmt(p['learned_minus_none'], True)} | {fmt(p['learned_minus_placebo'], True)} "
+                    f"| {' / '.join(str(len(x['lessons'])) for x in seeds)} "
+                    f"| {' / '.join(adopted_steps(x) for x in seeds)} | {sum(x['tokens'] for x in seeds):,} "
+                    f"| {per_point} | {costs} |"
+                )
+    return "\n".join(lines)
+
+
 # --- main ------------------------------------------------------------------------------------------------
 def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, str]]]:
     engine = ensure_engine(s.cache_dir)  # built once, smoke-tested on this machine
@@ -848,7 +892,13 @@ def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, 
     return servers, urls
 
 
-def parse(argv: Sequence[str] | None = None) -> Settings:
+@dataclass(frozen=True)
+class Mode:
+    report: bool  # write benchmarks/REPORT.md
+    compare_trials: bool  # run nothing: the kept results with and without lesson trials
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="ranges,percent")
     ap.add_argument("--seeds", default="0,1,2")
@@ -888,6 +938,12 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     )
     ap.add_argument("--cache-dir")
     ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
+    ap.add_argument(
+        "--compare-trials",
+        action="store_true",
+        help="run nothing: the kept results with lesson trials and with the gate alone side by side (with --report: "
+        "into benchmarks/REPORT.md)",
+    )
     a = ap.parse_args(argv)
     if a.train > 50:
         ap.error("--train: at most 50 training problems per seed")
@@ -919,7 +975,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         a.gate_adopt_alpha,
         a.gate_temperature,
         Path(a.runs_dir).resolve(),
-    ), a.report
+    ), Mode(a.report, a.compare_trials)
 
 
 def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]:
@@ -960,7 +1016,15 @@ def estimate_minutes(s: Settings) -> tuple[float, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    s, report = parse(argv)
+    s, mode = parse(argv)
+    report = mode.report
+    if mode.compare_trials:  # read back, run nothing
+        table = trials_comparison(s)
+        print(table)
+        if report:
+            block = f"{TRIALS_BEGIN}\n{table}\n{TRIALS_END}"
+            write_block(block, TRIALS_BEGIN, TRIALS_END, "What the learning checks cost")
+        return 0
     started = time.monotonic()
     minutes, how = estimate_minutes(s)
     print(f"estimated time: {minutes / 60:.1f} h ({how}; measured on 2 cores, CPU only)", flush=True)

@@ -212,3 +212,19 @@ def test_a_setting_added_later_keeps_the_folders_of_results_kept_before(tmp_path
     cooler, _ = bench.parse(["--out", str(tmp_path), "--gate-temperature", "0.3"])
     assert bench.results_dir(cooler) != bench.results_dir(before)
     assert bench.gate_section(cooler) == {"enabled": "auto", "temperature": 0.3}
+
+
+def test_trials_and_the_gate_alone_side_by_side_from_the_kept_results(tmp_path):
+    s, mode = bench.parse(["--families", "ranges", "--seeds", "0", "--compare-trials", "--out", str(tmp_path)])
+    s.runs_dir = tmp_path / "kept"
+    assert mode.compare_trials and not mode.report
+    none = {"family": "ranges", "problems": ["a", "b"], "matrix": [[0.0, 0.0]] * 2, "parsed": 1.0, "eval_minutes": 1.0}
+    run = bench.TrainRun("ranges", "same", 0, "ranges-self-s0", 60.0, 100, 50, 30, 20, lessons=["Add one."])
+    learned = np.array([[1.0, 1.0], [1.0, 0.0]])
+    entry = bench.seed_entry(run, np.zeros((2, 2)), learned, np.zeros((2, 2)), ["Be careful."], 0.5)
+    on = bench.Settings(**{**s.__dict__, "trials": "on"})
+    bench.keep(on, "ranges-none", none)
+    bench.keep(on, "ranges-self-s0", {"family": "ranges", "learner": "same", **entry})
+    table = bench.trials_comparison(s)
+    assert "| ranges | same | on | 0 | +0.750 [" in table and "| 200 | 3 | 1.33x |" in table  # 200 tokens, 75 points
+    assert "| off |" not in table  # nothing kept for the gate alone: no row
