@@ -227,4 +227,4 @@ def test_trials_and_the_gate_alone_side_by_side_from_the_kept_results(tmp_path):
     bench.keep(on, "ranges-self-s0", {"family": "ranges", "learner": "same", **entry})
     table = bench.trials_comparison(s)
     assert "| ranges | same | on | 0 | +0.750 [" in table and "| 200 | 3 | 1.33x |" in table  # 200 tokens, 75 points
-    assert "| off |" not in table  # nothing kept for the gate alone: no row
+    assert "| same | off |" not in table  # nothing kept for the gate alone: no row

@@ -400,7 +400,8 @@ async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplica
             cfg, 1, ExperienceLibrary(), plan, [], None, [], client, MathDomain()
         )
         await client.aclose()
-    assert clustered == {} and ranked == [] and calls == []  # the refused one is left for its own reason, the other tried alone
+    # the refused one is left for its own reason, the other tried alone
+    assert clustered == {} and ranked == [] and calls == []
     assert tried == plan
 
 
