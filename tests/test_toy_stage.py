@@ -1,8 +1,9 @@
-"""Adding a stage to the training step touches its own module and one ``STEP`` entry (``flows/step.py``), nothing
-else: this module is the toy stage's module. It writes a table the store already has (``llm_calls``: the learner's
-opinion of each step's accuracy, one call), declares its typed output and its place after verify; it is stored,
-visible to the later stages through the step state, fails the run when its call fails, and a rerun redoes it
-without redoing what the step stored before it."""
+"""Adding a stage to the training step is its module, its record, its ``STEP`` entry (``flows/step.py``) and its
+test, nothing else: this module is the toy stage's module and its test. It asks the learner's opinion of each
+step's accuracy (one call) and stores it in a table of its own (``toy_opinions``: its record and one declaration,
+``schemas.tables``) beside the call (``llm_calls``); it declares its typed output and its place after verify; it is
+stored, read back, visible to the later stages through the step state, fails the run when its call fails, and a
+rerun redoes it without redoing what the step stored before it."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from clgrpo.llm import shared_client
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld
-from schemas.records import LLMCall
+from schemas.records import LLMCall, Record
 from schemas.stages import Stage
+from schemas.tables import TABLES, Table, declare
 from tasks.integrity import StageFailedError
 from tasks.outputs import StageOutput, Verified
 from tests.test_pipeline import make_config
@@ -27,9 +29,23 @@ pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 TOY = "toy_opinion"  # its name in the store: no member of the Stage enum needed
 
 
+class ToyOpinion(Record):  # the record of its own table
+    correct: int
+    attempts: int
+    opinion: str
+
+
 @dataclass
 class Opinion(StageOutput):  # the typed output: its fields are the tables it writes
+    toy_opinions: list[ToyOpinion] = field(default_factory=list)
     llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+@pytest.fixture
+def toy_table():
+    """The table, declared as the stage's module would declare it when imported (here: for this test only)."""
+    yield declare(Table("toy_opinions", ToyOpinion))
+    TABLES.pop("toy_opinions")
 
 
 async def compute_opinion(context, s) -> Opinion:  # the step's context and state: the flow is not passed
@@ -37,7 +53,7 @@ async def compute_opinion(context, s) -> Opinion:  # the step's context and stat
     correct = sum(r.reward > 0 for r in rewards)
     ask = f"Step {s.step}: {correct} of {len(rewards)} attempts were right. Good or bad?"
     reply = await shared_client(s.cfg).complete([{"role": "user", "content": ask}], stage=TOY)
-    return Opinion(reply.calls)
+    return Opinion([ToyOpinion(correct=correct, attempts=len(rewards), opinion=reply.text)], reply.calls)
 
 
 SEEN: list[tuple[int, int]] = []
@@ -62,7 +78,7 @@ class Moody(ScriptedWorld):
         return super().__call__(request)
 
 
-async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch):
+async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch, toy_table):
     after_verify = [spec.stage for spec in step_flow.STEP].index(Stage.VERIFY) + 1
     step = (*step_flow.STEP[:after_verify], TOY_STAGE, *step_flow.STEP[after_verify:])
     monkeypatch.setattr(step_flow, "STEP", step)  # the one STEP entry
@@ -82,8 +98,11 @@ async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch):
     with Store(cfg.db_path, read_only=True) as store:
         stages = store.query("SELECT step, stage, n_rows FROM stage_runs WHERE stage = ? ORDER BY step", [TOY])
         assert store.runs().set_index("run_id").loc["toy", "status"] == "completed"
-    # step 2 stored its one opinion and the two failed attempts of the first run: every request is accounted
+        opinions = [store.read_stage(Opinion, "toy", step, TOY).toy_opinions for step in (1, 2)]
+    # its own table: one opinion per step, read back as it was stored
+    assert [len(o) for o in opinions] == [1, 1] and all(o[0].attempts > 0 and o[0].opinion for o in opinions)
+    # step 2 stored its opinion, its call and the two failed attempts of the first run: every request is accounted
     assert stages.to_dict(orient="records") == [
-        {"step": 1, "stage": TOY, "n_rows": 1},
-        {"step": 2, "stage": TOY, "n_rows": 3},
+        {"step": 1, "stage": TOY, "n_rows": 2},
+        {"step": 2, "stage": TOY, "n_rows": 4},
     ]
