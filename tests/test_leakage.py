@@ -68,10 +68,10 @@ def test_scales_to_thousands_of_problems():
     train = random_problems("t", 3000, seed=3)
     evaluation = random_problems("e", 3000, seed=4)
     evaluation[123] = Problem(problem_id="e123", problem=train[2999].problem + " (hard)")
-    started = time.perf_counter()
+    started = time.process_time()  # this process's CPU time: a loaded machine slows the wall clock, not this
     report = find_leakage(train, evaluation)
     assert report.eval_ids == ["e123"]
-    assert time.perf_counter() - started < 15
+    assert time.process_time() - started < 15  # all 9 million pairs compared in Python would take minutes
 
 
 def test_other_numbers_make_another_problem_unless_asked_otherwise():
