@@ -55,6 +55,7 @@ from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
+from schemas.config import LearningConfig  # noqa: E402
 from schemas.stages import Stage  # noqa: E402
 
 POLICY = QWEN_05B
@@ -93,6 +94,8 @@ class Settings:
     gate_rule: str | None = None
     gate_adopt_alpha: float | None = None
     gate_temperature: float | None = None  # None: the product's (the rollouts' temperature)
+    # learning.checks_budget: what a step's trials and gate may spend, times its own tokens (None: no limit)
+    checks_budget: float | None = LearningConfig().checks_budget
     runs_dir: Path = field(default_factory=lambda: RUNS_DIR)  # where each (family, learner, seed) result is kept
 
 
@@ -180,6 +183,7 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                 "alpha": s.trial_alpha,
             },
             "library_gate": gate_section(s),
+            "checks_budget": s.checks_budget,
         },
         # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
         "library": {"near_duplicates": "merge", "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY},
@@ -496,7 +500,7 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
 
 
 # --- results kept in the repository, one file per (family, learner, seed) ---------------------------------------
-RUNS_DIR = ROOT / "benchmarks" / "learning_runs"
+RUNS_DIR: Path = ROOT / "benchmarks" / "learning_runs"
 RESULT_SETTINGS = (
     "train",
     "heldout",
@@ -519,9 +523,10 @@ RESULT_SETTINGS = (
     "gate_rule",
     "gate_adopt_alpha",
     "gate_temperature",
+    "checks_budget",
 )
 # settings added after results were kept: left out of a folder's key at this value, so those results stay found
-LATER_RESULT_SETTINGS = {"gate_temperature": None}
+LATER_RESULT_SETTINGS = {"gate_temperature": None, "checks_budget": None}
 
 
 def results_dir(s: Settings) -> Path:
@@ -929,6 +934,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
     ap.add_argument("--gate-rule", choices=["better", "significant"], help="default: the product's")
     ap.add_argument("--gate-adopt-alpha", type=float, help="default: the product's")
     ap.add_argument("--gate-temperature", type=float, help="default: the product's (the rollouts')")
+    ap.add_argument(
+        "--checks-budget",
+        type=_budget,
+        default=LearningConfig().checks_budget,
+        help="learning.checks_budget: a step's trials and gate spend at most this times its own tokens; none: no "
+        "limit (default: the product's)",
+    )
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument(
         "--runs-dir",
@@ -974,8 +986,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         a.gate_rule,
         a.gate_adopt_alpha,
         a.gate_temperature,
+        a.checks_budget,
         Path(a.runs_dir).resolve(),
     ), Mode(a.report, a.compare_trials)
+
+
+def _budget(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
 
 
 def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]:

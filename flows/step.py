@@ -22,12 +22,14 @@ from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
 from clgrpo.words import counted
+from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import (
     ExperienceStat,
     GateSample,
     GroupAdvantage,
     LibraryVersion,
+    LLMCall,
     Operation,
     OpStatus,
     Problem,
@@ -39,6 +41,7 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
 from tasks.checkpoint import export_dir
+from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import chunks
 from tasks.consolidate import consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
@@ -51,7 +54,7 @@ from tasks.integrity import (
     VERIFY_FAILURES,
     FailureRule,
 )
-from tasks.library_gate import library_gate_task
+from tasks.library_gate import library_gate_task, samples_to_draw
 from tasks.limits import rejected_results
 from tasks.numeric_update import numeric_inputs, numeric_update_task
 from tasks.outputs import (
@@ -137,6 +140,10 @@ class StepState:
         )
 
 
+# the stages whose calls are the step's own work, what its checks are measured against
+OWN_STAGES = {s.value for s in (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE, Stage.CONSOLIDATE)}
+
+
 @dataclass
 class StepContext:
     """What a step's stages need from the run beside the state: the store (read, and the embeddings' cache), the
@@ -178,6 +185,24 @@ class StepContext:
 
     def parent_adapter(self) -> str | None:
         return parent_adapter(self.store, self.cfg, self.run_id, self.step)
+
+    def checks_budget(self, s: StepState) -> ChecksBudget:
+        """What the step's checks may spend (``tasks.checks_budget``), from its own calls as stored, with the
+        gate's samples reserved where the gate runs."""
+        calls = self.store.records(LLMCall, self.run_id, self.step)
+        own = [c for c in calls if c.stage in OWN_STAGES]
+        rollout_tokens = tokens([c for c in own if c.stage == Stage.ROLLOUT.value])
+        gate = 0
+        if self.aside and s.cfg.learning.library_gate.enabled is not False:
+            earlier = self.store.records(GateSample, self.run_id)
+            before = ExperienceLibrary.from_version(s.version)
+            gate = samples_to_draw(s.cfg, before, self.aside, earlier, domain_for(s.cfg))
+        rollouts = len(s.get(Rollouts).rollouts)
+        return ChecksBudget.of(s.cfg.learning.checks_budget, tokens(own), rollout_tokens, rollouts, gate)
+
+    def checks_spent(self) -> int:
+        """What the step's lesson trials spent (with their shortening and clustering calls), as stored."""
+        return tokens(self.store.records(LLMCall, self.run_id, self.step, Stage.VALIDATE_LESSONS.value))
 
 
 def experience_stats(store: Store, run_id: str, step: int, live_ids: list[str]) -> list[ExperienceStat]:
@@ -283,8 +308,9 @@ async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
         c.store.records(TrialSample, c.run_id),
     )
     advantages = s.get(Verified).group_advantages
+    budget = c.checks_budget(s).after(tokens(shorten_calls))
     trials = await validate_lessons_task(
-        s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn
+        s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn, budget
     )
     return replace(trials, llm_calls=shorten_calls + trials.llm_calls)
 
@@ -299,7 +325,8 @@ async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
     near, usefulness = await c.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
     earlier = c.store.records(GateSample, c.run_id)
-    return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier)
+    budget = c.checks_budget(s).for_gate(c.checks_spent())
+    return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier, budget)
 
 
 async def compute_apply_operations(c: StepContext, s: StepState) -> Applied:

@@ -355,6 +355,12 @@ class LearningConfig(Section):
     summarize: bool = True  # the per-rollout summaries (False: the stage runs and stores none, saying so)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
     library_gate: LibraryGate = Field(default_factory=LibraryGate)
+    # what a step's checks (lesson trials, with their shortening and clustering calls, and the library gate) may
+    # spend, as a multiple of the step's own tokens (rollouts and learner calls): a step with its checks costs at
+    # most 1 + this times the same step without them. The gate's looks are reserved first; a trial that does not
+    # fit is rejected untried and a gate look that does not fit is not drawn, each saying so
+    # (``tasks.checks_budget``). None: no limit.
+    checks_budget: float | None = Field(1.0, gt=0.0)
     blocked: list[BlockedLesson] = Field(default_factory=list)  # lessons not to learn again (rejected by a person)
 
     @field_validator("lesson_pattern")
@@ -549,6 +555,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learner", "adapter"): None,
     # settings added inside a section a run may have changed: left out while at their default (after the whole
     # sections above, which are compared with their full defaults first)
+    ("learning", "checks_budget"): None,
     ("learning.lesson_validation", "trials_on"): "sources_first",
     ("learning.lesson_validation", "test"): "mean",
     ("learning.lesson_validation", "max_problems"): None,
@@ -693,6 +700,8 @@ class RunConfig(Section):
                 holder = holder.get(part) if isinstance(holder, dict) else None
             if isinstance(holder, dict) and key in holder and holder[key] == default:
                 del holder[key]
+        if not self.learning.lesson_validation.enabled and self.learning.library_gate.enabled is False:
+            payload["learning"].pop("checks_budget", None)  # no check runs: the budget shapes nothing
         validation = payload.get("validation")
         if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
             del validation["dataset"]["tag_field"]

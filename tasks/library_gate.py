@@ -19,7 +19,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,9 +32,10 @@ from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
 from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Sample, text_hash
 from schemas.stages import Stage
+from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
-from tasks.measure import Sampling, measure, reusable, sample_seeds
+from tasks.measure import Sampling, measure, reusable, sample_seeds, to_draw
 from tasks.outputs import Gate
 
 UNTAGGED = "(untagged)"
@@ -120,14 +121,13 @@ async def attempts(
     """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt (``tasks.measure``:
     those already drawn, e.g. by the step that measured this library as its "after", are read)."""
     settings = config.learning.library_gate
-    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    shown = library.with_shown({}) if library.shown is not None else library  # the whole library on gate problems
+    shown = _whole(library)
     measured = await measure(
         problems,
         shown,
         k or settings.samples,
         sample_seeds(problems, config.seed),
-        Sampling.of(config, temperature),
+        gate_sampling(config),
         domain,
         llm,
         stage=Stage.LIBRARY_GATE,
@@ -139,6 +139,38 @@ async def attempts(
     return samples, measured.calls
 
 
+def _whole(library: ExperienceLibrary) -> ExperienceLibrary:
+    """The library as a gate problem sees it: whole (a routed library shows every lesson)."""
+    return library.with_shown({}) if library.shown is not None else library
+
+
+def gate_sampling(config: RunConfig) -> Sampling:
+    settings = config.learning.library_gate
+    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
+    return Sampling.of(config, temperature)
+
+
+def _to_draw(
+    config: RunConfig,
+    library: ExperienceLibrary,
+    problems: Sequence[Problem],
+    k: int,
+    known: Mapping[str, Sample],
+    domain: Domain,
+) -> int:
+    seeds = sample_seeds(problems, config.seed)
+    return to_draw(problems, _whole(library), k, seeds, gate_sampling(config), domain, known)
+
+
+def samples_to_draw(
+    config: RunConfig, before: ExperienceLibrary, problems: Sequence[Problem], earlier: Sequence[Sample], domain: Domain
+) -> int:
+    """The samples the gate of a step starting from ``before`` would draw at all its looks: the library before
+    where not drawn already, and the library after (not known yet: all of them)."""
+    k = config.learning.library_gate.samples
+    return _to_draw(config, before, problems, k, reusable(earlier), domain) + len(problems) * k
+
+
 async def gate_step(
     config: RunConfig,
     before: ExperienceLibrary,
@@ -147,9 +179,11 @@ async def gate_step(
     earlier: Sequence[Sample],
     domain: Domain,
     llm: LLMClient,
+    budget: ChecksBudget | None = None,
 ) -> Gate:
     """Attempts of both libraries (``earlier``: stored samples, read where their draw keys match) and the
-    decision. A plan that changes no lesson needs none."""
+    decision. A plan that changes no lesson needs none. ``budget``: a look after the first is drawn only if its
+    samples fit (``tasks.checks_budget``); else the gate decides at the look it has, saying so."""
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
         return Gate(library_gates=[unchanged(settings, problems, before.content_hash())])
@@ -157,7 +191,13 @@ async def gate_step(
     calls: list[LLMCall] = []
     arms: dict[str, list[GateSample]] = {}
     drawn: dict[str | None, GateSample] = {}  # drawn by this step at an earlier look: stored as drawn
-    for look in looks(settings):  # sequential: a clear verdict stops before every sample is drawn
+    planned = looks(settings)
+    for look in planned:  # sequential: a clear verdict stops before every sample is drawn
+        if look.number > 1 and (
+            stop := _unaffordable(config, look, (before, after), problems, known, domain, calls, len(drawn), budget)
+        ):
+            stopped = replace(planned[look.number - 2], stopped=stop)
+            return Gate(arms["before"] + arms["after"], [_decided(settings, problems, arms, stopped)], calls)
         progress.expect(Stage.LIBRARY_GATE, 2 * look.k * len(problems))  # each look counts its samples, read or drawn
         for arm, library in (("before", before), ("after", after)):
             with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
@@ -171,6 +211,37 @@ async def gate_step(
     raise AssertionError("the last look always decides")  # pragma: no cover
 
 
+def _decided(
+    settings: LibraryGate, problems: Sequence[Problem], arms: Mapping[str, Sequence[GateSample]], look: Look
+) -> GateDecision:
+    decision = decide(settings, problems, arms["before"], arms["after"], look)
+    assert decision is not None, "a stopped look decides"
+    return decision
+
+
+def _unaffordable(
+    config: RunConfig,
+    look: Look,
+    libraries: tuple[ExperienceLibrary, ExperienceLibrary],
+    problems: Sequence[Problem],
+    known: Mapping[str, Sample],
+    domain: Domain,
+    calls: Sequence[LLMCall],
+    drawn: int,
+    budget: ChecksBudget | None,
+) -> str | None:
+    """Why ``look`` is not drawn (its samples do not fit the budget, at the tokens per sample of the gate's
+    ``drawn`` samples so far), or None."""
+    if budget is None or budget.allowed is None:
+        return None
+    draws = sum(_to_draw(config, library, problems, look.k, known, domain) for library in libraries)
+    per_sample = tokens(calls) / drawn if drawn else budget.per_sample
+    spent = tokens(calls)
+    if budget.fits(draws, per_sample, spent, reserve=False):
+        return None
+    return f"look {look.number} of {look.of} not drawn: {budget.describe(spent, reserve=False)}"
+
+
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
 async def library_gate_task(
     config: RunConfig,
@@ -179,6 +250,7 @@ async def library_gate_task(
     after: LibraryVersion,
     problems: list[Problem],
     earlier: list[GateSample],
+    budget: ChecksBudget | None = None,
 ) -> Gate:
     return await gate_step(
         config,
@@ -188,6 +260,7 @@ async def library_gate_task(
         earlier,
         domain_for(config),
         shared_client(config),
+        budget,
     )
 
 
@@ -272,10 +345,11 @@ class Look:
     worse_level: float
     number: int = 1
     of: int = 1
+    stopped: str = ""  # why no later look is drawn (the checks budget): this look decides
 
     @property
     def last(self) -> bool:
-        return self.number == self.of
+        return self.number == self.of or bool(self.stopped)
 
 
 def looks(settings: LibraryGate) -> list[Look]:
@@ -323,7 +397,7 @@ def decide(
         return None
     return GateDecision(
         verdict=verdict,
-        reason=f"library gate: {numbers}: {verdict}, {why}",
+        reason=f"library gate: {numbers}: {verdict}, {why}" + (f"; {look.stopped}" if look.stopped else ""),
         rule=settings.rule,
         problem_ids=[p.problem_id for p in problems],
         samples=look.k,

@@ -107,6 +107,20 @@ def draw_keys(
     return keys
 
 
+def to_draw(
+    problems: Sequence[Problem],
+    library: ExperienceLibrary,
+    k: int,
+    seeds: Mapping[str, int],
+    sampling: Sampling,
+    domain: Domain,
+    known: Mapping[str, Sample],
+) -> int:
+    """How many of the k samples of ``problems`` with ``library`` a measurement would draw (not ``known``)."""
+    keys = draw_keys(problems, library, k, seeds, sampling, domain)
+    return sum(1 for key in keys.values() if key not in known or not known[key].reusable)
+
+
 def reusable(samples: Sequence[Sample]) -> dict[str, Sample]:
     """The samples a later measurement may read, by draw key (the first of each key)."""
     out: dict[str, Sample] = {}

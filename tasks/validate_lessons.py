@@ -18,6 +18,7 @@ with the rejections to store there, follows from the trials (``tasks.plan``).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -50,10 +51,11 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.candidate_clusters import cluster, duplicate_of, joined, representatives
+from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
-from tasks.measure import Sampling, draw_keys, graded_sample, measure, reusable, sample_seeds
+from tasks.measure import Sampling, draw_keys, graded_sample, measure, reusable, sample_seeds, to_draw
 from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
@@ -382,11 +384,13 @@ async def validate_lessons(
     near: NearDuplicates | None = None,
     ledger: Sequence[Rejected] = (),
     drawn: StepDraws | None = None,
+    budget: ChecksBudget | None = None,
 ) -> Trials:
     """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
     control, so a candidate is tried as it would be applied (merged into the lesson it repeats); ``ledger``: the
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
-    rollouts, earlier trials' samples), read instead of drawn again where the draw keys match."""
+    rollouts, earlier trials' samples), read instead of drawn again where the draw keys match; ``budget``: what
+    the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried."""
     settings = config.learning.lesson_validation
     tried_plan, clustered, ranked, cluster_calls = await _clustered(
         config, step, library, plan, problems, near, ledger, llm, domain
@@ -397,7 +401,7 @@ async def validate_lessons(
     trials = [
         LessonTrial(seq=seq, operation=tried_plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
-    looks = _Looks(settings, {}, {})
+    looks = _Looks(settings, {}, {}, budget.after(tokens(cluster_calls)) if budget is not None else None)
     # trials are redone whole by a retry of the stage
     with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
         for attempt in range(settings.cluster_tries):
@@ -561,8 +565,14 @@ class _Looks:
     ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
     (shared by all candidates), and judges what the pairs so far say."""
 
-    def __init__(self, settings: LessonValidation, seeds: dict[str, int], known: dict[str, Sample]) -> None:
-        self.settings, self.seeds, self.known = settings, seeds, known
+    def __init__(
+        self,
+        settings: LessonValidation,
+        seeds: dict[str, int],
+        known: dict[str, Sample],
+        budget: ChecksBudget | None = None,
+    ) -> None:
+        self.settings, self.seeds, self.known, self.budget = settings, seeds, known, budget
         self.without: dict[str, list[TrialSample]] = {}  # problem id -> the attempts without any candidate
         self.with_: dict[int, list[TrialSample]] = defaultdict(list)  # candidate seq -> its attempts
         self.decided: dict[int, LessonTrial] = {}
@@ -582,6 +592,7 @@ class _Looks:
         config: RunConfig,
     ) -> None:
         fresh = {c.seq: [p for p in self.window(c, look) if p not in self.window(c, look - 1)] for c in undecided}
+        undecided = self.admitted(look, undecided, fresh, library, domain, config)
         baseline = [p for p in _all_problems(undecided) if p.problem_id not in self.without]
         baseline = [p for p in baseline if any(p in fresh[c.seq] for c in undecided)]
         progress.expect(
@@ -604,8 +615,62 @@ class _Looks:
             self.samples += with_
             self.calls += arm_calls
 
+    def admitted(
+        self,
+        look: int,
+        undecided: list[_Candidate],
+        fresh: Mapping[int, list[Problem]],
+        library: ExperienceLibrary,
+        domain: Domain,
+        config: RunConfig,
+    ) -> list[_Candidate]:
+        """The candidates whose attempts at this look (and the baseline attempts they need) fit the budget, in
+        the plan's order; each other one is decided here, untried or on its attempts so far."""
+        if self.budget is None or self.budget.allowed is None:
+            return undecided
+        sampling, k = trial_sampling(config), self.settings.samples
+        per_sample, spent = self.per_sample(), tokens(self.calls)
+        admitted: list[_Candidate] = []
+        baseline_ids, cost = set(self.without), 0.0
+        for c in undecided:
+            base = [p for p in fresh[c.seq] if p.problem_id not in baseline_ids]
+            draws = to_draw(fresh[c.seq], c.library, k, self.seeds, sampling, domain, self.known)
+            draws += to_draw(base, library, k, self.seeds, sampling, domain, self.known)
+            if self.budget.fits(draws, per_sample, spent + math.ceil(cost)):
+                cost += draws * per_sample
+                baseline_ids |= {p.problem_id for p in base}
+                admitted.append(c)
+            else:
+                self.decided[c.seq] = self.cut(c, look, spent + math.ceil(cost))
+        return admitted
+
+    def per_sample(self) -> float:
+        """Tokens per drawn trial sample so far (before any: the step's rollouts')."""
+        assert self.budget is not None
+        drawn = sum(1 for s in self.samples if s.drawn)
+        return tokens(self.calls) / drawn if drawn else self.budget.per_sample
+
+    def cut(self, candidate: _Candidate, look: int, spent: int) -> LessonTrial:
+        """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far."""
+        assert self.budget is not None
+        note = self.budget.describe(spent)
+        mine = self.with_[candidate.seq]
+        if not mine:
+            return LessonTrial(
+                seq=candidate.seq,
+                operation=candidate.operation,
+                verdict="rejected",
+                reason=f"not tried: {note}",  # not a measurement: not in the ledger, tried again later
+            )
+        without = [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
+        trial = judge_trial(candidate, without, mine, self.settings, last_look=True)
+        assert trial is not None, "the last look always decides"
+        return trial.model_copy(update={"reason": f"{trial.reason}; look {look} not drawn: {note}"})
+
     def judge(self, undecided: list[_Candidate], last_look: bool) -> None:
         for candidate in undecided:
+            if candidate.seq in self.decided:  # stopped by the budget at this look
+                continue
             mine = self.with_[candidate.seq]
             without = [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
             exhausted = last_look or len(mine) >= len(candidate.problems) * self.settings.samples
@@ -626,6 +691,7 @@ async def validate_lessons_task(
     near: NearDuplicates | None = None,
     ledger: list[Rejected] | None = None,
     drawn: StepDraws | None = None,
+    budget: ChecksBudget | None = None,
 ) -> Trials:
     return await validate_lessons(
         config,
@@ -640,4 +706,5 @@ async def validate_lessons_task(
         near,
         ledger or [],
         drawn,
+        budget,
     )

@@ -28,6 +28,7 @@ def contrast_learning(**validation) -> LearningConfig:
         consolidation="passthrough",
         summarize_chunk_size=4,
         lesson_validation=LessonValidation(**{"enabled": True, "samples": 4, "problems": 2, **validation}),
+        checks_budget=None,  # every candidate tried: the budget is tests/test_checks_budget.py's
     )
 
 

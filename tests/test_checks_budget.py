@@ -1,0 +1,133 @@
+"""The checks budget (``learning.checks_budget``): a step's lesson trials and library gate spend at most that
+multiple of the step's own tokens (rollouts and learner calls). The flow tests run the real training flow against
+the scripted world over HTTP, once without a limit (to show the limit binds) and once with it."""
+
+import pytest
+
+from clgrpo.store import Store
+from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
+from flows.step import OWN_STAGES
+from flows.train import train
+from schemas.config import LearningConfig, LessonValidation, LibraryGate, RunConfig
+from schemas.records import GateSample, Problem
+from tasks.checks_budget import RESERVE_MARGIN, ChecksBudget
+from tasks.library_gate import decide, looks
+from tests.test_lesson_validation import make_config
+
+CHECKS = ("validate_lessons", "library_gate")
+
+
+def checked_learning(budget: float | None) -> LearningConfig:
+    return LearningConfig(
+        extract="contrast",
+        candidates=2,
+        summarize=False,
+        consolidation="passthrough",
+        summarize_chunk_size=4,
+        lesson_validation=LessonValidation(enabled=True, samples=4, problems=2),
+        library_gate=LibraryGate(enabled=True, samples=4, share=0.25, min_problems=2),
+        checks_budget=budget,
+    )
+
+
+def spent(store: Store, run_id: str) -> tuple[int, int]:
+    """(the step's own tokens, its checks' tokens) of step 1."""
+    rows = store.query(
+        "SELECT stage, sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = ? AND step = 1 GROUP BY stage",
+        [run_id],
+    )
+    by_stage = dict(zip(rows.stage, rows.t))
+    return sum(int(by_stage.get(s, 0)) for s in OWN_STAGES), sum(int(by_stage.get(s, 0)) for s in CHECKS)
+
+
+async def run(tmp_path, run_id: str, budget: float | None) -> RunConfig:
+    dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")
+    with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.5)) as server:
+        cfg = make_config(server, dataset, tmp_path, run_id, checked_learning(budget))
+        await train(cfg)
+    return cfg
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_steps_checks_stay_within_their_budget_and_say_what_it_cut(tmp_path):
+    await run(tmp_path, "free", None)  # the same run without a limit
+    bounded = await run(tmp_path, "bounded", 0.3)
+    with Store(bounded.db_path, read_only=True) as store:
+        own_free, checks_free = spent(store, "free")
+        own, checks = spent(store, "bounded")
+        trials = store.records("lesson_trials", "bounded", 1)
+        operations = store.records("operations", "bounded", 1)
+        gate = store.records("library_gates", "bounded", 1)
+    # without a limit the checks spend more than half the step's own tokens: the limit below binds
+    assert checks_free > 0.3 * own_free
+    # with it they stay within it (the gate's reserve is an estimate: a few per cent of slack)
+    assert 0 < checks <= 0.3 * own * 1.05, (checks, own)
+    cut = [t for t in trials if "checks budget" in t.reason]
+    assert cut and all(t.verdict == "rejected" for t in cut)
+    assert all(t.reason.startswith("not tried: the step's checks budget (learning.checks_budget=0.3: ") for t in cut)
+    # what the budget cut is never applied, and the operations say why
+    cut_texts = {t.operation.text for t in cut}
+    assert all(r.status.value == "rejected" for r in operations if r.operation.text in cut_texts)
+    assert any("checks budget" in r.reason for r in operations)
+    assert gate, "the gate still measured the step"
+
+
+def sample(arm: str, pid: str, idx: int, reward: float) -> GateSample:
+    return GateSample(
+        arm=arm,
+        library_hash=arm,
+        problem_id=pid,
+        sample_idx=idx,
+        seed=idx,
+        reward=reward,
+    )
+
+
+def test_a_gate_look_the_budget_cannot_pay_for_is_not_drawn_and_the_decision_says_so():
+    from dataclasses import replace
+
+    settings = LibraryGate(samples=4, min_problems=2)
+    problems = [Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag="a") for i in range(4)]
+    first = looks(settings)[0]
+    before = [sample("before", p.problem_id, i, 0.0) for p in problems for i in range(2)]
+    after = [sample("after", p.problem_id, i, float(p.problem_id == "p0")) for p in problems for i in range(2)]
+    assert decide(settings, problems, before, after, first) is None  # undecided: a second look would be drawn
+    stopped = decide(settings, problems, before, after, replace(first, stopped="look 2 of 2 not drawn: X"))
+    assert stopped is not None and stopped.verdict == "rejected" and stopped.samples == 2
+    assert stopped.reason.endswith("; look 2 of 2 not drawn: X")
+
+
+def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
+    budget = ChecksBudget.of(1.0, own_tokens=10_000, rollout_tokens=8_000, rollouts=40, gate_samples=16)
+    assert budget.allowed == 10_000 and budget.per_sample == 200
+    assert budget.gate_reserve == round(16 * 200 * RESERVE_MARGIN)
+    assert budget.left() == 10_000 - budget.gate_reserve
+    assert budget.fits(10, 200, spent_here=budget.left() - 2_000) and not budget.fits(11, 200, budget.left() - 2_000)
+    gate = budget.after(500).for_gate(3_000)
+    assert gate.left(reserve=False) == 10_000 - 3_500 and gate.gate_reserve == 0
+    assert "learning.checks_budget=1: 10,000 tokens" in gate.describe(reserve=False)
+    unlimited = ChecksBudget.of(None, 10_000, 8_000, 40, 16)
+    assert unlimited.fits(10**9, 1.0)
+
+
+def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
+    from types import SimpleNamespace
+
+    from clgrpo.library import ExperienceLibrary
+    from domains import domain_for
+    from tasks.library_gate import _unaffordable
+
+    server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
+    cfg = make_config(server, tmp_path / "d.jsonl", tmp_path, "r", checked_learning(1.0))  # type: ignore[arg-type]
+    problems = [Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag="a") for i in range(4)]
+    before = ExperienceLibrary()
+    after = ExperienceLibrary.from_mapping({"G0": "Count both ends of an inclusive range."})
+    second = looks(cfg.learning.library_gate)[1]  # 4 samples per problem: 2 more of each arm, 32 to draw
+    # 32 samples at 100 tokens: 3,200 tokens; 5,000 allowed, 1,000 spent by the trials
+    roomy = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(1_000)
+    assert _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, roomy) is None
+    tight = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000)
+    why = _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, tight)
+    assert why is not None and why.startswith("look 2 of 2 not drawn: the step's checks budget")
