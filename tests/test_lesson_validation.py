@@ -3,7 +3,6 @@ with them before anything is applied; helpful lessons are kept with their number
 with theirs. The flow tests run the real training flow against the scripted world over HTTP."""
 
 import json
-import math
 
 import pytest
 from pydantic import ValidationError
@@ -343,9 +342,6 @@ def test_near_duplicate_candidates_are_one_cluster_tried_once_for_all_their_grou
     near = NearDuplicates(vectors, threshold=0.9, mode="merge")
     assert [c.members for c in cluster(plan, range(4), near)] == [(0, 1, 3), (2,)]
     assert joined(plan, 1, (0, 1, 3)).source_groups == ["g0", "g1", "g3"]
-    # no chaining: a candidate close to one member but not to another starts its own cluster
-    chain = {normalize_text(t): [math.cos(a), math.sin(a)] for t, a in zip(texts[:3], (0.0, 0.35, 0.7))}
-    assert [c.members for c in cluster(plan, range(3), NearDuplicates(chain, 0.9, "merge"))] == [(0, 1), (2,)]
     assert joined(plan, 1, (0, 1, 3)).text == texts[1]
 
 
