@@ -197,6 +197,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                 "library_gate": True,
                 "blocked": True,
                 "unlabeled": True,
+                "checks_budget": True,
             },
             "dataset": {
                 "max_problem_chars": True,
