@@ -459,6 +459,24 @@ def _matrix(m: np.ndarray) -> list[list[float | None]]:
     return [[None if np.isnan(x) else float(x) for x in row] for row in m]
 
 
+def empty_is_none(entry: dict, base: np.ndarray) -> dict:
+    """A run that ended with no lesson answers with the empty library, which is the no-library condition itself
+    (its placebo is empty too): one measurement, the none matrix, not the same prompt drawn again (two draws of
+    one prompt differ by noise; a result kept before this rule holds such a redraw)."""
+    if entry["lessons"]:
+        return entry
+    same = paired(base, base)
+    return {
+        **entry,
+        "learned": ci(base),
+        "placebo": ci(base),
+        "learned_minus_none": same,
+        "learned_minus_placebo": same,
+        "eval_minutes": 0.0,
+        "matrices": {"learned": _matrix(base), "placebo": _matrix(base)},
+    }
+
+
 def _array(rows: list[list[float | None]]) -> np.ndarray:
     return np.array([[np.nan if x is None else x for x in row] for row in rows], dtype=float)
 
@@ -468,6 +486,7 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
     per problem; tokens per point of pooled gain only where there is a gain (a run that learned nothing has
     none)."""
     base = _array(none["matrix"])
+    entries = [empty_is_none(e, base) for e in entries]
     learned_all = [_array(e["matrices"]["learned"]) for e in entries]
     placebo_all = [_array(e["matrices"]["placebo"]) for e in entries]
     n = len(entries)
@@ -598,11 +617,15 @@ def family_seed(
         print(f"{rid}: measured on {kept['measured']}, read from {results_dir(s) / rid}.json", flush=True)
         return kept
     run = train_run(s, family, learner, seed, data, urls)
+    base = _array(none["matrix"])
+    if not run.lessons:  # the empty library is the none condition: nothing to evaluate
+        entry = empty_is_none(seed_entry(run, base, base, base, [], 0.0), base)
+        keep(s, rid, {"family": family, "learner": learner, **entry})
+        return entry
     fake = placebo_files(s, [run])[rid]
     conditions = {rid: f"{rid}:latest", f"placebo-{rid}": str(fake)}
     eval_ids = evaluate_family(s, family, data, conditions, urls["policy"][0])
     m = condition_matrices(s, eval_ids, none["problems"])
-    base = _array(none["matrix"])
     entry = seed_entry(run, base, m[rid], m[f"placebo-{rid}"], _lessons(fake), sampling_minutes(s, eval_ids))
     keep(s, rid, {"family": family, "learner": learner, **entry})
     return entry

@@ -228,3 +228,19 @@ def test_trials_and_the_gate_alone_side_by_side_from_the_kept_results(tmp_path):
     table = bench.trials_comparison(s)
     assert "| ranges | same | on | 0 | +0.750 [" in table and "| 200 | 3 | 1.33x |" in table  # 200 tokens, 75 points
     assert "| same | off |" not in table  # nothing kept for the gate alone: no row
+
+
+def test_a_run_that_kept_no_lesson_is_the_none_condition_not_another_draw(tmp_path):
+    """Issue 47: the empty library drawn again read as a gain (+0.03 over none, '23,255 tokens per point'); a run
+    that ended with no lesson is measured once, as none, whatever a result kept before holds."""
+    s = settings(tmp_path, ["ranges"], [0])
+    base = np.array([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    none = {"family": "ranges", "problems": ["a", "b", "c"], "matrix": base.tolist(), "parsed": 1.0}
+    none["eval_minutes"] = 1.0
+    run = bench.TrainRun("ranges", "same", 0, "ranges-self-s0", 60.0, 100, 50, 30, 20, lessons=[])
+    redrawn = np.array([[1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])  # the same empty prompt, drawn again: noise
+    entry = bench.seed_entry(run, base, redrawn, redrawn, [], 0.5)
+    assert entry["learned_minus_none"]["value"] > 0  # what the redraw alone would report
+    pooled = bench.pool_family(s, "ranges", "same", none, [entry], "cmd")
+    assert pooled["pooled"]["learned_minus_none"] == {"value": 0.0, "low": 0.0, "high": 0.0}
+    assert pooled["seeds"][0]["learned_minus_placebo"]["value"] == 0.0 and pooled["tokens_per_point"] is None
