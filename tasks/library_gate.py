@@ -35,7 +35,7 @@ from schemas.stages import Stage
 from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
-from tasks.measure import Sampling, measure, reusable, sample_seeds, to_draw
+from tasks.measure import Sampling, measure, reusable, sample_seeds, sampling_at, to_draw
 from tasks.outputs import Gate
 
 UNTAGGED = "(untagged)"
@@ -145,9 +145,7 @@ def _whole(library: ExperienceLibrary) -> ExperienceLibrary:
 
 
 def gate_sampling(config: RunConfig) -> Sampling:
-    settings = config.learning.library_gate
-    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    return Sampling.of(config, temperature)
+    return sampling_at(config, config.learning.library_gate.temperature)
 
 
 def _to_draw(

@@ -86,6 +86,11 @@ class Sampling:
         return cls(text_hash(json.dumps(payload, sort_keys=True)), temperature, agent)
 
 
+def sampling_at(config: RunConfig, temperature: float | None) -> Sampling:
+    """A check's sampling: its own temperature, or the rollouts' when it sets none."""
+    return Sampling.of(config, temperature if temperature is not None else config.grpo.rollout_temperature)
+
+
 def draw_key(sampling: Sampling, prompt_hash: str, problem: Problem, seed: int) -> str:
     return text_hash(json.dumps([sampling.identity, prompt_hash, problem.answer, seed]))
 

@@ -55,7 +55,16 @@ from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
 from tasks.library_gate import sign_test
-from tasks.measure import Sampling, draw_keys, graded_sample, measure, reusable, sample_seeds, to_draw
+from tasks.measure import (
+    Sampling,
+    draw_keys,
+    graded_sample,
+    measure,
+    reusable,
+    sample_seeds,
+    sampling_at,
+    to_draw,
+)
 from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
@@ -217,9 +226,7 @@ async def _attempts(
 
 
 def trial_sampling(config: RunConfig) -> Sampling:
-    settings = config.learning.lesson_validation
-    temperature = settings.temperature if settings.temperature is not None else config.grpo.rollout_temperature
-    return Sampling.of(config, temperature)
+    return sampling_at(config, config.learning.lesson_validation.temperature)
 
 
 def rollout_baseline(
@@ -662,17 +669,21 @@ class _Looks:
                 verdict="rejected",
                 reason=f"not tried: {note}",  # not a measurement: not in the ledger, tried again later
             )
-        without = [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
+        without = self.baseline_of(mine)
         trial = judge_trial(candidate, without, mine, self.settings, last_look=True)
         assert trial is not None, "the last look always decides"
         return trial.model_copy(update={"reason": f"{trial.reason}; look {look} not drawn: {note}"})
+
+    def baseline_of(self, mine: list[TrialSample]) -> list[TrialSample]:
+        """The attempts without any candidate on the problems a candidate's attempts ``mine`` were on."""
+        return [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
 
     def judge(self, undecided: list[_Candidate], last_look: bool) -> None:
         for candidate in undecided:
             if candidate.seq in self.decided:  # stopped by the budget at this look
                 continue
             mine = self.with_[candidate.seq]
-            without = [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
+            without = self.baseline_of(mine)
             exhausted = last_look or len(mine) >= len(candidate.problems) * self.settings.samples
             trial = judge_trial(candidate, without, mine, self.settings, last_look=exhausted)
             if trial is not None:
