@@ -99,6 +99,15 @@ def results(db: Path) -> list[tuple]:
     return [tuple(r) for r in rows.itertuples(index=False)]
 
 
+def settle(server: FakeOpenAIServer, timeout_s: float = 30.0) -> None:
+    """Waits until the server has answered the requests a stopped process left in flight: it counts a request
+    after its latency, so one sent just before the stop would otherwise land in the rerun's count."""
+    deadline = time.monotonic() + timeout_s
+    while server.stats.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server.stats.in_flight, "requests still in flight 30 s after the stopped process exited"
+
+
 @pytest.mark.parametrize("stops", [1, 2])
 def test_a_stopped_evaluation_resumes_and_asks_only_for_what_is_missing(prefect_api, tmp_path, stops):
     world = CountingWorld(seed=11)
@@ -132,6 +141,7 @@ def test_a_stopped_evaluation_resumes_and_asks_only_for_what_is_missing(prefect_
             assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
             lines.append(err)
             assert "finished work is stored" in err and "Traceback" not in err, err[-2000:]
+            settle(server)
         before_rerun = sum(world.sent.values())
         asked_before = set(world.sent)
         rerun = subprocess.run(
