@@ -55,7 +55,7 @@ from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
-from schemas.config import LearningConfig  # noqa: E402
+from schemas.config import LearningConfig, LessonValidation  # noqa: E402
 from schemas.stages import Stage  # noqa: E402
 
 POLICY = QWEN_05B
@@ -87,6 +87,7 @@ class Settings:
     trial_test: str = "mean"
     trial_max_problems: int | None = None
     trial_alpha: float = 0.05
+    trial_order: str = LessonValidation().order  # which candidates the checks budget lets try first
     # the library gate: the product's defaults (learning.library_gate) unless a setting is given
     gate: str = "auto"  # auto, on or off (learning.library_gate.enabled)
     gate_share: float | None = None
@@ -181,6 +182,7 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
                 "test": s.trial_test,
                 "max_problems": s.trial_max_problems,
                 "alpha": s.trial_alpha,
+                "order": s.trial_order,
             },
             "library_gate": gate_section(s),
             "checks_budget": s.checks_budget,
@@ -543,9 +545,10 @@ RESULT_SETTINGS = (
     "gate_adopt_alpha",
     "gate_temperature",
     "checks_budget",
+    "trial_order",
 )
 # settings added after results were kept: left out of a folder's key at this value, so those results stay found
-LATER_RESULT_SETTINGS = {"gate_temperature": None, "checks_budget": None}
+LATER_RESULT_SETTINGS = {"gate_temperature": None, "checks_budget": None, "trial_order": "plan"}
 
 
 def results_dir(s: Settings) -> Path:
@@ -951,6 +954,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
     ap.add_argument("--trial-test", choices=["mean", "sign"], default="mean")
     ap.add_argument("--trial-max-problems", type=int, help="sign test: problems at most per candidate")
     ap.add_argument("--trial-alpha", type=float, default=0.05)
+    ap.add_argument(
+        "--trial-order",
+        choices=["plan", "support"],
+        default=LessonValidation().order,
+        help="learning.lesson_validation.order: which candidates the checks budget lets try first (default: the "
+        "product's)",
+    )
     ap.add_argument("--gate", choices=["auto", "on", "off"], default="auto", help="learning.library_gate.enabled")
     ap.add_argument("--gate-share", type=float, help="default: the product's (learning.library_gate)")
     ap.add_argument("--gate-samples", type=int, help="default: the product's")
@@ -1003,6 +1013,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         a.trial_test,
         a.trial_max_problems,
         a.trial_alpha,
+        a.trial_order,
         a.gate,
         a.gate_share,
         a.gate_samples,

@@ -273,6 +273,10 @@ class LessonValidation(Section):
     # near-duplicate candidates of a step form a cluster (tasks.candidate_clusters): its members are tried one
     # after another, best-rated first, until one is kept, at most this many
     cluster_tries: int = Field(3, ge=1)
+    # which candidates are tried first when the checks budget cannot try them all (learning.checks_budget):
+    # ``plan``: in the plan's order; ``support``: those more groups proposed first (a cluster counts the groups
+    # of all its members), then the plan's order
+    order: Literal["plan", "support"] = "plan"
 
     @property
     def looks(self) -> int:
@@ -561,6 +565,7 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("learning.lesson_validation", "max_problems"): None,
     ("learning.lesson_validation", "alpha"): 0.05,
     ("learning.lesson_validation", "cluster_tries"): 1,
+    ("learning.lesson_validation", "order"): "plan",
     ("learning.library_gate", "adopt_alpha"): 0.2,
     ("learning.library_gate", "looks"): 1,
 }

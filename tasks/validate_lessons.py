@@ -567,6 +567,14 @@ class StepDraws:
         }
 
 
+def budget_order(candidates: Sequence[_Candidate], settings: LessonValidation) -> list[_Candidate]:
+    """The order in which the checks budget admits candidates: the plan's, or (``support``) the candidates more
+    groups proposed first, then the plan's."""
+    if settings.order == "plan":
+        return sorted(candidates, key=lambda c: c.seq)
+    return sorted(candidates, key=lambda c: (-len(set(c.operation.source_groups)), c.seq))
+
+
 class _Looks:
     """The attempts of a sequential trial, look by look: each look tries every undecided candidate on
     ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
@@ -632,14 +640,15 @@ class _Looks:
         config: RunConfig,
     ) -> list[_Candidate]:
         """The candidates whose attempts at this look (and the baseline attempts they need) fit the budget, in
-        the plan's order; each other one is decided here, untried or on its attempts so far."""
+        the order ``lesson_validation.order`` says (``budget_order``); each other one is decided here, untried or
+        on its attempts so far."""
         if self.budget is None or self.budget.allowed is None:
             return undecided
         sampling, k = trial_sampling(config), self.settings.samples
         per_sample, spent = self.per_sample(), tokens(self.calls)
         admitted: list[_Candidate] = []
         baseline_ids, cost = set(self.without), 0.0
-        for c in undecided:
+        for c in budget_order(undecided, self.settings):
             base = [p for p in fresh[c.seq] if p.problem_id not in baseline_ids]
             draws = to_draw(fresh[c.seq], c.library, k, self.seeds, sampling, domain, self.known)
             draws += to_draw(base, library, k, self.seeds, sampling, domain, self.known)
@@ -649,7 +658,7 @@ class _Looks:
                 admitted.append(c)
             else:
                 self.decided[c.seq] = self.cut(c, look, spent + math.ceil(cost))
-        return admitted
+        return sorted(admitted, key=lambda c: c.seq)
 
     def per_sample(self) -> float:
         """Tokens per drawn trial sample so far (before any: the step's rollouts')."""
