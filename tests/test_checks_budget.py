@@ -131,3 +131,39 @@ def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
     tight = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000)
     why = _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, tight)
     assert why is not None and why.startswith("look 2 of 2 not drawn: the step's checks budget")
+
+
+@pytest.mark.parametrize("order, first", [("plan", 0), ("support", 2)])
+def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, order, first):
+    """With room for one candidate's attempts, ``plan`` tries the plan's first candidate and ``support`` the one
+    more groups proposed; the other is rejected untried, naming the budget."""
+    from types import SimpleNamespace
+
+    from clgrpo.library import ExperienceLibrary
+    from domains import domain_for
+    from schemas.records import Operation, OpKind
+    from tasks.validate_lessons import _Candidate, _Looks
+
+    server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
+    learning = checked_learning(1.0).model_copy(
+        update={"lesson_validation": LessonValidation(enabled=True, samples=4, problems=1, order=order)}
+    )
+    cfg = make_config(server, tmp_path / "d.jsonl", tmp_path, "r", learning)  # type: ignore[arg-type]
+    problem = Problem(problem_id="p0", problem="q0", answer="1", tag="a")
+    library = ExperienceLibrary()
+
+    def candidate(seq: int, text: str, groups: list[str]) -> _Candidate:
+        op = Operation(op=OpKind.ADD, text=text, source_groups=groups)
+        return _Candidate(seq, op, ExperienceLibrary.from_mapping({"G0": text}), [problem])
+
+    candidates = [
+        candidate(0, "Read the question twice before you start.", ["g1"]),
+        candidate(2, "Count both ends of an inclusive range.", ["g1", "g2", "g3"]),
+    ]
+    # one candidate's 4 attempts and the 4 baseline attempts at 100 tokens: 800 of the 1,000 left
+    budget = ChecksBudget.of(1.0, own_tokens=1_000, rollout_tokens=1_000, rollouts=10)
+    looks = _Looks(cfg.learning.lesson_validation, {"p0": 7}, {}, budget)
+    admitted = looks.admitted(1, candidates, {0: [problem], 2: [problem]}, library, domain_for(cfg), cfg)
+    assert [c.seq for c in admitted] == [first]
+    (cut,) = looks.decided.values()
+    assert cut.seq != first and cut.verdict == "rejected" and "checks budget" in cut.reason
