@@ -334,8 +334,10 @@ def _paired_rewards(without: list[TrialSample], with_: list[TrialSample]) -> lis
 
 
 def _kept_gain(trial: LessonTrial) -> float:
+    """A kept trial's gain, rounded so that equal gains compare equal (0.67 -> 1.00 and 0.33 -> 0.67 differ in
+    the last bit: without rounding the one that comes out larger wins a tie the lesson rater should break)."""
     assert trial.gain is not None, "judge_trial gives every kept trial its gain"
-    return trial.gain
+    return round(trial.gain, 9)
 
 
 def best_per_group(trials: list[LessonTrial], specific: AbstractSet[int] = frozenset()) -> list[LessonTrial]:

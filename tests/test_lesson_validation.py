@@ -297,6 +297,10 @@ def test_the_rater_breaks_ties_for_the_specific_lesson_and_reads_its_reply():
     rated = best_per_group(tied, specific={1})
     assert [t.verdict for t in rated] == ["rejected", "kept"]
     assert "gained as much with a specific lesson (the lesson rater)" in rated[0].reason
+    # 1.00 - 0.67 and 0.67 - 0.33 differ in the last bit (seen on `ranges`): still a tie the rater breaks
+    thirds = [trial(0, 1.0 - 2 / 3, "Always check your work."), trial(1, 2 / 3 - 1 / 3, "Count both ends.")]
+    assert thirds[0].gain != thirds[1].gain
+    assert [t.verdict for t in best_per_group(thirds, specific={1})] == ["rejected", "kept"]
     assert parse_rating("x", '{"verdict": "Generic", "reason": "fits  any problem"}').verdict == "generic"
     assert parse_rating("x", "no json here").verdict == "unrated"
     assert parse_rating("x", '{"verdict": "maybe"}').verdict == "unrated"
