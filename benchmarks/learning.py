@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -220,12 +221,25 @@ def clgrpo(*args: str, log: Path) -> float:
     with log.open("a") as out:
         out.write(f"\n$ clgrpo {' '.join(args)}\n")
         out.flush()
-        done = subprocess.run(
-            [str(Path(sys.executable).with_name("clgrpo")), *args], stdout=out, stderr=subprocess.STDOUT, check=False
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"clgrpo {args[0]} failed (exit {done.returncode}); see {log}")
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("clgrpo")), *args], stdout=out, stderr=out)
+        try:
+            returncode = proc.wait()
+        except BaseException:  # the benchmark is stopped (SIGTERM, Ctrl-C): the run stops too, storing its work
+            proc.terminate()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if returncode != 0:
+        raise SystemExit(f"clgrpo {args[0]} failed (exit {returncode}); see {log}")
     return time.monotonic() - started
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a queue script stopped) stops the benchmark as Ctrl-C does: the clgrpo run in progress
+    is stopped and the servers it started are stopped, instead of left running on their own."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 # --- training --------------------------------------------------------------------------------------------
@@ -1077,6 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_block(block, TRIALS_BEGIN, TRIALS_END, "What the learning checks cost")
         return 0
     started = time.monotonic()
+    stop_on_sigterm()
     minutes, how = estimate_minutes(s)
     print(f"estimated time: {minutes / 60:.1f} h ({how}; measured on 2 cores, CPU only)", flush=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

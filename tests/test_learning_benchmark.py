@@ -244,3 +244,34 @@ def test_a_run_that_kept_no_lesson_is_the_none_condition_not_another_draw(tmp_pa
     pooled = bench.pool_family(s, "ranges", "same", none, [entry], "cmd")
     assert pooled["pooled"]["learned_minus_none"] == {"value": 0.0, "low": 0.0, "high": 0.0}
     assert pooled["seeds"][0]["learned_minus_placebo"]["value"] == 0.0 and pooled["tokens_per_point"] is None
+
+
+def test_a_stopped_benchmark_stops_the_clgrpo_run_it_started(tmp_path):
+    """SIGTERM to the benchmark reaches its clgrpo run as SIGTERM (so the run stores its finished work), and the
+    benchmark exits instead of leaving the run going on its own (seen: a killed queue left `clgrpo train` running,
+    which then refused the rerun: "run ... is being trained by process N")."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "stopped"
+    fake = tmp_path / "clgrpo"
+    fake.write_text(f"#!/bin/bash\ntrap 'echo stopped > {marker}; exit 143' TERM\necho started\nsleep 60 & wait\n")
+    fake.chmod(0o755)
+    script = (
+        "import importlib.util, sys; from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('b', {str(ROOT / 'benchmarks' / 'learning.py')!r})\n"
+        "b = importlib.util.module_from_spec(spec); sys.modules['b'] = b; spec.loader.exec_module(b)\n"
+        f"sys.executable = {str(tmp_path / 'python')!r}  # the benchmark runs the clgrpo beside it\n"
+        f"b.stop_on_sigterm(); b.clgrpo('train', log=Path({str(tmp_path / 'run.log')!r}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    log, deadline = tmp_path / "run.log", time.monotonic() + 60
+    while not (log.exists() and "started" in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text().strip() == "stopped"  # the run got SIGTERM, not SIGKILL
