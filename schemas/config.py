@@ -274,9 +274,9 @@ class LessonValidation(Section):
     # after another, best-rated first, until one is kept, at most this many
     cluster_tries: int = Field(3, ge=1)
     # which candidates are tried first when the checks budget cannot try them all (learning.checks_budget):
-    # ``plan``: in the plan's order; ``support``: those more groups proposed first (a cluster counts the groups
-    # of all its members), then the plan's order
-    order: Literal["plan", "support"] = "plan"
+    # ``support``: those more groups proposed first (a cluster counts the groups of all its members), then the
+    # plan's order (measured on `ranges`: benchmarks/REPORT.md); ``plan``: in the plan's order
+    order: Literal["plan", "support"] = "support"
 
     @property
     def looks(self) -> int:

@@ -206,14 +206,14 @@ def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
 
 
 def test_a_setting_added_later_keeps_the_folders_of_results_kept_before(tmp_path):
-    before, _ = bench.parse(["--out", str(tmp_path)])
+    before, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan"])  # as results were kept before
     added = {"gate_temperature", "trial_order"}  # at the values they had before they were settings
     key = json.dumps({k: getattr(before, k) for k in bench.RESULT_SETTINGS if k not in added}, sort_keys=True)
     assert bench.results_dir(before).name == bench.hashlib.sha256(key.encode()).hexdigest()[:12]  # as it was
-    cooler, _ = bench.parse(["--out", str(tmp_path), "--gate-temperature", "0.3"])
+    cooler, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan", "--gate-temperature", "0.3"])
     assert bench.results_dir(cooler) != bench.results_dir(before)
     assert bench.gate_section(cooler) == {"enabled": "auto", "temperature": 0.3}
-    supported, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "support"])
+    supported, _ = bench.parse(["--out", str(tmp_path)])  # the product's order now: support
     assert bench.results_dir(supported) != bench.results_dir(before)
 
 
