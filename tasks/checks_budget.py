@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from clgrpo.words import counted
 from schemas.records import LLMCall
 
 RESERVE_MARGIN = 1.25
@@ -71,5 +72,5 @@ class ChecksBudget:
         kept = f", {self.gate_reserve:,} of them kept for the library gate" if reserve and self.gate_reserve else ""
         return (
             f"the step's checks budget (learning.checks_budget={self.ratio:g}: {self.allowed or 0:,} tokens{kept}) "
-            f"has {left:,} {'token' if left == 1 else 'tokens'} left"
+            f"has {counted(left, 'token')} left"
         )
