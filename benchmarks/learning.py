@@ -636,7 +636,7 @@ def family_seed(
     run = train_run(s, family, learner, seed, data, urls)
     base = _array(none["matrix"])
     if not run.lessons:  # the empty library is the none condition: nothing to evaluate
-        entry = empty_is_none(seed_entry(run, base, base, base, [], 0.0), base)
+        entry = seed_entry(run, base, base, base, [], 0.0)
         keep(s, rid, {"family": family, "learner": learner, **entry})
         return entry
     fake = placebo_files(s, [run])[rid]
