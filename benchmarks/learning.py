@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -707,14 +708,26 @@ def glance(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def lessons_caption(r: dict, width: int = 60) -> str:
+    """A row's lessons in the picture: how many each seed kept, and the shortest of them (cut to ``width``
+    characters, between words) as a sample of what was learned."""
+    counts = "/".join(str(len(x["lessons"])) for x in r["seeds"])
+    kept = [lesson for x in r["seeds"] for lesson in x["lessons"]]
+    if not kept:
+        return f"lessons {counts}: none kept"
+    sample = textwrap.shorten(min(kept, key=len), width, placeholder=" \u2026")  # cut between words
+    return f"lessons {counts}: \u201c{sample}\u201d"
+
+
 def glance_plot(results: list[dict], path: Path) -> None:
-    """One picture: a row per (family, learner), learned - none and learned - placebo with their 95% CIs."""
+    """One picture: a row per (family, learner), learned - none and learned - placebo with their 95% CIs, and the
+    lessons kept."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(results) + 1.4))
+    fig, ax = plt.subplots(figsize=(6.5, 0.45 * len(results) + 1.2))
     rows = list(reversed(results))
     for y, r in enumerate(rows):
         for offset, key, color, label in (
@@ -731,15 +744,13 @@ def glance_plot(results: list[dict], path: Path) -> None:
                 capsize=3,
                 label=label if y == 0 else None,
             )
-        kept = "/".join(str(len(x["lessons"])) for x in r["seeds"])
-        ax.annotate(f"lessons {kept}", (1.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="center")
+        ax.annotate(lessons_caption(r), (1.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="center")
     ax.axvline(0, color="#444444", linewidth=0.8)
     ax.set_yticks(range(len(rows)), [f"{family_label(r['family'])} / {r['learner']}" for r in rows], fontsize=8)
     ax.set_xlabel("held-out Mean@k difference, pooled over seeds (95% paired-bootstrap CI)", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # widened to the labels and the captions beside the axes
 
 
 def markdown(results: list[dict]) -> str:

@@ -192,6 +192,16 @@ def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_
     assert rows["units"].endswith("| no lesson kept (no harm) |") and "| 0 / 0 / 0 |" in rows["units"]
     bench.glance_plot([gain, harm, flat, empty], tmp_path / "glance.png")
     assert (tmp_path / "glance.png").stat().st_size > 0
+    assert bench.lessons_caption(empty) == "lessons 0/0/0: none kept"
+
+
+def test_the_pictures_caption_counts_each_seeds_lessons_and_quotes_the_shortest_cut_between_words(tmp_path):
+    r = result(settings(tmp_path, ["ranges"], [0, 1]), "ranges", 0.2)
+    r["seeds"][0]["lessons"] = ["Count both ends of a range: last - first + 1, including the upper bound day."]
+    r["seeds"][1]["lessons"] = ["Convert units before adding quantities of different units together.", "Check."]
+    assert bench.lessons_caption(r) == "lessons 1/2: \u201cCheck.\u201d"
+    r["seeds"][1]["lessons"] = []
+    assert bench.lessons_caption(r, width=40) == "lessons 1/0: \u201cCount both ends of a range: last - \u2026\u201d"
 
 
 def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
