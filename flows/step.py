@@ -186,14 +186,14 @@ class StepContext:
     def parent_adapter(self) -> str | None:
         return parent_adapter(self.store, self.cfg, self.run_id, self.step)
 
-    def checks_budget(self, s: StepState, *, reserve_gate: bool = True) -> ChecksBudget:
+    def checks_budget(self, s: StepState) -> ChecksBudget:
         """What the step's checks may spend (``tasks.checks_budget``), from its own calls as stored, with the
-        gate's samples reserved where the gate runs (``reserve_gate``: for the trials, which come before it)."""
+        gate's samples reserved where the gate runs (the trials leave them; the gate may spend them)."""
         calls = self.store.records(LLMCall, self.run_id, self.step)
         own = [c for c in calls if c.stage in OWN_STAGES]
         rollout_tokens = tokens([c for c in own if c.stage == Stage.ROLLOUT.value])
         gate = 0
-        if reserve_gate and self.aside and s.cfg.learning.library_gate.enabled is not False:
+        if self.aside and s.cfg.learning.library_gate.enabled is not False:
             earlier = self.store.records(GateSample, self.run_id)
             before = ExperienceLibrary.from_version(s.version)
             gate = samples_to_draw(s.cfg, before, self.aside, earlier, domain_for(s.cfg))
@@ -325,7 +325,7 @@ async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
     near, usefulness = await c.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
     earlier = c.store.records(GateSample, c.run_id)
-    budget = c.checks_budget(s, reserve_gate=False).for_gate(c.checks_spent())
+    budget = c.checks_budget(s).for_gate(c.checks_spent())  # the reserve the trials left it, overrun or not
     return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier, budget)
 
 

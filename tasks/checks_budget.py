@@ -10,7 +10,10 @@ at the tokens of one of the step's rollouts (prompt and reply) times ``RESERVE_M
 makes a gate sample longer than a rollout). Trials spend what is left, candidate by candidate in the plan's
 order: one whose samples do not fit is rejected untried, saying so. The gate always draws its first look and
 draws a further look only if its samples fit what is left (at the tokens its own samples took so far); else it
-decides at the look it has, saying so.
+decides at the look it has, saying so. The reserve is the gate's own: a trial costs what its samples turn out
+to cost, so the trials may overrun their share by part of their last trial, and that overrun takes no look from
+the gate (a look fits what is left of the budget or of the reserve, whichever is more). The checks then exceed
+the budget by at most that overrun.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ def tokens(calls: Sequence[LLMCall]) -> int:
 class ChecksBudget:
     """The tokens a step's checks may spend (``allowed``, None: no limit), what one policy sample is expected to
     cost (``per_sample``: the step's rollouts' tokens per rollout), the part kept for the gate
-    (``gate_reserve``) and what the checks spent before the current stage (``spent``)."""
+    (``gate_reserve``), what the checks spent before the current stage (``spent``) and, for the gate, the
+    reserve it may spend whatever the trials overran (``gate_floor``)."""
 
     ratio: float | None
     allowed: int | None
     per_sample: float
     gate_reserve: int = 0
     spent: int = 0
+    gate_floor: int = 0
 
     @classmethod
     def of(
@@ -54,14 +59,16 @@ class ChecksBudget:
         """Tokens still free for the current stage after ``spent_here`` (trials: the gate's reserve kept)."""
         if self.allowed is None:
             return math.inf
-        return self.allowed - self.spent - spent_here - (self.gate_reserve if reserve else 0)
+        free = self.allowed - self.spent - spent_here - (self.gate_reserve if reserve else 0)
+        return max(free, self.gate_floor - spent_here) if self.gate_floor else free
 
     def fits(self, samples: int, per_sample: float, spent_here: int = 0, *, reserve: bool = True) -> bool:
         return samples * per_sample <= self.left(spent_here, reserve=reserve)
 
     def for_gate(self, spent_by_trials: int) -> ChecksBudget:
-        """What the gate may spend once the trials (and the calls around them) spent ``spent_by_trials``."""
-        return replace(self, gate_reserve=0, spent=self.spent + spent_by_trials)
+        """What the gate may spend once the trials (and the calls around them) spent ``spent_by_trials``: what
+        is left of the budget, and its reserve at least."""
+        return replace(self, gate_reserve=0, gate_floor=self.gate_reserve, spent=self.spent + spent_by_trials)
 
     def after(self, spent: int) -> ChecksBudget:
         return replace(self, spent=self.spent + spent)

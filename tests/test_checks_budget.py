@@ -108,6 +108,10 @@ def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
     gate = budget.after(500).for_gate(3_000)
     assert gate.left(reserve=False) == 10_000 - 3_500 and gate.gate_reserve == 0
     assert "learning.checks_budget=1: 10,000 tokens" in gate.describe(reserve=False)
+    # the trials overran their share (6,000) by 1,500: the gate still has its whole reserve, and no more
+    overrun = budget.after(500).for_gate(7_000)
+    assert overrun.left(reserve=False) == budget.gate_reserve == 4_000
+    assert overrun.left(3_000, reserve=False) == 1_000 and not overrun.fits(6, 200, 3_000, reserve=False)
     unlimited = ChecksBudget.of(None, 10_000, 8_000, 40, 16)
     assert unlimited.fits(10**9, 1.0)
 
@@ -131,6 +135,9 @@ def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
     tight = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000)
     why = _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, tight)
     assert why is not None and why.startswith("look 2 of 2 not drawn: the step's checks budget")
+    # the trials overran into the gate's reserve (4,000 for the 32 samples): the look is still the gate's
+    overrun = ChecksBudget.of(1.0, 5_000, 1_000, 10, gate_samples=32).for_gate(4_000)
+    assert _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, overrun) is None
 
 
 @pytest.mark.parametrize("order, first", [("plan", 0), ("support", 2)])
