@@ -416,15 +416,29 @@ def heldout_ids(data: dict, family: str) -> list[str]:
 
 
 def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
-    """Wall time the evaluations spent sampling: first call's start to last call's end, per eval id, summed
-    (read from ``llm_calls``, so an evaluation read back by a resumed benchmark keeps its real cost)."""
+    """Wall time the evaluations spent sampling: the time some call of an eval id was in flight, summed over
+    the eval ids (read from ``llm_calls``, so an evaluation read back by a resumed benchmark keeps its real cost;
+    a pause between an interrupted evaluation and its resumption is not sampling and is not counted)."""
     with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
-        spans = store.query(
-            "SELECT run_id, epoch(max(started_at + to_seconds(latency_s)) - min(started_at)) AS s "
-            "FROM llm_calls WHERE list_contains(?, run_id) GROUP BY run_id",
-            [list(eval_ids.values())],
-        )
-    return float(spans["s"].sum()) / 60
+        busy = store.query(_BUSY_SECONDS_SQL, [list(eval_ids.values())])
+    return float(busy["s"].sum() or 0.0) / 60
+
+
+# the union of each eval id's call intervals: a call starting after every earlier call ended opens an island
+_BUSY_SECONDS_SQL = """
+WITH calls AS (
+    SELECT run_id, started_at AS s, started_at + to_seconds(latency_s) AS e
+    FROM llm_calls WHERE list_contains(?, run_id)
+), reached AS (
+    SELECT *, max(e) OVER (PARTITION BY run_id ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS r
+    FROM calls
+), islands AS (
+    SELECT *, sum(CASE WHEN r IS NULL OR s > r THEN 1 ELSE 0 END)
+        OVER (PARTITION BY run_id ORDER BY s, e ROWS UNBOUNDED PRECEDING) AS island
+    FROM reached
+)
+SELECT run_id, island, epoch(max(e) - min(s)) AS s FROM islands GROUP BY run_id, island
+"""
 
 
 def ci(values: np.ndarray, seed: int = 0) -> dict:
@@ -498,6 +512,14 @@ def _array(rows: list[list[float | None]]) -> np.ndarray:
     return np.array([[np.nan if x is None else x for x in row] for row in rows], dtype=float)
 
 
+def measured_dates(parts: Sequence[dict]) -> str:
+    """When a pooled result's parts were measured (kept files say; a part measured now has no date yet): one
+    date, or the first and the last."""
+    today = time.strftime("%Y-%m-%d")
+    dates = sorted({part.get("measured", today) for part in parts})
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+
+
 def pool_family(s: Settings, family: str, learner: str, none: dict, entries: list[dict], command: str) -> dict:
     """The family's result for one learner from its seeds' entries: pooled differences stack the seeds' samples
     per problem; tokens per point of pooled gain only where there is a gain (a run that learned nothing has
@@ -514,7 +536,7 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
         "family": family,
         "learner": learner,
         "command": command,
-        "measured": time.strftime("%Y-%m-%d"),
+        "measured": measured_dates([none, *entries]),
         "settings": {
             k: v for k, v in asdict(s).items() if k not in ("out", "cache_dir", "families", "learners", "runs_dir")
         },

@@ -4,6 +4,7 @@ invocations merged into one report, the report naming every family, seed, lesson
 import importlib.util
 import json
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -120,7 +121,10 @@ def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
     calls = {
         "e0": [
             LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0),
-            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(minutes=1), latency_s=60.0),
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(seconds=10), latency_s=10.0),
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(seconds=20), latency_s=40.0),
+            # resumed 40 minutes later: the pause is not sampling
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(minutes=40), latency_s=30.0),
         ],
         "e1": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0)],
         "other": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=600.0)],
@@ -128,8 +132,8 @@ def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
     with Store(str(tmp_path / "learning.duckdb")) as store:
         for run_id, rows in calls.items():
             store.write_stage(run_id, 0, "evaluate", {"llm_calls": rows})
-    # e0: first start to last end is 2 minutes; e1: 30 s; "other" is not asked for
-    assert np.isclose(bench.sampling_minutes(s, {"none": "e0", "learned": "e1"}), 2.5)
+    # e0: calls in flight from 0 s to 60 s (overlapping), then 30 s after the pause; e1: 30 s; "other" not asked
+    assert np.isclose(bench.sampling_minutes(s, {"none": "e0", "learned": "e1"}), 2.0)
 
 
 def test_the_estimate_counts_the_runs_left_to_do_and_their_samples(tmp_path):
@@ -169,6 +173,10 @@ def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_
     assert "ranges-self-s0: measured on " in capsys.readouterr().out
     pooled = bench.pool_family(s, "ranges", "same", bench.load_kept(s, "ranges-none"), kept, "cmd")
     assert pooled["pooled"]["learned_minus_none"]["value"] == 0.25  # (0.5 + 0) / 2 over 3 problems x 2 samples
+    today = time.strftime("%Y-%m-%d")  # when the kept parts were measured, not when they were pooled
+    assert pooled["measured"] == today
+    dated = [{**kept[0], "measured": "2026-11-27"}, kept[1]]
+    assert bench.pool_family(s, "ranges", "same", none, dated, "cmd")["measured"] == f"2026-11-27 to {today}"
     assert [x["seed"] for x in pooled["seeds"]] == [0, 1] and "matrices" not in pooled["seeds"][0]
     assert pooled["tokens_per_point"] == 2 * 200 / 25
     assert bench.estimate_minutes(s)[1].startswith("0 of 2 training runs to do")
