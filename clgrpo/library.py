@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from clgrpo.tokens import estimate_tokens
 from schemas.records import (
     Experience,
@@ -21,11 +23,14 @@ from schemas.records import (
     OperationResult,
     OpKind,
     OpStatus,
+    Problem,
+    WorkedExample,
     text_hash,
     utcnow,
 )
 
 DEFAULT_MAX_WORDS = 32
+EXAMPLE_MAX_WORDS = 400  # an example's solution is a whole worked answer, not a one-line lesson
 Screen = Callable[[Operation], str | None]  # an operation with a text -> a rejection reason, or None
 NEAR_DUPLICATE = "near-duplicate"  # how near-duplicate outcomes start their reason (counted per step)
 
@@ -104,8 +109,8 @@ class Diff:
         return not (self.added or self.removed or self.modified)
 
     def to_markdown(self) -> str:
-        lines = [f"+ [{e.id}] {e.text}" for e in self.added]
-        lines += [f"- [{e.id}] {e.text}" for e in self.removed]
+        lines = [f"+ [{e.id}] {item_text(e)}" for e in self.added]
+        lines += [f"- [{e.id}] {item_text(e)}" for e in self.removed]
         lines += [f"~ [{old.id}] {old.text}\n  -> {new.text}" for old, new in self.modified]
         return "\n".join(lines) if lines else "(no changes)"
 
@@ -182,6 +187,30 @@ class _Batch:
         return None
 
 
+@dataclass(frozen=True)
+class ExampleView:
+    """How a library's worked examples are shown at answer time (``library.examples_shown`` and
+    ``library.examples_as``): at most ``shown`` per problem, as prior chat ``turns`` or a ``block`` beside the
+    lessons. It travels with the library version, like ``shown``."""
+
+    shown: int = 2
+    form: str = "turns"
+
+
+_WORD_RE = re.compile(r"[^\W\d_]+")
+
+
+def _words(text: str) -> set[str]:
+    """The words of a text without its numbers: problems of one kind share them whatever their numbers."""
+    return {w.casefold() for w in _WORD_RE.findall(text)}
+
+
+def similarity(a: str, b: str) -> float:
+    """Word-set overlap (Jaccard) of two problem texts, numbers left out: how an example is matched to a problem."""
+    x, y = _words(a), _words(b)
+    return len(x & y) / len(x | y) if x | y else 0.0
+
+
 _ARITY = {OpKind.ADD: (0, 0), OpKind.MODIFY: (1, 1), OpKind.DELETE: (1, 1), OpKind.KEEP: (1, 1)}
 
 
@@ -199,9 +228,11 @@ class ExperienceLibrary:
         id_prefix: str = "E",
         retired_ids: Iterable[str] = (),
         shown: Mapping[str, Sequence[str]] | None = None,
+        view: ExampleView = ExampleView(),
     ) -> None:
         self._items: tuple[Experience, ...] = tuple(experiences)
         self.shown = None if shown is None else {k: list(v) for k, v in shown.items()}
+        self.view = view
         self.by_id: dict[str, Experience] = {e.id: e for e in self._items}
         if len(self.by_id) != len(self._items):
             raise LibraryFormatError("experience ids must be unique")
@@ -233,39 +264,80 @@ class ExperienceLibrary:
             return NotImplemented
         return self.as_dict() == other.as_dict() and self.next_id == other.next_id
 
-    def as_dict(self) -> dict[str, str]:
-        return {e.id: e.text for e in self._items}
+    @property
+    def lessons(self) -> tuple[Experience, ...]:
+        return tuple(e for e in self._items if e.example is None)
+
+    @property
+    def examples(self) -> tuple[Experience, ...]:
+        return tuple(e for e in self._items if e.example is not None)
+
+    def as_dict(self) -> dict[str, str | dict[str, object]]:
+        """Id -> a lesson's text, or an example as an object (its problem, solution and provenance)."""
+        return {e.id: e.text if e.example is None else example_payload(e) for e in self._items}
 
     def content_hash(self) -> str:
         return text_hash(json.dumps(self.as_dict(), sort_keys=True))
 
     def render_for_prompt(self, ids: Iterable[str] | None = None) -> str:
-        """One line per experience, ``[id]. text``, in id order; empty string for an empty library. ``ids``: only
-        those experiences (retrieval injection, domain routing), still in id order."""
+        """One line per lesson, ``[id]. text``, in id order; empty string for a library without lessons. ``ids``:
+        only those lessons (retrieval injection, domain routing), still in id order. Examples are shown apart
+        (``examples_for``)."""
         wanted = None if ids is None else set(ids)
-        return "\n".join(_prompt_line(e) for e in self._items if wanted is None or e.id in wanted)
+        return "\n".join(_prompt_line(e) for e in self.lessons if wanted is None or e.id in wanted)
 
     def prompt_text_for(self, problem_id: str) -> str:
-        """The library block of one problem's rollout prompt: the experiences ``shown`` to it (all if unrouted)."""
+        """The lesson block of one problem's rollout prompt: the lessons ``shown`` to it (all if unrouted)."""
         ids = None if self.shown is None else self.shown.get(problem_id)
         return self.render_for_prompt(ids)
 
+    def examples_for(self, problem: Problem) -> list[Experience]:
+        """The worked examples one problem's prompt shows: at most ``view.shown``, never one of the problem itself
+        (by id or text), only of its domain (or shared), those of its task tag first, then the most similar
+        problem texts (word overlap, numbers left out), ties the lower id."""
+        own = normalize_text(problem.problem)
+        candidates = [
+            e
+            for e in self.examples
+            if e.example is not None
+            and problem.problem_id not in e.source_groups
+            and normalize_text(e.example.problem) != own
+            and (e.domain_tag is None or problem.domain_tag is None or e.domain_tag == problem.domain_tag)
+        ]
+
+        def rank(e: Experience) -> tuple[bool, float, tuple[int, str]]:
+            assert e.example is not None
+            same_tag = problem.tag is not None and e.example.task_tag == problem.tag
+            return (not same_tag, -similarity(e.example.problem, problem.problem), _sort_key(e))
+
+        return sorted(candidates, key=rank)[: self.view.shown]
+
     def with_shown(self, shown: Mapping[str, Sequence[str]]) -> "ExperienceLibrary":
         """This version, routing each problem's prompt to the ids in ``shown`` (``clgrpo.retrieval``)."""
-        return ExperienceLibrary(
-            self._items,
+        return self._derived(self._items, shown=shown)
+
+    def with_view(self, view: ExampleView) -> "ExperienceLibrary":
+        """This version, showing its examples as ``view`` says (``library.examples_shown``, ``examples_as``)."""
+        return self._derived(self._items, view=view)
+
+    def _derived(self, items: Iterable[Experience], **changes: object) -> "ExperienceLibrary":
+        """A library of ``items`` with this one's version, ids, routing and view, but for ``changes``."""
+        settings: dict[str, object] = dict(
             version=self.version,
             step=self.step,
             parent_version=self.parent_version,
             next_id=self.next_id,
             id_prefix=self.id_prefix,
             retired_ids=self.retired_ids,
-            shown=shown,
+            shown=self.shown,
+            view=self.view,
         )
+        return ExperienceLibrary(items, **(settings | changes))  # type: ignore[arg-type]
 
     def prompt_tokens(self) -> int:
-        """Estimated tokens of the whole rendered library (``clgrpo.tokens``): what ``library.max_tokens`` bounds."""
-        return sum(estimate_tokens(_prompt_line(e)) for e in self._items)
+        """Estimated tokens of the rendered lessons (``clgrpo.tokens``): what ``library.max_tokens`` bounds. The
+        examples are bounded by count instead (``library.examples_shown`` per prompt)."""
+        return sum(estimate_tokens(_prompt_line(e)) for e in self.lessons)
 
     # --- applying operations ----------------------------------------------------------------------------
     def apply(
@@ -302,6 +374,7 @@ class ExperienceLibrary:
             next_id=batch.next_id,
             id_prefix=self.id_prefix,
             retired_ids=batch.retired,
+            view=self.view,
         )
         return new, results
 
@@ -323,6 +396,8 @@ class ExperienceLibrary:
             return None, ids[0]
         if op.op == OpKind.DELETE:
             return None, self._delete(batch, ids[0], seq)
+        if op.example is not None:
+            return self._add_example(batch, op, seq, max_size)
         reason = batch.check_text(op.text, replacing=ids) or (batch.screen(op) if batch.screen else None)
         if reason:
             return reason, None
@@ -359,6 +434,31 @@ class ExperienceLibrary:
         )
         batch.touched[exp_id] = seq
         batch.notes[seq] = f"{where}: merged into it (its text kept, the sources joined)"
+        return None, exp_id
+
+    @staticmethod
+    def _add_example(batch: _Batch, op: Operation, seq: int, max_size: int | None) -> tuple[str | None, str | None]:
+        """A worked example: only ever added (a solution is not reworded or merged), once per problem, within
+        ``EXAMPLE_MAX_WORDS``, and through the screen (the guard's checks against injected instructions)."""
+        example = op.example
+        assert example is not None
+        if op.op != OpKind.ADD:
+            return f"a worked example can only be added, not {op.op.value}d", None
+        text = (op.text or "").strip()
+        if not text:
+            return "empty solution", None
+        if (words := word_count(text)) > EXAMPLE_MAX_WORDS:
+            return f"too long: a solution of {words} words (limit {EXAMPLE_MAX_WORDS})", None
+        same = normalize_text(example.problem)
+        for exp in batch.live.values():
+            if exp.example is not None and normalize_text(exp.example.problem) == same:
+                return f"duplicate: live example {exp.id} already solves this problem", None
+        if batch.screen is not None and (reason := batch.screen(op)):
+            return reason, None
+        if max_size is not None and len(batch.live) >= max_size:
+            return f"library full: {len(batch.live)} experiences (limit {max_size})", None
+        exp_id = ExperienceLibrary._add(batch, text, [], op.source_groups, seq)
+        batch.live[exp_id] = batch.live[exp_id].model_copy(update={"example": example})
         return None, exp_id
 
     @staticmethod
@@ -414,11 +514,11 @@ class ExperienceLibrary:
         with no stats counts as never cited), ties the oldest (created first, then lowest id). Each removal is
         an applied ``evict`` result whose reason gives the usefulness and the token counts; evicted ids are
         retired (never reused). The version number stays: eviction is part of the step that overflowed."""
-        tokens = {e.id: estimate_tokens(_prompt_line(e)) for e in self._items}
+        tokens = {e.id: estimate_tokens(_prompt_line(e)) for e in self.lessons}
         total = sum(tokens.values())
         if total <= max_tokens:
             return self, []
-        ranked = sorted(self._items, key=lambda e: (_confidence(stats.get(e.id)), e.created_step, _sort_key(e)))
+        ranked = sorted(self.lessons, key=lambda e: (_confidence(stats.get(e.id)), e.created_step, _sort_key(e)))
         evicted: set[str] = set()
         results: list[OperationResult] = []
         for exp in ranked:
@@ -440,15 +540,7 @@ class ExperienceLibrary:
             )
             evicted.add(exp.id)
             total = after
-        kept = ExperienceLibrary(
-            [e for e in self._items if e.id not in evicted],
-            version=self.version,
-            step=self.step,
-            parent_version=self.parent_version,
-            next_id=self.next_id,
-            id_prefix=self.id_prefix,
-            retired_ids=self.retired_ids | evicted,
-        )
+        kept = self._derived([e for e in self._items if e.id not in evicted], retired_ids=self.retired_ids | evicted)
         return kept, results
 
     # --- versions and diffs -----------------------------------------------------------------------------
@@ -463,6 +555,8 @@ class ExperienceLibrary:
             id_prefix=self.id_prefix,
             created_at=utcnow(),
             shown=self.shown,
+            examples_shown=self.view.shown,
+            examples_as=self.view.form,
         )
 
     @classmethod
@@ -476,11 +570,12 @@ class ExperienceLibrary:
             id_prefix=v.id_prefix,
             retired_ids=v.retired_ids,
             shown=v.shown,
+            view=ExampleView(v.examples_shown, v.examples_as),
         )
 
     # --- import / export ------------------------------------------------------------------------------
-    def to_reference(self) -> dict[str, str]:
-        """The reference implementation's format: ``{"G0": "text", ...}``."""
+    def to_reference(self) -> dict[str, str | dict[str, object]]:
+        """The reference implementation's format: ``{"G0": "text", ...}`` (an example: an object)."""
         return self.as_dict()
 
     def to_seed(self) -> dict[str, object]:
@@ -490,18 +585,26 @@ class ExperienceLibrary:
         return self.render_for_prompt()
 
     @classmethod
-    def from_mapping(cls, mapping: dict[str, str], *, next_id: int | None = None, step: int = 0) -> "ExperienceLibrary":
+    def from_mapping(
+        cls, mapping: Mapping[str, object], *, next_id: int | None = None, step: int = 0
+    ) -> "ExperienceLibrary":
+        """Id -> a lesson's text, or an example as an object (``example_payload``'s fields)."""
         if not isinstance(mapping, dict):
             raise LibraryFormatError(f"experiences must be an object of id -> text, got {type(mapping).__name__}")
         items = []
-        for exp_id, text in mapping.items():
-            if not isinstance(text, str) or not text.strip():
-                raise LibraryFormatError(f"experience {exp_id!r}: text must be a non-empty string")
-            items.append(Experience(id=str(exp_id), text=text, created_step=step, updated_step=step))
+        for exp_id, value in mapping.items():
+            if isinstance(value, dict):
+                items.append(_example_from_payload(str(exp_id), value, step))
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise LibraryFormatError(
+                    f"experience {exp_id!r}: text must be a non-empty string (or, for an example, an object)"
+                )
+            items.append(Experience(id=str(exp_id), text=value, created_step=step, updated_step=step))
         return cls(sorted(items, key=_sort_key), next_id=next_id, id_prefix=_infer_prefix(mapping), step=step)
 
     @classmethod
-    def from_reference(cls, payload: dict[str, str]) -> "ExperienceLibrary":
+    def from_reference(cls, payload: dict[str, object]) -> "ExperienceLibrary":
         return cls.from_mapping(payload)
 
     @classmethod
@@ -570,6 +673,8 @@ def describe_operation(step: int, r: OperationResult) -> str:
     op = r.operation
     ids = f" {','.join(op.target_ids)}" if op.target_ids else ""
     text = f' "{op.text}"' if op.text else ""
+    if op.example is not None:
+        text = f" example {_example_note(op.example, op.text or '')}"
     result = f" -> {r.result_id}" if r.status == OpStatus.APPLIED and r.result_id else ""
     reason = f": {r.reason}" if r.reason else ""
     sources = f" [from {', '.join(op.source_groups)}]" if op.source_groups else ""
@@ -586,6 +691,55 @@ def diff(old: ExperienceLibrary, new: ExperienceLibrary) -> Diff:
 
 def _prompt_line(exp: Experience) -> str:
     return f"[{exp.id}]. {exp.text}"
+
+
+def item_text(exp: Experience) -> str:
+    """A library item in one line: a lesson's text, or an example's problem, answer, provenance and solution."""
+    return exp.text if exp.example is None else f"example {_example_note(exp.example, exp.text)}"
+
+
+def _example_note(example: WorkedExample, solution: str) -> str:
+    one_line = " ".join(solution.split())
+    return (
+        f"(answer {example.answer}; {example.origin} by {example.author or 'unknown'}, reward {example.reward:g}): "
+        f'problem "{" ".join(example.problem.split())}" solution "{one_line}"'
+    )
+
+
+EXAMPLE_FIELDS = ("problem", "answer", "author", "reward", "origin", "task_tag")
+
+
+def example_payload(exp: Experience) -> dict[str, object]:
+    """An example as a library file holds it: ``kind``, its problem, solution (``text``), answer, provenance."""
+    assert exp.example is not None
+    fields = exp.example.model_dump(mode="json", include=set(EXAMPLE_FIELDS))
+    return {"kind": "example", "problem": fields.pop("problem"), "text": exp.text, **fields,
+            "source_groups": list(exp.source_groups)}  # fmt: skip
+
+
+def _example_from_payload(exp_id: str, payload: Mapping[str, object], step: int) -> Experience:
+    """An example item read from a library file; one error naming the item and what is wrong."""
+    if payload.get("kind") != "example":
+        raise LibraryFormatError(f'experience {exp_id!r}: an object must be an example ("kind": "example")')
+    unknown = sorted(set(payload) - {"kind", "text", "source_groups", *EXAMPLE_FIELDS})
+    if unknown:
+        raise LibraryFormatError(f"experience {exp_id!r}: unknown field(s) {', '.join(unknown)}")
+    text, groups = payload.get("text"), payload.get("source_groups", [])
+    if not isinstance(text, str) or not text.strip():
+        raise LibraryFormatError(f"experience {exp_id!r}: an example needs its solution as a non-empty `text`")
+    if not isinstance(groups, list):
+        raise LibraryFormatError(f"experience {exp_id!r}: source_groups must be a list of problem ids")
+    fields = {k: payload[k] for k in EXAMPLE_FIELDS if k in payload}
+    try:
+        example = WorkedExample.model_validate({"origin": "file", **fields})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise LibraryFormatError(f"experience {exp_id!r}: {where}: {first['msg']}") from None
+    return Experience(
+        id=exp_id, text=text, created_step=step, updated_step=step, source_groups=[str(g) for g in groups],
+        example=example,
+    )  # fmt: skip
 
 
 def _confidence(stat: ExperienceStat | None) -> float:

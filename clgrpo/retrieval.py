@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from clgrpo.embeddings import Embedder, make_embedder, nearest
-from clgrpo.library import ExperienceLibrary, normalize_text
+from clgrpo.library import ExampleView, ExperienceLibrary, normalize_text
 from schemas.config import RunConfig
 from schemas.records import Experience, Problem, text_hash
 
@@ -57,20 +57,20 @@ def select_experiences(
     """The ids each problem's prompt shows; None when that is the whole library for every problem (the prompt,
     and its hash, stay exactly as without routing). ``top_k``: retrieval (``vectors`` keyed by
     ``normalize_text`` of every lesson and problem text); None: all eligible experiences."""
-    tagged = any(e.domain_tag is not None for e in library)
+    tagged = any(e.domain_tag is not None for e in library.lessons)
     if top_k is None and not tagged:
         return None
     pinned_live = [i for i in pinned if i in library]
     shown: Shown = {}
     for members in _by_tag(problems).values():
-        candidates = [e for e in library if eligible(e, members[0]) and e.id not in pinned_live]
+        candidates = [e for e in library.lessons if eligible(e, members[0]) and e.id not in pinned_live]
         if top_k is None or len(candidates) <= top_k:
             picked = {p.problem_id: [e.id for e in candidates] for p in members}
         else:
             picked = _most_similar(candidates, members, top_k, vectors or {})
         for problem in members:
             wanted = set(picked[problem.problem_id]) | set(pinned_live)
-            shown[problem.problem_id] = [e.id for e in library if e.id in wanted]
+            shown[problem.problem_id] = [e.id for e in library.lessons if e.id in wanted]
     return shown
 
 
@@ -120,12 +120,15 @@ async def route_library(
     """``library`` carrying which experiences each of ``problems`` is shown (``library.shown``), per the config;
     unchanged when every prompt gets the whole library."""
     settings = config.library
+    library = library.with_view(ExampleView(settings.examples_shown, settings.examples_as))
     vectors: dict[str, list[float]] = {}
-    needs_vectors = settings.injection == "top_k" and len(library) > settings.top_k
+    needs_vectors = settings.injection == "top_k" and len(library.lessons) > settings.top_k
     if needs_vectors:
         embedder = make_embedder(settings.embedding)
         try:
-            vectors = await embed_cached(store, embedder, [e.text for e in library] + [p.problem for p in problems])
+            vectors = await embed_cached(
+                store, embedder, [e.text for e in library.lessons] + [p.problem for p in problems]
+            )
         finally:
             await embedder.aclose()
     top_k = settings.top_k if settings.injection == "top_k" else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from clgrpo.dataset import LoadReport
+from clgrpo.prompts.rollout import ShownExample
 from clgrpo.verify_child import VerifyResult
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
@@ -95,8 +96,13 @@ class Domain(Protocol):
         """Grade many (output, answer) pairs; never raises."""
         ...
 
-    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
-        """Chat messages for one rollout. The library goes before the problem (shared prefix)."""
+    def rollout_messages(
+        self, problem: Problem, library_text: str, examples: Sequence[ShownExample] = (), form: str = "turns"
+    ) -> list[Message]:
+        """Chat messages for one rollout. The library goes before the problem (shared prefix); worked examples
+        (``examples``, only passed when the library shows some) as earlier turns or a block in the library
+        (``form``), as ``clgrpo.prompts.rollout.rollout_conversation`` lays them out. A domain written before
+        examples existed may leave both out: it then gets libraries without examples only."""
         ...
 
     def tools(self) -> list[Tool]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
@@ -491,6 +492,22 @@ class _Source:
     runs: frozenset[tuple[str, ...]]
 
 
+# the checks a worked example passes: injected instructions, whatever else a solution may contain
+INJECTION_LABELS = frozenset(
+    {
+        "instruction override",
+        "jailbreak",
+        "role impersonation",
+        "role change",
+        "system reference",
+        "chat-template markup",
+        "reveal request",
+        "reference to hidden answers",
+        "answer override",
+    }
+)
+
+
 class LessonGuard:
     """A library screen: ``guard(operation)`` -> a reason (``unsafe: ...`` / ``leaks_problem: ...``) or None.
 
@@ -514,17 +531,26 @@ class LessonGuard:
     def __call__(self, op: Operation) -> str | None:
         return self.check(op.text or "", op.source_groups)
 
+    def example(self, op: Operation) -> str | None:
+        """A worked example's screen: its problem and solution are specific by nature (numbers, the answer, a
+        formula or a code line), so only the checks against injected instructions apply to them
+        (``INJECTION_LABELS``)."""
+        if self.level == 0 or op.example is None:
+            return None
+        return self._unsafe(op.text or "", INJECTION_LABELS) or self._unsafe(op.example.problem, INJECTION_LABELS)
+
     def check(self, text: str, source_groups: Sequence[str] = ()) -> str | None:
         if self.level == 0 or not text.strip():
             return None
         return self._unsafe(text) or self._leak(text, source_groups) or self._not_prose(text)
 
     # --- the three families ----------------------------------------------------------------------------------
-    def _unsafe(self, text: str) -> str | None:
+    def _unsafe(self, text: str, labels: AbstractSet[str] | None = None) -> str | None:
         plain = normalize(text)
         variants = dict.fromkeys([plain, joined(plain)])
+        patterns = [p for p in self.patterns if labels is None or p.label in labels]
         for variant in variants:
-            for pattern in self.patterns:
+            for pattern in patterns:
                 for match in pattern.regex.finditer(variant):
                     if pattern.negatable and _negated(variant, match.start()):
                         continue

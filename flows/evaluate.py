@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -513,6 +514,18 @@ class Validator:
 
 
 # --- the standalone flow ----------------------------------------------------------------------------------
+def example_problems(conditions: Sequence[Condition]) -> list[Problem]:
+    """The problems the evaluated libraries' worked examples solve, as training problems for the leakage guard
+    (an example whose problem is a near-duplicate of an evaluated one shows its answer): ids
+    ``<condition>:<example id>``."""
+    return [
+        Problem(problem_id=f"{c.label}:{e.id}", problem=e.example.problem, answer=e.example.answer)
+        for c in conditions
+        for e in c.library.examples
+        if e.example is not None
+    ]
+
+
 def _training_problems(
     store: Store, config: RunConfig, conditions: list[Condition], train_dataset: DatasetConfig | None
 ) -> list[Problem] | None:
@@ -590,6 +603,8 @@ async def _evaluate(
         conditions = resolve_conditions(store, libraries, config.policy)
         problems = load_problems(config, evaluation.dataset)
         train = _training_problems(store, config, conditions, train_dataset)
+        if shown := example_problems(conditions):  # a worked example's problem counts as trained on
+            train = [*(train or []), *shown]
         leakage = guard_leakage(train, problems, evaluation) if train is not None else None
         fingerprint = eval_fingerprint(config, evaluation, conditions, problems)
         eval_id = eval_id or f"eval-{fingerprint}"

@@ -48,6 +48,7 @@ from tasks.group_advantage import group_advantage_task
 from tasks.integrity import (
     GATE_FAILURES,
     PROPOSAL_FAILURES,
+    RATIONALE_FAILURES,
     ROLLOUT_FAILURES,
     SUMMARY_FAILURES,
     TRIAL_FAILURES,
@@ -64,6 +65,7 @@ from tasks.outputs import (
     GroupProposals,
     Out,
     Plans,
+    Rationales,
     Rollouts,
     StageOutput,
     Summaries,
@@ -72,6 +74,7 @@ from tasks.outputs import (
 )
 from tasks.pipeline import GroupStage, PipelineBatch, propose_group, rollout_group, summarize_group, verify_group
 from tasks.plan import StepPlan, step_plan
+from tasks.rationalize import rationalize_task, unsolved
 from tasks.rollout import rollout_task
 from tasks.shorten import shorten_plan_task
 from tasks.summarize import summarize_task
@@ -104,7 +107,7 @@ class StepState:
     def plan(self) -> StepPlan:
         """What the step learns so far, from its outputs (``tasks.plan``: the limits, the trials, the gate)."""
         return step_plan(
-            self.get(GroupProposals),
+            GroupProposals.joined([self.get(GroupProposals), GroupProposals(self.get(Rationales).proposals)]),
             self.get(Plans),
             self.get(Trials),
             self.get(Gate),
@@ -141,7 +144,10 @@ class StepState:
 
 
 # the stages whose calls are the step's own work, what its checks are measured against
-OWN_STAGES = {s.value for s in (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE, Stage.CONSOLIDATE)}
+OWN_STAGES = {
+    s.value
+    for s in (Stage.ROLLOUT, Stage.VERIFY, Stage.SUMMARIZE, Stage.GROUP_ADVANTAGE, Stage.RATIONALIZE, Stage.CONSOLIDATE)
+}
 
 
 @dataclass
@@ -288,6 +294,16 @@ async def compute_group_advantage(c: StepContext, s: StepState) -> GroupProposal
         ]
     )
     return GroupProposals.joined(parts)
+
+
+def _unsolved(s: StepState) -> list[Problem]:
+    verified = s.get(Verified)
+    return unsolved(s.problems, verified.rewards, verified.group_advantages, s.step, s.cfg.learning.rationalize_max)
+
+
+async def compute_rationalize(c: StepContext, s: StepState) -> Rationales:
+    """Worked examples written with the reference in view for groups no attempt solved (``tasks.rationalize``)."""
+    return await rationalize_task(s.cfg, s.step, _unsolved(s))
 
 
 async def compute_consolidate(c: StepContext, s: StepState) -> Plans:
@@ -485,6 +501,14 @@ STEP: tuple[StepStage, ...] = (
         PROPOSAL_FAILURES,
         expect=lambda s: (len(s.selected_ids), "groups"),
         group=propose_group,
+    ),
+    StepStage(
+        Stage.RATIONALIZE,
+        compute_rationalize,
+        Rationales,
+        RATIONALE_FAILURES,
+        when=lambda cfg: cfg.learning.examples == "rationalize",
+        expect=lambda s: (len(_unsolved(s)), "groups"),
     ),
     StepStage(
         Stage.CONSOLIDATE,

@@ -151,7 +151,7 @@ declare(
         order="group_id",
     )
 )
-declare(Table("operations", OperationResult, flatten=("operation",), order="seq"))
+declare(Table("operations", OperationResult, flatten=("operation",), migrations=(added("example_json"),), order="seq"))
 declare(
     Table(
         "llm_calls",
@@ -266,7 +266,7 @@ declare(
         Experience,
         key={**RUN_ID, "version": Annotated[int, NOT_NEGATIVE], "position": Annotated[int, NOT_NEGATIVE]},
         rename={"id": "exp_id"},
-        migrations=(added("domain_tag"),),
+        migrations=(added("domain_tag"), added("example_json")),
     )
 )
 declare(Table("embeddings", Embedding, key={}, primary_key=("model", "text_hash"), checks=(vector_has_dim_values,)))

@@ -212,6 +212,11 @@ class LibraryConfig(Section):
     # operations, the least useful experiences are evicted (``evict`` operations) until it fits
     max_tokens: int | None = Field(None, ge=1)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    # worked examples (library items that are solved problems): at most ``examples_shown`` in a prompt, those of
+    # the problem's task tag first, then the most similar problems (word overlap), never the problem's own; shown
+    # as earlier exchanges of the conversation ("turns") or as a block after the lessons ("block")
+    examples_shown: int = Field(2, ge=0)
+    examples_as: Literal["turns", "block"] = "turns"
 
     @property
     def uses_embeddings(self) -> bool:
@@ -228,6 +233,10 @@ class LibraryConfig(Section):
             settings |= {"injection": self.injection, "top_k": self.top_k, "pinned": self.pinned}
         if self.max_tokens is not None:
             settings["max_tokens"] = self.max_tokens
+        if self.examples_shown != 2:
+            settings["examples_shown"] = self.examples_shown
+        if self.examples_as != "turns":
+            settings["examples_as"] = self.examples_as
         if self.uses_embeddings:
             settings["embedding"] = self.embedding.model_dump(
                 mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"}
@@ -357,6 +366,14 @@ class LearningConfig(Section):
     # contrast asks instead ("contrast"), or is kept as it is ("none")
     fallback: Literal["none", "contrast"] = "none"
     summarize: bool = True  # the per-rollout summaries (False: the stage runs and stores none, saying so)
+    # worked examples as candidates beside lessons (a training problem with a solution that reaches its verified
+    # answer, shown to the policy as a solved problem): "off"; "rollouts": from each group whose rewards differ,
+    # its correct attempt the group advantage favours (the shortest of the best), kept whole; "rationalize":
+    # those, and for up to ``rationalize_max`` groups with no right answer whose problem has a reference, a
+    # solution the learner writes with the answer in view (stage ``rationalize``), kept only if the verifier
+    # accepts its final answer. Examples are tried and gated like lessons.
+    examples: Literal["off", "rollouts", "rationalize"] = "off"
+    rationalize_max: int = Field(6, ge=1)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
     library_gate: LibraryGate = Field(default_factory=LibraryGate)
     # what a step's checks (lesson trials, with their shortening and clustering calls, and the library gate) may
@@ -560,6 +577,8 @@ LATER_SETTINGS: dict[tuple[str, str], Any] = {
     # settings added inside a section a run may have changed: left out while at their default (after the whole
     # sections above, which are compared with their full defaults first)
     ("learning", "checks_budget"): None,
+    ("learning", "examples"): "off",
+    ("learning", "rationalize_max"): 6,
     ("learning.lesson_validation", "trials_on"): "sources_first",
     ("learning.lesson_validation", "test"): "mean",
     ("learning.lesson_validation", "max_problems"): None,
@@ -582,6 +601,7 @@ class StageTolerances(Section):
     verify: float = Field(0.1, ge=0.0, le=1.0)
     summarize: float = Field(0.0, ge=0.0, le=1.0)
     group_advantage: float = Field(0.0, ge=0.0, le=1.0)
+    rationalize: float = Field(0.2, ge=0.0, le=1.0)  # worked-example writer calls that failed after their retries
     consolidate: float = Field(0.0, ge=0.0, le=1.0)
     validation: float = Field(0.1, ge=0.0, le=1.0)  # held-out validation samples (stage "validate")
     validate_lessons: float = Field(0.1, ge=0.0, le=1.0)  # lesson validation attempts that could not be graded

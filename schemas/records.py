@@ -184,6 +184,22 @@ class Summary(Record):
     error: str | None = None
 
 
+class WorkedExample(Record):
+    """What makes a library item an *example* rather than a lesson: a training problem whose solution (the item's
+    ``text``) reaches its verified answer, shown to the policy as a solved problem. Provenance: the group it came
+    from is the item's ``source_groups``; ``author`` the model that wrote the solution, ``reward`` what the
+    verifier gave it, ``origin`` how it was obtained."""
+
+    problem: str = Field(min_length=1)
+    answer: str = Field(min_length=1)
+    author: str = ""
+    reward: Share = 1.0
+    # "rollout": the policy's own correct attempt in a group whose rewards differ; "rationalized": written by the
+    # learner with the reference answer in view, kept because the verifier accepted it; "file": imported
+    origin: Literal["rollout", "rationalized", "file"] = "rollout"
+    task_tag: str | None = None  # the problem's task tag: examples are shown to problems of the same tag first
+
+
 class OpKind(StrEnum):
     ADD = "add"
     MODIFY = "modify"
@@ -201,6 +217,7 @@ class Operation(Record):
     text: str | None = None
     rationale: str = ""
     source_groups: list[str] = Field(default_factory=list)
+    example: WorkedExample | None = None  # an add of a worked example (``text``: its solution); None: a lesson
 
     @field_validator("target_ids", mode="before")
     @classmethod
@@ -329,6 +346,11 @@ class Experience(Record):
     parent_ids: list[str] = Field(default_factory=list)  # merged or modified-from ids
     source_groups: list[str] = Field(default_factory=list)  # groups (problem ids) that produced it
     domain_tag: str | None = None  # shown only to problems of this domain; None: shared by all domains
+    example: WorkedExample | None = None  # a worked example (``text``: its solution); None: a lesson
+
+    @property
+    def kind(self) -> Literal["lesson", "example"]:
+        return "lesson" if self.example is None else "example"
 
 
 class ExperienceStat(Record):
@@ -375,6 +397,9 @@ class LibraryVersion(Record):
     # problem id -> the experience ids its rollout prompt shows (``clgrpo.retrieval``); None: the whole library.
     # Travels to the rollout and summarize tasks with the version; never stored with it.
     shown: dict[str, list[str]] | None = None
+    # how its worked examples are shown (``library.examples_shown``, ``library.examples_as``); never stored
+    examples_shown: int = Field(2, ge=0)
+    examples_as: Literal["turns", "block"] = "turns"
 
 
 class LLMCall(Record):

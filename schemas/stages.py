@@ -19,6 +19,7 @@ class Stage(StrEnum):
     NUMERIC_UPDATE = "numeric_update"  # hybrid learning's LoRA step, after verify (table adapters)
     SUMMARIZE = "summarize"
     GROUP_ADVANTAGE = "group_advantage"  # the semantic group advantage: the learner's proposals
+    RATIONALIZE = "rationalize"  # worked examples written with the reference in view, for groups none solved
     CONSOLIDATE = "consolidate"
     VALIDATE_LESSONS = "validate_lessons"
     LIBRARY_GATE = "library_gate"  # the library before vs after the step's plan, on problems set aside

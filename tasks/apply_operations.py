@@ -44,12 +44,19 @@ def apply_operations(
 def lesson_screen(config: RunConfig, problems: Sequence[Problem]) -> Screen:
     """What every lesson text (add, modify, merge) must pass: the domain's ``LessonScreen`` (prompt copies, loops,
     problem copies, a source problem's answer, ``lesson_pattern``), then the ``LessonGuard`` at
-    ``learning.guard`` strictness (``unsafe: ...`` / ``leaks_problem: ...``). The first reason wins."""
-    return first_rejection(
+    ``learning.guard`` strictness (``unsafe: ...`` / ``leaks_problem: ...``). The first reason wins. A worked
+    example passes the guard's checks against injected instructions only (``LessonGuard.example``)."""
+    guard = LessonGuard(config.learning.guard, problems)
+    lessons = first_rejection(
         BlockedScreen(config.learning.blocked),
         LessonScreen(domain_for(config).learner_prompts, problems, config.learning.lesson_pattern),
-        LessonGuard(config.learning.guard, problems),
+        guard,
     )
+
+    def screen(op: Operation) -> str | None:
+        return guard.example(op) if op.example is not None else lessons(op)
+
+    return screen
 
 
 class BlockedScreen:

@@ -165,13 +165,14 @@ def passthrough(proposals: list[Proposal]) -> Plans:
     """The group proposals are the final plan, de-duplicated: operations of the same kind on the same ids with
     the same (normalized) text become one operation that names every proposing group. Nothing else is dropped:
     conflicting operations on one id reach the library, which rejects all but the first with the reason."""
-    combined: dict[tuple[str, tuple[str, ...], str], Operation] = {}
+    combined: dict[tuple[str, tuple[str, ...], str, str], Operation] = {}
     total = 0
     for proposal in proposals:
         for op in proposal.operations:
             total += 1
             groups = op.source_groups or [proposal.group_id]
-            key = (op.op.value, tuple(op.target_ids), normalize_text(op.text or ""))
+            problem = normalize_text(op.example.problem) if op.example is not None else ""
+            key = (op.op.value, tuple(op.target_ids), normalize_text(op.text or ""), problem)
             kept = combined.get(key)
             merged = groups if kept is None else list(dict.fromkeys([*kept.source_groups, *groups]))
             combined[key] = (kept or op).model_copy(update={"source_groups": merged})
@@ -194,6 +195,16 @@ async def consolidate(
         return Plans()
     if cfg.consolidation == "passthrough":
         return passthrough(usable)
+    examples = [op for p in usable for op in p.operations if op.example is not None]
+    if examples:  # a solution is kept whole, not rewritten: worked examples bypass the learner's consolidation
+        lessons = [
+            p.model_copy(update={"operations": [op for op in p.operations if op.example is None]}) for p in usable
+        ]
+        planned = await consolidate(lessons, library, ask, llm, cfg)
+        final = next((p for p in planned.proposals if p.group_id == FINAL), Proposal(group_id=FINAL))
+        rest = [p for p in planned.proposals if p.group_id != FINAL]
+        with_examples = final.model_copy(update={"operations": [*final.operations, *examples]})
+        return Plans([*rest, with_examples], planned.llm_calls)
     plans: list[Proposal] = []
     calls: list[LLMCall] = []
     size = cfg.consolidate_chunk_size

@@ -36,17 +36,22 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     Operation,
+    OpKind,
     Problem,
     Proposal,
     Reward,
     Rollout,
     Summary,
+    WorkedExample,
 )
 from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.outputs import GroupProposals
 
 CALL_FAILED = "learner call failed: "
+# what may grade a worked example's attempt: its problem's answer (a dataset's, or a trace's feedback) or the judge;
+# not the group's agreement alone (a majority can be wrong)
+EXAMPLE_GRADERS = ("ground_truth", "feedback:reference", "feedback:correction", "judge")
 ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
 
 
@@ -92,10 +97,11 @@ class Learner:
     ask: LessonAsk
     llm: LLMClient
     cfg: LearningConfig
+    policy_model: str = ""  # the author of a worked example taken from a rollout
 
     @classmethod
-    def of(cls, prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig) -> Learner:
-        return cls(prompts, prompts.ask(cfg), llm, cfg)
+    def of(cls, prompts: LearnerPrompts, llm: LLMClient, cfg: LearningConfig, policy_model: str = "") -> Learner:
+        return cls(prompts, prompts.ask(cfg), llm, cfg, policy_model)
 
 
 def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groundtruth: bool) -> list[Attempt]:
@@ -116,6 +122,44 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
             )
         )
     return attempts
+
+
+def worked_example(group: Group, author: str) -> Operation | None:
+    """The group's candidate worked example: the attempt the group advantage favours most (the highest reward,
+    above the group mean; finished, not cut off; the shortest of those), kept whole, when it was graded against
+    the problem's answer or by the judge; None when no attempt qualifies."""
+    graded = [(r, w) for r, w in zip(group.rollouts, group.rewards) if w.reward is not None]
+    if not graded:
+        return None
+    mean = statistics.fmean(w.reward for _, w in graded if w.reward is not None)
+    best = max(w.reward for _, w in graded if w.reward is not None)
+    favoured = [
+        (r, w)
+        for r, w in graded
+        if w.reward == best and best > mean and not r.truncated and w.reward_source in EXAMPLE_GRADERS
+    ]
+    answer = group.problem.answer
+    if not favoured:
+        return None
+    rollout, reward = min(favoured, key=lambda rw: (len(rw[0].final_text), rw[0].sample_idx))
+    answer = group.problem.answer or reward.extracted
+    if answer is None or not rollout.final_text.strip():
+        return None
+    example = WorkedExample(
+        problem=group.problem.problem,
+        answer=answer,
+        author=author,
+        reward=best,
+        origin="rollout",
+        task_tag=group.problem.tag,
+    )
+    return Operation(
+        op=OpKind.ADD,
+        text=rollout.final_text.strip(),
+        rationale=f"worked example: attempt {rollout.sample_idx}, reward {best:g} against the group mean {mean:.2f}",
+        source_groups=[group.problem.problem_id],
+        example=example,
+    )
 
 
 def contrast_pairs(group: Group) -> list[tuple[int, int]]:
@@ -152,6 +196,9 @@ async def _extract_one(
     finally:
         progress.advance(Stage.GROUP_ADVANTAGE)
     proposal = batch.proposals[0]
+    if cfg.examples != "off" and (example := worked_example(group, learner.policy_model)) is not None:
+        proposal = proposal.model_copy(update={"operations": [*proposal.operations, example]})
+        batch = GroupProposals([proposal], batch.llm_calls)
     summarized = not cfg.summarize or all(_has_summary(r, summaries) for r in group.rollouts)
     if summarized and not call_failed(proposal):  # else redo it once the summaries or the calls are redone
         done.put(group_id, proposal)
@@ -347,9 +394,11 @@ async def extract_group_advantage(
     prompts: LearnerPrompts,
     llm: LLMClient,
     cfg: LearningConfig,
+    policy_model: str = "",
 ) -> GroupProposals:
-    """One proposal per selected group (possibly with no operations, or with a parse error)."""
-    by_key, learner = {(s.problem_id, s.sample_idx): s for s in summaries}, Learner.of(prompts, llm, cfg)
+    """One proposal per selected group (possibly with no operations, or with a parse error); with
+    ``learning.examples`` on, each carries its worked example (``worked_example``) too."""
+    by_key, learner = {(s.problem_id, s.sample_idx): s for s in summaries}, Learner.of(prompts, llm, cfg, policy_model)
     parts = await asyncio.gather(*[_extract_one(g, by_key, library, learner) for g in groups])
     return GroupProposals.joined(parts)
 
@@ -374,4 +423,5 @@ async def group_advantage_task(
         domain_for(config).learner_prompts,
         shared_client(config),
         config.learning,
+        config.policy.model,
     )

@@ -90,6 +90,9 @@ SUMMARY_FAILURES = FailureRule(
 PROPOSAL_FAILURES = FailureRule(
     lambda o: o.proposals, "group proposals", call_failed, lambda p: p.parse_error, "group_advantage"
 )
+RATIONALE_FAILURES = FailureRule(
+    lambda o: o.proposals, "rationalizations", call_failed, lambda p: p.parse_error, "rationalize"
+)
 TRIAL_FAILURES = FailureRule(
     lambda o: o.trial_samples, "lesson validation attempts", ungraded, item_error, "validate_lessons"
 )

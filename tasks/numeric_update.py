@@ -24,6 +24,7 @@ from schemas.config import RunConfig
 from schemas.records import AdapterVersion, GroupAdvantage, LibraryVersion, NumericItem, Problem, Rollout, text_hash
 from schemas.stages import Stage
 from tasks.common import stage_task
+from tasks.rollout import policy_messages
 
 
 @dataclass
@@ -50,7 +51,7 @@ def numeric_inputs(
     for problem in problems:
         group = rollouts_of.get(problem.problem_id, [])
         advantage = by_problem.get(problem.problem_id)
-        messages = domain.rollout_messages(problem, shown.prompt_text_for(problem.problem_id))
+        messages = policy_messages(problem, shown, domain)
         prompt_hash = text_hash(json.dumps([messages, None], sort_keys=True))  # as tasks.rollout (direct mode)
         for r in sorted(group, key=lambda r: r.sample_idx):
             value = sample_advantage(advantage, group, r)

@@ -116,6 +116,15 @@ class GroupProposals(StageOutput):
 
 
 @dataclass
+class Rationales(StageOutput):
+    """Worked examples written with the reference answer in view (stored in ``proposals`` under its own stage): one
+    proposal per rationalized group, holding the candidate example when the verifier accepted it."""
+
+    proposals: list[Proposal] = field(default_factory=list)
+    llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+@dataclass
 class Plans(StageOutput):
     """The consolidation's plans (stored in ``proposals`` under its own stage): chunk plans, then the final one."""
 

@@ -44,6 +44,7 @@ class GroupContext:
     cfg: LearningConfig
     agent: AgentConfig | None = None
     judge: Judge | None = None
+    policy_model: str = ""  # the author of a worked example taken from a rollout
 
 
 @dataclass
@@ -99,7 +100,9 @@ async def propose_group(w: GroupWork) -> bool:
     c = w.context
     prompts = c.domain.learner_prompts
     summaries = w.get(Summaries).summaries
-    w.outputs[GroupProposals] = await extract_group_advantage(w.groups, summaries, c.library, prompts, c.llm, c.cfg)
+    w.outputs[GroupProposals] = await extract_group_advantage(
+        w.groups, summaries, c.library, prompts, c.llm, c.cfg, c.policy_model
+    )
     return True
 
 
@@ -161,5 +164,6 @@ async def pipeline_task(
         cfg=config.learning,
         agent=config.rollout.agent_settings(),
         judge=make_judge(config, domain, Stage.VERIFY),
+        policy_model=config.policy.model,
     )
     return await pipeline(problems, context, chain)

@@ -10,6 +10,8 @@ from clgrpo import progress
 from clgrpo.journal import StageItems, sample_key
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.prompts import Message
+from clgrpo.prompts.rollout import ShownExample
 from domains import Domain, domain_for
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash
@@ -34,7 +36,7 @@ async def rollout_problem(
     earlier attempt of this step) are reused; only the missing ones are sampled. A failed call fails only its
     own samples. ``only``: the sample indices wanted (the others exist elsewhere, e.g. an evaluation's stored
     samples): the batch holds those alone."""
-    messages = domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id))
+    messages = policy_messages(problem, library, domain)
     prompt_hash = _prompt_hash(messages, domain, agent)
     base = dict(problem_id=problem.problem_id, prompt_hash=prompt_hash, library_version=library.version)
     wanted = list(range(group_size)) if only is None else sorted(set(only))
@@ -63,7 +65,19 @@ def prompt_fingerprint(
     problem: Problem, library: ExperienceLibrary, domain: Domain, agent: AgentConfig | None = None
 ) -> str:
     """What the policy is shown for ``problem`` with ``library``: the rendered messages and the agent's tools."""
-    return _prompt_hash(domain.rollout_messages(problem, library.prompt_text_for(problem.problem_id)), domain, agent)
+    return _prompt_hash(policy_messages(problem, library, domain), domain, agent)
+
+
+def policy_messages(problem: Problem, library: ExperienceLibrary, domain: Domain) -> list[Message]:
+    """What the policy is asked for ``problem`` with ``library``: the lessons shown to it and, when the library
+    has worked examples, the few chosen for it (``ExperienceLibrary.examples_for``), as the library's view says.
+    Without examples the domain is called as before examples existed (the same prompt, byte for byte)."""
+    lessons = library.prompt_text_for(problem.problem_id)
+    chosen = library.examples_for(problem)
+    if not chosen:
+        return domain.rollout_messages(problem, lessons)
+    shown = [ShownExample(e.example.problem, e.text) for e in chosen if e.example is not None]
+    return domain.rollout_messages(problem, lessons, shown, library.view.form)
 
 
 def _prompt_hash(messages: list[dict], domain: Domain, agent: AgentConfig | None) -> str:

@@ -71,7 +71,10 @@ def test_the_prompt_template_is_in_the_key(monkeypatch):
     monkeypatch.setattr(
         math_domain,
         "rollout_messages",
-        lambda problem, library_text: [*original(problem, library_text)[:-1], {"role": "user", "content": "Q?"}],
+        lambda problem, library_text, *shown: [
+            *original(problem, library_text, *shown)[:-1],
+            {"role": "user", "content": "Q?"},
+        ],
     )
     assert not set(keys(config()).values()) & set(base.values())
 
@@ -136,7 +139,7 @@ def test_eval_draws_only_what_no_earlier_measurement_drew(tmp_path, monkeypatch,
         monkeypatch.setattr(
             math_domain,
             "rollout_messages",
-            lambda p, text: [{"role": "system", "content": "Be brief."}, *original(p, text)],
+            lambda p, text, *shown: [{"role": "system", "content": "Be brief."}, *original(p, text, *shown)],
         )
         assert evaluate("none") == 8 * 3  # another prompt template draws again
 

@@ -3,9 +3,11 @@ description, and the domain's description and example lessons for the learner pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from clgrpo.prompts import Message
 from clgrpo.prompts.quoting import DATA_NOTICE
-from clgrpo.prompts.rollout import rollout_user_text
+from clgrpo.prompts.rollout import ShownExample, rollout_conversation
 from schemas.records import Problem
 
 ROLLOUT_SYSTEM = (
@@ -31,8 +33,7 @@ PYTHON_DESCRIPTION = (
 )
 
 
-def rollout_messages(problem: Problem, library_text: str) -> list[Message]:
-    return [
-        {"role": "system", "content": ROLLOUT_SYSTEM},
-        {"role": "user", "content": rollout_user_text(problem.problem, library_text)},
-    ]
+def rollout_messages(
+    problem: Problem, library_text: str, examples: Sequence[ShownExample] = (), form: str = "turns"
+) -> list[Message]:
+    return rollout_conversation(ROLLOUT_SYSTEM, problem.problem, library_text, examples, form)

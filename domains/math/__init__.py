@@ -15,6 +15,7 @@ from clgrpo.dataset import (
     normalize_problem_text,
 )
 from clgrpo.prompts.math_rollout import DOMAIN, EXAMPLE_LESSONS, ROLLOUT_SYSTEM, rollout_messages
+from clgrpo.prompts.rollout import ShownExample
 from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
 from domains.math.tools import PYTHON_TOOL
@@ -63,8 +64,10 @@ class MathDomain:
         """Start the math-verify pool in the background, so the first batch does not wait for it."""
         warm_pool()
 
-    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
-        return rollout_messages(problem, library_text)
+    def rollout_messages(
+        self, problem: Problem, library_text: str, examples: Sequence[ShownExample] = (), form: str = "turns"
+    ) -> list[Message]:
+        return rollout_messages(problem, library_text, examples, form)
 
     def tools(self) -> list[Tool]:
         return [PYTHON_TOOL]

@@ -15,6 +15,7 @@ import unicodedata
 from collections.abc import Sequence
 
 from clgrpo.dataset import LoadReport, load_problems_with_report
+from clgrpo.prompts.rollout import ShownExample
 from clgrpo.prompts.web_rollout import DOMAIN, EXAMPLE_LESSONS, rollout_messages
 from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
@@ -84,8 +85,10 @@ class WebDomain:
         """A production reply's final answer (refresh traces): its ``Final answer:`` line."""
         return final_answer(output)
 
-    def rollout_messages(self, problem: Problem, library_text: str) -> list[Message]:
-        return rollout_messages(problem, library_text)
+    def rollout_messages(
+        self, problem: Problem, library_text: str, examples: Sequence[ShownExample] = (), form: str = "turns"
+    ) -> list[Message]:
+        return rollout_messages(problem, library_text, examples, form)
 
     def tools(self) -> list[Tool]:
         return web_tools(self.settings)
