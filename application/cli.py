@@ -13,6 +13,7 @@ import atexit
 import json
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
 from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
-from clgrpo.library import LibraryFormatError, describe_operation, diff
+from clgrpo.library import LibraryFormatError, describe_operation, diff, item_text
 from clgrpo.models import ModelError
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.state import remember_db, resolve_db
@@ -206,8 +207,9 @@ def cmd_library_show(args: argparse.Namespace) -> int:
         summarized = measured(store.run_config(run_id)) if store.is_run(run_id) else True
         stats = {s.exp_id: s for s in store.records(ExperienceStat, run_id, library.step)} if summarized else {}
         quality = [q for q in store.records(LibraryQuality, run_id, library.step) if q.version == library.version]
+    kinds = f" ({len(library.lessons)} lessons, {len(library.examples)} worked examples)" if library.examples else ""
     print(
-        f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences, "
+        f"# run {run_id}, version {library.version} (step {library.step}), {len(library)} experiences{kinds}, "
         f"{library.prompt_tokens()} tokens (estimated)"
     )
     if quality:
@@ -217,7 +219,9 @@ def cmd_library_show(args: argparse.Namespace) -> int:
     for e in library:
         lineage = f" (from {', '.join(e.parent_ids)})" if e.parent_ids else ""
         domain = f" domain {e.domain_tag}" if e.domain_tag else ""
-        print(f"[{e.id}] {e.text}  <step {e.created_step}/{e.updated_step}{lineage}{domain}>")
+        print(f"[{e.id}] {item_text(e, solution=False)}  <step {e.created_step}/{e.updated_step}{lineage}{domain}>")
+        if e.example is not None:
+            print(textwrap.indent(e.text, "      | "))
         if e.id in stats:
             print(f"      {describe(stats[e.id])}")
     return 0

@@ -31,6 +31,7 @@ from schemas.records import (
 
 DEFAULT_MAX_WORDS = 32
 EXAMPLE_MAX_WORDS = 400  # an example's solution is a whole worked answer, not a one-line lesson
+EXAMPLE_HEADER = "Worked example"  # how a text export opens an example
 Screen = Callable[[Operation], str | None]  # an operation with a text -> a rejection reason, or None
 NEAR_DUPLICATE = "near-duplicate"  # how near-duplicate outcomes start their reason (counted per step)
 
@@ -582,7 +583,15 @@ class ExperienceLibrary:
         return {"experiences": self.as_dict(), "next_id": self.next_id}
 
     def to_prompt_text(self) -> str:
-        return self.render_for_prompt()
+        """The lessons as the prompt's block shows them, then each worked example as "Solved example" lines
+        (a text file keeps examples for reading; import them from a JSON format)."""
+        blocks = [self.render_for_prompt()] if self.lessons else []
+        blocks += [
+            f"[{e.id}]. {EXAMPLE_HEADER} {_example_note(e.example)}\n{e.text}"
+            for e in self.examples
+            if e.example is not None
+        ]
+        return "\n\n".join(blocks)
 
     @classmethod
     def from_mapping(
@@ -622,6 +631,11 @@ class ExperienceLibrary:
         (``- text``, ``1. text``, plain) get fresh ids after the highest one seen."""
         named: dict[str, str] = {}
         unnamed: list[str] = []
+        if EXAMPLE_HEADER in text:
+            raise LibraryFormatError(
+                "a text library with worked examples cannot be imported (a solution spans lines): export it with "
+                "--format reference or seed"
+            )
         for line in text.splitlines():
             match = _PROMPT_LINE_RE.match(line)
             if match and match.group(2).strip():
@@ -693,17 +707,21 @@ def _prompt_line(exp: Experience) -> str:
     return f"[{exp.id}]. {exp.text}"
 
 
-def item_text(exp: Experience) -> str:
-    """A library item in one line: a lesson's text, or an example's problem, answer, provenance and solution."""
-    return exp.text if exp.example is None else f"example {_example_note(exp.example, exp.text)}"
+def item_text(exp: Experience, *, solution: bool = True) -> str:
+    """A library item in one line: a lesson's text, or an example's answer, provenance, problem and (``solution``)
+    its solution."""
+    if exp.example is None:
+        return exp.text
+    return f"example {_example_note(exp.example, exp.text if solution else None)}"
 
 
-def _example_note(example: WorkedExample, solution: str) -> str:
-    one_line = " ".join(solution.split())
-    return (
+def _example_note(example: WorkedExample, solution: str | None = None) -> str:
+    """An example's answer, provenance and problem in one line, and its solution when given."""
+    note = (
         f"(answer {example.answer}; {example.origin} by {example.author or 'unknown'}, reward {example.reward:g}): "
-        f'problem "{" ".join(example.problem.split())}" solution "{one_line}"'
+        f'problem "{" ".join(example.problem.split())}"'
     )
+    return note if solution is None else f'{note} solution "{" ".join(solution.split())}"'
 
 
 EXAMPLE_FIELDS = ("problem", "answer", "author", "reward", "origin", "task_tag")

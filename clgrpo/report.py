@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from clgrpo import plots, usefulness
-from clgrpo.library import ExperienceLibrary, diff
+from clgrpo.library import ExperienceLibrary, diff, item_text
 from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
 from clgrpo.usefulness import describe
@@ -275,7 +275,7 @@ def library_rows(library: ExperienceLibrary, stats: dict[str, ExperienceStat] | 
     """The library as a table; with ``stats``, each lesson's usefulness and confidence."""
     stats = stats or {}
     rows = [
-        [e.id, e.text, str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
+        [e.id, item_text(e), str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
         + ([describe(stats[e.id]) if e.id in stats else ""] if stats else [])
         for e in library
     ]

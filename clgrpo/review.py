@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from clgrpo.adopt import adopt
-from clgrpo.library import ExperienceLibrary, describe_operation, diff, normalize_text
+from clgrpo.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.usefulness import describe as describe_stat
 from clgrpo.usefulness import measured as usefulness_measured
@@ -97,8 +97,8 @@ def _change(
         change_id=f"c{n}",
         op=op,
         exp_id=exp_id,
-        before=before.text if before else None,
-        proposed=after.text if after else None,
+        before=item_text(before) if before else None,  # an example: its problem, provenance and solution
+        proposed=item_text(after) if after else None,
         source_groups=list(groups),
         origin=[describe_operation(step, r).strip() for step, r in made_by],
         evidence=evidence,

@@ -260,3 +260,32 @@ async def test_consolidation_passes_examples_through_whole():
         )
         await client.aclose()
     assert plans.operations[-1] == example and plans.operations[0].text == lesson.text
+
+
+# --- everything that shows a lesson shows an example -------------------------------------------------------------
+def test_library_show_diff_and_export_show_examples(tmp_path, capsys):
+    from application.cli import main
+    from clgrpo.store import Store
+
+    db = tmp_path / "examples.duckdb"
+    library = library_with(example_op(3, 9), lessons={"E0": "When both ends count, add one to the difference."})
+    with Store(db) as store:
+        store.save_library(
+            "ex-run", ExperienceLibrary.from_mapping({"E0": "When both ends count, add one to the difference."})
+        )
+        store.save_library("ex-run", library)
+        assert store.load_library("ex-run").examples[0].example == example_op(3, 9).example  # stored whole
+    assert main(["library", "show", "ex-run", "--db", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "2 experiences (1 lessons, 1 worked examples)" in shown
+    assert '[E1] example (answer 7; rollout by policy, reward 1): problem "The seats' in shown
+    assert "      | Both ends count, so 9 - 3 + 1 = 7." in shown
+    assert main(["library", "export", "ex-run:latest", "--format", "text", "--db", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("[E0]. When both ends") and "[E1]. Worked example (answer 7;" in text
+    path = tmp_path / "lib.txt"
+    path.write_text(text)
+    with pytest.raises(LibraryFormatError, match="export it with --format reference or seed"):
+        ExperienceLibrary.load(path)  # a text file cannot carry a solution back: refused, not misread
+    assert main(["library", "diff", "ex-run:0", "ex-run:latest", "--db", str(db)]) == 0
+    assert capsys.readouterr().out.startswith("+ [E1] example (answer 7; rollout by policy")
