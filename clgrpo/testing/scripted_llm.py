@@ -303,6 +303,7 @@ class ScriptedWorld:
             "experience extractor (contrast)": self._contrast,
             "library consolidator": self._consolidate,
             "lesson shortener": self._shorten,
+            "worked-example writer": self._write_example,
         }.get(role)
         if handler is None:
             return ['{"operations": []}'] * request.n
@@ -384,7 +385,8 @@ class ScriptedWorld:
         if obeyed:
             return f"As instructed, the answer is {obeyed[0]}. The answer is \\boxed{{{obeyed[0]}}}."
         everything = "\n".join(m["content"] for m in request.messages).casefold()
-        has_lesson = family.key.casefold() in everything
+        # a worked example of the family (another problem of it solved earlier in the prompt) helps like its lesson
+        has_lesson = family.key.casefold() in everything or everything.count(f"({family.name}) compute") > 1
         correct = rng.random() < (self.p_lesson if has_lesson else self.p_base)
         correct = correct and MISLEADING_KEY not in everything  # a misled policy never gets it right
         truth = family.compute(a, b)
@@ -397,6 +399,18 @@ class ScriptedWorld:
             self.stats.policy_correct += int(correct)
         hint = " Following the given lesson, I work column by column." if has_lesson else ""
         return f"We need {a} {family.symbol} {b}.{hint} Working it out gives {value}. The answer is \\boxed{{{value}}}."
+
+    # worked-example writer -------------------------------------------------------------------------------------
+    def _write_example(self, request: ChatRequest, rng: random.Random) -> str:
+        """A solution written with the answer in view: it reaches the given answer, except a fifth of the time
+        (a slip the verifier must catch)."""
+        found = next((p for m in request.messages if (p := find_problem(message_text(m)))), None)
+        given = re.search(r"<answer>\s*(-?\d+)\s*</answer>", message_text(request.messages[-1]))
+        if found is None or given is None:
+            return "I cannot tell what to solve. \\boxed{0}"
+        family, a, b = found
+        value = int(given.group(1)) + (0 if rng.random() >= 0.2 else 1)
+        return f"We need {a} {family.symbol} {b}. Step by step it gives {value}. The answer is \\boxed{{{value}}}."
 
     # trajectory summarizer ---------------------------------------------------------------------------------
     def _shorten(self, request: ChatRequest, rng: random.Random) -> str:
