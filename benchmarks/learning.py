@@ -950,19 +950,22 @@ def conditions_sampled(r: dict) -> int:
     return 1 + (r.get("oracle") is not None) + sum(2 + ("kshot_asked" in x) for x in r["seeds"])
 
 
-HELD_BACK = ("arithmetic", "workers")  # pre-registered (issue 42): never run before the final report
+# pre-registered (issue 57; issue 42's were arithmetic and workers): never run before the final report
+HELD_BACK = ("overlaps", "posts")
 NO_HARM_FLOOR = -0.02  # the pooled learned - none point estimate a family may not fall below
 
 
 def verdict(r: dict) -> str:
-    """What a family's pooled result says: gain (learned - none's CI above 0 and learned - placebo above 0),
-    harm (the point estimate below NO_HARM_FLOOR or the CI's upper bound not above 0), no lesson kept (no harm),
-    or no harm without a clear gain."""
+    """What a family's pooled result says: gain (learned - none's CI above 0, learned - placebo above 0, and more
+    than one seed contributing, i.e. learned - none above 0 in at least two seeds: issue 57's pre-registration;
+    a pooled gain carried by one seed says so), harm (the point estimate below NO_HARM_FLOOR or the CI's upper
+    bound not above 0), no lesson kept (no harm), or no harm without a clear gain."""
     gain, over_placebo = r["pooled"]["learned_minus_none"], r["pooled"]["learned_minus_placebo"]
     if not any(x["lessons"] for x in r["seeds"]):
         return "no lesson kept (no harm)"
     if gain["low"] > 0 and over_placebo["value"] > 0:
-        return "gain"
+        contributing = sum(x["learned_minus_none"]["value"] > 0 for x in r["seeds"])
+        return "gain" if contributing > 1 or len(r["seeds"]) == 1 else "gain carried by one seed"
     if gain["value"] < NO_HARM_FLOOR or gain["high"] <= 0:
         return "HARM"
     return "no harm, no clear gain"

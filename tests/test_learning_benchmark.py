@@ -192,7 +192,7 @@ def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_
 
 def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_ones(tmp_path):
     s = settings(tmp_path, ["ranges"], [0, 1, 2])
-    gain, harm, flat = result(s, "ranges", 0.2), result(s, "percent", -0.05), result(s, "arithmetic", 0.05)
+    gain, harm, flat = result(s, "ranges", 0.2), result(s, "percent", -0.05), result(s, "posts", 0.05)
     empty = result(s, "units", 0.0)
     for x in empty["seeds"]:
         x["lessons"] = []
@@ -200,8 +200,15 @@ def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_
     rows = {line.split(" | ")[0].lstrip("| "): line for line in bench.glance([gain, harm, flat, empty]).splitlines()}
     assert rows["ranges"].endswith("| gain |") and "| 1/2 / off / off |" in rows["ranges"]
     assert rows["percent"].endswith("| HARM |")  # the point estimate below -0.02
-    assert rows["arithmetic (held back)"].endswith("| no harm, no clear gain |")  # its CI holds 0
+    assert rows["posts (held back)"].endswith("| no harm, no clear gain |")  # its CI holds 0
+    assert "arithmetic" not in bench.HELD_BACK  # issue 42's held-back families were run in its final report
     assert rows["units"].endswith("| no lesson kept (no harm) |") and "| 0 / 0 / 0 |" in rows["units"]
+    one = result(s, "handshakes", 0.2)  # issue 57: a pooled gain that one seed carries is not a gain
+    for x, value in zip(one["seeds"], (0.0, 0.0, 0.3)):
+        x["learned_minus_none"] = interval(value)
+    assert bench.verdict(one) == "gain carried by one seed"
+    one["seeds"][1]["learned_minus_none"] = interval(0.01)
+    assert bench.verdict(one) == "gain"
     bench.glance_plot([gain, harm, flat, empty], tmp_path / "glance.png")
     assert (tmp_path / "glance.png").stat().st_size > 0
     assert bench.lessons_caption(empty) == "lessons 0/0/0: none kept"
