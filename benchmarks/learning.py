@@ -7,12 +7,16 @@ held-out set (disjoint from every training set; the leakage guard refuses any ov
 condition with the same prompt apart from the library: no library; each seed's learned library; each seed's
 *placebo*, a library of the same number of lessons of about the same length, learned on another task (drawn
 from the released reference library, ``data/reference_library_math.json``, learned on competition math: a
-longer prompt or any advice must not pass for learning). Reported per family: Mean@k of every condition with
-95% bootstrap CIs, learned-minus-none and learned-minus-placebo with 95% paired-bootstrap CIs per seed and
-pooled over seeds, the baseline's parse rate, the tokens and wall time each training run cost (and tokens per
-point of gain), and every final lesson. Everything goes through the CLI as a user runs it; results land in
-``--out`` (DuckDB, configs, datasets, results.json) and, with ``--report``, in benchmarks/REPORT.md and
-benchmarks/plots/learning.png.
+longer prompt or any advice must not pass for learning), and two more, baselines a user would try instead of
+learning (issue 57): the *oracle lesson*, one correct rule per family written by hand here (never in the product),
+evaluated once per family; and *k-shot*, per training seed ``--kshot`` solved training problems drawn at random
+(seeded) from that run's own rollouts graded correct, the pool the learner may use, shown as worked examples.
+Reported per family: Mean@k of every condition with 95% bootstrap CIs, learned-minus-none, learned-minus-placebo
+and learned-minus-k-shot with 95% paired-bootstrap CIs per seed and pooled over seeds, oracle-minus-none, the
+baseline's parse rate, the items each run kept by kind (lessons, examples), the tokens and wall time each
+training run cost (and tokens per point of gain), and every final lesson. Everything goes through the CLI as
+a user runs it; results land in ``--out`` (DuckDB, configs, datasets, results.json) and, with ``--report``, in
+benchmarks/REPORT.md and benchmarks/plots/learning.png.
 
 Learners: ``same`` (the policy learns for itself: Qwen2.5-Coder-0.5B) and ``qwen2.5-coder-1.5b`` (a stronger
 learner for the same 0.5B policy, served by a second llama-server; a real configuration, e.g. an API learner
@@ -33,14 +37,17 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -53,11 +60,12 @@ from report_block import write_block  # noqa: E402
 from application.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
 from application.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo import metrics  # noqa: E402
-from clgrpo.library import ExperienceLibrary, word_count  # noqa: E402
+from clgrpo.library import ExperienceLibrary, LibraryFormatError, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
 from schemas.config import LearningConfig, LessonValidation  # noqa: E402
+from schemas.records import Problem, Reward, Rollout  # noqa: E402
 from schemas.stages import Stage  # noqa: E402
 
 POLICY = QWEN_05B
@@ -100,6 +108,9 @@ class Settings:
     # learning.checks_budget: what a step's trials and gate may spend, times its own tokens (None: no limit)
     checks_budget: float | None = LearningConfig().checks_budget
     runs_dir: Path = field(default_factory=lambda: RUNS_DIR)  # where each (family, learner, seed) result is kept
+    # issue 57: the k-shot baseline's solved training problems per seed (0: no k-shot condition); not in a results
+    # folder's key (it shapes no learned result): each seed's file says which k its k-shot condition had
+    kshot: int = 2
 
 
 @dataclass
@@ -114,7 +125,8 @@ class TrainRun:
     tokens_validation: int = 0
     tokens_gate: int = 0
     gate: list[str] = field(default_factory=list)  # the library gate's decision of each step (its reason)
-    lessons: list[str] = field(default_factory=list)
+    lessons: list[str] = field(default_factory=list)  # every item's text (a lesson's, an example's solution)
+    items: dict[str, int] = field(default_factory=dict)  # the final library's items by kind (items_by_kind)
     kept: int = 0
     rejected_by_validation: int = 0
     rejected_other: int = 0
@@ -285,7 +297,8 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
             "SELECT stage, role, sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = ? GROUP BY stage, role",
             [run.run_id],
         )
-        run.lessons = [e.text for e in store.load_library(run.run_id)]
+        final = store.load_library(run.run_id)
+        run.lessons, run.items = [e.text for e in final], items_by_kind(final)
         ops = store.records("operations", run.run_id)
         trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
         first_library = store.load_library(run.run_id, 0)
@@ -339,6 +352,165 @@ def placebo_files(s: Settings, runs: list[TrainRun]) -> dict[str, Path]:
         library = ExperienceLibrary.from_mapping({f"E{i}": t for i, t in enumerate(placebo(run.lessons, pool))})
         files[run.run_id] = library.dump(s.out / "placebo" / f"{run.run_id}.json")
     return files
+
+
+# --- items by kind -----------------------------------------------------------------------------------------
+def item_kind(item: object) -> str:
+    """A library item's kind: "example" (a worked example) or "lesson". An item without the field (the product
+    before issue 57's examples, and every library kept before them) is a lesson."""
+    return str(getattr(item, "kind", "lesson"))
+
+
+def items_by_kind(items: Iterable[object]) -> dict[str, int]:
+    """How many of a library's items are lessons and how many worked examples."""
+    kinds = [item_kind(item) for item in items]
+    return {"lessons": sum(k != "example" for k in kinds), "examples": sum(k == "example" for k in kinds)}
+
+
+# --- baselines a user would try instead: the oracle lesson and k-shot -----------------------------------------
+# One correct rule per family, written by hand for the oracle-lesson baseline (issue 57): what a library could say
+# at best in one lesson. Benchmark only: the product never ships a lesson written by hand.
+ORACLE_LESSONS: dict[str, str] = {
+    "arithmetic": "Do the operation the words ask for: add what is gained or found, subtract what is given away, "
+    "and multiply the number of packs or boxes by how many each holds before adding any extra.",
+    "ranges": "To count the whole numbers from a first to a last number with both ends included, compute last - "
+    "first + 1, not last - first.",
+    "percent": "A percent change is the change divided by the original (starting) amount, times 100, never the "
+    "change divided by the new amount.",
+    "units": "Square units convert by the length factor squared and cubic units by the length factor cubed, so one "
+    "square meter is 100 x 100 = 10,000 square centimeters and one cubic meter is 100 x 100 x 100 cubic centimeters.",
+    "shares": "When a fraction is given away and then a fraction of the remaining ones, take the second fraction of "
+    "what is left after the first, not of the original total.",
+    "durations": "For the minutes between two clock times, turn each time into minutes (hours x 60 + minutes) and "
+    "subtract, since an hour has 60 minutes, not 100.",
+    "boxes": "When everything must fit, divide the total by what one box holds and round up to the next whole "
+    "number whenever there is a remainder.",
+    "workers": "More workers take less time: workers x days stays the same, so the new time is workers x days "
+    "divided by the new number of workers.",
+    "handshakes": "When each pair among n people or teams counts once, the number of pairs is n x (n - 1) / 2.",
+    "average": "The missing value is the average times how many values there are, minus the sum of the known values.",
+    "posts": "Along a line of length L with a post every d meters and one at each end, there are L / d + 1 posts, "
+    "one more than the number of gaps.",
+    "speeds": "For a round trip over the same distance at a km/h and b km/h, the average speed is the total distance "
+    "over the total time, 2ab / (a + b), not (a + b) / 2.",
+    "overlaps": "The people who like A or B number A + B - both, since the sum counts those who like both twice; "
+    "those who like neither are the group size minus that.",
+}
+
+
+def oracle_file(s: Settings, family: str) -> Path:
+    """The oracle lesson of ``family`` as a one-lesson library file (the reference format, ``{"E0": "..."}``)."""
+    return ExperienceLibrary.from_mapping({"E0": ORACLE_LESSONS[family]}).dump(s.out / "oracle" / f"{family}.json")
+
+
+def oracle_label(family: str) -> str:
+    """The oracle condition's label: the lesson's hash in it, so a lesson reworded is another evaluation."""
+    return "oracle-" + hashlib.sha256(ORACLE_LESSONS[family].encode()).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A training problem the policy solved in a training run: one of its rollouts graded correct."""
+
+    problem_id: str
+    problem: str
+    answer: str
+    text: str  # the rollout's completion (its final assistant turn, what the verifier graded)
+    step: int
+    sample_idx: int
+
+
+def solved_rollouts(store: Store, run_id: str) -> list[Solved]:
+    """Every rollout of a training run graded correct (reward 1), with its problem: the run's own rollouts, the
+    pool the learner may learn from (the gate's and the trials' samples are not rollouts of the run)."""
+    problems = {p.problem_id: p for p in store.records(Problem, run_id)}
+    rollouts = store.frame(Rollout, run_id)
+    graded = store.frame(Reward, run_id)
+    correct = {
+        (int(step), pid, int(j))
+        for step, pid, j, reward in zip(graded["step"], graded["problem_id"], graded["sample_idx"], graded["reward"])
+        if reward is not None and not np.isnan(reward) and reward >= 1.0
+    }
+    solved = []
+    for step, pid, j, text in zip(
+        rollouts["step"], rollouts["problem_id"], rollouts["sample_idx"], rollouts["final_text"]
+    ):
+        key = (int(step), pid, int(j))
+        if key in correct and pid in problems and isinstance(text, str) and text.strip():
+            problem = problems[pid]
+            solved.append(Solved(pid, problem.problem, problem.answer or "", text.strip(), key[0], key[2]))
+    return solved
+
+
+def kshot_draw(solved: Sequence[Solved], k: int, seed: str) -> list[Solved]:
+    """``k`` solved problems drawn at random (seeded by ``seed``), one correct rollout of each, also drawn: no
+    selection by length or quality. Fewer than ``k`` solved problems: all of them."""
+    rng = random.Random(seed)
+    by_problem: dict[str, list[Solved]] = {}
+    for x in sorted(solved, key=lambda x: (x.problem_id, x.step, x.sample_idx)):
+        by_problem.setdefault(x.problem_id, []).append(x)
+    chosen = rng.sample(sorted(by_problem), min(k, len(by_problem)))
+    return [rng.choice(by_problem[pid]) for pid in chosen]
+
+
+def example_item(x: Solved, family: str) -> dict:
+    """A worked example as a library file holds it (issue 57's seed format): the problem, the policy's solution
+    graded correct, its answer and where it came from."""
+    return {
+        "kind": "example",
+        "problem": x.problem,
+        "text": x.text,
+        "answer": x.answer,
+        "author": POLICY.fetch_key,
+        "reward": 1.0,
+        "task_tag": family,
+        "source_groups": [x.problem_id],
+    }
+
+
+def write_examples(path: Path, examples: Sequence[Solved], family: str) -> Path:
+    """A library file of worked examples (seed format: ``{"experiences": {"E0": {...}}, "next_id": N}``)."""
+    payload = {
+        "experiences": {f"E{i}": example_item(x, family) for i, x in enumerate(examples)},
+        "next_id": len(examples),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+@dataclass(frozen=True)
+class KShot:
+    """One seed's k-shot condition: the solved problems drawn, its library file (None with no solved problem:
+    the condition is then the no-library one) and its reward matrix."""
+
+    asked: int
+    problems: list[str]
+    path: Path | None
+    matrix: np.ndarray | None = None
+
+
+def kshot_library(s: Settings, run: TrainRun) -> KShot:
+    """The k-shot library of a training run: ``s.kshot`` of its solved problems, drawn with the run's own seed."""
+    with Store(str(s.out / "learning.duckdb"), read_only=True) as store:
+        solved = solved_rollouts(store, run.run_id)
+    drawn = kshot_draw(solved, s.kshot, f"clgrpo-kshot-{run.run_id}")
+    if not drawn:
+        return KShot(s.kshot, [], None)
+    path = write_examples(s.out / "kshot" / f"{run.run_id}.json", drawn, run.family)
+    return KShot(s.kshot, [x.problem_id for x in drawn], path)
+
+
+def examples_readable() -> bool:
+    """Whether this checkout's library loader (the one ``clgrpo eval --library`` uses) reads worked examples."""
+    sample = Solved("p-0", "What is 1 + 1?", "2", "1 + 1 = 2, so \\boxed{2}", 0, 0)
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_examples(Path(folder) / "examples.json", [sample], "arithmetic")
+        try:
+            library = ExperienceLibrary.load(path)
+        except LibraryFormatError:  # a plain string was expected
+            return False
+    return [item_kind(e) for e in library] == ["example"]
 
 
 # --- evaluation ------------------------------------------------------------------------------------------
@@ -452,11 +624,18 @@ def paired(baseline: np.ndarray, candidate: np.ndarray, seed: int = 0) -> dict:
 
 
 def seed_entry(
-    run: TrainRun, none: np.ndarray, learned: np.ndarray, fake: np.ndarray, placebo_lessons: list[str], minutes: float
+    run: TrainRun,
+    none: np.ndarray,
+    learned: np.ndarray,
+    fake: np.ndarray,
+    placebo_lessons: list[str],
+    minutes: float,
+    kshot: KShot | None = None,
 ) -> dict:
-    """One (family, learner, seed): its figures against no library and its placebo, its lessons, costs and gate
-    decisions, and its reward matrices (so later invocations pool it without its database)."""
-    return {
+    """One (family, learner, seed): its figures against no library, its placebo and its k-shot library (when
+    measured), its items by kind, lessons, costs and gate decisions, and its reward matrices (so later invocations
+    pool it without its database)."""
+    entry: dict[str, Any] = {
         "seed": run.seed,
         "run_id": run.run_id,
         "learned": ci(learned),
@@ -482,8 +661,21 @@ def seed_entry(
         "rejected_other": run.rejected_other,
         "heldout_in_training": run.heldout_in_training,
         "lessons_without_learner": run.lessons_without_learner,
+        "items_kept": run.items or items_by_kind([None] * len(run.lessons)),
         "matrices": {"learned": _matrix(learned), "placebo": _matrix(fake)},
     }
+    if kshot is not None:
+        # with no solved problem to show, the k-shot condition is the no-library one: its matrix, not another draw
+        matrix = none if kshot.matrix is None else kshot.matrix
+        entry |= {
+            "kshot": ci(matrix),
+            "learned_minus_kshot": paired(matrix, learned),
+            "kshot_asked": kshot.asked,
+            "kshot_problems": kshot.problems,  # fewer than asked: the run solved fewer training problems
+            "kshot_is_none": not kshot.problems,
+        }
+        entry["matrices"]["kshot"] = _matrix(matrix)
+    return entry
 
 
 def _matrix(m: np.ndarray) -> list[list[float | None]]:
@@ -497,14 +689,17 @@ def empty_is_none(entry: dict, base: np.ndarray) -> dict:
     if entry["lessons"]:
         return entry
     same = paired(base, base)
+    kshot = entry["matrices"].get("kshot")
     return {
         **entry,
         "learned": ci(base),
         "placebo": ci(base),
         "learned_minus_none": same,
         "learned_minus_placebo": same,
-        "eval_minutes": 0.0,
-        "matrices": {"learned": _matrix(base), "placebo": _matrix(base)},
+        **({"learned_minus_kshot": paired(_array(kshot), base)} if kshot is not None else {}),
+        # a redraw of the empty library is not counted; a k-shot library drawn for the run is
+        "eval_minutes": 0.0 if entry.get("kshot_is_none", True) else entry["eval_minutes"],
+        "matrices": {**entry["matrices"], "learned": _matrix(base), "placebo": _matrix(base)},
     }
 
 
@@ -520,10 +715,20 @@ def measured_dates(parts: Sequence[dict]) -> str:
     return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
 
 
-def pool_family(s: Settings, family: str, learner: str, none: dict, entries: list[dict], command: str) -> dict:
+def pool_family(
+    s: Settings,
+    family: str,
+    learner: str,
+    none: dict,
+    entries: list[dict],
+    command: str,
+    oracle: dict | None = None,
+) -> dict:
     """The family's result for one learner from its seeds' entries: pooled differences stack the seeds' samples
     per problem; tokens per point of pooled gain only where there is a gain (a run that learned nothing has
-    none)."""
+    none). learned - k-shot pools only when every seed measured k-shot with this ``--kshot`` (results kept
+    before issue 57 did not: None, shown as "-"); oracle - none comes from the family's oracle measurement
+    (``oracle``; None where there is none)."""
     base = _array(none["matrix"])
     entries = [empty_is_none(e, base) for e in entries]
     learned_all = [_array(e["matrices"]["learned"]) for e in entries]
@@ -532,6 +737,9 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
     pooled_gain = paired(np.tile(base, (1, n)), np.hstack(learned_all))
     tokens = sum(e["tokens"] for e in entries)
     points = 100 * pooled_gain["value"]
+    measured_kshot = all("kshot" in e["matrices"] and e.get("kshot_asked") == s.kshot for e in entries)
+    kshot_all = [_array(e["matrices"]["kshot"]) for e in entries] if measured_kshot and s.kshot else []
+    oracle_rows = _array(oracle["matrix"]) if oracle is not None else None
     return {
         "family": family,
         "learner": learner,
@@ -550,9 +758,16 @@ def pool_family(s: Settings, family: str, learner: str, none: dict, entries: lis
             "placebo": ci(np.hstack(placebo_all)),
             "learned_minus_none": pooled_gain,
             "learned_minus_placebo": paired(np.hstack(placebo_all), np.hstack(learned_all)),
+            "kshot": ci(np.hstack(kshot_all)) if kshot_all else None,
+            "learned_minus_kshot": paired(np.hstack(kshot_all), np.hstack(learned_all)) if kshot_all else None,
         },
+        "oracle": ci(oracle_rows) if oracle_rows is not None else None,
+        "oracle_minus_none": paired(base, oracle_rows) if oracle_rows is not None else None,
+        "oracle_lesson": oracle["lesson"] if oracle is not None else None,
         "tokens_per_point": tokens / points if points > 0 else None,
-        "eval_minutes": none["eval_minutes"] + sum(e["eval_minutes"] for e in entries),
+        "eval_minutes": none["eval_minutes"]
+        + (oracle["eval_minutes"] if oracle is not None else 0.0)
+        + sum(e["eval_minutes"] for e in entries),
         "train_seconds": sum(e["train_seconds"] for e in entries),
     }
 
@@ -647,26 +862,57 @@ def family_none(s: Settings, family: str, data: dict, policy_url: str) -> dict:
     return none
 
 
+def family_oracle(s: Settings, family: str, data: dict, policy_url: str, none: dict) -> dict:
+    """The held-out problems with the family's oracle lesson as the whole library: measured once per family (as
+    "none" is), kept in the repository, and measured again only if the lesson is reworded."""
+    if (kept := load_kept(s, f"{family}-oracle")) is not None and kept["lesson"] == ORACLE_LESSONS[family]:
+        return kept
+    label = oracle_label(family)
+    eval_ids = evaluate_family(s, family, data, {label: str(oracle_file(s, family))}, policy_url)
+    m = condition_matrices(s, eval_ids, none["problems"])
+    oracle = {
+        "family": family,
+        "lesson": ORACLE_LESSONS[family],
+        "problems": none["problems"],
+        "matrix": _matrix(m[label]),
+        "parsed": float(m[f"__parsed__{label}"][0]),
+        "eval_minutes": sampling_minutes(s, eval_ids),
+    }
+    keep(s, f"{family}-oracle", oracle)
+    return oracle
+
+
 def family_seed(
     s: Settings, family: str, learner: str, seed: int, data: dict, urls: dict[str, tuple[str, str]], none: dict
 ) -> dict:
     """One (family, learner, seed): read from the repository when it was measured with these settings, else
-    trained, its placebo drawn, both evaluated, and kept (an interruption loses at most the run in progress)."""
+    trained, its placebo and its k-shot library drawn, all evaluated, and kept (an interruption loses at most the
+    run in progress)."""
     rid = run_id(family, learner, seed)
     if (kept := load_kept(s, rid)) is not None:
         print(f"{rid}: measured on {kept['measured']}, read from {results_dir(s) / rid}.json", flush=True)
         return kept
     run = train_run(s, family, learner, seed, data, urls)
     base = _array(none["matrix"])
-    if not run.lessons:  # the empty library is the none condition: nothing to evaluate
-        entry = seed_entry(run, base, base, base, [], 0.0)
-        keep(s, rid, {"family": family, "learner": learner, **entry})
-        return entry
-    fake = placebo_files(s, [run])[rid]
-    conditions = {rid: f"{rid}:latest", f"placebo-{rid}": str(fake)}
-    eval_ids = evaluate_family(s, family, data, conditions, urls["policy"][0])
-    m = condition_matrices(s, eval_ids, none["problems"])
-    entry = seed_entry(run, base, m[rid], m[f"placebo-{rid}"], _lessons(fake), sampling_minutes(s, eval_ids))
+    conditions: dict[str, str] = {}
+    fake = placebo_files(s, [run])[rid] if run.lessons else None  # the empty library is the none condition
+    if fake is not None:
+        conditions |= {rid: f"{rid}:latest", f"placebo-{rid}": str(fake)}
+    kshot = kshot_library(s, run) if s.kshot else None
+    if kshot is not None and kshot.path is None:
+        print(f"{rid}: no training problem solved: its k-shot condition is the no-library one", flush=True)
+    elif kshot is not None and len(kshot.problems) < s.kshot:
+        print(f"{rid}: {len(kshot.problems)} solved training problems, fewer than k={s.kshot}: all shown", flush=True)
+    if kshot is not None and kshot.path is not None:
+        conditions[f"kshot{s.kshot}-{rid}"] = str(kshot.path)
+    eval_ids = evaluate_family(s, family, data, conditions, urls["policy"][0]) if conditions else {}
+    m = condition_matrices(s, eval_ids, none["problems"]) if eval_ids else {}
+    if kshot is not None and kshot.path is not None:
+        kshot = replace(kshot, matrix=m[f"kshot{s.kshot}-{rid}"])
+    learned, placebo_rows = (m[rid], m[f"placebo-{rid}"]) if fake is not None else (base, base)
+    minutes = sampling_minutes(s, eval_ids) if eval_ids else 0.0
+    placebo_lessons = _lessons(fake) if fake is not None else []
+    entry = seed_entry(run, base, learned, placebo_rows, placebo_lessons, minutes, kshot)
     keep(s, rid, {"family": family, "learner": learner, **entry})
     return entry
 
@@ -676,24 +922,50 @@ def _lessons(path: Path) -> list[str]:
 
 
 # --- report ----------------------------------------------------------------------------------------------
-def fmt(x: dict, signed: bool = False) -> str:
+def fmt(x: dict | None, signed: bool = False) -> str:
+    """A figure with its CI; "-" where it was not measured (results kept before the condition existed)."""
+    if x is None:
+        return "-"
     sign = "+" if signed else ""
     return f"{x['value']:{sign}.3f} [{x['low']:{sign}.3f}, {x['high']:{sign}.3f}]"
 
 
-HELD_BACK = ("arithmetic", "workers")  # pre-registered (issue 42): never run before the final report
+def kept_by_kind(x: dict) -> str:
+    """A seed's final library as "lessons+examples" ("-" for a result kept before items had kinds)."""
+    items = x.get("items_kept")
+    return f"{items['lessons']}+{items['examples']}" if items else "-"
+
+
+def kshot_shown(x: dict) -> str:
+    """How many solved problems a seed's k-shot library showed, of k ("-" where k-shot was not measured)."""
+    if "kshot_asked" not in x:
+        return "-"
+    shown = f"{len(x['kshot_problems'])} of {x['kshot_asked']}"
+    return shown + " (= none)" if x["kshot_is_none"] else shown
+
+
+def conditions_sampled(r: dict) -> int:
+    """The conditions a result's evaluation minutes cover: none, the oracle lesson, and per seed learned,
+    placebo and k-shot (where measured)."""
+    return 1 + (r.get("oracle") is not None) + sum(2 + ("kshot_asked" in x) for x in r["seeds"])
+
+
+# pre-registered (issue 57; issue 42's were arithmetic and workers): never run before the final report
+HELD_BACK = ("overlaps", "posts")
 NO_HARM_FLOOR = -0.02  # the pooled learned - none point estimate a family may not fall below
 
 
 def verdict(r: dict) -> str:
-    """What a family's pooled result says: gain (learned - none's CI above 0 and learned - placebo above 0),
-    harm (the point estimate below NO_HARM_FLOOR or the CI's upper bound not above 0), no lesson kept (no harm),
-    or no harm without a clear gain."""
+    """What a family's pooled result says: gain (learned - none's CI above 0, learned - placebo above 0, and more
+    than one seed contributing, i.e. learned - none above 0 in at least two seeds: issue 57's pre-registration;
+    a pooled gain carried by one seed says so), harm (the point estimate below NO_HARM_FLOOR or the CI's upper
+    bound not above 0), no lesson kept (no harm), or no harm without a clear gain."""
     gain, over_placebo = r["pooled"]["learned_minus_none"], r["pooled"]["learned_minus_placebo"]
     if not any(x["lessons"] for x in r["seeds"]):
         return "no lesson kept (no harm)"
     if gain["low"] > 0 and over_placebo["value"] > 0:
-        return "gain"
+        contributing = sum(x["learned_minus_none"]["value"] > 0 for x in r["seeds"])
+        return "gain" if contributing > 1 or len(r["seeds"]) == 1 else "gain carried by one seed"
     if gain["value"] < NO_HARM_FLOOR or gain["high"] <= 0:
         return "HARM"
     return "no harm, no clear gain"
@@ -714,49 +986,58 @@ def glance(results: list[dict]) -> str:
     """The report's opening table: a row per (family, learner), the pooled differences with their CIs, the
     lessons each seed kept, what the gate adopted, the tokens and the verdict."""
     lines = [
-        "| family | learner | learned - none (pooled, 95% CI) | learned - placebo | lessons kept per seed "
-        "| gate adopted per seed | tokens, all seeds | tokens per point | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | learner | learned - none (pooled, 95% CI) | learned - placebo | learned - k-shot "
+        "| oracle - none | items kept per seed | lessons+examples per seed | gate adopted per seed | tokens, all seeds "
+        "| tokens per point | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, seeds = r["pooled"], r["seeds"]
         per_point = f"{r['tokens_per_point']:,.0f}" if r["tokens_per_point"] else "no gain"
         lines.append(
             f"| {family_label(r['family'])} | {r['learner']} | {fmt(p['learned_minus_none'], True)} "
-            f"| {fmt(p['learned_minus_placebo'], True)} | {' / '.join(str(len(x['lessons'])) for x in seeds)} "
-            f"| {' / '.join(adopted_steps(x) for x in seeds)} | {sum(x['tokens'] for x in seeds):,} | {per_point} "
-            f"| {verdict(r)} |"
+            f"| {fmt(p['learned_minus_placebo'], True)} | {fmt(p.get('learned_minus_kshot'), True)} "
+            f"| {fmt(r.get('oracle_minus_none'), True)} | {' / '.join(str(len(x['lessons'])) for x in seeds)} "
+            f"| {' / '.join(kept_by_kind(x) for x in seeds)} | {' / '.join(adopted_steps(x) for x in seeds)} "
+            f"| {sum(x['tokens'] for x in seeds):,} | {per_point} | {verdict(r)} |"
         )
     return "\n".join(lines)
 
 
 def lessons_caption(r: dict, width: int = 60) -> str:
-    """A row's lessons in the picture: how many each seed kept, and the shortest of them (cut to ``width``
-    characters, between words) as a sample of what was learned."""
-    counts = "/".join(str(len(x["lessons"])) for x in r["seeds"])
+    """A row's lessons in the picture: how many each seed kept (by kind, lessons+examples, where the result has
+    kinds), and the shortest of them (cut to ``width`` characters, between words) as a sample of what was
+    learned."""
+    kinds = all(x.get("items_kept") for x in r["seeds"])
+    name = "lessons+examples" if kinds else "lessons"
+    counts = "/".join(kept_by_kind(x) if kinds else str(len(x["lessons"])) for x in r["seeds"])
     kept = [lesson for x in r["seeds"] for lesson in x["lessons"]]
     if not kept:
-        return f"lessons {counts}: none kept"
+        return f"{name} {counts}: none kept"
     sample = textwrap.shorten(min(kept, key=len), width, placeholder=" \u2026")  # cut between words
-    return f"lessons {counts}: \u201c{sample}\u201d"
+    return f"{name} {counts}: \u201c{sample}\u201d"
 
 
 def glance_plot(results: list[dict], path: Path) -> None:
-    """One picture: a row per (family, learner), learned - none and learned - placebo with their 95% CIs, and the
-    lessons kept."""
+    """One picture: a row per (family, learner), learned - none, learned - placebo, learned - k-shot and oracle
+    lesson - none with their 95% CIs (the last two where measured), and the lessons kept."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 0.45 * len(results) + 1.2))
+    fig, ax = plt.subplots(figsize=(6.5, 0.6 * len(results) + 1.2))
     rows = list(reversed(results))
+    labelled: set[str] = set()
     for y, r in enumerate(rows):
-        for offset, key, color, label in (
-            (0.12, "learned_minus_none", "#3a7bd5", "learned - none"),
-            (-0.12, "learned_minus_placebo", "#d9a441", "learned - placebo"),
+        for offset, d, color, label in (
+            (0.24, r["pooled"]["learned_minus_none"], "#3a7bd5", "learned - none"),
+            (0.08, r["pooled"]["learned_minus_placebo"], "#d9a441", "learned - placebo"),
+            (-0.08, r["pooled"].get("learned_minus_kshot"), "#5a9e4b", "learned - k-shot"),
+            (-0.24, r.get("oracle_minus_none"), "#8e6bbf", "oracle lesson - none"),
         ):
-            d = r["pooled"][key]
+            if d is None:  # a result kept before the condition existed
+                continue
             ax.errorbar(
                 d["value"],
                 y + offset,
@@ -764,8 +1045,10 @@ def glance_plot(results: list[dict], path: Path) -> None:
                 fmt="o",
                 color=color,
                 capsize=3,
-                label=label if y == 0 else None,
+                markersize=4,
+                label=None if label in labelled else label,
             )
+            labelled.add(label)
         ax.annotate(lessons_caption(r), (1.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="center")
     ax.axvline(0, color="#444444", linewidth=0.8)
     ax.set_yticks(range(len(rows)), [f"{family_label(r['family'])} / {r['learner']}" for r in rows], fontsize=8)
@@ -788,45 +1071,55 @@ def markdown(results: list[dict]) -> str:
             else "no lesson trials (the library gate alone)"
         )
         + f"; held-out problems sampled at temperature {first['eval_temperature']:g}; placebo "
-        f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}. Mean@k with 95% bootstrap CIs; "
-        "differences with 95% paired-bootstrap CIs over held-out problems, pooled over the seeds.",
+        f"lessons length-matched from {PLACEBO_POOL.relative_to(ROOT)}; the oracle lesson: one correct rule per "
+        "family written by hand in the benchmark (never in the product), the whole library, measured once per "
+        f"family; k-shot: per seed k={first.get('kshot', 2)} solved training problems drawn at random (seeded) "
+        'from the run\'s own rollouts graded correct, shown as worked examples ("-": a result kept before these '
+        "baselines existed). Mean@k with 95% bootstrap CIs; differences with 95% paired-bootstrap CIs over "
+        "held-out problems, pooled over the seeds.",
         "",
-        "| family | learner | seeds | train / held-out x k | none | placebo (pooled) | learned (pooled) "
-        "| learned - none | learned - placebo | baseline parsed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| family | learner | seeds | train / held-out x k | none | oracle lesson | placebo (pooled) "
+        "| k-shot (pooled) | learned (pooled) | learned - none | learned - placebo | learned - k-shot "
+        "| oracle - none | baseline parsed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, cfg = r["pooled"], r["settings"]
         lines.append(
             f"| {r['family']} | {r['learner']} | {', '.join(map(str, cfg['seeds']))} "
-            f"| {cfg['train']} / {r['problems']} x {r['k']} | {fmt(r['none'])} | {fmt(p['placebo'])} "
-            f"| {fmt(p['learned'])} | {fmt(p['learned_minus_none'], True)} "
-            f"| {fmt(p['learned_minus_placebo'], True)} | {r['baseline_parsed']:.0%} |"
+            f"| {cfg['train']} / {r['problems']} x {r['k']} | {fmt(r['none'])} | {fmt(r.get('oracle'))} "
+            f"| {fmt(p['placebo'])} | {fmt(p.get('kshot'))} | {fmt(p['learned'])} "
+            f"| {fmt(p['learned_minus_none'], True)} | {fmt(p['learned_minus_placebo'], True)} "
+            f"| {fmt(p.get('learned_minus_kshot'), True)} | {fmt(r.get('oracle_minus_none'), True)} "
+            f"| {r['baseline_parsed']:.0%} |"
         )
     lines += ["", "Commands (each resumes from its `--out` folder) and what the result cost in wall time:", ""]
     lines += [
         f"- {r['family']} / {r['learner']}, measured {r['measured']}: `{r['command']}`; training "
         f"{r['train_seconds'] / 60:.0f} min over {len(r['seeds'])} seeds, evaluation {r['eval_minutes']:.0f} min "
-        f'of sampling over {1 + 2 * len(r["seeds"])} conditions (the "none" condition is shared by every '
-        "learner of a family)"
+        f'of sampling over {conditions_sampled(r)} conditions (the "none" and oracle-lesson conditions are shared '
+        "by every learner of a family)"
         for r in results
     ]
     lines += [
         "",
         "Per seed (Mean@k differences with 95% paired-bootstrap CIs over held-out problems):",
         "",
-        "| family | learner | seed | lessons kept / rejected by validation | learned - none | learned - placebo "
-        "| training time | tokens (rollouts / learner / validation / gate) | with checks / without |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | learner | seed | lessons kept / rejected by validation | final lessons+examples "
+        "| learned - none | learned - placebo | learned - k-shot | k-shot problems shown | training time "
+        "| tokens (rollouts / learner / validation / gate) | with checks / without |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for x in r["seeds"]:
             t = x["tokens_by_part"]
             lines.append(
                 f"| {r['family']} | {r['learner']} | {x['seed']} | {x['kept']} / {x['rejected_by_validation']} "
-                f"| {fmt(x['learned_minus_none'], True)} | {fmt(x['learned_minus_placebo'], True)} "
-                f"| {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / {t['learner']:,} / "
-                f"{t['validation']:,} / {t.get('gate', 0):,}) | {x.get('checks_cost', float('nan')):.2f}x |"
+                f"| {kept_by_kind(x)} | {fmt(x['learned_minus_none'], True)} "
+                f"| {fmt(x['learned_minus_placebo'], True)} | {fmt(x.get('learned_minus_kshot'), True)} "
+                f"| {kshot_shown(x)} | {x['train_seconds'] / 60:.0f} min | {x['tokens']:,} ({t['rollouts']:,} / "
+                f"{t['learner']:,} / {t['validation']:,} / {t.get('gate', 0):,}) "
+                f"| {x.get('checks_cost', float('nan')):.2f}x |"
             )
     gated = [(r, x) for r in results for x in r["seeds"] if x.get("gate")]
     if gated:
@@ -856,6 +1149,12 @@ def markdown(results: list[dict]) -> str:
             else f"{r['family']}/{r['learner']}: no gain"
             for r in results
         ),
+    ]
+    oracles = {r["family"]: r["oracle_lesson"] for r in results if r.get("oracle_lesson")}
+    if oracles:
+        lines += ["", "The oracle lessons (written by hand in the benchmark, one per family):", ""]
+        lines += [f'- {family}: "{lesson}"' for family, lesson in oracles.items()]
+    lines += [
         "",
         "Every final lesson:",
         "",
@@ -867,6 +1166,9 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BAR_COLORS = {"none": "#888888", "oracle": "#8e6bbf", "placebo": "#d9a441", "k-shot": "#5a9e4b", "learned": "#3a7bd5"}
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -875,15 +1177,17 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, r in zip(axes[0], results):
-        labels, values, errors = ["none"], [r["none"]], []
+        bars = [("none", r["none"]), ("oracle lesson", r.get("oracle"))]
         for x in r["seeds"]:
-            labels += [f"placebo s{x['seed']}", f"learned s{x['seed']}"]
-            values += [x["placebo"], x["learned"]]
-        labels += ["placebo pooled", "learned pooled"]
-        values += [r["pooled"]["placebo"], r["pooled"]["learned"]]
+            bars += [(f"placebo s{x['seed']}", x["placebo"]), (f"k-shot s{x['seed']}", x.get("kshot"))]
+            bars += [(f"learned s{x['seed']}", x["learned"])]
+        bars += [("placebo pooled", r["pooled"]["placebo"]), ("k-shot pooled", r["pooled"].get("kshot"))]
+        bars += [("learned pooled", r["pooled"]["learned"])]
+        labels = [label for label, v in bars if v is not None]  # k-shot and the oracle where measured
+        values = [v for _, v in bars if v is not None]
         means = [v["value"] for v in values]
         errors = [[v["value"] - v["low"] for v in values], [v["high"] - v["value"] for v in values]]
-        colors = ["#888888"] + ["#d9a441" if "placebo" in label else "#3a7bd5" for label in labels[1:]]
+        colors = [BAR_COLORS[next((k for k in BAR_COLORS if label.startswith(k)), "learned")] for label in labels]
         ax.bar(range(len(values)), means, yerr=errors, color=colors, capsize=3)
         ax.set_xticks(range(len(values)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_ylim(0, 1)
@@ -904,7 +1208,7 @@ def kept_family(s: Settings, family: str, learner: str) -> dict | None:
     entries = [e for seed in s.seeds if (e := load_kept(s, run_id(family, learner, seed))) is not None]
     if none is None or not entries:
         return None
-    return pool_family(s, family, learner, none, entries, "")
+    return pool_family(s, family, learner, none, entries, "", load_kept(s, f"{family}-oracle"))
 
 
 def trials_comparison(s: Settings) -> str:
@@ -1021,6 +1325,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         help="learning.checks_budget: a step's trials and gate spend at most this times its own tokens; none: no "
         "limit (default: the product's)",
     )
+    ap.add_argument(
+        "--kshot",
+        type=int,
+        default=2,
+        help="the k-shot baseline: solved training problems per seed shown as worked examples (0: no k-shot "
+        "condition; default 2)",
+    )
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument(
         "--runs-dir",
@@ -1039,6 +1350,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
     a = ap.parse_args(argv)
     if a.train > 50:
         ap.error("--train: at most 50 training problems per seed")
+    if a.kshot < 0:
+        ap.error("--kshot: 0 or more")
     return Settings(
         a.families.split(","),
         [int(x) for x in a.seeds.split(",")],
@@ -1069,6 +1382,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         a.gate_temperature,
         a.checks_budget,
         Path(a.runs_dir).resolve(),
+        a.kshot,
     ), Mode(a.report, a.compare_trials)
 
 
@@ -1096,21 +1410,29 @@ SECONDS_PER_EVAL_SAMPLE = 0.4  # 7 conditions x 24 problems x k=4 in 4-5 minutes
 
 def estimate_minutes(s: Settings) -> tuple[float, str]:
     """The whole invocation's expected time, and how it was reckoned: training runs not yet completed in
-    ``--out`` at their measured minutes, and the evaluation samples (no library once per family; a learned and a
-    placebo library per run)."""
+    ``--out`` at their measured minutes, and the evaluation samples (no library and the oracle lesson once per
+    family; a learned, a placebo and a k-shot library per run)."""
     runs = [
         (learner, run_id(family, learner, seed)) for family in s.families for learner in s.learners for seed in s.seeds
     ]
     todo = [(learner, rid) for learner, rid in runs if not _completed(s, rid) and load_kept(s, rid) is None]
     train = sum(MINUTES_PER_TRAINING_RUN.get(learner, 12.0) * s.train / 20 for learner, _ in todo)
     nones = sum(load_kept(s, f"{family}-none") is None for family in s.families)
-    samples = nones * s.heldout * s.k + 2 * len(todo) * s.heldout * s.k
+    oracles = sum(not _oracle_kept(s, family) for family in s.families)
+    per_run = 3 if s.kshot else 2
+    samples = (nones + oracles) * s.heldout * s.k + per_run * len(todo) * s.heldout * s.k
     evaluation = samples * SECONDS_PER_EVAL_SAMPLE / 60
     how = (
         f"{len(todo)} of {len(runs)} training runs to do at ~{train / max(1, len(todo)):.0f} min each, "
-        f"{samples:,} evaluation samples at ~{SECONDS_PER_EVAL_SAMPLE:g} s"
+        f"{samples:,} evaluation samples at ~{SECONDS_PER_EVAL_SAMPLE:g} s ({nones} no-library and {oracles} "
+        f"oracle-lesson conditions, {per_run} conditions per run: learned, placebo{', k-shot' if s.kshot else ''})"
     )
     return train + evaluation, how
+
+
+def _oracle_kept(s: Settings, family: str) -> bool:
+    kept = load_kept(s, f"{family}-oracle")
+    return kept is not None and kept["lesson"] == ORACLE_LESSONS.get(family)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1123,6 +1445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             block = f"{TRIALS_BEGIN}\n{table}\n{TRIALS_END}"
             write_block(block, TRIALS_BEGIN, TRIALS_END, "What the learning checks cost")
         return 0
+    if s.kshot and not examples_readable():
+        raise SystemExit(
+            "the k-shot baseline shows worked examples, which this checkout's library files cannot hold yet "
+            "(issue 57); --kshot 0 runs without it"
+        )
     started = time.monotonic()
     stop_on_sigterm()
     minutes, how = estimate_minutes(s)
@@ -1136,9 +1463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = []
         for family in s.families:  # "none" is sampled once per family, for every learner and seed
             none = family_none(s, family, data, urls["policy"][0])
+            oracle = family_oracle(s, family, data, urls["policy"][0], none)  # once per family too
             for learner in s.learners:
                 entries = [family_seed(s, family, learner, seed, data, urls, none) for seed in s.seeds]
-                results.append(pool_family(s, family, learner, none, entries, command.strip()))
+                results.append(pool_family(s, family, learner, none, entries, command.strip(), oracle))
             save_results(s, results, (time.monotonic() - started) / 60)  # a family at a time: partial runs count
     finally:
         for server in servers:

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from clgrpo.store import Store
 from schemas.records import LLMCall
@@ -139,9 +140,12 @@ def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
 def test_the_estimate_counts_the_runs_left_to_do_and_their_samples(tmp_path):
     s = settings(tmp_path, ["ranges", "percent"], [0, 1, 2])
     minutes, how = bench.estimate_minutes(s)
-    # 6 training runs of the policy as its own learner, 2 families' "none" + a learned and a placebo per run
-    assert how.startswith("6 of 6 training runs to do") and "1,344 evaluation samples" in how
-    assert minutes == 6 * bench.MINUTES_PER_TRAINING_RUN["same"] + 1344 * bench.SECONDS_PER_EVAL_SAMPLE / 60
+    # 6 training runs of the policy as its own learner, 2 families' "none" and oracle lesson, and a learned, a
+    # placebo and a k-shot library per run: (2 + 2 + 3 x 6) x 24 problems x k=4
+    assert how.startswith("6 of 6 training runs to do") and "2,112 evaluation samples" in how
+    assert minutes == 6 * bench.MINUTES_PER_TRAINING_RUN["same"] + 2112 * bench.SECONDS_PER_EVAL_SAMPLE / 60
+    s.kshot = 0  # no k-shot condition: two per run
+    assert "1,536 evaluation samples" in bench.estimate_minutes(s)[1]  # (2 + 2 + 2 x 6) x 24 x 4
     # the product's gate defaults go into the run config unless one is given on the command line
     assert bench.gate_section(s) == {"enabled": "auto"}
     assert bench.gate_section(bench.Settings(**{**s.__dict__, "gate": "off", "gate_samples": 2})) == {
@@ -188,7 +192,7 @@ def test_each_seed_is_kept_as_a_file_and_a_later_invocation_pools_from_them(tmp_
 
 def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_ones(tmp_path):
     s = settings(tmp_path, ["ranges"], [0, 1, 2])
-    gain, harm, flat = result(s, "ranges", 0.2), result(s, "percent", -0.05), result(s, "arithmetic", 0.05)
+    gain, harm, flat = result(s, "ranges", 0.2), result(s, "percent", -0.05), result(s, "posts", 0.05)
     empty = result(s, "units", 0.0)
     for x in empty["seeds"]:
         x["lessons"] = []
@@ -196,8 +200,15 @@ def test_the_glance_table_gives_each_family_its_verdict_and_marks_the_held_back_
     rows = {line.split(" | ")[0].lstrip("| "): line for line in bench.glance([gain, harm, flat, empty]).splitlines()}
     assert rows["ranges"].endswith("| gain |") and "| 1/2 / off / off |" in rows["ranges"]
     assert rows["percent"].endswith("| HARM |")  # the point estimate below -0.02
-    assert rows["arithmetic (held back)"].endswith("| no harm, no clear gain |")  # its CI holds 0
+    assert rows["posts (held back)"].endswith("| no harm, no clear gain |")  # its CI holds 0
+    assert "arithmetic" not in bench.HELD_BACK  # issue 42's held-back families were run in its final report
     assert rows["units"].endswith("| no lesson kept (no harm) |") and "| 0 / 0 / 0 |" in rows["units"]
+    one = result(s, "handshakes", 0.2)  # issue 57: a pooled gain that one seed carries is not a gain
+    for x, value in zip(one["seeds"], (0.0, 0.0, 0.3)):
+        x["learned_minus_none"] = interval(value)
+    assert bench.verdict(one) == "gain carried by one seed"
+    one["seeds"][1]["learned_minus_none"] = interval(0.01)
+    assert bench.verdict(one) == "gain"
     bench.glance_plot([gain, harm, flat, empty], tmp_path / "glance.png")
     assert (tmp_path / "glance.png").stat().st_size > 0
     assert bench.lessons_caption(empty) == "lessons 0/0/0: none kept"
@@ -296,3 +307,169 @@ def test_a_stopped_benchmark_stops_the_clgrpo_run_it_started(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert marker.read_text().strip() == "stopped"  # the run got SIGTERM, not SIGKILL
+
+
+# --- issue 57: the oracle lesson, k-shot and items by kind -------------------------------------------------------
+def stored_run(db: Path, run_id: str, outcomes: dict[str, list[float | None]]) -> None:
+    """A training run's problems, rollouts and rewards as `clgrpo train` stores them (problem -> sample rewards;
+    None: a failed rollout, not graded)."""
+    from schemas.records import Problem, Reward, Rollout, Turn
+
+    problems = [Problem(problem_id=p, problem=f"Problem {p}?", answer="7") for p in outcomes]
+    rollouts, rewards = [], []
+    for p, graded in outcomes.items():
+        for j, reward in enumerate(graded):
+            text = f"{p} sample {j}: so \\boxed{{{7 if reward else 8}}}"
+            rollouts.append(
+                Rollout(
+                    problem_id=p,
+                    sample_idx=j,
+                    prompt_hash="h",
+                    library_version=0,
+                    turns=[Turn(kind="assistant", content=text)],
+                )
+            )
+            rewards.append(
+                Reward(problem_id=p, sample_idx=j, reward=reward, error=None if reward is not None else "timeout")
+            )
+    with Store(str(db)) as store:
+        store.write_stage(run_id, 0, "load_dataset", {"problems": problems})
+        store.write_stage(run_id, 1, "rollout", {"rollouts": rollouts})
+        store.write_stage(run_id, 1, "verify", {"rewards": rewards})
+
+
+def test_kshot_draws_k_solved_problems_at_random_from_the_runs_correct_rollouts_alone(tmp_path):
+    outcomes = {f"ranges-train0-{i}": [1.0, 0.0, 1.0, 0.0] for i in range(6)}
+    outcomes |= {"ranges-train0-6": [0.0, 0.0, 0.0, 0.0], "ranges-train0-7": [None, 0.0, 0.0, 0.0]}
+    stored_run(tmp_path / "learning.duckdb", "ranges-l15-s0", outcomes)
+    with Store(str(tmp_path / "learning.duckdb"), read_only=True) as store:
+        solved = bench.solved_rollouts(store, "ranges-l15-s0")
+    assert len(solved) == 12 and {x.sample_idx for x in solved} == {0, 2}  # reward 1 only: no failed, no wrong
+    assert all(x.text.endswith("\\boxed{7}") and x.answer == "7" for x in solved)
+    drawn = bench.kshot_draw(solved, 2, "clgrpo-kshot-ranges-l15-s0")
+    assert drawn == bench.kshot_draw(list(reversed(solved)), 2, "clgrpo-kshot-ranges-l15-s0")  # seeded
+    assert len({x.problem_id for x in drawn}) == 2
+    draws = {tuple((x.problem_id, x.sample_idx) for x in bench.kshot_draw(solved, 2, f"seed {i}")) for i in range(30)}
+    assert len(draws) > 10  # another seed, another draw: at random, not the first ones
+    assert {p for d in draws for p, _ in d} == {f"ranges-train0-{i}" for i in range(6)}  # never an unsolved one
+    few = [x for x in solved if x.problem_id == "ranges-train0-3"]
+    assert [x.problem_id for x in bench.kshot_draw(few, 2, "s")] == ["ranges-train0-3"]  # fewer than k: all
+    assert bench.kshot_draw([], 2, "s") == []
+
+
+def test_the_kshot_library_file_holds_worked_examples_and_records_how_many(tmp_path):
+    s = settings(tmp_path, ["ranges"], [0])
+    stored_run(
+        tmp_path / "learning.duckdb", "ranges-self-s0", {"ranges-train0-0": [0.0, 1.0], "ranges-train0-1": [0.0]}
+    )
+    run = bench.TrainRun("ranges", "same", 0, "ranges-self-s0", 60.0)
+    kshot = bench.kshot_library(s, run)  # k=2, one problem solved: one example
+    assert kshot.asked == 2 and kshot.problems == ["ranges-train0-0"]
+    payload = json.loads(kshot.path.read_text())
+    assert payload == {
+        "experiences": {
+            "E0": {
+                "kind": "example",
+                "problem": "Problem ranges-train0-0?",
+                "text": "ranges-train0-0 sample 1: so \\boxed{7}",
+                "answer": "7",
+                "author": bench.POLICY.fetch_key,
+                "reward": 1.0,
+                "task_tag": "ranges",
+                "source_groups": ["ranges-train0-0"],
+            }
+        },
+        "next_id": 1,
+    }
+    stored_run(tmp_path / "learning.duckdb", "ranges-self-s1", {"ranges-train1-0": [0.0, 0.0]})
+    none = bench.kshot_library(s, bench.TrainRun("ranges", "same", 1, "ranges-self-s1", 60.0))
+    assert none.path is None and none.problems == []  # nothing solved: the k-shot condition is the none one
+
+
+def test_every_family_has_one_oracle_lesson_written_as_a_one_lesson_library(tmp_path):
+    from clgrpo.library import ExperienceLibrary
+    from domains.math.synthetic import FAMILIES
+
+    assert set(bench.ORACLE_LESSONS) == set(FAMILIES)
+    s = settings(tmp_path, list(FAMILIES), [0])
+    for family, lesson in bench.ORACLE_LESSONS.items():
+        assert 8 <= len(lesson.split()) <= 60 and lesson.count(". ") == 0  # one sentence
+        path = bench.oracle_file(s, family)
+        assert json.loads(path.read_text()) == {"E0": lesson}  # the reference format
+        assert [e.text for e in ExperienceLibrary.load(path)] == [lesson]
+    assert len({bench.oracle_label(f) for f in FAMILIES}) == len(FAMILIES)
+
+
+def test_items_are_counted_by_kind_and_an_item_without_one_is_a_lesson():
+    from types import SimpleNamespace
+
+    from clgrpo.library import ExperienceLibrary
+
+    lessons = list(ExperienceLibrary.from_mapping({"E0": "Add one.", "E1": "Count both ends."}))
+    assert bench.items_by_kind(lessons) == {"lessons": 2, "examples": 0}  # today's items have no kind: lessons
+    mixed = [*lessons, SimpleNamespace(kind="example"), SimpleNamespace(kind="lesson")]
+    assert bench.items_by_kind(mixed) == {"lessons": 3, "examples": 1}
+
+
+def test_kshot_and_the_oracle_are_pooled_and_reported_beside_results_kept_before_them(tmp_path):
+    s = settings(tmp_path, ["ranges"], [0, 1])
+    base = np.zeros((3, 2))
+    none = {"family": "ranges", "problems": ["a", "b", "c"], "matrix": base.tolist(), "parsed": 1.0}
+    none["eval_minutes"] = 1.0
+    oracle = {**none, "lesson": bench.ORACLE_LESSONS["ranges"], "matrix": np.ones((3, 2)).tolist(), "eval_minutes": 2.0}
+    run = bench.TrainRun("ranges", "same", 0, "ranges-self-s0", 60.0, 100, 50, lessons=["Add one."])
+    run.items = {"lessons": 1, "examples": 0}
+    learned = np.array([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    shots = np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    kshot = bench.KShot(2, ["ranges-train0-3", "ranges-train0-9"], tmp_path / "k.json", shots)
+    first = bench.seed_entry(run, base, learned, base, ["Be careful."], 0.5, kshot)
+    assert first["learned_minus_kshot"]["value"] == pytest.approx(2 / 6) and first["items_kept"]["lessons"] == 1
+    # seed 1 kept no lesson and solved nothing: learned, placebo and k-shot are all the none measurement
+    empty = bench.TrainRun("ranges", "same", 1, "ranges-self-s1", 60.0, 100, 50, lessons=[])
+    second = bench.seed_entry(empty, base, base, base, [], 0.0, bench.KShot(2, [], None))
+    assert second["kshot_is_none"] and second["matrices"]["kshot"] == base.tolist()
+    pooled = bench.pool_family(s, "ranges", "same", none, [first, second], "cmd", oracle)
+    assert pooled["pooled"]["learned_minus_kshot"]["value"] == pytest.approx(2 / 12)
+    assert pooled["oracle_minus_none"]["value"] == 1.0 and pooled["eval_minutes"] == 1.0 + 2.0 + 0.5
+    old = {k: v for k, v in first.items() if "kshot" not in k and k != "items_kept"}  # as kept before issue 57
+    old["matrices"] = {k: first["matrices"][k] for k in ("learned", "placebo")}
+    before = bench.pool_family(s, "ranges", "same", none, [old], "cmd")
+    assert before["pooled"]["learned_minus_kshot"] is None and before["oracle_minus_none"] is None
+    other_k = settings(tmp_path, ["ranges"], [0, 1])
+    other_k.kshot = 3  # seeds measured with k=2 do not stand for k=3
+    assert (
+        bench.pool_family(other_k, "ranges", "same", none, [first, second], "cmd")["pooled"]["learned_minus_kshot"]
+        is None
+    )
+    rows = bench.glance([pooled, before]).splitlines()
+    assert "| +0.167 [" in rows[2] and "| +1.000 [+1.000, +1.000] | 1 / 0 | 1+0 / 0+0 |" in rows[2]
+    assert "| - | - | 1 | - |" in rows[3]  # kept before issue 57: no k-shot, no oracle, no kinds
+    text = bench.markdown([pooled, before])
+    assert "| 2 of 2 |" in text and "| 0 of 2 (= none) |" in text and "over 8 conditions" in text  # none, oracle, 2 x 3
+    assert f'- ranges: "{bench.ORACLE_LESSONS["ranges"]}"' in text
+    assert bench.lessons_caption(pooled) == "lessons+examples 1+0/0+0: \u201cAdd one.\u201d"
+    assert bench.lessons_caption(before) == "lessons 1: \u201cAdd one.\u201d"
+    bench.glance_plot([pooled, before], tmp_path / "glance.png")
+    bench.plot([pooled, before], tmp_path / "learning.png")
+    assert (tmp_path / "glance.png").stat().st_size > 0 and (tmp_path / "learning.png").stat().st_size > 0
+
+
+def test_the_ten_family_reports_kept_results_still_read_and_show_dashes_for_the_new_columns(tmp_path):
+    folder = bench.RUNS_DIR / "74451bb18c29"
+    kept = json.loads((folder / "settings.json").read_text())
+    s = bench.Settings(["ranges"], [0, 1, 2], ["qwen2.5-coder-1.5b"], out=tmp_path, **kept)
+    assert bench.results_dir(s) == folder  # the k-shot setting is not in a folder's key
+    r = bench.kept_family(s, "ranges", "qwen2.5-coder-1.5b")
+    assert r["pooled"]["learned_minus_none"]["value"] == pytest.approx(0.479, abs=1e-3)  # as reported
+    row = bench.glance([r]).splitlines()[2]
+    assert "| - | - | 1 / 1 / 2 | - / - / - |" in row and row.endswith("| gain |")
+    assert "over 7 conditions" in bench.markdown([r])  # none and 2 per seed, as reported
+
+
+def test_the_benchmark_refuses_k_shot_before_library_files_hold_examples(tmp_path, monkeypatch):
+    """Until `clgrpo eval --library` reads worked examples, a k-shot condition could not be evaluated: the benchmark
+    says so before it trains anything, and --kshot 0 runs without it."""
+    monkeypatch.setattr(bench, "examples_readable", lambda: False)
+    with pytest.raises(SystemExit, match="--kshot 0 runs without it"):
+        bench.main(["--families", "ranges", "--seeds", "0", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

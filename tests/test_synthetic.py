@@ -95,3 +95,48 @@ def test_every_family_holds_the_learning_benchmarks_problems():
         seen = {r["problem"] for seed in (0, 1, 2) for r in generate_family(family, 20, seed)}
         heldout = generate_family(family, 24, 1000, exclude=seen)
         assert len({r["problem"] for r in heldout}) == 24 and not seen & {r["problem"] for r in heldout}
+
+
+def template(text: str) -> str:
+    """A problem's phrasing: its text with the numbers and names taken out."""
+    from domains.math.synthetic import NAMES
+
+    for name in NAMES:
+        text = text.replace(name, "NAME")
+    return re.sub(r"\d+", "#", text)
+
+
+def rule_and_trap(family: str, row: dict) -> tuple[int, int | float]:
+    """Issue 57's families: the answer by the family's rule, and the answer its trap gives."""
+    text, found = row["problem"], numbers(row)
+    if family == "posts":  # one every d meters along L, both ends: L/d + 1 (the trap: L/d)
+        gap = int(re.search(r"every (\d+) meters", text).group(1))
+        (length,) = [n for n in found if n != gap]
+        assert length % gap == 0
+        return length // gap + 1, length / gap
+    if family == "speeds":  # a round trip at a out, b back: 2ab/(a+b) (the trap: (a+b)/2)
+        out, back = found
+        assert out != back and 2 * out * back % (out + back) == 0
+        return 2 * out * back // (out + back), (out + back) / 2
+    group, a, b, both = found  # overlaps: |A or B| = |A| + |B| - |A and B| (the trap: |A| + |B|)
+    assert both <= min(a, b) and a + b - both <= group
+    if text.endswith("neither?"):
+        return group - (a + b - both), group - (a + b)
+    return a + b - both, a + b
+
+
+def test_posts_speeds_and_overlaps_answer_by_their_rule_never_by_their_trap():
+    from domains.math.synthetic import generate_family
+
+    for family in ("posts", "speeds", "overlaps"):
+        for seed in (0, 1, 2, 1000):
+            rows = generate_family(family, 60, seed)
+            assert rows == generate_family(family, 60, seed) and rows != generate_family(family, 60, seed + 1)
+            assert len({r["problem"] for r in rows}) == 60
+            for row in rows:
+                rule, trap = rule_and_trap(family, row)
+                assert int(row["answer"]) == rule != trap, row
+            assert len({template(r["problem"]) for r in rows}) >= 3, family  # several phrasings
+            assert len({r["answer"] for r in rows}) >= 10, family  # and varied numbers
+    overlaps = generate_family("overlaps", 60, 0)
+    assert {r["problem"].endswith("neither?") for r in overlaps} == {True, False}  # both questions asked

@@ -14,6 +14,9 @@ same ``(family, n, seed)`` always gives the same problems; ids are ``<family>-<s
 - ``workers``: more workers take fewer days (inverse, not direct, proportion).
 - ``handshakes``: pairs among n people or teams: n(n-1)/2, each pair once.
 - ``average``: the missing value from an average: the total is the average times the count.
+- ``posts``: posts (trees, lamps) along a line, one every d metres, both ends included: L/d + 1, not L/d.
+- ``speeds``: the average speed of a round trip at a km/h out and b km/h back: 2ab/(a+b), not (a+b)/2.
+- ``overlaps``: how many like A or B (or neither) from |A|, |B| and |A and B|: subtract the overlap once.
 
 ``split_sets`` draws a training set and a held-out set of one family with no problem text in common.
 """
@@ -246,6 +249,80 @@ def _average(rng: random.Random) -> Problem:
     ), missing
 
 
+# --- posts: both ends get one ----------------------------------------------------------------------------------
+def _posts(rng: random.Random) -> Problem:
+    gap = rng.choice([2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25])
+    spans = rng.randint(4, 40)
+    length = gap * spans
+    posts = spans + 1  # the trap: length / gap, one short
+    phrasing = rng.randrange(3)
+    if phrasing == 0:
+        return (
+            f"A straight fence is {length} meters long, with a post every {gap} meters, including one post at each "
+            f"end. How many posts are there?"
+        ), posts
+    if phrasing == 1:
+        return (
+            f"Trees are planted along one side of a {length}-meter road, one every {gap} meters, with a tree at both "
+            f"ends of the road. How many trees are planted?"
+        ), posts
+    name = rng.choice(NAMES)
+    return (
+        f"{name} puts a lamp every {gap} meters along a straight path {length} meters long, from one end to the "
+        f"other, with a lamp at each end. How many lamps does {name} put?"
+    ), posts
+
+
+# --- speeds: the round trip's average is not the mean of the speeds -----------------------------------------------
+SPEED_PAIRS = [  # out and back in km/h, never equal, with an integer harmonic mean 2ab/(a+b)
+    (a, b) for a in range(10, 121, 5) for b in range(10, 121, 5) if a != b and (2 * a * b) % (a + b) == 0
+]
+
+
+def _speeds(rng: random.Random) -> Problem:
+    out, back = rng.choice(SPEED_PAIRS)
+    average = 2 * out * back // (out + back)  # the trap: (out + back) / 2
+    phrasing = rng.randrange(3)
+    if phrasing == 0:
+        return (
+            f"A car drives from one town to another at {out} km/h and comes back along the same road at {back} km/h. "
+            f"What is its average speed for the whole round trip, in km/h?"
+        ), average
+    if phrasing == 1:
+        name = rng.choice(NAMES)
+        return (
+            f"{name} drives to a lake at {out} km/h and drives home by the same route at {back} km/h. What is "
+            f"{name}'s average speed over the whole trip there and back, in km/h?"
+        ), average
+    return (
+        f"A train travels from a city to the coast at {out} km/h and returns over the same distance at {back} km/h. "
+        f"What is the train's average speed for the round trip, in km/h?"
+    ), average
+
+
+# --- overlaps: count the overlap once --------------------------------------------------------------------------
+OVERLAP_TOPICS = [  # who, where, the verb, the two things
+    ("students", "a class", "like", "tea", "coffee"),
+    ("members", "a club", "play", "chess", "soccer"),
+    ("people", "a survey", "own", "a cat", "a dog"),
+]
+
+
+def _overlaps(rng: random.Random) -> Problem:
+    who, where, verb, first, second = rng.choice(OVERLAP_TOPICS)
+    while True:
+        group = rng.randint(20, 60)
+        both = rng.randint(2, 15)
+        a, b = both + rng.randint(1, 25), both + rng.randint(1, 25)
+        either = a + b - both  # the trap: a + b, the overlap counted twice
+        if either < group:
+            break
+    told = f"In {where} of {group} {who}, {a} {verb} {first}, {b} {verb} {second}, and {both} {verb} both."
+    if rng.random() < 0.5:
+        return f"{told} How many of the {who} {verb} at least one of the two?", either
+    return f"{told} How many of the {who} {verb} neither?", group - either
+
+
 FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
     "arithmetic": lambda rng, k: KINDS[k % len(KINDS)](rng),
     "ranges": lambda rng, k: _range(rng),
@@ -257,6 +334,9 @@ FAMILIES: dict[str, Callable[[random.Random, int], Problem]] = {
     "workers": lambda rng, k: _workers(rng),
     "handshakes": lambda rng, k: _handshakes(rng),
     "average": lambda rng, k: _average(rng),
+    "posts": lambda rng, k: _posts(rng),
+    "speeds": lambda rng, k: _speeds(rng),
+    "overlaps": lambda rng, k: _overlaps(rng),
 }
 MAX_DRAWS = 200  # draws per problem before a family is out of unique problems
 
