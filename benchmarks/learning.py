@@ -60,11 +60,11 @@ from report_block import write_block  # noqa: E402
 from application.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
 from application.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo import metrics  # noqa: E402
-from clgrpo.library import ExperienceLibrary, LibraryFormatError, word_count  # noqa: E402
+from clgrpo.library import ExperienceLibrary, LibraryFormatError, item_text, word_count  # noqa: E402
 from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
-from schemas.config import LearningConfig, LessonValidation  # noqa: E402
+from schemas.config import LearningConfig, LessonValidation, LibraryConfig  # noqa: E402
 from schemas.records import Problem, Reward, Rollout  # noqa: E402
 from schemas.stages import Stage  # noqa: E402
 
@@ -111,6 +111,11 @@ class Settings:
     # issue 57: the k-shot baseline's solved training problems per seed (0: no k-shot condition); not in a results
     # folder's key (it shapes no learned result): each seed's file says which k its k-shot condition had
     kshot: int = 2
+    # issue 57: worked examples (learning.examples, library.examples_shown, library.examples_as: the product's
+    # defaults unless given)
+    examples: str = LearningConfig().examples
+    examples_shown: int = LibraryConfig().examples_shown
+    examples_as: str = LibraryConfig().examples_as
 
 
 @dataclass
@@ -125,7 +130,7 @@ class TrainRun:
     tokens_validation: int = 0
     tokens_gate: int = 0
     gate: list[str] = field(default_factory=list)  # the library gate's decision of each step (its reason)
-    lessons: list[str] = field(default_factory=list)  # every item's text (a lesson's, an example's solution)
+    lessons: list[str] = field(default_factory=list)  # every item's text (a lesson's; an example's problem, solution)
     items: dict[str, int] = field(default_factory=dict)  # the final library's items by kind (items_by_kind)
     kept: int = 0
     rejected_by_validation: int = 0
@@ -200,12 +205,23 @@ def train_config(s: Settings, dataset: str, seed: int, policy_url: str, learner_
             },
             "library_gate": gate_section(s),
             "checks_budget": s.checks_budget,
+            "examples": s.examples,
         },
         # near-duplicates (measured: 8 rewordings of one rule in one seed's library) merged as in the demo
-        "library": {"near_duplicates": "merge", "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY},
+        "library": {
+            "near_duplicates": "merge",
+            "near_duplicate_similarity": NEAR_DUPLICATE_SIMILARITY,
+            **example_view(s),
+        },
         "concurrency": 8,
         "pipeline": False,
     }
+
+
+def example_view(s: Settings) -> dict:
+    """How worked examples are shown (library.examples_shown, examples_as): the same in training and in every
+    evaluated condition (learned, k-shot)."""
+    return {"examples_shown": s.examples_shown, "examples_as": s.examples_as}
 
 
 def gate_section(s: Settings) -> dict:
@@ -298,7 +314,7 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
             [run.run_id],
         )
         final = store.load_library(run.run_id)
-        run.lessons, run.items = [e.text for e in final], items_by_kind(final)
+        run.lessons, run.items = [item_text(e) for e in final], items_by_kind(final)
         ops = store.records("operations", run.run_id)
         trained_on = set(store.query("SELECT DISTINCT problem FROM problems WHERE run_id = ?", [run.run_id])["problem"])
         first_library = store.load_library(run.run_id, 0)
@@ -329,16 +345,24 @@ def describe_run(s: Settings, run: TrainRun, heldout: str) -> TrainRun:
 PLACEBO_POOL = ROOT / "data" / "reference_library_math.json"  # lessons learned on competition math (AIME-style)
 
 
+LONG_ITEM = 60  # words: longer than any lesson (learning.max_words 40): a worked example
+
+
 def placebo(learned: list[str], pool: list[str]) -> list[str]:
-    """As many lessons as ``learned`` from ``pool`` (lessons learned on another task), each the closest in
-    length to one of the learned lessons (no lesson used twice)."""
+    """As many items as ``learned`` from ``pool`` (lessons learned on another task), each the closest in length
+    to one of the learned items (no lesson used twice); a long item (a worked example, its problem and solution)
+    is matched by pool lessons joined until about as long."""
     left, chosen = list(pool), []
     for lesson in learned:
         if not left:
             break
-        best = min(left, key=lambda other: (abs(word_count(other) - word_count(lesson)), other))
-        left.remove(best)
-        chosen.append(best)
+        target, joined = word_count(lesson), []
+        while left and (not joined or target > LONG_ITEM and word_count(" ".join(joined)) < target):
+            missing = target - word_count(" ".join(joined))
+            best = min(left, key=lambda other: (abs(word_count(other) - missing), other))
+            left.remove(best)
+            joined.append(best)
+        chosen.append(" ".join(joined))
     return chosen
 
 
@@ -529,6 +553,7 @@ def evaluate_family(
             "domain": "math",
             "dataset": {"path": data[family]["heldout"]},
             "policy": model_section(POLICY.fetch_key, policy_url, temperature=0.7, max_tokens=400),
+            "library": example_view(s),
             "concurrency": 8,
         },
     )
@@ -798,9 +823,19 @@ RESULT_SETTINGS = (
     "gate_temperature",
     "checks_budget",
     "trial_order",
+    "examples",
+    "examples_shown",
+    "examples_as",
 )
 # settings added after results were kept: left out of a folder's key at this value, so those results stay found
-LATER_RESULT_SETTINGS = {"gate_temperature": None, "checks_budget": None, "trial_order": "plan"}
+LATER_RESULT_SETTINGS = {
+    "gate_temperature": None,
+    "checks_budget": None,
+    "trial_order": "plan",
+    "examples": "off",
+    "examples_shown": 2,
+    "examples_as": "turns",
+}
 
 
 def results_dir(s: Settings) -> Path:
@@ -1332,6 +1367,16 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         help="the k-shot baseline: solved training problems per seed shown as worked examples (0: no k-shot "
         "condition; default 2)",
     )
+    ap.add_argument(
+        "--examples",
+        choices=["off", "rollouts", "rationalize"],
+        default=LearningConfig().examples,
+        help="learning.examples: worked examples as candidates beside lessons (default: the product's)",
+    )
+    ap.add_argument("--examples-shown", type=int, default=LibraryConfig().examples_shown, help="library.examples_shown")
+    ap.add_argument(
+        "--examples-as", choices=["turns", "block"], default=LibraryConfig().examples_as, help="library.examples_as"
+    )
     ap.add_argument("--out", default="runs/learning-benchmark")
     ap.add_argument(
         "--runs-dir",
@@ -1383,6 +1428,9 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         a.checks_budget,
         Path(a.runs_dir).resolve(),
         a.kshot,
+        a.examples,
+        a.examples_shown,
+        a.examples_as,
     ), Mode(a.report, a.compare_trials)
 
 

@@ -236,7 +236,7 @@ def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
 
 def test_a_setting_added_later_keeps_the_folders_of_results_kept_before(tmp_path):
     before, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan"])  # as results were kept before
-    added = {"gate_temperature", "trial_order"}  # at the values they had before they were settings
+    added = {"gate_temperature", "trial_order", "examples", "examples_shown", "examples_as"}  # at their earlier values
     key = json.dumps({k: getattr(before, k) for k in bench.RESULT_SETTINGS if k not in added}, sort_keys=True)
     assert bench.results_dir(before).name == bench.hashlib.sha256(key.encode()).hexdigest()[:12]  # as it was
     cooler, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan", "--gate-temperature", "0.3"])
@@ -473,3 +473,11 @@ def test_the_benchmark_refuses_k_shot_before_library_files_hold_examples(tmp_pat
     with pytest.raises(SystemExit, match="--kshot 0 runs without it"):
         bench.main(["--families", "ranges", "--seeds", "0", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_worked_example_gets_a_placebo_about_as_long():
+    pool = [" ".join(f"w{i}" for i in range(n)) for n in (8, 10, 12, 30, 35, 40)]
+    lesson, example = "a b c d e f g h i j", " ".join(["word"] * 100)
+    short, long_ = bench.placebo([lesson, example], pool)
+    assert short == pool[1]  # a lesson: the one closest in length, as before
+    assert 80 <= bench.word_count(long_) <= 120  # an example: pool lessons joined to about its length
