@@ -3,10 +3,11 @@
 When a run starts, a share of its training problems (per task tag) is set aside (``split_for_gate``): no step
 trains on them, so no rollout, lesson or trial of training sees them. After lesson validation, the library as
 it was and the library with the step's plan applied answer every set-aside problem ``samples`` times on the same
-seeds (paired attempts). The comparison (``compare``): the mean reward of each arm over the pairs graded in both,
-the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the pairs that
-differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few pairs the
-exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task tag too.
+seeds (paired attempts). The comparison (``clgrpo.metrics.compare``): the mean reward of each arm over the pairs
+graded in both, the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the
+pairs that differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few
+pairs the exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task
+tag too.
 
 Attempts are measured by ``tasks.measure``: a sample is drawn once for its key (library content, problem,
 seed, sampling settings), so the attempts of the library a step starts from are read back from the earlier
@@ -16,17 +17,15 @@ step that measured it, not redone.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
-from clgrpo import metrics, progress
+from clgrpo import progress
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.metrics import Comparison, compare
 from clgrpo.words import counted
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
@@ -262,77 +261,7 @@ async def library_gate_task(
     )
 
 
-# --- the comparison and the decision ---------------------------------------------------------------------------
-def sign_test(better: int, worse: int) -> tuple[float, float]:
-    """Exact one-sided binomial tails over the pairs that differ: P(at least ``better`` better) and P(at least
-    ``worse`` worse) if neither library were better."""
-    n = better + worse
-    if n == 0:
-        return 1.0, 1.0
-
-    def tail(at_least: int) -> float:
-        return sum(math.comb(n, i) for i in range(at_least, n + 1)) / 2**n
-
-    return tail(better), tail(worse)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    problems: int
-    pairs: int
-    mean_before: float | None
-    mean_after: float | None
-    diff: float | None
-    ci_low: float | None
-    ci_high: float | None
-    better: int
-    worse: int
-    p_better: float
-    p_worse: float
-
-
-def compare(
-    problem_ids: Sequence[str], before: Sequence[GateSample], after: Sequence[GateSample], k: int
-) -> Comparison:
-    """The paired comparison over ``problem_ids``: means over pairs graded in both arms, the difference's CI by a
-    paired bootstrap over problems (those whose every pair was graded), and the sign test."""
-    reward_before = {(s.problem_id, s.sample_idx): s.reward for s in before}
-    wanted = set(problem_ids)
-    pairs: list[tuple[float, float]] = []
-    for s in after:
-        b = reward_before.get((s.problem_id, s.sample_idx))
-        if s.problem_id in wanted and s.reward is not None and b is not None:
-            pairs.append((b, s.reward))
-    better = sum(a > b for b, a in pairs)
-    worse = sum(a < b for b, a in pairs)
-    p_better, p_worse = sign_test(better, worse)
-    if not pairs:
-        return Comparison(len(problem_ids), 0, None, None, None, None, None, 0, 0, 1.0, 1.0)
-    mean_b = float(np.mean([b for b, _ in pairs]))
-    mean_a = float(np.mean([a for _, a in pairs]))
-    low, high = _paired_ci(problem_ids, reward_before, after, k)
-    return Comparison(
-        len(problem_ids), len(pairs), mean_b, mean_a, mean_a - mean_b, low, high, better, worse, p_better, p_worse
-    )
-
-
-def _paired_ci(
-    problem_ids: Sequence[str], before: dict[tuple[str, int], float | None], after: Sequence[GateSample], k: int
-) -> tuple[float | None, float | None]:
-    reward_after = {(s.problem_id, s.sample_idx): s.reward for s in after}
-    rows_b, rows_a = [], []
-    for pid in problem_ids:
-        b = [before.get((pid, i)) for i in range(k)]
-        a = [reward_after.get((pid, i)) for i in range(k)]
-        if all(x is not None for x in b + a):
-            rows_b.append(b)
-            rows_a.append(a)
-    if len(rows_b) < 2:
-        return None, None
-    estimate = metrics.paired_difference(np.array(rows_b, dtype=float), np.array(rows_a, dtype=float), seed=0)
-    return estimate.low, estimate.high
-
-
+# --- the decision (the paired comparison: ``clgrpo.metrics.compare``) -----------------------------------------
 @dataclass(frozen=True)
 class Look:
     """One look of the sequential gate: the samples per problem so far, and the one-sided levels at this look

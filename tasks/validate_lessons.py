@@ -29,6 +29,7 @@ from clgrpo import progress
 from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.metrics import paired_rewards, sign_test
 from clgrpo.words import counted
 from domains import Domain, domain_for
 from domains.learner import SAME_LESSON, overlap
@@ -54,7 +55,6 @@ from tasks.candidate_clusters import cluster, duplicate_of, joined, representati
 from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
-from tasks.library_gate import sign_test
 from tasks.measure import (
     Sampling,
     draw_keys,
@@ -269,7 +269,7 @@ def judge_trial(
     """The verdict on one candidate from its paired attempts so far: kept or rejected (test ``mean``: ties go
     against it; test ``sign``: see ``LessonValidation``), or None while the sign test is undecided before its last
     look."""
-    pairs = _paired_rewards(without, with_)
+    pairs = paired_rewards(without, with_)
     tried = list(dict.fromkeys(s.problem_id for s in with_))
     base = dict(
         seq=candidate.seq, operation=candidate.operation, problem_ids=tried, samples=settings.samples, pairs=len(pairs)
@@ -320,17 +320,6 @@ def _sign_verdict(
     if last_look:
         return "rejected", f"lesson validation: {numbers}; {test}: no effect"
     return None, ""
-
-
-def _paired_rewards(without: list[TrialSample], with_: list[TrialSample]) -> list[tuple[float, float]]:
-    """(reward without, reward with) of each attempt graded in both arms, in the order of ``with_``."""
-    before = {(s.problem_id, s.sample_idx): s.reward for s in without}
-    pairs = []
-    for s in with_:
-        reward_before = before.get((s.problem_id, s.sample_idx))
-        if s.reward is not None and reward_before is not None:
-            pairs.append((reward_before, s.reward))
-    return pairs
 
 
 def _kept_gain(trial: LessonTrial) -> float:
