@@ -32,7 +32,6 @@ from clgrpo.llm import LLMClient, shared_client
 from clgrpo.metrics import paired_rewards, sign_test
 from clgrpo.words import counted
 from domains import Domain, domain_for
-from domains.learner import SAME_LESSON, overlap
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (
     GroupAdvantage,
@@ -40,18 +39,13 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     Operation,
-    OpKind,
-    OpStatus,
     Problem,
     Reward,
     Rollout,
     Sample,
     TrialSample,
-    text_hash,
 )
 from schemas.stages import Stage
-from tasks.apply_operations import apply_operations, lesson_screen
-from tasks.candidate_clusters import cluster, duplicate_of, joined, representatives
 from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
 from tasks.judge import make_judge
@@ -68,133 +62,9 @@ from tasks.measure import (
 from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
 from tasks.specificity import rate
+from tasks.trial_choice import Candidate, Rejected, budget_order, cluster_plan, next_members, quoted, to_try
 
-VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
-
-
-@dataclass
-class _Candidate:
-    seq: int
-    operation: Operation
-    library: ExperienceLibrary  # the library with this operation applied
-    problems: list[Problem]
-
-
-def quoted(op: Operation, limit: int = 60) -> str:
-    """Another candidate named by its text (the printed lists number operations in their own order)."""
-    text = " ".join((op.text or "").split())
-    return f'"{text[:limit]}..."' if len(text) > limit else f'"{text}"'
-
-
-def trial_problems(
-    op: Operation,
-    problems: Sequence[Problem],
-    advantages: Sequence[GroupAdvantage],
-    count: int,
-    salt: str,
-    pool: Sequence[Problem] = (),
-    others_only: bool = False,
-) -> list[Problem]:
-    """The problems a candidate is tried on, in order, ``count`` at most. Sources first: its source problems,
-    then other step problems (mixed rewards first, then the rest, each in a fixed pseudo-random order). Others
-    only: no source problem; problems of the sources' task tag, the step's with mixed rewards first, then the
-    step's others, then the rest of ``pool`` (the run's training problems)."""
-    mixed = {a.problem_id for a in advantages if a.selected}
-    step_ids = {p.problem_id for p in problems}
-
-    def order(p: Problem) -> tuple[bool, bool, str]:
-        return (p.problem_id not in step_ids, p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}"))
-
-    if not others_only:
-        sources = [p for p in problems if p.problem_id in op.source_groups]
-        rest = sorted((p for p in problems if p.problem_id not in op.source_groups), key=order)
-        return [*sources, *rest][:count]
-    everything = {p.problem_id: p for p in [*problems, *pool]}
-    tags = {p.tag for p in everything.values() if p.problem_id in op.source_groups}
-    candidates = [
-        p for p in everything.values() if p.problem_id not in op.source_groups and (not tags or p.tag in tags)
-    ]
-    return sorted(candidates, key=order)[:count]
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A lesson an earlier step rejected by measurement (its trial or the library gate): the run's ledger."""
-
-    step: int
-    text: str
-    reason: str
-
-
-def _rejected_before(op: Operation, ledger: Sequence[Rejected]) -> Rejected | None:
-    """An earlier rejection of (nearly) the same lesson: such a candidate is not tried again."""
-    text = op.text or ""
-    return next((r for r in ledger if text and min(overlap(text, r.text), overlap(r.text, text)) >= SAME_LESSON), None)
-
-
-def _candidates(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    problems: list[Problem],
-    advantages: list[GroupAdvantage],
-    step: int,
-    pool: Sequence[Problem] = (),
-    near: NearDuplicates | None = None,
-    ledger: Sequence[Rejected] = (),
-    clustered: Mapping[int, str] | None = None,
-    only: AbstractSet[int] | None = None,
-) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
-    """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
-    is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
-    why each other one is not tried, and the repeats (rejected: tried once). ``clustered``: plan positions
-    another member of their cluster stands for, with the reason (``_clustered``)."""
-    settings = config.learning.lesson_validation
-    screen = lesson_screen(config, problems)
-    candidates: list[_Candidate] = []
-    untested: dict[int, str] = {}
-    repeats: dict[int, str] = {}
-    for seq, op in enumerate(plan):
-        if only is not None and seq not in only:
-            continue
-        if op.op not in VALIDATED:
-            untested[seq] = f"{op.op.value} operations are not validated"
-            continue
-        if (earlier := _rejected_before(op, ledger)) is not None:
-            repeats[seq] = f"rejected before, not tried again: step {earlier.step}: {earlier.reason}"
-            continue
-        if clustered and seq in clustered:
-            repeats[seq] = clustered[seq]
-            continue
-        alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
-        if results[0].status != OpStatus.APPLIED:
-            untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
-            continue
-        tried = (
-            alone
-            if library.shown is None
-            else alone.with_shown(_shown_with(library.shown, alone, results[0].result_id))
-        )
-        count = settings.problems * settings.looks
-        others = settings.trials_on == "others"
-        salt = f"{step}" if others else f"{step}:{op.text}"  # others: one order per tag, so baselines are shared
-        order = trial_problems(op, problems, advantages, count, salt, pool, others)
-        if not order:
-            untested[seq] = "not tried: no other training problem of its task tag to try it on"
-            continue
-        candidates.append(_Candidate(seq, op, tried, order))
-    return candidates, untested, repeats
-
-
-def _shown_with(shown: dict[str, list[str]], library: ExperienceLibrary, new_id: str | None) -> dict[str, list[str]]:
-    """Routed prompts (``library.injection: top_k``) keep what they were shown that is still live, plus the
-    candidate's lesson."""
-    live = {e.id for e in library}
-    return {
-        pid: [i for i in ids if i in live] + ([new_id] if new_id and new_id not in ids else [])
-        for pid, ids in shown.items()
-    }
 
 
 async def _attempts(
@@ -259,7 +129,7 @@ def rollout_baseline(
 
 
 def judge_trial(
-    candidate: _Candidate,
+    candidate: Candidate,
     without: list[TrialSample],
     with_: list[TrialSample],
     settings: LessonValidation,
@@ -390,10 +260,10 @@ async def validate_lessons(
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match; ``budget``: what
     the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried."""
     settings = config.learning.lesson_validation
-    tried_plan, clustered, ranked, cluster_calls = await _clustered(
+    tried_plan, clustered, ranked, cluster_calls = await cluster_plan(
         config, step, library, plan, problems, near, ledger, llm, domain
     )
-    candidates, untested, repeats = _candidates(
+    candidates, untested, repeats = to_try(
         config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered
     )
     trials = [
@@ -404,7 +274,7 @@ async def validate_lessons(
     with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
         for attempt in range(settings.cluster_tries):
             if attempt:  # a cluster whose member was rejected: its next member, until one is kept
-                candidates = _next_members(
+                candidates = next_members(
                     config, library, plan, ranked, attempt, looks.decided, problems, advantages, step, pool, near
                 )
                 repeats = {seq: why for seq, why in repeats.items() if seq not in {c.seq for c in candidates}}
@@ -422,7 +292,7 @@ async def validate_lessons(
 
 async def _try(
     looks: _Looks,
-    candidates: list[_Candidate],
+    candidates: list[Candidate],
     drawn: StepDraws | None,
     library: ExperienceLibrary,
     domain: Domain,
@@ -441,74 +311,6 @@ async def _try(
             break
         await looks.attempt(look, undecided, library, domain, llm, config)
         looks.judge(undecided, look == settings.looks)
-
-
-def _next_members(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    ranked: Sequence[tuple[int, ...]],
-    attempt: int,
-    decided: Mapping[int, LessonTrial],
-    problems: list[Problem],
-    advantages: list[GroupAdvantage],
-    step: int,
-    pool: Sequence[Problem],
-    near: NearDuplicates | None,
-) -> list[_Candidate]:
-    """The member tried at ``attempt`` (0: the representative) of each cluster none of whose members tried so
-    far was kept, carrying the cluster's source groups."""
-    chosen = {
-        members[attempt]: members
-        for members in ranked
-        if len(members) > attempt and not any(m in decided and decided[m].verdict == "kept" for m in members[:attempt])
-    }
-    if not chosen:
-        return []
-    tried = [joined(plan, seq, chosen[seq]) if seq in chosen else op for seq, op in enumerate(plan)]
-    candidates, _, _ = _candidates(config, library, tried, problems, advantages, step, pool, near, only=set(chosen))
-    return candidates
-
-
-async def _clustered(
-    config: RunConfig,
-    step: int,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    problems: list[Problem],
-    near: NearDuplicates | None,
-    ledger: Sequence[Rejected],
-    llm: LLMClient,
-    domain: Domain,
-) -> tuple[list[Operation], dict[int, str], list[tuple[int, ...]], list[LLMCall]]:
-    """The plan as tried first (each cluster's representative carrying all its members' source groups), the
-    members another one stands for with the reason, the clusters of several members in the order their members
-    are tried, and the rater's calls (``tasks.candidate_clusters``). Only candidates the library accepts are
-    clustered: a refused one could not stand for the others."""
-    screen = lesson_screen(config, problems)
-
-    def accepted(op: Operation) -> bool:
-        _, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
-        return results[0].status == OpStatus.APPLIED
-
-    eligible = [
-        seq
-        for seq, op in enumerate(plan)
-        if op.op in VALIDATED and _rejected_before(op, ledger) is None and accepted(op)
-    ]
-    chosen, calls = await representatives(plan, cluster(plan, eligible, near), llm, domain, config.learning.max_words)
-    tried, clustered, tries = list(plan), {}, config.learning.lesson_validation.cluster_tries
-    for rep, members in chosen.items():
-        tried[rep] = joined(plan, rep, members.members)
-        for seq in members.members:
-            if seq != rep:
-                how = duplicate_of(plan[rep].text or "", plan[seq].text or "", near) or "through another member"
-                clustered[seq] = (
-                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}); their cluster's members "
-                    f"are tried best-rated first until one is kept, {counted(tries, 'member')} at most"
-                )
-    ranked = [members.members for members in chosen.values() if len(members.members) > 1]
-    return tried, clustered, ranked, calls
 
 
 async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) -> tuple[set[int], list[LLMCall]]:
@@ -537,7 +339,7 @@ async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) 
     return {seq for seq, r in zip(tied, ratings) if r.verdict == "specific"}, calls
 
 
-def _all_problems(candidates: Sequence[_Candidate]) -> list[Problem]:
+def _all_problems(candidates: Sequence[Candidate]) -> list[Problem]:
     return list({p.problem_id: p for c in candidates for p in c.problems}.values())
 
 
@@ -556,14 +358,6 @@ class StepDraws:
             **reusable(self.earlier),
             **rollout_baseline(config, library, problems, self.rollouts, self.rewards, domain),
         }
-
-
-def budget_order(candidates: Sequence[_Candidate], settings: LessonValidation) -> list[_Candidate]:
-    """The order in which the checks budget admits candidates: the plan's, or (``support``) the candidates more
-    groups proposed first, then the plan's."""
-    if settings.order == "plan":
-        return sorted(candidates, key=lambda c: c.seq)
-    return sorted(candidates, key=lambda c: (-len(set(c.operation.source_groups)), c.seq))
 
 
 class _Looks:
@@ -585,13 +379,13 @@ class _Looks:
         self.samples: list[TrialSample] = []
         self.calls: list[LLMCall] = []
 
-    def window(self, candidate: _Candidate, look: int) -> list[Problem]:
+    def window(self, candidate: Candidate, look: int) -> list[Problem]:
         return candidate.problems[: self.settings.problems * look]
 
     async def attempt(
         self,
         look: int,
-        undecided: list[_Candidate],
+        undecided: list[Candidate],
         library: ExperienceLibrary,
         domain: Domain,
         llm: LLMClient,
@@ -624,12 +418,12 @@ class _Looks:
     def admitted(
         self,
         look: int,
-        undecided: list[_Candidate],
+        undecided: list[Candidate],
         fresh: Mapping[int, list[Problem]],
         library: ExperienceLibrary,
         domain: Domain,
         config: RunConfig,
-    ) -> list[_Candidate]:
+    ) -> list[Candidate]:
         """The candidates whose attempts at this look (and the baseline attempts they need) fit the budget, in
         the order ``lesson_validation.order`` says (``budget_order``); each other one is decided here, untried or
         on its attempts so far."""
@@ -637,7 +431,7 @@ class _Looks:
             return undecided
         sampling, k = trial_sampling(config), self.settings.samples
         per_sample, spent = self.per_sample(), tokens(self.calls)
-        admitted: list[_Candidate] = []
+        admitted: list[Candidate] = []
         baseline_ids, cost = set(self.without), 0.0
         for c in budget_order(undecided, self.settings):
             base = [p for p in fresh[c.seq] if p.problem_id not in baseline_ids]
@@ -657,7 +451,7 @@ class _Looks:
         drawn = sum(1 for s in self.samples if s.drawn)
         return tokens(self.calls) / drawn if drawn else self.budget.per_sample
 
-    def cut(self, candidate: _Candidate, look: int, spent: int) -> LessonTrial:
+    def cut(self, candidate: Candidate, look: int, spent: int) -> LessonTrial:
         """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far."""
         assert self.budget is not None
         note = self.budget.describe(spent)
@@ -678,7 +472,7 @@ class _Looks:
         """The attempts without any candidate on the problems a candidate's attempts ``mine`` were on."""
         return [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
 
-    def judge(self, undecided: list[_Candidate], last_look: bool) -> None:
+    def judge(self, undecided: list[Candidate], last_look: bool) -> None:
         for candidate in undecided:
             if candidate.seq in self.decided:  # stopped by the budget at this look
                 continue

@@ -149,7 +149,8 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     from clgrpo.library import ExperienceLibrary
     from domains import domain_for
     from schemas.records import Operation, OpKind
-    from tasks.validate_lessons import _Candidate, _Looks
+    from tasks.trial_choice import Candidate
+    from tasks.validate_lessons import _Looks
 
     server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
     learning = checked_learning(1.0).model_copy(
@@ -159,9 +160,9 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     problem = Problem(problem_id="p0", problem="q0", answer="1", tag="a")
     library = ExperienceLibrary()
 
-    def candidate(seq: int, text: str, groups: list[str]) -> _Candidate:
+    def candidate(seq: int, text: str, groups: list[str]) -> Candidate:
         op = Operation(op=OpKind.ADD, text=text, source_groups=groups)
-        return _Candidate(seq, op, ExperienceLibrary.from_mapping({"G0": text}), [problem])
+        return Candidate(seq, op, ExperienceLibrary.from_mapping({"G0": text}), [problem])
 
     candidates = [
         candidate(0, "Read the question twice before you start.", ["g1"]),
