@@ -150,7 +150,7 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     from domains import domain_for
     from schemas.records import Operation, OpKind
     from tasks.trial_choice import Candidate
-    from tasks.validate_lessons import _Looks
+    from tasks.validate_lessons import LessonTrials
 
     server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
     learning = checked_learning(1.0).model_copy(
@@ -170,8 +170,8 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     ]
     # one candidate's 4 attempts and the 4 baseline attempts at 100 tokens: 800 of the 1,000 left
     budget = ChecksBudget.of(1.0, own_tokens=1_000, rollout_tokens=1_000, rollouts=10)
-    looks = _Looks(cfg.learning.lesson_validation, {"p0": 7}, {}, budget)
-    admitted = looks.admitted(1, candidates, {0: [problem], 2: [problem]}, library, domain_for(cfg), cfg)
-    assert [c.seq for c in admitted] == [first]
-    (cut,) = looks.decided.values()
+    lessons = LessonTrials(cfg, library, domain_for(cfg), None, budget)  # type: ignore[arg-type]  # nothing drawn
+    admitted = lessons.trial.affordable(1, [lessons.arm(c) for c in candidates])
+    assert [a.name for a in admitted] == [first]
+    (cut,) = lessons.decided.values()
     assert cut.seq != first and cut.verdict == "rejected" and "checks budget" in cut.reason
