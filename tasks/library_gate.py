@@ -9,33 +9,33 @@ pairs that differ (the G samples of a problem are repeated trials, so the noise 
 pairs the exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task
 tag too.
 
-Attempts are measured by ``tasks.measure``: a sample is drawn once for its key (library content, problem,
-seed, sampling settings), so the attempts of the library a step starts from are read back from the earlier
-step that measured it, not redone.
+The gate is a sequential paired trial (``tasks.sequential_trial``, as lesson trials are; ``gate_trial``): the
+library after against the library before, more samples of every problem at each look, the first look always
+drawn and a later one only within the step's checks budget. Attempts are measured by ``tasks.measure``: a sample
+is drawn once for its key (library content, problem, seed, sampling settings), so the attempts of the library a
+step starts from are read back from the earlier step that measured it, not redone.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from clgrpo import progress
-from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
 from clgrpo.metrics import Comparison, compare
 from clgrpo.words import counted
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
-from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Sample, text_hash
+from schemas.records import GateDecision, GateSample, LibraryVersion, Problem, Sample, text_hash
 from schemas.stages import Stage
-from tasks.checks_budget import ChecksBudget, tokens
+from tasks.checks_budget import ChecksBudget
 from tasks.common import stage_task
-from tasks.judge import make_judge
-from tasks.measure import Sampling, measure, reusable, sample_seeds, sampling_at, to_draw
+from tasks.measure import Sampling, reusable, sample_seeds, sampling_at, to_draw
 from tasks.outputs import Gate
+from tasks.sequential_trial import Arm, Reach, SequentialTrial
 
 UNTAGGED = "(untagged)"
 GATE_OFF = (
@@ -106,36 +106,57 @@ def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibr
     return lines
 
 
-# --- attempts --------------------------------------------------------------------------------------------------
-async def attempts(
-    arm: str,
-    library: ExperienceLibrary,
-    problems: Sequence[Problem],
+# --- the trial -------------------------------------------------------------------------------------------------
+def gate_trial(
     config: RunConfig,
+    before: ExperienceLibrary,
+    after: ExperienceLibrary,
+    problems: Sequence[Problem],
     domain: Domain,
     llm: LLMClient,
-    known: Mapping[str, Sample],
-    k: int | None = None,
-) -> tuple[list[GateSample], list[LLMCall]]:
-    """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt (``tasks.measure``:
-    those already drawn, e.g. by the step that measured this library as its "after", are read)."""
+    budget: ChecksBudget | None = None,
+) -> tuple[SequentialTrial[GateSample, GateDecision], Arm[GateSample]]:
+    """The gate as a sequential trial (``tasks.sequential_trial``) and the arm it decides: the library after
+    against the library before on every problem set aside, more samples of each at every look (``looks``), the
+    two measured in turn so that a look reads what the looks before it drew; judged by ``decide``. The first look
+    is always drawn; a later one only if it fits ``budget``, else the gate decides at the look it has, saying so."""
     settings = config.learning.library_gate
-    shown = _whole(library)
-    measured = await measure(
-        problems,
-        shown,
-        k or settings.samples,
-        sample_seeds(problems, config.seed),
+    planned = looks(settings)
+
+    def judged(
+        arm: Arm[GateSample], before: list[GateSample], after: list[GateSample], look: int, last: bool
+    ) -> GateDecision | None:
+        return decide(settings, problems, before, after, planned[look - 1])
+
+    def stopped(
+        arm: Arm[GateSample], before: list[GateSample], after: list[GateSample], look: int, note: str
+    ) -> GateDecision:
+        at = replace(planned[look - 2], stopped=f"look {look} of {len(planned)} not drawn: {note}")
+        decision = decide(settings, problems, before, after, at)
+        assert decision is not None, "a stopped look decides"
+        return decision
+
+    trial = SequentialTrial(
+        config,
+        Stage.LIBRARY_GATE,
         gate_sampling(config),
         domain,
         llm,
-        stage=Stage.LIBRARY_GATE,
-        known=known.get,
-        judge=make_judge(config, domain, Stage.LIBRARY_GATE),
+        baseline=_arm("before", before),
+        looks=[Reach(None, look.k, free=look.number == 1) for look in planned],
+        decide=judged,
+        stopped=stopped,
+        # the gate spends its own reserve: none of it is kept back (a budget ``for_gate`` keeps none already)
+        budget=None if budget is None else replace(budget, gate_reserve=0),
+        together=False,
     )
+    return trial, _arm("after", after, problems)
+
+
+def _arm(name: str, library: ExperienceLibrary, problems: Sequence[Problem] = ()) -> Arm[GateSample]:
+    shown = _whole(library)
     content = shown.content_hash()
-    samples = [GateSample(**s.model_dump(), arm=arm, library_hash=content) for s in measured.samples]
-    return samples, measured.calls
+    return Arm(name, shown, lambda s: GateSample(**s.model_dump(), arm=name, library_hash=content), problems)
 
 
 def _whole(library: ExperienceLibrary) -> ExperienceLibrary:
@@ -147,25 +168,15 @@ def gate_sampling(config: RunConfig) -> Sampling:
     return sampling_at(config, config.learning.library_gate.temperature)
 
 
-def _to_draw(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    problems: Sequence[Problem],
-    k: int,
-    known: Mapping[str, Sample],
-    domain: Domain,
-) -> int:
-    seeds = sample_seeds(problems, config.seed)
-    return to_draw(problems, _whole(library), k, seeds, gate_sampling(config), domain, known)
-
-
 def samples_to_draw(
     config: RunConfig, before: ExperienceLibrary, problems: Sequence[Problem], earlier: Sequence[Sample], domain: Domain
 ) -> int:
     """The samples the gate of a step starting from ``before`` would draw at all its looks: the library before
     where not drawn already, and the library after (not known yet: all of them)."""
     k = config.learning.library_gate.samples
-    return _to_draw(config, before, problems, k, reusable(earlier), domain) + len(problems) * k
+    seeds = sample_seeds(problems, config.seed)
+    known = reusable(earlier)
+    return to_draw(problems, _whole(before), k, seeds, gate_sampling(config), domain, known) + len(problems) * k
 
 
 async def gate_step(
@@ -184,59 +195,10 @@ async def gate_step(
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
         return Gate(library_gates=[unchanged(settings, problems, before.content_hash())])
-    known = reusable(earlier)
-    calls: list[LLMCall] = []
-    arms: dict[str, list[GateSample]] = {}
-    drawn: dict[str | None, GateSample] = {}  # drawn by this step at an earlier look: stored as drawn
-    planned = looks(settings)
-    for look in planned:  # sequential: a clear verdict stops before every sample is drawn
-        if look.number > 1 and (
-            stop := _unaffordable(config, look, (before, after), problems, known, domain, calls, len(drawn), budget)
-        ):
-            stopped = replace(planned[look.number - 2], stopped=stop)
-            return Gate(arms["before"] + arms["after"], [_decided(settings, problems, arms, stopped)], calls)
-        progress.expect(Stage.LIBRARY_GATE, 2 * look.k * len(problems))  # each look counts its samples, read or drawn
-        for arm, library in (("before", before), ("after", after)):
-            with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
-                fresh, arm_calls = await attempts(arm, library, problems, config, domain, llm, known, look.k)
-            arms[arm] = [drawn.get(s.draw_key, s) if not s.drawn else s for s in fresh]
-            drawn |= {s.draw_key: s for s in arms[arm] if s.drawn}
-            known |= reusable(arms[arm])
-            calls += arm_calls
-        if (decision := decide(settings, problems, arms["before"], arms["after"], look)) is not None:
-            return Gate(arms["before"] + arms["after"], [decision], calls)
-    raise AssertionError("the last look always decides")  # pragma: no cover
-
-
-def _decided(
-    settings: LibraryGate, problems: Sequence[Problem], arms: Mapping[str, Sequence[GateSample]], look: Look
-) -> GateDecision:
-    decision = decide(settings, problems, arms["before"], arms["after"], look)
-    assert decision is not None, "a stopped look decides"
-    return decision
-
-
-def _unaffordable(
-    config: RunConfig,
-    look: Look,
-    libraries: tuple[ExperienceLibrary, ExperienceLibrary],
-    problems: Sequence[Problem],
-    known: Mapping[str, Sample],
-    domain: Domain,
-    calls: Sequence[LLMCall],
-    drawn: int,
-    budget: ChecksBudget | None,
-) -> str | None:
-    """Why ``look`` is not drawn (its samples do not fit the budget, at the tokens per sample of the gate's
-    ``drawn`` samples so far), or None."""
-    if budget is None or budget.allowed is None:
-        return None
-    draws = sum(_to_draw(config, library, problems, look.k, known, domain) for library in libraries)
-    per_sample = tokens(calls) / drawn if drawn else budget.per_sample
-    spent = tokens(calls)
-    if budget.fits(draws, per_sample, spent, reserve=False):
-        return None
-    return f"look {look.number} of {look.of} not drawn: {budget.describe(spent, reserve=False)}"
+    trial, arm = gate_trial(config, before, after, problems, domain, llm, budget)
+    trial.known.update(reusable(earlier))
+    await trial.run([arm])
+    return Gate(trial.samples, [trial.verdicts[arm.name]], trial.calls)
 
 
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
