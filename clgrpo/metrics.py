@@ -9,17 +9,24 @@ that varies between benchmarks); ``resample_samples=True`` also resamples the sa
 problem for Mean@k (a two-level bootstrap, wider; Pass@k always resamples problems only, since duplicated
 samples would bias it down). A paired difference resamples the same problems (and sample columns) for both
 conditions, so whatever the two conditions share cancels out. Replicates come from a seeded numpy Generator.
+
+Two arms measured on the same problems and seeds (a lesson trial, the library gate) are compared pair by pair:
+``paired_rewards`` (the (problem, sample) pairs graded in both), the exact one-sided ``sign_test`` over the pairs
+that differ, and ``compare`` (the means, the difference's paired-bootstrap CI over problems, the sign test).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+from schemas.records import Sample
 
 Metric = Literal["mean_at_k", "pass_at_k"]
 CORRECT_AT = 1.0 - 1e-9
@@ -173,3 +180,83 @@ def paired_difference(
     boot_a, boot_b = _replicates([a, b], metric, k, n_boot, rng, resample_samples)
     differences = per_problem(b, metric, k) - per_problem(a, metric, k)
     return _bca_interval(float(differences.mean()), boot_b - boot_a, differences, level)
+
+
+# --- two arms, pair by pair ------------------------------------------------------------------------------------
+def paired_rewards(
+    before: Sequence[Sample], after: Sequence[Sample], problem_ids: Collection[str] | None = None
+) -> list[tuple[float, float]]:
+    """(reward before, reward after) of each (problem, sample index) graded in both arms, in the order of
+    ``after``; only ``problem_ids``' when given."""
+    reward_before = {(s.problem_id, s.sample_idx): s.reward for s in before}
+    pairs = []
+    for s in after:
+        b = reward_before.get((s.problem_id, s.sample_idx))
+        if (problem_ids is None or s.problem_id in problem_ids) and s.reward is not None and b is not None:
+            pairs.append((b, s.reward))
+    return pairs
+
+
+def sign_test(better: int, worse: int) -> tuple[float, float]:
+    """Exact one-sided binomial tails over the pairs that differ: P(at least ``better`` better) and P(at least
+    ``worse`` worse) if neither arm were better."""
+    n = better + worse
+    if n == 0:
+        return 1.0, 1.0
+
+    def tail(at_least: int) -> float:
+        return sum(math.comb(n, i) for i in range(at_least, n + 1)) / 2**n
+
+    return tail(better), tail(worse)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    problems: int
+    pairs: int
+    mean_before: float | None
+    mean_after: float | None
+    diff: float | None
+    ci_low: float | None
+    ci_high: float | None
+    better: int
+    worse: int
+    p_better: float
+    p_worse: float
+
+
+def compare(problem_ids: Sequence[str], before: Sequence[Sample], after: Sequence[Sample], k: int) -> Comparison:
+    """The paired comparison over ``problem_ids``: means over pairs graded in both arms, the difference's CI by a
+    paired bootstrap over problems (those whose every pair was graded), and the sign test."""
+    pairs = paired_rewards(before, after, set(problem_ids))
+    better = sum(a > b for b, a in pairs)
+    worse = sum(a < b for b, a in pairs)
+    p_better, p_worse = sign_test(better, worse)
+    if not pairs:
+        return Comparison(len(problem_ids), 0, None, None, None, None, None, 0, 0, 1.0, 1.0)
+    mean_b = float(np.mean([b for b, _ in pairs]))
+    mean_a = float(np.mean([a for _, a in pairs]))
+    low, high = _paired_ci(problem_ids, before, after, k)
+    return Comparison(
+        len(problem_ids), len(pairs), mean_b, mean_a, mean_a - mean_b, low, high, better, worse, p_better, p_worse
+    )
+
+
+def _paired_ci(
+    problem_ids: Sequence[str], before: Sequence[Sample], after: Sequence[Sample], k: int
+) -> tuple[float | None, float | None]:
+    """The 95% CI of after - before by a paired bootstrap over the problems whose k pairs were all graded (None
+    with fewer than two such problems)."""
+    reward_before = {(s.problem_id, s.sample_idx): s.reward for s in before}
+    reward_after = {(s.problem_id, s.sample_idx): s.reward for s in after}
+    rows_b, rows_a = [], []
+    for pid in problem_ids:
+        b = [reward_before.get((pid, i)) for i in range(k)]
+        a = [reward_after.get((pid, i)) for i in range(k)]
+        if all(x is not None for x in b + a):
+            rows_b.append(b)
+            rows_a.append(a)
+    if len(rows_b) < 2:
+        return None, None
+    estimate = paired_difference(np.array(rows_b, dtype=float), np.array(rows_a, dtype=float), seed=0)
+    return estimate.low, estimate.high

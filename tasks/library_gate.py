@@ -3,40 +3,39 @@
 When a run starts, a share of its training problems (per task tag) is set aside (``split_for_gate``): no step
 trains on them, so no rollout, lesson or trial of training sees them. After lesson validation, the library as
 it was and the library with the step's plan applied answer every set-aside problem ``samples`` times on the same
-seeds (paired attempts). The comparison (``compare``): the mean reward of each arm over the pairs graded in both,
-the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the pairs that
-differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few pairs the
-exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task tag too.
+seeds (paired attempts). The comparison (``clgrpo.metrics.compare``): the mean reward of each arm over the pairs
+graded in both, the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the
+pairs that differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few
+pairs the exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task
+tag too.
 
-Attempts are measured by ``tasks.measure``: a sample is drawn once for its key (library content, problem,
-seed, sampling settings), so the attempts of the library a step starts from are read back from the earlier
-step that measured it, not redone.
+The gate is a sequential paired trial (``tasks.sequential_trial``, as lesson trials are; ``gate_trial``): the
+library after against the library before, more samples of every problem at each look, the first look always
+drawn and a later one only within the step's checks budget. Attempts are measured by ``tasks.measure``: a sample
+is drawn once for its key (library content, problem, seed, sampling settings), so the attempts of the library a
+step starts from are read back from the earlier step that measured it, not redone.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
-from clgrpo import metrics, progress
-from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.metrics import Comparison, compare
 from clgrpo.words import counted
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
-from schemas.records import GateDecision, GateSample, LibraryVersion, LLMCall, Problem, Sample, text_hash
+from schemas.records import GateDecision, GateSample, LibraryVersion, Problem, Sample, text_hash
 from schemas.stages import Stage
-from tasks.checks_budget import ChecksBudget, tokens
+from tasks.checks_budget import ChecksBudget
 from tasks.common import stage_task
-from tasks.judge import make_judge
-from tasks.measure import Sampling, measure, reusable, sample_seeds, sampling_at, to_draw
+from tasks.measure import Sampling, reusable, sample_seeds, sampling_at, to_draw
 from tasks.outputs import Gate
+from tasks.sequential_trial import Arm, Reach, SequentialTrial
 
 UNTAGGED = "(untagged)"
 GATE_OFF = (
@@ -107,36 +106,57 @@ def gate_lines(note: str, decisions: list[GateDecision], library: ExperienceLibr
     return lines
 
 
-# --- attempts --------------------------------------------------------------------------------------------------
-async def attempts(
-    arm: str,
-    library: ExperienceLibrary,
-    problems: Sequence[Problem],
+# --- the trial -------------------------------------------------------------------------------------------------
+def gate_trial(
     config: RunConfig,
+    before: ExperienceLibrary,
+    after: ExperienceLibrary,
+    problems: Sequence[Problem],
     domain: Domain,
     llm: LLMClient,
-    known: Mapping[str, Sample],
-    k: int | None = None,
-) -> tuple[list[GateSample], list[LLMCall]]:
-    """``samples`` graded attempts of every set-aside problem with ``library`` in the prompt (``tasks.measure``:
-    those already drawn, e.g. by the step that measured this library as its "after", are read)."""
+    budget: ChecksBudget | None = None,
+) -> tuple[SequentialTrial[GateSample, GateDecision], Arm[GateSample]]:
+    """The gate as a sequential trial (``tasks.sequential_trial``) and the arm it decides: the library after
+    against the library before on every problem set aside, more samples of each at every look (``looks``), the
+    two measured in turn so that a look reads what the looks before it drew; judged by ``decide``. The first look
+    is always drawn; a later one only if it fits ``budget``, else the gate decides at the look it has, saying so."""
     settings = config.learning.library_gate
-    shown = _whole(library)
-    measured = await measure(
-        problems,
-        shown,
-        k or settings.samples,
-        sample_seeds(problems, config.seed),
+    planned = looks(settings)
+
+    def judged(
+        arm: Arm[GateSample], before: list[GateSample], after: list[GateSample], look: int, last: bool
+    ) -> GateDecision | None:
+        return decide(settings, problems, before, after, planned[look - 1])
+
+    def stopped(
+        arm: Arm[GateSample], before: list[GateSample], after: list[GateSample], look: int, note: str
+    ) -> GateDecision:
+        at = replace(planned[look - 2], stopped=f"look {look} of {len(planned)} not drawn: {note}")
+        decision = decide(settings, problems, before, after, at)
+        assert decision is not None, "a stopped look decides"
+        return decision
+
+    trial = SequentialTrial(
+        config,
+        Stage.LIBRARY_GATE,
         gate_sampling(config),
         domain,
         llm,
-        stage=Stage.LIBRARY_GATE,
-        known=known.get,
-        judge=make_judge(config, domain, Stage.LIBRARY_GATE),
+        baseline=_arm("before", before),
+        looks=[Reach(None, look.k, free=look.number == 1) for look in planned],
+        decide=judged,
+        stopped=stopped,
+        # the gate spends its own reserve: none of it is kept back (a budget ``for_gate`` keeps none already)
+        budget=None if budget is None else replace(budget, gate_reserve=0),
+        together=False,
     )
+    return trial, _arm("after", after, problems)
+
+
+def _arm(name: str, library: ExperienceLibrary, problems: Sequence[Problem] = ()) -> Arm[GateSample]:
+    shown = _whole(library)
     content = shown.content_hash()
-    samples = [GateSample(**s.model_dump(), arm=arm, library_hash=content) for s in measured.samples]
-    return samples, measured.calls
+    return Arm(name, shown, lambda s: GateSample(**s.model_dump(), arm=name, library_hash=content), problems)
 
 
 def _whole(library: ExperienceLibrary) -> ExperienceLibrary:
@@ -148,25 +168,15 @@ def gate_sampling(config: RunConfig) -> Sampling:
     return sampling_at(config, config.learning.library_gate.temperature)
 
 
-def _to_draw(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    problems: Sequence[Problem],
-    k: int,
-    known: Mapping[str, Sample],
-    domain: Domain,
-) -> int:
-    seeds = sample_seeds(problems, config.seed)
-    return to_draw(problems, _whole(library), k, seeds, gate_sampling(config), domain, known)
-
-
 def samples_to_draw(
     config: RunConfig, before: ExperienceLibrary, problems: Sequence[Problem], earlier: Sequence[Sample], domain: Domain
 ) -> int:
     """The samples the gate of a step starting from ``before`` would draw at all its looks: the library before
     where not drawn already, and the library after (not known yet: all of them)."""
     k = config.learning.library_gate.samples
-    return _to_draw(config, before, problems, k, reusable(earlier), domain) + len(problems) * k
+    seeds = sample_seeds(problems, config.seed)
+    known = reusable(earlier)
+    return to_draw(problems, _whole(before), k, seeds, gate_sampling(config), domain, known) + len(problems) * k
 
 
 async def gate_step(
@@ -185,59 +195,10 @@ async def gate_step(
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
         return Gate(library_gates=[unchanged(settings, problems, before.content_hash())])
-    known = reusable(earlier)
-    calls: list[LLMCall] = []
-    arms: dict[str, list[GateSample]] = {}
-    drawn: dict[str | None, GateSample] = {}  # drawn by this step at an earlier look: stored as drawn
-    planned = looks(settings)
-    for look in planned:  # sequential: a clear verdict stops before every sample is drawn
-        if look.number > 1 and (
-            stop := _unaffordable(config, look, (before, after), problems, known, domain, calls, len(drawn), budget)
-        ):
-            stopped = replace(planned[look.number - 2], stopped=stop)
-            return Gate(arms["before"] + arms["after"], [_decided(settings, problems, arms, stopped)], calls)
-        progress.expect(Stage.LIBRARY_GATE, 2 * look.k * len(problems))  # each look counts its samples, read or drawn
-        for arm, library in (("before", before), ("after", after)):
-            with recording(active(), stage=Stage.LIBRARY_GATE, items=False):  # redone whole by a retry
-                fresh, arm_calls = await attempts(arm, library, problems, config, domain, llm, known, look.k)
-            arms[arm] = [drawn.get(s.draw_key, s) if not s.drawn else s for s in fresh]
-            drawn |= {s.draw_key: s for s in arms[arm] if s.drawn}
-            known |= reusable(arms[arm])
-            calls += arm_calls
-        if (decision := decide(settings, problems, arms["before"], arms["after"], look)) is not None:
-            return Gate(arms["before"] + arms["after"], [decision], calls)
-    raise AssertionError("the last look always decides")  # pragma: no cover
-
-
-def _decided(
-    settings: LibraryGate, problems: Sequence[Problem], arms: Mapping[str, Sequence[GateSample]], look: Look
-) -> GateDecision:
-    decision = decide(settings, problems, arms["before"], arms["after"], look)
-    assert decision is not None, "a stopped look decides"
-    return decision
-
-
-def _unaffordable(
-    config: RunConfig,
-    look: Look,
-    libraries: tuple[ExperienceLibrary, ExperienceLibrary],
-    problems: Sequence[Problem],
-    known: Mapping[str, Sample],
-    domain: Domain,
-    calls: Sequence[LLMCall],
-    drawn: int,
-    budget: ChecksBudget | None,
-) -> str | None:
-    """Why ``look`` is not drawn (its samples do not fit the budget, at the tokens per sample of the gate's
-    ``drawn`` samples so far), or None."""
-    if budget is None or budget.allowed is None:
-        return None
-    draws = sum(_to_draw(config, library, problems, look.k, known, domain) for library in libraries)
-    per_sample = tokens(calls) / drawn if drawn else budget.per_sample
-    spent = tokens(calls)
-    if budget.fits(draws, per_sample, spent, reserve=False):
-        return None
-    return f"look {look.number} of {look.of} not drawn: {budget.describe(spent, reserve=False)}"
+    trial, arm = gate_trial(config, before, after, problems, domain, llm, budget)
+    trial.known.update(reusable(earlier))
+    await trial.run([arm])
+    return Gate(trial.samples, [trial.verdicts[arm.name]], trial.calls)
 
 
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
@@ -262,77 +223,7 @@ async def library_gate_task(
     )
 
 
-# --- the comparison and the decision ---------------------------------------------------------------------------
-def sign_test(better: int, worse: int) -> tuple[float, float]:
-    """Exact one-sided binomial tails over the pairs that differ: P(at least ``better`` better) and P(at least
-    ``worse`` worse) if neither library were better."""
-    n = better + worse
-    if n == 0:
-        return 1.0, 1.0
-
-    def tail(at_least: int) -> float:
-        return sum(math.comb(n, i) for i in range(at_least, n + 1)) / 2**n
-
-    return tail(better), tail(worse)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    problems: int
-    pairs: int
-    mean_before: float | None
-    mean_after: float | None
-    diff: float | None
-    ci_low: float | None
-    ci_high: float | None
-    better: int
-    worse: int
-    p_better: float
-    p_worse: float
-
-
-def compare(
-    problem_ids: Sequence[str], before: Sequence[GateSample], after: Sequence[GateSample], k: int
-) -> Comparison:
-    """The paired comparison over ``problem_ids``: means over pairs graded in both arms, the difference's CI by a
-    paired bootstrap over problems (those whose every pair was graded), and the sign test."""
-    reward_before = {(s.problem_id, s.sample_idx): s.reward for s in before}
-    wanted = set(problem_ids)
-    pairs: list[tuple[float, float]] = []
-    for s in after:
-        b = reward_before.get((s.problem_id, s.sample_idx))
-        if s.problem_id in wanted and s.reward is not None and b is not None:
-            pairs.append((b, s.reward))
-    better = sum(a > b for b, a in pairs)
-    worse = sum(a < b for b, a in pairs)
-    p_better, p_worse = sign_test(better, worse)
-    if not pairs:
-        return Comparison(len(problem_ids), 0, None, None, None, None, None, 0, 0, 1.0, 1.0)
-    mean_b = float(np.mean([b for b, _ in pairs]))
-    mean_a = float(np.mean([a for _, a in pairs]))
-    low, high = _paired_ci(problem_ids, reward_before, after, k)
-    return Comparison(
-        len(problem_ids), len(pairs), mean_b, mean_a, mean_a - mean_b, low, high, better, worse, p_better, p_worse
-    )
-
-
-def _paired_ci(
-    problem_ids: Sequence[str], before: dict[tuple[str, int], float | None], after: Sequence[GateSample], k: int
-) -> tuple[float | None, float | None]:
-    reward_after = {(s.problem_id, s.sample_idx): s.reward for s in after}
-    rows_b, rows_a = [], []
-    for pid in problem_ids:
-        b = [before.get((pid, i)) for i in range(k)]
-        a = [reward_after.get((pid, i)) for i in range(k)]
-        if all(x is not None for x in b + a):
-            rows_b.append(b)
-            rows_a.append(a)
-    if len(rows_b) < 2:
-        return None, None
-    estimate = metrics.paired_difference(np.array(rows_b, dtype=float), np.array(rows_a, dtype=float), seed=0)
-    return estimate.low, estimate.high
-
-
+# --- the decision (the paired comparison: ``clgrpo.metrics.compare``) -----------------------------------------
 @dataclass(frozen=True)
 class Look:
     """One look of the sequential gate: the samples per problem so far, and the one-sided levels at this look

@@ -10,6 +10,10 @@ pairs graded in both arms rises by more than ``min_gain``; else it is rejected w
 candidates of one group, only the one with the largest gain goes on (a group's contrast candidates are
 alternatives). The attempts without the lesson are shared by every candidate of the step.
 
+What is tried, on which problems and in which order is ``tasks.trial_choice``'s; the trials are one sequential
+paired trial (``tasks.sequential_trial``, as the library gate's): each candidate an arm against the library as it
+is, looked at after every ``problems`` more problems (test ``sign``), within the step's checks budget.
+
 Delete and keep operations are not validated. Output (``tasks.outputs.Trials``): one ``LessonTrial`` per plan
 operation, every graded attempt as a ``TrialSample``, the calls; the plan that goes on to ``apply_operations``,
 with the rejections to store there, follows from the trials (``tasks.plan``).
@@ -17,21 +21,18 @@ with the rejections to store there, follows from the trials (``tasks.plan``).
 
 from __future__ import annotations
 
-import asyncio
-import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
 from clgrpo import progress
-from clgrpo.journal import active, recording
 from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.metrics import paired_rewards, sign_test
 from clgrpo.words import counted
 from domains import Domain, domain_for
-from domains.learner import SAME_LESSON, overlap
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (
     GroupAdvantage,
@@ -39,190 +40,30 @@ from schemas.records import (
     LibraryVersion,
     LLMCall,
     Operation,
-    OpKind,
-    OpStatus,
     Problem,
     Reward,
     Rollout,
     Sample,
     TrialSample,
-    text_hash,
 )
 from schemas.stages import Stage
-from tasks.apply_operations import apply_operations, lesson_screen
-from tasks.candidate_clusters import cluster, duplicate_of, joined, representatives
 from tasks.checks_budget import ChecksBudget, tokens
 from tasks.common import stage_task
-from tasks.judge import make_judge
-from tasks.library_gate import sign_test
 from tasks.measure import (
     Sampling,
     draw_keys,
     graded_sample,
-    measure,
     reusable,
     sample_seeds,
     sampling_at,
-    to_draw,
 )
 from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
+from tasks.sequential_trial import Arm, Reach, SequentialTrial
 from tasks.specificity import rate
+from tasks.trial_choice import Candidate, Rejected, budget_order, cluster_plan, next_members, quoted, to_try
 
-VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
-
-
-@dataclass
-class _Candidate:
-    seq: int
-    operation: Operation
-    library: ExperienceLibrary  # the library with this operation applied
-    problems: list[Problem]
-
-
-def quoted(op: Operation, limit: int = 60) -> str:
-    """Another candidate named by its text (the printed lists number operations in their own order)."""
-    text = " ".join((op.text or "").split())
-    return f'"{text[:limit]}..."' if len(text) > limit else f'"{text}"'
-
-
-def trial_problems(
-    op: Operation,
-    problems: Sequence[Problem],
-    advantages: Sequence[GroupAdvantage],
-    count: int,
-    salt: str,
-    pool: Sequence[Problem] = (),
-    others_only: bool = False,
-) -> list[Problem]:
-    """The problems a candidate is tried on, in order, ``count`` at most. Sources first: its source problems,
-    then other step problems (mixed rewards first, then the rest, each in a fixed pseudo-random order). Others
-    only: no source problem; problems of the sources' task tag, the step's with mixed rewards first, then the
-    step's others, then the rest of ``pool`` (the run's training problems)."""
-    mixed = {a.problem_id for a in advantages if a.selected}
-    step_ids = {p.problem_id for p in problems}
-
-    def order(p: Problem) -> tuple[bool, bool, str]:
-        return (p.problem_id not in step_ids, p.problem_id not in mixed, text_hash(f"{salt}:{p.problem_id}"))
-
-    if not others_only:
-        sources = [p for p in problems if p.problem_id in op.source_groups]
-        rest = sorted((p for p in problems if p.problem_id not in op.source_groups), key=order)
-        return [*sources, *rest][:count]
-    everything = {p.problem_id: p for p in [*problems, *pool]}
-    tags = {p.tag for p in everything.values() if p.problem_id in op.source_groups}
-    candidates = [
-        p for p in everything.values() if p.problem_id not in op.source_groups and (not tags or p.tag in tags)
-    ]
-    return sorted(candidates, key=order)[:count]
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A lesson an earlier step rejected by measurement (its trial or the library gate): the run's ledger."""
-
-    step: int
-    text: str
-    reason: str
-
-
-def _rejected_before(op: Operation, ledger: Sequence[Rejected]) -> Rejected | None:
-    """An earlier rejection of (nearly) the same lesson: such a candidate is not tried again."""
-    text = op.text or ""
-    return next((r for r in ledger if text and min(overlap(text, r.text), overlap(r.text, text)) >= SAME_LESSON), None)
-
-
-def _candidates(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    problems: list[Problem],
-    advantages: list[GroupAdvantage],
-    step: int,
-    pool: Sequence[Problem] = (),
-    near: NearDuplicates | None = None,
-    ledger: Sequence[Rejected] = (),
-    clustered: Mapping[int, str] | None = None,
-    only: AbstractSet[int] | None = None,
-) -> tuple[list[_Candidate], dict[int, str], dict[int, str]]:
-    """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
-    is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
-    why each other one is not tried, and the repeats (rejected: tried once). ``clustered``: plan positions
-    another member of their cluster stands for, with the reason (``_clustered``)."""
-    settings = config.learning.lesson_validation
-    screen = lesson_screen(config, problems)
-    candidates: list[_Candidate] = []
-    untested: dict[int, str] = {}
-    repeats: dict[int, str] = {}
-    for seq, op in enumerate(plan):
-        if only is not None and seq not in only:
-            continue
-        if op.op not in VALIDATED:
-            untested[seq] = f"{op.op.value} operations are not validated"
-            continue
-        if (earlier := _rejected_before(op, ledger)) is not None:
-            repeats[seq] = f"rejected before, not tried again: step {earlier.step}: {earlier.reason}"
-            continue
-        if clustered and seq in clustered:
-            repeats[seq] = clustered[seq]
-            continue
-        alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
-        if results[0].status != OpStatus.APPLIED:
-            untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
-            continue
-        tried = (
-            alone
-            if library.shown is None
-            else alone.with_shown(_shown_with(library.shown, alone, results[0].result_id))
-        )
-        count = settings.problems * settings.looks
-        others = settings.trials_on == "others"
-        salt = f"{step}" if others else f"{step}:{op.text}"  # others: one order per tag, so baselines are shared
-        order = trial_problems(op, problems, advantages, count, salt, pool, others)
-        if not order:
-            untested[seq] = "not tried: no other training problem of its task tag to try it on"
-            continue
-        candidates.append(_Candidate(seq, op, tried, order))
-    return candidates, untested, repeats
-
-
-def _shown_with(shown: dict[str, list[str]], library: ExperienceLibrary, new_id: str | None) -> dict[str, list[str]]:
-    """Routed prompts (``library.injection: top_k``) keep what they were shown that is still live, plus the
-    candidate's lesson."""
-    live = {e.id for e in library}
-    return {
-        pid: [i for i in ids if i in live] + ([new_id] if new_id and new_id not in ids else [])
-        for pid, ids in shown.items()
-    }
-
-
-async def _attempts(
-    problems: list[Problem],
-    library: ExperienceLibrary,
-    domain: Domain,
-    llm: LLMClient,
-    config: RunConfig,
-    seeds: dict[str, int],
-    seq: int,
-    known: Mapping[str, Sample],
-) -> tuple[list[TrialSample], list[LLMCall]]:
-    """Every problem's ``samples`` graded attempts with ``library`` (``tasks.measure``: those ``known`` by their
-    draw key are read, not drawn); they count on the stage's progress as they finish."""
-    settings = config.learning.lesson_validation
-    measured = await measure(
-        problems,
-        library,
-        settings.samples,
-        seeds,
-        trial_sampling(config),
-        domain,
-        llm,
-        stage=Stage.VALIDATE_LESSONS,
-        known=known.get,
-        judge=make_judge(config, domain, Stage.VALIDATE_LESSONS),
-    )
-    return [TrialSample(**s.model_dump(), seq=seq) for s in measured.samples], measured.calls
 
 
 def trial_sampling(config: RunConfig) -> Sampling:
@@ -259,7 +100,7 @@ def rollout_baseline(
 
 
 def judge_trial(
-    candidate: _Candidate,
+    candidate: Candidate,
     without: list[TrialSample],
     with_: list[TrialSample],
     settings: LessonValidation,
@@ -269,7 +110,7 @@ def judge_trial(
     """The verdict on one candidate from its paired attempts so far: kept or rejected (test ``mean``: ties go
     against it; test ``sign``: see ``LessonValidation``), or None while the sign test is undecided before its last
     look."""
-    pairs = _paired_rewards(without, with_)
+    pairs = paired_rewards(without, with_)
     tried = list(dict.fromkeys(s.problem_id for s in with_))
     base = dict(
         seq=candidate.seq, operation=candidate.operation, problem_ids=tried, samples=settings.samples, pairs=len(pairs)
@@ -320,17 +161,6 @@ def _sign_verdict(
     if last_look:
         return "rejected", f"lesson validation: {numbers}; {test}: no effect"
     return None, ""
-
-
-def _paired_rewards(without: list[TrialSample], with_: list[TrialSample]) -> list[tuple[float, float]]:
-    """(reward without, reward with) of each attempt graded in both arms, in the order of ``with_``."""
-    before = {(s.problem_id, s.sample_idx): s.reward for s in without}
-    pairs = []
-    for s in with_:
-        reward_before = before.get((s.problem_id, s.sample_idx))
-        if s.reward is not None and reward_before is not None:
-            pairs.append((reward_before, s.reward))
-    return pairs
 
 
 def _kept_gain(trial: LessonTrial) -> float:
@@ -401,125 +231,111 @@ async def validate_lessons(
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match; ``budget``: what
     the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried."""
     settings = config.learning.lesson_validation
-    tried_plan, clustered, ranked, cluster_calls = await _clustered(
+    tried_plan, clustered, ranked, cluster_calls = await cluster_plan(
         config, step, library, plan, problems, near, ledger, llm, domain
     )
-    candidates, untested, repeats = _candidates(
+    candidates, untested, repeats = to_try(
         config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered
     )
     trials = [
         LessonTrial(seq=seq, operation=tried_plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
     ]
-    looks = _Looks(settings, {}, {}, budget.after(tokens(cluster_calls)) if budget is not None else None)
-    # trials are redone whole by a retry of the stage
-    with recording(active(), stage=Stage.VALIDATE_LESSONS, items=False):
-        for attempt in range(settings.cluster_tries):
-            if attempt:  # a cluster whose member was rejected: its next member, until one is kept
-                candidates = _next_members(
-                    config, library, plan, ranked, attempt, looks.decided, problems, advantages, step, pool, near
-                )
-                repeats = {seq: why for seq, why in repeats.items() if seq not in {c.seq for c in candidates}}
-            if not candidates:
-                break
-            await _try(looks, candidates, drawn, library, domain, llm, config)
+    lessons = LessonTrials(
+        config, library, domain, llm, budget.after(tokens(cluster_calls)) if budget is not None else None
+    )
+    for attempt in range(settings.cluster_tries):
+        if attempt:  # a cluster whose member was rejected: its next member, until one is kept
+            candidates = next_members(
+                config, library, plan, ranked, attempt, lessons.decided, problems, advantages, step, pool, near
+            )
+            repeats = {seq: why for seq, why in repeats.items() if seq not in {c.seq for c in candidates}}
+        if not candidates:
+            break
+        tried = _all_problems(candidates)
+        await lessons.run(candidates, drawn.known(config, library, tried, domain) if drawn is not None else {})
     trials += [
         LessonTrial(seq=seq, operation=plan[seq], verdict="rejected", reason=why) for seq, why in repeats.items()
     ]
-    trials = sorted(trials + list(looks.decided.values()), key=lambda t: t.seq)
+    trials = sorted(trials + list(lessons.decided.values()), key=lambda t: t.seq)
     specific, rater_calls = await _rate_ties(trials, llm, domain)
     trials = best_per_group(trials, specific)
-    return Trials(trials, looks.samples, cluster_calls + looks.calls + rater_calls)
+    return Trials(trials, lessons.trial.samples, cluster_calls + lessons.trial.calls + rater_calls)
 
 
-async def _try(
-    looks: _Looks,
-    candidates: list[_Candidate],
-    drawn: StepDraws | None,
-    library: ExperienceLibrary,
-    domain: Domain,
-    llm: LLMClient,
-    config: RunConfig,
-) -> None:
-    """Trials of ``candidates`` look by look until each is decided; the attempts without any candidate, the
-    step's draws and every earlier trial's are shared."""
-    settings = config.learning.lesson_validation
-    tried = _all_problems(candidates)
-    looks.seeds.update(sample_seeds(tried, config.seed))
-    looks.known.update(drawn.known(config, library, tried, domain) if drawn is not None else {})
-    for look in range(1, settings.looks + 1):
-        undecided = [c for c in candidates if c.seq not in looks.decided]
-        if not undecided:
-            break
-        await looks.attempt(look, undecided, library, domain, llm, config)
-        looks.judge(undecided, look == settings.looks)
+class LessonTrials:
+    """Lesson trials as one sequential trial (``tasks.sequential_trial``): each candidate an arm, the library as
+    it is the baseline every candidate shares, each judged by ``judge_trial``; a later ``run`` (the next members
+    of clusters) shares the attempts before it."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        library: ExperienceLibrary,
+        domain: Domain,
+        llm: LLMClient,
+        budget: ChecksBudget | None = None,
+    ) -> None:
+        self.settings = s = config.learning.lesson_validation
+        self.candidates: dict[Hashable, Candidate] = {}
+        self.trial: SequentialTrial[TrialSample, LessonTrial] = SequentialTrial(
+            config,
+            Stage.VALIDATE_LESSONS,
+            trial_sampling(config),
+            domain,
+            llm,
+            baseline=Arm(BASELINE, library, _as_trial_sample(BASELINE)),
+            looks=[Reach(s.problems * look, s.samples) for look in range(1, s.looks + 1)],
+            decide=self.judge,
+            stopped=self.stopped,
+            budget=budget,
+            order=self.admission_order,
+        )
+
+    @property
+    def decided(self) -> dict[int, LessonTrial]:
+        """The verdicts so far, by plan position."""
+        return {t.seq: t for t in self.trial.verdicts.values()}
+
+    def arm(self, candidate: Candidate) -> Arm[TrialSample]:
+        self.candidates[candidate.seq] = candidate
+        return Arm(candidate.seq, candidate.library, _as_trial_sample(candidate.seq), candidate.problems)
+
+    async def run(self, candidates: Sequence[Candidate], known: Mapping[str, Sample]) -> None:
+        """Trials of ``candidates`` look by look until each is decided; ``known``: samples read, not drawn."""
+        self.trial.known.update(known)
+        await self.trial.run([self.arm(c) for c in candidates])
+
+    def judge(
+        self, arm: Arm[TrialSample], without: list[TrialSample], with_: list[TrialSample], look: int, last: bool
+    ) -> LessonTrial | None:
+        return judge_trial(self.candidates[arm.name], without, with_, self.settings, last_look=last)
+
+    def stopped(
+        self, arm: Arm[TrialSample], without: list[TrialSample], with_: list[TrialSample], look: int, note: str
+    ) -> LessonTrial:
+        """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far."""
+        candidate, per_look = self.candidates[arm.name], self.settings.problems
+        # its look's samples are counted on the stage's progress though never drawn, as lesson trials always did
+        unmeasured = candidate.problems[per_look * (look - 1) : per_look * look]
+        progress.expect(Stage.VALIDATE_LESSONS, len(unmeasured) * self.settings.samples)
+        if not with_:
+            return LessonTrial(
+                seq=candidate.seq,
+                operation=candidate.operation,
+                verdict="rejected",
+                reason=f"not tried: {note}",  # not a measurement: not in the ledger, tried again later
+            )
+        trial = judge_trial(candidate, without, with_, self.settings, last_look=True)
+        assert trial is not None, "the last look always decides"
+        return trial.model_copy(update={"reason": f"{trial.reason}; look {look} not drawn: {note}"})
+
+    def admission_order(self, arms: list[Arm[TrialSample]]) -> list[Arm[TrialSample]]:
+        by_seq = {a.name: a for a in arms}
+        return [by_seq[c.seq] for c in budget_order([self.candidates[a.name] for a in arms], self.settings)]
 
 
-def _next_members(
-    config: RunConfig,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    ranked: Sequence[tuple[int, ...]],
-    attempt: int,
-    decided: Mapping[int, LessonTrial],
-    problems: list[Problem],
-    advantages: list[GroupAdvantage],
-    step: int,
-    pool: Sequence[Problem],
-    near: NearDuplicates | None,
-) -> list[_Candidate]:
-    """The member tried at ``attempt`` (0: the representative) of each cluster none of whose members tried so
-    far was kept, carrying the cluster's source groups."""
-    chosen = {
-        members[attempt]: members
-        for members in ranked
-        if len(members) > attempt and not any(m in decided and decided[m].verdict == "kept" for m in members[:attempt])
-    }
-    if not chosen:
-        return []
-    tried = [joined(plan, seq, chosen[seq]) if seq in chosen else op for seq, op in enumerate(plan)]
-    candidates, _, _ = _candidates(config, library, tried, problems, advantages, step, pool, near, only=set(chosen))
-    return candidates
-
-
-async def _clustered(
-    config: RunConfig,
-    step: int,
-    library: ExperienceLibrary,
-    plan: list[Operation],
-    problems: list[Problem],
-    near: NearDuplicates | None,
-    ledger: Sequence[Rejected],
-    llm: LLMClient,
-    domain: Domain,
-) -> tuple[list[Operation], dict[int, str], list[tuple[int, ...]], list[LLMCall]]:
-    """The plan as tried first (each cluster's representative carrying all its members' source groups), the
-    members another one stands for with the reason, the clusters of several members in the order their members
-    are tried, and the rater's calls (``tasks.candidate_clusters``). Only candidates the library accepts are
-    clustered: a refused one could not stand for the others."""
-    screen = lesson_screen(config, problems)
-
-    def accepted(op: Operation) -> bool:
-        _, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
-        return results[0].status == OpStatus.APPLIED
-
-    eligible = [
-        seq
-        for seq, op in enumerate(plan)
-        if op.op in VALIDATED and _rejected_before(op, ledger) is None and accepted(op)
-    ]
-    chosen, calls = await representatives(plan, cluster(plan, eligible, near), llm, domain, config.learning.max_words)
-    tried, clustered, tries = list(plan), {}, config.learning.lesson_validation.cluster_tries
-    for rep, members in chosen.items():
-        tried[rep] = joined(plan, rep, members.members)
-        for seq in members.members:
-            if seq != rep:
-                how = duplicate_of(plan[rep].text or "", plan[seq].text or "", near) or "through another member"
-                clustered[seq] = (
-                    f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}); their cluster's members "
-                    f"are tried best-rated first until one is kept, {counted(tries, 'member')} at most"
-                )
-    ranked = [members.members for members in chosen.values() if len(members.members) > 1]
-    return tried, clustered, ranked, calls
+def _as_trial_sample(seq: int) -> Callable[[Sample], TrialSample]:
+    return lambda s: TrialSample(**s.model_dump(), seq=seq)
 
 
 async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) -> tuple[set[int], list[LLMCall]]:
@@ -548,7 +364,7 @@ async def _rate_ties(trials: list[LessonTrial], llm: LLMClient, domain: Domain) 
     return {seq for seq, r in zip(tied, ratings) if r.verdict == "specific"}, calls
 
 
-def _all_problems(candidates: Sequence[_Candidate]) -> list[Problem]:
+def _all_problems(candidates: Sequence[Candidate]) -> list[Problem]:
     return list({p.problem_id: p for c in candidates for p in c.problems}.values())
 
 
@@ -567,138 +383,6 @@ class StepDraws:
             **reusable(self.earlier),
             **rollout_baseline(config, library, problems, self.rollouts, self.rewards, domain),
         }
-
-
-def budget_order(candidates: Sequence[_Candidate], settings: LessonValidation) -> list[_Candidate]:
-    """The order in which the checks budget admits candidates: the plan's, or (``support``) the candidates more
-    groups proposed first, then the plan's."""
-    if settings.order == "plan":
-        return sorted(candidates, key=lambda c: c.seq)
-    return sorted(candidates, key=lambda c: (-len(set(c.operation.source_groups)), c.seq))
-
-
-class _Looks:
-    """The attempts of a sequential trial, look by look: each look tries every undecided candidate on
-    ``problems`` more of its problems, the library as it is on every problem not yet attempted without it
-    (shared by all candidates), and judges what the pairs so far say."""
-
-    def __init__(
-        self,
-        settings: LessonValidation,
-        seeds: dict[str, int],
-        known: dict[str, Sample],
-        budget: ChecksBudget | None = None,
-    ) -> None:
-        self.settings, self.seeds, self.known, self.budget = settings, seeds, known, budget
-        self.without: dict[str, list[TrialSample]] = {}  # problem id -> the attempts without any candidate
-        self.with_: dict[int, list[TrialSample]] = defaultdict(list)  # candidate seq -> its attempts
-        self.decided: dict[int, LessonTrial] = {}
-        self.samples: list[TrialSample] = []
-        self.calls: list[LLMCall] = []
-
-    def window(self, candidate: _Candidate, look: int) -> list[Problem]:
-        return candidate.problems[: self.settings.problems * look]
-
-    async def attempt(
-        self,
-        look: int,
-        undecided: list[_Candidate],
-        library: ExperienceLibrary,
-        domain: Domain,
-        llm: LLMClient,
-        config: RunConfig,
-    ) -> None:
-        fresh = {c.seq: [p for p in self.window(c, look) if p not in self.window(c, look - 1)] for c in undecided}
-        undecided = self.admitted(look, undecided, fresh, library, domain, config)
-        baseline = [p for p in _all_problems(undecided) if p.problem_id not in self.without]
-        baseline = [p for p in baseline if any(p in fresh[c.seq] for c in undecided)]
-        progress.expect(
-            Stage.VALIDATE_LESSONS, (len(baseline) + sum(len(v) for v in fresh.values())) * self.settings.samples
-        )
-        results = await asyncio.gather(
-            _attempts(baseline, library, domain, llm, config, self.seeds, BASELINE, self.known),
-            *[
-                _attempts(fresh[c.seq], c.library, domain, llm, config, self.seeds, c.seq, self.known)
-                for c in undecided
-            ],
-        )
-        without, calls = results[0]
-        for sample in without:
-            self.without.setdefault(sample.problem_id, []).append(sample)
-        self.samples += without
-        self.calls += calls
-        for candidate, (with_, arm_calls) in zip(undecided, results[1:]):
-            self.with_[candidate.seq] += with_
-            self.samples += with_
-            self.calls += arm_calls
-
-    def admitted(
-        self,
-        look: int,
-        undecided: list[_Candidate],
-        fresh: Mapping[int, list[Problem]],
-        library: ExperienceLibrary,
-        domain: Domain,
-        config: RunConfig,
-    ) -> list[_Candidate]:
-        """The candidates whose attempts at this look (and the baseline attempts they need) fit the budget, in
-        the order ``lesson_validation.order`` says (``budget_order``); each other one is decided here, untried or
-        on its attempts so far."""
-        if self.budget is None or self.budget.allowed is None:
-            return undecided
-        sampling, k = trial_sampling(config), self.settings.samples
-        per_sample, spent = self.per_sample(), tokens(self.calls)
-        admitted: list[_Candidate] = []
-        baseline_ids, cost = set(self.without), 0.0
-        for c in budget_order(undecided, self.settings):
-            base = [p for p in fresh[c.seq] if p.problem_id not in baseline_ids]
-            draws = to_draw(fresh[c.seq], c.library, k, self.seeds, sampling, domain, self.known)
-            draws += to_draw(base, library, k, self.seeds, sampling, domain, self.known)
-            if self.budget.fits(draws, per_sample, spent + math.ceil(cost)):
-                cost += draws * per_sample
-                baseline_ids |= {p.problem_id for p in base}
-                admitted.append(c)
-            else:
-                self.decided[c.seq] = self.cut(c, look, spent + math.ceil(cost))
-        return sorted(admitted, key=lambda c: c.seq)
-
-    def per_sample(self) -> float:
-        """Tokens per drawn trial sample so far (before any: the step's rollouts')."""
-        assert self.budget is not None
-        drawn = sum(1 for s in self.samples if s.drawn)
-        return tokens(self.calls) / drawn if drawn else self.budget.per_sample
-
-    def cut(self, candidate: _Candidate, look: int, spent: int) -> LessonTrial:
-        """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far."""
-        assert self.budget is not None
-        note = self.budget.describe(spent)
-        mine = self.with_[candidate.seq]
-        if not mine:
-            return LessonTrial(
-                seq=candidate.seq,
-                operation=candidate.operation,
-                verdict="rejected",
-                reason=f"not tried: {note}",  # not a measurement: not in the ledger, tried again later
-            )
-        without = self.baseline_of(mine)
-        trial = judge_trial(candidate, without, mine, self.settings, last_look=True)
-        assert trial is not None, "the last look always decides"
-        return trial.model_copy(update={"reason": f"{trial.reason}; look {look} not drawn: {note}"})
-
-    def baseline_of(self, mine: list[TrialSample]) -> list[TrialSample]:
-        """The attempts without any candidate on the problems a candidate's attempts ``mine`` were on."""
-        return [s for pid in dict.fromkeys(s.problem_id for s in mine) for s in self.without.get(pid, [])]
-
-    def judge(self, undecided: list[_Candidate], last_look: bool) -> None:
-        for candidate in undecided:
-            if candidate.seq in self.decided:  # stopped by the budget at this look
-                continue
-            mine = self.with_[candidate.seq]
-            without = self.baseline_of(mine)
-            exhausted = last_look or len(mine) >= len(candidate.problems) * self.settings.samples
-            trial = judge_trial(candidate, without, mine, self.settings, last_look=exhausted)
-            if trial is not None:
-                self.decided[candidate.seq] = trial
 
 
 @stage_task(Stage.VALIDATE_LESSONS, run_name="validate-lessons-step{step}")

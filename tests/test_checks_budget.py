@@ -121,23 +121,28 @@ def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
 
     from clgrpo.library import ExperienceLibrary
     from domains import domain_for
-    from tasks.library_gate import _unaffordable
+    from tasks.library_gate import gate_trial
 
     server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
     cfg = make_config(server, tmp_path / "d.jsonl", tmp_path, "r", checked_learning(1.0))  # type: ignore[arg-type]
     problems = [Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag="a") for i in range(4)]
     before = ExperienceLibrary()
     after = ExperienceLibrary.from_mapping({"G0": "Count both ends of an inclusive range."})
-    second = looks(cfg.learning.library_gate)[1]  # 4 samples per problem: 2 more of each arm, 32 to draw
+
+    def second_look(budget: ChecksBudget) -> str | None:
+        """Why the second look (4 samples per problem: 2 more of each arm, 32 to draw) is not drawn, or None."""
+        trial, arm = gate_trial(cfg, before, after, problems, domain_for(cfg), None, budget)  # type: ignore[arg-type]
+        assert [x.samples for x in trial.looks] == [2, 4] and trial.looks[0].free and not trial.looks[1].free
+        if trial.affordable(2, [arm]) == [arm]:
+            return None
+        return trial.verdicts[arm.name].reason
+
     # 32 samples at 100 tokens: 3,200 tokens; 5,000 allowed, 1,000 spent by the trials
-    roomy = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(1_000)
-    assert _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, roomy) is None
-    tight = ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000)
-    why = _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, tight)
-    assert why is not None and why.startswith("look 2 of 2 not drawn: the step's checks budget")
+    assert second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(1_000)) is None
+    why = second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000))
+    assert why is not None and "; look 2 of 2 not drawn: the step's checks budget" in why
     # the trials overran into the gate's reserve (4,000 for the 32 samples): the look is still the gate's
-    overrun = ChecksBudget.of(1.0, 5_000, 1_000, 10, gate_samples=32).for_gate(4_000)
-    assert _unaffordable(cfg, second, (before, after), problems, {}, domain_for(cfg), [], 0, overrun) is None
+    assert second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10, gate_samples=32).for_gate(4_000)) is None
 
 
 @pytest.mark.parametrize("order, first", [("plan", 0), ("support", 2)])
@@ -149,7 +154,8 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     from clgrpo.library import ExperienceLibrary
     from domains import domain_for
     from schemas.records import Operation, OpKind
-    from tasks.validate_lessons import _Candidate, _Looks
+    from tasks.trial_choice import Candidate
+    from tasks.validate_lessons import LessonTrials
 
     server = SimpleNamespace(base_url="http://127.0.0.1:9/v1")
     learning = checked_learning(1.0).model_copy(
@@ -159,9 +165,9 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     problem = Problem(problem_id="p0", problem="q0", answer="1", tag="a")
     library = ExperienceLibrary()
 
-    def candidate(seq: int, text: str, groups: list[str]) -> _Candidate:
+    def candidate(seq: int, text: str, groups: list[str]) -> Candidate:
         op = Operation(op=OpKind.ADD, text=text, source_groups=groups)
-        return _Candidate(seq, op, ExperienceLibrary.from_mapping({"G0": text}), [problem])
+        return Candidate(seq, op, ExperienceLibrary.from_mapping({"G0": text}), [problem])
 
     candidates = [
         candidate(0, "Read the question twice before you start.", ["g1"]),
@@ -169,8 +175,8 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     ]
     # one candidate's 4 attempts and the 4 baseline attempts at 100 tokens: 800 of the 1,000 left
     budget = ChecksBudget.of(1.0, own_tokens=1_000, rollout_tokens=1_000, rollouts=10)
-    looks = _Looks(cfg.learning.lesson_validation, {"p0": 7}, {}, budget)
-    admitted = looks.admitted(1, candidates, {0: [problem], 2: [problem]}, library, domain_for(cfg), cfg)
-    assert [c.seq for c in admitted] == [first]
-    (cut,) = looks.decided.values()
+    lessons = LessonTrials(cfg, library, domain_for(cfg), None, budget)  # type: ignore[arg-type]  # nothing drawn
+    admitted = lessons.trial.affordable(1, [lessons.arm(c) for c in candidates])
+    assert [a.name for a in admitted] == [first]
+    (cut,) = lessons.decided.values()
     assert cut.seq != first and cut.verdict == "rejected" and "checks budget" in cut.reason

@@ -15,7 +15,8 @@ from flows.train import train
 from schemas.config import DatasetConfig, GRPOConfig, LearningConfig, LessonValidation, ModelConfig, RunConfig
 from schemas.records import LessonTrial, Operation, OpKind, TrialSample
 from tasks.plan import plan_after
-from tasks.validate_lessons import _Candidate, best_per_group, judge_trial
+from tasks.trial_choice import Candidate
+from tasks.validate_lessons import best_per_group, judge_trial
 
 FAMILY_LESSONS = {f.lesson for f in FAMILIES}
 
@@ -127,9 +128,9 @@ def _samples(seq: int, rewards: list[float | None]) -> list[TrialSample]:
     ]
 
 
-def _candidate(seq: int, groups: list[str]) -> _Candidate:
+def _candidate(seq: int, groups: list[str]) -> Candidate:
     op = Operation(op=OpKind.ADD, text=f"lesson {seq}", source_groups=groups)
-    return _Candidate(seq, op, None, [])  # type: ignore[arg-type]
+    return Candidate(seq, op, None, [])  # type: ignore[arg-type]
 
 
 def test_the_verdict_is_paired_and_ties_go_against_the_lesson():
@@ -228,7 +229,7 @@ async def test_a_candidate_about_its_own_problem_is_rewritten_and_both_replies_a
 
 def test_trials_on_others_skip_the_sources_and_stay_within_the_tag():
     from schemas.records import GroupAdvantage, Problem
-    from tasks.validate_lessons import trial_problems
+    from tasks.trial_choice import trial_problems
 
     def p(i: int, tag: str) -> Problem:
         return Problem(problem_id=f"p{i}", problem=f"q{i}", answer="1", tag=tag)
@@ -390,7 +391,7 @@ async def test_a_lesson_over_the_word_limit_is_shortened_once_instead_of_dropped
 async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplicates():
     from clgrpo.llm import LLMClient
     from domains.math import MathDomain
-    from tasks.validate_lessons import _clustered
+    from tasks.trial_choice import cluster_plan
 
     refused = "Count the integers in an inclusive range as the largest minus the smallest plus one (always))."
     fine = "Count the integers in an inclusive range as the largest minus the smallest plus one, always."
@@ -401,7 +402,7 @@ async def test_a_candidate_the_library_refuses_never_stands_for_its_near_duplica
     cfg = RunConfig(dataset=DatasetConfig(path="unused.jsonl"))
     with FakeOpenAIServer(lambda request: [json.dumps({"verdict": "specific", "reason": "r"})]) as server:
         client = LLMClient(ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0))
-        tried, clustered, ranked, calls = await _clustered(
+        tried, clustered, ranked, calls = await cluster_plan(
             cfg, 1, ExperienceLibrary(), plan, [], None, [], client, MathDomain()
         )
         await client.aclose()

@@ -8,13 +8,14 @@ import json
 import pytest
 import yaml
 
+from clgrpo.metrics import sign_test
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
 from schemas.config import LearningConfig, LibraryGate
 from schemas.records import GateSample, Problem
-from tasks.library_gate import decide, sign_test, split_for_gate
+from tasks.library_gate import decide, split_for_gate
 from tests.test_lesson_validation import make_config
 
 FAMILY_LESSONS = {f.lesson for f in FAMILIES}

@@ -1,0 +1,232 @@
+"""A sequential paired trial: arms (a library each) measured look by look against one baseline arm, each decided
+as soon as its pairs so far say enough.
+
+Lesson trials (``tasks.validate_lessons``: many candidate arms sharing the library as it is) and the library gate
+(``tasks.library_gate``: the library after the step against the library before it) run this one procedure, each
+with its own decision rule:
+
+- Looks. Look n reaches, in every arm, its first ``Reach.problems`` problems at ``Reach.samples`` samples each:
+  what an undecided arm has not measured that far is measured at that look, and the baseline arm wherever such
+  an arm needs it (one baseline for every arm). Then the rule (``decide``) judges each arm measured at this look
+  on its pairs so far: a verdict, or None to look again; an arm's last look (nothing more to measure) decides.
+- Reuse. Samples are measured by ``tasks.measure``: one draw per draw key, and what is ``known`` (stored by
+  earlier steps, the step's own rollouts) is read instead of drawn. Arms measured ``together`` read only what was
+  known before; measured in turn, each also reads what the trial drew before it, so a look that asks more samples
+  of a problem reads the ones its earlier looks drew. A sample this trial drew stays stored as drawn, whichever
+  look read it again.
+- The checks budget (``tasks.checks_budget``). Before a look that is not ``free``, the arms are admitted in
+  ``order`` while what they would draw (with the baseline samples they need, counted once) fits what is left, at
+  the tokens per sample of the trial's draws so far (before any: the step's rollouts'); an arm that does not fit
+  is measured no further and decided by the rule's ``stopped``, given what is left of the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from clgrpo import progress
+from clgrpo.journal import active, recording
+from clgrpo.library import ExperienceLibrary
+from clgrpo.llm import LLMClient
+from domains import Domain
+from schemas.config import RunConfig
+from schemas.records import LLMCall, Problem, Sample
+from schemas.stages import Stage
+from tasks.checks_budget import ChecksBudget, tokens
+from tasks.judge import make_judge
+from tasks.measure import Measured, Sampling, measure, reusable, sample_seeds, to_draw
+
+R = TypeVar("R", bound=Sample)  # an arm's sample record (a trial sample, a gate sample)
+V = TypeVar("V")  # a verdict on an arm
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far a look reaches in each arm: its first ``problems`` problems (None: all) at ``samples`` samples
+    each. ``free``: drawn whatever the checks budget says."""
+
+    problems: int | None
+    samples: int
+    free: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Arm(Generic[R]):
+    """A library measured on ``problems`` (in the order they are tried; the baseline's follow the other arms'),
+    its samples stored as ``record`` makes them."""
+
+    name: Hashable
+    library: ExperienceLibrary
+    record: Callable[[Sample], R]
+    problems: Sequence[Problem] = ()
+
+
+# the rule: (arm, the baseline's samples on its problems, its samples, look, whether it is the arm's last look)
+Decide = Callable[[Arm[R], list[R], list[R], int, bool], V | None]
+# the verdict on an arm the budget stops at a look: (arm, baseline samples, its samples, look, what is left)
+Stopped = Callable[[Arm[R], list[R], list[R], int, str], V]
+
+
+@dataclass
+class SequentialTrial(Generic[R, V]):
+    """Arms against ``baseline`` at each of ``looks``, judged by ``decide`` (by ``stopped`` where the budget stops
+    one), measured on ``stage`` with ``sampling``. ``together``: a look's arms are measured at once, each reading
+    only what is ``known``; else one after another (the baseline first), each reading what the trial drew before
+    it. The outcome: ``verdicts``, ``samples``, ``calls``; a later ``run`` with other arms shares all three."""
+
+    config: RunConfig
+    stage: Stage
+    sampling: Sampling
+    domain: Domain
+    llm: LLMClient
+    baseline: Arm[R]
+    looks: Sequence[Reach]
+    decide: Decide[R, V]
+    stopped: Stopped[R, V]
+    budget: ChecksBudget | None = None
+    order: Callable[[list[Arm[R]]], list[Arm[R]]] = list  # the order in which the budget admits arms
+    together: bool = True
+    known: dict[str, Sample] = field(default_factory=dict)  # stored samples by draw key, read instead of drawn
+    verdicts: dict[Hashable, V] = field(default_factory=dict)  # by arm name
+    calls: list[LLMCall] = field(default_factory=list)
+    # (arm, problem) -> its samples; what this trial drew, by draw key, and how many
+    _rows: dict[tuple[Hashable, str], list[R]] = field(default_factory=dict, init=False, repr=False)
+    _drawn: dict[str | None, R] = field(default_factory=dict, init=False, repr=False)
+    _draws: int = field(default=0, init=False, repr=False)
+
+    @property
+    def samples(self) -> list[R]:
+        """Every arm's samples, in the order they were first measured (a problem measured again: the latest)."""
+        return [r for rows in self._rows.values() for r in rows]
+
+    def samples_of(self, arm: Arm[R]) -> list[R]:
+        return [r for (name, _), rows in self._rows.items() if name == arm.name for r in rows]
+
+    def baseline_of(self, samples: Sequence[R]) -> list[R]:
+        """The baseline's samples on the problems of ``samples``, in their order."""
+        ids = dict.fromkeys(s.problem_id for s in samples)
+        return [r for pid in ids for r in self._rows.get((self.baseline.name, pid), [])]
+
+    async def run(self, arms: Sequence[Arm[R]]) -> None:
+        """Look after look until every arm is decided (earlier runs' arms, baseline and samples are shared)."""
+        for look in range(1, len(self.looks) + 1):
+            undecided = [a for a in arms if a.name not in self.verdicts]
+            if not undecided:
+                return
+            await self.look(look, undecided)
+
+    async def look(self, look: int, arms: list[Arm[R]]) -> None:
+        """The arms the budget admits measured as far as ``look`` reaches, with the baseline they need, and
+        judged."""
+        reach = self.looks[look - 1]
+        admitted = arms if reach.free else self.affordable(look, arms)
+        if not admitted:
+            return
+        fresh = {a.name: self._fresh(a, reach) for a in admitted}
+        base = self._baseline_needs(admitted, fresh, reach.samples)
+        progress.expect(self.stage, (len(base) + sum(len(f) for f in fresh.values())) * reach.samples)
+        await self._measure([(self.baseline, base), *[(a, fresh[a.name]) for a in admitted]], reach.samples)
+        for arm in admitted:
+            mine, last = self.samples_of(arm), self._last(arm, look)
+            verdict = self.decide(arm, self.baseline_of(mine), mine, look, last)
+            assert verdict is not None or not last, "the last look always decides"
+            if verdict is not None:
+                self.verdicts[arm.name] = verdict
+
+    def affordable(self, look: int, arms: list[Arm[R]]) -> list[Arm[R]]:
+        """The arms whose samples at ``look`` (and the baseline samples they need) fit the budget, admitted in
+        ``order``; each other one is decided here (``stopped``)."""
+        budget, reach = self.budget, self.looks[look - 1]
+        if budget is None or budget.allowed is None:
+            return arms
+        k, spent = reach.samples, tokens(self.calls)
+        per_sample = spent / self._draws if self._draws else budget.per_sample
+        admitted: set[Hashable] = set()
+        claimed: set[str] = set()  # baseline problems an arm admitted before pays for
+        cost = 0.0
+        for arm in self.order(arms):
+            fresh = self._fresh(arm, reach)
+            base = [p for p in fresh if p.problem_id not in claimed and self._reached(self.baseline, p) < k]
+            draws = self._to_draw(arm, fresh, k) + self._to_draw(self.baseline, base, k)
+            if budget.fits(draws, per_sample, spent + math.ceil(cost)):
+                cost += draws * per_sample
+                claimed |= {p.problem_id for p in base}
+                admitted.add(arm.name)
+            else:
+                mine = self.samples_of(arm)
+                note = budget.describe(spent + math.ceil(cost))
+                self.verdicts[arm.name] = self.stopped(arm, self.baseline_of(mine), mine, look, note)
+        return [a for a in arms if a.name in admitted]
+
+    def _reached(self, arm: Arm[R], problem: Problem) -> int:
+        return len(self._rows.get((arm.name, problem.problem_id), ()))
+
+    def _window(self, arm: Arm[R], reach: Reach) -> Sequence[Problem]:
+        return arm.problems if reach.problems is None else arm.problems[: reach.problems]
+
+    def _fresh(self, arm: Arm[R], reach: Reach) -> list[Problem]:
+        """The problems ``arm`` measures at a look reaching ``reach``."""
+        return [p for p in self._window(arm, reach) if self._reached(arm, p) < reach.samples]
+
+    def _last(self, arm: Arm[R], look: int) -> bool:
+        """Whether no later look measures more of ``arm``."""
+        now, end = self.looks[look - 1], self.looks[-1]
+        return len(self._window(arm, now)) == len(self._window(arm, end)) and now.samples == end.samples
+
+    def _baseline_needs(self, arms: list[Arm[R]], fresh: dict[Hashable, list[Problem]], k: int) -> list[Problem]:
+        """The baseline's problems ``arms`` measure at this look that it has not measured ``k`` times, in the
+        order of the arms' problems."""
+        wanted = {p.problem_id for problems in fresh.values() for p in problems}
+        return [p for p in _problems(arms) if p.problem_id in wanted and self._reached(self.baseline, p) < k]
+
+    def _to_draw(self, arm: Arm[R], problems: Sequence[Problem], k: int) -> int:
+        seeds = sample_seeds(problems, self.config.seed)
+        return to_draw(problems, arm.library, k, seeds, self.sampling, self.domain, self.known)
+
+    async def _measure(self, work: list[tuple[Arm[R], list[Problem]]], k: int) -> None:
+        # the trial's calls are logged, not its items: a retry of the stage redoes it whole
+        with recording(active(), stage=self.stage, items=False):
+            if self.together:
+                done = await asyncio.gather(*[self._attempts(arm, problems, k) for arm, problems in work])
+                for (arm, _), measured in zip(work, done):
+                    self._keep(arm, measured)
+            else:
+                for arm, problems in work:
+                    self._keep(arm, await self._attempts(arm, problems, k))
+
+    async def _attempts(self, arm: Arm[R], problems: list[Problem], k: int) -> Measured:
+        return await measure(
+            problems,
+            arm.library,
+            k,
+            sample_seeds(problems, self.config.seed),
+            self.sampling,
+            self.domain,
+            self.llm,
+            stage=self.stage,
+            known=self.known.get,
+            judge=make_judge(self.config, self.domain, self.stage),
+        )
+
+    def _keep(self, arm: Arm[R], measured: Measured) -> None:
+        self._draws += sum(s.drawn for s in measured.samples)
+        records = [arm.record(s) for s in measured.samples]
+        records = [r if r.drawn else self._drawn.get(r.draw_key, r) for r in records]
+        self._drawn |= {r.draw_key: r for r in records if r.drawn}
+        by_problem: dict[str, list[R]] = {}
+        for r in records:
+            by_problem.setdefault(r.problem_id, []).append(r)
+        for pid, rows in by_problem.items():
+            self._rows[(arm.name, pid)] = rows
+        if not self.together:
+            self.known |= reusable(records)
+        self.calls += measured.calls
+
+
+def _problems(arms: Sequence[Arm]) -> list[Problem]:
+    """The arms' problems, each once, in the order they first come."""
+    return list({p.problem_id: p for a in arms for p in a.problems}.values())
