@@ -9,7 +9,8 @@ rater's "specific" first, then the shortest, then the first in the plan), carryi
 its members; when the trial rejects it, the next member in that order is tried, up to
 ``lesson_validation.cluster_tries`` members (embeddings cannot tell "the difference" from "the difference plus
 one": seen on `ranges`, where a cluster of eight stood or fell with its shortest text); the members never tried
-are rejected as its repeats, naming the one tried first.
+are rejected as its repeats, naming the one tried first. Worked examples cluster apart from lessons: those whose
+problems read alike (``EXAMPLE_FORM``), tried the policy's own first, then the shortest.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clgrpo.library import NearDuplicates, normalize_text, word_count
+from clgrpo.library import NearDuplicates, normalize_text, similarity, word_count
 from clgrpo.llm import LLMClient
 from domains import Domain
 from domains.learner import SAME_LESSON, overlap
@@ -55,8 +56,12 @@ def cluster(plan: Sequence[Operation], eligible: Sequence[int], near: NearDuplic
         op = plan[seq]
         for members in clusters:
             first = plan[members[0]]
-            same_kind = (first.op, first.target_ids) == (op.op, op.target_ids)
-            if same_kind and any(duplicate_of(plan[m].text or "", op.text or "", near) for m in members):
+            same_kind = (first.op, first.target_ids, first.example is None) == (
+                op.op,
+                op.target_ids,
+                op.example is None,
+            )
+            if same_kind and any(_alike(plan[m], op, near) for m in members):
                 members.append(seq)
                 break
         else:
@@ -64,12 +69,24 @@ def cluster(plan: Sequence[Operation], eligible: Sequence[int], near: NearDuplic
     return [Cluster(tuple(members)) for members in clusters]
 
 
+EXAMPLE_FORM = 0.8  # word overlap (numbers left out) at which two worked examples' problems are of one form
+
+
+def _alike(a: Operation, b: Operation, near: NearDuplicates | None) -> bool:
+    """Two lessons that say the same thing, or two worked examples of one form: their problems of one task tag
+    reading alike, numbers aside (what ``ExperienceLibrary.examples_for`` would show in each other's place)."""
+    if a.example is not None and b.example is not None:
+        same_tag = a.example.task_tag == b.example.task_tag
+        return same_tag and similarity(a.example.problem, b.example.problem) >= EXAMPLE_FORM
+    return duplicate_of(a.text or "", b.text or "", near) is not None
+
+
 async def representatives(
     plan: Sequence[Operation], clusters: Sequence[Cluster], llm: LLMClient, domain: Domain, max_words: int
 ) -> tuple[dict[int, Cluster], list[LLMCall]]:
     """The plan position that stands for each cluster (its best-rated text) with the cluster's members in the
     order they are tried (it first), asking the lesson rater about the members of clusters with more than one."""
-    crowded = [c for c in clusters if len(c.members) > 1]
+    crowded = [c for c in clusters if len(c.members) > 1 and plan[c.members[0]].example is None]
     rated = [seq for c in crowded for seq in c.members]
     ratings, calls = (
         await rate(
@@ -85,6 +102,8 @@ async def representatives(
 
     def rank(seq: int) -> tuple[bool, bool, int, int]:
         words = word_count(plan[seq].text or "")
+        if (example := plan[seq].example) is not None:  # the policy's own words first, then the shortest
+            return (example.origin != "rollout", False, words, seq)
         return (seq not in specific, words > max_words, words, seq)
 
     ranked = [tuple(sorted(c.members, key=rank)) for c in clusters]
@@ -92,6 +111,9 @@ async def representatives(
 
 
 def joined(plan: Sequence[Operation], chosen: int, members: Sequence[int]) -> Operation:
-    """The representative's operation carrying every member's source groups (in plan order, once each)."""
+    """The representative's operation carrying every member's source groups (in plan order, once each); a worked
+    example keeps its own group (it is shown to every problem but its own)."""
+    if plan[chosen].example is not None:
+        return plan[chosen]
     groups = list(dict.fromkeys(g for seq in members for g in plan[seq].source_groups))
     return plan[chosen].model_copy(update={"source_groups": groups})

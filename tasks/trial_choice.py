@@ -4,7 +4,9 @@ The candidates: each add, modify or merge of the plan that the library's rules w
 ``apply_operations`` would apply it (a near-duplicate merged into the lesson it repeats); a delete or keep is not
 tried, and neither is a lesson an earlier step rejected by measurement (the run's ledger, ``Rejected``).
 Near-duplicate candidates are one cluster (``tasks.candidate_clusters``): its best-rated member is tried first,
-carrying every member's source groups, and the next member only if none tried so far was kept.
+carrying every member's source groups, and the next member only if none tried so far was kept; worked examples
+whose problems read alike are one cluster too. A worked example is tried on problems other than its own (it is
+never shown to its own problem), whatever ``trials_on`` says.
 ``trial_problems``: the problems a candidate is tried on, in order; ``budget_order``: the order in which the
 checks budget admits candidates.
 """
@@ -15,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary, NearDuplicates
+from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text
 from clgrpo.llm import LLMClient
 from clgrpo.words import counted
 from domains import Domain
@@ -85,8 +87,11 @@ class Rejected:
 
 
 def rejected_before(op: Operation, ledger: Sequence[Rejected]) -> Rejected | None:
-    """An earlier rejection of (nearly) the same lesson: such a candidate is not tried again."""
+    """An earlier rejection of (nearly) the same lesson, or of the same worked example (its solution word for word:
+    solutions of one kind of problem share most words): such a candidate is not tried again."""
     text = op.text or ""
+    if op.example is not None:
+        return next((r for r in ledger if text and normalize_text(r.text) == normalize_text(text)), None)
     return next((r for r in ledger if text and min(overlap(text, r.text), overlap(r.text, text)) >= SAME_LESSON), None)
 
 
@@ -134,7 +139,8 @@ def to_try(
             else alone.with_shown(_shown_with(library.shown, alone, results[0].result_id))
         )
         count = settings.problems * settings.looks
-        others = settings.trials_on == "others"
+        # a worked example is never shown to its own problem: it is tried where it is shown, on the others
+        others = settings.trials_on == "others" or op.example is not None
         salt = f"{step}" if others else f"{step}:{op.text}"  # others: one order per tag, so baselines are shared
         order = trial_problems(op, problems, advantages, count, salt, pool, others)
         if not order:
@@ -212,7 +218,13 @@ async def cluster_plan(
     for rep, members in chosen.items():
         tried[rep] = joined(plan, rep, members.members)
         for seq in members.members:
-            if seq != rep:
+            if seq != rep and plan[seq].example is not None:
+                clustered[seq] = (
+                    f"lesson validation: a worked example of the same form as {quoted(plan[rep])} (its problem "
+                    f"reads alike); their cluster's examples are tried shortest first until one is kept, "
+                    f"{counted(tries, 'member')} at most"
+                )
+            elif seq != rep:
                 how = duplicate_of(plan[rep].text or "", plan[seq].text or "", near) or "through another member"
                 clustered[seq] = (
                     f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}); their cluster's members "

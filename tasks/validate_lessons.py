@@ -171,24 +171,28 @@ def _kept_gain(trial: LessonTrial) -> float:
 
 
 def best_per_group(trials: list[LessonTrial], specific: AbstractSet[int] = frozenset()) -> list[LessonTrial]:
-    """Of the kept trials that share a source group, only the one with the largest gain stays kept (ties: the
-    one the lesson rater called specific (``specific``: their seqs), then the first in the plan); the others
-    become rejections naming it."""
+    """Of the kept trials of one kind (lessons, worked examples) that share a source group, only the one with the
+    largest gain stays kept (ties: the one the lesson rater called specific (``specific``: their seqs), then the
+    first in the plan); the others become rejections naming it."""
 
     def rank(t: LessonTrial) -> tuple[float, bool]:
         return _kept_gain(t), t.seq in specific
 
-    best: dict[str, LessonTrial] = {}
+    def rivals(t: LessonTrial) -> list[tuple[str, str]]:  # a lesson and an example of one group are no rivals
+        kind = "lesson" if t.operation.example is None else "example"
+        return [(g, kind) for g in t.operation.source_groups or [f"#{t.seq}"]]
+
+    best: dict[tuple[str, str], LessonTrial] = {}
     for t in trials:
         if t.verdict == "kept":
-            for group in t.operation.source_groups or [f"#{t.seq}"]:
+            for group in rivals(t):
                 if group not in best or rank(t) > rank(best[group]):
                     best[group] = t
     out = []
     for t in trials:
-        winners = {best[g].seq for g in t.operation.source_groups if g in best}
+        winners = {best[g].seq for g in rivals(t) if g in best}
         if t.verdict == "kept" and winners and winners != {t.seq}:
-            other = next(best[g] for g in t.operation.source_groups if g in best and best[g].seq != t.seq)
+            other = next(best[g] for g in rivals(t) if g in best and best[g].seq != t.seq)
             how = (
                 "more"
                 if _kept_gain(other) > _kept_gain(t)

@@ -289,3 +289,51 @@ def test_library_show_diff_and_export_show_examples(tmp_path, capsys):
         ExperienceLibrary.load(path)  # a text file cannot carry a solution back: refused, not misread
     assert main(["library", "diff", "ex-run:0", "ex-run:latest", "--db", str(db)]) == 0
     assert capsys.readouterr().out.startswith("+ [E1] example (answer 7; rollout by policy")
+
+
+# --- how examples are tried --------------------------------------------------------------------------------------
+def test_an_example_is_tried_on_other_problems_and_clusters_with_its_own_form():
+    from schemas.config import DatasetConfig, LessonValidation, RunConfig
+    from tasks.candidate_clusters import cluster, joined, representatives
+    from tasks.trial_choice import Rejected, rejected_before, to_try
+    from tasks.validate_lessons import best_per_group
+
+    problems = [Problem(problem_id=f"p{i}", problem=RANGE.format(a=i, b=i + 9), answer="10") for i in range(4)]
+    config = RunConfig(
+        run_id="r",
+        dataset=DatasetConfig(path="x.jsonl"),
+        learning=LearningConfig(lesson_validation=LessonValidation(enabled=True, problems=2, samples=2)),
+    )
+    lesson = Operation(op=OpKind.ADD, text="When both ends count, add one to the difference.", source_groups=["p0"])
+    rationalized = example_op(0, 9, group="p0").model_copy(update={"text": "Longer: 9 - 0 + 1 = 10. \\boxed{10}"})
+    rationalized = rationalized.model_copy(
+        update={"example": rationalized.example.model_copy(update={"origin": "rationalized"})}
+    )
+    own = example_op(1, 10, group="p1")
+    plan = [lesson, rationalized, own]
+    candidates, untested, _ = to_try(config, ExperienceLibrary(), plan, problems, [], step=1)
+    assert not untested
+    by_seq = {c.seq: c for c in candidates}
+    assert [p.problem_id for p in by_seq[0].problems][0] == "p0"  # a lesson: sources first (trials_on default)
+    assert "p0" not in [p.problem_id for p in by_seq[1].problems]  # an example: never its own problem
+    [lessons, examples] = cluster(plan, [0, 1, 2], None)
+    assert lessons.members == (0,) and examples.members == (1, 2)  # one form, apart from the lesson
+    chosen, calls = await_representatives(representatives, plan, [lessons, examples])
+    assert calls == [] and chosen[2].members == (2, 1)  # the policy's own solution first; no rater asked
+    assert joined(plan, 2, (2, 1)).source_groups == ["p1"]  # an example keeps its own group
+    assert rejected_before(own, [Rejected(1, own.text, "worse")]) is not None
+    assert rejected_before(example_op(2, 11), [Rejected(1, own.text, "worse")]) is None  # another problem's
+    from schemas.records import LessonTrial
+
+    kept = [
+        LessonTrial(seq=0, operation=lesson, verdict="kept", gain=0.5, mean_without=0.0, mean_with=0.5),
+        LessonTrial(seq=1, operation=example_op(0, 9, group="p0"), verdict="kept", gain=0.25, mean_without=0.0,
+                    mean_with=0.25),
+    ]  # fmt: skip
+    assert [t.verdict for t in best_per_group(kept)] == ["kept", "kept"]  # a lesson and an example: no rivals
+
+
+def await_representatives(representatives, plan, clusters):
+    import asyncio
+
+    return asyncio.run(representatives(plan, clusters, None, None, 40))
