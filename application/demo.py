@@ -89,7 +89,7 @@ class DemoResult:
     db_path: str
     export_dir: str
     steps: list[Any]
-    library: list[tuple[str, str]]
+    library: list[tuple[str, str]]  # the learned lessons: (id, text)
     evaluation: list[EvalSummary] = field(default_factory=list)
     comparison: EvalComparison | None = None
     operations: list[tuple[int, OperationResult]] = field(default_factory=list)
@@ -98,6 +98,7 @@ class DemoResult:
     seconds: dict[str, float] = field(default_factory=dict)
     datasets: dict[str, str] = field(default_factory=dict)
     learner: str = SAME  # who wrote the lessons
+    examples: list[tuple[str, str]] = field(default_factory=list)  # the learned worked examples: (id, one line)
 
 
 def say(line: str) -> None:
@@ -285,7 +286,7 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
         for server in servers:
             server.stop()
     seconds["total"] = time.monotonic() - started
-    library, operations, failed, gates = _outcome(result.db_path, result.run_id)
+    outcome = _outcome(result.db_path, result.run_id)
     comparison = next((c for c in evaluation.overall if c.metric == "mean_at_k"), None)
     return DemoResult(
         run_id=result.run_id,
@@ -294,15 +295,16 @@ def run_demo(opts: DemoOptions, out: Print = say) -> DemoResult:
         db_path=result.db_path,
         export_dir=result.export_dir,
         steps=result.steps,
-        library=library,
+        library=outcome.library,
         evaluation=evaluation.summaries,
         comparison=comparison,
-        operations=operations,
-        failed_proposals=failed,
-        gates=gates,
+        operations=outcome.operations,
+        failed_proposals=outcome.failed,
+        gates=outcome.gates,
         seconds=seconds,
         datasets=datasets,
         learner=learner,
+        examples=outcome.examples,
     )
 
 
@@ -447,18 +449,28 @@ def _local_engine(config: RunConfig) -> Any:
     return engine
 
 
-def _outcome(
-    db_path: str, run_id: str
-) -> tuple[
-    list[tuple[str, str]], list[tuple[int, OperationResult]], list[tuple[int, Proposal]], list[tuple[int, GateDecision]]
-]:
-    """The learned library, every operation with its outcome, the group proposals that failed, the gate's
-    verdicts."""
+@dataclass
+class Outcome:
+    """What a demo run learned and why: its lessons and worked examples, every operation with its outcome, the
+    group proposals that failed, the gate's verdicts."""
+
+    library: list[tuple[str, str]]
+    examples: list[tuple[str, str]]
+    operations: list[tuple[int, OperationResult]]
+    failed: list[tuple[int, Proposal]]
+    gates: list[tuple[int, GateDecision]]
+
+
+def _outcome(db_path: str, run_id: str) -> Outcome:
+    """The run's outcome as stored (``Outcome``)."""
+    from clgrpo.library import item_text
     from clgrpo.store import Store
     from schemas.stages import Stage
 
     with Store(db_path, read_only=True) as store:
-        library = [(e.id, e.text) for e in store.load_library(run_id)]
+        learned = store.load_library(run_id)
+        library = [(e.id, e.text) for e in learned.lessons]
+        examples = [(e.id, item_text(e)) for e in learned.examples]
         operations = store.operation_results(run_id)
         gate_rows = store.frame(GateDecision, run_id)
         gates = list(zip(map(int, gate_rows["step"]), store.records(GateDecision, run_id)))
@@ -468,7 +480,7 @@ def _outcome(
         for r in proposals.itertuples()
         if isinstance(r.parse_error, str)
     ]
-    return library, operations, failed, gates
+    return Outcome(library, examples, operations, failed, gates)
 
 
 # --- the summary -------------------------------------------------------------------------------------------
@@ -484,6 +496,12 @@ def verdict(comparison: EvalComparison | None) -> str:
     return f"the difference is inside the noise: {ci} includes 0 (no evidence either way at this size)"
 
 
+def learned_kinds(result: DemoResult) -> str:
+    """``1 lesson``, or with worked examples ``1 lesson, 2 worked examples``."""
+    lessons = counted(len(result.library), "lesson")
+    return f"{lessons}, {counted(len(result.examples), 'worked example')}" if result.examples else lessons
+
+
 def summary(result: DemoResult) -> str:
     s = result.seconds
     lines = [
@@ -493,8 +511,9 @@ def summary(result: DemoResult) -> str:
     ]
     lines += _operations_section(result)
     lines += [f"step {step} {gate.reason}" for step, gate in result.gates]
-    lines.append(f"learned library ({counted(len(result.library), 'lesson')}):")
-    lines += [f"  [{eid}] {text}" for eid, text in result.library] or [f"  (empty: {_why_empty(result)})"]
+    lines.append(f"learned library ({learned_kinds(result)}):")
+    items = [*result.library, *result.examples]
+    lines += [f"  [{eid}] {text}" for eid, text in items] or [f"  (empty: {_why_empty(result)})"]
     lines += _evaluation_section(result)
     lines += [
         f"DuckDB: {result.db_path}  (run id {result.run_id}, evaluation {result.run_id}-heldout)",
@@ -516,7 +535,7 @@ def _evaluation_section(result: DemoResult) -> list[str]:
         f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI",
     ]
     for e in result.evaluation:
-        label = "no library" if e.condition == "none" else f"learned ({counted(e.library_size, 'lesson')})"
+        label = "no library" if e.condition == "none" else f"learned ({learned_kinds(result)})"
         lines.append(f"  {label:<26} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")
     lines.append(f"verdict: {verdict(result.comparison)}")
     return lines
