@@ -37,6 +37,8 @@ from tasks.common import stage_task
 from tasks.group_advantage import CALL_FAILED
 from tasks.outputs import Rationales
 
+SOLUTION_WORDS = 100  # what the writer is asked for: a worked example is shown in every prompt of its kind
+
 
 def unsolved(
     problems: Sequence[Problem], rewards: Sequence[Reward], advantages: Sequence[GroupAdvantage], step: int, most: int
@@ -65,7 +67,7 @@ async def rationalize_one(
     """One solution written with the reference in view, graded; a candidate example only if it reaches the answer."""
     assert problem.answer is not None
     group = problem.problem_id
-    messages = rationalize_messages(domain.rollout_messages(problem, ""), problem.answer, EXAMPLE_MAX_WORDS)
+    messages = rationalize_messages(domain.rollout_messages(problem, ""), problem.answer, SOLUTION_WORDS)
     try:
         reply = await llm.complete(messages, stage=Stage.RATIONALIZE)
     except LLMCallError as exc:

@@ -33,9 +33,13 @@ def lesson_schema(cfg: LearningConfig) -> dict:
 async def shorten_long(
     plan: Sequence[Operation], eligible: Sequence[int], cfg: LearningConfig, domain: str, llm: LLMClient, stage: str
 ) -> tuple[list[Operation], list[LLMCall]]:
-    """The plan with each eligible operation over ``cfg.max_words`` shortened once where the learner's reply
-    fits, and the calls."""
-    long = [seq for seq in eligible if word_count(plan[seq].text or "") > cfg.max_words]
+    """The plan with each eligible lesson over ``cfg.max_words`` shortened once where the learner's reply fits
+    (a worked example is kept whole), and the calls."""
+    long = [
+        seq
+        for seq in eligible
+        if plan[seq].example is None and word_count(plan[seq].text or "") > cfg.max_words  # a solution stays whole
+    ]
     done = await asyncio.gather(*[_shorten(plan[seq], cfg, domain, llm, stage) for seq in long])
     out = list(plan)
     for seq, (op, _) in zip(long, done):

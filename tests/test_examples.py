@@ -337,3 +337,19 @@ def await_representatives(representatives, plan, clusters):
     import asyncio
 
     return asyncio.run(representatives(plan, clusters, None, None, 40))
+
+
+async def test_a_worked_example_is_never_shortened_like_a_lesson():
+    from tasks.shorten import shorten_long
+
+    long_lesson = Operation(op=OpKind.ADD, text=" ".join(["word"] * 50))
+    example = example_op(3, 9).model_copy(update={"text": " ".join(["step"] * 80) + " \\boxed{7}"})
+
+    def shortener(request: ChatRequest) -> list[str]:
+        return [json.dumps({"lesson": "When both ends count, add one to the difference."})]
+
+    with FakeOpenAIServer(shortener) as server:
+        client = LLMClient(ModelConfig(model="learner", base_url=server.base_url, api_key_env=None, max_retries=0))
+        plan, calls = await shorten_long([long_lesson, example], [0, 1], LearningConfig(), "math", client, "s")
+        await client.aclose()
+    assert plan[0].text.startswith("When both ends count") and plan[1] == example and len(calls) == 1

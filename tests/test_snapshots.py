@@ -19,12 +19,15 @@ from clgrpo.prompts.contrast import contrast_example, contrast_messages, general
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.judge import judge_messages
 from clgrpo.prompts.lessons import example_reply
+from clgrpo.prompts.rationalize import rationalize_messages
 from clgrpo.prompts.repair import repair_messages
+from clgrpo.prompts.rollout import ShownExample
 from clgrpo.prompts.shorten import shorten_messages
 from clgrpo.prompts.specificity import rater_messages
 from clgrpo.prompts.summarize import summarize_messages
 from domains import get_domain
 from schemas.records import Problem
+from tasks.rationalize import SOLUTION_WORDS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +50,12 @@ def _prompts() -> dict[str, object]:
         prompts = domain.learner_prompts
         out[f"{name}/rollout"] = domain.rollout_messages(PROBLEM, LIBRARY)
         out[f"{name}/rollout-empty"] = domain.rollout_messages(PROBLEM, "")
+        solved = [
+            ShownExample("A shirt costs 40 dollars; it is 10% off. What does it cost?", "40 - 4 = 36. \\boxed{36}")
+        ]
+        for form in ("turns", "block"):
+            out[f"{name}/rollout-example-{form}"] = domain.rollout_messages(PROBLEM, LIBRARY, solved, form)
+        out[f"{name}/rationalize"] = rationalize_messages(domain.rollout_messages(PROBLEM, ""), "30", SOLUTION_WORDS)
         for truth in (True, False):
             ask = prompts.ask(use_groundtruth=truth, max_ops=3, min_words=6, max_words=40)
             out[f"{name}/summarize-{truth}"] = summarize_messages(ask, PROBLEM, WRONG, LIBRARY)

@@ -12,9 +12,10 @@ RATIONALIZE_ROLE = "ROLE: worked-example writer\n"
 RATIONALIZE_NOTE = """
 
 Besides the problem you are shown its correct final answer, for you only. Write the
-solution a careful solver would write for someone learning to solve problems of this kind: each step that leads to
-that answer, in order, then the final answer in the form asked above. Derive the answer; do not mention that it was
-given to you and do not start from it. At most {max_words} words."""
+short solution a careful solver would write for someone learning to solve problems of this kind: the few steps that
+lead to that answer, in order, in plain sentences (no headings, no lists), then the final answer in the form asked
+above. Derive the answer; do not mention that it was given to you and do not start from it. At most {max_words}
+words."""
 
 RATIONALIZE_ANSWER = """
 
