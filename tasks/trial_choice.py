@@ -235,8 +235,9 @@ async def cluster_plan(
 
 
 def budget_order(candidates: Sequence[Candidate], settings: LessonValidation) -> list[Candidate]:
-    """The order in which the checks budget admits candidates: the plan's, or (``support``) the candidates more
-    groups proposed first, then the plan's."""
+    """The order in which the checks budget admits candidates: worked examples first (a small policy gains far more
+    from a solved problem than from a rule: benchmarks/REPORT.md, "Learning quality"), then the plan's order, or
+    (``support``) the candidates more groups proposed first, then the plan's."""
     if settings.order == "plan":
-        return sorted(candidates, key=lambda c: c.seq)
-    return sorted(candidates, key=lambda c: (-len(set(c.operation.source_groups)), c.seq))
+        return sorted(candidates, key=lambda c: (c.operation.example is None, c.seq))
+    return sorted(candidates, key=lambda c: (c.operation.example is None, -len(set(c.operation.source_groups)), c.seq))

@@ -198,6 +198,8 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                 "blocked": True,
                 "unlabeled": True,
                 "checks_budget": True,
+                "examples": True,
+                "rationalize_max": True,
             },
             "dataset": {
                 "max_problem_chars": True,

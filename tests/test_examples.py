@@ -353,3 +353,16 @@ async def test_a_worked_example_is_never_shortened_like_a_lesson():
         plan, calls = await shorten_long([long_lesson, example], [0, 1], LearningConfig(), "math", client, "s")
         await client.aclose()
     assert plan[0].text.startswith("When both ends count") and plan[1] == example and len(calls) == 1
+
+
+def test_the_checks_budget_admits_worked_examples_first():
+    from schemas.config import LessonValidation
+    from tasks.trial_choice import Candidate, budget_order
+
+    lesson = Operation(op=OpKind.ADD, text="When both ends count, add one.", source_groups=["a", "b"])
+    candidates = [
+        Candidate(0, lesson, ExperienceLibrary(), []),
+        Candidate(1, example_op(3, 9), ExperienceLibrary(), []),
+    ]
+    for order in ("plan", "support"):
+        assert [c.seq for c in budget_order(candidates, LessonValidation(order=order))] == [1, 0]
