@@ -49,9 +49,7 @@ from tasks.common import stage_task
 from tasks.outputs import GroupProposals
 
 CALL_FAILED = "learner call failed: "
-# what may grade a worked example's attempt: its problem's answer (a dataset's, or a trace's feedback) or the judge;
-# not the group's agreement alone (a majority can be wrong)
-EXAMPLE_GRADERS = ("ground_truth", "feedback:reference", "feedback:correction", "judge")
+
 ATTEMPT_CHARS = 3000  # of each attempt's trajectory shown to the extractor (head and tail)
 
 
@@ -126,8 +124,9 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
 
 def worked_example(group: Group, author: str) -> Operation | None:
     """The group's candidate worked example: the attempt the group advantage favours most (the highest reward,
-    above the group mean; finished, not cut off; the shortest of those), kept whole, when it was graded against
-    the problem's answer or by the judge; None when no attempt qualifies."""
+    above the group mean; finished, not cut off; the shortest of those), kept whole, when it was graded (against
+    the problem's answer, by the judge, or, for a trace without a reference, by the group's agreement); None when no
+    attempt qualifies."""
     graded = [(r, w) for r, w in zip(group.rollouts, group.rewards) if w.reward is not None]
     if not graded:
         return None
@@ -136,7 +135,7 @@ def worked_example(group: Group, author: str) -> Operation | None:
     favoured = [
         (r, w)
         for r, w in graded
-        if w.reward == best and best > mean and not r.truncated and w.reward_source in EXAMPLE_GRADERS
+        if w.reward == best and best > mean and not r.truncated and w.reward_source is not None
     ]
     answer = group.problem.answer
     if not favoured:

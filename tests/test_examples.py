@@ -195,9 +195,9 @@ def test_a_group_offers_its_shortest_best_finished_attempt_as_an_example():
         problem=group.problem.problem, answer="7", author="qwen", reward=1.0, origin="rollout", task_tag="ranges"
     )
     assert worked_example(group_of([("\\boxed{7}", 1.0, "stop")] * 2), "qwen") is None  # nothing above the mean
-    agreed = group_of([("\\boxed{7}", 1.0, "stop"), ("\\boxed{6}", 0.0, "stop")])
-    agreed.rewards[0] = agreed.rewards[0].model_copy(update={"reward_source": "agreement"})
-    assert worked_example(agreed, "qwen") is None  # a majority is no reference
+    ungraded = group_of([("\\boxed{7}", 1.0, "stop"), ("\\boxed{6}", 0.0, "stop")])
+    ungraded.rewards[0] = ungraded.rewards[0].model_copy(update={"reward_source": None})
+    assert worked_example(ungraded, "qwen") is None  # kept only when graded (the answer, the judge, agreement)
 
 
 def rationalizer(right: bool):
