@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text
+from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text, similarity
 from clgrpo.llm import LLMClient
 from clgrpo.words import counted
 from domains import Domain
@@ -58,7 +58,9 @@ def trial_problems(
     """The problems a candidate is tried on, in order, ``count`` at most. Sources first: its source problems,
     then other step problems (mixed rewards first, then the rest, each in a fixed pseudo-random order). Others
     only: no source problem; problems of the sources' task tag, the step's with mixed rewards first, then the
-    step's others, then the rest of ``pool`` (the run's training problems)."""
+    step's others, then the rest of ``pool`` (the run's training problems); for a worked example, those whose text
+    reads most like its problem first (where retrieval would show it; seen on `ranges`: a "seats" example tried
+    on a "days" problem)."""
     mixed = {a.problem_id for a in advantages if a.selected}
     step_ids = {p.problem_id for p in problems}
 
@@ -74,6 +76,9 @@ def trial_problems(
     candidates = [
         p for p in everything.values() if p.problem_id not in op.source_groups and (not tags or p.tag in tags)
     ]
+    if op.example is not None:  # where it will be shown: the problems that read most like its own first
+        solved = op.example.problem
+        return sorted(candidates, key=lambda p: (-round(similarity(solved, p.problem), 6), *order(p)))[:count]
     return sorted(candidates, key=order)[:count]
 
 

@@ -366,3 +366,15 @@ def test_the_checks_budget_admits_worked_examples_first():
     ]
     for order in ("plan", "support"):
         assert [c.seq for c in budget_order(candidates, LessonValidation(order=order))] == [1, 0]
+
+
+def test_an_example_is_tried_first_where_it_would_be_shown():
+    from tasks.trial_choice import trial_problems
+
+    days = [
+        Problem(problem_id=f"d{i}", problem=f"Ivan reads from day {i} to day {i + 9}. On how many days?")
+        for i in range(3)
+    ]
+    seats = [Problem(problem_id=f"s{i}", problem=RANGE.format(a=i, b=i + 20)) for i in range(3)]
+    order = trial_problems(example_op(3, 9, group="s0"), [*days, *seats], [], 2, "1", others_only=True)
+    assert {p.problem_id for p in order} == {"s1", "s2"}  # the seats problems, not the days ones
