@@ -65,7 +65,7 @@ from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
-from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, reusable, sample_seeds
+from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
 from tasks.outputs import Calls, StageOutput
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
@@ -213,11 +213,12 @@ def eval_fingerprint(
     legacy: bool = False,
     template: bool = True,
 ) -> str:
-    """What shapes the results: policy, domain, the rollout prompt's template, sampling and CI settings, the
-    libraries and the problems. Read back, never written: ``legacy``, as stored before the transport fields were
-    left out; ``template`` False, as stored before the template counted."""
+    """What shapes the results: policy (its identity too, where its endpoint states one or ``revision`` is set),
+    domain, the rollout prompt's template, sampling and CI settings, the libraries and the problems. Read back,
+    never written: ``legacy``, as stored before the transport fields were left out; ``template`` False, as stored
+    before the template counted."""
     payload: dict[str, Any] = {
-        "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
+        "policy": model_payload(config.policy, None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
         # the tag column counts through the problems' tags (below)
         "evaluation": evaluation.model_dump(
@@ -245,6 +246,8 @@ def eval_fingerprint(
         payload["routing"] = routing
     if template:
         payload["template"] = template_fingerprint(config)
+    if (identity := identity_of(config.policy)) is not None:  # a model known by its name only keeps its fingerprint
+        payload["identity"] = identity
     return text_hash(json.dumps(payload, sort_keys=True))
 
 
@@ -596,7 +599,7 @@ async def _evaluate(
     log = get_run_logger()
     stopping.note_stage("evaluation")
     warm_verifier(config.domain)  # starts while the endpoint is checked
-    await check_policy(config)  # the endpoint answers and serves the model, before any sampling
+    config = await check_policy(config)  # the endpoint answers and serves the model, before any sampling
     remember_db(config.db_path)  # later commands find a deployment run's database as a CLI run's
     with Store(config.db_path) as store:
         config = resolve_policy_adapter(config, store)  # policy.adapter RUN:STEP -> its folder, checked

@@ -2,11 +2,14 @@
 
 Evaluation, lesson trials and the library gate all measure through ``measure``, with one seed scheme
 (``sample_seeds``: sample i of a problem uses its base seed + i) and one sample record
-(``schemas.records.Sample``). A sample is keyed by what determines it (``draw_key``): the policy model and its
-sampling settings, the rendered prompt (the library as shown, the problem, the template, the agent's tools), the
-reference it is graded against, and the seed. A sample whose key is already stored is read, not drawn again;
-only the missing ones are drawn. Changing anything in the key (the prompt template, the model, the temperature)
-draws anew.
+(``schemas.records.Sample``). A sample is keyed by what determines it (``draw_key``): the policy model (its
+identity: what its endpoint stated of the weights at the preflight, and ``revision``) and its sampling settings,
+the rendered prompt (the library as shown, the problem, the template, the agent's tools), the reference it is
+graded against, and the seed. A sample whose key is already stored is read, not drawn again; only the missing ones
+are drawn. Changing anything in the key (the prompt template, the model or the weights behind its name, the
+temperature) draws anew. A model known by its name only (an endpoint that states nothing of it, and no revision)
+keys as samples did before identities existed, so those are read there; wherever an identity is known they are
+not (their key has none) and are drawn again.
 
 llama-server's batched slots are not bit-reproducible: a stored sample is one valid draw for its key, not a
 claim that its seed reproduces the text. Comparisons pair two arms by problem and sample index.
@@ -18,14 +21,15 @@ import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
 from domains import Domain
-from schemas.config import AgentConfig, RunConfig
-from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash
+from schemas.config import IDENTITY_FIELDS, AgentConfig, ModelConfig, RunConfig
+from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash, utcnow
 from schemas.stages import Stage
 from tasks.judge import Judge
 from tasks.rollout import prompt_fingerprint, raise_if_all_failed, rollout_problem
@@ -50,6 +54,18 @@ TRANSPORT_FIELDS = {
 }
 _NOT_DRAWN_BY = TRANSPORT_FIELDS | {"supports_n", "json_schema", "temperature"}  # temperature: the call's own
 
+
+def model_payload(cfg: ModelConfig, exclude: set[str] | None) -> dict[str, Any]:
+    """A model's settings as keys and fingerprints hash them, without ``exclude`` and without its identity (which
+    enters as ``identity_of``, only where something is known beyond the name: older keys stay as they were)."""
+    return cfg.model_dump(mode="json", exclude=(exclude or set()) | IDENTITY_FIELDS)
+
+
+def identity_of(cfg: ModelConfig) -> str | None:
+    """The model's identity key (``ModelIdentity.key``): None where only its name is known."""
+    return cfg.identity().key
+
+
 Known = Callable[[str], Sample | None]  # a stored sample by its draw key, None if there is none
 
 
@@ -62,28 +78,34 @@ def sample_seeds(problems: Sequence[Problem], seed: int) -> dict[str, int]:
 @dataclass(frozen=True)
 class Sampling:
     """What besides the prompt and the seed determines a draw: ``identity`` hashes the policy (without how it
-    is reached), the temperature, the domain and what grades (the judge's model when one grades)."""
+    is reached; with the model's identity where one is known), the temperature, the domain and what grades (the
+    judge's model when one grades). ``model``: the policy's identity in one line, stored with each sample drawn
+    (None: not asked at a preflight)."""
 
     identity: str
     temperature: float
     agent: AgentConfig | None = None
+    model: str | None = None
 
     @classmethod
     def of(cls, config: RunConfig, temperature: float) -> Sampling:
         agent = config.rollout.agent_settings()
         payload: dict[str, Any] = {
-            "policy": config.policy.model_dump(mode="json", exclude=_NOT_DRAWN_BY),
+            "policy": model_payload(config.policy, _NOT_DRAWN_BY),
             "temperature": temperature,
             "domain": config.domain,
             "domain_settings": config.domain_settings,
         }
+        if (policy := identity_of(config.policy)) is not None:
+            payload["identity"] = policy
         if config.judge is not None:
             learner = config.learner or config.policy
-            payload["judge"] = [
-                config.judge.model_dump(mode="json"),
-                learner.model_dump(mode="json", exclude=_NOT_DRAWN_BY),
-            ]
-        return cls(text_hash(json.dumps(payload, sort_keys=True)), temperature, agent)
+            payload["judge"] = [config.judge.model_dump(mode="json"), model_payload(learner, _NOT_DRAWN_BY)]
+            if (grader := identity_of(learner)) is not None:
+                payload["judge"].append(grader)
+        identity = config.policy.identity()
+        label = identity.label if identity.checked else None
+        return cls(text_hash(json.dumps(payload, sort_keys=True)), temperature, agent, label)
 
 
 def sampling_at(config: RunConfig, temperature: float | None) -> Sampling:
@@ -186,7 +208,9 @@ async def measure(
         )
         graded = await grade([problem], batch.rollouts, domain, judge)
         for r, g in zip(batch.rollouts, graded):
-            sample = graded_sample(r, g, seeds[pid] + r.sample_idx, keys[(pid, r.sample_idx)])
+            sample = graded_sample(
+                r, g, seeds[pid] + r.sample_idx, keys[(pid, r.sample_idx)], model=sampling.model, drawn_at=utcnow()
+            )
             have[(pid, r.sample_idx)] = sample
             if keep is not None:
                 keep(sample)
@@ -207,8 +231,10 @@ async def measure(
     return Measured([have[(p.problem_id, i)] for p in problems for i in range(k)], calls)
 
 
-def graded_sample(r: Rollout, g: Reward, seed: int, key: str) -> Sample:
-    """A graded rollout as a sample drawn under ``key``."""
+def graded_sample(
+    r: Rollout, g: Reward, seed: int, key: str, *, model: str | None = None, drawn_at: datetime | None = None
+) -> Sample:
+    """A graded rollout as a sample drawn under ``key`` by ``model`` (its identity, ``Sampling.model``)."""
     return Sample(
         problem_id=r.problem_id,
         sample_idx=r.sample_idx,
@@ -226,4 +252,6 @@ def graded_sample(r: Rollout, g: Reward, seed: int, key: str) -> Sample:
         tool_errors=r.tool_errors,
         draw_key=key,
         drawn=True,
+        model_identity=model,
+        drawn_at=drawn_at,
     )

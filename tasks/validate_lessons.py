@@ -95,7 +95,9 @@ def rollout_baseline(
         key = keys.get((r.problem_id, r.sample_idx))
         if g is None or key is None or r.error is not None or r.prompt_hash != prompts[r.problem_id]:
             continue
-        found[key] = graded_sample(r, g, 0, key).model_copy(update={"drawn": False})  # the rollout stage drew it
+        found[key] = graded_sample(r, g, 0, key, model=sampling.model).model_copy(
+            update={"drawn": False}
+        )  # the rollout stage drew it
     return found
 
 
