@@ -777,6 +777,8 @@ def print_evaluation(outcome: EvalOutcome) -> None:
         f"{counted(first.k, 'sample')} each at temperature {first.temperature:g} (seed {first.seed})"
         f"{' [read back]' if outcome.reused else ''}"
     )
+    if outcome.drawn:
+        print(f"  read back: {outcome.drawn}")
     print(
         f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
         f"{'library':>7} {'failed':>6}"
@@ -815,7 +817,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate
 
     with session(config.db_path, args.eval_id or default_run_id("eval")):
-        outcome = stopping.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
+        outcome = stopping.run(
+            evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset, fresh=args.fresh)
+        )
     print_evaluation(outcome)
     if line := rollout_mode_line(config):
         print(line)
@@ -895,6 +899,12 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
         "else the evaluated run's)",
     )
     ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
+    ev.add_argument(
+        "--fresh",
+        action="store_true",
+        help="draw every sample anew, whatever is stored (the stored samples are kept; the new evaluation is "
+        "stored beside them, as eval-<hash>-2, -3, ... by default, and read back from then on)",
+    )
     ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
     ev.set_defaults(func=cmd_eval)
 

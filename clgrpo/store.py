@@ -441,7 +441,8 @@ class Store:
     @_connected
     def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:
         """Samples without error stored under these draw keys (``tasks.measure``), by key, from every table that holds
-        samples (evaluations, lesson trials, library gates; any run of this file): the earliest of each key."""
+        samples (evaluations, lesson trials, library gates; any run of this file): the latest of each key (a key
+        drawn again, ``clgrpo eval --fresh``, is read as drawn last)."""
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
@@ -453,7 +454,9 @@ class Store:
             "WHERE draw_key IN (SELECT unnest(?)) AND error IS NULL"
             for table in SAMPLE_TABLES
         )
-        frame = self.con.execute(f"SELECT * FROM ({union}) ORDER BY done_at", [wanted] * len(SAMPLE_TABLES)).df()
+        frame = self.con.execute(
+            f"SELECT * FROM ({union}) ORDER BY drawn_at DESC NULLS LAST, done_at DESC", [wanted] * len(SAMPLE_TABLES)
+        ).df()
         found: dict[str, Sample] = {}
         for row in frame.drop(columns=["done_at"]).to_dict(orient="records"):
             sample = Sample(**_fields(Sample, {k: _clean(v) for k, v in row.items()}))
@@ -665,6 +668,17 @@ class Store:
             "SELECT run_id FROM evaluations WHERE stage = ? AND starts_with(library_ref, ?) "
             "GROUP BY run_id ORDER BY min(created_at)",
             [Stage.EVALUATE, f"{run_id}:"],
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    @_connected
+    def evaluation_draws(self, eval_id: str) -> list[str]:
+        """The stored evaluation ``eval_id`` and those drawn again beside it (``clgrpo eval --fresh``:
+        ``eval_id-2``, ``eval_id-3``, ...), in the order they were stored."""
+        rows = self.con.execute(
+            "SELECT run_id FROM stage_runs WHERE step = 0 AND stage = ? "
+            "AND (run_id = ? OR regexp_full_match(run_id, ?)) ORDER BY completed_at",
+            [Stage.EVALUATE, eval_id, re.escape(eval_id) + "-[0-9]+"],
         ).fetchall()
         return [r[0] for r in rows]
 

@@ -185,11 +185,13 @@ async def measure(
     known: Known = nothing_known,
     judge: Judge | None = None,
     keep: Callable[[Sample], None] | None = None,
+    count_read: bool = True,
 ) -> Measured:
     """k graded samples of every problem with ``library`` in the prompt: those ``known`` by their draw key are
     read (``drawn`` False), the rest drawn, graded and handed to ``keep`` as each problem's come back (so a
-    stopped measurement loses only the replies in flight). Progress counts on ``stage``; the calls are labelled
-    with it. Raises if every call failed (the endpoint is unusable)."""
+    stopped measurement loses only the replies in flight). Progress counts on ``stage`` (the samples read too,
+    unless ``count_read`` is False: the caller counted them); the calls are labelled with it. Raises if every call
+    failed (the endpoint is unusable)."""
     keys = draw_keys(problems, library, k, seeds, sampling, domain)
     have: dict[tuple[str, int], Sample] = {}
     for (pid, i), key in keys.items():
@@ -197,7 +199,8 @@ async def measure(
             have[(pid, i)] = as_sample(stored).model_copy(
                 update={"problem_id": pid, "sample_idx": i, "seed": seeds[pid] + i, "drawn": False}
             )
-    progress.advance(stage, len(have))
+    if count_read:
+        progress.advance(stage, len(have))
     todo = {p.problem_id: [i for i in range(k) if (p.problem_id, i) not in have] for p in problems}
     wanted = [p for p in problems if todo[p.problem_id]]
 

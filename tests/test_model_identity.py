@@ -20,9 +20,9 @@ from clgrpo.store import ModelChangedError, Store, identity_change
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld
 from domains import domain_for
-from flows.evaluate import Condition, eval_fingerprint
+from flows.evaluate import Condition, drawn_line, eval_fingerprint
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, ModelIdentity, RunConfig, ServedModel
-from schemas.records import LLMCall, Problem
+from schemas.records import LLMCall, Problem, Sample
 from tasks.measure import Sampling, draw_keys, sample_seeds
 from tasks.preflight import check_policy, check_run, served_model
 
@@ -193,6 +193,17 @@ def test_local_weights_are_known_by_their_hash_read_once(tmp_path, monkeypatch):
 
 
 # --- what is shown ------------------------------------------------------------------------------------------
+def test_a_read_back_says_when_its_samples_were_drawn_and_by_which_model():
+    from datetime import datetime, timezone
+
+    def sample(minute: int | None, model: str | None) -> Sample:
+        at = None if minute is None else datetime(2026, 11, 30, 14, minute, tzinfo=timezone.utc)
+        return Sample(problem_id="p", sample_idx=0, seed=1, reward=1.0, model_identity=model, drawn_at=at)
+
+    line = drawn_line([sample(2, "'local' [ab]"), sample(5, "'local' [ab]"), sample(None, None)])
+    assert line == "2 drawn 2026-11-30 14:02-14:05 UTC by 'local' [ab]; 1 drawn before model identities were recorded"
+
+
 def test_runs_show_says_when_the_providers_system_fingerprint_changed(tmp_path):
     def call(step: int, fingerprint: str | None, second: int) -> LLMCall:
         from datetime import datetime, timezone
