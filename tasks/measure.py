@@ -31,8 +31,9 @@ from domains import Domain
 from schemas.config import IDENTITY_FIELDS, AgentConfig, ModelConfig, RunConfig
 from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash, utcnow
 from schemas.stages import Stage
+from tasks.checks_budget import Allowance, tokens
 from tasks.judge import Judge
-from tasks.rollout import prompt_fingerprint, raise_if_all_failed, rollout_problem
+from tasks.rollout import policy_messages, prompt_fingerprint, raise_if_all_failed, rollout_problem
 from tasks.verify import grade
 
 _SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
@@ -163,8 +164,26 @@ def nothing_known(_key: str) -> Sample | None:
 
 @dataclass
 class Measured:
-    samples: list[Sample]  # every (problem, sample index), in problem order then index order
+    samples: list[Sample]  # every (problem, sample index) measured, in problem order then index order
     calls: list[LLMCall] = field(default_factory=list)
+    undrawn: int = 0  # samples not drawn because the allowance stopped the measurement (then missing above)
+
+
+# the most tokens a chat template adds to a prompt beside its messages' bytes (a default system prompt, BOS) and
+# per message (role markers, special tokens); a tokenizer's token is at least a byte of text
+TEMPLATE_TOKENS = 64
+MESSAGE_TOKENS = 16
+
+
+def prompt_bound(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The most prompt tokens ``messages`` can be: a token per byte of their JSON, and the template's."""
+    return TEMPLATE_TOKENS + sum(MESSAGE_TOKENS + len(json.dumps(m, ensure_ascii=False).encode()) for m in messages)
+
+
+def worst_cost(problem: Problem, library: ExperienceLibrary, domain: Domain, max_tokens: int) -> tuple[int, int]:
+    """The most tokens a direct request for samples of ``problem`` can cost, as (what the request costs once, what
+    each sample adds): its prompt (``prompt_bound``) and ``max_tokens`` per reply."""
+    return prompt_bound(policy_messages(problem, library, domain)), max_tokens
 
 
 def as_sample(sample: Sample) -> Sample:
@@ -186,12 +205,16 @@ async def measure(
     judge: Judge | None = None,
     keep: Callable[[Sample], None] | None = None,
     count_read: bool = True,
+    allowance: Allowance | None = None,
 ) -> Measured:
     """k graded samples of every problem with ``library`` in the prompt: those ``known`` by their draw key are
     read (``drawn`` False), the rest drawn, graded and handed to ``keep`` as each problem's come back (so a
     stopped measurement loses only the replies in flight). Progress counts on ``stage`` (the samples read too,
     unless ``count_read`` is False: the caller counted them); the calls are labelled with it. Raises if every call
-    failed (the endpoint is unusable)."""
+    failed (the endpoint is unusable). With an ``allowance`` (a check's share of the checks budget; direct rollouts
+    only) a request is sent only if the most it can cost (``worst_cost``) fits what is left of it; the first that
+    does not asks for the samples that fit, if any, and no later one is sent: the samples not drawn are missing
+    from the result (``undrawn``) and counted on the progress all the same."""
     keys = draw_keys(problems, library, k, seeds, sampling, domain)
     have: dict[tuple[str, int], Sample] = {}
     for (pid, i), key in keys.items():
@@ -204,11 +227,33 @@ async def measure(
     todo = {p.problem_id: [i for i in range(k) if (p.problem_id, i) not in have] for p in problems}
     wanted = [p for p in problems if todo[p.problem_id]]
 
+    max_tokens = llm.configs["policy"].max_tokens
+    undrawn = 0
+
     async def draw(problem: Problem, indices: list[int]) -> tuple[list[Rollout], list[LLMCall]]:
+        nonlocal undrawn
         pid = problem.problem_id
-        batch = await rollout_problem(
-            problem, library, domain, llm, k, sampling.temperature, seeds[pid], sampling.agent, indices
-        )
+        worst = 0
+        if allowance is not None and sampling.agent is None:
+            once, each = worst_cost(problem, library, domain, max_tokens)
+            granted = await allowance.reserve(once, each, len(indices))
+            if granted < len(indices):
+                undrawn += len(indices) - granted
+                progress.advance(stage, len(indices) - granted)
+                indices = indices[:granted]
+            if not indices:
+                return [], []
+            worst = once + granted * each
+        try:
+            batch = await rollout_problem(
+                problem, library, domain, llm, k, sampling.temperature, seeds[pid], sampling.agent, indices
+            )
+        except BaseException:
+            if allowance is not None:  # what it cost is unknown: the most it could
+                await allowance.settle(worst, worst)
+            raise
+        if allowance is not None:
+            await allowance.settle(worst, tokens(batch.llm_calls))
         graded = await grade([problem], batch.rollouts, domain, judge)
         for r, g in zip(batch.rollouts, graded):
             sample = graded_sample(
@@ -229,9 +274,11 @@ async def measure(
         else [(p, [i]) for p in wanted for i in todo[p.problem_id]]
     )
     parts = await asyncio.gather(*[draw(p, indices) for p, indices in work])
-    raise_if_all_failed(wanted, [r for rollouts, _ in parts for r in rollouts])
+    sent = list({p.problem_id: p for (p, _), (rollouts, _) in zip(work, parts) if rollouts}.values())
+    raise_if_all_failed(sent, [r for rollouts, _ in parts for r in rollouts])
     calls = [c.model_copy(update={"stage": stage.value}) for _, part_calls in parts for c in part_calls]
-    return Measured([have[(p.problem_id, i)] for p in problems for i in range(k)], calls)
+    measured = [have[(p.problem_id, i)] for p in problems for i in range(k) if (p.problem_id, i) in have]
+    return Measured(measured, calls, undrawn)
 
 
 def graded_sample(
