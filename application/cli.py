@@ -99,7 +99,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tasks.preflight import check_run
 
     refuse_if_running(config.db_path, "train", run_id)  # the flow takes the run lock itself
-    stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    config = stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    identity_line = check_identity(config, args.accept_model_change)  # a changed model: refused here
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(run_id))
     _prefect_defaults()
@@ -107,9 +108,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     with session(config.db_path, run_id) as terminal:
         print(f"run {run_id} (resume it with --run-id {run_id}); log: {terminal.log_path}")
+        if identity_line:
+            print(identity_line)
         if line := rollout_mode_line(config):
             print(line)
-        result = stopping.run(train(config, preflight=False))
+        result = stopping.run(train(config, preflight=False, accept_model_change=args.accept_model_change))
     print_steps(result)
     for line in result.gate:
         print(line)
@@ -118,6 +121,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"stopped early: {result.stopped}")
         return 3
     return 0
+
+
+def check_identity(config: RunConfig, accept_change: bool) -> str | None:
+    """A resumed run against the model it was trained with (``clgrpo.store.identity_change``): another one is
+    refused in one line before Prefect starts, unless accepted; the line to print, if any (the flow binds it)."""
+    from clgrpo.store import identity_change
+
+    path, run_id = Path(config.db_path).expanduser(), config.require_run_id()
+    if not path.is_file():
+        return None
+    with _open(str(path)) as store:
+        if not store.is_run(run_id):
+            return None
+        bound = store.run_identity(run_id)
+    return identity_change(run_id, bound, config.policy.identity(), accept_change=accept_change)
 
 
 def resume_command(run_id: str | None) -> str:
@@ -298,6 +316,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     db = _db(args, args.run_id)
     with _open(db) as store:
         run = store.run_summary(args.run_id)
+        fingerprints = store.system_fingerprints(args.run_id) if run is not None else []
+        identity = store.run_identity(args.run_id) if run is not None else None
     if run is None:
         raise StoreError(f"{db}: no run {args.run_id!r} (clgrpo runs list shows the runs)")
     library = (
@@ -315,10 +335,32 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     print(f"  steps done:  {run['steps_done']}")
     print(f"  last stage:  {stage}")
     print(f"  library:     {library}")
+    if identity is not None:
+        print(f"  model:       {identity.label}")
+    if line := fingerprint_line(fingerprints):
+        print(f"  provider:    {line}")
     if run["error"] is not None:
         print(f"  error:       {run['error']}")
     print(f"  updated at:  {run['updated_at']:%Y-%m-%d %H:%M:%S}")
     return 0
+
+
+def fingerprint_line(stretches: list[tuple[str, int, int, int]]) -> str:
+    """What the provider's ``system_fingerprint`` did during a run: one value, or when it changed."""
+    if not stretches:
+        return ""
+    if len({s[0] for s in stretches}) == 1:
+        return f"system_fingerprint {stretches[0][0]} on every policy call that reported one"
+    parts = [
+        f"{fingerprint} (step{'s' if first != last else ''} {first}{f'-{last}' if first != last else ''}, "
+        f"{counted(calls, 'call')})"
+        for fingerprint, first, last, calls in stretches
+    ]
+    return (
+        f"system_fingerprint changed during the run ({len(stretches) - 1} time"
+        f"{'s' if len(stretches) > 2 else ''}): {' -> '.join(parts)}; the provider's backend changed under the same "
+        "model name, so steps on either side drew from different configurations"
+    )
 
 
 def cmd_runs_delete(args: argparse.Namespace) -> int:
@@ -735,6 +777,8 @@ def print_evaluation(outcome: EvalOutcome) -> None:
         f"{counted(first.k, 'sample')} each at temperature {first.temperature:g} (seed {first.seed})"
         f"{' [read back]' if outcome.reused else ''}"
     )
+    if outcome.drawn:
+        print(f"  read back: {outcome.drawn}")
     print(
         f"  {'condition':<24} {f'Mean@{first.k} [{level} CI]':<26} {f'Pass@{first.pass_k} [{level} CI]':<26} "
         f"{'library':>7} {'failed':>6}"
@@ -766,14 +810,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _check_runs_in(config.db_path, refs)
     evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config, evaluation.dataset, "--dataset")
-    stopping.run(check_policy(config))
+    config = stopping.run(check_policy(config))  # with what the endpoint states of its model
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(None))  # the same evaluation id: finished samples are read back
     _prefect_defaults()
     from flows.evaluate import evaluate
 
     with session(config.db_path, args.eval_id or default_run_id("eval")):
-        outcome = stopping.run(evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset))
+        outcome = stopping.run(
+            evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset, fresh=args.fresh)
+        )
     print_evaluation(outcome)
     if line := rollout_mode_line(config):
         print(line)
@@ -853,6 +899,12 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
         "else the evaluated run's)",
     )
     ev.add_argument("--eval-id", help="name of this evaluation (default: eval-<hash of its inputs>)")
+    ev.add_argument(
+        "--fresh",
+        action="store_true",
+        help="draw every sample anew, whatever is stored (the stored samples are kept; the new evaluation is "
+        "stored beside them, as eval-<hash>-2, -3, ... by default, and read back from then on)",
+    )
     ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
     ev.set_defaults(func=cmd_eval)
 
@@ -1191,6 +1243,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plots",
         action="store_true",
         help="draw the run's plots at the end (shortcut for --set plots=true; `clgrpo report` draws them any time)",
+    )
+    train.add_argument(
+        "--accept-model-change",
+        action="store_true",
+        help="resume a run although its policy model changed since it started (another identity: what the "
+        "endpoint states of the weights, or policy.revision); the run says so. Without it such a resume is refused",
     )
     train.set_defaults(func=cmd_train)
 

@@ -261,6 +261,55 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+DIGESTS_FILE = "weights-sha256.json"  # in the cache root: a file's sha256 by its path, size and modification time
+
+
+def weights_digest(location: ModelLocation, cache: str | os.PathLike[str] | None = None) -> str:
+    """The sha256 of a model's weights (a model's identity, ``schemas.config.ModelIdentity``): of the GGUF file, or
+    of a folder's weight files and ``config.json`` by name. Each file is read once; its digest is kept in the cache
+    by path, size and modification time, so a later preflight reads nothing."""
+    folder = location.folder
+    if location.gguf_file:
+        files = [folder / location.gguf_file]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in WEIGHT_SUFFIXES)
+        files += [folder / "config.json"] if (folder / "config.json").is_file() else []
+    known = _known_digests(cache)
+    combined = hashlib.sha256()
+    changed = False
+    for path in files:
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in known:
+            known[key] = sha256_of(path)
+            changed = True
+        combined.update(f"{path.name}:{known[key]}\n".encode())
+    if changed:
+        _keep_digests(known, cache)
+    return combined.hexdigest()
+
+
+def _known_digests(cache: str | os.PathLike[str] | None) -> dict[str, str]:
+    try:
+        data = json.loads((cache_root(cache) / DIGESTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _keep_digests(known: dict[str, str], cache: str | os.PathLike[str] | None) -> None:
+    """Best effort: a cache that cannot be written costs a re-read next time, nothing else."""
+    root = cache_root(cache)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        partial = root / f".{DIGESTS_FILE}.{os.getpid()}"
+        partial.write_text(json.dumps(known, indent=0, sort_keys=True))
+        os.replace(partial, root / DIGESTS_FILE)
+    except OSError:
+        pass
+
+
 def verify_sha256(path: Path, expected: str) -> None:
     actual = sha256_of(path)
     if actual != expected:

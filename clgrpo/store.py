@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
 from schemas.catalog import TABLES
-from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, RunConfig
+from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, ModelIdentity, RunConfig
 from schemas.records import (
     LibraryAdoption,
     LibraryHead,
@@ -99,6 +99,10 @@ class FrameValidationError(StoreError, ValueError):
 
 class ConfigMismatchError(StoreError, ValueError):
     pass
+
+
+class ModelChangedError(StoreError, ValueError):
+    """A run resumed against a policy whose identity changed since it was bound (``Store.bind_identity``)."""
 
 
 def parse_library_ref(ref: str) -> tuple[str, int | None]:
@@ -437,7 +441,8 @@ class Store:
     @_connected
     def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:
         """Samples without error stored under these draw keys (``tasks.measure``), by key, from every table that holds
-        samples (evaluations, lesson trials, library gates; any run of this file): the earliest of each key."""
+        samples (evaluations, lesson trials, library gates; any run of this file): the latest of each key (a key
+        drawn again, ``clgrpo eval --fresh``, is read as drawn last)."""
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
@@ -449,7 +454,9 @@ class Store:
             "WHERE draw_key IN (SELECT unnest(?)) AND error IS NULL"
             for table in SAMPLE_TABLES
         )
-        frame = self.con.execute(f"SELECT * FROM ({union}) ORDER BY done_at", [wanted] * len(SAMPLE_TABLES)).df()
+        frame = self.con.execute(
+            f"SELECT * FROM ({union}) ORDER BY drawn_at DESC NULLS LAST, done_at DESC", [wanted] * len(SAMPLE_TABLES)
+        ).df()
         found: dict[str, Sample] = {}
         for row in frame.drop(columns=["done_at"]).to_dict(orient="records"):
             sample = Sample(**_fields(Sample, {k: _clean(v) for k, v in row.items()}))
@@ -540,17 +547,37 @@ class Store:
                     {
                         "run_id": run_id,
                         "fingerprint": cfg.fingerprint(),
-                        "config_json": cfg.model_dump_json(),
+                        "config_json": cfg.model_dump_json(exclude=SERVED),  # the run's identity: its own column
                         "created_at": now,
                         "status": "running",
                         "updated_at": now,
                         "error": None,
+                        "policy_identity": _identity_json(cfg),
                     }
                 ]
             ),
         )
         self._insert("runs", frame)
         return True
+
+    @_connected
+    def run_identity(self, run_id: str) -> ModelIdentity | None:
+        """The policy identity ``run_id`` is bound to (None: none recorded)."""
+        try:
+            row = self.con.execute("SELECT policy_identity FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        except duckdb.BinderException:  # a file of an earlier version opened read-only (not migrated): none
+            return None
+        return ModelIdentity.from_json(row[0]) if row is not None and row[0] is not None else None
+
+    @_connected
+    def bind_identity(self, run_id: str, identity: ModelIdentity, *, accept_change: bool = False) -> str | None:
+        """A resumed run's policy checked against the identity it is bound to (``identity_change``); a new binding
+        (an accepted change, a run stored before identities existed) is stored. The line to say, if any."""
+        bound = self.run_identity(run_id)
+        line = identity_change(run_id, bound, identity, accept_change=accept_change)
+        if line is not None:
+            self.con.execute("UPDATE runs SET policy_identity = ? WHERE run_id = ?", [identity.to_json(), run_id])
+        return line
 
     @_connected
     def set_run_status(self, run_id: str, status: str, error: str | None = None) -> None:
@@ -643,6 +670,35 @@ class Store:
             [Stage.EVALUATE, f"{run_id}:"],
         ).fetchall()
         return [r[0] for r in rows]
+
+    @_connected
+    def evaluation_draws(self, eval_id: str) -> list[str]:
+        """The stored evaluation ``eval_id`` and those drawn again beside it (``clgrpo eval --fresh``:
+        ``eval_id-2``, ``eval_id-3``, ...), in the order they were stored."""
+        rows = self.con.execute(
+            "SELECT run_id FROM stage_runs WHERE step = 0 AND stage = ? "
+            "AND (run_id = ? OR regexp_full_match(run_id, ?)) ORDER BY completed_at",
+            [Stage.EVALUATE, eval_id, re.escape(eval_id) + "-[0-9]+"],
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    @_connected
+    def system_fingerprints(self, run_id: str) -> list[tuple[str, int, int, int]]:
+        """The provider's ``system_fingerprint`` of a run's policy calls, one row per stretch of calls that
+        reported the same one, in call order: (fingerprint, first step, last step, calls)."""
+        rows = self.con.execute(
+            "SELECT system_fingerprint, step FROM llm_calls WHERE run_id = ? AND role = 'policy' "
+            "AND system_fingerprint IS NOT NULL ORDER BY started_at",
+            [run_id],
+        ).fetchall()
+        stretches: list[tuple[str, int, int, int]] = []
+        for fingerprint, step in rows:
+            if stretches and stretches[-1][0] == fingerprint:
+                first, _, calls = stretches[-1][1:]
+                stretches[-1] = (fingerprint, first, int(step), calls + 1)
+            else:
+                stretches.append((fingerprint, int(step), int(step), 1))
+        return stretches
 
     @_connected
     def has_rows(self, column: str, value: str, tables: Sequence[str]) -> bool:
@@ -784,6 +840,42 @@ class Store:
         return ExperienceLibrary.from_version(
             LibraryVersion(**fields, experiences=_records("library_experiences", body))
         )
+
+
+def identity_change(
+    run_id: str, bound: ModelIdentity | None, identity: ModelIdentity, *, accept_change: bool = False
+) -> str | None:
+    """What resuming ``run_id``, bound to ``bound``, with the policy ``identity`` means: None when it is the same
+    or nothing is known to compare (not asked at a preflight). Another identity is refused
+    (``ModelChangedError``: one line naming both) unless ``accept_change``; then, and for a run stored before
+    identities existed, the line saying what the run is bound to from now on."""
+    if not identity.checked or (bound is not None and bound.key == identity.key):
+        return None
+    if bound is None:
+        return (
+            f"run {run_id!r} was stored before model identities were recorded: it is bound to the policy model "
+            f"{identity.label} from now on"
+        )
+    if not accept_change:
+        raise ModelChangedError(
+            f"run {run_id!r} was trained with the policy model {bound.label}; its endpoint now serves "
+            f"{identity.label}. Resume against the first model, start a new run id, or pass "
+            f"--accept-model-change to continue this run with the new one"
+        )
+    return (
+        f"run {run_id!r}: the policy model changed since the run was bound to it ({bound.label}, now "
+        f"{identity.label}); continuing with the new one as asked (--accept-model-change)"
+    )
+
+
+# what the endpoints stated at the preflight (``ModelConfig.served``) is no setting of the run: not in its config
+SERVED: Any = {"policy": {"served"}, "learner": {"served"}}
+
+
+def _identity_json(cfg: RunConfig) -> str | None:
+    """The policy identity a new run is bound to (None: not asked at a preflight, bound at its first resume)."""
+    identity = cfg.policy.identity()
+    return identity.to_json() if identity.checked else None
 
 
 def _refingerprint(config_json: str) -> str | None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from clgrpo.adapters import (
     with_adapter,
 )
 from clgrpo.errors import EvaluationError
-from clgrpo.journal import RunJournal, recording
+from clgrpo.journal import RunJournal, StageItems, recording
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import (
@@ -65,7 +66,7 @@ from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
-from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, reusable, sample_seeds
+from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
 from tasks.outputs import Calls, StageOutput
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
@@ -103,6 +104,7 @@ class EvalOutcome:
     comparisons: list[EvalComparison] = field(default_factory=list)
     leakage: str = ""
     reused: bool = False  # read back from DuckDB instead of sampled
+    drawn: str = ""  # read back: when its samples were drawn and by which model (``drawn_line``)
 
     @property
     def overall(self) -> list[EvalComparison]:
@@ -213,11 +215,12 @@ def eval_fingerprint(
     legacy: bool = False,
     template: bool = True,
 ) -> str:
-    """What shapes the results: policy, domain, the rollout prompt's template, sampling and CI settings, the
-    libraries and the problems. Read back, never written: ``legacy``, as stored before the transport fields were
-    left out; ``template`` False, as stored before the template counted."""
+    """What shapes the results: policy (its identity too, where its endpoint states one or ``revision`` is set),
+    domain, the rollout prompt's template, sampling and CI settings, the libraries and the problems. Read back,
+    never written: ``legacy``, as stored before the transport fields were left out; ``template`` False, as stored
+    before the template counted."""
     payload: dict[str, Any] = {
-        "policy": config.policy.model_dump(mode="json", exclude=None if legacy else TRANSPORT_FIELDS),
+        "policy": model_payload(config.policy, None if legacy else TRANSPORT_FIELDS),
         "domain": config.domain,
         # the tag column counts through the problems' tags (below)
         "evaluation": evaluation.model_dump(
@@ -245,6 +248,8 @@ def eval_fingerprint(
         payload["routing"] = routing
     if template:
         payload["template"] = template_fingerprint(config)
+    if (identity := identity_of(config.policy)) is not None:  # a model known by its name only keeps its fingerprint
+        payload["identity"] = identity
     return text_hash(json.dumps(payload, sort_keys=True))
 
 
@@ -263,6 +268,21 @@ def template_fingerprint(config: RunConfig) -> str:
 
 
 # --- the evaluation itself (shared by the flow and the training validation) -----------------------------------
+@dataclass(frozen=True)
+class Reads:
+    """What an evaluation reads instead of drawing, known before it samples: ``read`` of ``total`` samples (stored
+    by any earlier measurement of the database, drawn by an identical condition of this evaluation, or journaled
+    by a stopped run of it), and those stored (``stored``: which model drew them, and when)."""
+
+    total: int
+    read: int
+    stored: list[Sample] = field(default_factory=list)
+
+    @property
+    def to_draw(self) -> int:
+        return self.total - self.read
+
+
 async def evaluate_conditions(
     config: RunConfig,
     evaluation: EvalConfig,
@@ -275,19 +295,28 @@ async def evaluate_conditions(
     leaked_ids: list[str],
     store: Store | None = None,
     resume: bool = False,
+    fresh: bool = False,
+    planned: Callable[[Reads], None] | None = None,
 ) -> Outputs:
     """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
     problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
     in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
-    it (keyed by ``fingerprint``)."""
+    it (keyed by ``fingerprint``). ``fresh``: nothing stored in ``store`` is read (every sample drawn anew; an
+    identical condition still reads this evaluation's). ``planned`` hears, before any sample is drawn, how many
+    will be read and how many drawn (those read are counted on the progress bar then, not as they are read)."""
     samples: dict[str, list[EvalSample]] = {}
     calls = []
+    routed = [await route_library(config, store, c.library, problems) for c in conditions]
+    policies = [with_adapter(config, c.adapter) if c.adapter else config for c in conditions]
+    keys = [_keys(policy, evaluation, library, problems) for policy, library in zip(policies, routed)]
+    wanted = [k for condition_keys in keys for k in condition_keys.values()]
+    stored = {} if fresh or store is None else store.reusable_samples(wanted)
+    reads = _reads(keys, stored, fingerprint if resume else None)
+    if planned is not None:
+        planned(reads)
     drawn: dict[str, Sample] = {}  # this evaluation's samples by draw key: a condition identical to another reads them
-    for condition in conditions:
-        library = await route_library(config, store, condition.library, problems)
-        version = library.to_version()
-        policy = with_adapter(config, condition.adapter) if condition.adapter else config
-        known = _known_samples(store, policy, evaluation, library, problems, drawn)
+    for condition, library, policy, condition_keys in zip(conditions, routed, policies, keys):
+        known = _known_samples(condition_keys, stored, drawn)
         batches = await asyncio.gather(
             *[
                 evaluate_task(
@@ -297,9 +326,10 @@ async def evaluate_conditions(
                     condition.label,
                     i,
                     chunk,
-                    version,
+                    library.to_version(),
                     fingerprint if resume else "",
                     {k: s for p in chunk for k, s in known.get(p.problem_id, {}).items()},
+                    count_read=planned is None,
                 )
                 for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
             ]
@@ -339,28 +369,64 @@ async def evaluate_conditions(
     }
 
 
+def _keys(
+    config: RunConfig, evaluation: EvalConfig, library: ExperienceLibrary, problems: list[Problem]
+) -> dict[tuple[str, int], str]:
+    """The draw key of each (problem, sample index) of a condition."""
+    sampling = Sampling.of(config, evaluation.temperature)
+    seeds = sample_seeds(problems, evaluation.seed)
+    return draw_keys(problems, library, evaluation.k, seeds, sampling, domain_for(config))
+
+
+def _reads(keys: list[dict[tuple[str, int], str]], stored: dict[str, Sample], resume_key: str | None) -> Reads:
+    """What the conditions (their draw keys, in order) will read: a stored sample, one an earlier condition of this
+    evaluation draws, or one a stopped run of it journaled (``resume_key``: the evaluation's fingerprint)."""
+    journal = StageItems(Stage.EVALUATE, Sample, always=True) if resume_key else None
+    earlier: set[str] = set()
+    read, total = 0, 0
+    for condition_keys in keys:
+        for key in condition_keys.values():
+            total += 1
+            journaled = journal is not None and journal.get(f"{resume_key}|{key}") is not None
+            read += key in stored or key in earlier or journaled
+        earlier |= set(condition_keys.values())
+    shown = {k: stored[k] for condition_keys in keys for k in condition_keys.values() if k in stored}
+    return Reads(total, read, list(shown.values()))
+
+
 def _known_samples(
-    store: Store | None,
-    config: RunConfig,
-    evaluation: EvalConfig,
-    library: ExperienceLibrary,
-    problems: list[Problem],
-    drawn: dict[str, Sample],
+    keys: dict[tuple[str, int], str], stored: dict[str, Sample], drawn: dict[str, Sample]
 ) -> dict[str, dict[str, Sample]]:
     """Per problem id, the samples already drawn with this condition's draw keys: by this evaluation (an identical
     condition) or stored in the database by any earlier evaluation, trial or gate."""
-    sampling = Sampling.of(config, evaluation.temperature)
-    keys = draw_keys(
-        problems, library, evaluation.k, sample_seeds(problems, evaluation.seed), sampling, domain_for(config)
-    )
-    found = {key: drawn[key] for key in keys.values() if key in drawn}
-    if store is not None:
-        found |= store.reusable_samples([key for key in keys.values() if key not in found])
     by_problem: dict[str, dict[str, Sample]] = {}
     for (pid, _), key in keys.items():
-        if key in found:
-            by_problem.setdefault(pid, {})[key] = found[key]
+        if (found := drawn.get(key) or stored.get(key)) is not None:
+            by_problem.setdefault(pid, {})[key] = found
     return by_problem
+
+
+def drawn_line(samples: Sequence[Sample]) -> str:
+    """When ``samples`` were drawn and by which model: ``160 drawn 2026-11-30 14:02-14:05 UTC by 'local' [...]``,
+    one part per model identity (those stored before identities were recorded said as much)."""
+    by_model: dict[str | None, list[Sample]] = {}
+    for s in samples:
+        by_model.setdefault(s.model_identity, []).append(s)
+    parts = []
+    for model, group in by_model.items():
+        times = sorted(s.drawn_at for s in group if s.drawn_at is not None)
+        when = f" {_span(times[0], times[-1])}" if times else ""
+        who = f"by {model}" if model is not None else "before model identities were recorded"
+        parts.append(f"{len(group)} drawn{when} {who}")
+    return "; ".join(parts)
+
+
+def _span(first: datetime, last: datetime) -> str:
+    """``2026-11-30 14:02-14:05 UTC`` (to the minute; a span over midnight names both days)."""
+    start, end = f"{first:%Y-%m-%d %H:%M}", f"{last:%Y-%m-%d %H:%M}"
+    if start == end:
+        return f"{start} UTC"
+    return f"{start}-{end[11:] if start[:10] == end[:10] else end} UTC"
 
 
 async def _evaluate_recorded(
@@ -373,19 +439,35 @@ async def _evaluate_recorded(
     eval_id: str,
     fingerprint: str,
     leaked_ids: list[str],
+    fresh: bool = False,
 ) -> Outputs:
     """``evaluate_conditions`` with every request and every graded sample in a work journal as it completes: an
     evaluation that fails or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not
     marked done), and the same evaluation run again reads its finished samples back and requests only the rest
-    (samples are keyed by the evaluation's fingerprint, condition, problem and sample)."""
+    (samples are keyed by the evaluation's fingerprint, condition, problem and sample). Before any sample is
+    drawn it says how many are read and how many drawn, and its progress starts with those read."""
+    log = get_run_logger()
     journal = RunJournal.open(store.path, store.db_id, eval_id)
     step = journal.step(0)
     total = len(problems) * len(conditions) * evaluation.k
     if found := step.items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
-        get_run_logger().info(
-            "resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found
+        log.info("resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found)
+
+    def planned(reads: Reads) -> None:
+        stored = f" ({drawn_line(reads.stored)})" if reads.stored else ""
+        fresh_note = " (--fresh: nothing stored is read)" if fresh else ""
+        log.info(
+            "evaluation %s: %d samples, %d read%s, %d to draw%s",
+            eval_id,
+            reads.total,
+            reads.read,
+            stored,
+            reads.to_draw,
+            fresh_note,
         )
-    progress.start(0, Stage.EVALUATE, total, "samples")
+        progress.start(0, Stage.EVALUATE, reads.total, f"samples ({reads.read} read, {reads.to_draw} to draw)")
+        progress.advance(Stage.EVALUATE, reads.read)
+
     try:
         with recording(step, stage=Stage.EVALUATE, items=False):  # calls; the samples: see evaluate_library
             outputs = await evaluate_conditions(
@@ -399,6 +481,8 @@ async def _evaluate_recorded(
                 leaked_ids=leaked_ids,
                 store=store,
                 resume=True,
+                fresh=fresh,
+                planned=planned,
             )
     except BaseException:
         if step.calls():
@@ -560,6 +644,30 @@ def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | 
     return outputs
 
 
+def _eval_id(store: Store, given: str | None, default: str, fresh: bool) -> str:
+    """The evaluation's id: ``given``, else ``default`` or, where ``--fresh`` drew it again, its latest draw
+    (``default-2``, ...). ``fresh``: the first of those not stored yet; a given id already stored is refused (a
+    fresh evaluation is stored beside the earlier ones, never over them)."""
+    if given is not None:
+        if not _ID_RE.match(given) or store.is_run(given):
+            raise EvaluationError(f"eval id {given!r}: use letters, digits, '_', '.', '-' and not a training run id")
+        if fresh and store.stage_done(given, 0, Stage.EVALUATE):
+            raise EvaluationError(
+                f"eval id {given!r} is already stored: --fresh stores its evaluation beside it, never over it; "
+                "leave --eval-id out (the next free id is taken) or name another"
+            )
+        return given
+    stored = store.evaluation_draws(default)
+    if not fresh:
+        return stored[-1] if stored else default
+    taken = set(stored)
+    return next(name for n in range(1, len(taken) + 2) if (name := _nth(default, n)) not in taken)
+
+
+def _nth(default: str, n: int) -> str:
+    return default if n == 1 else f"{default}-{n}"
+
+
 def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
@@ -579,11 +687,15 @@ async def evaluate(
     libraries: list[str],
     eval_id: str | None = None,
     train_dataset: DatasetConfig | None = None,
+    fresh: bool = False,
 ) -> EvalOutcome:
     """Evaluate libraries on ``evaluation.dataset`` with the policy of ``config`` (DuckDB: ``config.db_path``).
-    The first library is the baseline of the paired comparisons."""
+    The first library is the baseline of the paired comparisons. An evaluation stored with the same inputs (the
+    model's identity among them) is read back; ``fresh``: every sample is drawn anew instead, nothing stored is
+    read, and the evaluation is stored beside the earlier ones (the default id gets ``-2``, ``-3``, ...; a later
+    evaluation without ``fresh`` reads back the latest)."""
     tune_gc()
-    return await stopping.flow_body(partial(_evaluate, config, evaluation, libraries, eval_id, train_dataset))
+    return await stopping.flow_body(partial(_evaluate, config, evaluation, libraries, eval_id, train_dataset, fresh))
 
 
 async def _evaluate(
@@ -592,11 +704,12 @@ async def _evaluate(
     libraries: list[str],
     eval_id: str | None,
     train_dataset: DatasetConfig | None,
+    fresh: bool = False,
 ) -> EvalOutcome:
     log = get_run_logger()
     stopping.note_stage("evaluation")
     warm_verifier(config.domain)  # starts while the endpoint is checked
-    await check_policy(config)  # the endpoint answers and serves the model, before any sampling
+    config = await check_policy(config)  # the endpoint answers and serves the model, before any sampling
     remember_db(config.db_path)  # later commands find a deployment run's database as a CLI run's
     with Store(config.db_path) as store:
         config = resolve_policy_adapter(config, store)  # policy.adapter RUN:STEP -> its folder, checked
@@ -607,15 +720,13 @@ async def _evaluate(
             train = [*(train or []), *shown]
         leakage = guard_leakage(train, problems, evaluation) if train is not None else None
         fingerprint = eval_fingerprint(config, evaluation, conditions, problems)
-        eval_id = eval_id or f"eval-{fingerprint}"
-        if not _ID_RE.match(eval_id) or store.is_run(eval_id):
-            raise EvaluationError(f"eval id {eval_id!r}: use letters, digits, '_', '.', '-' and not a training run id")
+        eval_id = _eval_id(store, eval_id, f"eval-{fingerprint}", fresh)
         with RunLock(config.db_path, "eval", eval_id):  # one live process per evaluation id and database
             earlier = {
                 eval_fingerprint(config, evaluation, conditions, problems, legacy=legacy, template=False)
                 for legacy in (False, True)
             }
-            outputs = _read_back(store, eval_id, {fingerprint, *earlier})
+            outputs = None if fresh else _read_back(store, eval_id, {fingerprint, *earlier})
             reused = outputs is not None
             if outputs is None:
                 outputs = await _evaluate_recorded(
@@ -627,11 +738,14 @@ async def _evaluate(
                     eval_id=eval_id,
                     fingerprint=fingerprint,
                     leaked_ids=leakage.eval_ids if leakage else [],
+                    fresh=fresh,
                 )
                 n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs)
                 log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
             else:
-                log.info("evaluation %s: already stored, reading it back", eval_id)
+                log.info(
+                    "evaluation %s: already stored, reading it back (%s)", eval_id, drawn_line(outputs["eval_results"])
+                )
     notes = [leakage.message()] if leakage is not None else []
     await publish_evaluation(
         eval_id,
@@ -647,4 +761,5 @@ async def _evaluate(
         outputs["eval_comparisons"],
         leakage.message() if leakage is not None else "leakage guard skipped (no training set)",
         reused,
+        drawn_line(outputs["eval_results"]) if reused else "",
     )

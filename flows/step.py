@@ -341,7 +341,7 @@ async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
     near, usefulness = await c.plan_context(s, operations)
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
     earlier = c.store.records(GateSample, c.run_id)
-    budget = c.checks_budget(s).for_gate(c.checks_spent())  # the reserve the trials left it, overrun or not
+    budget = c.checks_budget(s).for_gate(c.checks_spent())  # what the trials left (never its reserve)
     return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier, budget)
 
 

@@ -118,9 +118,10 @@ def plan_steps(
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, store: Store) -> None:
+    def __init__(self, config: RunConfig, store: Store, *, accept_model_change: bool = False) -> None:
         self.cfg = config
         self.store = store
+        self.accept_model_change = accept_model_change  # resume even if the policy's identity changed
         self.run_id = config.require_run_id()  # train() sets one before the Trainer exists
         self.log = get_run_logger()
         self.journal = RunJournal.open(store.path, store.db_id, self.run_id)
@@ -465,6 +466,10 @@ class Trainer:
         """Register (or resume) the run, train, and record its status: running, then completed or failed."""
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
+        if not created:  # the model it was trained with answers still, or the user accepts another
+            identity = self.cfg.policy.identity()
+            if line := self.store.bind_identity(self.run_id, identity, accept_change=self.accept_model_change):
+                self.log.warning("%s", line)
         self.store.set_run_status(self.run_id, "running")
         self.keep_unrecorded_calls()  # of an attempt that was killed
         warm_verifier(self.cfg.domain)  # started by the flow already; a no-op then
@@ -567,22 +572,25 @@ def _flow_run_name() -> str:
     log_prints=True,
     on_crashed=[stopping.cancelled_not_crashed],
 )
-async def train(config: RunConfig, preflight: bool = True) -> TrainResult:
+async def train(config: RunConfig, preflight: bool = True, accept_model_change: bool = False) -> TrainResult:
     """Learn an experience library for a frozen policy (Training-Free GRPO). ``preflight``: check the dataset,
-    API keys, endpoints and models before the first stage (the CLI has already done it when False)."""
+    API keys, endpoints and models before the first stage (the CLI has already done it when False).
+    ``accept_model_change``: resume a run whose policy model changed since it was bound to it (its identity:
+    what the endpoint states of the weights, and ``policy.revision``), saying so; without it such a resume is
+    refused."""
     config = with_run_id(config)
     tune_gc()
-    return await stopping.flow_body(partial(_train, config, preflight))
+    return await stopping.flow_body(partial(_train, config, preflight, accept_model_change))
 
 
-async def _train(config: RunConfig, preflight: bool) -> TrainResult:
+async def _train(config: RunConfig, preflight: bool, accept_model_change: bool = False) -> TrainResult:
     warm_verifier(config.domain)  # first: it starts while the checks, the store and the first rollouts wait
     if preflight:
-        await check_run(config)
+        config = await check_run(config)  # with what the endpoints state of their models
     remember_db(config.db_path)  # a deployment run's database is found by later commands as a CLI run's is
     # the run lock: no other live process runs this run id on this database (the store holds the file only
     # while it works, so other runs and readers share it)
     with RunLock(config.db_path, "train", config.require_run_id()), Store(config.db_path) as store:
         await mark_stale_runs_crashed(db_path=config.db_path, run_id=config.run_id)
         config = resolve_policy_adapter(config, store)  # RUN:STEP -> the stored adapter's folder, checked
-        return await Trainer(config, store).run()
+        return await Trainer(config, store, accept_model_change=accept_model_change).run()

@@ -61,6 +61,8 @@ from schemas.tables import (
 # the fields evaluation samples had, and how it was drawn (its key, and whether this row drew it or reused it)
 SAMPLE_KEY_COLUMNS = ("draw_key", "drawn")
 SAMPLE_COLUMNS = ("judge_reason", "latency_s", "n_turns", "tool_calls", "tool_errors", *SAMPLE_KEY_COLUMNS)
+# later still: which model drew a sample, and when (issue 59)
+SAMPLE_IDENTITY_COLUMNS = ("model_identity", "drawn_at")
 
 
 # whole-frame checks (a failure names the function)
@@ -109,7 +111,7 @@ declare(
         RunRow,
         key={},
         primary_key=("run_id",),
-        migrations=(added("status", "updated_at", "error"),),
+        migrations=(added("status", "updated_at", "error"), added("policy_identity")),
     )
 )
 declare(Table("stage_runs", StageRun, primary_key=("run_id", "step", "stage"), by_stage=False))
@@ -156,7 +158,10 @@ declare(
     Table(
         "llm_calls",
         LLMCall,
-        migrations=(added("call_id", "finish_reason", "rate_limited", "final", "turn", "reply"),),
+        migrations=(
+            added("call_id", "finish_reason", "rate_limited", "final", "turn", "reply"),
+            added("system_fingerprint"),
+        ),
         order="started_at",
     )
 )
@@ -166,7 +171,10 @@ declare(
         "eval_results",
         EvalSample,
         first=("condition",),
-        migrations=(added("n_turns", "tool_calls", "tool_errors", "judge_reason", *SAMPLE_KEY_COLUMNS),),
+        migrations=(
+            added("n_turns", "tool_calls", "tool_errors", "judge_reason", *SAMPLE_KEY_COLUMNS),
+            added(*SAMPLE_IDENTITY_COLUMNS),
+        ),
         checks=(unique_rows("one_row_per_sample", "condition", "problem_id", "sample_idx"),),
         order="condition, problem_id, sample_idx",
     )
@@ -212,7 +220,7 @@ declare(
         "trial_samples",
         TrialSample,
         first=("seq",),
-        migrations=(added(*SAMPLE_COLUMNS),),
+        migrations=(added(*SAMPLE_COLUMNS), added(*SAMPLE_IDENTITY_COLUMNS)),
         checks=(unique_rows("one_row_per_sample", "seq", "problem_id", "sample_idx"),),
         order="seq, problem_id, sample_idx",
     )
@@ -222,7 +230,7 @@ declare(
         "gate_samples",
         GateSample,
         first=("arm", "library_hash"),
-        migrations=(added(*SAMPLE_COLUMNS),),
+        migrations=(added(*SAMPLE_COLUMNS), added(*SAMPLE_IDENTITY_COLUMNS)),
         checks=(unique_rows("one_row_per_sample", "arm", "problem_id", "sample_idx"),),
         order="arm, problem_id, sample_idx",
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -108,6 +109,69 @@ class PoolPlacement(Section):
     poll_interval_s: Seconds = 2.0
 
 
+class ServedModel(Section):
+    """What an endpoint states of the model it serves, read once at the preflight (``tasks.preflight``): the fields
+    of its ``GET /models`` entry that describe the weights (llama-server's ``meta``: parameter count, file size,
+    vocabulary; vLLM's ``root``), or a local backend's weights hash. Empty ``fields``: it states nothing of them."""
+
+    source: str = ""  # where it was read: "GET /models", "weights"
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+
+IDENTITY_LABEL_CHARS = 240  # the longest a model identity is written in one line
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model answers: its configured name, what its endpoint states of it (``ServedModel``) and the
+    ``revision`` a user sets where the endpoint says nothing useful. ``key`` decides what stored samples and
+    evaluations are reused and whether a run resumes; ``checked`` False: the endpoint was not asked (a flow run
+    without its preflight): nothing is known beyond the config."""
+
+    model: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    revision: str | None = None
+    checked: bool = True
+
+    @property
+    def key(self) -> str | None:
+        """What is known of the model beyond its name, hashed; None when nothing is (the name is the identity, as
+        for samples stored before identities existed)."""
+        if not self.fields and self.revision is None:
+            return None
+        return text_hash(json.dumps({"fields": self.fields, "revision": self.revision}, sort_keys=True))
+
+    @property
+    def label(self) -> str:
+        """``'local' [3f2a9c1d: meta.n_params=494032768, meta.size=397808896]``, or ``'local' (the endpoint
+        states nothing more of it)``: one line naming the identity."""
+        key = self.key
+        if key is None:
+            return f"{self.model!r} (the endpoint states nothing more of it)"
+        parts = [f"{name}={value}" for name, value in _flat(self.fields)]
+        if self.revision is not None:
+            parts.append(f"revision={self.revision}")
+        text = ", ".join(parts)
+        if len(text) > IDENTITY_LABEL_CHARS:
+            text = text[: IDENTITY_LABEL_CHARS - 3] + "..."
+        return f"{self.model!r} [{key[:8]}: {text}]"
+
+    def to_json(self) -> str:
+        return json.dumps({"model": self.model, "fields": self.fields, "revision": self.revision}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelIdentity:
+        data = json.loads(text)
+        return cls(str(data.get("model", "")), dict(data.get("fields") or {}), data.get("revision"))
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``{"meta": {"size": 1}}`` -> ``[("meta.size", 1)]``, sorted by name."""
+    if isinstance(value, dict):
+        return [pair for name in sorted(value) for pair in _flat(value[name], f"{prefix}{name}.")]
+    return [(prefix.rstrip("."), value)]
+
+
 class ModelConfig(Endpoint, Retries):
     # openai: any OpenAI-compatible endpoint; transformers / vllm: an in-process engine on this machine
     backend: Literal["openai", "transformers", "vllm"] = "openai"
@@ -137,6 +201,16 @@ class ModelConfig(Endpoint, Retries):
     # a LoRA adapter on top of the weights (transformers: peft; vllm: LoRARequest): a folder with
     # adapter_model.safetensors, or RUN_ID:STEP / RUN_ID:latest (an adapter the numeric step stored)
     adapter: str | None = None
+    # the weights' revision as the user knows it, where the endpoint states nothing useful of them (a re-quantized
+    # file under the same name, a provider's rolling model name): part of the model's identity (``identity``)
+    revision: str | None = None
+    # what the endpoint states of its model, set at the preflight (``tasks.preflight``), never by hand
+    served: ServedModel | None = None
+
+    def identity(self) -> ModelIdentity:
+        """The model's identity as known now: the name, what the endpoint stated at the preflight, the revision."""
+        fields = dict(self.served.fields) if self.served is not None else {}
+        return ModelIdentity(self.model, fields, self.revision, checked=self.served is not None)
 
 
 class DatasetConfig(Section):
@@ -629,8 +703,10 @@ class ToleranceConfig(Section):
 # Settings that change where or how fast a run executes, or when it stops, never what it computes.
 NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
 # Model settings that say where and how a model is reached, not what it computes: moving the same model to
-# another port or key, or changing timeouts and retries, does not block a resume.
-NOT_FINGERPRINTED_MODEL = {*Endpoint.model_fields, *Retries.model_fields, "max_rate_limit_wait_s"}
+# another port or key, or changing timeouts and retries, does not block a resume. Its identity (the revision,
+# what the endpoint states) is compared on its own, in one line naming both (``Store.bind_identity``).
+IDENTITY_FIELDS = {"revision", "served"}
+NOT_FINGERPRINTED_MODEL = {*Endpoint.model_fields, *Retries.model_fields, "max_rate_limit_wait_s", *IDENTITY_FIELDS}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"

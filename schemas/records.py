@@ -273,7 +273,9 @@ class Sample(Record):
     lesson trials and the library gate, whose tables add only the role (condition, candidate, arm).
     ``draw_key``: what determined the draw (policy and sampling settings, rendered prompt, reference, seed); a
     later measurement with the same key reads this sample instead of drawing it again. ``drawn``: False when
-    this row reuses a sample drawn earlier (its tokens were spent once, by the row that drew it)."""
+    this row reuses a sample drawn earlier (its tokens were spent once, by the row that drew it). ``model_identity``
+    and ``drawn_at``: which model drew it (``schemas.config.ModelIdentity.label``) and when; a row that reuses a
+    sample carries the drawing row's (None: drawn before they were recorded, or without a preflight)."""
 
     problem_id: str
     sample_idx: int = Field(ge=0)
@@ -291,6 +293,8 @@ class Sample(Record):
     tool_errors: Count = 0
     draw_key: str | None = None  # None: stored before samples were keyed (never reused)
     drawn: bool = True
+    model_identity: str | None = None
+    drawn_at: datetime | None = None
 
     @property
     def reusable(self) -> bool:
@@ -424,6 +428,8 @@ class LLMCall(Record):
     turn: Count | None = None  # agent rollouts: the model call's turn (0-based) in its rollout
     # a learner call's reply text, usable or not (a policy reply is stored with its rollout)
     reply: str | None = None
+    # what the provider said of the backend configuration that answered (OpenAI's system_fingerprint), if it did
+    system_fingerprint: str | None = None
 
 
 class EvalSample(Sample):
@@ -687,6 +693,9 @@ class RunRow(Record):
     status: Literal["running", "completed", "failed", "budget_exhausted"] | None = None
     updated_at: datetime | None = None
     error: str | None = None
+    # the policy's identity the run is bound to (``schemas.config.ModelIdentity.to_json``): a resume against another
+    # is refused unless the user accepts it. None: stored before identities existed (bound at its next resume)
+    policy_identity: str | None = None
 
 
 class StageRun(Record):

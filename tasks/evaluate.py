@@ -54,11 +54,14 @@ async def evaluate_library(
     judge: Judge | None = None,
     resume_key: str = "",
     known: Mapping[str, Sample] | None = None,
+    count_read: bool = True,
 ) -> EvalBatch:
     """k graded samples per problem for one condition (library), through ``tasks.measure``: a sample whose draw
     key is in ``known`` (stored by an earlier evaluation, trial or gate) is read, not drawn. With a
     ``resume_key`` (the evaluation's fingerprint) each graded sample goes to the work journal as it is made and
-    one already there is read back, not requested again (a stopped evaluation resumes where it was)."""
+    one already there is read back, not requested again (a stopped evaluation resumes where it was).
+    ``count_read`` False: the samples read are not counted on the progress bar (the evaluation counted them
+    before it began)."""
     journal = StageItems(Stage.EVALUATE, Sample, always=bool(resume_key))
     stored = known or {}
 
@@ -81,6 +84,7 @@ async def evaluate_library(
         known=lookup,
         judge=judge,
         keep=keep,
+        count_read=count_read,
     )
     return EvalBatch([eval_sample(condition, s) for s in measured.samples], measured.calls)
 
@@ -101,9 +105,10 @@ async def evaluate_task(
     library: LibraryVersion,
     resume_key: str = "",
     known: dict[str, Sample] | None = None,
+    count_read: bool = True,
 ) -> EvalBatch:
-    """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key`` and
-    ``known``: see ``evaluate_library``."""
+    """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key``, ``known`` and
+    ``count_read``: see ``evaluate_library``."""
     domain = domain_for(config)
     return await evaluate_library(
         problems,
@@ -117,6 +122,7 @@ async def evaluate_task(
         judge=make_judge(config, domain, Stage.EVALUATE),
         resume_key=resume_key,
         known=known,
+        count_read=count_read,
     )
 
 

@@ -119,7 +119,9 @@ def gate_trial(
     """The gate as a sequential trial (``tasks.sequential_trial``) and the arm it decides: the library after
     against the library before on every problem set aside, more samples of each at every look (``looks``), the
     two measured in turn so that a look reads what the looks before it drew; judged by ``decide``. The first look
-    is always drawn; a later one only if it fits ``budget``, else the gate decides at the look it has, saying so."""
+    is always begun; a later one only if it is expected to fit ``budget``, else the gate decides at the look it has,
+    saying so; any look stops where its next draw could take the checks past the budget, and the gate decides on
+    what it drew, saying so."""
     settings = config.learning.library_gate
     planned = looks(settings)
 
@@ -131,7 +133,11 @@ def gate_trial(
     def stopped(
         arm: Arm[GateSample], before: list[GateSample], after: list[GateSample], look: int, note: str
     ) -> GateDecision:
-        at = replace(planned[look - 2], stopped=f"look {look} of {len(planned)} not drawn: {note}")
+        cut = trial.cut
+        if cut is not None and cut.look == look:  # this look drawn in part: decided on what it drew
+            at = replace(planned[look - 1], stopped=f"look {look} of {len(planned)} {cut.describe()}: {note}")
+        else:
+            at = replace(planned[look - 2], stopped=f"look {look} of {len(planned)} not drawn: {note}")
         decision = decide(settings, problems, before, after, at)
         assert decision is not None, "a stopped look decides"
         return decision

@@ -6,6 +6,11 @@ the configured model (one ``GET /models`` per endpoint, bounded by ``TIMEOUT_S``
 and weights are there. Every failure is one ``PreflightError`` line naming the culprit (file, row and field;
 URL; environment variable; model name).
 
+The same look tells which model answers: what the ``GET /models`` entry states of the weights (``SERVED_FIELDS``),
+or a local backend's weights hash. ``check_run`` and ``check_policy`` return the config with it
+(``ModelConfig.served``): the model's identity, which decides what stored samples are reused and whether a run
+resumes (``schemas.config.ModelIdentity``).
+
 It sits with the tasks (above the domain plug-ins, below the flows and the CLI that call it): it reads the
 dataset through the run's domain and asks the domain's tools whether they can work.
 """
@@ -19,15 +24,23 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from clgrpo.errors import one_line
-from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig
+from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig, ServedModel
 
 TIMEOUT_S = 4.0  # per endpoint; endpoints are checked concurrently
 OPENAI_URL = "https://api.openai.com/v1"
+# the fields of a GET /models entry that describe the weights served: llama-server's meta (vocabulary, context
+# trained, embedding size, parameter count, file size), vLLM's and SGLang's root (the weights' path or hub id) and
+# parent (a LoRA's base), and a digest or revision where a server states one. Left out: the name (in the config
+# already), created (the time of the request on llama-server and vLLM), permission (fresh ids each request),
+# owned_by (the server's kind) and what a provider changes without new weights (prices, descriptions).
+SERVED_FIELDS = ("meta", "root", "parent", "digest", "revision", "sha256")
+SAYS_NOTHING = ServedModel(source="GET /models")
 
 
 class PreflightError(ValueError):
@@ -116,8 +129,9 @@ def api_key_for(endpoint: Endpoint) -> str | None:
     return key
 
 
-async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> None:
-    """One ``GET {base_url}/models``: reachable, the key accepted, the model served."""
+async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> ServedModel:
+    """One ``GET {base_url}/models``: reachable, the key accepted, the model served; what its entry states of the
+    weights (``SERVED_FIELDS``; nothing when the server has no model list)."""
     cfg = endpoint.cfg
     url = (cfg.base_url or OPENAI_URL).rstrip("/")
     key = api_key_for(endpoint)
@@ -139,23 +153,35 @@ async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S
         )
         raise PreflightError(f"{endpoint.label}: {url} refused the request (HTTP {response.status_code}): {hint}")
     if response.status_code == 404:
-        return  # a server without a model list: the model is checked by the first real call
+        return SAYS_NOTHING  # a server without a model list: the model is checked by the first real call
     if response.status_code >= 400:
         raise PreflightError(
             f"{endpoint.label}: {url}/models answered HTTP {response.status_code}: {response.text[:200]}"
         )
-    served = _model_ids(response)
-    if served is not None and cfg.model not in served:
-        listed = ", ".join(sorted(served)[:10]) + (" ..." if len(served) > 10 else "")
+    entries = _model_entries(response)
+    if entries is not None and cfg.model not in entries:
+        listed = ", ".join(sorted(entries)[:10]) + (" ..." if len(entries) > 10 else "")
         raise PreflightError(f"{endpoint.label}: {url} does not serve {cfg.model!r} (it serves: {listed or 'nothing'})")
+    return served_model(entries.get(cfg.model) if entries is not None else None)
 
 
-def _model_ids(response: httpx.Response) -> set[str] | None:
+def _model_entries(response: httpx.Response) -> dict[str, dict[str, Any]] | None:
+    """The ``data`` entries of a model list by id (None: not a model list)."""
     try:
         data = response.json().get("data")
-        return {str(item["id"]) for item in data} if isinstance(data, list) else None
+        if not isinstance(data, list):
+            return None
+        return {str(item["id"]): item if isinstance(item, dict) else {} for item in data}
     except (ValueError, AttributeError, KeyError, TypeError):
         return None
+
+
+def served_model(entry: dict[str, Any] | None) -> ServedModel:
+    """What a ``GET /models`` entry states of the weights: its ``SERVED_FIELDS`` that hold something."""
+    if not entry:
+        return SAYS_NOTHING
+    fields = {name: entry[name] for name in SERVED_FIELDS if entry.get(name) not in (None, "", {}, [])}
+    return ServedModel(source="GET /models", fields=fields)
 
 
 def _reason(exc: BaseException) -> str:
@@ -165,14 +191,16 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def check_local_model(endpoint: Endpoint) -> None:
+def check_local_model(endpoint: Endpoint) -> ServedModel:
+    """A local backend's packages and weights are there; the weights' sha256 (``clgrpo.models.weights_digest``)
+    where they are files on this machine (a hub id that vLLM fetches itself: nothing beyond its name)."""
     cfg = endpoint.cfg
     if cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise PreflightError(
                 f"{endpoint.label}: backend 'vllm' needs vLLM (GPU machines): pip install 'clgrpo[gpu]'"
             )
-        return
+        return _local_weights(cfg.model_path or cfg.model, endpoint)
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         raise PreflightError(
@@ -182,21 +210,59 @@ def check_local_model(endpoint: Endpoint) -> None:
     from clgrpo.models import ModelError, resolve_model_path
 
     try:
-        resolve_model_path(cfg.model_path or cfg.model)
+        location = resolve_model_path(cfg.model_path or cfg.model)
     except ModelError as exc:
         raise PreflightError(f"{endpoint.label}: {exc}") from exc
+    return _digest(location, endpoint)
 
 
-async def check_models(items: Iterable[Endpoint], timeout_s: float = TIMEOUT_S) -> None:
-    remote = []
+def _local_weights(spec: str, endpoint: Endpoint) -> ServedModel:
+    """vLLM's weights: a folder or file on this machine is hashed; a hub id is known by its name only."""
+    from clgrpo.models import ModelError, resolve_model_path
+
+    path = Path(spec).expanduser()
+    if not (path.is_dir() or path.is_file()):
+        return ServedModel(source="weights")
+    try:
+        return _digest(resolve_model_path(spec), endpoint)
+    except ModelError:
+        return ServedModel(source="weights")
+
+
+def _digest(location: Any, endpoint: Endpoint) -> ServedModel:
+    from clgrpo.models import weights_digest
+
+    try:
+        return ServedModel(source="weights", fields={"sha256": weights_digest(location)})
+    except OSError as exc:
+        raise PreflightError(f"{endpoint.label}: cannot read the weights in {location}: {exc}") from exc
+
+
+async def check_models(items: Iterable[Endpoint], timeout_s: float = TIMEOUT_S) -> dict[str, ServedModel]:
+    """Every endpoint checked (remote ones concurrently); what each states of its model, by role."""
+    found: dict[str, ServedModel] = {}
+    remote, waiting = [], []
     for endpoint in items:
         if endpoint.cfg.backend == "openai":
             remote.append(check_openai_endpoint(endpoint, timeout_s))
+            waiting.append(endpoint)
         else:
-            check_local_model(endpoint)
-    for outcome in await asyncio.gather(*remote, return_exceptions=True):
+            found |= dict.fromkeys(endpoint.roles, check_local_model(endpoint))
+    for endpoint, outcome in zip(waiting, await asyncio.gather(*remote, return_exceptions=True)):
         if isinstance(outcome, BaseException):
             raise outcome
+        found |= dict.fromkeys(endpoint.roles, outcome)
+    return found
+
+
+def with_served(config: RunConfig, served: dict[str, ServedModel]) -> RunConfig:
+    """The config whose models carry what their endpoints stated (``ModelConfig.served``)."""
+    update: dict[str, Any] = {}
+    if "policy" in served:
+        update["policy"] = config.policy.model_copy(update={"served": served["policy"]})
+    if "learner" in served and config.learner is not None:
+        update["learner"] = config.learner.model_copy(update={"served": served["learner"]})
+    return config.model_copy(update=update) if update else config
 
 
 def check_agent(config: RunConfig) -> list[str]:
@@ -293,8 +359,9 @@ def check_policy_adapter(config: RunConfig) -> None:
 
 
 # --- whole configs ---------------------------------------------------------------------------------------
-async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
-    """Everything a training run needs before its first stage."""
+async def check_run(config: RunConfig, *, dataset: bool = True) -> RunConfig:
+    """Everything a training run needs before its first stage; the config with what its endpoints state of their
+    models (their identities)."""
     check_writable_dir(config.db_path, "db_path")
     check_hybrid(config)
     check_policy_adapter(config)
@@ -305,17 +372,17 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> None:
     check_library_file(config.initial_library)
     if config.validation is not None:
         check_dataset(config, config.validation.dataset, "validation.dataset")
-    await check_models(endpoints(config))
+    return with_served(config, await check_models(endpoints(config)))
 
 
-async def check_policy(config: RunConfig) -> None:
+async def check_policy(config: RunConfig) -> RunConfig:
     """An evaluation needs only the policy model (and, in agent mode, its tools; with ``injection: top_k``, the
-    embedding model that routes its prompts)."""
+    embedding model that routes its prompts); the config with what the policy's endpoint states of its model."""
     check_policy_adapter(config)
     check_agent(config)
     if config.library.injection == "top_k":
         check_embeddings(config)
-    await check_models([Endpoint(("policy",), config.policy)])
+    return with_served(config, await check_models([Endpoint(("policy",), config.policy)]))
 
 
 def check_refresh(config: RefreshConfig) -> None:

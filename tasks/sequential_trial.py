@@ -17,7 +17,12 @@ with its own decision rule:
 - The checks budget (``tasks.checks_budget``). Before a look that is not ``free``, the arms are admitted in
   ``order`` while what they would draw (with the baseline samples they need, counted once) fits what is left, at
   the tokens per sample of the trial's draws so far (before any: the step's rollouts'); an arm that does not fit
-  is measured no further and decided by the rule's ``stopped``, given what is left of the budget.
+  is measured no further and decided by the rule's ``stopped``, given what is left of the budget. That is an
+  estimate; with direct rollouts the limit is strict: every look (a free one too) draws through an ``Allowance``
+  of what is left, which sends a request only if the most it can cost fits. A look it stops (``cut``) draws
+  nothing more, and neither does the trial: every arm of that look is decided by ``stopped`` on what it drew (the
+  rule may word it from ``cut``), and so is any arm a later ``run`` brings. (An agent's sample is many turns whose
+  most is far beyond what they cost: agent rollouts are admitted by the estimate alone.)
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from domains import Domain
 from schemas.config import RunConfig
 from schemas.records import LLMCall, Problem, Sample
 from schemas.stages import Stage
-from tasks.checks_budget import ChecksBudget, tokens
+from tasks.checks_budget import Allowance, ChecksBudget, tokens
 from tasks.judge import make_judge
 from tasks.measure import Measured, Sampling, measure, reusable, sample_seeds, to_draw
 
@@ -63,6 +68,18 @@ class Arm(Generic[R]):
     library: ExperienceLibrary
     record: Callable[[Sample], R]
     problems: Sequence[Problem] = ()
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A look the checks budget's allowance stopped while it drew: ``drawn`` of its ``wanted`` samples."""
+
+    look: int
+    drawn: int
+    wanted: int
+
+    def describe(self) -> str:
+        return f"drawn in part ({self.drawn} of {self.wanted} samples)"
 
 
 # the rule: (arm, the baseline's samples on its problems, its samples, look, whether it is the arm's last look)
@@ -97,6 +114,9 @@ class SequentialTrial(Generic[R, V]):
     _rows: dict[tuple[Hashable, str], list[R]] = field(default_factory=dict, init=False, repr=False)
     _drawn: dict[str | None, R] = field(default_factory=dict, init=False, repr=False)
     _draws: int = field(default=0, init=False, repr=False)
+    _undrawn: int = field(default=0, init=False, repr=False)  # samples the allowance kept from being drawn
+    cut: Cut | None = field(default=None, init=False)  # the look the budget stopped, if it did
+    _cut_note: str = field(default="", init=False, repr=False)
 
     @property
     def samples(self) -> list[R]:
@@ -117,6 +137,10 @@ class SequentialTrial(Generic[R, V]):
             undecided = [a for a in arms if a.name not in self.verdicts]
             if not undecided:
                 return
+            if self.cut is not None:  # the budget is spent: nothing more is drawn
+                for arm in undecided:
+                    self._stop(arm, look, self._cut_note)
+                return
             await self.look(look, undecided)
 
     async def look(self, look: int, arms: list[Arm[R]]) -> None:
@@ -128,14 +152,38 @@ class SequentialTrial(Generic[R, V]):
             return
         fresh = {a.name: self._fresh(a, reach) for a in admitted}
         base = self._baseline_needs(admitted, fresh, reach.samples)
-        progress.expect(self.stage, (len(base) + sum(len(f) for f in fresh.values())) * reach.samples)
-        await self._measure([(self.baseline, base), *[(a, fresh[a.name]) for a in admitted]], reach.samples)
+        wanted = (len(base) + sum(len(f) for f in fresh.values())) * reach.samples
+        progress.expect(self.stage, wanted)
+        # strict where a request's most is known (direct rollouts); an agent's many turns: the estimate alone
+        allowance = None if self.budget is None or self.sampling.agent else self.budget.allowance(tokens(self.calls))
+        undrawn = self._undrawn
+        work = [(self.baseline, base), *[(a, fresh[a.name]) for a in admitted]]
+        await self._measure(work, reach.samples, allowance)
+        if allowance is not None and allowance.stopped:
+            assert self.budget is not None
+            self.cut = Cut(look, wanted - (self._undrawn - undrawn), wanted)
+            self._cut_note = (
+                f"{self.budget.describe(tokens(self.calls))}, less than its next draw could cost at most "
+                f"({allowance.refused:,} tokens)"
+            )
         for arm in admitted:
             mine, last = self.samples_of(arm), self._last(arm, look)
-            verdict = self.decide(arm, self.baseline_of(mine), mine, look, last)
-            assert verdict is not None or not last, "the last look always decides"
+            complete = self.cut is None or self._complete(arm, reach)
+            verdict = self.decide(arm, self.baseline_of(mine), mine, look, last) if complete else None
+            assert verdict is not None or not last or not complete, "the last look always decides"
             if verdict is not None:
                 self.verdicts[arm.name] = verdict
+            elif self.cut is not None:  # no later look: decided on what it drew
+                self._stop(arm, look, self._cut_note)
+
+    def _stop(self, arm: Arm[R], look: int, note: str) -> None:
+        mine = self.samples_of(arm)
+        self.verdicts[arm.name] = self.stopped(arm, self.baseline_of(mine), mine, look, note)
+
+    def _complete(self, arm: Arm[R], reach: Reach) -> bool:
+        """Whether ``arm`` and the baseline hold every sample of ``arm``'s problems this look reaches."""
+        window = self._window(arm, reach)
+        return all(min(self._reached(arm, p), self._reached(self.baseline, p)) >= reach.samples for p in window)
 
     def affordable(self, look: int, arms: list[Arm[R]]) -> list[Arm[R]]:
         """The arms whose samples at ``look`` (and the baseline samples they need) fit the budget, admitted in
@@ -187,18 +235,18 @@ class SequentialTrial(Generic[R, V]):
         seeds = sample_seeds(problems, self.config.seed)
         return to_draw(problems, arm.library, k, seeds, self.sampling, self.domain, self.known)
 
-    async def _measure(self, work: list[tuple[Arm[R], list[Problem]]], k: int) -> None:
+    async def _measure(self, work: list[tuple[Arm[R], list[Problem]]], k: int, allowance: Allowance | None) -> None:
         # the trial's calls are logged, not its items: a retry of the stage redoes it whole
         with recording(active(), stage=self.stage, items=False):
             if self.together:
-                done = await asyncio.gather(*[self._attempts(arm, problems, k) for arm, problems in work])
+                done = await asyncio.gather(*[self._attempts(arm, problems, k, allowance) for arm, problems in work])
                 for (arm, _), measured in zip(work, done):
                     self._keep(arm, measured)
             else:
                 for arm, problems in work:
-                    self._keep(arm, await self._attempts(arm, problems, k))
+                    self._keep(arm, await self._attempts(arm, problems, k, allowance))
 
-    async def _attempts(self, arm: Arm[R], problems: list[Problem], k: int) -> Measured:
+    async def _attempts(self, arm: Arm[R], problems: list[Problem], k: int, allowance: Allowance | None) -> Measured:
         return await measure(
             problems,
             arm.library,
@@ -210,10 +258,12 @@ class SequentialTrial(Generic[R, V]):
             stage=self.stage,
             known=self.known.get,
             judge=make_judge(self.config, self.domain, self.stage),
+            allowance=allowance,
         )
 
     def _keep(self, arm: Arm[R], measured: Measured) -> None:
         self._draws += sum(s.drawn for s in measured.samples)
+        self._undrawn += measured.undrawn
         records = [arm.record(s) for s in measured.samples]
         records = [r if r.drawn else self._drawn.get(r.draw_key, r) for r in records]
         self._drawn |= {r.draw_key: r for r in records if r.drawn}

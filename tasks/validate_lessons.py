@@ -95,7 +95,9 @@ def rollout_baseline(
         key = keys.get((r.problem_id, r.sample_idx))
         if g is None or key is None or r.error is not None or r.prompt_hash != prompts[r.problem_id]:
             continue
-        found[key] = graded_sample(r, g, 0, key).model_copy(update={"drawn": False})  # the rollout stage drew it
+        found[key] = graded_sample(r, g, 0, key, model=sampling.model).model_copy(
+            update={"drawn": False}
+        )  # the rollout stage drew it
     return found
 
 
@@ -317,11 +319,15 @@ class LessonTrials:
     def stopped(
         self, arm: Arm[TrialSample], without: list[TrialSample], with_: list[TrialSample], look: int, note: str
     ) -> LessonTrial:
-        """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far."""
+        """The verdict on a candidate the budget stops: rejected untried, or judged on its attempts so far (a look
+        the budget stopped while it drew: on what it drew)."""
         candidate, per_look = self.candidates[arm.name], self.settings.problems
-        # its look's samples are counted on the stage's progress though never drawn, as lesson trials always did
-        unmeasured = candidate.problems[per_look * (look - 1) : per_look * look]
-        progress.expect(Stage.VALIDATE_LESSONS, len(unmeasured) * self.settings.samples)
+        cut = self.trial.cut
+        in_part = cut is not None and cut.look == look and bool(with_)
+        if not in_part:
+            # its look's samples are counted on the stage's progress though never drawn, as lesson trials always did
+            unmeasured = candidate.problems[per_look * (look - 1) : per_look * look]
+            progress.expect(Stage.VALIDATE_LESSONS, len(unmeasured) * self.settings.samples)
         if not with_:
             return LessonTrial(
                 seq=candidate.seq,
@@ -331,7 +337,8 @@ class LessonTrials:
             )
         trial = judge_trial(candidate, without, with_, self.settings, last_look=True)
         assert trial is not None, "the last look always decides"
-        return trial.model_copy(update={"reason": f"{trial.reason}; look {look} not drawn: {note}"})
+        where = f"look {look} {cut.describe()}" if in_part and cut is not None else f"look {look} not drawn"
+        return trial.model_copy(update={"reason": f"{trial.reason}; {where}: {note}"})
 
     def admission_order(self, arms: list[Arm[TrialSample]]) -> list[Arm[TrialSample]]:
         by_seq = {a.name: a for a in arms}

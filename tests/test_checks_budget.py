@@ -2,10 +2,13 @@
 multiple of the step's own tokens (rollouts and learner calls). The flow tests run the real training flow against
 the scripted world over HTTP, once without a limit (to show the limit binds) and once with it."""
 
+import re
+
 import pytest
 
+from clgrpo.prompts.rollout import LIBRARY_TEMPLATE
 from clgrpo.store import Store
-from clgrpo.testing.fake_openai import FakeOpenAIServer
+from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, message_text, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.step import OWN_STAGES
 from flows.train import train
@@ -41,9 +44,26 @@ def spent(store: Store, run_id: str) -> tuple[int, int]:
     return sum(int(by_stage.get(s, 0)) for s in OWN_STAGES), sum(int(by_stage.get(s, 0)) for s in CHECKS)
 
 
-async def run(tmp_path, run_id: str, budget: float | None) -> RunConfig:
+class LongWinded(ScriptedWorld):
+    """The scripted world whose policy, shown a lesson, thinks aloud at length before it answers (about 150 words,
+    of 256 tokens at most): a trial's samples cost several times the step's rollouts (shown none at step 1), so
+    priced at the rollouts' tokens, trials are admitted whose samples overrun their share."""
+
+    def __call__(self, request: ChatRequest) -> list:
+        replies = super().__call__(request)
+        shown = LIBRARY_HEADER in "\n".join(message_text(m) for m in request.messages)
+        if role_of(request) != "policy" or not shown:
+            return replies
+        return [THINKING + r if isinstance(r, str) else r for r in replies]
+
+
+LIBRARY_HEADER = LIBRARY_TEMPLATE.split("{library}")[0].strip()
+THINKING = "Let me think about this carefully before I answer. " * 15
+
+
+async def run(tmp_path, run_id: str, budget: float | None, world: type[ScriptedWorld] = ScriptedWorld) -> RunConfig:
     dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")
-    with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.5)) as server:
+    with FakeOpenAIServer(world(seed=5, p_base=0.3, p_misleading=0.5)) as server:
         cfg = make_config(server, dataset, tmp_path, run_id, checked_learning(budget))
         await train(cfg)
     return cfg
@@ -52,24 +72,39 @@ async def run(tmp_path, run_id: str, budget: float | None) -> RunConfig:
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 async def test_a_steps_checks_stay_within_their_budget_and_say_what_it_cut(tmp_path):
-    await run(tmp_path, "free", None)  # the same run without a limit
-    bounded = await run(tmp_path, "bounded", 0.3)
+    """Issue 59: priced at the step's rollouts' tokens, trials are admitted whose samples (shown a lesson, the
+    policy thinks aloud) cost several times more; before, they ran to the end and the checks overran the budget.
+    Each request now goes out only if the most it can cost fits: the trials stop at their share, strictly."""
+    await run(tmp_path, "free", None, LongWinded)  # the same run without a limit
+    bounded = await run(tmp_path, "bounded", 0.5, LongWinded)
     with Store(bounded.db_path, read_only=True) as store:
         own_free, checks_free = spent(store, "free")
         own, checks = spent(store, "bounded")
+        trial_tokens = int(
+            store.query(
+                "SELECT sum(tokens_in + tokens_out) AS t FROM llm_calls WHERE run_id = 'bounded' AND step = 1 "
+                "AND stage = 'validate_lessons'"
+            )["t"].iloc[0]
+        )
         trials = store.records("lesson_trials", "bounded", 1)
         operations = store.records("operations", "bounded", 1)
         gate = store.records("library_gates", "bounded", 1)
     # without a limit the checks spend more than half the step's own tokens: the limit below binds
-    assert checks_free > 0.3 * own_free
-    # with it they stay within it (the gate's reserve is an estimate: a few per cent of slack)
-    assert 0 < checks <= 0.3 * own * 1.05, (checks, own)
-    cut = [t for t in trials if "checks budget" in t.reason]
-    assert cut and all(t.verdict == "rejected" for t in cut)
-    assert all(t.reason.startswith("not tried: the step's checks budget (learning.checks_budget=0.3: ") for t in cut)
+    assert checks_free > 0.5 * own_free
+    # with it they stay within it, strictly, and the trials within their share (the gate's reserve kept)
+    assert 0 < checks <= 0.5 * own, (checks, own)
+    reserve = int(re.search(r"([\d,]+) of them kept for the library gate", trials[-1].reason).group(1).replace(",", ""))
+    assert trial_tokens <= int(0.5 * own) - reserve
+    # a trial admitted at the estimate was stopped at the share and decided on what it drew; the rest not tried
+    stopped = [t for t in trials if "drawn in part" in t.reason]
+    assert stopped and all("less than its next draw could cost at most" in t.reason for t in stopped)
+    untried = [
+        t for t in trials if t.reason.startswith("not tried: the step's checks budget (learning.checks_budget=0.5: ")
+    ]
+    assert untried and all(t.verdict == "rejected" for t in untried)
     # what the budget cut is never applied, and the operations say why
-    cut_texts = {t.operation.text for t in cut}
-    assert all(r.status.value == "rejected" for r in operations if r.operation.text in cut_texts)
+    untried_texts = {t.operation.text for t in untried}
+    assert all(r.status.value == "rejected" for r in operations if r.operation.text in untried_texts)
     assert any("checks budget" in r.reason for r in operations)
     assert gate, "the gate still measured the step"
 
@@ -108,10 +143,11 @@ def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
     gate = budget.after(500).for_gate(3_000)
     assert gate.left(reserve=False) == 10_000 - 3_500 and gate.gate_reserve == 0
     assert "learning.checks_budget=1: 10,000 tokens" in gate.describe(reserve=False)
-    # the trials overran their share (6,000) by 1,500: the gate still has its whole reserve, and no more
-    overrun = budget.after(500).for_gate(7_000)
-    assert overrun.left(reserve=False) == budget.gate_reserve == 4_000
-    assert overrun.left(3_000, reserve=False) == 1_000 and not overrun.fits(6, 200, 3_000, reserve=False)
+    # the trials cannot spend the reserve (tasks.checks_budget.Allowance): the gate has what is left, and no more
+    rest = budget.after(500).for_gate(budget.left() - 500)
+    assert rest.left(reserve=False) == budget.gate_reserve == 4_000
+    assert rest.left(3_000, reserve=False) == 1_000 and not rest.fits(6, 200, 3_000, reserve=False)
+    assert budget.after(500).for_gate(7_000).left(reserve=False) == 2_500  # (calls around the trials): strictly
     unlimited = ChecksBudget.of(None, 10_000, 8_000, 40, 16)
     assert unlimited.fits(10**9, 1.0)
 
@@ -141,8 +177,8 @@ def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
     assert second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(1_000)) is None
     why = second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10).for_gate(2_000))
     assert why is not None and "; look 2 of 2 not drawn: the step's checks budget" in why
-    # the trials overran into the gate's reserve (4,000 for the 32 samples): the look is still the gate's
-    assert second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10, gate_samples=32).for_gate(4_000)) is None
+    # what is left is all the gate has, its reserve included (4,000 for the 32 samples): 1,000 left, not drawn
+    assert second_look(ChecksBudget.of(1.0, 5_000, 1_000, 10, gate_samples=32).for_gate(4_000)) is not None
 
 
 @pytest.mark.parametrize("order, first", [("plan", 0), ("support", 2)])

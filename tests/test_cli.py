@@ -48,7 +48,14 @@ def test_train_then_inspect_from_the_command_line(tmp_path, capsys):
                 {
                     "run_id": "cli-run",
                     "dataset": {"path": str(dataset)},
-                    "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
+                    # max_tokens: the gate's requests go out only if their most fits the checks budget, and this
+                    # toy step's own tokens (the scripted world's replies are words) leave room for 256, not 2048
+                    "policy": {
+                        "model": "scripted",
+                        "base_url": server.base_url,
+                        "api_key_env": None,
+                        "max_tokens": 256,
+                    },
                     "grpo": {"group_size": 4, "epochs": 2, "batch_size": 8},
                     "concurrency": 8,
                 }
@@ -101,7 +108,9 @@ def test_a_run_without_summaries_and_an_eval_with_another_config(tmp_path, capsy
             "dataset": {"path": str(dataset)},
             "policy": {"model": "scripted", "base_url": server.base_url, "api_key_env": None},
             "grpo": {"group_size": 4, "epochs": 1, "batch_size": 8},
-            "learning": {"summarize": False, "max_words": 40},
+            # no checks budget: this toy step's own tokens (4 problems learned from) are less than one of the
+            # gate's requests could cost at most, so a strict budget would leave the gate nothing to measure
+            "learning": {"summarize": False, "max_words": 40, "checks_budget": None},
         }
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump({**settings, "run_id": "nosum", "db_path": str(db)}))

@@ -146,3 +146,56 @@ def test_eval_draws_only_what_no_earlier_measurement_drew(tmp_path, monkeypatch,
     with Store(db, read_only=True) as store:
         rows = store.query("SELECT run_id, condition, drawn, tokens_out FROM eval_results")
     assert rows["drawn"].sum() == 4 * 8 * 3 and (~rows["drawn"]).sum() == 3 * 8 * 3
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+def test_eval_says_at_its_start_what_it_reads_and_fresh_draws_everything_anew(tmp_path, capsys):
+    from clgrpo import progress
+    from schemas.stages import Stage
+
+    dataset = write_jsonl(make_problems(n_per_family=2, seed=4), tmp_path / "test.jsonl")  # 8 problems
+    library = tmp_path / "lessons.json"
+    ExperienceLibrary.from_mapping({f"G{i}": f.lesson for i, f in enumerate(FAMILIES)}).dump(library)
+    world = CountingWorld(seed=3)
+    seen: list[progress.StageProgress] = []
+
+    def listen(p: progress.StageProgress) -> None:
+        if p.stage == Stage.EVALUATE and not p.finished:
+            seen.append(p)
+
+    with FakeOpenAIServer(world) as server:
+        run = config().model_copy(
+            update={"policy": config().policy.model_copy(update={"base_url": server.base_url, "model": "scripted"})}
+        )
+        cfg = tmp_path / "policy.yaml"
+        cfg.write_text(yaml.safe_dump(run.model_dump(mode="json", exclude_none=True)))
+        db = str(tmp_path / "eval.duckdb")
+
+        def evaluate(*refs: str, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+            before = world.samples
+            args = ["eval", "--dataset", str(dataset), "--k", "3", "--bootstrap", "200", "--config", str(cfg)]
+            for i, ref in enumerate(refs):
+                args += ["--library" if i == 0 else "--compare", ref]
+            assert main([*args, "--db", db, *extra]) == 0, capsys.readouterr().err
+            return world.samples - before, capsys.readouterr().out
+
+        assert evaluate("none")[0] == 8 * 3
+        progress.add_listener(listen)
+        try:
+            assert evaluate("none", str(library))[0] == 8 * 3
+        finally:
+            progress.remove_listener(listen)
+        # the stored ones are counted when the evaluation starts, not when their condition comes
+        assert seen[0].total == 2 * 8 * 3 and seen[0].unit == "samples (24 read, 24 to draw)"
+        assert seen[1].done == 8 * 3 and all(p.done >= 8 * 3 for p in seen[1:])
+
+        drawn, out = evaluate("none", extra=("--fresh",))
+        assert drawn == 8 * 3  # whatever is stored, drawn anew
+        fresh_id = out.split("run_id = ")[1].split(")")[0]
+        assert fresh_id.endswith("-2")
+        drawn, out = evaluate("none")  # later: the latest draw is read back
+        assert drawn == 0 and f"run_id = {fresh_id})" in out and "read back: 24 drawn " in out
+    with Store(db, read_only=True) as store:
+        rows = store.query("SELECT run_id, drawn FROM eval_results WHERE condition = 'none'")
+    assert len(rows) == 3 * 8 * 3 and rows["drawn"].sum() == 2 * 8 * 3  # the first draw kept beside the fresh one

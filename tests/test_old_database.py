@@ -1,6 +1,7 @@
 """A database written by an earlier version (``tests/data/old_run``: a run whose first step completed and whose
 second failed) opens with the code as it is now, with the schema a new file gets, and its run resumes: the same
-fingerprint, the first step read back (its problems never asked again), the second done."""
+fingerprint, the first step read back (its problems never asked again), the second done; stored before model
+identities existed, the run is bound to the policy it resumed with (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,5 @@ async def test_an_old_database_resumes_where_it_stopped(old_run, tmp_path_factor
     with Store("old_run.duckdb", read_only=True) as store:
         assert store.query("SELECT fingerprint, status FROM runs").values.tolist() == [[*fingerprint, "completed"]]
         assert store.steps_done("old-run") == 2
+        bound = store.run_identity("old-run")  # stored before identities existed: bound to the model it resumed with
+    assert bound is not None and bound.model == "scripted" and bound.key is None  # its endpoint states nothing more

@@ -1,7 +1,8 @@
 """The sequential paired trial that lesson trials and the library gate share (``tasks.sequential_trial``), with a
 toy rule against a loopback policy that answers right only when the lesson is in its prompt: an arm decided at
 its first look is measured no further while the others go on against the one shared baseline; the checks budget
-admits arms in order (the baseline samples they need counted once) and stops a look that does not fit; known
+admits arms in order (the baseline samples they need counted once) and stops a look that does not fit, strictly
+(a request goes out only if the most it can cost fits: a trial whose samples cost more stops at its share); known
 samples, and a trial's own earlier looks, are read instead of drawn."""
 
 import json
@@ -55,8 +56,10 @@ def stopped(arm, before, after, look, note):
     return f"stopped at look {look} with {len(after)} samples: {note}"
 
 
-def trial(server, looks, budget=None, together=True, decide=better_everywhere) -> SequentialTrial[Sample, str]:
-    model = ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0)
+def trial(
+    server, looks, budget=None, together=True, decide=better_everywhere, max_tokens=2048
+) -> SequentialTrial[Sample, str]:
+    model = ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0, max_tokens=max_tokens)
     config = RunConfig(dataset=DatasetConfig(path="unused.jsonl"), policy=model)
     return SequentialTrial(
         config, Stage.VALIDATE_LESSONS, sampling_at(config, None), MathDomain(), LLMClient(model),
@@ -98,16 +101,54 @@ def test_the_budget_admits_arms_in_order_counting_the_shared_baseline_once():
 
 async def test_a_look_the_budget_cannot_pay_for_is_not_drawn_and_the_rule_decides_on_what_it_has():
     policy = Policy()
-    budget = ChecksBudget.of(1.0, own_tokens=1, rollout_tokens=1_000, rollouts=10)  # room for nothing
     undecided = lambda arm, before, after, look, last: "rejected at the last look" if last else None  # noqa: E731
     with FakeOpenAIServer(policy) as server:
-        t = trial(server, [Reach(None, 1, free=True), Reach(None, 2)], budget, decide=undecided)
-        neutral = arm("neutral", "Read the question twice.", PROBLEMS[:2])
-        await t.run([neutral])
+        # room for nothing: even a free first look (the gate's) is begun only to be stopped before its first request
+        t = trial(
+            server, [Reach(None, 1, free=True), Reach(None, 2)], ChecksBudget.of(1.0, 1, 1_000, 10), decide=undecided
+        )
+        await t.run([arm("neutral", "Read the question twice.", PROBLEMS[:2])])
+        # a later run (another cluster's next members) draws nothing either: the trial's budget is spent
+        await t.run([arm("other", KEY, PROBLEMS[:2])])
         await t.llm.aclose()
-    # the free first look was drawn whatever the budget; the second was not
-    assert policy.asked == {"without": 4} and len(t.samples) == 4 and len(t.calls) == 4
-    assert t.verdicts["neutral"].startswith("stopped at look 2 with 2 samples: the step's checks budget")
+    assert not policy.asked and not t.samples and not t.calls
+    assert t.cut is not None and t.cut.look == 1 and t.cut.drawn == 0
+    for name in ("neutral", "other"):
+        assert t.verdicts[name].startswith("stopped at look 1 with 0 samples: the step's checks budget")
+        assert "less than its next draw could cost at most" in t.verdicts[name]
+
+
+class Rambling(Policy):
+    """Answers at length: 60 words of thinking before the answer, whatever the prompt."""
+
+    def __call__(self, request: ChatRequest) -> list[str]:
+        return ["Thinking it over once more. " * 12 + r for r in super().__call__(request)]
+
+
+async def test_a_trial_whose_samples_cost_more_than_expected_stops_at_its_share():
+    """Priced at the step's rollouts (10 tokens a sample), both arms and their baseline fit 1,000 tokens; drawn,
+    each sample costs about 70. Before issue 59 the look ran to its end (about 2,000 tokens); now each request
+    is sent only if the most it can cost fits what is left, and the trial stops there."""
+    policy = Rambling()
+    budget = ChecksBudget.of(1.0, own_tokens=1_000, rollout_tokens=100, rollouts=10)
+    with FakeOpenAIServer(policy) as server:
+        t = trial(server, [Reach(4, 2)], budget, max_tokens=80)
+        arms = [arm("helpful", KEY), arm("neutral", "Read the question twice.")]
+        assert t.affordable(1, arms) == arms  # the estimate admits both
+        t.verdicts.clear()
+        await t.run(arms)
+        await t.llm.aclose()
+    spent = sum(c.tokens_in + c.tokens_out for c in t.calls)
+    assert 0 < spent <= 1_000  # strictly within the budget
+    assert t.cut is not None and 0 < t.cut.drawn < t.cut.wanted == 3 * 4 * 2
+    assert sum(policy.asked.values()) == t.cut.drawn == len(t.samples)
+    assert set(t.verdicts) == {"helpful", "neutral"}  # every arm decided, on what it drew
+    free = Rambling()
+    with FakeOpenAIServer(free) as server:
+        unlimited = trial(server, [Reach(4, 2)], max_tokens=80)
+        await unlimited.run([arm("helpful", KEY), arm("neutral", "Read the question twice.")])
+        await unlimited.llm.aclose()
+    assert sum(c.tokens_in + c.tokens_out for c in unlimited.calls) > 1_000  # what it would have spent
 
 
 async def test_known_samples_and_a_trials_own_earlier_looks_are_read_not_drawn():

@@ -51,6 +51,7 @@ class Generation:
     tokens_out: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per choice; empty: no tool called
+    system_fingerprint: str | None = None  # the provider's, where it sends one
 
 
 class Backend(Protocol):
@@ -210,6 +211,7 @@ def generation(reply: object, where: str) -> Generation:
         tokens_out=tokens_out,
         finish_reasons=reasons,
         tool_calls=calls,
+        system_fingerprint=fingerprint if isinstance(fingerprint := reply.get("system_fingerprint"), str) else None,
     )
 
 

@@ -464,6 +464,7 @@ class _OneCall:
             finish_reason=_at(gen.finish_reasons, 0) if gen else "",
             turn=self.turn,
             reply=_at(gen.texts, 0) if gen and self.role == "learner" else None,
+            system_fingerprint=gen.system_fingerprint if gen else None,
         )
 
 

@@ -280,7 +280,11 @@ class _Handler(LoopbackHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
         if path in _MODELS_PATHS:
-            models = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.server.owner.models]
+            owner = self.server.owner
+            models = [
+                {"id": m, "object": "model", "created": int(time.time()), "owned_by": "fake", **owner.model_info}
+                for m in owner.models
+            ]
             self.send_json(200, {"object": "list", "data": models})
         else:
             self.server.owner._count_invalid()
@@ -329,9 +333,14 @@ class FakeOpenAIServer(LoopbackServer):
         max_concurrency: int | None = None,
         models: tuple[str, ...] | None = None,
         seed: int = 0,
+        model_info: dict[str, Any] | None = None,
+        system_fingerprint: str | None = None,
     ) -> None:
         """``seed`` seeds the RNG behind ``Fault.rate`` draws and ``Fault.mixed`` picks: the same seed and the same
-        sequence of requests give the same faults (with concurrent requests, the arrival order decides)."""
+        sequence of requests give the same faults (with concurrent requests, the arrival order decides).
+        ``model_info``: what each ``GET /models`` entry states of the weights besides its id (llama-server's
+        ``{"meta": {"n_params": ..., "size": ...}}``, vLLM's ``{"root": ...}``): the model's identity.
+        ``system_fingerprint``: sent with every completion, as OpenAI does (None: not sent); may be changed."""
         super().__init__(host=host, port=port, seed=seed)
         self.responder = responder
         self.supports_n = supports_n
@@ -340,6 +349,8 @@ class FakeOpenAIServer(LoopbackServer):
         self.latency = latency
         # what GET /models lists: given, else what the responder says it serves (its ``models``), else fake-model
         self.models = models or tuple(getattr(responder, "models", ("fake-model",)))
+        self.model_info = dict(model_info or {})
+        self.system_fingerprint = system_fingerprint
         self._semaphore = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
         self._stats = ServerStats()
 
@@ -454,4 +465,7 @@ class FakeOpenAIServer(LoopbackServer):
             return _Outcome(500, error_body(500, f"responder failed: {type(exc).__name__}: {exc}"))
         if not self.supports_n:
             contents = contents[:1]
-        return _Outcome(200, completion_body(request, contents, cut_words=cut_words), choices=len(contents))
+        body = completion_body(request, contents, cut_words=cut_words)
+        if self.system_fingerprint is not None:
+            body["system_fingerprint"] = self.system_fingerprint
+        return _Outcome(200, body, choices=len(contents))
