@@ -35,11 +35,14 @@ from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig,
 TIMEOUT_S = 4.0  # per endpoint; endpoints are checked concurrently
 OPENAI_URL = "https://api.openai.com/v1"
 # the fields of a GET /models entry that describe the weights served: llama-server's meta (vocabulary, context
-# trained, embedding size, parameter count, file size), vLLM's and SGLang's root (the weights' path or hub id) and
-# parent (a LoRA's base), and a digest or revision where a server states one. Left out: the name (in the config
-# already), created (the time of the request on llama-server and vLLM), permission (fresh ids each request),
-# owned_by (the server's kind) and what a provider changes without new weights (prices, descriptions).
-SERVED_FIELDS = ("meta", "root", "parent", "digest", "revision", "sha256")
+# trained, embedding size, parameter count, file size, file type), its router's path, vLLM's and SGLang's root
+# (the weights' path or hub id) and parent (a LoRA's base), and a digest or revision where a server states one.
+# Left out: the name (in the config already), created (the time of the request on llama-server and vLLM),
+# permission (fresh ids each request), owned_by (the server's kind), a router's status (loaded or not), what a
+# provider changes without new weights (prices, descriptions), and the server's own settings in meta (n_ctx:
+# the context it was started with, not the weights').
+SERVED_FIELDS = ("meta", "path", "root", "parent", "digest", "revision", "sha256")
+SERVER_SETTINGS = {"meta": {"n_ctx"}}
 SAYS_NOTHING = ServedModel(source="GET /models")
 
 
@@ -180,8 +183,18 @@ def served_model(entry: dict[str, Any] | None) -> ServedModel:
     """What a ``GET /models`` entry states of the weights: its ``SERVED_FIELDS`` that hold something."""
     if not entry:
         return SAYS_NOTHING
-    fields = {name: entry[name] for name in SERVED_FIELDS if entry.get(name) not in (None, "", {}, [])}
-    return ServedModel(source="GET /models", fields=fields)
+    fields = {name: _weights_part(name, entry[name]) for name in SERVED_FIELDS if entry.get(name) not in _EMPTY}
+    return ServedModel(source="GET /models", fields={name: v for name, v in fields.items() if v not in _EMPTY})
+
+
+_EMPTY: tuple[Any, ...] = (None, "", {}, [])
+
+
+def _weights_part(name: str, value: Any) -> Any:
+    """A field without the server's own settings in it (llama-server's meta.n_ctx)."""
+    if isinstance(value, dict) and name in SERVER_SETTINGS:
+        return {k: v for k, v in value.items() if k not in SERVER_SETTINGS[name]}
+    return value
 
 
 def _reason(exc: BaseException) -> str:

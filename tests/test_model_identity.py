@@ -59,6 +59,13 @@ def test_the_weights_fields_of_a_models_entry_count_and_nothing_that_changes_per
     llama = {"id": "local", "object": "model", "created": 1764500000, "owned_by": "llamacpp", **LLAMA_A}
     assert served_model(llama).fields == LLAMA_A
     assert served_model({**llama, "created": 1764500999}) == served_model(llama)  # the time of the request
+    # newer llama-servers state the context a slot was started with in meta too: a setting, not the weights
+    started = {**llama, "meta": {**LLAMA_A["meta"], "n_ctx": 8192}, "aliases": ["local"], "tags": []}
+    assert served_model(started).fields == LLAMA_A
+    assert served_model({**started, "meta": {**started["meta"], "n_ctx": 4096}}) == served_model(started)
+    router = {"id": "local", "object": "model", "owned_by": "llamacpp", "created": 1, "path": "/m/q4.gguf",
+              "status": {"value": "loaded"}, "in_cache": True}  # fmt: skip
+    assert served_model(router).fields == {"path": "/m/q4.gguf"}
     vllm = {
         "id": "qwen",
         "object": "model",
