@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from clgrpo.leakage import jaccard
 from clgrpo.tokens import estimate_tokens
 from schemas.records import (
     Experience,
@@ -201,15 +202,14 @@ class ExampleView:
 _WORD_RE = re.compile(r"[^\W\d_]+")
 
 
-def _words(text: str) -> set[str]:
+def _words(text: str) -> frozenset[str]:
     """The words of a text without its numbers: problems of one kind share them whatever their numbers."""
-    return {w.casefold() for w in _WORD_RE.findall(text)}
+    return frozenset(w.casefold() for w in _WORD_RE.findall(text))
 
 
-def similarity(a: str, b: str) -> float:
+def problem_similarity(a: str, b: str) -> float:
     """Word-set overlap (Jaccard) of two problem texts, numbers left out: how an example is matched to a problem."""
-    x, y = _words(a), _words(b)
-    return len(x & y) / len(x | y) if x | y else 0.0
+    return jaccard(_words(a), _words(b))
 
 
 _ARITY = {OpKind.ADD: (0, 0), OpKind.MODIFY: (1, 1), OpKind.DELETE: (1, 1), OpKind.KEEP: (1, 1)}
@@ -309,7 +309,7 @@ class ExperienceLibrary:
         def rank(e: Experience) -> tuple[bool, float, tuple[int, str]]:
             assert e.example is not None
             same_tag = problem.tag is not None and e.example.task_tag == problem.tag
-            return (not same_tag, -similarity(e.example.problem, problem.problem), _sort_key(e))
+            return (not same_tag, -problem_similarity(e.example.problem, problem.problem), _sort_key(e))
 
         return sorted(candidates, key=rank)[: self.view.shown]
 

@@ -421,7 +421,7 @@ class Trainer:
             rewards=read(Reward),
             advantages=read(GroupAdvantage),
             summaries=read(Summary),
-            proposals=read(Proposal, Stage.GROUP_ADVANTAGE),
+            proposals=read(Proposal, Stage.GROUP_ADVANTAGE) + read(Proposal, Stage.RATIONALIZE),
             consolidation_plans=read(Proposal, Stage.CONSOLIDATE),
             results=read(OperationResult),
             library_size=len(library),

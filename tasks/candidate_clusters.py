@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clgrpo.library import NearDuplicates, normalize_text, similarity, word_count
+from clgrpo.library import NearDuplicates, normalize_text, problem_similarity, word_count
 from clgrpo.llm import LLMClient
 from domains import Domain
 from domains.learner import SAME_LESSON, overlap
@@ -77,7 +77,7 @@ def _alike(a: Operation, b: Operation, near: NearDuplicates | None) -> bool:
     reading alike, numbers aside (what ``ExperienceLibrary.examples_for`` would show in each other's place)."""
     if a.example is not None and b.example is not None:
         same_tag = a.example.task_tag == b.example.task_tag
-        return same_tag and similarity(a.example.problem, b.example.problem) >= EXAMPLE_FORM
+        return same_tag and problem_similarity(a.example.problem, b.example.problem) >= EXAMPLE_FORM
     return duplicate_of(a.text or "", b.text or "", near) is not None
 
 

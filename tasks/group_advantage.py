@@ -137,7 +137,6 @@ def worked_example(group: Group, author: str) -> Operation | None:
         for r, w in graded
         if w.reward == best and best > mean and not r.truncated and w.reward_source is not None
     ]
-    answer = group.problem.answer
     if not favoured:
         return None
     rollout, reward = min(favoured, key=lambda rw: (len(rw[0].final_text), rw[0].sample_idx))

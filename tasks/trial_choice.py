@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text, similarity
+from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text, problem_similarity
 from clgrpo.llm import LLMClient
 from clgrpo.words import counted
 from domains import Domain
@@ -78,7 +78,7 @@ def trial_problems(
     ]
     if op.example is not None:  # where it will be shown: the problems that read most like its own first
         solved = op.example.problem
-        return sorted(candidates, key=lambda p: (-round(similarity(solved, p.problem), 6), *order(p)))[:count]
+        return sorted(candidates, key=lambda p: (-round(problem_similarity(solved, p.problem), 6), *order(p)))[:count]
     return sorted(candidates, key=order)[:count]
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clgrpo.library import ExampleView, ExperienceLibrary, LibraryFormatError, diff, similarity
+from clgrpo.library import ExampleView, ExperienceLibrary, LibraryFormatError, diff, problem_similarity
 from clgrpo.llm import LLMClient
 from clgrpo.prompts.rollout import ShownExample
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, message_text, role_of
@@ -123,7 +123,7 @@ def test_a_problem_sees_few_examples_of_its_tag_first_never_its_own():
     same_text = Problem(problem_id="new", problem=RANGE.format(a=3, b=9))
     assert all(e.example.problem != same_text.problem for e in library.examples_for(same_text))
     assert library.with_view(ExampleView(shown=0)).examples_for(ranged) == []
-    assert similarity(RANGE.format(a=1, b=2), RANGE.format(a=7, b=99)) == 1.0  # numbers do not count
+    assert problem_similarity(RANGE.format(a=1, b=2), RANGE.format(a=7, b=99)) == 1.0  # numbers do not count
 
 
 def test_examples_are_shown_as_turns_or_as_a_block_and_the_draw_key_sees_them():
