@@ -302,8 +302,17 @@ def _unsolved(s: StepState) -> list[Problem]:
 
 
 async def compute_rationalize(c: StepContext, s: StepState) -> Rationales:
-    """Worked examples written with the reference in view for groups no attempt solved (``tasks.rationalize``)."""
-    return await rationalize_task(s.cfg, s.step, _unsolved(s))
+    """Worked examples written with the reference in view for groups no attempt solved (``tasks.rationalize``); the
+    log says how many such groups ``learning.rationalize_max`` leaves for a later step."""
+    chosen, verified = _unsolved(s), s.get(Verified)
+    every = unsolved(s.problems, verified.rewards, verified.group_advantages, s.step, len(s.problems))
+    if len(every) > len(chosen):
+        c.log.info(
+            "step %d rationalize: %d of %d groups with no right attempt asked for a solution "
+            "(learning.rationalize_max=%d); the other %d are not this step",
+            s.step, len(chosen), len(every), s.cfg.learning.rationalize_max, len(every) - len(chosen),
+        )  # fmt: skip
+    return await rationalize_task(s.cfg, s.step, chosen)
 
 
 async def compute_consolidate(c: StepContext, s: StepState) -> Plans:
