@@ -324,7 +324,8 @@ async def compute_consolidate(c: StepContext, s: StepState) -> Plans:
 
 
 async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
-    """Candidate lessons tried on their problems (``tasks.validate_lessons``)."""
+    """Candidate lessons tried on their problems (``tasks.validate_lessons``); with a library gate, worked
+    examples are the gate's to try."""
     plan, shorten_calls = await shorten_plan_task(s.cfg, s.step, s.plan.planned)  # too long: shortened once
     near, _ = await c.plan_context(s, plan)  # a candidate is tried as it would be applied
     drawn = StepDraws(
@@ -335,7 +336,7 @@ async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
     advantages = s.get(Verified).group_advantages
     budget = c.checks_budget(s).after(tokens(shorten_calls))
     trials = await validate_lessons_task(
-        s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn, budget
+        s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn, budget, bool(c.aside)
     )
     return replace(trials, llm_calls=shorten_calls + trials.llm_calls)
 

@@ -28,6 +28,14 @@ from tasks.apply_operations import apply_operations, lesson_screen
 from tasks.candidate_clusters import cluster, duplicate_of, joined, representatives
 
 VALIDATED = (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE)
+# A worked example's trial, where the step has a library gate. Measured on `ranges` and `durations` (issue 57's
+# tuning notes): a trial of one problem x 3 samples cannot see what a solved problem does (k-shot 0.00 -> 0.41),
+# and the trials' share of the checks budget affords about two of them; the gate measures every change of the
+# step together on the problems set aside, paired, with its own reserve.
+GATE_TRIES_EXAMPLES = (
+    "a worked example: tried by the library gate with the step's other changes (a single problem's trial is too "
+    "small to see what a solved problem shown beside others does)"
+)
 
 
 @dataclass
@@ -112,11 +120,13 @@ def to_try(
     ledger: Sequence[Rejected] = (),
     clustered: Mapping[int, str] | None = None,
     only: AbstractSet[int] | None = None,
+    gated: bool = False,
 ) -> tuple[list[Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
     is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
     why each other one is not tried, and the repeats (rejected: tried once). ``clustered``: plan positions
-    another member of their cluster stands for, with the reason (``cluster_plan``)."""
+    another member of their cluster stands for, with the reason (``cluster_plan``); ``gated``: the step has a
+    library gate, which is a worked example's trial (``GATE_TRIES_EXAMPLES``)."""
     settings = config.learning.lesson_validation
     screen = lesson_screen(config, problems)
     candidates: list[Candidate] = []
@@ -137,6 +147,9 @@ def to_try(
         alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
         if results[0].status != OpStatus.APPLIED:
             untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
+            continue
+        if gated and op.example is not None:
+            untested[seq] = GATE_TRIES_EXAMPLES
             continue
         tried = (
             alone
@@ -202,11 +215,13 @@ async def cluster_plan(
     ledger: Sequence[Rejected],
     llm: LLMClient,
     domain: Domain,
+    gated: bool = False,
 ) -> tuple[list[Operation], dict[int, str], list[tuple[int, ...]], list[LLMCall]]:
     """The plan as tried first (each cluster's representative carrying all its members' source groups), the
     members another one stands for with the reason, the clusters of several members in the order their members
     are tried, and the rater's calls (``tasks.candidate_clusters``). Only candidates the library accepts are
-    clustered: a refused one could not stand for the others."""
+    clustered: a refused one could not stand for the others. ``gated``: worked examples go to the library gate,
+    one of each form (``GATE_TRIES_EXAMPLES``)."""
     screen = lesson_screen(config, problems)
 
     def accepted(op: Operation) -> bool:
@@ -223,7 +238,13 @@ async def cluster_plan(
     for rep, members in chosen.items():
         tried[rep] = joined(plan, rep, members.members)
         for seq in members.members:
-            if seq != rep and plan[seq].example is not None:
+            if seq != rep and plan[seq].example is not None and gated:
+                clustered[seq] = (
+                    f"lesson validation: a worked example of the same form as {quoted(plan[rep])} (its problem "
+                    f"reads alike); one example of a form goes on to the library gate (the policy's own words "
+                    f"first, then the shortest)"
+                )
+            elif seq != rep and plan[seq].example is not None:
                 clustered[seq] = (
                     f"lesson validation: a worked example of the same form as {quoted(plan[rep])} (its problem "
                     f"reads alike); their cluster's examples are tried shortest first until one is kept, "
@@ -235,7 +256,11 @@ async def cluster_plan(
                     f"lesson validation: a near-duplicate of {quoted(plan[rep])} ({how}); their cluster's members "
                     f"are tried best-rated first until one is kept, {counted(tries, 'member')} at most"
                 )
-    ranked = [members.members for members in chosen.values() if len(members.members) > 1]
+    ranked = [
+        members.members
+        for rep, members in chosen.items()
+        if len(members.members) > 1 and not (gated and plan[rep].example is not None)
+    ]
     return tried, clustered, ranked, calls
 
 

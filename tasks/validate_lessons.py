@@ -230,18 +230,20 @@ async def validate_lessons(
     ledger: Sequence[Rejected] = (),
     drawn: StepDraws | None = None,
     budget: ChecksBudget | None = None,
+    gated: bool = False,
 ) -> Trials:
     """``pool``: the run's training problems (``trials_on: others`` draws from them); ``near``: the near-duplicate
     control, so a candidate is tried as it would be applied (merged into the lesson it repeats); ``ledger``: the
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match; ``budget``: what
-    the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried."""
+    the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried;
+    ``gated``: the step has a library gate, which tries its worked examples (``trial_choice.GATE_TRIES_EXAMPLES``)."""
     settings = config.learning.lesson_validation
     tried_plan, clustered, ranked, cluster_calls = await cluster_plan(
-        config, step, library, plan, problems, near, ledger, llm, domain
+        config, step, library, plan, problems, near, ledger, llm, domain, gated
     )
     candidates, untested, repeats = to_try(
-        config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered
+        config, library, tried_plan, problems, advantages, step, pool, near, ledger, clustered, gated=gated
     )
     trials = [
         LessonTrial(seq=seq, operation=tried_plan[seq], verdict="untested", reason=why) for seq, why in untested.items()
@@ -409,6 +411,7 @@ async def validate_lessons_task(
     ledger: list[Rejected] | None = None,
     drawn: StepDraws | None = None,
     budget: ChecksBudget | None = None,
+    gated: bool = False,
 ) -> Trials:
     return await validate_lessons(
         config,
@@ -424,4 +427,5 @@ async def validate_lessons_task(
         ledger or [],
         drawn,
         budget,
+        gated,
     )

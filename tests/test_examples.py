@@ -378,3 +378,32 @@ def test_an_example_is_tried_first_where_it_would_be_shown():
     seats = [Problem(problem_id=f"s{i}", problem=RANGE.format(a=i, b=i + 20)) for i in range(3)]
     order = trial_problems(example_op(3, 9, group="s0"), [*days, *seats], [], 2, "1", others_only=True)
     assert {p.problem_id for p in order} == {"s1", "s2"}  # the seats problems, not the days ones
+
+
+def test_with_a_library_gate_an_example_of_each_form_goes_to_the_gate_untried():
+    from schemas.config import DatasetConfig, LessonValidation, RunConfig
+    from tasks.trial_choice import GATE_TRIES_EXAMPLES, cluster_plan, to_try
+
+    problems = [Problem(problem_id=f"p{i}", problem=RANGE.format(a=i, b=i + 9), answer="10") for i in range(4)]
+    config = RunConfig(
+        run_id="r",
+        dataset=DatasetConfig(path="x.jsonl"),
+        learning=LearningConfig(lesson_validation=LessonValidation(enabled=True, problems=2, samples=2)),
+    )
+    lesson = Operation(op=OpKind.ADD, text="When both ends count, add one to the difference.", source_groups=["p0"])
+    plan = [lesson, example_op(0, 9, group="p0"), example_op(1, 10, group="p1")]
+    library = ExperienceLibrary()
+
+    def plan_for(gated: bool):
+        import asyncio
+
+        return asyncio.run(cluster_plan(config, 1, library, plan, problems, None, [], None, None, gated))
+
+    tried, clustered, ranked, _ = plan_for(gated=True)
+    assert list(clustered) == [2] and "goes on to the library gate" in clustered[2]  # one of a form
+    assert ranked == []  # no next member of an example cluster is tried: the gate has no second attempt
+    candidates, untested, repeats = to_try(config, library, tried, problems, [], 1, clustered=clustered, gated=True)
+    assert [c.seq for c in candidates] == [0]  # the lesson's trial as before
+    assert untested == {1: GATE_TRIES_EXAMPLES} and list(repeats) == [2]
+    _, clustered, ranked, _ = plan_for(gated=False)  # no gate: examples tried one by one, shortest first
+    assert "tried shortest first" in clustered[2] and ranked == [(1, 2)]
