@@ -16,7 +16,7 @@ and learned-minus-k-shot with 95% paired-bootstrap CIs per seed and pooled over 
 baseline's parse rate, the items each run kept by kind (lessons, examples), the tokens and wall time each
 training run cost (and tokens per point of gain), and every final lesson. Everything goes through the CLI as
 a user runs it; results land in ``--out`` (DuckDB, configs, datasets, results.json) and, with ``--report``, in
-benchmarks/REPORT.md and benchmarks/plots/learning.png.
+benchmarks/learning_runs/REPORT.md (every figure), a summary in benchmarks/REPORT.md, and benchmarks/plots/.
 
 Learners: ``same`` (the policy learns for itself: Qwen2.5-Coder-0.5B) and ``qwen2.5-coder-1.5b`` (a stronger
 learner for the same 0.5B policy, served by a second llama-server; a real configuration, e.g. an API learner
@@ -1233,6 +1233,56 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# the whole section (tables per seed, the gate's decisions, every lesson) goes beside the kept results; REPORT.md
+# gets its summary: the picture and a table of the pooled differences within its 120 characters a line
+DETAILS = ROOT / "benchmarks" / "learning_runs" / "REPORT.md"
+DETAILS_HEADING = "Learning benchmark: every figure"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- learning-summary:begin -->", "<!-- learning-summary:end -->"
+
+
+def ci2(x: dict | None) -> str:
+    """A difference with its CI to two decimals ("-" where not measured): the summary's narrow cells."""
+    return "-" if x is None else f"{x['value']:+.2f} [{x['low']:+.2f}, {x['high']:+.2f}]"
+
+
+def learner_label(learner: str) -> str:
+    """``same`` as it is, a learner model by its size (qwen2.5-coder-1.5b: 1.5B)."""
+    return learner if learner == "same" else learner.rsplit("-", 1)[-1].upper()
+
+
+def summary(results: list[dict]) -> str:
+    """benchmarks/REPORT.md's part of the section: the picture, per (family, learner) the pooled differences
+    with their 95% CIs and the verdict (every line within 120 characters), and where every figure is."""
+    lines = [
+        "![learned - none, learned - placebo, learned - k-shot and oracle lesson - none per family]"
+        "(plots/learning-glance.png)",
+        "",
+        "| family | learner | learned - none | learned - placebo | learned - k-shot | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        p = r["pooled"]
+        family = r["family"] + ("*" if r["family"] in HELD_BACK else "")
+        lines.append(
+            f"| {family} | {learner_label(r['learner'])} | {ci2(p['learned_minus_none'])} "
+            f"| {ci2(p['learned_minus_placebo'])} | {ci2(p.get('learned_minus_kshot'))} | {verdict(r)} |"
+        )
+    verdicts: dict[str, int] = {}
+    for r in results:
+        verdicts[verdict(r)] = verdicts.get(verdict(r), 0) + 1
+    lines += [
+        "",
+        "Held-out Mean@k differences pooled over the seeds, 95% paired-bootstrap CIs (`-`: not measured"
+        + ("; `*`: held back" if any(r["family"] in HELD_BACK for r in results) else "")
+        + "); learner `same`: the 0.5B policy learns for itself, else the learner model's size. Verdicts over the "
+        f"{len(results)} rows: "
+        + "; ".join(f"{name}: {n}" for name, n in verdicts.items())
+        + ". Per seed, the gate's decisions, every lesson, the oracle lessons, the commands and what each cost: "
+        "[learning_runs/REPORT.md](learning_runs/REPORT.md).",
+    ]
+    return "\n".join(lines)
+
+
 # --- lesson trials against the gate alone, from the kept results ---------------------------------------------
 TRIALS_BEGIN, TRIALS_END = "<!-- learning-trials:begin -->", "<!-- learning-trials:end -->"
 
@@ -1311,7 +1361,7 @@ def start_servers(s: Settings) -> tuple[list[LlamaServer], dict[str, tuple[str, 
 
 @dataclass(frozen=True)
 class Mode:
-    report: bool  # write benchmarks/REPORT.md
+    report: bool  # write benchmarks/learning_runs/REPORT.md and the summary in benchmarks/REPORT.md
     compare_trials: bool  # run nothing: the kept results with and without lesson trials
 
 
@@ -1385,12 +1435,16 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, Mode]:
         "on another machine too, continues from there)",
     )
     ap.add_argument("--cache-dir")
-    ap.add_argument("--report", action="store_true", help="write the results into benchmarks/REPORT.md and the plot")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="write the results into benchmarks/learning_runs/REPORT.md, their summary into REPORT.md, the plots",
+    )
     ap.add_argument(
         "--compare-trials",
         action="store_true",
         help="run nothing: the kept results with lesson trials and with the gate alone side by side (with --report: "
-        "into benchmarks/REPORT.md)",
+        "into benchmarks/learning_runs/REPORT.md)",
     )
     a = ap.parse_args(argv)
     if a.train > 50:
@@ -1491,7 +1545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table)
         if report:
             block = f"{TRIALS_BEGIN}\n{table}\n{TRIALS_END}"
-            write_block(block, TRIALS_BEGIN, TRIALS_END, "What the learning checks cost")
+            write_block(block, TRIALS_BEGIN, TRIALS_END, "What the learning checks cost", DETAILS)
         return 0
     if s.kshot and not examples_readable():
         raise SystemExit(
@@ -1526,13 +1580,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         glance_plot(every, ROOT / "benchmarks" / "plots" / "learning-glance.png")
         plot(every, ROOT / "benchmarks" / "plots" / "learning.png")
         body = (
-            "![learned - none and learned - placebo per family](plots/learning-glance.png)\n\n"
+            "![learned - none and learned - placebo per family](../plots/learning-glance.png)\n\n"
             + section
-            + "\n\n![held-out Mean@k per condition](plots/learning.png)"
+            + "\n\n![held-out Mean@k per condition](../plots/learning.png)"
         )
-        block = f"{REPORT_BEGIN}\n{body}\n{REPORT_END}"
+        write_block(f"{REPORT_BEGIN}\n{body}\n{REPORT_END}", REPORT_BEGIN, REPORT_END, DETAILS_HEADING, DETAILS)
         heading = "Learning quality: held-out accuracy with a learned library, none and a placebo"
-        write_block(block, REPORT_BEGIN, REPORT_END, heading)
+        write_block(f"{SUMMARY_BEGIN}\n{summary(every)}\n{SUMMARY_END}", SUMMARY_BEGIN, SUMMARY_END, heading)
     return 0
 
 

@@ -319,12 +319,16 @@ def report_text(figures: dict[str, Any]) -> str:
             f"| {cells[0]} | {cells[1]} |"
         )
 
-    head = (
-        "| {} | wall s | no request in flight s | replay s (the ceiling) | saturation | policy tokens/s: run / "
-        "replay | learner tokens/s: run / replay |"
-    )
+    head = "| {} | wall s | idle s | ceiling s | saturation | policy tokens/s, run / replay | learner, run / replay |"
     rule = "| --- | --- | --- | --- | --- | --- | --- |"
-    lines = [REPORT_BEGIN, head.format("training stage"), rule]
+    lines = [
+        REPORT_BEGIN,
+        "Idle s: no request in flight on either server; ceiling s: the replay of the same requests on a fresh server, "
+        "all at once (its time is what the engine needs for the work); saturation = ceiling / wall.",
+        "",
+        head.format("training stage"),
+        rule,
+    ]
     lines += [row(st) for st in figures["stages"]]
     training = figures["phases"][0]
     lines += [

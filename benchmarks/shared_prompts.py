@@ -43,7 +43,10 @@ from schemas.config import ModelConfig  # noqa: E402
 from schemas.records import Problem  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "shared_prompts_runs"
-BEGIN, END = "<!-- shared-prompts:begin -->", "<!-- shared-prompts:end -->"
+BEGIN, END = "<!-- shared-prompts:begin -->", "<!-- shared-prompts:end -->"  # the summary, in benchmarks/REPORT.md
+# every run, beside the runs' JSON files
+RUNS_REPORT = RUNS / "REPORT.md"
+RUNS_BEGIN, RUNS_END = "<!-- shared-prompts-runs:begin -->", "<!-- shared-prompts-runs:end -->"
 
 
 def workloads(opts: DemoOptions) -> list[tuple[str, list[Problem], int]]:
@@ -162,22 +165,19 @@ def paired(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> str:
-    rows = [
-        f"| {mode(r)} | {name} | {s['requests']} | {s['wall_s']:.1f} | {s['tokens_per_s']:.1f} | "
-        f"{s['busy_slots_mean']:.1f} |"
-        for r in runs
-        for name, s in r["stages"].items()
-    ]
-    lines = [
-        BEGIN,
+def setup_line(runs: list[dict[str, Any]], cpu: str) -> str:
+    return (
         f"`python benchmarks/shared_prompts.py --report` on {cpu}: the demo's rollouts (10 problems x G=4) "
         f"and evaluation (20 x k=2), {runs[0]['tokens_per_sample']} tokens generated per sample, a fresh "
-        f"llama-server per run ({POLICY_SLOTS} slots, Qwen2.5-Coder-0.5B, 8 requests in flight); runs in order:",
-        "",
-        "| mode | workload | requests | wall s | generated tokens/s | busy slots (mean of 8) |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        f"llama-server per run ({POLICY_SLOTS} slots, Qwen2.5-Coder-0.5B, 8 requests in flight)"
+    )
+
+
+def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> str:
+    """benchmarks/REPORT.md's block: the means of the runs and the paired differences (every run: runs_block)."""
+    lines = [
+        BEGIN,
+        setup_line(runs, cpu) + "; means over the runs:",
         "",
         "| mode / workload (mean of runs) | runs | wall s | generated tokens/s | busy slots |",
         "|---|---|---|---|---|",
@@ -195,8 +195,29 @@ def report_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> st
             for name, p in paired(runs).items()
         ],
         "",
-        "Raw figures: " + ", ".join(f"benchmarks/shared_prompts_runs/{name}" for name in sources) + ".",
+        "Raw figures (benchmarks/shared_prompts_runs/): " + ", ".join(sources) + "; every run in order: "
+        "[shared_prompts_runs/REPORT.md](shared_prompts_runs/REPORT.md).",
         END,
+    ]
+    return "\n".join(lines)
+
+
+def runs_block(runs: list[dict[str, Any]], cpu: str, sources: list[str]) -> str:
+    """The companion file's block (shared_prompts_runs/REPORT.md): every run, in the order run."""
+    rows = [
+        f"| {mode(r)} | {name} | {s['requests']} | {s['wall_s']:.1f} | {s['tokens_per_s']:.1f} | "
+        f"{s['busy_slots_mean']:.1f} |"
+        for r in runs
+        for name, s in r["stages"].items()
+    ]
+    lines = [
+        RUNS_BEGIN,
+        setup_line(runs, cpu) + "; runs in order (raw figures: " + ", ".join(sources) + "):",
+        "",
+        "| mode | workload | requests | wall s | generated tokens/s | busy slots (mean of 8) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        RUNS_END,
     ]
     return "\n".join(lines)
 
@@ -205,7 +226,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2, help="runs per mode, alternating (default 2)")
     ap.add_argument("--tokens", type=int, default=120, help="tokens each sample generates (default 120)")
-    ap.add_argument("--report", action="store_true", help="write the figures into benchmarks/REPORT.md")
+    ap.add_argument(
+        "--report", action="store_true", help="write the figures into benchmarks/REPORT.md and shared_prompts_runs/"
+    )
     ap.add_argument("--cache-dir", default=None, help="models and engine cache (default ~/.cache/clgrpo)")
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="report stored runs (shared_prompts_runs/*.json)")
     args = ap.parse_args()
@@ -225,6 +248,8 @@ def main() -> None:
     if args.report:
         heading = "Shared prompts: a problem's samples in one request"
         write_block(report_block(runs, cpu, sources), BEGIN, END, heading)
+        heading = "Shared prompts: every run"
+        write_block(runs_block(runs, cpu, sources), RUNS_BEGIN, RUNS_END, heading, RUNS_REPORT)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
