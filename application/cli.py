@@ -25,10 +25,10 @@ from pydantic import ValidationError
 from clgrpo import leftovers, stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
-from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff, item_text
 from clgrpo.models import ModelError
+from clgrpo.promotion import failing_summary
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
@@ -917,7 +917,7 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
-    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.gate.failing_summary``)."""
+    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.promotion.failing_summary``)."""
     gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
     failing = f", failing tags: {failing_tags}" if failing_tags else ""
     print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain}{failing})")

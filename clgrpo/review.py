@@ -14,7 +14,6 @@ Prefect-free: the flow (``flows.refresh_review``) builds its suspend form from `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
+from clgrpo.promotion import Assessment
 from clgrpo.store import Store, StoreError, parse_library_ref
 from clgrpo.usefulness import describe as describe_stat
 from clgrpo.usefulness import measured as usefulness_measured
@@ -359,21 +359,11 @@ def _trials_by_step(store: Store, run_id: str) -> list[tuple[int, LessonTrial]]:
     return list(zip(frame["step"].tolist(), store.records(LessonTrial, run_id)))
 
 
-@dataclass(frozen=True)
-class ServedCheck:
-    """The measurement of the library a review leaves when it is not the candidate as proposed (edits or
-    rejections): the same held-out comparison and gate the candidate passed, against the same baseline."""
-
-    passed: bool
-    reasons: list[str]  # the served library's numbers and the gate's verdict, in words
-    fields: dict[str, Any]  # the decision's numbers for the served library (eval_id, values, diff, CI)
-
-
 def _outcome(
     request: ReviewRequest,
     decisions: Sequence[ReviewDecision],
     library_ref: str | None,
-    check: ServedCheck | None = None,
+    check: Assessment | None = None,
 ) -> RefreshDecision:
     counts = {k: sum(d.decision == k for d in decisions) for k in ("approve", "edit", "reject", "refused_edit")}
     summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
@@ -438,7 +428,7 @@ def finish(
     decisions: Sequence[ReviewDecision],
     folder: Path,
     served: tuple[ExperienceLibrary, str, bool] | None,
-    check: ServedCheck | None = None,
+    check: Assessment | None = None,
     *,
     released: bool = False,
 ) -> RefreshDecision:
