@@ -217,7 +217,7 @@ def failed_items(r: Any) -> int:
 
 def cmd_library_show(args: argparse.Namespace) -> int:
     from clgrpo.quality import describe_quality
-    from clgrpo.usefulness import NOT_MEASURED, describe, measured
+    from clgrpo.usefulness import NOT_MEASURED, describe_stat, measured
 
     run_id, version = parse_library_ref(args.ref)
     with _open(_db(args, args.ref)) as store:
@@ -241,7 +241,7 @@ def cmd_library_show(args: argparse.Namespace) -> int:
         if e.example is not None:
             print(textwrap.indent(e.text, "      | "))
         if e.id in stats:
-            print(f"      {describe(stats[e.id])}")
+            print(f"      {describe_stat(stats[e.id])}")
     return 0
 
 
@@ -987,7 +987,7 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
     if adoptions:
         print("served library (promoted.json):")
         for a in adoptions:
-            print(f"  {adopt.describe(a)}")
+            print(f"  {adopt.describe_adoption(a)}")
     return 0
 
 

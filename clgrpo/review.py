@@ -24,7 +24,7 @@ from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
 from clgrpo.promotion import Assessment
 from clgrpo.store import Store, StoreError, parse_library_ref
-from clgrpo.usefulness import describe as describe_stat
+from clgrpo.usefulness import describe_stat
 from clgrpo.usefulness import measured as usefulness_measured
 from schemas.records import (
     Experience,
