@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tasks.preflight import check_run
 
     refuse_if_running(config.db_path, "train", run_id)  # the flow takes the run lock itself
-    config = stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    config = stopping.run_command(check_run(config))  # seconds, before Prefect starts: user errors end here
     identity_line = check_identity(config, args.accept_model_change)  # a changed model: refused here
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(run_id))
@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(identity_line)
         if line := rollout_mode_line(config):
             print(line)
-        result = stopping.run(train(config, preflight=False, accept_model_change=args.accept_model_change))
+        result = stopping.run_command(train(config, preflight=False, accept_model_change=args.accept_model_change))
     print_steps(result)
     for line in result.gate:
         print(line)
@@ -810,14 +810,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _check_runs_in(config.db_path, refs)
     evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config, evaluation.dataset, "--dataset")
-    config = stopping.run(check_policy(config))  # with what the endpoint states of its model
+    config = stopping.run_command(check_policy(config))  # with what the endpoint states of its model
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(None))  # the same evaluation id: finished samples are read back
     _prefect_defaults()
     from flows.evaluate import evaluate
 
     with session(config.db_path, args.eval_id or default_run_id("eval")):
-        outcome = stopping.run(
+        outcome = stopping.run_command(
             evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset, fresh=args.fresh)
         )
     print_evaluation(outcome)
@@ -944,7 +944,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     from flows.refresh import refresh, work_dir
 
     with session(config.training.db_path, f"refresh-{config.name}"):
-        decision = stopping.run(refresh(config, as_of=as_of))
+        decision = stopping.run_command(refresh(config, as_of=as_of))
     print_decision(decision)
     if decision.promoted:
         print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
@@ -1150,7 +1150,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     from flows.refresh import apply_review
 
     with RunLock(db, "refresh", request.name), session(db, f"review-{request.refresh_id}"):
-        decision = stopping.run(apply_review(config, request.refresh_id, form))
+        decision = stopping.run_command(apply_review(config, request.refresh_id, form))
     print_decision(decision)
     return 0
 
@@ -1355,7 +1355,7 @@ def worded_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
+    stopping.install_handlers()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
     from application.terminal import last_log
