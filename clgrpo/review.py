@@ -422,7 +422,7 @@ def reviewed_version(
     return library, f"{request.refresh_id}-review:{library.version}", False
 
 
-def finish(
+def close_review(
     store: Store,
     request: ReviewRequest,
     decisions: Sequence[ReviewDecision],
@@ -467,7 +467,9 @@ def conclude(
     decision, without measuring a reviewed version (timeouts, tests; ``flows.refresh_review.finish_review``
     measures). Run again with the same decisions, it does the same (the promotion is kept once)."""
     store_decisions(store, request, decisions)
-    return finish(store, request, decisions, folder, reviewed_version(store, request, decisions), released=released)
+    return close_review(
+        store, request, decisions, folder, reviewed_version(store, request, decisions), released=released
+    )
 
 
 def timeout_reason(request: ReviewRequest, released: bool = False) -> str:

@@ -32,11 +32,11 @@ from clgrpo.review import (
     answer_form,
     answers_from,
     changes_between,
+    close_review,
     conclude,
     decide_all,
     describe_decision,
     field_name,
-    finish,
     library_at,
     review_sources,
     reviewed_version,
@@ -198,7 +198,7 @@ async def finish_review(
         served = reviewed_version(store, request, decisions)
     check = await assess(served[1]) if served is not None and not served[2] else None
     with Store(config.training.db_path) as store:
-        decision = finish(store, request, decisions, folder, served, check)
+        decision = close_review(store, request, decisions, folder, served, check)
     await publish_outcome(request, decisions, decision)
     get_run_logger().info("refresh %s: review answered, %s", request.refresh_id, decision.status)
     return decision
