@@ -25,10 +25,10 @@ from pydantic import ValidationError
 from clgrpo import leftovers, stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.errors import error_line
-from clgrpo.gate import failing_summary
 from clgrpo.leakage import LeakageError
 from clgrpo.library import LibraryFormatError, describe_operation, diff, item_text
 from clgrpo.models import ModelError
+from clgrpo.promotion import failing_summary
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.state import remember_db, resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tasks.preflight import check_run
 
     refuse_if_running(config.db_path, "train", run_id)  # the flow takes the run lock itself
-    config = stopping.run(check_run(config))  # seconds, before Prefect starts: user errors end here
+    config = stopping.run_command(check_run(config))  # seconds, before Prefect starts: user errors end here
     identity_line = check_identity(config, args.accept_model_change)  # a changed model: refused here
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(run_id))
@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(identity_line)
         if line := rollout_mode_line(config):
             print(line)
-        result = stopping.run(train(config, preflight=False, accept_model_change=args.accept_model_change))
+        result = stopping.run_command(train(config, preflight=False, accept_model_change=args.accept_model_change))
     print_steps(result)
     for line in result.gate:
         print(line)
@@ -217,7 +217,7 @@ def failed_items(r: Any) -> int:
 
 def cmd_library_show(args: argparse.Namespace) -> int:
     from clgrpo.quality import describe_quality
-    from clgrpo.usefulness import NOT_MEASURED, describe, measured
+    from clgrpo.usefulness import NOT_MEASURED, describe_stat, measured
 
     run_id, version = parse_library_ref(args.ref)
     with _open(_db(args, args.ref)) as store:
@@ -241,7 +241,7 @@ def cmd_library_show(args: argparse.Namespace) -> int:
         if e.example is not None:
             print(textwrap.indent(e.text, "      | "))
         if e.id in stats:
-            print(f"      {describe(stats[e.id])}")
+            print(f"      {describe_stat(stats[e.id])}")
     return 0
 
 
@@ -810,14 +810,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _check_runs_in(config.db_path, refs)
     evaluation, train_dataset = _eval_settings(args, config)
     check_dataset(config, evaluation.dataset, "--dataset")
-    config = stopping.run(check_policy(config))  # with what the endpoint states of its model
+    config = stopping.run_command(check_policy(config))  # with what the endpoint states of its model
     remember_db(config.db_path)
     stopping.set_resume_hint(resume_command(None))  # the same evaluation id: finished samples are read back
     _prefect_defaults()
     from flows.evaluate import evaluate
 
     with session(config.db_path, args.eval_id or default_run_id("eval")):
-        outcome = stopping.run(
+        outcome = stopping.run_command(
             evaluate(config, evaluation, refs, eval_id=args.eval_id, train_dataset=train_dataset, fresh=args.fresh)
         )
     print_evaluation(outcome)
@@ -917,7 +917,7 @@ def _add_evaluation_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
-    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.gate.failing_summary``)."""
+    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.promotion.failing_summary``)."""
     gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
     failing = f", failing tags: {failing_tags}" if failing_tags else ""
     print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain}{failing})")
@@ -944,7 +944,7 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
     from flows.refresh import refresh, work_dir
 
     with session(config.training.db_path, f"refresh-{config.name}"):
-        decision = stopping.run(refresh(config, as_of=as_of))
+        decision = stopping.run_command(refresh(config, as_of=as_of))
     print_decision(decision)
     if decision.promoted:
         print(f"promoted library: {work_dir(config) / 'promoted.json'} (also .seed.json and .txt)")
@@ -987,7 +987,7 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
     if adoptions:
         print("served library (promoted.json):")
         for a in adoptions:
-            print(f"  {adopt.describe(a)}")
+            print(f"  {adopt.describe_adoption(a)}")
     return 0
 
 
@@ -1150,7 +1150,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     from flows.refresh import apply_review
 
     with RunLock(db, "refresh", request.name), session(db, f"review-{request.refresh_id}"):
-        decision = stopping.run(apply_review(config, request.refresh_id, form))
+        decision = stopping.run_command(apply_review(config, request.refresh_id, form))
     print_decision(decision)
     return 0
 
@@ -1355,7 +1355,7 @@ def worded_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stopping.install()  # SIGTERM, SIGINT and SIGHUP end every command the same way
+    stopping.install_handlers()  # SIGTERM, SIGINT and SIGHUP end every command the same way
     args = build_parser().parse_args(argv)
     leftovers.on_command_start()  # sweep what killed clgrpo processes left; mark this one's children
     from application.terminal import last_log

@@ -413,11 +413,11 @@ def _run_flows(
     try:
         out(f"running the Prefect flow 'train' (run id {config.run_id}) ...")
         t0 = time.monotonic()
-        result = stopping.run(train(config))
+        result = stopping.run_command(train(config))
         seconds["train"] = time.monotonic() - t0
         out(f"running the Prefect flow 'evaluate' on {opts.heldout} held-out problems: no library vs learned ...")
         t0 = time.monotonic()
-        evaluation = stopping.run(
+        evaluation = stopping.run_command(
             evaluate(
                 config,
                 eval_settings(opts, datasets),

@@ -63,7 +63,7 @@ class ServerCrashed(ServerError):
 
 
 @dataclass(frozen=True)
-class Engine:
+class LlamaEngine:
     """A llama-server binary and the arguments this machine needs for it (from its smoke test)."""
 
     binary: Path
@@ -76,19 +76,19 @@ class Engine:
 
 
 # --- which engine, and whether this machine can trust it -------------------------------------------------
-def find_engine(cache: str | os.PathLike[str] | None = None) -> Engine | None:
+def find_engine(cache: str | os.PathLike[str] | None = None) -> LlamaEngine | None:
     """``$CLGRPO_LLAMA_SERVER``, else the built engine in the cache, else None; with what this machine's smoke
     test chose, if it ran (no test here: see ``ensure_engine``). One that failed its test here is refused."""
     own = os.environ.get(BINARY_ENV)
     if own:
         if not Path(own).is_file():
             raise ServerError(f"{BINARY_ENV}={own}: no such file")
-        engine = Engine(Path(own), source=f"${BINARY_ENV}")
+        engine = LlamaEngine(Path(own), source=f"${BINARY_ENV}")
     else:
         built = built_binary(cache)
         if built is None:
             return None
-        engine = Engine(built)
+        engine = LlamaEngine(built)
     verdict = _verdicts(cache).get(_trust_key(engine))
     if verdict is None:
         return engine
@@ -98,7 +98,7 @@ def find_engine(cache: str | os.PathLike[str] | None = None) -> Engine | None:
             f"{verdict.get('checked_at', '?')}; rebuild with `clgrpo model build-server --force`, or use "
             f"--engine transformers)"
         )
-    return Engine(engine.binary, tuple(verdict.get("args", ())), engine.source)
+    return LlamaEngine(engine.binary, tuple(verdict.get("args", ())), engine.source)
 
 
 def ensure_engine(
@@ -107,7 +107,7 @@ def ensure_engine(
     log: Log = print,
     build: bool = True,
     smoke_model: Path | None = None,
-) -> Engine:
+) -> LlamaEngine:
     """The engine this machine can trust: found or (``build``) built, and smoke-tested here once. A ServerError
     when there is none: not built, cannot be built, or it failed here (now or before)."""
     engine = find_engine(cache)
@@ -142,7 +142,7 @@ def machine_key() -> str:
     return hashlib.sha256(f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:16]
 
 
-def _trust_key(engine: Engine) -> str:
+def _trust_key(engine: LlamaEngine) -> str:
     """The engine's identity (its file's size and time: a rebuild is a new engine) and this machine."""
     try:
         info = engine.binary.stat()
@@ -174,7 +174,7 @@ def _remember(cache: str | os.PathLike[str] | None, key: str, verdict: dict[str,
 
 
 def _smoke_test(
-    engine: Engine, cache: str | os.PathLike[str] | None, log: Log, smoke_model: Path | None
+    engine: LlamaEngine, cache: str | os.PathLike[str] | None, log: Log, smoke_model: Path | None
 ) -> dict[str, Any]:
     """Load the tiny model and answer one completion, as built and then along ``SMOKE_LADDER``; the verdict."""
     if smoke_model is None:
@@ -196,7 +196,9 @@ def _smoke_test(
     return {"ok": False, "reason": "; ".join(failures), "checked_at": stamp}
 
 
-def _smoke_once(engine: Engine, extra: tuple[str, ...], gguf: Path, cache: str | os.PathLike[str] | None) -> str | None:
+def _smoke_once(
+    engine: LlamaEngine, extra: tuple[str, ...], gguf: Path, cache: str | os.PathLike[str] | None
+) -> str | None:
     name = "-".join(a.lstrip("-") for a in extra) or "as-built"
     log_path = cache_root(cache) / "bin" / f"llama-server-smoke-test-{name}.log"  # one per attempt: both kept
     server = LlamaServer(
@@ -204,7 +206,7 @@ def _smoke_once(engine: Engine, extra: tuple[str, ...], gguf: Path, cache: str |
         "smoke-test",
         slots=1,
         context_per_slot=1024,
-        engine=Engine(engine.binary, extra, engine.source),
+        engine=LlamaEngine(engine.binary, extra, engine.source),
         log_path=log_path,
         ready_timeout_s=SMOKE_TIMEOUT_S,
     )
@@ -259,7 +261,7 @@ class LlamaServer:
     cache: str | os.PathLike[str] | None = None
     log_path: Path | None = None  # the server's own output (default: a file next to the engine)
     extra_args: list[str] = field(default_factory=list)
-    engine: Engine | None = None  # None: find_engine(cache)
+    engine: LlamaEngine | None = None  # None: find_engine(cache)
     ready_timeout_s: float = READY_TIMEOUT_S
     process: subprocess.Popen | None = field(default=None, init=False)
 
@@ -267,7 +269,7 @@ class LlamaServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def command(self, engine: Engine) -> list[str]:
+    def command(self, engine: LlamaEngine) -> list[str]:
         threads = self.threads or len(os.sched_getaffinity(0))
         return [
             str(engine.binary),

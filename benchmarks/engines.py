@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from application.llama_build import built_binary  # noqa: E402
-from application.llama_server import Engine, LlamaServer, free_port  # noqa: E402
+from application.llama_server import LlamaEngine, LlamaServer, free_port  # noqa: E402
 from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
 
 XLLAMACPP = "2026.10.11549"
@@ -149,7 +149,7 @@ def main() -> None:
         chosen = args.variants.split(",") if args.variants else [v for v in folders if v != "x64"]
         for variant in chosen:
             copy = folders[variant]
-            server = LlamaServer(gguf, "m", slots=8, threads=args.threads, engine=Engine(copy))
+            server = LlamaServer(gguf, "m", slots=8, threads=args.threads, engine=LlamaEngine(copy))
             with server:
                 results[f"llama-server ({variant} kernels)"] = asyncio.run(
                     throughput(server.base_url, args.requests, args.concurrency, args.max_tokens)

@@ -235,11 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu0 = [cpu_seconds(p) for p in engine_pids], flows_cpu_seconds(engine_pids), time.monotonic()
         machine0 = machine_busy_seconds()
         t0 = time.time()
-        stopping.run(train(config))
+        stopping.run_command(train(config))
         phases.append(("training", t0, time.time()))
         if not args.no_eval:
             t0 = time.time()
-            stopping.run(
+            stopping.run_command(
                 evaluate(
                     config,
                     eval_settings(opts, datasets),

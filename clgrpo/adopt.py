@@ -193,7 +193,7 @@ def rollback(store: Store, name: str, actor: str, to_version: int | None = None,
     )
 
 
-def describe(a: LibraryAdoption) -> str:
+def describe_adoption(a: LibraryAdoption) -> str:
     """One line: ``2026-11-22 02:14 promote v2 (from v1) nightly-2026-11-22-train:2 by refresh: reason``."""
     change = f"v{a.version}" + (f" (from v{a.from_version})" if a.from_version else "")
     reason = f": {a.reason}" if a.reason else ""

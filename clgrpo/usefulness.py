@@ -100,7 +100,7 @@ def measured(config: RunConfig) -> bool:
     return config.learning.summarize
 
 
-def describe(stat: ExperienceStat) -> str:
+def describe_stat(stat: ExperienceStat) -> str:
     """One line for ``library show`` and the report."""
     if not stat.cited:
         return "never cited yet"

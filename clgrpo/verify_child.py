@@ -58,7 +58,7 @@ def child_init(events: Any) -> None:
     """Pool initializer: import and warm up math-verify, install the CPU-budget handler, tell the parent."""
     ChildState.events = events
     try:
-        warm_up()
+        preload_verifier()
         signal.signal(signal.SIGPROF, _on_cpu_budget)
     except BaseException as exc:
         events.put(("failed", os.getpid(), f"{type(exc).__name__}: {exc}"))
@@ -66,7 +66,7 @@ def child_init(events: Any) -> None:
     events.put(("ready", os.getpid(), None))
 
 
-def warm_up() -> None:
+def preload_verifier() -> None:
     """Import math-verify and load its LaTeX parser before the first real item."""
     import math_verify.grader
     import math_verify.parser

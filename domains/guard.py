@@ -18,8 +18,8 @@ to the model ("you must", "never mention", "do not reveal") and bare numeric ans
 204"); ``off`` lets everything through (only the library's own length and id rules remain).
 
 Matching runs on a normalized copy of the text (Unicode NFKC, invisible characters removed, Cyrillic and Greek
-look-alike letters mapped to Latin, typographic quotes and dashes made plain, whitespace collapsed) and on a
-"joined" copy (letters spelled out one by one, ``snake_case`` and simple digit-for-letter spellings put back
+look-alike letters mapped to Latin, typographic quotes and dashes made plain, whitespace collapsed) and on
+a deobfuscated copy (letters spelled out one by one, ``snake_case`` and simple digit-for-letter spellings put back
 together), so casing, spacing, punctuation and look-alike variants of a pattern match too.
 """
 
@@ -339,7 +339,7 @@ def normalize(text: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def joined(text: str) -> str:
+def deobfuscated(text: str) -> str:
     """``normalize``'d text with obfuscations undone: letters spelled out one by one put together
     ("i g n o r e" -> "ignore"), separators inside words removed ("ign_ore" -> "ignore") and digits that
     stand for letters inside words read as letters ("1gn0re" -> "ignore")."""
@@ -547,7 +547,7 @@ class LessonGuard:
     # --- the three families ----------------------------------------------------------------------------------
     def _unsafe(self, text: str, labels: AbstractSet[str] | None = None) -> str | None:
         plain = normalize(text)
-        variants = dict.fromkeys([plain, joined(plain)])
+        variants = dict.fromkeys([plain, deobfuscated(plain)])
         patterns = [p for p in self.patterns if labels is None or p.label in labels]
         for variant in variants:
             for pattern in patterns:

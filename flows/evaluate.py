@@ -176,7 +176,7 @@ def dataset_label(cfg: DatasetConfig) -> str:
     return cfg.path or f"{cfg.hf_name}:{cfg.hf_split}"
 
 
-def load_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
+def load_domain_problems(config: RunConfig, dataset: DatasetConfig) -> list[Problem]:
     problems, report = domain_for(config).load_dataset(dataset)
     if report.n_duplicates_dropped:
         get_run_logger().warning(
@@ -552,7 +552,7 @@ class Validator:
         if config.validation is None:
             raise EvaluationError("validation is not configured")
         self.config, self.evaluation, self.store = config, config.validation, store
-        self.problems = load_problems(config, config.validation.dataset)
+        self.problems = load_domain_problems(config, config.validation.dataset)
         self.leakage = guard_leakage(train_problems, self.problems, config.validation)
 
     def due(self, step: int, last_step: int) -> bool:
@@ -615,14 +615,14 @@ def _training_problems(
 ) -> list[Problem] | None:
     """The explicit training set, else the training set of the first evaluated run; None if neither."""
     if train_dataset is not None:
-        return load_problems(config, train_dataset)
+        return load_domain_problems(config, train_dataset)
     log = get_run_logger()
     for c in conditions:
         ref = split_condition(c.ref)[1]
         run_id = ref.partition(":")[0]
         if ref != NO_LIBRARY and not Path(ref).is_file() and store.is_run(run_id):
             try:
-                return load_problems(config, store.run_config(run_id).dataset)
+                return load_domain_problems(config, store.run_config(run_id).dataset)
             except (OSError, ValueError) as exc:
                 log.warning(
                     "leakage guard: cannot load the training set of run %r (%s); pass --train-dataset", run_id, exc
@@ -714,7 +714,7 @@ async def _evaluate(
     with Store(config.db_path) as store:
         config = resolve_policy_adapter(config, store)  # policy.adapter RUN:STEP -> its folder, checked
         conditions = resolve_conditions(store, libraries, config.policy)
-        problems = load_problems(config, evaluation.dataset)
+        problems = load_domain_problems(config, evaluation.dataset)
         train = _training_problems(store, config, conditions, train_dataset)
         if shown := example_problems(conditions):  # a worked example's problem counts as trained on
             train = [*(train or []), *shown]

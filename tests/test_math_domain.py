@@ -24,7 +24,7 @@ from domains.math import (
     normalize_problem_text,
     rollout_messages,
 )
-from domains.math.verify import verify, verify_batch
+from domains.math.verify import verify_batch, verify_output
 from schemas.config import DatasetConfig
 from schemas.records import Problem
 
@@ -347,9 +347,9 @@ def test_verify_empty_and_garbage_outputs() -> None:
 
 
 def test_verify_single_and_latex_answers() -> None:
-    assert verify("so $x = \\frac{1}{2}$", "0.5").reward == 1.0
-    assert verify("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}").reward == 1.0
-    result = verify("\\boxed{3}", "4")
+    assert verify_output("so $x = \\frac{1}{2}$", "0.5").reward == 1.0
+    assert verify_output("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}").reward == 1.0
+    result = verify_output("\\boxed{3}", "4")
     assert result == VerifyResult(0.0, "3", None) and result.verified
 
 
@@ -357,13 +357,13 @@ def test_verify_from_worker_threads() -> None:
     """The reason for the subprocess design: math-verify's signal-based timeouts fail outside the main thread."""
     items = [(f"The answer is \\boxed{{{n}}}", str(n)) for n in range(12)] + [("The answer is 3", "4")]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        singles = list(pool.map(lambda item: verify(*item), items))
+        singles = list(pool.map(lambda item: verify_output(*item), items))
         batches = list(pool.map(verify_batch, [items[:6], items[6:]]))
     assert [r.reward for r in singles] == [1.0] * 12 + [0.0]
     assert [r.reward for batch in batches for r in batch] == [1.0] * 12 + [0.0]
 
     box: list[VerifyResult] = []
-    thread = threading.Thread(target=lambda: box.append(verify("\\boxed{204}", "204")))
+    thread = threading.Thread(target=lambda: box.append(verify_output("\\boxed{204}", "204")))
     thread.start()
     thread.join(timeout=30)
     assert box == [VerifyResult(1.0, "204", None)]
@@ -388,13 +388,13 @@ def test_timeout_kills_the_pool_and_the_next_call_works(monkeypatch: pytest.Monk
     (result,) = verify_batch([("\\boxed{1}", "1")], timeout_s=0.5, worker=_slow_worker)
     assert time.monotonic() - start < 10
     assert result.verified is False and "timeout" in (result.error or "")
-    assert verify("\\boxed{1.0}", "1") == VerifyResult(1.0, "1.0", None, verified=True)  # graded in the pool
+    assert verify_output("\\boxed{1.0}", "1") == VerifyResult(1.0, "1.0", None, verified=True)  # graded in the pool
 
 
 def test_queueing_behind_other_threads_is_not_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short item queued behind another thread's long batch waits longer than its limit, yet is not hung."""
     monkeypatch.setattr(verify_mod, "DEADLINE_MARGIN_S", 0.2)
-    verify("\\boxed{1.0}", "1")  # pool started before the clock matters
+    verify_output("\\boxed{1.0}", "1")  # pool started before the clock matters
     long_batch = [(f"a{n}", "1") for n in range(30)]  # 0.1 s each: 3 s on one child, 1.5 s on two
     with ThreadPoolExecutor(max_workers=2) as pool:
         first = pool.submit(verify_batch, long_batch, 0.3, _sleepy_worker)
@@ -491,10 +491,10 @@ SLOW_PATH_CASES = [  # not decided by the integer rule: math-verify grades them
 
 @pytest.mark.parametrize("output, answer", INTEGER_CASES)
 def test_integer_answers_are_graded_without_a_child_exactly_as_math_verify_grades_them(output, answer):
-    from clgrpo.verify_child import warm_up
+    from clgrpo.verify_child import preload_verifier
     from domains.math.verify import _grade_one, integer_answer
 
-    warm_up()  # in this process too: math-verify loaded, its no-timeout notice silenced as in the children
+    preload_verifier()  # in this process too: math-verify loaded, its no-timeout notice silenced as in the children
     fast, slow = integer_answer(output, answer), _grade_one(output, answer, 5.0)
     assert fast is not None and fast.verified
     assert (fast.reward, fast.extracted) == (slow.reward, slow.extracted), (fast, slow)

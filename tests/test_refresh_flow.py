@@ -15,7 +15,7 @@ from clgrpo.state import remember_db
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
-from flows.refresh import decide, refresh, refresh_date
+from flows.refresh import overall_verdict, refresh, refresh_date
 from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
 
@@ -219,7 +219,7 @@ def test_promotion_needs_the_ci_lower_bound_above_the_margin(ci_low, margin, pro
         ci_level=0.9,
         n_problems=30,
     )
-    decision, reason = decide(comparison, margin)
+    decision, reason = overall_verdict(comparison, margin)
     assert decision is promoted
     assert reason.startswith("Pass@k 0.400 -> 0.500 on 30 held-out problems: gain +0.100, 90% CI")
     assert ("is above the margin" in reason) is promoted

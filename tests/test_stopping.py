@@ -17,7 +17,7 @@ PROGRAM = textwrap.dedent("""
     import asyncio, sys
     from clgrpo import stopping
 
-    stopping.install()
+    stopping.install_handlers()
     stopping.set_resume_hint("clgrpo train --run-id r")
     mode = sys.argv[1]
 
@@ -44,7 +44,7 @@ PROGRAM = textwrap.dedent("""
             import time
             time.sleep(30)
         else:
-            stopping.run(work())
+            stopping.run_command(work())
     except stopping.Stopped as exc:
         print(f"error: {stopping.stop_line(exc.signum)}", file=sys.stderr)
         sys.exit(stopping.exit_code(exc.signum))

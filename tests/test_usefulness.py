@@ -1,7 +1,7 @@
 """Usefulness and confidence per experience (clgrpo/usefulness.py): which ids a summary cites, and the Beta
 posterior over the citing attempts' outcomes."""
 
-from clgrpo.usefulness import cited_ids, confidence, describe, step_stats
+from clgrpo.usefulness import cited_ids, confidence, describe_stat, step_stats
 from schemas.records import ExperienceStat, GroupAdvantage, Reward, Summary
 
 
@@ -54,5 +54,5 @@ def test_step_stats_add_the_steps_citations_to_the_surviving_ids():
         3,
     )
     assert (stats["E2"].cited, stats["E2"].cited_wrong) == (1, 1.0)  # the ungraded attempt does not count
-    assert stats["E3"].cited == 0 and describe(stats["E3"]) == "never cited yet"
-    assert describe(stats["E1"]).startswith("cited 4x (3 correct / 1 wrong, 3 in groups with variance)")
+    assert stats["E3"].cited == 0 and describe_stat(stats["E3"]) == "never cited yet"
+    assert describe_stat(stats["E1"]).startswith("cited 4x (3 correct / 1 wrong, 3 in groups with variance)")

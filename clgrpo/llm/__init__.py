@@ -1,5 +1,5 @@
 """The one LLM client and its backends."""
 
-from clgrpo.llm.client import Completed, LLMCallError, LLMClient, OperationsReply, Sample, Sampled, shared_client
+from clgrpo.llm.client import Completed, Completion, LLMCallError, LLMClient, OperationsReply, Sampled, shared_client
 
-__all__ = ["Completed", "LLMCallError", "LLMClient", "OperationsReply", "Sample", "Sampled", "shared_client"]
+__all__ = ["Completed", "Completion", "LLMCallError", "LLMClient", "OperationsReply", "Sampled", "shared_client"]

@@ -58,8 +58,8 @@ class LLMCallError(RuntimeError):
 
 
 @dataclass
-class Sample:
-    """One policy sample: its text and finish reason, or the error of the call that failed to produce it."""
+class Completion:
+    """One policy completion: its text and finish reason, or the error of the call that failed to produce it."""
 
     index: int
     text: str = ""
@@ -69,7 +69,7 @@ class Sample:
 
 @dataclass
 class Sampled:
-    samples: list[Sample]
+    samples: list[Completion]
     calls: list[LLMCall]
 
     @property
@@ -77,7 +77,7 @@ class Sampled:
         return [s.text for s in self.samples]
 
     @property
-    def failed(self) -> list[Sample]:
+    def failed(self) -> list[Completion]:
         return [s for s in self.samples if s.error is not None]
 
 
@@ -159,17 +159,17 @@ class LLMClient:
         request = _request(cfg, messages, n=n, temperature=temperature, seed=seed if seed is not None else cfg.seed)
         wanted = list(range(n)) if indices is None else sorted(indices)
         calls: list[LLMCall] = []
-        samples: dict[int, Sample] = {}
+        samples: dict[int, Completion] = {}
         if cfg.supports_n and 1 < n <= self._most_n.get(cfg.model, n) and wanted == list(range(n)):
             try:
                 gen = await self._call("policy", request, stage, calls)
             except LLMCallError as exc:
                 if not isinstance(exc.__cause__, CountRefused):
-                    return Sampled([Sample(i, error=str(exc)) for i in wanted], calls)
+                    return Sampled([Completion(i, error=str(exc)) for i in wanted], calls)
                 self._most_n[cfg.model] = n - 1  # refused (recorded): one per request, now and for n or more
             else:
                 for i, text in enumerate(gen.texts[:n]):
-                    samples[i] = Sample(i, text, _at(gen.finish_reasons, i))
+                    samples[i] = Completion(i, text, _at(gen.finish_reasons, i))
                 if len(samples) < n:  # the endpoint ignored n: top up, and send single requests from now on
                     self._most_n[cfg.model] = 1
         rest = [i for i in wanted if i not in samples]
@@ -178,11 +178,11 @@ class LLMClient:
         )
         for i, outcome in zip(rest, outcomes):
             if isinstance(outcome, LLMCallError):
-                samples[i] = Sample(i, error=str(outcome))
+                samples[i] = Completion(i, error=str(outcome))
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
-                samples[i] = Sample(i, outcome.texts[0] if outcome.texts else "", _at(outcome.finish_reasons, 0))
+                samples[i] = Completion(i, outcome.texts[0] if outcome.texts else "", _at(outcome.finish_reasons, 0))
         return Sampled([samples[i] for i in wanted], calls)
 
     async def complete(

@@ -108,5 +108,5 @@ def library_block(library_text: str) -> str:
     return quoting.quote("library", library_text) if library_text.strip() else "(empty)"
 
 
-def grade(reward: float) -> str:
+def grade_label(reward: float) -> str:
     return f" (graded {'correct' if reward >= 1.0 else 'wrong' if reward <= 0.0 else f'{reward:.2f}'})"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from clgrpo.prompts import Message, quoting
-from clgrpo.prompts.attempts import Attempt, answer_block, grade, library_block
+from clgrpo.prompts.attempts import Attempt, answer_block, grade_label, library_block
 from clgrpo.prompts.lessons import LESSON_RULE, LessonAsk, example_block
 from clgrpo.prompts.quoting import DATA_NOTICE
 from schemas.records import Problem
@@ -61,7 +61,7 @@ def extract_messages(
         example_block=example_block(ask.examples, show_example, sources=False),
     )
     blocks = [
-        f"Attempt {a.sample_idx}{grade(a.reward) if use_groundtruth and a.reward is not None else ''}{a.mark}:"
+        f"Attempt {a.sample_idx}{grade_label(a.reward) if use_groundtruth and a.reward is not None else ''}{a.mark}:"
         f"\n{quoting.quote('attempt', a.with_tools, id=a.sample_idx)}"
         for a in attempts
     ]

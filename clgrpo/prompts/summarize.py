@@ -5,7 +5,7 @@ summary names the doubtful and the solid steps; agent attempts also get their to
 from __future__ import annotations
 
 from clgrpo.prompts import Message, quoting
-from clgrpo.prompts.attempts import Attempt, answer_block, grade
+from clgrpo.prompts.attempts import Attempt, answer_block, grade_label
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.quoting import DATA_NOTICE
 from schemas.records import Problem
@@ -53,7 +53,7 @@ def summarize_messages(ask: LessonAsk, problem: Problem, attempt: Attempt, libra
         else "",
         problem=quoting.quote("problem", problem.problem, id=problem.problem_id),
         answer_block=answer_block(problem, use_groundtruth),
-        grade_block=(grade(reward) if reward is not None else "") + attempt.mark,
+        grade_block=(grade_label(reward) if reward is not None else "") + attempt.mark,
         attempt=quoting.quote("attempt", attempt.text, id=attempt.sample_idx),
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]

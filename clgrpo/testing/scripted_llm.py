@@ -139,7 +139,7 @@ def find_problem(text: str) -> tuple[Family, int, int] | None:
     return FAMILY_BY_NAME[match.group(1)], int(match.group(2)), int(match.group(4))
 
 
-def normalize(text: str) -> str:
+def comparison_key(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
@@ -489,7 +489,9 @@ class ScriptedWorld:
     def _consolidate(self, request: ChatRequest, rng: random.Random) -> str:
         user = _user_messages(request)[0]
         head, _, proposals_block = user.partition("Proposals:")
-        library = {normalize(m.group(2)) for line in head.splitlines() if (m := _LIBRARY_LINE_RE.match(line.strip()))}
+        library = {
+            comparison_key(m.group(2)) for line in head.splitlines() if (m := _LIBRARY_LINE_RE.match(line.strip()))
+        }
         operations = consolidate_proposals(_parse_proposals(proposals_block), library)
         operations += [
             {"op": "add", "text": as_lesson(text), "sources": []} for text in self._obeyed(request, "lesson")
@@ -538,7 +540,7 @@ def consolidate_proposals(proposals: list[dict], library_texts: set[str]) -> lis
     for item in proposals:
         text = str(item.get("text") or "")
         if item.get("op") == "add" and text.strip():
-            key = normalize(text)
+            key = comparison_key(text)
             if key in library_texts:
                 continue
             if key not in adds:

@@ -19,8 +19,7 @@ from clgrpo.prompts.rollout import ShownExample
 from domains.base import Message, Tool, VerifyResult
 from domains.learner import LearnerPrompts
 from domains.math.tools import PYTHON_TOOL
-from domains.math.verify import reply_answer, warm_pool
-from domains.math.verify import verify as verify_output
+from domains.math.verify import reply_answer, verify_output, warm_pool
 from domains.math.verify import verify_batch as verify_outputs
 from schemas.config import DatasetConfig
 from schemas.records import Problem

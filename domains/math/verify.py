@@ -309,7 +309,7 @@ def shutdown_pool() -> None:
     _POOL.close()
 
 
-def verify(output: str, answer: str, timeout_s: float = 5.0) -> VerifyResult:
+def verify_output(output: str, answer: str, timeout_s: float = 5.0) -> VerifyResult:
     """Grade one output against the reference answer: reward 1.0 when math-verify finds them equal, else 0.0;
     ``verified`` False when it could not be graded."""
     return verify_batch([(output, answer)], timeout_s=timeout_s)[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from schemas.config import RefreshConfig
 from schemas.records import EvalComparison, RefreshGateRow
@@ -40,7 +40,7 @@ def _bound(value: float) -> str:
     return "0" if value == 0 else f"{value:+.3f}"
 
 
-def measured(row: RefreshGateRow) -> str:
+def describe_row(row: RefreshGateRow) -> str:
     """``0.620 -> 0.410, diff -0.210 [-0.330, -0.090] on 12 problems``."""
     return (
         f"{row.baseline_value:.3f} -> {row.candidate_value:.3f}, diff {row.diff:+.3f} "
@@ -58,7 +58,9 @@ def _tag_reason(verdict: Verdict, threshold: float, min_tag_problems: int) -> st
 
 # --- the gate ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Gate:
+class Promotion:
+    """A refresh's promotion gate: its rows (the overall row first, then one per tag), each with its verdict."""
+
     rows: list[RefreshGateRow]  # the overall row first, then one per tag by name
     min_tag_problems: int
 
@@ -85,7 +87,7 @@ class Gate:
             out.append(
                 f"per-tag gate: {len(self.failing_tags)} of {len(gated)} gated tag(s) regressed ({names}): not promoted"
             )
-            out += [f"tag {r.tag}: {measured(r)}: {r.reason}" for r in self.failing_tags]
+            out += [f"tag {r.tag}: {describe_row(r)}: {r.reason}" for r in self.failing_tags]
         elif gated:
             out.append(
                 f"per-tag gate: none of {len(gated)} gated tag(s) regressed ({', '.join(r.tag or '' for r in gated)})"
@@ -97,6 +99,17 @@ class Gate:
                 f"{counts}"
             )
         return out
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A library against the baseline on the held-out set (the candidate, or the library a review leaves when it
+    is not the candidate as proposed): whether it passes the overall rule and the per-tag gate, the reasons in
+    words, and the decision's numbers."""
+
+    passed: bool
+    reasons: list[str]  # the library's numbers and the gate's verdict, in words
+    fields: dict[str, Any]  # the decision's numbers for the library (eval_id, values, diff, CI)
 
 
 def gate_row(
@@ -120,7 +133,7 @@ def gate_row(
     )
 
 
-def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], config: RefreshConfig) -> Gate:
+def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], config: RefreshConfig) -> Promotion:
     """The gate over the comparisons (baseline -> candidate) of the refresh's metric: overall and per tag."""
     chosen = [c for c in comparisons if c.metric == config.metric]
     overall = next(c for c in chosen if c.tag is None)
@@ -140,7 +153,7 @@ def promotion_gate(refresh_id: str, comparisons: Sequence[EvalComparison], confi
         rows.append(
             gate_row(refresh_id, c, threshold, verdict, _tag_reason(verdict, threshold, config.min_tag_problems))
         )
-    return Gate(rows, config.min_tag_problems)
+    return Promotion(rows, config.min_tag_problems)
 
 
 # --- reporting -------------------------------------------------------------------------------------------------
