@@ -35,7 +35,8 @@ from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
 from schemas.catalog import TABLES
-from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, ModelIdentity, RunConfig
+from schemas.config import ModelIdentity, RunConfig
+from schemas.config_migrations import not_fingerprinted, section_type
 from schemas.records import (
     LibraryAdoption,
     LibraryHead,
@@ -895,13 +896,13 @@ def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
     )
 
 
-def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
+def _changed_paths(old: Any, new: Any, prefix: str = "", model: type[BaseModel] | None = RunConfig) -> Iterable[str]:
+    """The dotted paths of the settings that differ, without those that shape no result (``NotFingerprinted``
+    in ``model``, the config section the two are of)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in set(old) | set(new):
-            if not prefix and key in NOT_FINGERPRINTED:
-                continue
-            if prefix in ("policy.", "learner.") and key in NOT_FINGERPRINTED_MODEL:
-                continue
-            yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
+        left_out = not_fingerprinted(model) if model is not None else set()
+        for key in sorted((set(old) | set(new)) - left_out):
+            inner = section_type(model, key) if model is not None else None
+            yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.", inner)
     elif old != new:
         yield prefix.rstrip(".")

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from schemas.config_migrations import NOT_FINGERPRINTED, NotFingerprinted, not_fingerprinted
 from schemas.records import text_hash
 
 
@@ -76,14 +77,19 @@ class PriceTable(Section):
 Seconds = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 Delay = Annotated[float, Field(ge=0)]
+# how long a request may take and how it is retried or waits: never what it computes
+Timeout = Annotated[Seconds, NOT_FINGERPRINTED]
+Tries = Annotated[Count, NOT_FINGERPRINTED]
+Wait = Annotated[Delay, NOT_FINGERPRINTED]
 
 
 class Endpoint(Section):
     """An OpenAI-compatible endpoint: where it is and where its key comes from (read at call time, never stored)."""
 
-    base_url: str | None = None  # None: the SDK default (api.openai.com)
-    api_key_env: str | None = "OPENAI_API_KEY"
-    api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
+    base_url: Annotated[str | None, NOT_FINGERPRINTED] = None  # None: the SDK default (api.openai.com)
+    api_key_env: Annotated[str | None, NOT_FINGERPRINTED] = "OPENAI_API_KEY"
+    # Prefect Secret block name, used when the env var is unset
+    api_key_secret_block: Annotated[str | None, NOT_FINGERPRINTED] = None
 
 
 class Retries(Section):
@@ -91,10 +97,10 @@ class Retries(Section):
     retried: at most ``max_retries`` times, backing off from ``retry_base_delay_s`` (doubling, with jitter) up to
     ``retry_max_delay_s`` (``clgrpo.retry``). A section with other defaults declares only the defaults."""
 
-    timeout_s: Seconds = 120.0
-    max_retries: Count = 6
-    retry_base_delay_s: Delay = 1.0
-    retry_max_delay_s: Delay = 60.0
+    timeout_s: Timeout = 120.0
+    max_retries: Tries = 6
+    retry_base_delay_s: Wait = 1.0
+    retry_max_delay_s: Wait = 60.0
 
 
 class PoolPlacement(Section):
@@ -102,11 +108,11 @@ class PoolPlacement(Section):
     work pool (``pool``), handing results back through ``handoff_storage``: a local path shared with the GPU
     workers or any fsspec URL (s3://..., gs://...); None: <db dir>/<run_id>/handoff. Never changes results."""
 
-    placement: Literal["local", "pool"] = "local"
-    deployment: str  # each section using a pool names its deployment
-    handoff_storage: str | None = None
-    timeout_s: Seconds = 3600.0  # per child run
-    poll_interval_s: Seconds = 2.0
+    placement: Annotated[Literal["local", "pool"], NOT_FINGERPRINTED] = "local"
+    deployment: Annotated[str, NOT_FINGERPRINTED]  # each section using a pool names its deployment
+    handoff_storage: Annotated[str | None, NOT_FINGERPRINTED] = None
+    timeout_s: Timeout = 3600.0  # per child run
+    poll_interval_s: Timeout = 2.0
 
 
 class ServedModel(Section):
@@ -186,26 +192,31 @@ class ModelConfig(Endpoint, Retries):
     max_tokens: int = Field(2048, ge=1)
     # rate limits (429) are retried by time, not counted as errors: for up to this long from a call's first 429,
     # honouring Retry-After, with every caller paused during the window
-    max_rate_limit_wait_s: Delay = 600.0
+    max_rate_limit_wait_s: Wait = 600.0
     supports_n: bool = True  # request G samples with n=G; False: G separate calls
     json_schema: bool = True  # request response_format=json_schema; False: prompt + tolerant parser
-    price: PriceTable = Field(default_factory=PriceTable)
+    # what a model costs and how a local one batches do not change what it draws (evaluations and sample keys
+    # leave them out); run fingerprints have carried them from the first release and keep them
+    price: Annotated[PriceTable, NotFingerprinted(kept_by_runs=True)] = Field(default_factory=PriceTable)
     seed: int | None = None
     # local backends (transformers, vllm) only
     model_path: str | None = None  # HF folder, .gguf file (transformers), "embedded" (SmolLM2 cache) or hub id (vllm)
     device: str = "auto"  # auto: cuda > mps > cpu; or cpu, cuda, cuda:1, mps
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16/fp16 on GPUs, fp32 on CPU
-    cpu_threads: int | None = Field(None, ge=1)  # torch threads on CPU; None: the cores not busy at load time
-    max_batch_rows: int | None = Field(None, ge=1)  # sequences per batched generate call; None: backend default
+    # torch threads on CPU; None: the cores not busy at load time
+    cpu_threads: Annotated[int | None, Field(ge=1), NotFingerprinted(kept_by_runs=True)] = None
+    # sequences per batched generate call; None: backend default
+    max_batch_rows: Annotated[int | None, Field(ge=1), NotFingerprinted(kept_by_runs=True)] = None
     engine_options: dict[str, Any] = Field(default_factory=dict)  # extra vllm.LLM(...) arguments
     # a LoRA adapter on top of the weights (transformers: peft; vllm: LoRARequest): a folder with
     # adapter_model.safetensors, or RUN_ID:STEP / RUN_ID:latest (an adapter the numeric step stored)
     adapter: str | None = None
     # the weights' revision as the user knows it, where the endpoint states nothing useful of them (a re-quantized
-    # file under the same name, a provider's rolling model name): part of the model's identity (``identity``)
-    revision: str | None = None
+    # file under the same name, a provider's rolling model name): part of the model's identity (``identity``),
+    # which is compared on its own (``Store.bind_identity``), not fingerprinted
+    revision: Annotated[str | None, NOT_FINGERPRINTED] = None
     # what the endpoint states of its model, set at the preflight (``tasks.preflight``), never by hand
-    served: ServedModel | None = None
+    served: Annotated[ServedModel | None, NOT_FINGERPRINTED] = None
 
     def identity(self) -> ModelIdentity:
         """The model's identity as known now: the name, what the endpoint stated at the preflight, the revision."""
@@ -257,15 +268,16 @@ class EmbeddingConfig(Endpoint, Retries):
     model: str = "all-MiniLM-L6-v2"  # openai: the model name sent; local backends: a label only
     # openai: the endpoint (base_url, api_key_env, api_key_secret_block) and its retries (per batch; 429 is one of
     # their transient errors here): shorter than a model's
-    timeout_s: Seconds = 60.0
-    max_retries: Count = 4
-    retry_base_delay_s: Delay = 0.5
-    retry_max_delay_s: Delay = 30.0
+    timeout_s: Timeout = 60.0
+    max_retries: Tries = 4
+    retry_base_delay_s: Wait = 0.5
+    retry_max_delay_s: Wait = 30.0
     dimensions: int | None = Field(None, ge=1)  # openai: ask for shorter vectors (text-embedding-3-*)
     model_path: str | None = None  # transformers: a local sentence-embedding folder
-    batch_size: int = Field(32, ge=1)  # texts per forward pass / per request
+    batch_size: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 32  # texts per forward pass / per request
     max_seq_length: int | None = Field(None, ge=8)  # local: truncate longer texts; None: the folder's setting
-    cpu_threads: int | None = Field(None, ge=1)  # local: torch threads; None: the cores not busy at load time
+    # local: torch threads; None: the cores not busy at load time
+    cpu_threads: Annotated[int | None, Field(ge=1), NOT_FINGERPRINTED] = None
 
 
 class LibraryConfig(Section):
@@ -493,8 +505,9 @@ class SandboxConfig(Section):
 
     # interpreters alive at once: one per agent rollout from its first call to its end (its variables live
     # there), so rollouts beyond it wait; ~15 MB each when idle. Keep it near the agent rollouts in flight.
-    pool_size: int = Field(64, ge=1)
-    spares: int = Field(2, ge=0)  # interpreters started ahead, so a rollout's first call does not wait
+    pool_size: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 64
+    # interpreters started ahead, so a rollout's first call does not wait
+    spares: Annotated[int, Field(ge=0), NOT_FINGERPRINTED] = 2
     cpu_s: float = Field(10.0, gt=0)  # CPU seconds per call
     wall_s: float = Field(30.0, gt=0)  # wall-clock seconds per call
     memory_mb: int = Field(1024, ge=128)  # address space of one interpreter
@@ -532,7 +545,8 @@ class RolloutPlacement(PoolPlacement):
 
     mode: Literal["direct", "agent"] = "direct"
     agent: AgentConfig = Field(default_factory=AgentConfig)
-    deployment: str = "rollout-gpu/rollout-gpu"  # with placement, handoff_storage, timeout_s, poll_interval_s
+    # with placement, handoff_storage, timeout_s, poll_interval_s
+    deployment: Annotated[str, NOT_FINGERPRINTED] = "rollout-gpu/rollout-gpu"
 
     def agent_settings(self) -> AgentConfig | None:
         """The agent's settings in agent mode, None for direct rollouts."""
@@ -573,8 +587,9 @@ class HybridConfig(PoolPlacement):
     # +17% time; on an H100 (0.5B shape, 64 rows) +9% time, 34 instead of 56 GiB (benchmarks/REPORT.md "GPU").
     # "auto": on for CPU, on CUDA only when the activations' estimate exceeds half the free GPU memory (decided
     # and logged per step). The same gradients either way, so not part of the fingerprint
-    gradient_checkpointing: bool | Literal["auto"] = "auto"
-    deployment: str = "numeric-update-gpu/numeric-update-gpu"  # placement pool: this deployment on the cuda pool
+    gradient_checkpointing: Annotated[bool | Literal["auto"], NOT_FINGERPRINTED] = "auto"
+    # placement pool: this deployment on the cuda pool
+    deployment: Annotated[str, NOT_FINGERPRINTED] = "numeric-update-gpu/numeric-update-gpu"
 
     def result_settings(self) -> dict[str, Any] | None:
         """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
@@ -700,13 +715,9 @@ class ToleranceConfig(Section):
         return float(getattr(self.max_failed_fraction, setting, 0.0))
 
 
-# Settings that change where or how fast a run executes, or when it stops, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
-# Model settings that say where and how a model is reached, not what it computes: moving the same model to
-# another port or key, or changing timeouts and retries, does not block a resume. Its identity (the revision,
-# what the endpoint states) is compared on its own, in one line naming both (``Store.bind_identity``).
+# A model's identity (the revision, what the endpoint states) is compared on its own, in one line naming both
+# (``Store.bind_identity``); sample keys and evaluations hash it apart from the model's settings.
 IDENTITY_FIELDS = {"revision", "served"}
-NOT_FINGERPRINTED_MODEL = {*Endpoint.model_fields, *Retries.model_fields, "max_rate_limit_wait_s", *IDENTITY_FIELDS}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -714,26 +725,28 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 class RunConfig(Section):
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)  # None: generated when the run starts, and printed
-    db_path: str = "runs/clgrpo.duckdb"
+    # where a run keeps its data, how fast it goes, when it stops, what it draws afterwards: never what it computes
+    db_path: Annotated[str, NOT_FINGERPRINTED] = "runs/clgrpo.duckdb"
     domain: str = "math"
     dataset: DatasetConfig
     policy: ModelConfig = Field(default_factory=ModelConfig)
     learner: ModelConfig | None = None  # None: the policy model also learns
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     learning: LearningConfig = Field(default_factory=LearningConfig)
-    concurrency: int = Field(32, ge=1)  # in-flight LLM requests, all stages together
+    concurrency: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 32  # in-flight LLM requests, all stages together
     # a group's summaries and advantage start once its own rollouts are verified (no batch-wide barrier);
     # same results as stage by stage (see benchmarks/REPORT.md)
-    pipeline: bool = True
+    pipeline: Annotated[bool, NOT_FINGERPRINTED] = True
     # at the end of the run: the plots (PNG files + Prefect image artifacts); off by default, because drawing
     # them costs about half a second per run (matplotlib): `clgrpo report RUN` draws them whenever asked
-    plots: bool = False
+    plots: Annotated[bool, NOT_FINGERPRINTED] = False
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
     validation: ValidationConfig | None = None  # held-out learning curve during training
-    tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
-    budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
+    # failed items a stage may leave
+    tolerance: Annotated[ToleranceConfig, NOT_FINGERPRINTED] = Field(default_factory=ToleranceConfig)
+    budget: Annotated[BudgetConfig, NOT_FINGERPRINTED] = Field(default_factory=BudgetConfig)  # tokens / USD to spend
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
     hybrid: HybridConfig = Field(default_factory=HybridConfig)  # a numeric LoRA step on the same trajectories
@@ -791,10 +804,12 @@ class RunConfig(Section):
         """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
         the first release count only when changed from their default, so older runs keep their fingerprint."""
         unset = {name for name in ("validation", "judge") if getattr(self, name) is None}
-        payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset | {"domain_settings"})
+        left_out = not_fingerprinted(RunConfig) | {"rollout"} | unset | {"domain_settings"}
+        payload = self.model_dump(mode="json", exclude=left_out)
         for section in ("policy", "learner"):
             if isinstance(payload.get(section), dict):
-                payload[section] = {k: v for k, v in payload[section].items() if k not in NOT_FINGERPRINTED_MODEL}
+                transport = not_fingerprinted(ModelConfig)
+                payload[section] = {k: v for k, v in payload[section].items() if k not in transport}
         for (section, key), default in LATER_SETTINGS.items():  # a dotted section is nested ("a.b": payload[a][b])
             holder: Any = payload
             for part in section.split("."):
