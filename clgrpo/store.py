@@ -624,7 +624,7 @@ class Store:
         row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:
             raise StoreError(f"{self.path}: no run {run_id!r}")
-        return RunConfig.model_validate_json(row[0])
+        return RunConfig.from_stored(row[0])
 
     @_connected
     def runs(self) -> pd.DataFrame:
@@ -880,9 +880,10 @@ def _identity_json(cfg: RunConfig) -> str | None:
 
 
 def _refingerprint(config_json: str) -> str | None:
-    """The stored config's fingerprint as this version computes it (None if it no longer validates)."""
+    """The stored config's fingerprint as this version computes it, the settings added since at the value the run
+    had (None if it no longer validates)."""
     try:
-        return RunConfig.model_validate_json(config_json).fingerprint()
+        return RunConfig.from_stored(config_json).fingerprint()
     except ValueError:
         return None
 

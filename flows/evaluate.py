@@ -60,7 +60,7 @@ from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
-from schemas.config_migrations import not_fingerprinted
+from schemas.config_migrations import not_fingerprinted, result_settings
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LLMCall, Problem, Sample, text_hash
 from schemas.stages import Stage
 from tasks.checkpoint import export_dir
@@ -243,7 +243,7 @@ def eval_fingerprint(
     for key in LATER_DATASET_FIELDS:
         if isinstance(dataset, dict) and dataset.get(key) == DatasetConfig.model_fields[key].default:
             del dataset[key]
-    if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
+    if (agent := result_settings(config.rollout).get("agent")) is not None:  # direct evaluations keep theirs
         payload["agent"] = agent
     if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint
         payload["routing"] = routing

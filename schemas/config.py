@@ -14,7 +14,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from schemas.config_migrations import NOT_FINGERPRINTED, NotFingerprinted, not_fingerprinted
+from schemas.config_migrations import (
+    NOT_FINGERPRINTED,
+    CountsWhen,
+    FingerprintedAs,
+    FingerprintedBy,
+    Inlined,
+    NotFingerprinted,
+    fingerprint_payload,
+    migrate,
+)
 from schemas.records import text_hash
 
 
@@ -288,16 +297,25 @@ class LibraryConfig(Section):
     # "merge" an add is merged into that experience (its text kept, the sources joined); "off": exact
     # duplicates only (always refused)
     near_duplicates: Literal["off", "reject", "merge"] = "off"
-    near_duplicate_similarity: float = Field(0.9, gt=0.0, le=1.0)
+    near_duplicate_similarity: Annotated[
+        float,
+        Field(gt=0.0, le=1.0),
+        CountsWhen(lambda library: library.near_duplicates != "off"),
+        FingerprintedAs("similarity"),
+    ] = 0.9
     # what a rollout prompt gets: "all" the (domain's) experiences, identical for every problem (best for prefix
     # caching), or the "top_k" most similar to the problem (embeddings) plus the ``pinned`` ids
     injection: Literal["all", "top_k"] = "all"
-    top_k: int = Field(8, ge=1)
-    pinned: list[str] = Field(default_factory=list)  # ids always shown with top_k (if live)
+    top_k: Annotated[int, Field(ge=1), CountsWhen(lambda library: library.injection != "all")] = 8
+    # ids always shown with top_k (if live)
+    pinned: Annotated[list[str], CountsWhen(lambda library: library.injection != "all")] = Field(default_factory=list)
     # a hard budget on the whole rendered library (estimated tokens, ``clgrpo.tokens``): after each step's
     # operations, the least useful experiences are evicted (``evict`` operations) until it fits
     max_tokens: int | None = Field(None, ge=1)
-    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    # which model embeds (not where it is served or how fast) counts when embeddings are used
+    embedding: Annotated[EmbeddingConfig, CountsWhen(lambda library: library.uses_embeddings)] = Field(
+        default_factory=EmbeddingConfig
+    )
     # worked examples (library items that are solved problems): at most ``examples_shown`` in a prompt, those of
     # the problem's task tag first, then the most similar problems (word overlap), never the problem's own; shown
     # as earlier exchanges of the conversation ("turns") or as a block after the lessons ("block")
@@ -307,27 +325,6 @@ class LibraryConfig(Section):
     @property
     def uses_embeddings(self) -> bool:
         return self.near_duplicates != "off" or self.injection == "top_k"
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What of this section shapes results (for fingerprints): None with every default; else the settings
-        that differ from it and, when embeddings are used, which model embeds (not where it is served or how
-        fast). A run made before a setting existed keeps its fingerprint."""
-        settings: dict[str, Any] = {}
-        if self.near_duplicates != "off":
-            settings |= {"near_duplicates": self.near_duplicates, "similarity": self.near_duplicate_similarity}
-        if self.injection != "all":
-            settings |= {"injection": self.injection, "top_k": self.top_k, "pinned": self.pinned}
-        if self.max_tokens is not None:
-            settings["max_tokens"] = self.max_tokens
-        if self.examples_shown != 2:
-            settings["examples_shown"] = self.examples_shown
-        if self.examples_as != "turns":
-            settings["examples_as"] = self.examples_as
-        if self.uses_embeddings:
-            settings["embedding"] = self.embedding.model_dump(
-                mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"}
-            )
-        return settings or None
 
 
 class GRPOConfig(Section):
@@ -466,8 +463,8 @@ class LearningConfig(Section):
     # spend, as a multiple of the step's own tokens (rollouts and learner calls): a step with its checks costs at
     # most 1 + this times the same step without them. The gate's looks are reserved first; a trial that does not
     # fit is rejected untried and a gate look that does not fit is not drawn, each saying so
-    # (``tasks.checks_budget``). None: no limit.
-    checks_budget: float | None = Field(1.0, gt=0.0)
+    # (``tasks.checks_budget``). None: no limit. It shapes nothing while no check runs.
+    checks_budget: Annotated[float | None, Field(gt=0.0), CountsWhen(lambda learning: learning.checks_run)] = 1.0
     blocked: list[BlockedLesson] = Field(default_factory=list)  # lessons not to learn again (rejected by a person)
 
     @field_validator("lesson_pattern")
@@ -494,6 +491,11 @@ class LearningConfig(Section):
 
     def asks_contrast(self) -> bool:
         return self.extract == "contrast" or self.fallback == "contrast"
+
+    @property
+    def checks_run(self) -> bool:
+        """Lesson trials or the library gate may run."""
+        return self.lesson_validation.enabled or self.library_gate.enabled is not False
 
 
 class SandboxConfig(Section):
@@ -543,24 +545,17 @@ class RolloutPlacement(PoolPlacement):
     training flow's process, or as child flow runs of the ``rollout-gpu`` deployment on the CUDA work pool.
     Placement never changes results; ``mode`` and the agent's limits do (they are part of the fingerprint)."""
 
-    mode: Literal["direct", "agent"] = "direct"
-    agent: AgentConfig = Field(default_factory=AgentConfig)
+    # the mode is fingerprinted as the agent's settings, which count in agent mode only
+    mode: Annotated[Literal["direct", "agent"], NOT_FINGERPRINTED] = "direct"
+    agent: Annotated[AgentConfig, CountsWhen(lambda rollout: rollout.mode == "agent")] = Field(
+        default_factory=AgentConfig
+    )
     # with placement, handoff_storage, timeout_s, poll_interval_s
     deployment: Annotated[str, NOT_FINGERPRINTED] = "rollout-gpu/rollout-gpu"
 
     def agent_settings(self) -> AgentConfig | None:
         """The agent's settings in agent mode, None for direct rollouts."""
         return self.agent if self.mode == "agent" else None
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What of this section shapes results (for fingerprints): the agent's settings in agent mode, minus
-        those that only change speed (how many interpreters run at once)."""
-        if self.mode != "agent":
-            return None
-        settings = self.agent.model_dump(mode="json")
-        for key in ("pool_size", "spares"):
-            settings["sandbox"].pop(key, None)
-        return settings
 
 
 class HybridConfig(PoolPlacement):
@@ -590,12 +585,6 @@ class HybridConfig(PoolPlacement):
     gradient_checkpointing: Annotated[bool | Literal["auto"], NOT_FINGERPRINTED] = "auto"
     # placement pool: this deployment on the cuda pool
     deployment: Annotated[str, NOT_FINGERPRINTED] = "numeric-update-gpu/numeric-update-gpu"
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
-        if not self.enabled:
-            return None
-        return self.model_dump(mode="json", exclude={*PoolPlacement.model_fields, "gradient_checkpointing"})
 
 
 class EvalConfig(Section):
@@ -630,55 +619,6 @@ class ValidationConfig(EvalConfig):
 
     k: int = Field(4, ge=1)
     every_n_steps: int = Field(1, ge=1)
-
-
-# (section, setting) -> default, for settings added after runs were first stored (see RunConfig.fingerprint)
-LATER_SETTINGS: dict[tuple[str, str], Any] = {
-    ("grpo", "max_steps"): None,
-    ("learning", "min_words"): 5,
-    ("learning", "consolidation"): "llm",
-    ("learning", "lesson_pattern"): None,
-    ("policy", "repetition_penalty"): None,
-    ("learner", "repetition_penalty"): None,
-    ("learning", "max_ops_per_step"): 30,
-    ("learning", "guard"): "standard",
-    ("learning", "max_learner_tokens"): 2048,
-    ("dataset", "max_problem_chars"): 20_000,
-    ("dataset", "max_answer_chars"): 1_000,
-    ("dataset", "oversize"): "error",
-    ("dataset", "domain_field"): None,
-    ("dataset", "url_field"): None,
-    ("dataset", "tag_field"): "tag",
-    ("dataset", "answer_source_field"): None,
-    ("dataset", "answers_optional"): False,
-    ("learning", "unlabeled"): "compare",
-    ("learning", "extract"): "operations",
-    ("learning", "candidates"): 1,
-    ("learning", "fallback"): "none",
-    ("learning", "summarize"): True,
-    ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
-    # the gate as it was before it was on by default: off (its other settings then shape nothing); a run made
-    # then resumes with `enabled: false` and keeps its fingerprint; one that says nothing now runs with the gate
-    ("learning", "library_gate"): {**LibraryGate().model_dump(mode="json"), "enabled": False},
-    ("learning", "blocked"): [],
-    ("policy", "adapter"): None,
-    ("learner", "adapter"): None,
-    # settings added inside a section a run may have changed: left out while at their default (after the whole
-    # sections above, which are compared with their full defaults first)
-    ("learning", "checks_budget"): None,
-    ("learning", "examples"): "off",
-    ("learning", "rationalize_max"): 6,
-    ("learning.lesson_validation", "trials_on"): "sources_first",
-    ("learning.lesson_validation", "test"): "mean",
-    ("learning.lesson_validation", "max_problems"): None,
-    ("learning.lesson_validation", "alpha"): 0.05,
-    ("learning.lesson_validation", "cluster_tries"): 1,
-    ("learning.lesson_validation", "order"): "plan",
-    ("learning.library_gate", "adopt_alpha"): 0.2,
-    ("learning.library_gate", "looks"): 1,
-}
-# whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
-LATER_SECTIONS = ("library", "hybrid")
 
 
 class StageTolerances(Section):
@@ -723,6 +663,12 @@ IDENTITY_FIELDS = {"revision", "served"}
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 
+def _domain_settings_into(run: RunConfig, payload: dict[str, Any]) -> None:
+    """The domain's settings, as its settings model fingerprints them (``DomainSettings.fingerprint_into``)."""
+    if run.domain_settings and (model := run.domain_settings_model()) is not None:
+        model.model_validate(run.domain_settings).fingerprint_into(payload)
+
+
 class RunConfig(Section):
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)  # None: generated when the run starts, and printed
     # where a run keeps its data, how fast it goes, when it stops, what it draws afterwards: never what it computes
@@ -742,17 +688,19 @@ class RunConfig(Section):
     plots: Annotated[bool, NOT_FINGERPRINTED] = False
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
-    rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
+    # how rollouts are made: its settings that shape results fingerprinted at the top, as before it had a section
+    rollout: Annotated[RolloutPlacement, Inlined()] = Field(default_factory=RolloutPlacement)
     validation: ValidationConfig | None = None  # held-out learning curve during training
     # failed items a stage may leave
     tolerance: Annotated[ToleranceConfig, NOT_FINGERPRINTED] = Field(default_factory=ToleranceConfig)
     budget: Annotated[BudgetConfig, NOT_FINGERPRINTED] = Field(default_factory=BudgetConfig)  # tokens / USD to spend
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
-    hybrid: HybridConfig = Field(default_factory=HybridConfig)  # a numeric LoRA step on the same trajectories
+    # a numeric LoRA step on the same trajectories; its settings count only when it is enabled
+    hybrid: Annotated[HybridConfig, CountsWhen(lambda run: run.hybrid.enabled)] = Field(default_factory=HybridConfig)
     # the chosen domain's own settings, validated by the model it declares (``DomainSettings``; the web domain:
     # its search and open tools, docs/web.md); {}: the domain's defaults
-    domain_settings: dict[str, Any] = Field(default_factory=dict)
+    domain_settings: Annotated[dict[str, Any], FingerprintedBy(_domain_settings_into)] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -801,35 +749,16 @@ class RunConfig(Section):
         return self.run_id
 
     def fingerprint(self) -> str:
-        """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
-        the first release count only when changed from their default, so older runs keep their fingerprint."""
-        unset = {name for name in ("validation", "judge") if getattr(self, name) is None}
-        left_out = not_fingerprinted(RunConfig) | {"rollout"} | unset | {"domain_settings"}
-        payload = self.model_dump(mode="json", exclude=left_out)
-        for section in ("policy", "learner"):
-            if isinstance(payload.get(section), dict):
-                transport = not_fingerprinted(ModelConfig)
-                payload[section] = {k: v for k, v in payload[section].items() if k not in transport}
-        for (section, key), default in LATER_SETTINGS.items():  # a dotted section is nested ("a.b": payload[a][b])
-            holder: Any = payload
-            for part in section.split("."):
-                holder = holder.get(part) if isinstance(holder, dict) else None
-            if isinstance(holder, dict) and key in holder and holder[key] == default:
-                del holder[key]
-        if not self.learning.lesson_validation.enabled and self.learning.library_gate.enabled is False:
-            payload["learning"].pop("checks_budget", None)  # no check runs: the budget shapes nothing
-        validation = payload.get("validation")
-        if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
-            del validation["dataset"]["tag_field"]
-        if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
-            payload["agent"] = agent
-        if self.domain_settings and (model := self.domain_settings_model()) is not None:
-            model.model_validate(self.domain_settings).fingerprint_into(payload)
-        for name in LATER_SECTIONS:  # only when a setting of the section is changed (hybrid: when enabled)
-            payload.pop(name, None)
-            if (settings := getattr(self, name).result_settings()) is not None:
-                payload[name] = settings
-        return text_hash(json.dumps(payload, sort_keys=True))
+        """Hash of everything that shapes the results (``schemas.config_migrations``: what each field says of
+        itself, and the settings added since a run was made left out at the value it had); a run id is bound to
+        one fingerprint."""
+        return text_hash(json.dumps(fingerprint_payload(self), sort_keys=True))
+
+    @classmethod
+    def from_stored(cls, config_json: str) -> RunConfig:
+        """A config a run stored, read as it ran: the settings added since, at the value it had
+        (``schemas.config_migrations.migrate``)."""
+        return cls.model_validate(migrate(json.loads(config_json), cls))
 
 
 class RefreshSource(Section):

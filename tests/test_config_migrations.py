@@ -8,17 +8,22 @@ alter them, and the commit says which)."""
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 import domains  # noqa: F401 - the registry reads the web domain's settings
+from clgrpo.store import Store
 from flows.evaluate import eval_fingerprint
-from schemas.config import DatasetConfig, EvalConfig, RunConfig
+from schemas import config_migrations
+from schemas.config import DatasetConfig, EvalConfig, LearningConfig, LibraryGate, RunConfig
+from schemas.config_migrations import MIGRATIONS, Defaults, Migration, migrate, section_type
 from schemas.records import Problem, text_hash
 from tasks.measure import Sampling
 
@@ -143,3 +148,88 @@ def test_what_names_results_is_unchanged_over_a_corpus_of_configs():
     expected, now = json.loads(SNAPSHOT.read_text(encoding="utf-8")), json.loads(text)
     changed = sorted(group for group in expected.keys() | now.keys() if expected.get(group) != now.get(group))
     assert not changed, f"{SNAPSHOT.name}: what names results changed in {changed}"
+
+
+# --- the migrations -------------------------------------------------------------------------------------------
+OLD_RUN = Path(__file__).parent / "data" / "old_run" / "old_run.duckdb.gz"
+
+
+def setting(tree: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+def test_each_migration_adds_settings_of_the_run_config_after_the_sections_they_are_in():
+    assert len({m.name for m in MIGRATIONS}) == len(MIGRATIONS)
+    earlier: list[str] = []
+    for migration in MIGRATIONS:
+        for path in migration.adds:
+            *parents, key = path.split(".")
+            section: type[BaseModel] | None = RunConfig
+            for part in parents:
+                section = section_type(section, part) if section is not None else None
+            assert section is not None and key in section.model_fields, f"{migration.name}: no setting {path}"
+            later_sections = [p for m in MIGRATIONS[MIGRATIONS.index(migration) + 1 :] for p in m.adds]
+            assert not any(path.startswith(f"{p}.") for p in later_sections), f"{path} comes before its section"
+            assert path not in earlier, f"{path} is added twice"
+            earlier.append(path)
+
+
+def test_a_stored_config_reads_back_with_what_a_run_made_before_a_setting_had():
+    sections = {"learner": {}, "validation": {"dataset": {"path": "v.jsonl"}}, "policy": {}, "library": {}}
+    learning = {"lesson_validation": {}, "library_gate": {}}
+    stored = {"dataset": {"path": "t.jsonl"}, "learning": learning, "rollout": {}, **sections}
+    config = RunConfig.model_validate(migrate(stored, RunConfig)).model_dump(mode="json")
+    for migration in MIGRATIONS:
+        for path, older in migration.adds.items():
+            if not isinstance(older, Defaults) and path not in stored:  # (the sections given are kept)
+                assert setting(config, path) == older, path
+    # a section added later: as it was then (the gate was off before it was on by default)
+    before_the_gate = RunConfig.model_validate(migrate({"dataset": {"path": "t.jsonl"}, "learning": {}}, RunConfig))
+    assert before_the_gate.learning.library_gate == LibraryGate(enabled=False)
+    assert RunConfig(dataset={"path": "t.jsonl"}).learning.library_gate.enabled == "auto"  # a new config: today's
+
+
+def test_the_old_runs_stored_config_reads_back_with_the_fingerprint_it_was_stored_with(tmp_path):
+    with gzip.open(OLD_RUN) as packed, open(tmp_path / "old_run.duckdb", "wb") as db:
+        shutil.copyfileobj(packed, db)
+    with Store(tmp_path / "old_run.duckdb") as store:
+        (fingerprint,) = store.query("SELECT fingerprint FROM runs")["fingerprint"]
+        config = store.run_config("old-run")
+    assert config.fingerprint() == fingerprint
+    lessons = config.learning.lesson_validation
+    assert (lessons.cluster_tries, lessons.order, config.learning.checks_budget) == (1, "plan", None)  # as it ran
+
+
+class LearningWithPatience(LearningConfig):
+    """The learning section of a later version, with one setting more: what runs made before did is 0."""
+
+    patience: int = Field(2, ge=0)
+
+
+class LaterRunConfig(RunConfig):
+    learning: LearningWithPatience = Field(default_factory=LearningWithPatience)
+
+
+def test_a_setting_added_with_its_migration_resumes_a_run_made_before_it(tmp_path, monkeypatch):
+    """Adding a setting is its field and one migration: a run stored before it reads back with the value it ran
+    with, and resumes under its fingerprint with that value; another value is another run."""
+    older = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"), grpo={"group_size": 3})
+    with Store(tmp_path / "runs.duckdb") as store:
+        assert store.register_run(older)
+        stored = store.query("SELECT fingerprint, config_json FROM runs")
+    (fingerprint,), (config_json,) = stored["fingerprint"], stored["config_json"]
+    later = {**older.model_dump(), "learning": LearningWithPatience(patience=0).model_dump()}
+    assert LaterRunConfig.model_validate(later).fingerprint() != fingerprint  # without its migration: every run
+    monkeypatch.setattr(config_migrations, "MIGRATIONS", [*MIGRATIONS, Migration("patience", {"learning.patience": 0})])
+
+    read_back = LaterRunConfig.from_stored(config_json)
+    assert read_back.learning.patience == 0 and read_back.fingerprint() == fingerprint
+    resumed = LaterRunConfig.model_validate(later)
+    assert resumed.fingerprint() == fingerprint
+    with Store(tmp_path / "runs.duckdb") as store:
+        assert not store.register_run(resumed)  # the same run: resumed, not started again
+        assert store.query("SELECT fingerprint FROM runs")["fingerprint"].tolist() == [fingerprint]
+    patient = LaterRunConfig.model_validate({**later, "learning": LearningWithPatience().model_dump()})
+    assert patient.learning.patience == 2 and patient.fingerprint() != fingerprint  # today's default: another run
