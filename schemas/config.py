@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config_migrations import (
     NOT_FINGERPRINTED,
@@ -24,55 +23,13 @@ from schemas.config_migrations import (
     fingerprint_payload,
     migrate,
 )
+from schemas.domain_settings import DomainSettings as DomainSettings  # a domain's settings derive from it
+from schemas.domain_settings import domain_settings_model, read_domain_settings
 from schemas.records import text_hash
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class DomainSettings(Section):
-    """The base of a domain's own settings (``domain_settings`` in the run config). A domain declares its model
-    as the ``settings_model`` attribute of its factory (the class its ``clgrpo.domains`` entry point names); the
-    run config validates ``domain_settings`` against the model the domain registry finds for the chosen domain
-    (``use_domain_registry``) and the domain gets them through ``domains.registry.domain_for``."""
-
-    def fingerprint_into(self, payload: dict[str, Any]) -> None:
-        """Add what of these settings shapes results to the run config's fingerprint ``payload``: by default all
-        of them, under ``domain_settings``, once any is changed from its default (runs that leave them alone keep
-        the fingerprint they had before the domain had settings)."""
-        if self != type(self)():
-            payload["domain_settings"] = self.model_dump(mode="json")
-
-
-# How the run config finds the settings model a domain declares: the domain registry (``domains/registry.py``)
-# hands its lookup here when it is imported. The schemas never look for a plug-in themselves.
-SettingsModelLookup = Callable[[str], "type[DomainSettings] | None"]
-_settings_model_of: SettingsModelLookup | None = None
-
-
-def use_domain_registry(lookup: SettingsModelLookup) -> None:
-    """Validate ``domain_settings`` with the settings models that ``lookup`` finds (the domain registry's own:
-    None for a domain that declares none or is not installed)."""
-    global _settings_model_of
-    _settings_model_of = lookup
-
-
-def domain_settings_model(name: str) -> type[DomainSettings] | None:
-    """The settings model the domain ``name`` declares, as the domain registry finds it; None when it declares
-    none or is not installed (using an unknown domain fails where it is looked up, with the list of installed
-    ones). Without a registry in this process (``domains`` not imported) a domain's settings cannot be read: a run
-    config keeps them as given, and its fingerprint, which needs them read, is refused."""
-    if _settings_model_of is None:
-        raise ValueError(
-            f"domain_settings: no domain registry in this process to read the {name!r} domain's settings with "
-            "(import domains)"
-        )
-    return _settings_model_of(name)
-
-
-def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 class PriceTable(Section):
@@ -97,8 +54,7 @@ class Endpoint(Section):
 
     base_url: Annotated[str | None, NOT_FINGERPRINTED] = None  # None: the SDK default (api.openai.com)
     api_key_env: Annotated[str | None, NOT_FINGERPRINTED] = "OPENAI_API_KEY"
-    # Prefect Secret block name, used when the env var is unset
-    api_key_secret_block: Annotated[str | None, NOT_FINGERPRINTED] = None
+    api_key_secret_block: Annotated[str | None, NOT_FINGERPRINTED] = None  # Prefect Secret block, if env is unset
 
 
 class Retries(Section):
@@ -664,9 +620,11 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 
 def _domain_settings_into(run: RunConfig, payload: dict[str, Any]) -> None:
-    """The domain's settings, as its settings model fingerprints them (``DomainSettings.fingerprint_into``)."""
-    if run.domain_settings and (model := run.domain_settings_model()) is not None:
-        model.model_validate(run.domain_settings).fingerprint_into(payload)
+    """The domain's settings, read and fingerprinted by the model it declares (``DomainSettings``)."""
+    if run.domain_settings:
+        settings = read_domain_settings(run.domain, run.domain_settings, domain_settings_model(run.domain))
+        if settings is not None:
+            settings.fingerprint_into(payload)
 
 
 class RunConfig(Section):
@@ -698,8 +656,8 @@ class RunConfig(Section):
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
     # a numeric LoRA step on the same trajectories; its settings count only when it is enabled
     hybrid: Annotated[HybridConfig, CountsWhen(lambda run: run.hybrid.enabled)] = Field(default_factory=HybridConfig)
-    # the chosen domain's own settings, validated by the model it declares (``DomainSettings``; the web domain:
-    # its search and open tools, docs/web.md); {}: the domain's defaults
+    # the chosen domain's own settings, kept as given and read by the model it declares where the domain is
+    # resolved (``schemas.domain_settings``; the web domain: its search and open tools, docs/web.md); {}: its defaults
     domain_settings: Annotated[dict[str, Any], FingerprintedBy(_domain_settings_into)] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -717,26 +675,6 @@ class RunConfig(Section):
             )
         rest = {key: value for key, value in agent.items() if key != "web"}
         return {**data, "rollout": {**rollout, "agent": rest}, "domain_settings": agent["web"]}
-
-    @model_validator(mode="after")
-    def _domain_settings_valid(self) -> "RunConfig":
-        """Read by the domain registry's model; kept as given where no registry is in this process yet (the
-        schemas alone: a domain's settings are read, and fingerprinted, only with the registry)."""
-        if not self.domain_settings or _settings_model_of is None:
-            return self
-        model = self.domain_settings_model()
-        if model is None:
-            raise ValueError(
-                f"domain_settings: the domain {self.domain!r} declares no settings of its own (or is not installed)"
-            )
-        try:
-            self.domain_settings = model.model_validate(self.domain_settings).model_dump(mode="json")
-        except ValidationError as exc:
-            raise ValueError(f"domain_settings ({self.domain} domain): {_errors(exc)}") from None
-        return self
-
-    def domain_settings_model(self) -> type[DomainSettings] | None:
-        return domain_settings_model(self.domain)
 
     @property
     def learner_model(self) -> ModelConfig:

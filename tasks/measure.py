@@ -27,7 +27,7 @@ from typing import Any
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
-from domains import Domain
+from domains import Domain, domain_settings
 from schemas.config import IDENTITY_FIELDS, AgentConfig, ModelConfig, RunConfig
 from schemas.config_migrations import not_fingerprinted
 from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash, utcnow
@@ -80,11 +80,12 @@ class Sampling:
     @classmethod
     def of(cls, config: RunConfig, temperature: float) -> Sampling:
         agent = config.rollout.agent_settings()
+        settings = domain_settings(config) if config.domain_settings else None  # as read by the domain's model
         payload: dict[str, Any] = {
             "policy": model_payload(config.policy, _NOT_DRAWN_BY),
             "temperature": temperature,
             "domain": config.domain,
-            "domain_settings": config.domain_settings,
+            "domain_settings": settings.model_dump(mode="json") if settings is not None else {},
         }
         if (policy := identity_of(config.policy)) is not None:
             payload["identity"] = policy
