@@ -86,7 +86,7 @@ def defaults(**changed: Any) -> Defaults:
 
 
 @dataclass(frozen=True)
-class Migration:
+class ConfigMigration:
     """Settings added together (``name`` says what came with them): dotted path -> the value a config made
     before had (a ``Defaults`` for a whole section)."""
 
@@ -94,14 +94,14 @@ class Migration:
     adds: dict[str, Any]
 
 
-MIGRATIONS: list[Migration] = [
-    Migration("held-out validation", {"validation": None}),
-    Migration("a cap on the steps", {"grpo.max_steps": None}),
-    Migration("the shortest lesson", {"learning.min_words": 5}),
-    Migration("consolidation without a learner call", {"learning.consolidation": "llm"}),
-    Migration("a pattern every lesson matches", {"learning.lesson_pattern": None}),
-    Migration("repetition penalty", {"policy.repetition_penalty": None, "learner.repetition_penalty": None}),
-    Migration(
+MIGRATIONS: list[ConfigMigration] = [
+    ConfigMigration("held-out validation", {"validation": None}),
+    ConfigMigration("a cap on the steps", {"grpo.max_steps": None}),
+    ConfigMigration("the shortest lesson", {"learning.min_words": 5}),
+    ConfigMigration("consolidation without a learner call", {"learning.consolidation": "llm"}),
+    ConfigMigration("a pattern every lesson matches", {"learning.lesson_pattern": None}),
+    ConfigMigration("repetition penalty", {"policy.repetition_penalty": None, "learner.repetition_penalty": None}),
+    ConfigMigration(
         "bounded learning and input limits",
         {
             "learning.max_ops_per_step": 30,
@@ -112,15 +112,15 @@ MIGRATIONS: list[Migration] = [
             "dataset.oversize": "error",
         },
     ),
-    Migration("agent rollouts", {"rollout.mode": "direct"}),
-    Migration("near-duplicate control", {"library.near_duplicates": "off"}),
-    Migration(
+    ConfigMigration("agent rollouts", {"rollout.mode": "direct"}),
+    ConfigMigration("near-duplicate control", {"library.near_duplicates": "off"}),
+    ConfigMigration(
         "retrieval, domain routing and the library's token budget",
         {"library.injection": "all", "library.max_tokens": None, "dataset.domain_field": None},
     ),
-    Migration("web questions' start pages", {"dataset.url_field": None}),
-    Migration("an LLM judge", {"judge": None}),
-    Migration(
+    ConfigMigration("web questions' start pages", {"dataset.url_field": None}),
+    ConfigMigration("an LLM judge", {"judge": None}),
+    ConfigMigration(
         "contrast extraction and lesson validation",
         {
             "learning.extract": "operations",
@@ -130,13 +130,13 @@ MIGRATIONS: list[Migration] = [
             "learning.lesson_validation": defaults(),
         },
     ),
-    Migration("task tags", {"dataset.tag_field": "tag", "validation.dataset.tag_field": "tag"}),
-    Migration(
+    ConfigMigration("task tags", {"dataset.tag_field": "tag", "validation.dataset.tag_field": "tag"}),
+    ConfigMigration(
         "problems without answers",
         {"dataset.answer_source_field": None, "dataset.answers_optional": False, "learning.unlabeled": "compare"},
     ),
-    Migration("hybrid learning", {"policy.adapter": None, "learner.adapter": None, "hybrid": defaults()}),
-    Migration(
+    ConfigMigration("hybrid learning", {"policy.adapter": None, "learner.adapter": None, "hybrid": defaults()}),
+    ConfigMigration(
         "the library gate (off before it was on by default) and the sign test of lessons",
         {
             "learning.library_gate": defaults(enabled=False),
@@ -146,13 +146,13 @@ MIGRATIONS: list[Migration] = [
             "learning.lesson_validation.alpha": 0.05,
         },
     ),
-    Migration("lessons a person rejected", {"learning.blocked": []}),
-    Migration("the gate's level of better", {"learning.library_gate.adopt_alpha": 0.2}),
-    Migration("a sequential gate", {"learning.library_gate.looks": 1}),
-    Migration("clusters of near-duplicate candidates", {"learning.lesson_validation.cluster_tries": 1}),
-    Migration("a budget of the checks", {"learning.checks_budget": None}),
-    Migration("trials by support", {"learning.lesson_validation.order": "plan"}),
-    Migration(
+    ConfigMigration("lessons a person rejected", {"learning.blocked": []}),
+    ConfigMigration("the gate's level of better", {"learning.library_gate.adopt_alpha": 0.2}),
+    ConfigMigration("a sequential gate", {"learning.library_gate.looks": 1}),
+    ConfigMigration("clusters of near-duplicate candidates", {"learning.lesson_validation.cluster_tries": 1}),
+    ConfigMigration("a budget of the checks", {"learning.checks_budget": None}),
+    ConfigMigration("trials by support", {"learning.lesson_validation.order": "plan"}),
+    ConfigMigration(
         "worked examples",
         {
             "learning.examples": "off",
@@ -187,7 +187,7 @@ def result_settings(section: BaseModel) -> dict[str, Any]:
     return _shaping(section, section.model_dump(mode="json"))
 
 
-def fingerprint_payload(config: BaseModel, migrations: Sequence[Migration] | None = None) -> dict[str, Any]:
+def fingerprint_payload(config: BaseModel, migrations: Sequence[ConfigMigration] | None = None) -> dict[str, Any]:
     """What the fingerprint of ``config`` hashes: its settings that shape results, without those at the value a
     config made before they existed had (``migrations``, by default ``MIGRATIONS``), under their names in the
     fingerprint."""
@@ -200,7 +200,7 @@ def fingerprint_payload(config: BaseModel, migrations: Sequence[Migration] | Non
     return payload
 
 
-def migrate(data: dict[str, Any], model: type[BaseModel], migrations: Sequence[Migration] | None = None) -> dict:
+def migrate(data: dict[str, Any], model: type[BaseModel], migrations: Sequence[ConfigMigration] | None = None) -> dict:
     """A stored config (``model``'s JSON data) as this version reads it: each setting a migration added that it
     lacks, at the value configs made before had, in the migrations' order (a section: its defaults then, so a
     setting added to it later is not asked for again)."""
@@ -255,7 +255,7 @@ def _older_value(older: Any, section: type[BaseModel] | None) -> Any:
 
 
 def _leave_out_if_older(
-    payload: dict[str, Any], config: BaseModel, path: str, older: Any, later: Sequence[Migration]
+    payload: dict[str, Any], config: BaseModel, path: str, older: Any, later: Sequence[ConfigMigration]
 ) -> None:
     """Leave ``path`` out of ``payload`` when it is at ``older``, and a section that this leaves empty too."""
     *parents, key = path.split(".")

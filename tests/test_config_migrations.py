@@ -3,7 +3,10 @@ checks on, agent rollouts, retrieval, hybrid learning, every optional section se
 config one setting away from it, with the run fingerprint, the evaluation fingerprint and the sample key's
 identity of each. ``tests/snapshots/config_fingerprints.json`` holds them, hashed per base and section (a
 refactor must leave them byte-identical; ``CLGRPO_UPDATE_SNAPSHOTS=1`` rewrites them, for a change meant to
-alter them, and the commit says which)."""
+alter them, and the commit says which). Then the config migrations themselves: each names settings of the run
+config, after the section they are in; a stored config reads back with what runs made before had, the old run's
+(``tests/data/old_run``) with the fingerprint it was stored with; and a setting added with one migration resumes
+a run made before it."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from clgrpo.store import Store
 from flows.evaluate import eval_fingerprint
 from schemas import config_migrations
 from schemas.config import DatasetConfig, EvalConfig, LearningConfig, LibraryGate, RunConfig
-from schemas.config_migrations import MIGRATIONS, Defaults, Migration, migrate, section_type
+from schemas.config_migrations import MIGRATIONS, ConfigMigration, Defaults, migrate, section_type
 from schemas.records import Problem, text_hash
 from tasks.measure import Sampling
 
@@ -222,7 +225,9 @@ def test_a_setting_added_with_its_migration_resumes_a_run_made_before_it(tmp_pat
     (fingerprint,), (config_json,) = stored["fingerprint"], stored["config_json"]
     later = {**older.model_dump(), "learning": LearningWithPatience(patience=0).model_dump()}
     assert LaterRunConfig.model_validate(later).fingerprint() != fingerprint  # without its migration: every run
-    monkeypatch.setattr(config_migrations, "MIGRATIONS", [*MIGRATIONS, Migration("patience", {"learning.patience": 0})])
+    monkeypatch.setattr(
+        config_migrations, "MIGRATIONS", [*MIGRATIONS, ConfigMigration("patience", {"learning.patience": 0})]
+    )
 
     read_back = LaterRunConfig.from_stored(config_json)
     assert read_back.learning.patience == 0 and read_back.fingerprint() == fingerprint
