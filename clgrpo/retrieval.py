@@ -18,6 +18,7 @@ import numpy as np
 from clgrpo.embeddings import Embedder, make_embedder, nearest
 from clgrpo.library import ExampleView, ExperienceLibrary, normalize_text
 from schemas.config import RunConfig
+from schemas.config_migrations import result_settings
 from schemas.records import Experience, Problem, text_hash
 
 Shown = dict[str, list[str]]  # problem id -> the experience ids its prompt shows (id order)
@@ -29,12 +30,11 @@ def prompt_routing(config: RunConfig) -> dict[str, Any] | None:
     settings = config.library
     routing: dict[str, Any] = {}
     if settings.injection == "top_k":
-        shaping = settings.result_settings() or {}  # never empty here: top_k is not the default injection
         routing = {
             "injection": "top_k",
             "top_k": settings.top_k,
             "pinned": settings.pinned,
-            "embedding": shaping["embedding"],
+            "embedding": result_settings(settings.embedding),  # which model embeds, not where or how fast
         }
     if config.dataset.domain_field:
         routing["domain_field"] = config.dataset.domain_field

@@ -35,7 +35,8 @@ from pydantic import BaseModel
 
 from clgrpo.library import ExperienceLibrary
 from schemas.catalog import TABLES
-from schemas.config import NOT_FINGERPRINTED, NOT_FINGERPRINTED_MODEL, ModelIdentity, RunConfig
+from schemas.config import ModelIdentity, RunConfig
+from schemas.config_migrations import not_fingerprinted, section_type
 from schemas.records import (
     LibraryAdoption,
     LibraryHead,
@@ -623,7 +624,7 @@ class Store:
         row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:
             raise StoreError(f"{self.path}: no run {run_id!r}")
-        return RunConfig.model_validate_json(row[0])
+        return RunConfig.from_stored(row[0])
 
     @_connected
     def runs(self) -> pd.DataFrame:
@@ -879,9 +880,10 @@ def _identity_json(cfg: RunConfig) -> str | None:
 
 
 def _refingerprint(config_json: str) -> str | None:
-    """The stored config's fingerprint as this version computes it (None if it no longer validates)."""
+    """The stored config's fingerprint as this version computes it, the settings added since at the value the run
+    had (None if it no longer validates)."""
     try:
-        return RunConfig.model_validate_json(config_json).fingerprint()
+        return RunConfig.from_stored(config_json).fingerprint()
     except ValueError:
         return None
 
@@ -895,13 +897,13 @@ def _mismatch_message(cfg: RunConfig, stored: dict) -> str:
     )
 
 
-def _changed_paths(old: Any, new: Any, prefix: str = "") -> Iterable[str]:
+def _changed_paths(old: Any, new: Any, prefix: str = "", model: type[BaseModel] | None = RunConfig) -> Iterable[str]:
+    """The dotted paths of the settings that differ, without those that shape no result (``NotFingerprinted``
+    in ``model``, the config section the two are of)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in set(old) | set(new):
-            if not prefix and key in NOT_FINGERPRINTED:
-                continue
-            if prefix in ("policy.", "learner.") and key in NOT_FINGERPRINTED_MODEL:
-                continue
-            yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.")
+        left_out = not_fingerprinted(model) if model is not None else set()
+        for key in sorted((set(old) | set(new)) - left_out):
+            inner = section_type(model, key) if model is not None else None
+            yield from _changed_paths(old.get(key), new.get(key), f"{prefix}{key}.", inner)
     elif old != new:
         yield prefix.rstrip(".")

@@ -12,10 +12,19 @@ from domains.base import (
     ToolOutput,
     VerifyResult,
 )
-from domains.registry import UnknownDomainError, domain_for, get_domain, installed_domains, register_domain
+from domains.registry import (
+    DomainSettingsError,
+    UnknownDomainError,
+    domain_for,
+    domain_settings,
+    get_domain,
+    installed_domains,
+    register_domain,
+)
 
 __all__ = [
     "Domain",
+    "DomainSettingsError",
     "Tool",
     "ToolContext",
     "ToolFailure",
@@ -23,6 +32,7 @@ __all__ = [
     "UnknownDomainError",
     "VerifyResult",
     "domain_for",
+    "domain_settings",
     "get_domain",
     "installed_domains",
     "register_domain",

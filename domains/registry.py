@@ -9,10 +9,11 @@ returns a ``Domain``) in the entry point group ``clgrpo.domains``, as this proje
 ``get_domain(name)`` imports only the plug-in it is asked for, on first use. ``register_domain`` adds a factory
 in this process only (a test's stand-in, a notebook), and wins over an installed plug-in of the same name.
 
-A domain with settings of its own declares their model (a ``schemas.config.DomainSettings``) as its factory's
-``settings_model``: this registry is the one that finds it (the run config validates ``domain_settings`` with
-the lookup it hands to ``schemas.config`` on import; the schemas load no plug-in), and ``domain_for(config)``
-gives the domain its settings (its ``settings`` attribute). ``domains/web`` is the worked example.
+A domain with settings of its own declares their model (a ``schemas.domain_settings.DomainSettings``) as its
+factory's ``settings_model``: this registry is the one that finds it (and hands its lookup to the schemas on
+import, for fingerprints; the schemas load no plug-in), and ``domain_for(config)`` reads the run's
+``domain_settings`` with it and gives them to the domain (its ``settings`` attribute), refusing wrong ones in one
+error naming each, whatever was imported first. ``domains/web`` is the worked example.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
+from clgrpo.config import ConfigError
 from domains.base import Domain
-from schemas.config import DomainSettings, RunConfig, use_domain_registry
+from schemas.config import RunConfig
+from schemas.domain_settings import DomainSettings, read_domain_settings, use_domain_registry
 
 ENTRY_POINT_GROUP = "clgrpo.domains"
 
 _REGISTRY: dict[str, Callable[[], Domain]] = {}
+
+
+class DomainSettingsError(ConfigError):
+    """A run's ``domain_settings`` that its domain's settings model does not accept (each wrong key or value
+    named), or settings given to a domain that declares none."""
 
 
 class UnknownDomainError(KeyError):
@@ -62,12 +70,24 @@ def settings_model(name: str) -> type[DomainSettings] | None:
 
 
 def domain_for(config: RunConfig) -> Domain:
-    """The run's domain, holding the run's ``domain_settings`` (validated by the run config) when it has a model
-    for them."""
+    """The run's domain, holding the run's ``domain_settings`` read by the model it declares, if it declares
+    one (``DomainSettingsError`` for settings it does not accept)."""
     domain = get_domain(config.domain)
-    if (model := getattr(domain, "settings_model", None)) is not None:
-        domain.settings = model.model_validate(config.domain_settings)  # type: ignore[attr-defined]
+    if (settings := _read(config, getattr(domain, "settings_model", None))) is not None:
+        domain.settings = settings  # type: ignore[attr-defined]
     return domain
+
+
+def domain_settings(config: RunConfig) -> DomainSettings | None:
+    """The run's ``domain_settings`` read by the model its domain declares (None: it declares none)."""
+    return _read(config, settings_model(config.domain))
+
+
+def _read(config: RunConfig, model: type[DomainSettings] | None) -> DomainSettings | None:
+    try:
+        return read_domain_settings(config.domain, config.domain_settings, model)
+    except ValueError as exc:
+        raise DomainSettingsError(str(exc)) from None
 
 
 def _installed() -> list[EntryPoint]:
@@ -87,4 +107,4 @@ def _installed_factory(name: str) -> Callable[[], Domain]:
     return next(iter(points.values())).load()
 
 
-use_domain_registry(settings_model)  # the run config reads a domain's settings with this registry's models
+use_domain_registry(settings_model)  # fingerprints read a domain's settings with this registry's models

@@ -60,13 +60,14 @@ from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
+from schemas.config_migrations import not_fingerprinted, result_settings
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LLMCall, Problem, Sample, text_hash
 from schemas.stages import Stage
 from tasks.checkpoint import export_dir
 from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
-from tasks.measure import TRANSPORT_FIELDS, Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
+from tasks.measure import Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
 from tasks.outputs import Calls, StageOutput
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
@@ -220,7 +221,7 @@ def eval_fingerprint(
     never written: ``legacy``, as stored before the transport fields were left out; ``template`` False, as stored
     before the template counted."""
     payload: dict[str, Any] = {
-        "policy": model_payload(config.policy, None if legacy else TRANSPORT_FIELDS),
+        "policy": model_payload(config.policy, None if legacy else not_fingerprinted(ModelConfig, kept_by_runs=True)),
         "domain": config.domain,
         # the tag column counts through the problems' tags (below)
         "evaluation": evaluation.model_dump(
@@ -242,7 +243,7 @@ def eval_fingerprint(
     for key in LATER_DATASET_FIELDS:
         if isinstance(dataset, dict) and dataset.get(key) == DatasetConfig.model_fields[key].default:
             del dataset[key]
-    if (agent := config.rollout.result_settings()) is not None:  # direct evaluations keep their fingerprint
+    if (agent := result_settings(config.rollout).get("agent")) is not None:  # direct evaluations keep theirs
         payload["agent"] = agent
     if (routing := prompt_routing(config)) is not None:  # whole-library prompts keep their fingerprint
         payload["routing"] = routing

@@ -8,61 +8,28 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.config_migrations import (
+    NOT_FINGERPRINTED,
+    CountsWhen,
+    FingerprintedAs,
+    FingerprintedBy,
+    Inlined,
+    NotFingerprinted,
+    fingerprint_payload,
+    migrate,
+)
+from schemas.domain_settings import DomainSettings as DomainSettings  # a domain's settings derive from it
+from schemas.domain_settings import domain_settings_model, read_domain_settings
 from schemas.records import text_hash
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class DomainSettings(Section):
-    """The base of a domain's own settings (``domain_settings`` in the run config). A domain declares its model
-    as the ``settings_model`` attribute of its factory (the class its ``clgrpo.domains`` entry point names); the
-    run config validates ``domain_settings`` against the model the domain registry finds for the chosen domain
-    (``use_domain_registry``) and the domain gets them through ``domains.registry.domain_for``."""
-
-    def fingerprint_into(self, payload: dict[str, Any]) -> None:
-        """Add what of these settings shapes results to the run config's fingerprint ``payload``: by default all
-        of them, under ``domain_settings``, once any is changed from its default (runs that leave them alone keep
-        the fingerprint they had before the domain had settings)."""
-        if self != type(self)():
-            payload["domain_settings"] = self.model_dump(mode="json")
-
-
-# How the run config finds the settings model a domain declares: the domain registry (``domains/registry.py``)
-# hands its lookup here when it is imported. The schemas never look for a plug-in themselves.
-SettingsModelLookup = Callable[[str], "type[DomainSettings] | None"]
-_settings_model_of: SettingsModelLookup | None = None
-
-
-def use_domain_registry(lookup: SettingsModelLookup) -> None:
-    """Validate ``domain_settings`` with the settings models that ``lookup`` finds (the domain registry's own:
-    None for a domain that declares none or is not installed)."""
-    global _settings_model_of
-    _settings_model_of = lookup
-
-
-def domain_settings_model(name: str) -> type[DomainSettings] | None:
-    """The settings model the domain ``name`` declares, as the domain registry finds it; None when it declares
-    none or is not installed (using an unknown domain fails where it is looked up, with the list of installed
-    ones). Without a registry in this process (``domains`` not imported) a domain's settings cannot be read: a run
-    config keeps them as given, and its fingerprint, which needs them read, is refused."""
-    if _settings_model_of is None:
-        raise ValueError(
-            f"domain_settings: no domain registry in this process to read the {name!r} domain's settings with "
-            "(import domains)"
-        )
-    return _settings_model_of(name)
-
-
-def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 class PriceTable(Section):
@@ -76,14 +43,18 @@ class PriceTable(Section):
 Seconds = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 Delay = Annotated[float, Field(ge=0)]
+# how long a request may take and how it is retried or waits: never what it computes
+Timeout = Annotated[Seconds, NOT_FINGERPRINTED]
+Tries = Annotated[Count, NOT_FINGERPRINTED]
+Wait = Annotated[Delay, NOT_FINGERPRINTED]
 
 
 class Endpoint(Section):
     """An OpenAI-compatible endpoint: where it is and where its key comes from (read at call time, never stored)."""
 
-    base_url: str | None = None  # None: the SDK default (api.openai.com)
-    api_key_env: str | None = "OPENAI_API_KEY"
-    api_key_secret_block: str | None = None  # Prefect Secret block name, used when the env var is unset
+    base_url: Annotated[str | None, NOT_FINGERPRINTED] = None  # None: the SDK default (api.openai.com)
+    api_key_env: Annotated[str | None, NOT_FINGERPRINTED] = "OPENAI_API_KEY"
+    api_key_secret_block: Annotated[str | None, NOT_FINGERPRINTED] = None  # Prefect Secret block, if env is unset
 
 
 class Retries(Section):
@@ -91,10 +62,10 @@ class Retries(Section):
     retried: at most ``max_retries`` times, backing off from ``retry_base_delay_s`` (doubling, with jitter) up to
     ``retry_max_delay_s`` (``clgrpo.retry``). A section with other defaults declares only the defaults."""
 
-    timeout_s: Seconds = 120.0
-    max_retries: Count = 6
-    retry_base_delay_s: Delay = 1.0
-    retry_max_delay_s: Delay = 60.0
+    timeout_s: Timeout = 120.0
+    max_retries: Tries = 6
+    retry_base_delay_s: Wait = 1.0
+    retry_max_delay_s: Wait = 60.0
 
 
 class PoolPlacement(Section):
@@ -102,11 +73,11 @@ class PoolPlacement(Section):
     work pool (``pool``), handing results back through ``handoff_storage``: a local path shared with the GPU
     workers or any fsspec URL (s3://..., gs://...); None: <db dir>/<run_id>/handoff. Never changes results."""
 
-    placement: Literal["local", "pool"] = "local"
-    deployment: str  # each section using a pool names its deployment
-    handoff_storage: str | None = None
-    timeout_s: Seconds = 3600.0  # per child run
-    poll_interval_s: Seconds = 2.0
+    placement: Annotated[Literal["local", "pool"], NOT_FINGERPRINTED] = "local"
+    deployment: Annotated[str, NOT_FINGERPRINTED]  # each section using a pool names its deployment
+    handoff_storage: Annotated[str | None, NOT_FINGERPRINTED] = None
+    timeout_s: Timeout = 3600.0  # per child run
+    poll_interval_s: Timeout = 2.0
 
 
 class ServedModel(Section):
@@ -186,26 +157,31 @@ class ModelConfig(Endpoint, Retries):
     max_tokens: int = Field(2048, ge=1)
     # rate limits (429) are retried by time, not counted as errors: for up to this long from a call's first 429,
     # honouring Retry-After, with every caller paused during the window
-    max_rate_limit_wait_s: Delay = 600.0
+    max_rate_limit_wait_s: Wait = 600.0
     supports_n: bool = True  # request G samples with n=G; False: G separate calls
     json_schema: bool = True  # request response_format=json_schema; False: prompt + tolerant parser
-    price: PriceTable = Field(default_factory=PriceTable)
+    # what a model costs and how a local one batches do not change what it draws (evaluations and sample keys
+    # leave them out); run fingerprints have carried them from the first release and keep them
+    price: Annotated[PriceTable, NotFingerprinted(kept_by_runs=True)] = Field(default_factory=PriceTable)
     seed: int | None = None
     # local backends (transformers, vllm) only
     model_path: str | None = None  # HF folder, .gguf file (transformers), "embedded" (SmolLM2 cache) or hub id (vllm)
     device: str = "auto"  # auto: cuda > mps > cpu; or cpu, cuda, cuda:1, mps
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16/fp16 on GPUs, fp32 on CPU
-    cpu_threads: int | None = Field(None, ge=1)  # torch threads on CPU; None: the cores not busy at load time
-    max_batch_rows: int | None = Field(None, ge=1)  # sequences per batched generate call; None: backend default
+    # torch threads on CPU; None: the cores not busy at load time
+    cpu_threads: Annotated[int | None, Field(ge=1), NotFingerprinted(kept_by_runs=True)] = None
+    # sequences per batched generate call; None: backend default
+    max_batch_rows: Annotated[int | None, Field(ge=1), NotFingerprinted(kept_by_runs=True)] = None
     engine_options: dict[str, Any] = Field(default_factory=dict)  # extra vllm.LLM(...) arguments
     # a LoRA adapter on top of the weights (transformers: peft; vllm: LoRARequest): a folder with
     # adapter_model.safetensors, or RUN_ID:STEP / RUN_ID:latest (an adapter the numeric step stored)
     adapter: str | None = None
     # the weights' revision as the user knows it, where the endpoint states nothing useful of them (a re-quantized
-    # file under the same name, a provider's rolling model name): part of the model's identity (``identity``)
-    revision: str | None = None
+    # file under the same name, a provider's rolling model name): part of the model's identity (``identity``),
+    # which is compared on its own (``Store.bind_identity``), not fingerprinted
+    revision: Annotated[str | None, NOT_FINGERPRINTED] = None
     # what the endpoint states of its model, set at the preflight (``tasks.preflight``), never by hand
-    served: ServedModel | None = None
+    served: Annotated[ServedModel | None, NOT_FINGERPRINTED] = None
 
     def identity(self) -> ModelIdentity:
         """The model's identity as known now: the name, what the endpoint stated at the preflight, the revision."""
@@ -257,15 +233,16 @@ class EmbeddingConfig(Endpoint, Retries):
     model: str = "all-MiniLM-L6-v2"  # openai: the model name sent; local backends: a label only
     # openai: the endpoint (base_url, api_key_env, api_key_secret_block) and its retries (per batch; 429 is one of
     # their transient errors here): shorter than a model's
-    timeout_s: Seconds = 60.0
-    max_retries: Count = 4
-    retry_base_delay_s: Delay = 0.5
-    retry_max_delay_s: Delay = 30.0
+    timeout_s: Timeout = 60.0
+    max_retries: Tries = 4
+    retry_base_delay_s: Wait = 0.5
+    retry_max_delay_s: Wait = 30.0
     dimensions: int | None = Field(None, ge=1)  # openai: ask for shorter vectors (text-embedding-3-*)
     model_path: str | None = None  # transformers: a local sentence-embedding folder
-    batch_size: int = Field(32, ge=1)  # texts per forward pass / per request
+    batch_size: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 32  # texts per forward pass / per request
     max_seq_length: int | None = Field(None, ge=8)  # local: truncate longer texts; None: the folder's setting
-    cpu_threads: int | None = Field(None, ge=1)  # local: torch threads; None: the cores not busy at load time
+    # local: torch threads; None: the cores not busy at load time
+    cpu_threads: Annotated[int | None, Field(ge=1), NOT_FINGERPRINTED] = None
 
 
 class LibraryConfig(Section):
@@ -276,16 +253,25 @@ class LibraryConfig(Section):
     # "merge" an add is merged into that experience (its text kept, the sources joined); "off": exact
     # duplicates only (always refused)
     near_duplicates: Literal["off", "reject", "merge"] = "off"
-    near_duplicate_similarity: float = Field(0.9, gt=0.0, le=1.0)
+    near_duplicate_similarity: Annotated[
+        float,
+        Field(gt=0.0, le=1.0),
+        CountsWhen(lambda library: library.near_duplicates != "off"),
+        FingerprintedAs("similarity"),
+    ] = 0.9
     # what a rollout prompt gets: "all" the (domain's) experiences, identical for every problem (best for prefix
     # caching), or the "top_k" most similar to the problem (embeddings) plus the ``pinned`` ids
     injection: Literal["all", "top_k"] = "all"
-    top_k: int = Field(8, ge=1)
-    pinned: list[str] = Field(default_factory=list)  # ids always shown with top_k (if live)
+    top_k: Annotated[int, Field(ge=1), CountsWhen(lambda library: library.injection != "all")] = 8
+    # ids always shown with top_k (if live)
+    pinned: Annotated[list[str], CountsWhen(lambda library: library.injection != "all")] = Field(default_factory=list)
     # a hard budget on the whole rendered library (estimated tokens, ``clgrpo.tokens``): after each step's
     # operations, the least useful experiences are evicted (``evict`` operations) until it fits
     max_tokens: int | None = Field(None, ge=1)
-    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    # which model embeds (not where it is served or how fast) counts when embeddings are used
+    embedding: Annotated[EmbeddingConfig, CountsWhen(lambda library: library.uses_embeddings)] = Field(
+        default_factory=EmbeddingConfig
+    )
     # worked examples (library items that are solved problems): at most ``examples_shown`` in a prompt, those of
     # the problem's task tag first, then the most similar problems (word overlap), never the problem's own; shown
     # as earlier exchanges of the conversation ("turns") or as a block after the lessons ("block")
@@ -295,27 +281,6 @@ class LibraryConfig(Section):
     @property
     def uses_embeddings(self) -> bool:
         return self.near_duplicates != "off" or self.injection == "top_k"
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What of this section shapes results (for fingerprints): None with every default; else the settings
-        that differ from it and, when embeddings are used, which model embeds (not where it is served or how
-        fast). A run made before a setting existed keeps its fingerprint."""
-        settings: dict[str, Any] = {}
-        if self.near_duplicates != "off":
-            settings |= {"near_duplicates": self.near_duplicates, "similarity": self.near_duplicate_similarity}
-        if self.injection != "all":
-            settings |= {"injection": self.injection, "top_k": self.top_k, "pinned": self.pinned}
-        if self.max_tokens is not None:
-            settings["max_tokens"] = self.max_tokens
-        if self.examples_shown != 2:
-            settings["examples_shown"] = self.examples_shown
-        if self.examples_as != "turns":
-            settings["examples_as"] = self.examples_as
-        if self.uses_embeddings:
-            settings["embedding"] = self.embedding.model_dump(
-                mode="json", include={"backend", "model", "model_path", "dimensions", "max_seq_length"}
-            )
-        return settings or None
 
 
 class GRPOConfig(Section):
@@ -454,8 +419,8 @@ class LearningConfig(Section):
     # spend, as a multiple of the step's own tokens (rollouts and learner calls): a step with its checks costs at
     # most 1 + this times the same step without them. The gate's looks are reserved first; a trial that does not
     # fit is rejected untried and a gate look that does not fit is not drawn, each saying so
-    # (``tasks.checks_budget``). None: no limit.
-    checks_budget: float | None = Field(1.0, gt=0.0)
+    # (``tasks.checks_budget``). None: no limit. It shapes nothing while no check runs.
+    checks_budget: Annotated[float | None, Field(gt=0.0), CountsWhen(lambda learning: learning.checks_run)] = 1.0
     blocked: list[BlockedLesson] = Field(default_factory=list)  # lessons not to learn again (rejected by a person)
 
     @field_validator("lesson_pattern")
@@ -483,6 +448,11 @@ class LearningConfig(Section):
     def asks_contrast(self) -> bool:
         return self.extract == "contrast" or self.fallback == "contrast"
 
+    @property
+    def checks_run(self) -> bool:
+        """Lesson trials or the library gate may run."""
+        return self.lesson_validation.enabled or self.library_gate.enabled is not False
+
 
 class SandboxConfig(Section):
     """The sandboxed Python tool of agent rollouts (``clgrpo.sandbox``): one interpreter per rollout, in its own
@@ -493,8 +463,9 @@ class SandboxConfig(Section):
 
     # interpreters alive at once: one per agent rollout from its first call to its end (its variables live
     # there), so rollouts beyond it wait; ~15 MB each when idle. Keep it near the agent rollouts in flight.
-    pool_size: int = Field(64, ge=1)
-    spares: int = Field(2, ge=0)  # interpreters started ahead, so a rollout's first call does not wait
+    pool_size: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 64
+    # interpreters started ahead, so a rollout's first call does not wait
+    spares: Annotated[int, Field(ge=0), NOT_FINGERPRINTED] = 2
     cpu_s: float = Field(10.0, gt=0)  # CPU seconds per call
     wall_s: float = Field(30.0, gt=0)  # wall-clock seconds per call
     memory_mb: int = Field(1024, ge=128)  # address space of one interpreter
@@ -530,23 +501,17 @@ class RolloutPlacement(PoolPlacement):
     training flow's process, or as child flow runs of the ``rollout-gpu`` deployment on the CUDA work pool.
     Placement never changes results; ``mode`` and the agent's limits do (they are part of the fingerprint)."""
 
-    mode: Literal["direct", "agent"] = "direct"
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    deployment: str = "rollout-gpu/rollout-gpu"  # with placement, handoff_storage, timeout_s, poll_interval_s
+    # the mode is fingerprinted as the agent's settings, which count in agent mode only
+    mode: Annotated[Literal["direct", "agent"], NOT_FINGERPRINTED] = "direct"
+    agent: Annotated[AgentConfig, CountsWhen(lambda rollout: rollout.mode == "agent")] = Field(
+        default_factory=AgentConfig
+    )
+    # with placement, handoff_storage, timeout_s, poll_interval_s
+    deployment: Annotated[str, NOT_FINGERPRINTED] = "rollout-gpu/rollout-gpu"
 
     def agent_settings(self) -> AgentConfig | None:
         """The agent's settings in agent mode, None for direct rollouts."""
         return self.agent if self.mode == "agent" else None
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What of this section shapes results (for fingerprints): the agent's settings in agent mode, minus
-        those that only change speed (how many interpreters run at once)."""
-        if self.mode != "agent":
-            return None
-        settings = self.agent.model_dump(mode="json")
-        for key in ("pool_size", "spares"):
-            settings["sandbox"].pop(key, None)
-        return settings
 
 
 class HybridConfig(PoolPlacement):
@@ -573,14 +538,9 @@ class HybridConfig(PoolPlacement):
     # +17% time; on an H100 (0.5B shape, 64 rows) +9% time, 34 instead of 56 GiB (benchmarks/REPORT.md "GPU").
     # "auto": on for CPU, on CUDA only when the activations' estimate exceeds half the free GPU memory (decided
     # and logged per step). The same gradients either way, so not part of the fingerprint
-    gradient_checkpointing: bool | Literal["auto"] = "auto"
-    deployment: str = "numeric-update-gpu/numeric-update-gpu"  # placement pool: this deployment on the cuda pool
-
-    def result_settings(self) -> dict[str, Any] | None:
-        """What shapes results (fingerprints): None when off, so runs without it keep their fingerprint."""
-        if not self.enabled:
-            return None
-        return self.model_dump(mode="json", exclude={*PoolPlacement.model_fields, "gradient_checkpointing"})
+    gradient_checkpointing: Annotated[bool | Literal["auto"], NOT_FINGERPRINTED] = "auto"
+    # placement pool: this deployment on the cuda pool
+    deployment: Annotated[str, NOT_FINGERPRINTED] = "numeric-update-gpu/numeric-update-gpu"
 
 
 class EvalConfig(Section):
@@ -617,55 +577,6 @@ class ValidationConfig(EvalConfig):
     every_n_steps: int = Field(1, ge=1)
 
 
-# (section, setting) -> default, for settings added after runs were first stored (see RunConfig.fingerprint)
-LATER_SETTINGS: dict[tuple[str, str], Any] = {
-    ("grpo", "max_steps"): None,
-    ("learning", "min_words"): 5,
-    ("learning", "consolidation"): "llm",
-    ("learning", "lesson_pattern"): None,
-    ("policy", "repetition_penalty"): None,
-    ("learner", "repetition_penalty"): None,
-    ("learning", "max_ops_per_step"): 30,
-    ("learning", "guard"): "standard",
-    ("learning", "max_learner_tokens"): 2048,
-    ("dataset", "max_problem_chars"): 20_000,
-    ("dataset", "max_answer_chars"): 1_000,
-    ("dataset", "oversize"): "error",
-    ("dataset", "domain_field"): None,
-    ("dataset", "url_field"): None,
-    ("dataset", "tag_field"): "tag",
-    ("dataset", "answer_source_field"): None,
-    ("dataset", "answers_optional"): False,
-    ("learning", "unlabeled"): "compare",
-    ("learning", "extract"): "operations",
-    ("learning", "candidates"): 1,
-    ("learning", "fallback"): "none",
-    ("learning", "summarize"): True,
-    ("learning", "lesson_validation"): LessonValidation().model_dump(mode="json"),
-    # the gate as it was before it was on by default: off (its other settings then shape nothing); a run made
-    # then resumes with `enabled: false` and keeps its fingerprint; one that says nothing now runs with the gate
-    ("learning", "library_gate"): {**LibraryGate().model_dump(mode="json"), "enabled": False},
-    ("learning", "blocked"): [],
-    ("policy", "adapter"): None,
-    ("learner", "adapter"): None,
-    # settings added inside a section a run may have changed: left out while at their default (after the whole
-    # sections above, which are compared with their full defaults first)
-    ("learning", "checks_budget"): None,
-    ("learning", "examples"): "off",
-    ("learning", "rationalize_max"): 6,
-    ("learning.lesson_validation", "trials_on"): "sources_first",
-    ("learning.lesson_validation", "test"): "mean",
-    ("learning.lesson_validation", "max_problems"): None,
-    ("learning.lesson_validation", "alpha"): 0.05,
-    ("learning.lesson_validation", "cluster_tries"): 1,
-    ("learning.lesson_validation", "order"): "plan",
-    ("learning.library_gate", "adopt_alpha"): 0.2,
-    ("learning.library_gate", "looks"): 1,
-}
-# whole sections added later, fingerprinted by their ``result_settings()`` only when set (None: left out)
-LATER_SECTIONS = ("library", "hybrid")
-
-
 class StageTolerances(Section):
     """The fraction of a stage's items that may fail (a call that failed after its retries, a sample the
     verifier could not grade) with the stage still stored as done; beyond it the stage fails and a retry redoes
@@ -700,46 +611,54 @@ class ToleranceConfig(Section):
         return float(getattr(self.max_failed_fraction, setting, 0.0))
 
 
-# Settings that change where or how fast a run executes, or when it stops, never what it computes.
-NOT_FINGERPRINTED = {"db_path", "concurrency", "rollout", "pipeline", "tolerance", "budget", "plots"}
-# Model settings that say where and how a model is reached, not what it computes: moving the same model to
-# another port or key, or changing timeouts and retries, does not block a resume. Its identity (the revision,
-# what the endpoint states) is compared on its own, in one line naming both (``Store.bind_identity``).
+# A model's identity (the revision, what the endpoint states) is compared on its own, in one line naming both
+# (``Store.bind_identity``); sample keys and evaluations hash it apart from the model's settings.
 IDENTITY_FIELDS = {"revision", "served"}
-NOT_FINGERPRINTED_MODEL = {*Endpoint.model_fields, *Retries.model_fields, "max_rate_limit_wait_s", *IDENTITY_FIELDS}
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 
+def _domain_settings_into(run: RunConfig, payload: dict[str, Any]) -> None:
+    """The domain's settings, read and fingerprinted by the model it declares (``DomainSettings``)."""
+    if run.domain_settings:
+        settings = read_domain_settings(run.domain, run.domain_settings, domain_settings_model(run.domain))
+        if settings is not None:
+            settings.fingerprint_into(payload)
+
+
 class RunConfig(Section):
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)  # None: generated when the run starts, and printed
-    db_path: str = "runs/clgrpo.duckdb"
+    # where a run keeps its data, how fast it goes, when it stops, what it draws afterwards: never what it computes
+    db_path: Annotated[str, NOT_FINGERPRINTED] = "runs/clgrpo.duckdb"
     domain: str = "math"
     dataset: DatasetConfig
     policy: ModelConfig = Field(default_factory=ModelConfig)
     learner: ModelConfig | None = None  # None: the policy model also learns
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     learning: LearningConfig = Field(default_factory=LearningConfig)
-    concurrency: int = Field(32, ge=1)  # in-flight LLM requests, all stages together
+    concurrency: Annotated[int, Field(ge=1), NOT_FINGERPRINTED] = 32  # in-flight LLM requests, all stages together
     # a group's summaries and advantage start once its own rollouts are verified (no batch-wide barrier);
     # same results as stage by stage (see benchmarks/REPORT.md)
-    pipeline: bool = True
+    pipeline: Annotated[bool, NOT_FINGERPRINTED] = True
     # at the end of the run: the plots (PNG files + Prefect image artifacts); off by default, because drawing
     # them costs about half a second per run (matplotlib): `clgrpo report RUN` draws them whenever asked
-    plots: bool = False
+    plots: Annotated[bool, NOT_FINGERPRINTED] = False
     seed: int = 0
     initial_library: str | None = None  # a library file to start from (reference, seed or text format)
-    rollout: RolloutPlacement = Field(default_factory=RolloutPlacement)
+    # how rollouts are made: its settings that shape results fingerprinted at the top, as before it had a section
+    rollout: Annotated[RolloutPlacement, Inlined()] = Field(default_factory=RolloutPlacement)
     validation: ValidationConfig | None = None  # held-out learning curve during training
-    tolerance: ToleranceConfig = Field(default_factory=ToleranceConfig)  # failed items a stage may leave
-    budget: BudgetConfig = Field(default_factory=BudgetConfig)  # tokens / USD a run may spend
+    # failed items a stage may leave
+    tolerance: Annotated[ToleranceConfig, NOT_FINGERPRINTED] = Field(default_factory=ToleranceConfig)
+    budget: Annotated[BudgetConfig, NOT_FINGERPRINTED] = Field(default_factory=BudgetConfig)  # tokens / USD to spend
     library: LibraryConfig = Field(default_factory=LibraryConfig)  # near-duplicate control and embeddings
     judge: JudgeConfig | None = None  # grade answers with an LLM judge instead of the domain's verifier
-    hybrid: HybridConfig = Field(default_factory=HybridConfig)  # a numeric LoRA step on the same trajectories
-    # the chosen domain's own settings, validated by the model it declares (``DomainSettings``; the web domain:
-    # its search and open tools, docs/web.md); {}: the domain's defaults
-    domain_settings: dict[str, Any] = Field(default_factory=dict)
+    # a numeric LoRA step on the same trajectories; its settings count only when it is enabled
+    hybrid: Annotated[HybridConfig, CountsWhen(lambda run: run.hybrid.enabled)] = Field(default_factory=HybridConfig)
+    # the chosen domain's own settings, kept as given and read by the model it declares where the domain is
+    # resolved (``schemas.domain_settings``; the web domain: its search and open tools, docs/web.md); {}: its defaults
+    domain_settings: Annotated[dict[str, Any], FingerprintedBy(_domain_settings_into)] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -757,26 +676,6 @@ class RunConfig(Section):
         rest = {key: value for key, value in agent.items() if key != "web"}
         return {**data, "rollout": {**rollout, "agent": rest}, "domain_settings": agent["web"]}
 
-    @model_validator(mode="after")
-    def _domain_settings_valid(self) -> "RunConfig":
-        """Read by the domain registry's model; kept as given where no registry is in this process yet (the
-        schemas alone: a domain's settings are read, and fingerprinted, only with the registry)."""
-        if not self.domain_settings or _settings_model_of is None:
-            return self
-        model = self.domain_settings_model()
-        if model is None:
-            raise ValueError(
-                f"domain_settings: the domain {self.domain!r} declares no settings of its own (or is not installed)"
-            )
-        try:
-            self.domain_settings = model.model_validate(self.domain_settings).model_dump(mode="json")
-        except ValidationError as exc:
-            raise ValueError(f"domain_settings ({self.domain} domain): {_errors(exc)}") from None
-        return self
-
-    def domain_settings_model(self) -> type[DomainSettings] | None:
-        return domain_settings_model(self.domain)
-
     @property
     def learner_model(self) -> ModelConfig:
         return self.learner or self.policy
@@ -788,33 +687,16 @@ class RunConfig(Section):
         return self.run_id
 
     def fingerprint(self) -> str:
-        """Hash of everything that shapes the results; a run id is bound to one fingerprint. Settings added after
-        the first release count only when changed from their default, so older runs keep their fingerprint."""
-        unset = {name for name in ("validation", "judge") if getattr(self, name) is None}
-        payload = self.model_dump(mode="json", exclude=NOT_FINGERPRINTED | unset | {"domain_settings"})
-        for section in ("policy", "learner"):
-            if isinstance(payload.get(section), dict):
-                payload[section] = {k: v for k, v in payload[section].items() if k not in NOT_FINGERPRINTED_MODEL}
-        for (section, key), default in LATER_SETTINGS.items():  # a dotted section is nested ("a.b": payload[a][b])
-            holder: Any = payload
-            for part in section.split("."):
-                holder = holder.get(part) if isinstance(holder, dict) else None
-            if isinstance(holder, dict) and key in holder and holder[key] == default:
-                del holder[key]
-        if not self.learning.lesson_validation.enabled and self.learning.library_gate.enabled is False:
-            payload["learning"].pop("checks_budget", None)  # no check runs: the budget shapes nothing
-        validation = payload.get("validation")
-        if isinstance(validation, dict) and validation["dataset"].get("tag_field") == "tag":  # added later, too
-            del validation["dataset"]["tag_field"]
-        if (agent := self.rollout.result_settings()) is not None:  # direct runs keep their old fingerprint
-            payload["agent"] = agent
-        if self.domain_settings and (model := self.domain_settings_model()) is not None:
-            model.model_validate(self.domain_settings).fingerprint_into(payload)
-        for name in LATER_SECTIONS:  # only when a setting of the section is changed (hybrid: when enabled)
-            payload.pop(name, None)
-            if (settings := getattr(self, name).result_settings()) is not None:
-                payload[name] = settings
-        return text_hash(json.dumps(payload, sort_keys=True))
+        """Hash of everything that shapes the results (``schemas.config_migrations``: what each field says of
+        itself, and the settings added since a run was made left out at the value it had); a run id is bound to
+        one fingerprint."""
+        return text_hash(json.dumps(fingerprint_payload(self), sort_keys=True))
+
+    @classmethod
+    def from_stored(cls, config_json: str) -> RunConfig:
+        """A config a run stored, read as it ran: the settings added since, at the value it had
+        (``schemas.config_migrations.migrate``)."""
+        return cls.model_validate(migrate(json.loads(config_json), cls))
 
 
 class RefreshSource(Section):

@@ -27,8 +27,9 @@ from typing import Any
 from clgrpo import progress
 from clgrpo.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
-from domains import Domain
+from domains import Domain, domain_settings
 from schemas.config import IDENTITY_FIELDS, AgentConfig, ModelConfig, RunConfig
+from schemas.config_migrations import not_fingerprinted
 from schemas.records import LLMCall, Problem, Reward, Rollout, Sample, text_hash, utcnow
 from schemas.stages import Stage
 from tasks.checks_budget import Allowance, tokens
@@ -38,22 +39,10 @@ from tasks.verify import grade
 
 _SEED_SPACE = 2**31 - 2**16  # room for seed + sample index in a signed 32-bit seed
 
-# how the policy is reached, not what it answers: a server restarted on another port, a longer timeout, another
-# key, or samples asked together (n) instead of one by one still draw the same samples
-TRANSPORT_FIELDS = {
-    "base_url",
-    "api_key_env",
-    "api_key_secret_block",
-    "timeout_s",
-    "max_retries",
-    "max_rate_limit_wait_s",
-    "retry_base_delay_s",
-    "retry_max_delay_s",
-    "price",
-    "cpu_threads",
-    "max_batch_rows",
-}
-_NOT_DRAWN_BY = TRANSPORT_FIELDS | {"supports_n", "json_schema", "temperature"}  # temperature: the call's own
+# how the policy is reached, not what it answers (its fields marked ``NotFingerprinted``): a server restarted on
+# another port, a longer timeout, another key, or samples asked together (n) instead of one by one still draw the
+# same samples; the temperature is the call's own
+_NOT_DRAWN_BY = not_fingerprinted(ModelConfig, kept_by_runs=True) | {"supports_n", "json_schema", "temperature"}
 
 
 def model_payload(cfg: ModelConfig, exclude: set[str] | None) -> dict[str, Any]:
@@ -91,11 +80,12 @@ class Sampling:
     @classmethod
     def of(cls, config: RunConfig, temperature: float) -> Sampling:
         agent = config.rollout.agent_settings()
+        settings = domain_settings(config) if config.domain_settings else None  # as read by the domain's model
         payload: dict[str, Any] = {
             "policy": model_payload(config.policy, _NOT_DRAWN_BY),
             "temperature": temperature,
             "domain": config.domain,
-            "domain_settings": config.domain_settings,
+            "domain_settings": settings.model_dump(mode="json") if settings is not None else {},
         }
         if (policy := identity_of(config.policy)) is not None:
             payload["identity"] = policy

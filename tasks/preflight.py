@@ -73,6 +73,14 @@ def role_models(config: RunConfig) -> list[RoleModel]:
 
 
 # --- datasets and files ----------------------------------------------------------------------------------
+def check_domain(config: RunConfig) -> None:
+    """The run's domain is installed and reads the run's ``domain_settings`` (``DomainSettingsError``, one line
+    naming each wrong key or value, before anything else is checked)."""
+    from domains import domain_for
+
+    domain_for(config)
+
+
 def check_dataset(config: RunConfig, dataset: DatasetConfig, what: str = "dataset") -> int:
     """Read and validate a dataset as the run's domain will; the number of problems it gives."""
     from domains import domain_for
@@ -375,6 +383,7 @@ def check_policy_adapter(config: RunConfig) -> None:
 async def check_run(config: RunConfig, *, dataset: bool = True) -> RunConfig:
     """Everything a training run needs before its first stage; the config with what its endpoints state of their
     models (their identities)."""
+    check_domain(config)
     check_writable_dir(config.db_path, "db_path")
     check_hybrid(config)
     check_policy_adapter(config)
@@ -391,6 +400,7 @@ async def check_run(config: RunConfig, *, dataset: bool = True) -> RunConfig:
 async def check_policy(config: RunConfig) -> RunConfig:
     """An evaluation needs only the policy model (and, in agent mode, its tools; with ``injection: top_k``, the
     embedding model that routes its prompts); the config with what the policy's endpoint states of its model."""
+    check_domain(config)
     check_policy_adapter(config)
     check_agent(config)
     if config.library.injection == "top_k":

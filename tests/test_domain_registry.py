@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from application.cli import main
-from domains import UnknownDomainError, domain_for, get_domain, installed_domains, registry
+from domains import DomainSettingsError, UnknownDomainError, domain_for, get_domain, installed_domains, registry
 from domains.math import MathDomain
 from domains.web import WebDomain
 from schemas.config import DomainSettings, RunConfig
@@ -166,8 +166,9 @@ def test_settings_enter_the_fingerprint_only_when_changed_and_are_refused_for_a_
     assert plain.fingerprint() == defaults.fingerprint() != RunConfig(**base, domain_settings={"komi": 7}).fingerprint()
     assert domain_for(RunConfig(**base, domain_settings={"komi": 7})).settings == Go.Settings(komi=7)
     assert domain_for(plain).settings == Go.Settings()
-    with pytest.raises(ValidationError, match="domain_settings: the domain 'math' declares no settings of its own"):
-        RunConfig(dataset=base["dataset"], domain_settings={"komi": 7})
+    on_math = RunConfig(dataset=base["dataset"], domain_settings={"komi": 7})  # kept as given: read where resolved
+    with pytest.raises(DomainSettingsError, match="domain_settings: the domain 'math' declares no settings of its"):
+        domain_for(on_math)
 
 
 SCHEMAS_ALONE = """
@@ -225,7 +226,49 @@ def test_the_registry_reads_the_settings_of_a_domain_it_knows_without_entry_poin
     monkeypatch.setattr(registry, "entry_points", lambda **_: pytest.fail("looked for installed plug-ins"))
     registry.register_domain("go", Go)
     config = RunConfig(domain="go", dataset={"path": "games.jsonl"}, domain_settings={"komi": 7})
-    assert config.domain_settings == {"komi": 7.0} and registry.settings_model("go") is Go.Settings
+    assert domain_for(config).settings == Go.Settings(komi=7.0) and registry.settings_model("go") is Go.Settings
+
+
+READ_SETTINGS = """
+import sys
+
+if sys.argv[1] == "domains":
+    import domains  # noqa: F401
+from schemas.config import RunConfig
+
+config = RunConfig(domain="web", dataset={"path": "q.jsonl"}, domain_settings={"search": {"top_k": 99}, "opne": {}})
+print(config.domain_settings)
+from domains import domain_for
+
+for read in (lambda: domain_for(config), config.fingerprint):
+    try:
+        read()
+    except ValueError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_domain_settings_are_read_where_the_domain_is_resolved_whatever_was_imported_first():
+    """A run config keeps its domain settings as given; the domain, once resolved, and the fingerprint read them
+    with the model the domain declares: the same error naming each wrong key or value, whether the domain
+    registry was imported before the config was validated or only after."""
+    outputs = []
+    for first in ("schemas", "domains"):
+        proc = subprocess.run(
+            [sys.executable, "-c", READ_SETTINGS, first],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout.splitlines())
+    assert outputs[0] == outputs[1]
+    wrong = "domain_settings (web domain): search.top_k: Input should be less than or equal to 50; opne: Extra inputs"
+    given, resolved, fingerprinted = outputs[0]
+    assert given == "{'search': {'top_k': 99}, 'opne': {}}"
+    assert resolved.startswith(f"DomainSettingsError {wrong}") and fingerprinted.startswith(f"ValueError {wrong}")
 
 
 def test_the_web_settings_old_place_is_read_with_the_same_fingerprint():

@@ -8,15 +8,8 @@ import pytest
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import comparison_table
 from clgrpo.store import FrameValidationError, Store
-from schemas.config import (
-    NOT_FINGERPRINTED,
-    NOT_FINGERPRINTED_MODEL,
-    DatasetConfig,
-    EvalConfig,
-    LearningConfig,
-    LibraryGate,
-    RunConfig,
-)
+from schemas.config import DatasetConfig, EvalConfig, LearningConfig, LibraryGate, ModelConfig, RunConfig
+from schemas.config_migrations import not_fingerprinted
 from schemas.records import EvalSample, Problem, text_hash
 from tasks.evaluate import compare_by_tag, compare_conditions, reward_matrix, sample_seeds, summarize_condition
 
@@ -177,7 +170,7 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
         dataset=DatasetConfig(path="t.jsonl"), learning=LearningConfig(library_gate=LibraryGate(enabled=False))
     )
     assert RunConfig(dataset=DatasetConfig(path="t.jsonl")).fingerprint() != cfg.fingerprint()  # now on: another run
-    sections = (*NOT_FINGERPRINTED, "validation", "library", "judge", "hybrid", "domain_settings")
+    sections = (*not_fingerprinted(RunConfig), "rollout", "validation", "library", "judge", "hybrid", "domain_settings")
     excluded = (
         {key: True for key in sections}
         | {"grpo": {"max_steps": True}}
@@ -212,7 +205,11 @@ def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
                 "answers_optional": True,
             },
             # where and how the model is reached is not part of what a run computes
-            "policy": {"repetition_penalty": True, "adapter": True, **{key: True for key in NOT_FINGERPRINTED_MODEL}},
+            "policy": {
+                "repetition_penalty": True,
+                "adapter": True,
+                **{key: True for key in not_fingerprinted(ModelConfig)},
+            },
         }
     )
     before_they_existed = cfg.model_dump(mode="json", exclude=excluded)

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from schemas.config import DomainSettings, Section
+from schemas.config import Section
+from schemas.domain_settings import DomainSettings
 
 
 class OpenConfig(Section):
