@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from application.cli import fingerprint_line
+from application.commands.runs import fingerprint_line
 from clgrpo.library import ExperienceLibrary
 from clgrpo.models import ModelLocation, weights_digest
 from clgrpo.store import ModelChangedError, Store, identity_change
