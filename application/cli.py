@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from application.commands.common import Command, Group
+from application.commands.common import Command, CommandGroup
 from application.commands.data import DATA
 from application.commands.demo import DEMO
 from application.commands.eval import EVAL
@@ -38,7 +38,7 @@ from clgrpo.store import StoreError
 from tasks.preflight import PreflightError
 
 # the commands, in the order `clgrpo --help` lists them
-COMMANDS: tuple[Command | Group, ...] = (
+COMMANDS: tuple[Command | CommandGroup, ...] = (
     TRAIN,
     LIBRARY,
     RUNS,

@@ -39,7 +39,7 @@ class Command:
 
 
 @dataclass(frozen=True)
-class Group:
+class CommandGroup:
     """A command with subcommands, ``clgrpo NAME SUBCOMMAND``: one of them is required."""
 
     name: str

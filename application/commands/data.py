@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from application.commands.common import Command, Group
+from application.commands.common import Command, CommandGroup
 from clgrpo.config import ConfigError
 from domains.math.synthetic import FAMILIES
 from schemas.config import DatasetConfig
@@ -45,7 +45,7 @@ def make_arguments(make: argparse.ArgumentParser) -> None:
     )
 
 
-DATA = Group(
+DATA = CommandGroup(
     "data",
     "generated datasets",
     (Command("make", "write N problems of a seeded problem family as JSON lines", cmd_data_make, make_arguments),),

@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def arguments(demo: argparse.ArgumentParser) -> None:
+def _arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--family", default="ranges", help="problem family (clgrpo data make --help; default ranges)")
     demo.add_argument("--problems", type=int, default=10, help="training problems (default 10)")
     demo.add_argument("--heldout", type=int, default=20, help="held-out problems, never trained on (default 20)")
@@ -79,5 +79,5 @@ DEMO = Command(
     "offline demo: a real small model (Qwen2.5-Coder-0.5B) learns a lesson, then a "
     "held-out check with and without it, with CIs; no API key",
     cmd_demo,
-    arguments,
+    _arguments,
 )

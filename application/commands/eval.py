@@ -161,7 +161,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def arguments(ev: argparse.ArgumentParser) -> None:
+def _arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--library",
         action="append",
@@ -229,4 +229,4 @@ def arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--db", help="DuckDB file (default: the config's db_path, else the database of the evaluated run)")
 
 
-EVAL = Command("eval", "Mean@k / Pass@k of libraries on a dataset, with confidence intervals", cmd_eval, arguments)
+EVAL = Command("eval", "Mean@k / Pass@k of libraries on a dataset, with confidence intervals", cmd_eval, _arguments)

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from application.commands.common import DB_HELP, Command, Group, db_of, read_store
+from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
 from clgrpo.library import describe_operation, diff, item_text
 from clgrpo.state import resolve_db
 from clgrpo.store import Store, StoreError, parse_library_ref
@@ -97,7 +97,7 @@ def cmd_library_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_arguments(show: argparse.ArgumentParser) -> None:
+def _show_arguments(show: argparse.ArgumentParser) -> None:
     show.add_argument("ref", help="RUN_ID, RUN_ID:latest or RUN_ID:VERSION")
     show.add_argument("--db", help=DB_HELP)
 
@@ -134,11 +134,11 @@ def rollback_arguments(rollback: argparse.ArgumentParser) -> None:
     rollback.add_argument("--db", help="DuckDB file (default: the most recent database that holds the refresh)")
 
 
-LIBRARY = Group(
+LIBRARY = CommandGroup(
     "library",
     "inspect and export learned libraries",
     (
-        Command("show", "print a library version", cmd_library_show, show_arguments),
+        Command("show", "print a library version", cmd_library_show, _show_arguments),
         Command("diff", "what changed between two versions", cmd_library_diff, diff_arguments),
         Command("export", "write a library version to a file or stdout", cmd_library_export, export_arguments),
         Command(

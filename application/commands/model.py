@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from application.commands.common import Command, Group
+from application.commands.common import Command, CommandGroup
 from clgrpo import stopping
 from clgrpo.config import ConfigError
 
@@ -159,7 +159,7 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
     cache_dir_argument(serve)
 
 
-MODEL = Group(
+MODEL = CommandGroup(
     "model",
     "local models from PyPI wheels, and llama.cpp's server for them",
     (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from application.commands.common import Command, Group, prefect_defaults, read_store, resume_command, session
+from application.commands.common import Command, CommandGroup, prefect_defaults, read_store, resume_command, session
 from clgrpo import stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.promotion import failing_summary
@@ -113,7 +113,7 @@ def history_arguments(history: argparse.ArgumentParser) -> None:
     )
 
 
-REFRESH = Group(
+REFRESH = CommandGroup(
     "refresh",
     "the experience refresh: learn from new problems, promote if better",
     (

@@ -22,11 +22,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def arguments(report: argparse.ArgumentParser) -> None:
+def _arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("run_id")
     report.add_argument("--db", help=DB_HELP)
     report.add_argument("--out", help="output folder (default: runs/<run_id>/ next to the DuckDB file)")
     report.add_argument("--format", choices=["html", "md"], default="html")
 
 
-REPORT = Command("report", "write a run's learning report (plots, steps, library, diff)", cmd_report, arguments)
+REPORT = Command("report", "write a run's learning report (plots, steps, library, diff)", cmd_report, _arguments)

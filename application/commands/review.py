@@ -182,7 +182,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     return 0
 
 
-def arguments(review: argparse.ArgumentParser) -> None:
+def _arguments(review: argparse.ArgumentParser) -> None:
     review.add_argument("refresh", metavar="REFRESH_ID_OR_FLOW_RUN", help="e.g. nightly-2026-11-22, or the flow run id")
     answer = review.add_mutually_exclusive_group()
     answer.add_argument("--approve-all", action="store_true", help="approve every change")
@@ -203,5 +203,5 @@ REVIEW = Command(
     "answer a refresh's review (approve, edit or reject each change) and "
     "resume its suspended flow run (or, for a terminal refresh, promote)",
     cmd_review,
-    arguments,
+    _arguments,
 )

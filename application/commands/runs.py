@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from application.commands.common import DB_HELP, Command, Group, db_of, read_store
+from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
 from clgrpo.config import ConfigError
 from clgrpo.run_lock import holder, refuse_if_running
 from clgrpo.store import Store, StoreError
@@ -134,7 +134,7 @@ def list_arguments(runs_list: argparse.ArgumentParser) -> None:
     runs_list.add_argument("--db", help="DuckDB file (default: the most recent database)")
 
 
-def show_arguments(runs_show: argparse.ArgumentParser) -> None:
+def _show_arguments(runs_show: argparse.ArgumentParser) -> None:
     runs_show.add_argument("run_id")
     runs_show.add_argument("--db", help=DB_HELP)
 
@@ -145,7 +145,7 @@ def delete_arguments(runs_delete: argparse.ArgumentParser) -> None:
     runs_delete.add_argument("--db", help=DB_HELP)
 
 
-RUNS = Group(
+RUNS = CommandGroup(
     "runs",
     "list, show or delete runs",
     (
@@ -156,7 +156,7 @@ RUNS = Group(
             "show",
             "one run: status (and pid while it trains), steps done, last stored stage, library, error",
             cmd_runs_show,
-            show_arguments,
+            _show_arguments,
         ),
         Command("delete", "remove every row of a run, in one transaction", cmd_runs_delete, delete_arguments),
     ),

@@ -126,7 +126,7 @@ def failed_items(r: Any) -> int:
     return r.rollouts_failed + r.verify_failed + r.summaries_failed + r.proposals_call_failed
 
 
-def arguments(train: argparse.ArgumentParser) -> None:
+def _arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
     train.add_argument(
         "--set",
@@ -157,4 +157,4 @@ def arguments(train: argparse.ArgumentParser) -> None:
     )
 
 
-TRAIN = Command("train", "run the training flow", cmd_train, arguments)
+TRAIN = Command("train", "run the training flow", cmd_train, _arguments)

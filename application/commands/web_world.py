@@ -32,7 +32,7 @@ def cmd_web_world(args: argparse.Namespace) -> int:
     return 0
 
 
-def arguments(world: argparse.ArgumentParser) -> None:
+def _arguments(world: argparse.ArgumentParser) -> None:
     world.add_argument("--out", default="runs/web-world", help="where the site and questions.jsonl go")
     world.add_argument("--port", type=int, default=8765, help="loopback port (default 8765, as configs/web.yaml)")
     world.add_argument("--towns", type=int, default=12, help="towns in the site: 2 questions each (default 12)")
@@ -43,5 +43,5 @@ WEB_WORLD = Command(
     "web-world",
     "generate a small linked website with questions and serve it on 127.0.0.1 (the web domain's offline playground)",
     cmd_web_world,
-    arguments,
+    _arguments,
 )
