@@ -464,6 +464,9 @@ class Trainer:
     # --- the run --------------------------------------------------------------------------------------
     async def run(self) -> TrainResult:
         """Register (or resume) the run, train, and record its status: running, then completed or failed."""
+        self.cfg, kept = self.store.as_started(self.cfg)  # a default changed since it started: its value stays
+        for note in kept:
+            self.log.warning("run %r: %s", self.run_id, note)
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         if not created:  # the model it was trained with answers still, or the user accepts another

@@ -410,8 +410,8 @@ class LearningConfig(Section):
     # its correct attempt the group advantage favours (the shortest of the best), kept whole; "rationalize":
     # those, and for up to ``rationalize_max`` groups with no right answer whose problem has a reference, a
     # solution the learner writes with the answer in view (stage ``rationalize``), kept only if the verifier
-    # accepts its final answer. Examples are tried and gated like lessons.
-    examples: Literal["off", "rollouts", "rationalize"] = "off"
+    # accepts its final answer; the library gate is their trial. Default since issue 57 (config_migrations).
+    examples: Literal["off", "rollouts", "rationalize"] = "rationalize"
     rationalize_max: int = Field(6, ge=1)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
     library_gate: LibraryGate = Field(default_factory=LibraryGate)

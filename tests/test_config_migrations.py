@@ -238,3 +238,21 @@ def test_a_setting_added_with_its_migration_resumes_a_run_made_before_it(tmp_pat
         assert store.query("SELECT fingerprint FROM runs")["fingerprint"].tolist() == [fingerprint]
     patient = LaterRunConfig.model_validate({**later, "learning": LearningWithPatience().model_dump()})
     assert patient.learning.patience == 2 and patient.fingerprint() != fingerprint  # today's default: another run
+
+
+def test_a_run_made_before_a_default_changed_resumes_with_the_value_it_started_with(tmp_path):
+    """Worked examples became the default after runs were made without them: such a run, resumed from a config
+    that leaves the setting unset, keeps ``off`` and says so; a config that sets another value is another run."""
+    before = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"), learning={"examples": "off"})
+    with Store(tmp_path / "runs.duckdb") as store:
+        assert store.register_run(before)
+        given = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"))
+        assert given.learning.examples == "rationalize" and given.fingerprint() != before.fingerprint()
+        resumed, lines = store.as_started(given)
+        assert resumed.learning.examples == "off" and resumed.fingerprint() == before.fingerprint()
+        assert len(lines) == 1 and lines[0].startswith("learning.examples stays 'off' for this run")
+        assert not store.register_run(resumed)  # resumed, nothing started again
+        explicit = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"), learning={"examples": "rollouts"})
+        assert store.as_started(explicit) == (explicit, [])  # set in the config: compared as it says
+        new = RunConfig(run_id="new", dataset=DatasetConfig(path="t.jsonl"))
+        assert store.as_started(new) == (new, [])  # a new run: today's default
