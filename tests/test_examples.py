@@ -228,6 +228,34 @@ async def test_a_solution_written_with_the_answer_in_view_is_kept_only_if_verifi
         assert proposal.operations == [] and "is not the reference" in (proposal.parse_error or "")
 
 
+@pytest.mark.parametrize("status", [400, 503])
+async def test_a_rationalization_the_learner_refuses_is_not_made_and_fails_nothing(status):
+    """A learner that refuses the request (HTTP 400: the writer's prompt, the solver's with the answer and the ask,
+    is longer than its context) cannot write this solution however often it is asked, and worked examples are an
+    extra beside the lessons: the rationalization is not made, saying why, and is no failed item (the run went on
+    to fail the stage with "Fix the cause, then Retry" before). A call that fails after its retries (503) still is."""
+    from clgrpo.testing.faults import Fault
+    from tasks.group_advantage import call_failed
+    from tasks.integrity import RATIONALE_FAILURES
+
+    problem = Problem(problem_id="g", problem=RANGE.format(a=3, b=9), answer="7", tag="ranges")
+    respond, _ = rationalizer(True)
+    with FakeOpenAIServer(respond) as server:
+        server.inject(Fault(status=status, message="the request exceeds the available context size", times=1))
+        client = LLMClient(ModelConfig(model="learner", base_url=server.base_url, api_key_env=None, max_retries=0))
+        out = await rationalize([problem], get_domain("math"), client, "learner")
+        await client.aclose()
+    [proposal] = out.proposals
+    assert proposal.operations == [] and len(out.llm_calls) == 1
+    failed = RATIONALE_FAILURES.count("rationalize", out)
+    if status == 400:
+        assert not call_failed(proposal) and failed.failed == 0
+        assert (proposal.parse_error or "").startswith("rationalization not made: the learner refused the request: ")
+        assert "exceeds the available context size" in (proposal.parse_error or "")
+    else:
+        assert call_failed(proposal) and failed.failed == 1
+
+
 def test_only_groups_no_attempt_solved_are_rationalized():
     problems = [
         Problem(problem_id=p, problem=f"Problem {p}?", answer=a) for p, a in [("a", "1"), ("b", "2"), ("c", None)]
