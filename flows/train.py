@@ -468,6 +468,13 @@ class Trainer:
         self.cfg, kept = self.store.as_started(self.cfg)  # a default changed since it started: its value stays
         for note in kept:
             self.log.warning("run %r: %s", self.run_id, note)
+        if self.cfg.rollout.agent_settings() is not None and self.cfg.learning.examples != "off":
+            self.log.warning(
+                "learning.examples=%s with agent rollouts: a worked example is shown as its problem and final reply, "
+                "without the tool calls and results that found the answer, which can teach the agent to answer "
+                "without its tools (agent runs leave examples off unless the config sets them)",
+                self.cfg.learning.examples,
+            )
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         if not created:  # the model it was trained with answers still, or the user accepts another
