@@ -435,3 +435,16 @@ def test_with_a_library_gate_an_example_of_each_form_goes_to_the_gate_untried():
     assert untested == {1: GATE_TRIES_EXAMPLES} and list(repeats) == [2]
     _, clustered, ranked, _ = plan_for(gated=False)  # no gate: examples tried one by one, shortest first
     assert "tried shortest first" in clustered[2] and ranked == [(1, 2)]
+
+
+def test_a_groups_worked_example_is_not_counted_against_the_learners_operations():
+    """``learning.max_ops_per_group`` bounds what the learner's reply for a group may carry (its ask says so); the
+    group's worked example comes from its rollouts, beside that reply. A learner that proposed as many lessons as
+    it was allowed had the group's example rejected "over learning.max_ops_per_group" before."""
+    from tasks.limits import limit_proposals
+
+    lessons = [Operation(op=OpKind.ADD, text=f"Lesson number {i} about ranges.", source_groups=["g"]) for i in range(4)]
+    proposal = Proposal(group_id="g", operations=[*lessons, example_op(3, 9)])
+    [kept], over = limit_proposals([proposal], LearningConfig(max_ops_per_group=3))
+    assert kept.operations == [*lessons[:3], example_op(3, 9)]
+    assert [op for op, _ in over] == [lessons[3]] and "max_ops_per_group=3" in over[0][1]
