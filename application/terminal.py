@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from clgrpo import progress, stopping
 
@@ -107,6 +107,8 @@ class Session:
     _file: logging.Handler | None = field(default=None, init=False)
     _lines: FlowLines | None = field(default=None, init=False)
     _renderer: RichBars | MilestoneLines | None = field(default=None, init=False)
+    # Prefect's console handlers and the stream each drew on before: given back when the command ends
+    _consoles: list[tuple[PrefectConsoleHandler, IO[str]]] = field(default_factory=list, init=False)
 
     def __enter__(self) -> "Session":
         import prefect  # noqa: F401  (configures Prefect's logging, which is adjusted below)
@@ -121,6 +123,7 @@ class Session:
             if logger.level == logging.NOTSET or logger.level > logging.INFO:
                 logger.setLevel(logging.INFO)
         for handler in console_handlers():
+            self._consoles.append((handler, handler.console.file))
             handler.console.file = sys.stderr  # this command's terminal (Prefect bound the one of its first import)
             handler.setLevel(max(handler.level, logging.WARNING))  # Prefect's INFO lines: in the log file
             if not isinstance(handler.formatter, NoTraceback):
@@ -164,6 +167,11 @@ class Session:
         if self._file is not None:
             logging.getLogger().removeHandler(self._file)
             self._file.close()
+        # the command's terminal may be gone once it ends (a test's captured stream, a notebook cell's): a later
+        # flow in this process warns where Prefect's console wrote before (it printed "--- Logging error ---")
+        for handler, stream in self._consoles:
+            handler.console.file = stream
+        self._consoles.clear()
 
 
 class RichBars:

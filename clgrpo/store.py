@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from clgrpo.library import ExperienceLibrary
 from schemas.catalog import TABLES
 from schemas.config import ModelIdentity, RunConfig
-from schemas.config_migrations import not_fingerprinted, section_type
+from schemas.config_migrations import as_started, not_fingerprinted, section_type
 from schemas.records import (
     LibraryAdoption,
     LibraryHead,
@@ -523,6 +523,18 @@ class Store:
         return self.con.execute(sql, list(params)).df()
 
     # --- runs -----------------------------------------------------------------------------------------
+    @_connected
+    def as_started(self, cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+        """``cfg`` for resuming its run as it started, with a line for each setting
+        kept (``schemas.config_migrations.as_started``); a new run (or a stored config this version cannot read)
+        as given."""
+        row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [cfg.require_run_id()]).fetchone()
+        try:
+            started = RunConfig.from_stored(row[0]) if row is not None else None
+        except ValueError:  # pydantic's ValidationError: register_run says what differs
+            started = None
+        return as_started(cfg, started) if started is not None else (cfg, [])
+
     @_connected
     def register_run(self, cfg: RunConfig) -> bool:
         """Record a run's config; True if new (or restarted). The same run id with another config is refused

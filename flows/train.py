@@ -421,7 +421,8 @@ class Trainer:
             rewards=read(Reward),
             advantages=read(GroupAdvantage),
             summaries=read(Summary),
-            proposals=read(Proposal, Stage.GROUP_ADVANTAGE) + read(Proposal, Stage.RATIONALIZE),
+            proposals=read(Proposal, Stage.GROUP_ADVANTAGE),
+            rationales=read(Proposal, Stage.RATIONALIZE),
             consolidation_plans=read(Proposal, Stage.CONSOLIDATE),
             results=read(OperationResult),
             library_size=len(library),
@@ -464,6 +465,16 @@ class Trainer:
     # --- the run --------------------------------------------------------------------------------------
     async def run(self) -> TrainResult:
         """Register (or resume) the run, train, and record its status: running, then completed or failed."""
+        self.cfg, kept = self.store.as_started(self.cfg)  # a default changed since it started: its value stays
+        for note in kept:
+            self.log.warning("run %r: %s", self.run_id, note)
+        if self.cfg.rollout.agent_settings() is not None and self.cfg.learning.examples != "off":
+            self.log.warning(
+                "learning.examples=%s with agent rollouts: a worked example is shown as its problem and final reply, "
+                "without the tool calls and results that found the answer, which can teach the agent to answer "
+                "without its tools (agent runs leave examples off unless the config sets them)",
+                self.cfg.learning.examples,
+            )
         created = self.store.register_run(self.cfg)
         self.log.info("%s run %r (db %s)", "starting" if created else "resuming", self.run_id, self.store.path)
         if not created:  # the model it was trained with answers still, or the user accepts another

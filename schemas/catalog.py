@@ -258,7 +258,7 @@ declare(
     )
 )
 declare(Table("review_requests", ReviewRequest, order="refresh_id"))
-declare(Table("review_decisions", ReviewDecision, order="change_id"))
+declare(Table("review_decisions", ReviewDecision, order="length(change_id), change_id"))  # c2 before c10
 declare(Table("library_adoptions", LibraryAdoption, order="seq"))
 declare(
     Table(

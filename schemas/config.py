@@ -410,8 +410,10 @@ class LearningConfig(Section):
     # its correct attempt the group advantage favours (the shortest of the best), kept whole; "rationalize":
     # those, and for up to ``rationalize_max`` groups with no right answer whose problem has a reference, a
     # solution the learner writes with the answer in view (stage ``rationalize``), kept only if the verifier
-    # accepts its final answer. Examples are tried and gated like lessons.
-    examples: Literal["off", "rollouts", "rationalize"] = "off"
+    # accepts its final answer; the library gate is their trial. Default since issue 57 (config_migrations);
+    # "off" in agent mode unless set (``RunConfig._agents_learn_lessons``: an agent's example would show its
+    # final answer without the tool calls that found it)
+    examples: Literal["off", "rollouts", "rationalize"] = "rationalize"
     rationalize_max: int = Field(6, ge=1)
     lesson_validation: LessonValidation = Field(default_factory=LessonValidation)
     library_gate: LibraryGate = Field(default_factory=LibraryGate)
@@ -627,6 +629,11 @@ def _domain_settings_into(run: RunConfig, payload: dict[str, Any]) -> None:
             settings.fingerprint_into(payload)
 
 
+def _mode_of(rollout: Any) -> Any:
+    """``rollout.mode`` of a run config's input, given as a mapping or as the section (absent: direct)."""
+    return rollout.get("mode") if isinstance(rollout, dict) else getattr(rollout, "mode", "direct")
+
+
 class RunConfig(Section):
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)  # None: generated when the run starts, and printed
     # where a run keeps its data, how fast it goes, when it stops, what it draws afterwards: never what it computes
@@ -675,6 +682,25 @@ class RunConfig(Section):
             )
         rest = {key: value for key, value in agent.items() if key != "web"}
         return {**data, "rollout": {**rollout, "agent": rest}, "domain_settings": agent["web"]}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agents_learn_lessons(cls, data: Any) -> Any:
+        """Agent rollouts learn lessons only unless the config sets ``learning.examples``: a worked example is
+        shown as its problem and a final reply, and an agent's final reply leaves out the tool calls and results
+        that found its answer (a rationalization is written without tools at all), so shown to the agent it
+        teaches answering without the tools (the scripted web and python-agent flows stopped calling them and
+        fell to accuracy 0 at step 2). Set explicitly, it is kept, and the run warns (``flows.train``)."""
+        if not isinstance(data, dict) or _mode_of(data.get("rollout")) != "agent":
+            return data
+        learning = data.get("learning")
+        if learning is None:
+            return {**data, "learning": {"examples": "off"}}
+        if isinstance(learning, dict) and "examples" not in learning:
+            return {**data, "learning": {**learning, "examples": "off"}}
+        if isinstance(learning, LearningConfig) and "examples" not in learning.model_fields_set:
+            return {**data, "learning": learning.model_copy(update={"examples": "off"})}
+        return data
 
     @property
     def learner_model(self) -> ModelConfig:

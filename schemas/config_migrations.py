@@ -26,7 +26,7 @@ import copy
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -162,6 +162,58 @@ MIGRATIONS: list[ConfigMigration] = [
         },
     ),
 ]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class DefaultChange:
+    """A default that changed after runs were made with the older one (``older``): a run resumed from a config
+    that leaves the setting unset goes on with the value it started with (``keep_started_values``), saying so;
+    one that sets it is compared as it says. New runs get the new default."""
+
+    path: str
+    older: Any
+    why: str
+
+
+DEFAULT_CHANGES: list[DefaultChange] = [
+    DefaultChange(
+        "learning.examples",
+        "off",
+        "worked examples on by default since issue 57's report (benchmarks/learning_runs/experiments/issue57-tuning)",
+    ),
+]
+
+
+def as_started(config: M, started: BaseModel, changes: Sequence[DefaultChange] | None = None) -> tuple[M, list[str]]:
+    """``config`` (a run's config as given now) for resuming the run ``started`` describes (the config it stored,
+    read as it ran): each changed default ``config`` leaves unset where the run started with another value keeps
+    the run's value; and one line for each saying so."""
+    lines: list[str] = []
+    for change in DEFAULT_CHANGES if changes is None else changes:
+        *parents, key = change.path.split(".")
+        now: Any = config
+        then: Any = started
+        for part in parents:
+            now, then = getattr(now, part, None), getattr(then, part, None)
+        if not isinstance(now, BaseModel) or not isinstance(then, BaseModel) or key in now.model_fields_set:
+            continue
+        value, default = getattr(then, key, _MISSING), getattr(now, key)
+        if value is _MISSING or value == default:
+            continue
+        config = _with_setting(config, change.path.split("."), value)
+        lines.append(
+            f"{change.path} stays {value!r} for this run, the value it started with (the default is now "
+            f"{default!r}: {change.why}); set it in the config to change it"
+        )
+    return config, lines
+
+
+def _with_setting(section: Any, path: list[str], value: Any) -> Any:
+    """``section`` with the setting at ``path`` (its parts) set to ``value``, marked as set."""
+    head, *rest = path
+    return section.model_copy(update={head: _with_setting(getattr(section, head), rest, value) if rest else value})
 
 
 # --- reading the markers ----------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.common import artifact_key, stage_task
 from tasks.group_advantage import call_failed
+from tasks.rationalize import REFUSED, was_refused
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ class StepReport:
     model_turns: int = 0  # policy replies of the step's rollouts (one per direct rollout)
     near_duplicates: int = 0  # adds / modifies rejected or merged as near-duplicates of live experiences
     duplicate_ratio: float = 0.0  # near_duplicates / adds and modifies of the plan
+    # stage rationalize (counted in proposals_* too: one not kept is a bad proposal in the step table); a reply not
+    # kept (the verifier did not accept it) is its expected outcome, not a problem of the step
+    rationalizations: int = 0
+    rationalizations_kept: int = 0
+    rationalizations_call_failed: int = 0  # of rationalizations, calls that failed after their retries
+    rationalizations_refused: int = 0  # requests the learner refused (``tasks.rationalize.REFUSED``)
+    rationalize_refusal: str = ""  # the first refusal's cause
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -94,8 +102,12 @@ def step_report(
     results: list[OperationResult],
     library_size: int,
     calls: list[LLMCall],
+    rationales: Sequence[Proposal] = (),
 ) -> StepReport:
+    """``proposals``: the group proposals; ``rationales``: stage rationalize's, counted with them and apart."""
     near, duplicate_ratio = near_duplicate_counts(results)
+    refusals = [p for p in rationales if was_refused(p)]
+    proposals = [*proposals, *rationales]
     return StepReport(
         run_id=run_id,
         step=step,
@@ -130,18 +142,31 @@ def step_report(
         model_turns=sum(r.n_turns for r in rollouts),
         near_duplicates=near,
         duplicate_ratio=duplicate_ratio,
+        rationalizations=len(rationales),
+        rationalizations_kept=sum(p.parse_error is None for p in rationales),
+        rationalizations_call_failed=sum(call_failed(p) for p in rationales),
+        rationalizations_refused=len(refusals),
+        rationalize_refusal=(refusals[0].parse_error or "").removeprefix(REFUSED) if refusals else "",
     )
 
 
 def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[str]:
     """What went wrong in a stored step, for a WARNING line: failures, retries, unusable learner replies."""
+    not_kept = report.rationalizations - report.rationalizations_kept - report.rationalizations_call_failed
+    group_calls_failed = report.proposals_call_failed - report.rationalizations_call_failed
     found = [
         (report.rollouts_failed, "policy samples failed"),
         (report.verify_failed, "samples could not be verified"),
         (report.rollouts_truncated, "replies were cut off at max_tokens (graded, marked)"),
         (report.summaries_failed, "summaries failed"),
-        (report.proposals_call_failed, "learner calls for group proposals failed"),
-        (report.proposals_failed - report.proposals_call_failed, "group proposals were unusable replies"),
+        (group_calls_failed, "learner calls for group proposals failed"),
+        (report.proposals_failed - report.proposals_call_failed - not_kept, "group proposals were unusable replies"),
+        (report.rationalizations_call_failed, "learner calls for rationalizations failed"),
+        (
+            report.rationalizations_refused,
+            f"rationalizations not made: the learner refused the request ({report.rationalize_refusal}); "
+            "learning.examples: rollouts takes worked examples from the rollouts alone",
+        ),
         (report.llm_retries, "requests were retries"),
         (report.llm_rate_limited, "requests were rate limited (429)"),
     ]
@@ -161,8 +186,10 @@ def step_problems(report: StepReport, agent: AgentConfig | None = None) -> list[
             else "the model wrote no action"
         )
         problems.append(f"agent mode, but no rollout called a tool: {hint}")
-    if report.groups_selected and report.proposals_parsed == 0:
-        problems.append(f"all {report.proposals_total} group proposals failed: this step learned nothing")
+    group_proposals = report.proposals_total - report.rationalizations
+    if report.groups_selected and report.proposals_parsed - report.rationalizations_kept == 0:
+        learned = "no lesson" if report.rationalizations_kept else "nothing"
+        problems.append(f"all {group_proposals} group proposals failed: this step learned {learned}")
     return problems
 
 

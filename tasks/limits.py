@@ -21,19 +21,26 @@ class Limited:
 def limit_proposals(
     proposals: list[Proposal], cfg: LearningConfig
 ) -> tuple[list[Proposal], list[tuple[Operation, str]]]:
-    """Each group proposal keeps its first ``max_ops_per_group`` operations for consolidation."""
+    """Each group proposal keeps the first ``max_ops_per_group`` of the learner's operations for consolidation,
+    and its worked example: that comes from the group's rollouts (or the rationalize stage), not from the learner's
+    reply the limit bounds, and a group offers at most one."""
     kept, over = [], []
     for proposal in proposals:
-        extra = proposal.operations[cfg.max_ops_per_group :]
+        proposed = sum(op.example is None for op in proposal.operations)
         reason = (
             f"over learning.max_ops_per_group={cfg.max_ops_per_group}: group {proposal.group_id} proposed "
-            f"{len(proposal.operations)} operations"
+            f"{proposed} operations"
         )
-        over += [(op, reason) for op in extra]
+        within: list[Operation] = []
+        learner = 0
+        for op in proposal.operations:
+            learner += op.example is None
+            if op.example is None and learner > cfg.max_ops_per_group:
+                over.append((op, reason))
+            else:
+                within.append(op)
         kept.append(
-            proposal.model_copy(update={"operations": proposal.operations[: cfg.max_ops_per_group]})
-            if extra
-            else proposal
+            proposal.model_copy(update={"operations": within}) if proposed > cfg.max_ops_per_group else proposal
         )
     return kept, over
 

@@ -6,6 +6,10 @@ reference answer, the learner is shown the solver's prompt and that answer and w
 (``clgrpo.prompts.rationalize``), which the domain's verifier grades like an attempt. Only a solution whose final
 answer the verifier accepts (reward 1) becomes a candidate worked example, an add with ``example`` set, proposed
 for the group like the learner's lessons; every other reply is kept with why it was not (``parse_error``).
+A request the learner refuses (``PermanentLLMError``: a writer's prompt, the solver's with the answer and the ask,
+longer than its context; a request it cannot take) is a rationalization not made (``REFUSED``), stored with why and
+warned about in the step's line, not a failed item: asked again it is refused again, and worked examples are an
+extra beside the lessons, so it does not stop the run. A call that fails after its retries still is one.
 At most ``learning.rationalize_max`` groups per step, chosen in a fixed pseudo-random order. Output: one
 ``Proposal`` per rationalized group (stored in ``proposals`` under this stage) and the calls.
 """
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from clgrpo import progress
 from clgrpo.library import EXAMPLE_MAX_WORDS, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from clgrpo.llm.errors import PermanentLLMError
 from clgrpo.prompts.rationalize import rationalize_messages
 from domains import Domain, domain_for
 from schemas.config import RunConfig
@@ -38,6 +43,7 @@ from tasks.group_advantage import CALL_FAILED
 from tasks.outputs import Rationales
 
 SOLUTION_WORDS = 100  # what the writer is asked for: a worked example is shown in every prompt of its kind
+REFUSED = "rationalization not made: the learner refused the request: "
 
 
 def unsolved(
@@ -71,7 +77,8 @@ async def rationalize_one(
     try:
         reply = await llm.complete(messages, stage=Stage.RATIONALIZE)
     except LLMCallError as exc:
-        return Proposal(group_id=group, parse_error=f"{CALL_FAILED}{exc}"), exc.calls
+        failure = REFUSED if refused(exc) else CALL_FAILED
+        return Proposal(group_id=group, parse_error=f"{failure}{exc}"), exc.calls
     finally:
         progress.advance(Stage.RATIONALIZE)
     text = reply.text.strip()
@@ -97,6 +104,21 @@ async def rationalize_one(
         example=example,
     )
     return Proposal(group_id=group, operations=[op], raw_text=text), reply.calls
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether a failed call was refused by the learner (a permanent error somewhere in its causes)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, PermanentLLMError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def was_refused(proposal: Proposal) -> bool:
+    """A rationalization the learner refused to take (``REFUSED``)."""
+    return (proposal.parse_error or "").startswith(REFUSED)
 
 
 def _not_kept(text: str, finish_reason: str) -> str | None:

@@ -13,7 +13,8 @@ with its own decision rule:
   earlier steps, the step's own rollouts) is read instead of drawn. Arms measured ``together`` read only what was
   known before; measured in turn, each also reads what the trial drew before it, so a look that asks more samples
   of a problem reads the ones its earlier looks drew. A sample this trial drew stays stored as drawn, whichever
-  look read it again.
+  look of its arm read it again; another arm that reads it (two libraries can show a problem the same prompt: a
+  worked example is not shown to every problem) stores it as its own sample, read.
 - The checks budget (``tasks.checks_budget``). Before a look that is not ``free``, the arms are admitted in
   ``order`` while what they would draw (with the baseline samples they need, counted once) fits what is left, at
   the tokens per sample of the trial's draws so far (before any: the step's rollouts'); an arm that does not fit
@@ -112,7 +113,8 @@ class SequentialTrial(Generic[R, V]):
     calls: list[LLMCall] = field(default_factory=list)
     # (arm, problem) -> its samples; what this trial drew, by draw key, and how many
     _rows: dict[tuple[Hashable, str], list[R]] = field(default_factory=dict, init=False, repr=False)
-    _drawn: dict[str | None, R] = field(default_factory=dict, init=False, repr=False)
+    # by arm and draw key: an arm that reads another arm's draw (the same prompt) keeps a record of its own
+    _drawn: dict[tuple[Hashable, str | None], R] = field(default_factory=dict, init=False, repr=False)
     _draws: int = field(default=0, init=False, repr=False)
     _undrawn: int = field(default=0, init=False, repr=False)  # samples the allowance kept from being drawn
     cut: Cut | None = field(default=None, init=False)  # the look the budget stopped, if it did
@@ -265,8 +267,8 @@ class SequentialTrial(Generic[R, V]):
         self._draws += sum(s.drawn for s in measured.samples)
         self._undrawn += measured.undrawn
         records = [arm.record(s) for s in measured.samples]
-        records = [r if r.drawn else self._drawn.get(r.draw_key, r) for r in records]
-        self._drawn |= {r.draw_key: r for r in records if r.drawn}
+        records = [r if r.drawn else self._drawn.get((arm.name, r.draw_key), r) for r in records]
+        self._drawn |= {(arm.name, r.draw_key): r for r in records if r.drawn}
         by_problem: dict[str, list[R]] = {}
         for r in records:
             by_problem.setdefault(r.problem_id, []).append(r)

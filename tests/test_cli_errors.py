@@ -238,3 +238,33 @@ def test_local_embeddings_without_torch_are_refused_before_any_stage(tmp_path, g
         "error: library.near_duplicates merge: local embedding models need torch and transformers, not installed: "
         "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
     ]
+
+
+def test_a_command_gives_its_terminal_back_when_it_ends(tmp_path):
+    """A command run in this process (a test, a notebook) shows Prefect's warnings on its own stderr; when it ends,
+    Prefect's console writes where it wrote before, so a flow's warning after it never goes to a stream that is gone
+    (it printed '--- Logging error ---' on whatever stderr was then, once the command's had been closed)."""
+    import io
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from application.terminal import Session
+
+    before, terminal, later = io.StringIO(), io.StringIO(), io.StringIO()
+    root, console = logging.getLogger(), PrefectConsoleHandler(stream=before)
+    handlers, root.handlers = root.handlers, [console]  # Prefect's console alone (not the session's others)
+    flow_log = logging.getLogger("flows.terminal_test")  # a warning of a flow
+    stderr = sys.stderr
+    try:
+        sys.stderr = terminal
+        with Session(tmp_path / "logs" / "command.log", bars=False):
+            flow_log.warning("during the command")
+        terminal.close()  # the command's terminal is gone
+        sys.stderr = later
+        flow_log.warning("after the command")
+    finally:
+        sys.stderr = stderr
+        root.handlers = handlers
+    assert "--- Logging error ---" not in later.getvalue()
+    assert "after the command" in before.getvalue() and "during the command" not in before.getvalue()

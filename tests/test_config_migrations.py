@@ -238,3 +238,41 @@ def test_a_setting_added_with_its_migration_resumes_a_run_made_before_it(tmp_pat
         assert store.query("SELECT fingerprint FROM runs")["fingerprint"].tolist() == [fingerprint]
     patient = LaterRunConfig.model_validate({**later, "learning": LearningWithPatience().model_dump()})
     assert patient.learning.patience == 2 and patient.fingerprint() != fingerprint  # today's default: another run
+
+
+def test_a_run_made_before_a_default_changed_resumes_with_the_value_it_started_with(tmp_path):
+    """Worked examples became the default after runs were made without them: such a run, resumed from a config
+    that leaves the setting unset, keeps ``off`` and says so; a config that sets another value is another run."""
+    before = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"), learning={"examples": "off"})
+    with Store(tmp_path / "runs.duckdb") as store:
+        assert store.register_run(before)
+        given = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"))
+        assert given.learning.examples == "rationalize" and given.fingerprint() != before.fingerprint()
+        resumed, lines = store.as_started(given)
+        assert resumed.learning.examples == "off" and resumed.fingerprint() == before.fingerprint()
+        assert len(lines) == 1 and lines[0].startswith("learning.examples stays 'off' for this run")
+        assert not store.register_run(resumed)  # resumed, nothing started again
+        explicit = RunConfig(run_id="r", dataset=DatasetConfig(path="t.jsonl"), learning={"examples": "rollouts"})
+        assert store.as_started(explicit) == (explicit, [])  # set in the config: compared as it says
+        new = RunConfig(run_id="new", dataset=DatasetConfig(path="t.jsonl"))
+        assert store.as_started(new) == (new, [])  # a new run: today's default
+
+
+def test_agent_runs_leave_worked_examples_off_unless_the_config_sets_them():
+    """An agent's worked example would be its final reply alone, without the tool calls that found the answer: in
+    agent mode ``learning.examples`` defaults to off (the fingerprint of an agent config is the one it had before
+    examples became the default), however the config is given; a config that sets it keeps what it says."""
+    from schemas.config import LearningConfig, RolloutPlacement
+
+    data = DatasetConfig(path="t.jsonl")
+    before = RunConfig(dataset=data, rollout={"mode": "agent"}, learning={"examples": "off"})
+    for given in (
+        RunConfig(dataset=data, rollout={"mode": "agent"}),
+        RunConfig(dataset=data, rollout=RolloutPlacement(mode="agent"), learning=LearningConfig(summarize=True)),
+        RunConfig.model_validate({"dataset": {"path": "t.jsonl"}, "rollout": {"mode": "agent"}, "learning": {}}),
+    ):
+        assert given.learning.examples == "off" and given.fingerprint() == before.fingerprint()
+    explicit = RunConfig(dataset=data, rollout={"mode": "agent"}, learning={"examples": "rollouts"})
+    assert explicit.learning.examples == "rollouts"
+    assert RunConfig(dataset=data).learning.examples == "rationalize"  # direct rollouts: the default
+    assert RunConfig(dataset=data, rollout={"mode": "direct"}).learning.examples == "rationalize"

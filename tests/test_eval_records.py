@@ -165,9 +165,11 @@ def test_evaluation_tables_round_trip_through_the_store(tmp_path):
 
 
 def test_validation_and_max_steps_keep_fingerprints_of_runs_without_them():
-    # the library gate was off by default before: a run made then resumes by saying so, with its fingerprint
+    # the library gate was off by default before, and so were worked examples (until issue 57): a run made then
+    # resumes by saying so, with its fingerprint
     cfg = RunConfig(
-        dataset=DatasetConfig(path="t.jsonl"), learning=LearningConfig(library_gate=LibraryGate(enabled=False))
+        dataset=DatasetConfig(path="t.jsonl"),
+        learning=LearningConfig(library_gate=LibraryGate(enabled=False), examples="off"),
     )
     assert RunConfig(dataset=DatasetConfig(path="t.jsonl")).fingerprint() != cfg.fingerprint()  # now on: another run
     sections = (*not_fingerprinted(RunConfig), "rollout", "validation", "library", "judge", "hybrid", "domain_settings")

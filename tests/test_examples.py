@@ -228,6 +228,34 @@ async def test_a_solution_written_with_the_answer_in_view_is_kept_only_if_verifi
         assert proposal.operations == [] and "is not the reference" in (proposal.parse_error or "")
 
 
+@pytest.mark.parametrize("status", [400, 503])
+async def test_a_rationalization_the_learner_refuses_is_not_made_and_fails_nothing(status):
+    """A learner that refuses the request (HTTP 400: the writer's prompt, the solver's with the answer and the ask,
+    is longer than its context) cannot write this solution however often it is asked, and worked examples are an
+    extra beside the lessons: the rationalization is not made, saying why, and is no failed item (the run went on
+    to fail the stage with "Fix the cause, then Retry" before). A call that fails after its retries (503) still is."""
+    from clgrpo.testing.faults import Fault
+    from tasks.group_advantage import call_failed
+    from tasks.integrity import RATIONALE_FAILURES
+
+    problem = Problem(problem_id="g", problem=RANGE.format(a=3, b=9), answer="7", tag="ranges")
+    respond, _ = rationalizer(True)
+    with FakeOpenAIServer(respond) as server:
+        server.inject(Fault(status=status, message="the request exceeds the available context size", times=1))
+        client = LLMClient(ModelConfig(model="learner", base_url=server.base_url, api_key_env=None, max_retries=0))
+        out = await rationalize([problem], get_domain("math"), client, "learner")
+        await client.aclose()
+    [proposal] = out.proposals
+    assert proposal.operations == [] and len(out.llm_calls) == 1
+    failed = RATIONALE_FAILURES.count("rationalize", out)
+    if status == 400:
+        assert not call_failed(proposal) and failed.failed == 0
+        assert (proposal.parse_error or "").startswith("rationalization not made: the learner refused the request: ")
+        assert "exceeds the available context size" in (proposal.parse_error or "")
+    else:
+        assert call_failed(proposal) and failed.failed == 1
+
+
 def test_only_groups_no_attempt_solved_are_rationalized():
     problems = [
         Problem(problem_id=p, problem=f"Problem {p}?", answer=a) for p, a in [("a", "1"), ("b", "2"), ("c", None)]
@@ -407,3 +435,16 @@ def test_with_a_library_gate_an_example_of_each_form_goes_to_the_gate_untried():
     assert untested == {1: GATE_TRIES_EXAMPLES} and list(repeats) == [2]
     _, clustered, ranked, _ = plan_for(gated=False)  # no gate: examples tried one by one, shortest first
     assert "tried shortest first" in clustered[2] and ranked == [(1, 2)]
+
+
+def test_a_groups_worked_example_is_not_counted_against_the_learners_operations():
+    """``learning.max_ops_per_group`` bounds what the learner's reply for a group may carry (its ask says so); the
+    group's worked example comes from its rollouts, beside that reply. A learner that proposed as many lessons as
+    it was allowed had the group's example rejected "over learning.max_ops_per_group" before."""
+    from tasks.limits import limit_proposals
+
+    lessons = [Operation(op=OpKind.ADD, text=f"Lesson number {i} about ranges.", source_groups=["g"]) for i in range(4)]
+    proposal = Proposal(group_id="g", operations=[*lessons, example_op(3, 9)])
+    [kept], over = limit_proposals([proposal], LearningConfig(max_ops_per_group=3))
+    assert kept.operations == [*lessons[:3], example_op(3, 9)]
+    assert [op for op, _ in over] == [lessons[3]] and "max_ops_per_group=3" in over[0][1]

@@ -235,15 +235,19 @@ def test_trials_off_asks_one_candidate_per_group_and_gates_alone(tmp_path):
 
 
 def test_a_setting_added_later_keeps_the_folders_of_results_kept_before(tmp_path):
-    before, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan"])  # as results were kept before
+    # as results were kept before: worked examples were off then (the product's default since issue 57 is
+    # rationalize, and the benchmark's follows it: --examples off finds those folders)
+    before, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan", "--examples", "off"])
     added = {"gate_temperature", "trial_order", "examples", "examples_shown", "examples_as"}  # at their earlier values
     key = json.dumps({k: getattr(before, k) for k in bench.RESULT_SETTINGS if k not in added}, sort_keys=True)
     assert bench.results_dir(before).name == bench.hashlib.sha256(key.encode()).hexdigest()[:12]  # as it was
     cooler, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan", "--gate-temperature", "0.3"])
     assert bench.results_dir(cooler) != bench.results_dir(before)
     assert bench.gate_section(cooler) == {"enabled": "auto", "temperature": 0.3}
-    supported, _ = bench.parse(["--out", str(tmp_path)])  # the product's order now: support
+    supported, _ = bench.parse(["--out", str(tmp_path), "--examples", "off"])  # the product's order now: support
     assert bench.results_dir(supported) != bench.results_dir(before)
+    examples, _ = bench.parse(["--out", str(tmp_path), "--trial-order", "plan"])  # the product's default now
+    assert examples.examples == "rationalize" and bench.results_dir(examples) != bench.results_dir(before)
 
 
 def test_trials_and_the_gate_alone_side_by_side_from_the_kept_results(tmp_path):
@@ -456,7 +460,8 @@ def test_kshot_and_the_oracle_are_pooled_and_reported_beside_results_kept_before
 
 def test_the_ten_family_reports_kept_results_still_read_and_show_dashes_for_the_new_columns(tmp_path):
     folder = bench.RUNS_DIR / "74451bb18c29"
-    kept = json.loads((folder / "settings.json").read_text())
+    kept = json.loads((folder / "settings.json").read_text())  # kept before the settings added later existed:
+    kept = {**bench.LATER_RESULT_SETTINGS, **kept}  # measured at their earlier values (worked examples off)
     s = bench.Settings(["ranges"], [0, 1, 2], ["qwen2.5-coder-1.5b"], out=tmp_path, **kept)
     assert bench.results_dir(s) == folder  # the k-shot setting is not in a folder's key
     r = bench.kept_family(s, "ranges", "qwen2.5-coder-1.5b")

@@ -209,3 +209,44 @@ def test_a_plan_that_keeps_none_of_the_proposed_operations_is_named():
         "decision; learning.consolidation: passthrough applies the group proposals)"
     ]
     assert step_problems(replace(kept_none, operations_rejected=1)) == []
+
+
+def test_a_rationalization_not_kept_is_no_problem_of_the_step_and_a_refused_one_says_why():
+    """A solution the verifier did not accept is what stage rationalize expects of most asks: it is counted in the
+    step table's bad proposals (as before) but the step's WARNING line called it an unusable group reply, every
+    step, before. A request the learner refused is named with its cause, once."""
+    from schemas.records import GroupAdvantage
+    from tasks.checkpoint import step_problems, step_report
+    from tasks.group_advantage import CALL_FAILED
+    from tasks.rationalize import REFUSED
+
+    def proposal(group: str, why: str | None = None) -> Proposal:
+        return Proposal(group_id=group, parse_error=why)
+
+    def report(proposals: list[Proposal], rationales: list[Proposal]):
+        return step_report(
+            run_id="r", step=1, epoch=0, rollouts=[], rewards=[], summaries=[], consolidation_plans=[], results=[],
+            advantages=[
+                GroupAdvantage(problem_id="g", rewards=[1, 0], mean_reward=0.5, std_reward=0.5, advantages=[1, -1],
+                               selected=True, reason="mixed")
+            ],
+            proposals=proposals, rationales=rationales, library_size=0, calls=[],
+        )  # fmt: skip
+
+    not_kept = [
+        proposal(f"u{i}", "rationalization not kept: its final answer '6' is not the reference") for i in (1, 2)
+    ]
+    quiet = report([proposal("g")], [*not_kept, proposal("u3")])
+    assert (quiet.proposals_parsed, quiet.proposals_failed) == (2, 2) and step_problems(quiet) == []
+    refusal = "rationalize/learner: prompt of 1031 tokens does not fit the model's context of 1024"
+    refused = report([proposal("g")], [*not_kept, proposal("u3", REFUSED + refusal)])
+    assert step_problems(refused) == [
+        f"1 rationalizations not made: the learner refused the request ({refusal}); learning.examples: rollouts "
+        "takes worked examples from the rollouts alone"
+    ]
+    failing = report([proposal("g", "no JSON object found"), proposal("h", CALL_FAILED + "timeout")], not_kept)
+    assert step_problems(failing) == [
+        "1 learner calls for group proposals failed",
+        "1 group proposals were unusable replies",
+        "all 2 group proposals failed: this step learned nothing",
+    ]

@@ -30,6 +30,7 @@ def contrast_learning(**validation) -> LearningConfig:
         summarize_chunk_size=4,
         lesson_validation=LessonValidation(**{"enabled": True, "samples": 4, "problems": 2, **validation}),
         checks_budget=None,  # every candidate tried: the budget is tests/test_checks_budget.py's
+        examples="off",  # the trials of lessons; a worked example's trial is tests/test_examples_flow.py's
     )
 
 

@@ -96,6 +96,7 @@ def gated_learning(**gate) -> LearningConfig:
         consolidation="passthrough",
         summarize_chunk_size=4,
         library_gate=LibraryGate(enabled=True, samples=4, share=0.25, min_problems=2, **gate),
+        examples="off",  # the gate on a step's lessons; worked examples gated: tests/test_examples_flow.py
     )
 
 

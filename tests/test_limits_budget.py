@@ -90,6 +90,7 @@ async def test_a_1000_operation_learner_changes_the_library_only_within_the_limi
             max_ops_per_group=3,
             max_ops_per_step=10,
             max_library_size=8,
+            examples="off",  # the learner's operations: worked examples come beside them (tests/test_examples.py)
         )
         result = await train(cfg)
     step = result.steps[0]

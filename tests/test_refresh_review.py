@@ -93,6 +93,20 @@ def test_answers_build_the_baseline_plus_the_adopted_changes_with_stable_ids():
         answers_from({**form, "reviewer": " "}, changes)
 
 
+def test_a_reviews_decisions_read_back_in_the_order_of_its_changes(tmp_path):
+    """c1, c2, ..., c10, c11: a review of ten changes or more (a step's worked examples beside its lessons) read its
+    decisions back as c1, c10, c11, c2 before, and the listings and the checks on them followed that order."""
+    from schemas.records import ReviewDecision
+
+    decisions = [
+        ReviewDecision(change_id=f"c{n}", op="add", exp_id=f"E{n}", decision="reject", adopted=False, reviewer="ana")
+        for n in range(1, 12)
+    ]
+    with Store(tmp_path / "db.duckdb") as store:
+        store.write_stage("night", 0, Stage.REVIEW_DECIDE, {ReviewDecision: decisions[::-1]})
+        assert [d.change_id for d in store.records(ReviewDecision, "night")] == [f"c{n}" for n in range(1, 12)]
+
+
 def test_the_form_has_one_titled_group_per_change_and_a_reviewer():
     baseline = _library({"E0": "Check units first."}, 1)
     candidate = _library({"E0": "Check units before any arithmetic.", "E1": "Estimate first."}, 2)

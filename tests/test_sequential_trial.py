@@ -176,3 +176,31 @@ async def test_known_samples_and_a_trials_own_earlier_looks_are_read_not_drawn()
     assert Counter(s.problem_id for s in growing.samples) == {"p0": 4, "p1": 4}
     assert all(s.drawn for s in growing.samples)  # sample 0 was read at look 2 but stored as the draw it is
     assert growing.verdicts == {"neutral": "rejected at the last look"}
+
+
+async def test_an_arm_that_reads_another_arms_draw_keeps_its_own_records():
+    """Two libraries can show a problem the same prompt (a worked example is never shown to its own problems, nor
+    beyond ``library.examples_shown``): measured in turn, the library after then reads the library before's draw
+    for that problem, as a sample of its own arm. It used to take the other arm's record whole (the gate's
+    ``one_row_per_sample`` check then refused the step: two rows of arm "before" for one sample)."""
+    from schemas.records import Experience, GateSample, WorkedExample
+
+    def gate_arm(name: str, library: ExperienceLibrary) -> Arm[GateSample]:
+        content = library.content_hash()
+        return Arm(name, library, lambda s: GateSample(**s.model_dump(), arm=name, library_hash=content), PROBLEMS)
+
+    solved = WorkedExample(problem="How many integers are there from 3 to 9?", answer="7", author="m")
+    example = Experience(id="E0", text="9 - 3 + 1 = 7. \\boxed{7}", source_groups=[p.problem_id for p in PROBLEMS],
+                         example=solved)  # fmt: skip
+    policy = Policy()
+    with FakeOpenAIServer(policy) as server:
+        gate = trial(server, [Reach(None, 2)], together=False, decide=lambda arm, before, after, look, last: "decided")
+        gate.baseline = gate_arm("before", ExperienceLibrary())
+        after = gate_arm("after", ExperienceLibrary([example]))
+        await gate.run([after])
+        await gate.llm.aclose()
+    assert policy.asked == {"without": 4 * 2}  # one draw per prompt: the library after read the library before's
+    rows = Counter((s.arm, s.problem_id, s.sample_idx) for s in gate.samples)
+    assert set(rows.values()) == {1} and len(rows) == 2 * 4 * 2  # one row per arm, problem and sample
+    assert {s.library_hash for s in gate.samples_of(after)} == {after.library.content_hash()}
+    assert all(s.drawn for s in gate.samples_of(gate.baseline)) and not any(s.drawn for s in gate.samples_of(after))

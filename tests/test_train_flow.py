@@ -49,7 +49,9 @@ def policy_requests(server: FakeOpenAIServer) -> int:
 async def test_two_epochs_learn_a_library(dataset, tmp_path):
     world = ScriptedWorld(seed=8, p_garbage=0.3)  # 17 extractor asks: both kinds of bad reply occur
     with FakeOpenAIServer(world) as server:
-        cfg = make_config(server, dataset, tmp_path, "e2e")
+        # lessons only: their lineage, their citations and a step of 7 stages; a run with worked examples (the
+        # default) end to end is tests/test_examples_flow.py's
+        cfg = make_config(server, dataset, tmp_path, "e2e", examples="off")
         result = await train(cfg)
         requests = list(server.stats.log)
 
