@@ -1,9 +1,10 @@
-"""The training flow: epochs x batches of steps, each step the stages ``flows.step.STEP`` lists, then its checkpoint.
+"""The training flow: epochs x batches of steps, each step the stages of its step table, then its checkpoint.
 
-The step itself, as data, is ``flows/step.py``: ``STEP``, the state a step fills and the stages' functions.
-``Trainer.run_step`` walks it through the stage protocol (``Trainer.stage``); the checkpoint (``tasks.checkpoint``)
-closes the step. This module keeps the run's lifecycle: the dataset, the starting library, the problems the
-library gate sets aside, the budget, the reports, held-out validation and the run's status.
+The step itself, as data, is ``flows/step.py``: ``STEP`` (the table a ``Trainer`` runs unless given another), the
+state a step fills and the stages' functions. ``Trainer.run_step`` walks it through the stage protocol
+(``Trainer.stage``); the checkpoint (``tasks.checkpoint``) closes the step. This module keeps the run's lifecycle:
+the dataset, the starting library, the problems the library gate sets aside, the budget, the reports, held-out
+validation and the run's status.
 
 The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's typed output is written
 in one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -43,9 +44,8 @@ from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.state import remember_db
 from clgrpo.store import Store
 from domains.guard import LessonGuard
-from flows import step as step_module
 from flows.evaluate import Evaluated, Validator, publish_run_report
-from flows.step import StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
+from flows.step import STEP, StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
 from schemas.config import RunConfig
 from schemas.records import (
     AdapterVersion,
@@ -118,9 +118,15 @@ def plan_steps(
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, store: Store, *, accept_model_change: bool = False) -> None:
+    """A training run. ``stages``: its step, the stages in order (``flows.step.STEP``; a table with a stage added
+    from outside, ``tests/test_toy_stage.py``)."""
+
+    def __init__(
+        self, config: RunConfig, store: Store, *, stages: Sequence[StepStage] = STEP, accept_model_change: bool = False
+    ) -> None:
         self.cfg = config
         self.store = store
+        self.stages = tuple(stages)
         self.accept_model_change = accept_model_change  # resume even if the policy's identity changed
         self.run_id = config.require_run_id()  # train() sets one before the Trainer exists
         self.log = get_run_logger()
@@ -274,14 +280,14 @@ class Trainer:
         (self.log.info if complete else self.log.warning)("%s", self.gate_note)
         return learn
 
-    # --- one step: the stages of STEP in order ------------------------------------------------------------
+    # --- one step: the stages of its table in order -------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
         step, problems = planned.step, planned.problems
         version = (await route_library(self.cfg, self.store, library, problems)).to_version()
         state = StepState(self.cfg, step, problems, library, version, sampling=self.sampling_config(step))
         state.pipelined = await self.pipeline(state)
         context = self.context(step)
-        for spec in step_module.STEP:
+        for spec in self.stages:
             if spec.when(self.cfg):
                 await self.run_stage(spec, context, state)
         return self.store.load_library(self.run_id, step)
@@ -317,7 +323,7 @@ class Trainer:
         library = ExperienceLibrary.from_version(version)
         state = StepState(self.cfg, step, problems, library, version, self.cfg)
         state.outputs = {Rollouts: Rollouts(rollouts), Verified: Verified(group_advantages=advantages)}
-        numeric = next(spec for spec in step_module.STEP if spec.stage == Stage.NUMERIC_UPDATE)
+        numeric = next(spec for spec in self.stages if spec.stage == Stage.NUMERIC_UPDATE)
         await self.run_stage(numeric, self.context(step), state)
         return state.get(Adapters).adapters[0]
 
@@ -345,7 +351,7 @@ class Trainer:
         if (
             not self.cfg.pipeline
             or self.cfg.rollout.placement == "pool"
-            or any(self.store.stage_done(self.run_id, step, n) for n in pipelined(step_module.STEP))
+            or any(self.store.stage_done(self.run_id, step, n) for n in pipelined(self.stages))
         ):
             return None
         self.check_budget(step, Stage.ROLLOUT)
@@ -358,7 +364,7 @@ class Trainer:
             (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
-        chain = [(s.group, s.output) for s in step_module.STEP if s.group is not None and s.when(self.cfg)]
+        chain = [(s.group, s.output) for s in self.stages if s.group is not None and s.when(self.cfg)]
         try:
             with recording(self.journal.step(step)):
                 parts = await asyncio.gather(
@@ -368,7 +374,7 @@ class Trainer:
                     ]
                 )
         finally:
-            for done in pipelined(step_module.STEP):
+            for done in pipelined(self.stages):
                 progress.finish(done)
         return PipelineBatch.merge(parts)
 
