@@ -68,22 +68,9 @@ from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
 from tasks.measure import Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
-from tasks.outputs import Calls, StageOutput
+from tasks.outputs import Calls, Evaluated
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
-
-Outputs = dict[str, list[Any]]
-
-
-@dataclass
-class Evaluated(StageOutput):
-    """An evaluation's tables (stage ``evaluate``; inside a training run, its held-out validation)."""
-
-    evaluations: list[EvalSummary] = field(default_factory=list)
-    eval_results: list[EvalSample] = field(default_factory=list)
-    eval_comparisons: list[EvalComparison] = field(default_factory=list)
-    llm_calls: list[LLMCall] = field(default_factory=list)
-
 
 NO_LIBRARY = "none"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -298,15 +285,15 @@ async def evaluate_conditions(
     resume: bool = False,
     fresh: bool = False,
     planned: Callable[[Reads], None] | None = None,
-) -> Outputs:
-    """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
+) -> Evaluated:
+    """Sample and grade every condition, summarize each, compare each to the first: the stage's output. Each
     problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
     in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
     it (keyed by ``fingerprint``). ``fresh``: nothing stored in ``store`` is read (every sample drawn anew; an
     identical condition still reads this evaluation's). ``planned`` hears, before any sample is drawn, how many
     will be read and how many drawn (those read are counted on the progress bar then, not as they are read)."""
     samples: dict[str, list[EvalSample]] = {}
-    calls = []
+    calls: list[LLMCall] = []
     routed = [await route_library(config, store, c.library, problems) for c in conditions]
     policies = [with_adapter(config, c.adapter) if c.adapter else config for c in conditions]
     keys = [_keys(policy, evaluation, library, problems) for policy, library in zip(policies, routed)]
@@ -335,9 +322,10 @@ async def evaluate_conditions(
                 for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
             ]
         )
-        samples[condition.label] = [s for b in batches for s in b.samples]
-        drawn |= reusable(samples[condition.label])
-        calls += [c for b in batches for c in b.calls]
+        batch = Evaluated.joined(batches)
+        samples[condition.label] = batch.eval_results
+        drawn |= reusable(batch.eval_results)
+        calls += batch.llm_calls
     problem_ids = [p.problem_id for p in problems]
     summaries = [
         summarize_condition(
@@ -362,12 +350,7 @@ async def evaluate_conditions(
             (baseline, samples[baseline]), (c.label, samples[c.label]), problems, evaluation, eval_id=eval_id
         )
     ]
-    return {
-        "evaluations": summaries,
-        "eval_results": [s for c in conditions for s in samples[c.label]],
-        "eval_comparisons": comparisons,
-        "llm_calls": calls,
-    }
+    return Evaluated(summaries, [s for c in conditions for s in samples[c.label]], comparisons, calls)
 
 
 def _keys(
@@ -441,7 +424,7 @@ async def _evaluate_recorded(
     fingerprint: str,
     leaked_ids: list[str],
     fresh: bool = False,
-) -> Outputs:
+) -> Evaluated:
     """``evaluate_conditions`` with every request and every graded sample in a work journal as it completes: an
     evaluation that fails or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not
     marked done), and the same evaluation run again reads its finished samples back and requests only the rest
@@ -492,7 +475,7 @@ async def _evaluate_recorded(
         raise
     finally:
         progress.finish(Stage.EVALUATE)
-    outputs["llm_calls"] = step.all_calls(Stage.EVALUATE, outputs["llm_calls"])
+    outputs = outputs.with_calls(partial(step.all_calls, Stage.EVALUATE))
     journal.discard()
     return outputs
 
@@ -562,7 +545,7 @@ class Validator:
     async def compute(self, step: int, library: ExperienceLibrary) -> Evaluated:
         ref = f"{self.config.run_id}:{library.version}"
         fingerprint = text_hash(self.config.fingerprint() + library.content_hash())
-        outputs = await evaluate_conditions(
+        return await evaluate_conditions(
             self.config,
             self.evaluation,
             self.problems,
@@ -573,7 +556,6 @@ class Validator:
             leaked_ids=self.leakage.eval_ids,
             store=self.store,
         )
-        return Evaluated.from_rows(outputs)
 
     async def publish(self, step: int, outputs: Evaluated) -> None:
         summary = outputs.evaluations[0]
@@ -633,11 +615,11 @@ def _training_problems(
     return None
 
 
-def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | None:
+def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Evaluated | None:
     if not store.stage_done(eval_id, 0, Stage.EVALUATE):
         return None
-    outputs = store.read_stage(Evaluated, eval_id, 0, Stage.EVALUATE).rows()
-    if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
+    outputs = store.read_stage(Evaluated, eval_id, 0, Stage.EVALUATE)
+    if any(s.fingerprint not in fingerprints for s in outputs.evaluations):
         raise EvaluationError(
             f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
             "dataset, model or settings) in this database: choose another eval id"
@@ -741,26 +723,26 @@ async def _evaluate(
                     leaked_ids=leakage.eval_ids if leakage else [],
                     fresh=fresh,
                 )
-                n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs)
+                n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs.rows())
                 log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
             else:
                 log.info(
-                    "evaluation %s: already stored, reading it back (%s)", eval_id, drawn_line(outputs["eval_results"])
+                    "evaluation %s: already stored, reading it back (%s)", eval_id, drawn_line(outputs.eval_results)
                 )
     notes = [leakage.message()] if leakage is not None else []
     await publish_evaluation(
         eval_id,
-        outputs["evaluations"],
-        outputs["eval_comparisons"],
+        outputs.evaluations,
+        outputs.eval_comparisons,
         notes,
         f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}",
     )
     return EvalOutcome(
         eval_id,
         config.db_path,
-        outputs["evaluations"],
-        outputs["eval_comparisons"],
+        outputs.evaluations,
+        outputs.eval_comparisons,
         leakage.message() if leakage is not None else "leakage guard skipped (no training set)",
         reused,
-        drawn_line(outputs["eval_results"]) if reused else "",
+        drawn_line(outputs.eval_results) if reused else "",
     )

@@ -44,7 +44,7 @@ from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.state import remember_db
 from clgrpo.store import Store
 from domains.guard import LessonGuard
-from flows.evaluate import Evaluated, Validator, publish_run_report
+from flows.evaluate import Validator, publish_run_report
 from flows.step import STEP, StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
 from schemas.config import RunConfig
 from schemas.records import (
@@ -74,7 +74,7 @@ from tasks.integrity import (
 )
 from tasks.library_gate import GATE_OFF, describe_split, gate_lines, split_for_gate
 from tasks.load_dataset import load_dataset_task
-from tasks.outputs import Adapters, Calls, Out, Problems, Rollouts, Verified
+from tasks.outputs import Adapters, Calls, Evaluated, Out, Problems, Rollouts, Verified
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
 from tasks.verify import warm_verifier

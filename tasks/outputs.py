@@ -1,4 +1,5 @@
-"""What each stage of the training step returns and stores: one small dataclass per stage whose fields are its tables.
+"""What each stage returns and stores (the training step's, an evaluation's): one small dataclass per stage whose
+fields are its tables.
 
 A stage task returns its stage's output type itself (there is no second, task-side result type), the flow stores
 it as it is and reads a stored stage back into the same type. The field names are the DuckDB tables the stage
@@ -16,6 +17,9 @@ from typing import Any, TypeVar
 
 from schemas.records import (
     AdapterVersion,
+    EvalComparison,
+    EvalSample,
+    EvalSummary,
     GateDecision,
     GateSample,
     GroupAdvantage,
@@ -163,3 +167,14 @@ class Applied(StageOutput):
 
     operations: list[OperationResult] = field(default_factory=list)
     library: LibraryVersion | None = field(default=None, metadata=NOT_STORED)
+
+
+@dataclass
+class Evaluated(StageOutput):
+    """An evaluation's tables (stage ``evaluate``; inside a training run, its held-out validation): what
+    ``tasks.evaluate``'s task returns for a chunk (its samples and calls) and the flow for the whole evaluation."""
+
+    evaluations: list[EvalSummary] = field(default_factory=list)
+    eval_results: list[EvalSample] = field(default_factory=list)
+    eval_comparisons: list[EvalComparison] = field(default_factory=list)
+    llm_calls: list[LLMCall] = field(default_factory=list)
