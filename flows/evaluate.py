@@ -41,7 +41,7 @@ from clgrpo.adapters import (
     with_adapter,
 )
 from clgrpo.errors import EvaluationError
-from clgrpo.journal import RunJournal, StageItems, recording
+from clgrpo.journal import RunJournal, StageItems
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import (
@@ -59,6 +59,7 @@ from clgrpo.runtime import tune_gc
 from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
+from flows.stages import StageRunner
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from schemas.config_migrations import not_fingerprinted, result_settings
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LLMCall, Problem, Sample, text_hash
@@ -68,7 +69,7 @@ from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
 from tasks.measure import Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
-from tasks.outputs import Calls, Evaluated
+from tasks.outputs import Evaluated
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
 
@@ -413,31 +414,15 @@ def _span(first: datetime, last: datetime) -> str:
     return f"{start}-{end[11:] if start[:10] == end[:10] else end} UTC"
 
 
-async def _evaluate_recorded(
-    store: Store,
-    config: RunConfig,
-    evaluation: EvalConfig,
-    problems: list[Problem],
-    conditions: list[Condition],
-    *,
-    eval_id: str,
-    fingerprint: str,
-    leaked_ids: list[str],
-    fresh: bool = False,
-) -> Evaluated:
-    """``evaluate_conditions`` with every request and every graded sample in a work journal as it completes: an
-    evaluation that fails or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not
-    marked done), and the same evaluation run again reads its finished samples back and requests only the rest
-    (samples are keyed by the evaluation's fingerprint, condition, problem and sample). Before any sample is
-    drawn it says how many are read and how many drawn, and its progress starts with those read."""
+def _planner(journal: RunJournal, eval_id: str, fingerprint: str, fresh: bool) -> Callable[[Reads], None]:
+    """What an evaluation says before it draws a sample: how many a stopped run of it journaled, how many it reads
+    and how many it draws; its progress bar starts with those read."""
     log = get_run_logger()
-    journal = RunJournal.open(store.path, store.db_id, eval_id)
-    step = journal.step(0)
-    total = len(problems) * len(conditions) * evaluation.k
-    if found := step.items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
-        log.info("resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found)
 
     def planned(reads: Reads) -> None:
+        if found := journal.step(0).items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
+            total = reads.total
+            log.info("resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found)
         stored = f" ({drawn_line(reads.stored)})" if reads.stored else ""
         fresh_note = " (--fresh: nothing stored is read)" if fresh else ""
         log.info(
@@ -452,32 +437,7 @@ async def _evaluate_recorded(
         progress.start(0, Stage.EVALUATE, reads.total, f"samples ({reads.read} read, {reads.to_draw} to draw)")
         progress.advance(Stage.EVALUATE, reads.read)
 
-    try:
-        with recording(step, stage=Stage.EVALUATE, items=False):  # calls; the samples: see evaluate_library
-            outputs = await evaluate_conditions(
-                config,
-                evaluation,
-                problems,
-                conditions,
-                key=eval_id,
-                eval_id=eval_id,
-                fingerprint=fingerprint,
-                leaked_ids=leaked_ids,
-                store=store,
-                resume=True,
-                fresh=fresh,
-                planned=planned,
-            )
-    except BaseException:
-        if step.calls():
-            store.write_unfinished(eval_id, 0, Stage.EVALUATE, Calls(step.calls()).rows())
-        journal.close()
-        raise
-    finally:
-        progress.finish(Stage.EVALUATE)
-    outputs = outputs.with_calls(partial(step.all_calls, Stage.EVALUATE))
-    journal.discard()
-    return outputs
+    return planned
 
 
 # --- artifacts ----------------------------------------------------------------------------------------
@@ -615,18 +575,6 @@ def _training_problems(
     return None
 
 
-def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Evaluated | None:
-    if not store.stage_done(eval_id, 0, Stage.EVALUATE):
-        return None
-    outputs = store.read_stage(Evaluated, eval_id, 0, Stage.EVALUATE)
-    if any(s.fingerprint not in fingerprints for s in outputs.evaluations):
-        raise EvaluationError(
-            f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
-            "dataset, model or settings) in this database: choose another eval id"
-        )
-    return outputs
-
-
 def _eval_id(store: Store, given: str | None, default: str, fresh: bool) -> str:
     """The evaluation's id: ``given``, else ``default`` or, where ``--fresh`` drew it again, its latest draw
     (``default-2``, ...). ``fresh``: the first of those not stored yet; a given id already stored is refused (a
@@ -709,25 +657,34 @@ async def _evaluate(
                 eval_fingerprint(config, evaluation, conditions, problems, legacy=legacy, template=False)
                 for legacy in (False, True)
             }
-            outputs = None if fresh else _read_back(store, eval_id, {fingerprint, *earlier})
-            reused = outputs is not None
-            if outputs is None:
-                outputs = await _evaluate_recorded(
-                    store,
-                    config,
-                    evaluation,
-                    problems,
-                    conditions,
-                    eval_id=eval_id,
-                    fingerprint=fingerprint,
-                    leaked_ids=leakage.eval_ids if leakage else [],
-                    fresh=fresh,
+            reused = store.stage_done(eval_id, 0, Stage.EVALUATE)  # never with ``fresh`` (``_eval_id``)
+            journal = RunJournal.open(store.path, store.db_id, eval_id)
+            compute = partial(  # every graded sample journaled: a stopped evaluation resumes where it was
+                evaluate_conditions,
+                config,
+                evaluation,
+                problems,
+                conditions,
+                key=eval_id,
+                eval_id=eval_id,
+                fingerprint=fingerprint,
+                leaked_ids=leakage.eval_ids if leakage else [],
+                store=store,
+                resume=True,
+                fresh=fresh,
+                planned=_planner(journal, eval_id, fingerprint, fresh),
+            )
+            try:  # the journal keeps its calls; the graded samples: see evaluate_library
+                outputs = await StageRunner(store, eval_id, log, journal).run(
+                    0, Stage.EVALUATE, Evaluated, compute, where=f"evaluation {eval_id}", journals_items=False
                 )
-                n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs.rows())
-                log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
-            else:
-                log.info(
-                    "evaluation %s: already stored, reading it back (%s)", eval_id, drawn_line(outputs.eval_results)
+            finally:
+                journal.close()
+            journal.discard()
+            if any(s.fingerprint not in {fingerprint, *earlier} for s in outputs.evaluations):
+                raise EvaluationError(
+                    f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
+                    "dataset, model or settings) in this database: choose another eval id"
                 )
     notes = [leakage.message()] if leakage is not None else []
     await publish_evaluation(
