@@ -1,7 +1,7 @@
 """The stage protocol, once: a stage stored is read back, else computed and its typed output stored atomically.
 
-Training (its dataset, the stages of its step, held-out validation) and an evaluation run their stages through
-``StageRunner.run``, keyed by (run id, step, stage). While a stage is computed its model calls (and finished
+Training (its dataset, the stages of its step, held-out validation), an evaluation and a refresh run their stages
+through ``StageRunner.run``, keyed by (run id, step, stage). While a stage is computed its model calls (and finished
 items) go to the run's work journal (``clgrpo.journal``); a failed computation keeps the calls it paid for, without
 marking the stage done, and failed items beyond their tolerance fail the stage (``tasks.integrity``).
 """
@@ -27,13 +27,13 @@ Expect = Callable[[], tuple[int, str]]  # a stage's progress bar: (items, unit)
 
 @dataclass
 class StageRunner:
-    """The stages of one run id in ``store``, with the run's work journal (``journal``). ``before_compute``: called
-    with (step, name) before a stage is computed (training: the budget check)."""
+    """The stages of one run id in ``store``. ``journal``: the run's work journal (None: its stages make no model
+    calls); ``before_compute``: called with (step, name) before a stage is computed (training: the budget)."""
 
     store: Store
     run_id: str
     log: logging.Logger | logging.LoggerAdapter[Any]
-    journal: RunJournal
+    journal: RunJournal | None = None
     tolerance: ToleranceConfig = field(default_factory=ToleranceConfig)
     before_compute: Callable[[int, str], None] | None = None
 
@@ -50,11 +50,12 @@ class StageRunner:
         failures: FailureRule | None = None,
         before_write: Callable[[Out], None] | None = None,
         journals_items: bool = True,
+        keep_empty: bool = True,
     ) -> Out:
         """The stage's output (``kind``): read back when stored, else computed and written. ``where``: its name in
         log lines (``step <step> <name>``); ``expect``: (items, unit) for its progress bar; ``computed``: its output
         computed already (the pipeline's: only checked and written); ``failures``: its failure rule;
-        ``journals_items`` False: the journal keeps its calls only (held-out samples are redone whole)."""
+        ``journals_items`` False: the journal keeps its calls only; ``keep_empty`` False: no rows, nothing stored."""
         said = where or f"step {step} {name}"
         if self.store.stage_done(self.run_id, step, name):
             self.log.info("%s: already stored, reading it back", said)
@@ -62,14 +63,15 @@ class StageRunner:
         stopping.note_stage(where or (f"step {step} {name}" if step else name))
         if computed is None:
             computed = await self.compute(step, name, compute, expect, journals_items)
-        output = computed.with_calls(partial(self.journal.step(step).all_calls, name))
+        output = computed.with_calls(partial(self.journal.step(step).all_calls, name)) if self.journal else computed
         if failures is not None:
             self.check_failures(step, failures.count(name, output))
         if before_write:
             before_write(output)
         rows = output.rows()
-        self.store.write_stage(self.run_id, step, name, rows)
-        self.log.info("%s: stored %s", said, describe_rows(rows))
+        if keep_empty or any(rows.values()):
+            self.store.write_stage(self.run_id, step, name, rows)
+            self.log.info("%s: stored %s", said, describe_rows(rows))
         return output
 
     async def compute(
@@ -81,7 +83,7 @@ class StageRunner:
         if expect:
             progress.start(step, name, *expect())
         try:
-            with recording(self.journal.step(step), stage=name, items=journals_items):
+            with recording(self.journal.step(step) if self.journal else None, stage=name, items=journals_items):
                 return await compute()
         except BaseException as exc:
             self.keep_calls(step, name)
@@ -114,12 +116,14 @@ class StageRunner:
 
     def keep_calls(self, step: int, name: str) -> None:
         """Store what an unfinished stage paid for (its calls so far), without marking it done."""
-        calls = self.journal.step(step).calls(name)
+        calls = self.journal.step(step).calls(name) if self.journal else []
         if calls:
             self.store.write_unfinished(self.run_id, step, name, Calls(calls).rows())
 
     def keep_unrecorded_calls(self) -> None:
         """Calls of stage attempts that failed or were killed, from every journal on disk, into llm_calls."""
+        if self.journal is None:
+            return
         for step in self.journal.steps_on_disk():
             journal = self.journal.step(step)
             if journal.unreadable_lines:

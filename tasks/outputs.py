@@ -1,5 +1,5 @@
-"""What each stage returns and stores (the training step's, an evaluation's): one small dataclass per stage whose
-fields are its tables.
+"""What each stage returns and stores (the training step's, an evaluation's, a refresh's): one small dataclass per
+stage whose fields are its tables.
 
 A stage task returns its stage's output type itself (there is no second, task-side result type), the flow stores
 it as it is and reads a stored stage back into the same type. The field names are the DuckDB tables the stage
@@ -30,6 +30,9 @@ from schemas.records import (
     OperationResult,
     Problem,
     Proposal,
+    RefreshInput,
+    RefreshReject,
+    RefreshWatermark,
     Reward,
     Rollout,
     Summary,
@@ -178,3 +181,13 @@ class Evaluated(StageOutput):
     eval_results: list[EvalSample] = field(default_factory=list)
     eval_comparisons: list[EvalComparison] = field(default_factory=list)
     llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+@dataclass
+class Selected(StageOutput):
+    """The problems a refresh trains on (stage ``refresh-select``); from a traces source also the rows it skipped
+    and what it read (its watermark)."""
+
+    refresh_inputs: list[RefreshInput] = field(default_factory=list)
+    refresh_rejects: list[RefreshReject] = field(default_factory=list)
+    refresh_watermarks: list[RefreshWatermark] = field(default_factory=list)
