@@ -41,7 +41,7 @@ from clgrpo.adapters import (
     with_adapter,
 )
 from clgrpo.errors import EvaluationError
-from clgrpo.journal import RunJournal, StageItems, recording
+from clgrpo.journal import RunJournal, StageItems
 from clgrpo.leakage import LeakageReport, check_leakage
 from clgrpo.library import ExperienceLibrary
 from clgrpo.report import (
@@ -59,6 +59,7 @@ from clgrpo.runtime import tune_gc
 from clgrpo.state import remember_db
 from clgrpo.store import Store, StoreError, parse_library_ref
 from domains import domain_for
+from flows.stages import StageRunner
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
 from schemas.config_migrations import not_fingerprinted, result_settings
 from schemas.records import EvalComparison, EvalSample, EvalSummary, LLMCall, Problem, Sample, text_hash
@@ -68,22 +69,9 @@ from tasks.common import artifact_key, chunks
 from tasks.evaluate import compare_by_tag, evaluate_task, summarize_condition
 from tasks.load_dataset import log_oversize
 from tasks.measure import Sampling, draw_keys, identity_of, model_payload, reusable, sample_seeds
-from tasks.outputs import Calls, StageOutput
+from tasks.outputs import Evaluated
 from tasks.preflight import check_policy
 from tasks.verify import warm_verifier
-
-Outputs = dict[str, list[Any]]
-
-
-@dataclass
-class Evaluated(StageOutput):
-    """An evaluation's tables (stage ``evaluate``; inside a training run, its held-out validation)."""
-
-    evaluations: list[EvalSummary] = field(default_factory=list)
-    eval_results: list[EvalSample] = field(default_factory=list)
-    eval_comparisons: list[EvalComparison] = field(default_factory=list)
-    llm_calls: list[LLMCall] = field(default_factory=list)
-
 
 NO_LIBRARY = "none"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -298,15 +286,15 @@ async def evaluate_conditions(
     resume: bool = False,
     fresh: bool = False,
     planned: Callable[[Reads], None] | None = None,
-) -> Outputs:
-    """Sample and grade every condition, summarize each, compare each to the first: the stage outputs. Each
+) -> Evaluated:
+    """Sample and grade every condition, summarize each, compare each to the first: the stage's output. Each
     problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
     in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
     it (keyed by ``fingerprint``). ``fresh``: nothing stored in ``store`` is read (every sample drawn anew; an
     identical condition still reads this evaluation's). ``planned`` hears, before any sample is drawn, how many
     will be read and how many drawn (those read are counted on the progress bar then, not as they are read)."""
     samples: dict[str, list[EvalSample]] = {}
-    calls = []
+    calls: list[LLMCall] = []
     routed = [await route_library(config, store, c.library, problems) for c in conditions]
     policies = [with_adapter(config, c.adapter) if c.adapter else config for c in conditions]
     keys = [_keys(policy, evaluation, library, problems) for policy, library in zip(policies, routed)]
@@ -335,9 +323,10 @@ async def evaluate_conditions(
                 for i, chunk in enumerate(chunks(problems, evaluation.chunk_size))
             ]
         )
-        samples[condition.label] = [s for b in batches for s in b.samples]
-        drawn |= reusable(samples[condition.label])
-        calls += [c for b in batches for c in b.calls]
+        batch = Evaluated.joined(batches)
+        samples[condition.label] = batch.eval_results
+        drawn |= reusable(batch.eval_results)
+        calls += batch.llm_calls
     problem_ids = [p.problem_id for p in problems]
     summaries = [
         summarize_condition(
@@ -362,12 +351,7 @@ async def evaluate_conditions(
             (baseline, samples[baseline]), (c.label, samples[c.label]), problems, evaluation, eval_id=eval_id
         )
     ]
-    return {
-        "evaluations": summaries,
-        "eval_results": [s for c in conditions for s in samples[c.label]],
-        "eval_comparisons": comparisons,
-        "llm_calls": calls,
-    }
+    return Evaluated(summaries, [s for c in conditions for s in samples[c.label]], comparisons, calls)
 
 
 def _keys(
@@ -430,31 +414,15 @@ def _span(first: datetime, last: datetime) -> str:
     return f"{start}-{end[11:] if start[:10] == end[:10] else end} UTC"
 
 
-async def _evaluate_recorded(
-    store: Store,
-    config: RunConfig,
-    evaluation: EvalConfig,
-    problems: list[Problem],
-    conditions: list[Condition],
-    *,
-    eval_id: str,
-    fingerprint: str,
-    leaked_ids: list[str],
-    fresh: bool = False,
-) -> Outputs:
-    """``evaluate_conditions`` with every request and every graded sample in a work journal as it completes: an
-    evaluation that fails or is killed still has its calls stored (``llm_calls`` under its eval id, the stage not
-    marked done), and the same evaluation run again reads its finished samples back and requests only the rest
-    (samples are keyed by the evaluation's fingerprint, condition, problem and sample). Before any sample is
-    drawn it says how many are read and how many drawn, and its progress starts with those read."""
+def _planner(journal: RunJournal, eval_id: str, fingerprint: str, fresh: bool) -> Callable[[Reads], None]:
+    """What an evaluation says before it draws a sample: how many a stopped run of it journaled, how many it reads
+    and how many it draws; its progress bar starts with those read."""
     log = get_run_logger()
-    journal = RunJournal.open(store.path, store.db_id, eval_id)
-    step = journal.step(0)
-    total = len(problems) * len(conditions) * evaluation.k
-    if found := step.items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
-        log.info("resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found)
 
     def planned(reads: Reads) -> None:
+        if found := journal.step(0).items(Stage.EVALUATE, prefix=f"{fingerprint}|"):
+            total = reads.total
+            log.info("resuming evaluation %s: %d of %d samples stored, %d to go", eval_id, found, total, total - found)
         stored = f" ({drawn_line(reads.stored)})" if reads.stored else ""
         fresh_note = " (--fresh: nothing stored is read)" if fresh else ""
         log.info(
@@ -469,32 +437,7 @@ async def _evaluate_recorded(
         progress.start(0, Stage.EVALUATE, reads.total, f"samples ({reads.read} read, {reads.to_draw} to draw)")
         progress.advance(Stage.EVALUATE, reads.read)
 
-    try:
-        with recording(step, stage=Stage.EVALUATE, items=False):  # calls; the samples: see evaluate_library
-            outputs = await evaluate_conditions(
-                config,
-                evaluation,
-                problems,
-                conditions,
-                key=eval_id,
-                eval_id=eval_id,
-                fingerprint=fingerprint,
-                leaked_ids=leaked_ids,
-                store=store,
-                resume=True,
-                fresh=fresh,
-                planned=planned,
-            )
-    except BaseException:
-        if step.calls():
-            store.write_unfinished(eval_id, 0, Stage.EVALUATE, Calls(step.calls()).rows())
-        journal.close()
-        raise
-    finally:
-        progress.finish(Stage.EVALUATE)
-    outputs["llm_calls"] = step.all_calls(Stage.EVALUATE, outputs["llm_calls"])
-    journal.discard()
-    return outputs
+    return planned
 
 
 # --- artifacts ----------------------------------------------------------------------------------------
@@ -562,7 +505,7 @@ class Validator:
     async def compute(self, step: int, library: ExperienceLibrary) -> Evaluated:
         ref = f"{self.config.run_id}:{library.version}"
         fingerprint = text_hash(self.config.fingerprint() + library.content_hash())
-        outputs = await evaluate_conditions(
+        return await evaluate_conditions(
             self.config,
             self.evaluation,
             self.problems,
@@ -573,7 +516,6 @@ class Validator:
             leaked_ids=self.leakage.eval_ids,
             store=self.store,
         )
-        return Evaluated.from_rows(outputs)
 
     async def publish(self, step: int, outputs: Evaluated) -> None:
         summary = outputs.evaluations[0]
@@ -631,18 +573,6 @@ def _training_problems(
                 return None
     log.info("leakage guard: no training set given (--train-dataset) and no stored run evaluated; skipped")
     return None
-
-
-def _read_back(store: Store, eval_id: str, fingerprints: set[str]) -> Outputs | None:
-    if not store.stage_done(eval_id, 0, Stage.EVALUATE):
-        return None
-    outputs = store.read_stage(Evaluated, eval_id, 0, Stage.EVALUATE).rows()
-    if any(s.fingerprint not in fingerprints for s in outputs["evaluations"]):
-        raise EvaluationError(
-            f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
-            "dataset, model or settings) in this database: choose another eval id"
-        )
-    return outputs
 
 
 def _eval_id(store: Store, given: str | None, default: str, fresh: bool) -> str:
@@ -727,40 +657,49 @@ async def _evaluate(
                 eval_fingerprint(config, evaluation, conditions, problems, legacy=legacy, template=False)
                 for legacy in (False, True)
             }
-            outputs = None if fresh else _read_back(store, eval_id, {fingerprint, *earlier})
-            reused = outputs is not None
-            if outputs is None:
-                outputs = await _evaluate_recorded(
-                    store,
-                    config,
-                    evaluation,
-                    problems,
-                    conditions,
-                    eval_id=eval_id,
-                    fingerprint=fingerprint,
-                    leaked_ids=leakage.eval_ids if leakage else [],
-                    fresh=fresh,
+            reused = store.stage_done(eval_id, 0, Stage.EVALUATE)  # never with ``fresh`` (``_eval_id``)
+            journal = RunJournal.open(store.path, store.db_id, eval_id)
+            compute = partial(  # every graded sample journaled: a stopped evaluation resumes where it was
+                evaluate_conditions,
+                config,
+                evaluation,
+                problems,
+                conditions,
+                key=eval_id,
+                eval_id=eval_id,
+                fingerprint=fingerprint,
+                leaked_ids=leakage.eval_ids if leakage else [],
+                store=store,
+                resume=True,
+                fresh=fresh,
+                planned=_planner(journal, eval_id, fingerprint, fresh),
+            )
+            try:  # the journal keeps its calls; the graded samples: see evaluate_library
+                outputs = await StageRunner(store, eval_id, log, journal).run(
+                    0, Stage.EVALUATE, Evaluated, compute, where=f"evaluation {eval_id}", journals_items=False
                 )
-                n_rows = store.write_stage(eval_id, 0, Stage.EVALUATE, outputs)
-                log.info("evaluation %s: wrote %d rows to %s", eval_id, n_rows, store.path)
-            else:
-                log.info(
-                    "evaluation %s: already stored, reading it back (%s)", eval_id, drawn_line(outputs["eval_results"])
+            finally:
+                journal.close()
+            journal.discard()
+            if any(s.fingerprint not in {fingerprint, *earlier} for s in outputs.evaluations):
+                raise EvaluationError(
+                    f"evaluation id {eval_id!r} already holds a different evaluation (other libraries, "
+                    "dataset, model or settings) in this database: choose another eval id"
                 )
     notes = [leakage.message()] if leakage is not None else []
     await publish_evaluation(
         eval_id,
-        outputs["evaluations"],
-        outputs["eval_comparisons"],
+        outputs.evaluations,
+        outputs.eval_comparisons,
         notes,
         f"Evaluation {eval_id} on {dataset_label(evaluation.dataset)}",
     )
     return EvalOutcome(
         eval_id,
         config.db_path,
-        outputs["evaluations"],
-        outputs["eval_comparisons"],
+        outputs.evaluations,
+        outputs.eval_comparisons,
         leakage.message() if leakage is not None else "leakage guard skipped (no training set)",
         reused,
-        drawn_line(outputs["eval_results"]) if reused else "",
+        drawn_line(outputs.eval_results) if reused else "",
     )

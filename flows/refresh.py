@@ -58,6 +58,7 @@ from clgrpo.store import Store
 from domains import domain_for
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
+from flows.stages import StageRunner
 from flows.train import train
 from schemas.config import BlockedLesson, DatasetConfig, RefreshConfig, RunConfig
 from schemas.records import (
@@ -71,6 +72,7 @@ from schemas.records import (
 )
 from schemas.stages import Stage
 from tasks.common import artifact_key
+from tasks.outputs import Selected
 from tasks.preflight import check_refresh
 
 METRIC_LABELS = {"mean_at_k": "Mean@k", "pass_at_k": "Pass@k"}
@@ -172,10 +174,9 @@ def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, ref
     return Baseline(NO_LIBRARY, ExperienceLibrary())
 
 
-def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cutoff: datetime) -> list[RefreshInput]:
-    """The problems this refresh trains on: read back when already taken, else selected and stored."""
-    if store.stage_done(refresh_id, 0, Stage.REFRESH_SELECT):
-        return store.records(RefreshInput, refresh_id, 0, Stage.REFRESH_SELECT)
+async def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cutoff: datetime) -> Selected:
+    """The problems this refresh trains on (stage ``refresh-select``, read back when taken before): those of the
+    source that arrived up to ``cutoff`` and that no decided refresh took."""
     source = config.source
     same_file = source.kind != "directory" and Path(source.path).resolve() == store.path.resolve()
     if source.kind == "traces":  # rows after the previous decided refresh's watermark; bad rows skipped
@@ -190,9 +191,8 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
             reported=store.reported_rejects(config.name),
             query=store.query if same_file else None,
         )
-        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, taken.stage_rows())
         get_run_logger().info(taken.message(cutoff))
-        return taken.selection.inputs
+        return Selected.from_rows(taken.stage_rows())
     arrivals = read_arrivals(
         source,
         domain_for(config.training),
@@ -203,10 +203,8 @@ def take_new_problems(store: Store, config: RefreshConfig, refresh_id: str, cuto
     selection = select_new(
         arrivals, store.consumed_problem_keys(config.name), name=config.name, max_problems=config.max_problems
     )
-    if selection.inputs:
-        store.write_stage(refresh_id, 0, Stage.REFRESH_SELECT, {RefreshInput: selection.inputs})
     get_run_logger().info(selection.message(cutoff))
-    return selection.inputs
+    return Selected(selection.inputs)
 
 
 def settle_reviews(store: Store, config: RefreshConfig, refresh_id: str) -> None:
@@ -525,7 +523,12 @@ async def _refresh(config: RefreshConfig, as_of: datetime | None) -> RefreshDeci
                 return decided
             settle_reviews(store, config, refresh_id)
             baseline = promoted_baseline(store, config, date, refresh_id)
-            inputs = take_new_problems(store, config, refresh_id, cutoff)
+            take = partial(take_new_problems, store, config, refresh_id, cutoff)
+            where = f"{refresh_id} {Stage.REFRESH_SELECT}"  # none arrived in files: not stored, a rerun looks again
+            stages = StageRunner(store, refresh_id, log)
+            inputs = (
+                await stages.run(0, Stage.REFRESH_SELECT, Selected, take, where=where, keep_empty=False)
+            ).refresh_inputs
             notes = input_notes(store, refresh_id)
         log.info("refresh %s starts from %s (%d experiences)", refresh_id, baseline.ref, len(baseline.library))
         if not inputs:

@@ -1,9 +1,10 @@
-"""The training flow: epochs x batches of steps, each step the stages ``flows.step.STEP`` lists, then its checkpoint.
+"""The training flow: epochs x batches of steps, each step the stages of its step table, then its checkpoint.
 
-The step itself, as data, is ``flows/step.py``: ``STEP``, the state a step fills and the stages' functions.
-``Trainer.run_step`` walks it through the stage protocol (``Trainer.stage``); the checkpoint (``tasks.checkpoint``)
-closes the step. This module keeps the run's lifecycle: the dataset, the starting library, the problems the
-library gate sets aside, the budget, the reports, held-out validation and the run's status.
+The step itself, as data, is ``flows/step.py``: ``STEP`` (the table a ``Trainer`` runs unless given another), the
+state a step fills and the stages' functions. ``Trainer.run_step`` runs each stage through the stage protocol
+(``flows.stages``); the checkpoint (``tasks.checkpoint``) closes the step. This module keeps the run's lifecycle: the
+dataset, the starting library, the problems the library gate sets aside, the budget, the reports, held-out
+validation and the run's status.
 
 The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's typed output is written
 in one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
@@ -20,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
@@ -34,7 +35,6 @@ from clgrpo.adapters import resolve_policy_adapter
 from clgrpo.errors import error_line
 from clgrpo.journal import RunJournal, recording
 from clgrpo.library import ExperienceLibrary
-from clgrpo.llm import LLMCallError
 from clgrpo.llm.local import release_engines
 from clgrpo.retrieval import route_library
 from clgrpo.run_lock import RunLock
@@ -43,9 +43,9 @@ from clgrpo.stale_runs import mark_stale_runs_crashed
 from clgrpo.state import remember_db
 from clgrpo.store import Store
 from domains.guard import LessonGuard
-from flows import step as step_module
-from flows.evaluate import Evaluated, Validator, publish_run_report
-from flows.step import StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
+from flows.evaluate import Validator, publish_run_report
+from flows.stages import StageRunner
+from flows.step import STEP, StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
 from schemas.config import RunConfig
 from schemas.records import (
     AdapterVersion,
@@ -64,17 +64,10 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.checkpoint import StepCheckpoint, StepReport, checkpoint_step, export_dir, export_library, step_report
 from tasks.common import artifact_key
-from tasks.integrity import (
-    VALIDATION_FAILURES,
-    BudgetExhaustedError,
-    FailedItems,
-    FailureRule,
-    StageFailedError,
-    stage_failed_message,
-)
+from tasks.integrity import VALIDATION_FAILURES, BudgetExhaustedError, StageFailedError
 from tasks.library_gate import GATE_OFF, describe_split, gate_lines, split_for_gate
 from tasks.load_dataset import load_dataset_task
-from tasks.outputs import Adapters, Calls, Out, Problems, Rollouts, Verified
+from tasks.outputs import Adapters, Evaluated, Problems, Rollouts, Verified
 from tasks.pipeline import PipelineBatch, pipeline_task
 from tasks.preflight import check_run
 from tasks.verify import warm_verifier
@@ -118,9 +111,15 @@ def plan_steps(
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, store: Store, *, accept_model_change: bool = False) -> None:
+    """A training run. ``stages``: its step, the stages in order (``flows.step.STEP``; a table with a stage added
+    from outside, ``tests/test_toy_stage.py``)."""
+
+    def __init__(
+        self, config: RunConfig, store: Store, *, stages: Sequence[StepStage] = STEP, accept_model_change: bool = False
+    ) -> None:
         self.cfg = config
         self.store = store
+        self.stages = tuple(stages)
         self.accept_model_change = accept_model_change  # resume even if the policy's identity changed
         self.run_id = config.require_run_id()  # train() sets one before the Trainer exists
         self.log = get_run_logger()
@@ -129,110 +128,17 @@ class Trainer:
         self.gate_note = ""  # what the gate does in this run, in one line (set_aside)
         self.learn_problems: list[Problem] = []  # the rest: what steps and lesson trials draw from
 
-    # --- the stage protocol: read back when done, else compute and write atomically -------------------
-    async def stage(
-        self,
-        step: int,
-        name: str,
-        compute: Callable[[], Awaitable[Out]],
-        kind: type[Out],
-        before_write: Callable[[Out], None] | None = None,
-        expect: Callable[[], tuple[int, str]] | None = None,
-        computed: Out | None = None,
-        failures: FailureRule | None = None,
-        journals_items: bool = True,
-    ) -> Out:
-        """The stage's typed output (``kind``): read back when stored, else computed and written atomically.
-        ``expect``: (items, unit) the computation will report as it goes (the terminal's progress bar);
-        ``computed``: the output when the pipeline computed it already (then it is only checked and written).
-        The computation's calls (and, with ``journals_items``, its finished items) go to the step's work journal as
-        they happen; the stage is stored only if its failed items (``failures``) are within their tolerance (else
-        ``StageFailedError``)."""
-        if self.store.stage_done(self.run_id, step, name):
-            self.log.info("step %d %s: already stored, reading it back", step, name)
-            return self.store.read_stage(kind, self.run_id, step, name)
-        stopping.note_stage(f"step {step} {name}" if step else name)
-        if computed is None:
-            computed = await self.compute_fresh(step, name, compute, expect, journals_items)
-        output = computed.with_calls(partial(self.journal.step(step).all_calls, name))
-        if failures is not None:
-            self.check_failures(step, failures.count(name, output))
-        if before_write:
-            before_write(output)
-        rows = output.rows()
-        self.store.write_stage(self.run_id, step, name, rows)
-        self.log.info("step %d %s: stored %s", step, name, describe_rows(rows))
-        return output
-
-    async def compute_fresh(
-        self,
-        step: int,
-        name: str,
-        compute: Callable[[], Awaitable[Out]],
-        expect: Callable[[], tuple[int, str]] | None,
-        journals_items: bool,
-    ) -> Out:
-        """A stage's computation, within the budget, recorded in the step's work journal, with its progress bar."""
-        self.check_budget(step, name)
-        if expect:
-            progress.start(step, name, *expect())
-        try:
-            with recording(self.journal.step(step), stage=name, items=journals_items):
-                return await compute()
-        except LLMCallError as exc:  # a stage that needs every call (consolidation) lost one
-            self.keep_calls(step, name)
-            raise StageFailedError(
-                f"step {step} {name}: a learner call failed after its retries: {exc}. "
-                f"Fix the cause, then Retry the flow run (Prefect UI) or rerun with "
-                f"--run-id {self.run_id}: finished items are not redone."
-            ) from exc
-        finally:
-            progress.finish(name)
-
-    def check_failures(self, step: int, items: FailedItems) -> None:
-        """The integrity rule: over tolerance, keep the calls and fail; under it, warn (and count)."""
-        if items.failed == 0:
-            return
-        tolerance = self.cfg.tolerance.of(items.tolerance_setting)
-        if items.fraction > tolerance:
-            self.keep_calls(step, items.stage)
-            raise StageFailedError(stage_failed_message(items, step, tolerance, self.run_id))
-        self.log.warning(
-            "step %d %s: %s, within the tolerance of %.0f%%; stored with their causes (first: %s)",
-            step,
-            items.stage,
-            items.describe(),
-            100 * tolerance,
-            items.first_cause,
-        )
-
-    def keep_calls(self, step: int, name: str) -> None:
-        """Store what an unfinished stage paid for (its calls so far), without marking it done."""
-        calls = self.journal.step(step).calls(name)
-        if calls:
-            self.store.write_unfinished(self.run_id, step, name, Calls(calls).rows())
-
-    def keep_unrecorded_calls(self) -> None:
-        """Calls of stage attempts that failed or were killed, from every journal on disk, into llm_calls."""
-        for step in self.journal.steps_on_disk():
-            journal = self.journal.step(step)
-            if journal.unreadable_lines:
-                self.log.warning(
-                    "work journal %s: %d unreadable line(s) skipped (their work is redone; a request "
-                    "they recorded is not counted)",
-                    journal.path,
-                    journal.unreadable_lines,
-                )
-            for name in journal.stages_with_calls():
-                if not self.store.stage_done(self.run_id, step, name):
-                    self.keep_calls(step, name)
+    @property
+    def runner(self) -> StageRunner:
+        """The stage protocol for this run (``flows.stages``), with its tolerance and its budget check."""
+        return StageRunner(self.store, self.run_id, self.log, self.journal, self.cfg.tolerance, self.check_budget)
 
     # --- setup ----------------------------------------------------------------------------------------
     async def problems(self) -> list[Problem]:
         async def compute() -> Problems:
             return Problems(load_dataset_task(self.cfg, _source_digest(self.cfg)))
 
-        return (await self.stage(0, Stage.LOAD_DATASET, compute, Problems)).problems
+        return (await self.runner.run(0, Stage.LOAD_DATASET, Problems, compute)).problems
 
     def initial_library(self) -> ExperienceLibrary:
         if self.store.library_versions(self.run_id):
@@ -274,14 +180,14 @@ class Trainer:
         (self.log.info if complete else self.log.warning)("%s", self.gate_note)
         return learn
 
-    # --- one step: the stages of STEP in order ------------------------------------------------------------
+    # --- one step: the stages of its table in order -------------------------------------------------------
     async def run_step(self, planned: PlannedStep, library: ExperienceLibrary) -> ExperienceLibrary:
         step, problems = planned.step, planned.problems
         version = (await route_library(self.cfg, self.store, library, problems)).to_version()
         state = StepState(self.cfg, step, problems, library, version, sampling=self.sampling_config(step))
         state.pipelined = await self.pipeline(state)
         context = self.context(step)
-        for spec in step_module.STEP:
+        for spec in self.stages:
             if spec.when(self.cfg):
                 await self.run_stage(spec, context, state)
         return self.store.load_library(self.run_id, step)
@@ -292,11 +198,11 @@ class Trainer:
 
     async def run_stage(self, spec: StepStage, context: StepContext, state: StepState) -> None:
         """One stage of the step through the stage protocol; its typed output joins ``state`` for the next."""
-        state.outputs[spec.output] = await self.stage(
+        state.outputs[spec.output] = await self.runner.run(
             state.step,
             spec.stage,
-            partial(spec.compute, context, state),
             spec.output,
+            partial(spec.compute, context, state),
             before_write=partial(spec.before_write, context, state) if spec.before_write else None,
             expect=partial(spec.expect, state) if spec.expect else None,
             computed=state.pipelined.output(spec.output) if state.pipelined else None,
@@ -317,7 +223,7 @@ class Trainer:
         library = ExperienceLibrary.from_version(version)
         state = StepState(self.cfg, step, problems, library, version, self.cfg)
         state.outputs = {Rollouts: Rollouts(rollouts), Verified: Verified(group_advantages=advantages)}
-        numeric = next(spec for spec in step_module.STEP if spec.stage == Stage.NUMERIC_UPDATE)
+        numeric = next(spec for spec in self.stages if spec.stage == Stage.NUMERIC_UPDATE)
         await self.run_stage(numeric, self.context(step), state)
         return state.get(Adapters).adapters[0]
 
@@ -345,7 +251,7 @@ class Trainer:
         if (
             not self.cfg.pipeline
             or self.cfg.rollout.placement == "pool"
-            or any(self.store.stage_done(self.run_id, step, n) for n in pipelined(step_module.STEP))
+            or any(self.store.stage_done(self.run_id, step, n) for n in pipelined(self.stages))
         ):
             return None
         self.check_budget(step, Stage.ROLLOUT)
@@ -358,7 +264,7 @@ class Trainer:
             (Stage.GROUP_ADVANTAGE, 0, "groups"),
         ):
             progress.start(step, name, total, unit)
-        chain = [(s.group, s.output) for s in step_module.STEP if s.group is not None and s.when(self.cfg)]
+        chain = [(s.group, s.output) for s in self.stages if s.group is not None and s.when(self.cfg)]
         try:
             with recording(self.journal.step(step)):
                 parts = await asyncio.gather(
@@ -368,7 +274,7 @@ class Trainer:
                     ]
                 )
         finally:
-            for done in pipelined(step_module.STEP):
+            for done in pipelined(self.stages):
                 progress.finish(done)
         return PipelineBatch.merge(parts)
 
@@ -452,11 +358,11 @@ class Trainer:
 
     async def validate(self, validator: Validator, step: int, library: ExperienceLibrary) -> None:
         """Held-out evaluation of the library after ``step`` (0: the baseline), stage-keyed like the rest."""
-        outputs = await self.stage(
+        outputs = await self.runner.run(
             step,
             Stage.VALIDATE,
-            partial(validator.compute, step, library),
             Evaluated,
+            partial(validator.compute, step, library),
             failures=VALIDATION_FAILURES,
             journals_items=False,  # its calls only: held-out samples are redone whole
         )
@@ -482,12 +388,12 @@ class Trainer:
             if line := self.store.bind_identity(self.run_id, identity, accept_change=self.accept_model_change):
                 self.log.warning("%s", line)
         self.store.set_run_status(self.run_id, "running")
-        self.keep_unrecorded_calls()  # of an attempt that was killed
+        self.runner.keep_unrecorded_calls()  # of an attempt that was killed
         warm_verifier(self.cfg.domain)  # started by the flow already; a no-op then
         try:
             result = await self.steps()
         except BaseException as exc:
-            self.keep_unrecorded_calls()
+            self.runner.keep_unrecorded_calls()
             if stopping.is_stop(exc):  # a signal or a cancel from the UI: resumable, not a failure
                 self.store.set_run_status(self.run_id, "cancelled", stopping.describe())
                 self.log.warning(
@@ -542,12 +448,6 @@ class Trainer:
             )
         await publish_run_report(self.store, self.cfg)
         return self.result(library, reports)
-
-
-def describe_rows(outputs: dict[str, list[Any]]) -> str:
-    """``{"rollouts": [32 items], "llm_calls": [8 items]}`` -> "32 rollouts, 8 llm calls"."""
-    parts = [f"{len(rows)} {table.replace('_', ' ')}" for table, rows in outputs.items()]
-    return ", ".join(parts) if parts else "the stage marker"
 
 
 def _source_digest(cfg: RunConfig) -> str:

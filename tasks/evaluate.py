@@ -10,7 +10,6 @@ bootstrap confidence intervals (``clgrpo.metrics``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +24,6 @@ from schemas.records import (
     EvalSample,
     EvalSummary,
     LibraryVersion,
-    LLMCall,
     Problem,
     Sample,
 )
@@ -33,12 +31,7 @@ from schemas.stages import Stage
 from tasks.common import stage_task
 from tasks.judge import Judge, make_judge
 from tasks.measure import Sampling, measure, sample_seeds
-
-
-@dataclass
-class EvalBatch:
-    samples: list[EvalSample]
-    calls: list[LLMCall] = field(default_factory=list)
+from tasks.outputs import Evaluated
 
 
 async def evaluate_library(
@@ -55,7 +48,7 @@ async def evaluate_library(
     resume_key: str = "",
     known: Mapping[str, Sample] | None = None,
     count_read: bool = True,
-) -> EvalBatch:
+) -> Evaluated:
     """k graded samples per problem for one condition (library), through ``tasks.measure``: a sample whose draw
     key is in ``known`` (stored by an earlier evaluation, trial or gate) is read, not drawn. With a
     ``resume_key`` (the evaluation's fingerprint) each graded sample goes to the work journal as it is made and
@@ -86,7 +79,7 @@ async def evaluate_library(
         keep=keep,
         count_read=count_read,
     )
-    return EvalBatch([eval_sample(condition, s) for s in measured.samples], measured.calls)
+    return Evaluated(eval_results=[eval_sample(condition, s) for s in measured.samples], llm_calls=measured.calls)
 
 
 def eval_sample(condition: str, sample: Sample) -> EvalSample:
@@ -106,7 +99,7 @@ async def evaluate_task(
     resume_key: str = "",
     known: dict[str, Sample] | None = None,
     count_read: bool = True,
-) -> EvalBatch:
+) -> Evaluated:
     """``key`` (the evaluation id, or run/step of a validation) only keys the cache; ``resume_key``, ``known`` and
     ``count_read``: see ``evaluate_library``."""
     domain = domain_for(config)

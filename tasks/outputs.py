@@ -1,4 +1,5 @@
-"""What each stage of the training step returns and stores: one small dataclass per stage whose fields are its tables.
+"""What each stage returns and stores (the training step's, an evaluation's, a refresh's): one small dataclass per
+stage whose fields are its tables.
 
 A stage task returns its stage's output type itself (there is no second, task-side result type), the flow stores
 it as it is and reads a stored stage back into the same type. The field names are the DuckDB tables the stage
@@ -16,6 +17,9 @@ from typing import Any, TypeVar
 
 from schemas.records import (
     AdapterVersion,
+    EvalComparison,
+    EvalSample,
+    EvalSummary,
     GateDecision,
     GateSample,
     GroupAdvantage,
@@ -26,6 +30,9 @@ from schemas.records import (
     OperationResult,
     Problem,
     Proposal,
+    RefreshInput,
+    RefreshReject,
+    RefreshWatermark,
     Reward,
     Rollout,
     Summary,
@@ -163,3 +170,24 @@ class Applied(StageOutput):
 
     operations: list[OperationResult] = field(default_factory=list)
     library: LibraryVersion | None = field(default=None, metadata=NOT_STORED)
+
+
+@dataclass
+class Evaluated(StageOutput):
+    """An evaluation's tables (stage ``evaluate``; inside a training run, its held-out validation): what
+    ``tasks.evaluate``'s task returns for a chunk (its samples and calls) and the flow for the whole evaluation."""
+
+    evaluations: list[EvalSummary] = field(default_factory=list)
+    eval_results: list[EvalSample] = field(default_factory=list)
+    eval_comparisons: list[EvalComparison] = field(default_factory=list)
+    llm_calls: list[LLMCall] = field(default_factory=list)
+
+
+@dataclass
+class Selected(StageOutput):
+    """The problems a refresh trains on (stage ``refresh-select``); from a traces source also the rows it skipped
+    and what it read (its watermark)."""
+
+    refresh_inputs: list[RefreshInput] = field(default_factory=list)
+    refresh_rejects: list[RefreshReject] = field(default_factory=list)
+    refresh_watermarks: list[RefreshWatermark] = field(default_factory=list)

@@ -1,5 +1,6 @@
-"""Adding a stage to the training step is its module, its record, its ``STEP`` entry (``flows/step.py``) and its
-test, nothing else: this module is the toy stage's module and its test. It asks the learner's opinion of each
+"""Adding a stage to the training step is its module, its record, its entry in a step table (``flows/step.py``'s
+``STEP`` for a stage of ours; from outside, a table passed to the ``Trainer``) and its test, nothing else: this
+module is the toy stage's module and its test. It asks the learner's opinion of each
 step's accuracy (one call) and stores it in a table of its own (``toy_opinions``: its record and one declaration,
 ``schemas.tables``) beside the call (``llm_calls``); it declares its typed output and its place after verify; it is
 stored, read back, visible to the later stages through the step state, fails the run when its call fails, and a
@@ -10,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from prefect import flow
 
-import flows.step as step_flow
-import flows.train as train_flow
 from clgrpo.llm import shared_client
 from clgrpo.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld
+from flows.step import STEP, StepStage
+from flows.train import Trainer
+from schemas.config import RunConfig
 from schemas.records import LLMCall, Record
 from schemas.stages import Stage
 from schemas.tables import TABLES, Table, declare
@@ -64,7 +67,16 @@ def remember(context, s) -> None:  # the later stages see its output through the
 
 
 # its items cannot fail one by one (no failure rule): a call that fails after its retries fails the stage
-TOY_STAGE = step_flow.StepStage(TOY, compute_opinion, Opinion, after=remember)
+TOY_STAGE = StepStage(TOY, compute_opinion, Opinion, after=remember)
+AFTER_VERIFY = [spec.stage for spec in STEP].index(Stage.VERIFY) + 1
+TOY_STEP = (*STEP[:AFTER_VERIFY], TOY_STAGE, *STEP[AFTER_VERIFY:])  # the step with the toy stage after verify
+
+
+@flow(name="train-with-opinions")
+async def train_with_opinions(cfg: RunConfig) -> None:
+    """A training run whose step is ``TOY_STEP``."""
+    with Store(cfg.db_path) as store:
+        await Trainer(cfg, store, stages=TOY_STEP).run()
 
 
 class Moody(ScriptedWorld):
@@ -78,21 +90,18 @@ class Moody(ScriptedWorld):
         return super().__call__(request)
 
 
-async def test_a_toy_stage_is_one_step_entry(tmp_path, monkeypatch, toy_table):
-    after_verify = [spec.stage for spec in step_flow.STEP].index(Stage.VERIFY) + 1
-    step = (*step_flow.STEP[:after_verify], TOY_STAGE, *step_flow.STEP[after_verify:])
-    monkeypatch.setattr(step_flow, "STEP", step)  # the one STEP entry
+async def test_a_toy_stage_is_one_step_entry(tmp_path, toy_table):
     SEEN.clear()
     world = Moody(seed=7)
     with FakeOpenAIServer(world) as server:
         cfg = make_config(server, tmp_path, "toy", pipeline=True)
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"max_retries": 1})})
         with pytest.raises(StageFailedError, match=f"step 2 {TOY}: a learner call failed after its retries"):
-            await train_flow.train(cfg)
+            await train_with_opinions(cfg)
         assert SEEN == [(1, 1)]  # stored at step 1, then failed at step 2: the run stopped there
         policy = server.stats.by_role["policy"]
         world.down = False
-        await train_flow.train(cfg)  # the rerun: step 2's rollouts and rewards are read back, the toy stage redone
+        await train_with_opinions(cfg)  # the rerun: step 2's rollouts and rewards are read back, the toy stage redone
         assert SEEN == [(1, 1), (2, 3)]  # the state holds what was stored: the opinion and the 2 failed attempts
         assert server.stats.by_role["policy"] - policy == 1  # no rollout again: only step 2's opinion
     with Store(cfg.db_path, read_only=True) as store:
