@@ -142,6 +142,13 @@ def retry_while_locked(attempt: Callable[[], T], path: str | Path, wait_s: float
         pause = min(pause * 2, 0.1)
 
 
+def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, new_rows: pd.DataFrame, conflict: str = "") -> None:
+    """Insert a validated frame's rows by column name. DuckDB reads ``new_rows`` by its name (a replacement scan),
+    not through a registered view: a view made and dropped inside a transaction keeps the frame alive until the
+    transaction ends, and dropping it in a transaction aborted by the insert hid the insert's own error."""
+    con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM new_rows {conflict}")
+
+
 def _locked_message(path: str | Path, exc: duckdb.Error, wait_s: float) -> str:
     holder = re.search(r"\(PID (\d+)\)", str(exc))
     who = f"process {holder.group(1)}" if holder else "another connection of this process"
@@ -334,13 +341,8 @@ class Store:
             raise FrameValidationError(_describe_failures(table, exc)) from exc
 
     def _insert(self, table: str, frame: pd.DataFrame) -> None:
-        if frame.empty:
-            return
-        self.con.register("_clgrpo_frame", frame)
-        try:
-            self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _clgrpo_frame")
-        finally:
-            self.con.unregister("_clgrpo_frame")
+        if not frame.empty:
+            _insert_rows(self.con, table, frame)
 
     def keyed_frame(self, table: str, records: Sequence[Any], key: Callable[[int], dict[str, Any]]) -> pd.DataFrame:
         """The validated frame of these records' rows, each with its key's columns (``key(position)``)."""
@@ -512,11 +514,7 @@ class Store:
             ),
         )
         with self.connected() as con:
-            con.register("_clgrpo_vectors", frame)
-            try:
-                con.execute("INSERT INTO embeddings BY NAME SELECT * FROM _clgrpo_vectors ON CONFLICT DO NOTHING")
-            finally:
-                con.unregister("_clgrpo_vectors")
+            _insert_rows(con, "embeddings", frame, "ON CONFLICT DO NOTHING")
 
     @_connected
     def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
