@@ -4,8 +4,8 @@ a stage dependency structure, list-scheduled with zero pipeline overhead.
 Designs:
 - ``barrier``: all rollouts, then all summaries, then all extractions (a repair re-ask right after its own
   first ask), then consolidation;
-- ``pipelined``: per group rollouts -> its summaries -> its extraction (-> repair); consolidation after all
-  groups.
+- ``pipelined``: per group rollouts -> its summaries -> its extraction (-> repair); worked examples written
+  (rationalize) once every group is done, as the flow runs them; consolidation after all of them.
 Consolidation calls depend on every consolidation call that ended before they started (chunk plans, then the
 final pass), as observed at the server.
 
@@ -29,8 +29,9 @@ from latency_server import CallRecord
 POLICY = "policy"
 SUMMARIZER = "trajectory summarizer"
 EXTRACTOR = "experience extractor"
-CONSOLIDATOR = "library consolidator"
-LEVELS = {POLICY: 0, SUMMARIZER: 1, EXTRACTOR: 2, CONSOLIDATOR: 3}
+WRITER = "worked-example writer"  # rationalize: a stage after the pipeline (it waits for every group), before
+CONSOLIDATOR = "library consolidator"  # consolidation
+LEVELS = {POLICY: 0, SUMMARIZER: 1, EXTRACTOR: 2, WRITER: 2.75, CONSOLIDATOR: 3}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def dependencies(calls: Sequence[CallRecord], design: str) -> list[list[int]]:
         earlier = [lv for lv in by_level if lv < level]
         if not earlier:
             continue
-        if design == "barrier" and not calls[i].repair:
+        if (design == "barrier" or calls[i].role == WRITER) and not calls[i].repair:
             deps[i] = [j for lv in earlier for j in by_level[lv]]
         else:  # pipelined, and a repair re-ask in either design: right after its own first ask
             own = [lv for lv in earlier if by_group.get((calls[i].group, lv))]
