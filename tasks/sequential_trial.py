@@ -11,10 +11,12 @@ with its own decision rule:
   on its pairs so far: a verdict, or None to look again; an arm's last look (nothing more to measure) decides.
 - Reuse. Samples are measured by ``tasks.measure``: one draw per draw key, and what is ``known`` (stored by
   earlier steps, the step's own rollouts) is read instead of drawn. Arms measured ``together`` read only what was
-  known before; measured in turn, each also reads what the trial drew before it, so a look that asks more samples
-  of a problem reads the ones its earlier looks drew. A sample this trial drew stays stored as drawn, whichever
-  look of its arm read it again; another arm that reads it (two libraries can show a problem the same prompt: a
-  worked example is not shown to every problem) stores it as its own sample, read.
+  known before; else each sample is drawn once in the trial: a look's arms draw at once what no arm before them
+  shows the same prompt, then read the rest from that arm's draws (two libraries can show a problem the same
+  prompt: a worked example is not shown to every problem), and a look that asks more samples of a problem reads
+  the ones its earlier looks drew. A sample this trial drew stays stored as drawn, whichever look of its arm read
+  it again; another arm that reads it stores it as its own sample, read. Samples of an arm drawn before the trial
+  (``add``: the gate's library before, drawn beside the step's rollouts) count as the trial's own draws.
 - The checks budget (``tasks.checks_budget``). Before a look that is not ``free``, the arms are admitted in
   ``order`` while what they would draw (with the baseline samples they need, counted once) fits what is left, at
   the tokens per sample of the trial's draws so far (before any: the step's rollouts'); an arm that does not fit
@@ -45,6 +47,7 @@ from schemas.stages import Stage
 from tasks.checks_budget import Allowance, ChecksBudget, tokens
 from tasks.judge import make_judge
 from tasks.measure import Measured, Sampling, measure, reusable, sample_seeds, to_draw
+from tasks.rollout import prompt_fingerprint
 
 R = TypeVar("R", bound=Sample)  # an arm's sample record (a trial sample, a gate sample)
 V = TypeVar("V")  # a verdict on an arm
@@ -83,6 +86,7 @@ class Cut:
         return f"drawn in part ({self.drawn} of {self.wanted} samples)"
 
 
+Work = list[tuple[Arm[R], list[Problem]]]  # arms and the problems each measures
 # the rule: (arm, the baseline's samples on its problems, its samples, look, whether it is the arm's last look)
 Decide = Callable[[Arm[R], list[R], list[R], int, bool], V | None]
 # the verdict on an arm the budget stops at a look: (arm, baseline samples, its samples, look, what is left)
@@ -93,8 +97,9 @@ Stopped = Callable[[Arm[R], list[R], list[R], int, str], V]
 class SequentialTrial(Generic[R, V]):
     """Arms against ``baseline`` at each of ``looks``, judged by ``decide`` (by ``stopped`` where the budget stops
     one), measured on ``stage`` with ``sampling``. ``together``: a look's arms are measured at once, each reading
-    only what is ``known``; else one after another (the baseline first), each reading what the trial drew before
-    it. The outcome: ``verdicts``, ``samples``, ``calls``; a later ``run`` with other arms shares all three."""
+    only what is ``known``; else at once too, but a sample two arms share (the same prompt) is drawn for the first
+    (the baseline first) and read by the others. The outcome: ``verdicts``, ``samples``, ``calls``; a later ``run``
+    with other arms shares all three."""
 
     config: RunConfig
     stage: Stage
@@ -132,6 +137,10 @@ class SequentialTrial(Generic[R, V]):
         """The baseline's samples on the problems of ``samples``, in their order."""
         ids = dict.fromkeys(s.problem_id for s in samples)
         return [r for pid in ids for r in self._rows.get((self.baseline.name, pid), [])]
+
+    def add(self, arm: Arm[R], measured: Measured) -> None:
+        """Samples of ``arm`` measured before the trial ran, kept as if a look had drawn them."""
+        self._keep(arm, measured)
 
     async def run(self, arms: Sequence[Arm[R]]) -> None:
         """Look after look until every arm is decided (earlier runs' arms, baseline and samples are shared)."""
@@ -245,8 +254,29 @@ class SequentialTrial(Generic[R, V]):
                 for (arm, _), measured in zip(work, done):
                     self._keep(arm, measured)
             else:
-                for arm, problems in work:
+                alone, shared = self._by_prompt(work)
+                drawn = await asyncio.gather(*[self._attempts(arm, problems, k, allowance) for arm, problems in alone])
+                for (arm, _), measured in zip(alone, drawn):
+                    self._keep(arm, measured)
+                for arm, problems in shared:  # read from the draws above
                     self._keep(arm, await self._attempts(arm, problems, k, allowance))
+
+    def _by_prompt(self, work: list[tuple[Arm[R], list[Problem]]]) -> tuple[Work[R], Work[R]]:
+        """Each arm's problems in two: those it shows a prompt no arm before it in ``work`` shows (drawn at once,
+        all arms together) and the others (read afterwards from the arm before it that draws them)."""
+        seen: set[tuple[str, str]] = set()
+        alone: Work[R] = []
+        shared: Work[R] = []
+        for arm, problems in work:
+            prompts = {
+                p.problem_id: prompt_fingerprint(p, arm.library, self.domain, self.sampling.agent) for p in problems
+            }
+            mine = [p for p in problems if (p.problem_id, prompts[p.problem_id]) not in seen]
+            others = [p for p in problems if (p.problem_id, prompts[p.problem_id]) in seen]
+            alone += [(arm, mine)] if mine else []
+            shared += [(arm, others)] if others else []
+            seen |= set(prompts.items())
+        return alone, shared
 
     async def _attempts(self, arm: Arm[R], problems: list[Problem], k: int, allowance: Allowance | None) -> Measured:
         return await measure(

@@ -204,3 +204,23 @@ async def test_an_arm_that_reads_another_arms_draw_keeps_its_own_records():
     assert set(rows.values()) == {1} and len(rows) == 2 * 4 * 2  # one row per arm, problem and sample
     assert {s.library_hash for s in gate.samples_of(after)} == {after.library.content_hash()}
     assert all(s.drawn for s in gate.samples_of(gate.baseline)) and not any(s.drawn for s in gate.samples_of(after))
+
+
+async def test_a_looks_arms_are_drawn_at_once_and_each_prompt_once():
+    """The library gate's arms (measured not ``together``: the library after reads the library before's draws) are
+    drawn at once at a look, one wave instead of two one after another (issue 60: the checks off the critical
+    path); a problem both arms show the same prompt is still drawn once, for the arm before."""
+    policy = Policy()
+    slow = lambda request: 0.3  # noqa: E731
+    with FakeOpenAIServer(policy, latency=slow) as server:
+        gate = trial(server, [Reach(None, 2)], together=False, decide=lambda arm, before, after, look, last: "decided")
+        partly = arm("partly", KEY, PROBLEMS)
+        # the library after shows the lesson to every problem; another arm shows it none: the baseline's prompts
+        shared = arm("same as before", None, PROBLEMS[:2])
+        await gate.run([partly, shared])
+        await gate.llm.aclose()
+    # one request of 2 samples per problem: 4 for the library before and 4 for the lesson's arm, all in flight at
+    # once; the arm that shows the baseline's prompts drew nothing
+    assert server.stats.max_in_flight == 8 and server.stats.chat_requests == 8
+    assert policy.asked == {"with": 4 * 2, "without": 4 * 2}
+    assert not any(s.drawn for s in gate.samples_of(shared)) and len(gate.samples_of(shared)) == 2 * 2
