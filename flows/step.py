@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
 
+from clgrpo.journal import StepJournal, recording
 from clgrpo.library import ExperienceLibrary, NearDuplicates
 from clgrpo.store import Store
 from clgrpo.usefulness import step_stats
@@ -41,7 +42,7 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
 from tasks.checkpoint import export_dir
-from tasks.checks_budget import ChecksBudget, tokens
+from tasks.checks_budget import ChecksBudget, GrowingAllowance, tokens
 from tasks.common import chunks
 from tasks.consolidate import consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
@@ -55,8 +56,9 @@ from tasks.integrity import (
     VERIFY_FAILURES,
     FailureRule,
 )
-from tasks.library_gate import library_gate_task, samples_to_draw
+from tasks.library_gate import gate_before_task, library_gate_task, samples_to_draw
 from tasks.limits import rejected_results
+from tasks.measure import Measured
 from tasks.numeric_update import numeric_inputs, numeric_update_task
 from tasks.outputs import (
     Adapters,
@@ -163,6 +165,7 @@ class StepContext:
     log: logging.Logger | logging.LoggerAdapter[Any]
     aside: list[Problem] = field(default_factory=list)
     pool: list[Problem] = field(default_factory=list)
+    gate_before: EarlyDraw | None = None  # the gate's first look at the library before, drawn beside the step
     _usefulness: dict[str, ExperienceStat] | None = field(default=None, init=False, repr=False)
 
     @cached_property
@@ -192,19 +195,21 @@ class StepContext:
     def parent_adapter(self) -> str | None:
         return parent_adapter(self.store, self.cfg, self.run_id, self.step)
 
-    def checks_budget(self, s: StepState) -> ChecksBudget:
+    def checks_budget(self, s: StepState, early: Measured | None = None) -> ChecksBudget:
         """What the step's checks may spend (``tasks.checks_budget``), from its own calls as stored, with the
-        gate's samples reserved where the gate runs (the trials leave them; the gate may spend them)."""
+        gate's samples reserved where the gate runs (the trials leave them; the gate may spend them). ``early``:
+        the gate's samples drawn beside the step (spent; no longer reserved)."""
         calls = self.store.records(LLMCall, self.run_id, self.step)
         own = [c for c in calls if c.stage in OWN_STAGES]
         rollout_tokens = tokens([c for c in own if c.stage == Stage.ROLLOUT.value])
         gate = 0
         if self.aside and s.cfg.learning.library_gate.enabled is not False:
-            earlier = self.store.records(GateSample, self.run_id)
+            earlier = [*self.store.records(GateSample, self.run_id), *(early.samples if early else [])]
             before = ExperienceLibrary.from_version(s.version)
             gate = samples_to_draw(s.cfg, before, self.aside, earlier, domain_for(s.cfg))
         rollouts = len(s.get(Rollouts).rollouts)
-        return ChecksBudget.of(s.cfg.learning.checks_budget, tokens(own), rollout_tokens, rollouts, gate)
+        budget = ChecksBudget.of(s.cfg.learning.checks_budget, tokens(own), rollout_tokens, rollouts, gate)
+        return budget.after(tokens(early.calls)) if early else budget
 
     def checks_spent(self) -> int:
         """What the step's lesson trials spent (with their shortening and clustering calls), as stored."""
@@ -229,6 +234,76 @@ def parent_adapter(store: Store, cfg: RunConfig, run_id: str, step: int) -> str 
     """What the step's adapter continues from: the latest earlier step's, else ``policy.adapter``."""
     earlier = store.adapter_before(run_id, step)
     return earlier if earlier is not None else cfg.policy.adapter
+
+
+FOLLOW_S = 0.2  # how often an early draw's allowance follows the step's own tokens
+
+
+@dataclass
+class EarlyDraw:
+    """The library gate's first look at the library a step starts from, drawn beside the step's rollouts
+    (``draw_gate_before``), each request once ``allowance`` (the checks budget on the step's own tokens so far;
+    None: no budget) has room for the most it can cost."""
+
+    task: asyncio.Task[Measured]
+    allowance: GrowingAllowance | None
+
+    async def result(self) -> Measured:
+        """What it drew; what it has not sent by now is not sent (the gate draws it under its own allowance)."""
+        if self.allowance is not None:
+            await self.allowance.close()
+        return await self.task
+
+    async def spent(self) -> Measured:
+        """What it drew, for the trials' budget (a draw that failed: nothing; the gate raises its error)."""
+        if self.allowance is not None:
+            await self.allowance.close()
+        await asyncio.wait([self.task])
+        failed = self.task.cancelled() or self.task.exception() is not None
+        return Measured([]) if failed else self.task.result()
+
+    async def settle(self) -> None:
+        """Cancelled if the step ended before its checks (it stopped or failed): its calls are in the journal
+        (kept as the gate's unfinished calls); its error, if any, is the gate's, which did not run."""
+        self.task.cancel()  # nothing if it is done
+        await asyncio.wait([self.task])
+        if not self.task.cancelled():
+            self.task.exception()  # retrieved
+
+
+def draw_gate_before(c: StepContext, s: StepState, journal: StepJournal) -> EarlyDraw | None:
+    """Start the library gate's first look at the library the step starts from (``tasks.library_gate``'s
+    ``draw_before``): it depends on nothing the step computes, so it is drawn beside the rollouts, off the step's
+    critical path, within the checks budget of the step's tokens so far. None where the step runs no gate or has
+    stored it already."""
+    gate, ratio = s.cfg.learning.library_gate, s.cfg.learning.checks_budget
+    if not c.aside or gate.enabled is False or c.store.stage_done(c.run_id, s.step, Stage.LIBRARY_GATE):
+        return None
+    earlier = c.store.records(GateSample, c.run_id)
+    allowance = None if ratio is None else GrowingAllowance()
+    with recording(journal, stage=Stage.LIBRARY_GATE, items=False):  # its calls are the gate's
+        draw = gate_before_task(s.cfg, s.step, s.version, c.aside, earlier, allowance)
+        task = asyncio.create_task(_following(draw, allowance, journal, ratio or 0.0))
+    return EarlyDraw(task, allowance)
+
+
+async def _following(
+    draw: Awaitable[Measured], allowance: GrowingAllowance | None, journal: StepJournal, ratio: float
+) -> Measured:
+    """``draw``, its allowance raised to ``ratio`` x the step's own tokens as they come in."""
+
+    async def follow(allowance: GrowingAllowance) -> None:
+        while True:
+            own = [call for call in journal.calls() if call.stage in OWN_STAGES]
+            await allowance.grow(int(ratio * tokens(own)))
+            await asyncio.sleep(FOLLOW_S)
+
+    follower = asyncio.create_task(follow(allowance)) if allowance is not None else None
+    try:
+        return await draw
+    finally:
+        if follower is not None:
+            follower.cancel()
 
 
 # --- the stages ------------------------------------------------------------------------------------------------
@@ -334,7 +409,8 @@ async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
         c.store.records(TrialSample, c.run_id),
     )
     advantages = s.get(Verified).group_advantages
-    budget = c.checks_budget(s).after(tokens(shorten_calls))
+    early = await c.gate_before.spent() if c.gate_before is not None else None  # the gate's, drawn beside
+    budget = c.checks_budget(s, early).after(tokens(shorten_calls))
     trials = await validate_lessons_task(
         s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn, budget, bool(c.aside)
     )
@@ -352,7 +428,8 @@ async def compute_library_gate(c: StepContext, s: StepState) -> Gate:
     after, _ = apply_plan(s.cfg, s.step, before, operations, s.problems, near, usefulness)
     earlier = c.store.records(GateSample, c.run_id)
     budget = c.checks_budget(s).for_gate(c.checks_spent())  # what the trials left (never its reserve)
-    return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier, budget)
+    drawn = await c.gate_before.result() if c.gate_before is not None else None
+    return await library_gate_task(s.cfg, s.step, s.version, after.to_version(), c.aside, earlier, budget, drawn)
 
 
 async def compute_apply_operations(c: StepContext, s: StepState) -> Applied:

@@ -45,7 +45,16 @@ from clgrpo.store import Store
 from domains.guard import LessonGuard
 from flows.evaluate import Validator, publish_run_report
 from flows.stages import StageRunner
-from flows.step import STEP, StepContext, StepStage, StepState, experience_stats, parent_adapter, pipelined
+from flows.step import (
+    STEP,
+    StepContext,
+    StepStage,
+    StepState,
+    draw_gate_before,
+    experience_stats,
+    parent_adapter,
+    pipelined,
+)
 from schemas.config import RunConfig
 from schemas.records import (
     AdapterVersion,
@@ -185,11 +194,17 @@ class Trainer:
         step, problems = planned.step, planned.problems
         version = (await route_library(self.cfg, self.store, library, problems)).to_version()
         state = StepState(self.cfg, step, problems, library, version, sampling=self.sampling_config(step))
-        state.pipelined = await self.pipeline(state)
         context = self.context(step)
-        for spec in self.stages:
-            if spec.when(self.cfg):
-                await self.run_stage(spec, context, state)
+        if any(spec.stage == Stage.LIBRARY_GATE and spec.when(self.cfg) for spec in self.stages):
+            context.gate_before = draw_gate_before(context, state, self.journal.step(step))  # beside the rollouts
+        try:
+            state.pipelined = await self.pipeline(state)
+            for spec in self.stages:
+                if spec.when(self.cfg):
+                    await self.run_stage(spec, context, state)
+        finally:
+            if context.gate_before is not None:
+                await context.gate_before.settle()
         return self.store.load_library(self.run_id, step)
 
     def context(self, step: int) -> StepContext:

@@ -112,6 +112,10 @@ class Allowance:
     def _fits(self, worst: int) -> bool:
         return self.spent + self.held + worst <= self.limit
 
+    def _decidable(self, worst: int) -> bool:
+        """Whether a request of at most ``worst`` can be answered now: it fits, or nothing in flight can free room."""
+        return self.stopped or self._fits(worst) or self.held == 0
+
     async def reserve(self, once: int, each: int, n: int) -> int:
         """How many of ``n`` samples a request may ask for, when it costs at most ``once`` plus ``each`` a sample:
         ``n``, or fewer (maybe 0) when it is the one that stops the look. What it may cost is held until
@@ -120,9 +124,7 @@ class Allowance:
         async with self._changed:
             ticket = self._asked
             self._asked += 1
-            await self._changed.wait_for(
-                lambda: self._served == ticket and (self.stopped or self._fits(whole) or self.held == 0)
-            )
+            await self._changed.wait_for(lambda: self._served == ticket and self._decidable(whole))
             self._served += 1
             self._changed.notify_all()
             if self.stopped:
@@ -142,4 +144,27 @@ class Allowance:
         async with self._changed:
             self.held -= worst
             self.spent += cost
+            self._changed.notify_all()
+
+
+class GrowingAllowance(Allowance):
+    """An allowance whose limit follows the step's own tokens while they come in (``grow``): a request that does
+    not fit yet waits until it does; ``close`` ends it, and a request still waiting then is not sent. For what a
+    check draws beside the step (the library gate's first look at the library before, ``tasks.library_gate``): the
+    samples it could not draw early are drawn by the check itself, under its own allowance."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+    def _decidable(self, worst: int) -> bool:
+        return self.stopped or self._fits(worst)
+
+    async def grow(self, limit: int) -> None:
+        async with self._changed:
+            self.limit = max(self.limit, limit)
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        async with self._changed:
+            self.stopped = True
             self._changed.notify_all()

@@ -11,7 +11,8 @@ tag too.
 
 The gate is a sequential paired trial (``tasks.sequential_trial``, as lesson trials are; ``gate_trial``): the
 library after against the library before, more samples of every problem at each look, the first look always
-drawn and a later one only within the step's checks budget. Attempts are measured by ``tasks.measure``: a sample
+drawn (its look at the library before beside the step's rollouts: ``draw_before``) and a later one only within
+the step's checks budget. Attempts are measured by ``tasks.measure``: a sample
 is drawn once for its key (library content, problem, seed, sampling settings), so the attempts of the library a
 step starts from are read back from the earlier step that measured it, not redone.
 """
@@ -31,9 +32,10 @@ from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
 from schemas.records import GateDecision, GateSample, LibraryVersion, Problem, Sample, text_hash
 from schemas.stages import Stage
-from tasks.checks_budget import ChecksBudget
+from tasks.checks_budget import Allowance, ChecksBudget
 from tasks.common import stage_task
-from tasks.measure import Sampling, reusable, sample_seeds, sampling_at, to_draw
+from tasks.judge import make_judge
+from tasks.measure import Measured, Sampling, measure, reusable, sample_seeds, sampling_at, to_draw
 from tasks.outputs import Gate
 from tasks.sequential_trial import Arm, Reach, SequentialTrial
 
@@ -185,6 +187,31 @@ def samples_to_draw(
     return to_draw(problems, _whole(before), k, seeds, gate_sampling(config), domain, known) + len(problems) * k
 
 
+async def draw_before(
+    config: RunConfig,
+    before: ExperienceLibrary,
+    problems: Sequence[Problem],
+    earlier: Sequence[Sample],
+    domain: Domain,
+    llm: LLMClient,
+    allowance: Allowance | None = None,
+) -> Measured:
+    """The gate's first look at the library before (``earlier``: stored samples, read where their draw keys
+    match): it depends on nothing the step computes, so the step draws it beside its rollouts, each request once
+    ``allowance`` has room for the most it can cost (the checks budget on the step's tokens so far). The first
+    look is always drawn whenever the plan changes the library (what was not drawn here is drawn by the gate);
+    where it changes nothing, these samples are stored all the same and the next step's gate, which starts from
+    the same library, reads them by their draw keys."""
+    k = looks(config.learning.library_gate)[0].k
+    seeds = sample_seeds(problems, config.seed)
+    known = reusable(earlier)
+    return await measure(
+        problems, _whole(before), k, seeds, gate_sampling(config), domain, llm,
+        stage=Stage.LIBRARY_GATE, known=known.get, judge=make_judge(config, domain, Stage.LIBRARY_GATE),
+        count_read=False, allowance=allowance,
+    )  # fmt: skip
+
+
 async def gate_step(
     config: RunConfig,
     before: ExperienceLibrary,
@@ -194,17 +221,39 @@ async def gate_step(
     domain: Domain,
     llm: LLMClient,
     budget: ChecksBudget | None = None,
+    drawn_before: Measured | None = None,
 ) -> Gate:
-    """Attempts of both libraries (``earlier``: stored samples, read where their draw keys match) and the
-    decision. A plan that changes no lesson needs none. ``budget``: a look after the first is drawn only if its
-    samples fit (``tasks.checks_budget``); else the gate decides at the look it has, saying so."""
+    """Attempts of both libraries (``earlier``: stored samples, read where their draw keys match; ``drawn_before``:
+    the first look at the library before, drawn beside the step's rollouts) and the decision. A plan that changes
+    no lesson needs none (what was drawn before is stored for the next step). ``budget``: a look after the first
+    is drawn only if its samples fit (``tasks.checks_budget``); else the gate decides at the look it has, saying
+    so."""
     settings = config.learning.library_gate
     if after.content_hash() == before.content_hash():
-        return Gate(library_gates=[unchanged(settings, problems, before.content_hash())])
+        drawn = drawn_before or Measured([])
+        record = _arm("before", before).record
+        samples = [record(s) for s in drawn.samples if s.drawn]  # for the next step to read (those read: stored)
+        return Gate(samples, [unchanged(settings, problems, before.content_hash())], drawn.calls)
     trial, arm = gate_trial(config, before, after, problems, domain, llm, budget)
     trial.known.update(reusable(earlier))
+    if drawn_before is not None:
+        trial.add(trial.baseline, drawn_before)
     await trial.run([arm])
     return Gate(trial.samples, [trial.verdicts[arm.name]], trial.calls)
+
+
+@stage_task(Stage.LIBRARY_GATE, run_name="library-gate-before-step{step}")
+async def gate_before_task(
+    config: RunConfig,
+    step: int,
+    before: LibraryVersion,
+    problems: list[Problem],
+    earlier: list[GateSample],
+    allowance: Allowance | None = None,
+) -> Measured:
+    """``draw_before`` as a task run of its own (it runs beside the step's rollouts)."""
+    library = ExperienceLibrary.from_version(before)
+    return await draw_before(config, library, problems, earlier, domain_for(config), shared_client(config), allowance)
 
 
 @stage_task(Stage.LIBRARY_GATE, run_name="library-gate-step{step}")
@@ -216,6 +265,7 @@ async def library_gate_task(
     problems: list[Problem],
     earlier: list[GateSample],
     budget: ChecksBudget | None = None,
+    drawn_before: Measured | None = None,
 ) -> Gate:
     return await gate_step(
         config,
@@ -226,6 +276,7 @@ async def library_gate_task(
         domain_for(config),
         shared_client(config),
         budget,
+        drawn_before,
     )
 
 

@@ -27,6 +27,7 @@ from schemas.config import (
     ToleranceConfig,
 )
 from tasks.integrity import StageFailedError
+from tests.gates import UNGATED
 
 pytestmark = [
     pytest.mark.flow,
@@ -165,6 +166,8 @@ async def test_a_rerun_after_a_failed_rollout_stage_does_not_redo_finished_agent
 
         server.inject(Fault(kind="status", status=503, match=after_the_tool, rate=1.0))
         cfg = agent_config(server, tmp_path, "resume", epochs=1, max_retries=1, rollout_tolerance=0.0)
+        # the gate off: its first look, drawn beside the rollouts, would count among the policy's first turns
+        cfg = cfg.model_copy(update={"learning": cfg.learning.model_copy(update={"library_gate": UNGATED})})
         with pytest.raises(StageFailedError) as failed:
             await train(cfg)
         message = str(failed.value)

@@ -218,3 +218,25 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     assert [a.name for a in admitted] == [first]
     (cut,) = lessons.decided.values()
     assert cut.seq != first and cut.verdict == "rejected" and "checks budget" in cut.reason
+
+
+async def test_an_early_draw_sends_a_request_once_the_steps_tokens_make_room_and_never_after_it_closes():
+    """The gate's first look drawn beside the rollouts (issue 60) follows the step's own tokens as they come in:
+    a request waits until the budget on them has room for the most it can cost; once the gate takes the draw
+    over, a request still waiting is not sent (the gate draws its samples under its own allowance)."""
+    import asyncio
+
+    from tasks.checks_budget import GrowingAllowance
+
+    allowance = GrowingAllowance()
+    first = asyncio.create_task(allowance.reserve(100, 50, 2))  # at most 200 tokens
+    second = asyncio.create_task(allowance.reserve(100, 50, 2))
+    await asyncio.sleep(0.01)
+    assert not first.done()  # nothing spent by the step yet: no room
+    await allowance.grow(250)
+    assert await first == 2 and not second.done()  # 200 held: the second waits for room
+    await allowance.settle(200, 120)  # it cost 120: 130 free, still short of 200
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    await allowance.close()
+    assert await second == 0 and await allowance.reserve(1, 1, 1) == 0  # never sent

@@ -225,3 +225,71 @@ def test_the_run_says_which_tags_the_gate_covers():
     )
     note, complete = describe_split(settings, *split_for_gate(problems[10:], settings, seed=0))
     assert not complete and note.startswith("library gate: off for this run: no task tag has 8 training problems")
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_the_gates_first_look_at_the_library_before_is_drawn_beside_the_rollouts(tmp_path, monkeypatch):
+    """The library a step starts from is known when the step starts: the gate's first look at it is drawn while
+    the rollouts run (off the step's critical path, issue 60), and the gate decides exactly as when it drew that
+    look itself after the step's plan (the same samples, draw keys and decisions)."""
+    import flows.train
+
+    dataset = write_jsonl(make_problems(n_per_family=4, seed=3), tmp_path / "train.jsonl")
+    runs = {}
+    for run_id in ("beside", "after"):
+        if run_id == "after":  # the gate draws its first look itself, after the plan
+            monkeypatch.setattr(flows.train, "draw_gate_before", lambda *args: None)
+        with FakeOpenAIServer(ScriptedWorld(seed=5, p_base=0.3, p_misleading=0.0)) as server:
+            # no checks budget: the early draw waits for no rollout's tokens (tests/test_checks_budget.py: with one)
+            learning = gated_learning().model_copy(update={"checks_budget": None})
+            config = make_config(server, dataset, tmp_path, run_id, learning)
+            await train(config.model_copy(update={"grpo": config.grpo.model_copy(update={"epochs": 2})}))
+        with Store(config.db_path, read_only=True) as store:
+            gates = [g.model_dump(exclude={"run_id", "created_at"}) for g in store.records("library_gates", run_id)]
+            samples = store.query(
+                "SELECT step, arm, problem_id, sample_idx, draw_key, reward, drawn FROM gate_samples "
+                "WHERE run_id = ? ORDER BY ALL",
+                [run_id],
+            )
+            calls = store.query(
+                "SELECT stage, min(started_at) AS first, max(started_at) AS last FROM llm_calls "
+                "WHERE run_id = ? AND step = 1 GROUP BY stage",
+                [run_id],
+            ).set_index("stage")
+        runs[run_id] = gates, samples, calls
+    (gates, samples, calls), (gates_after, samples_after, calls_after) = runs["beside"], runs["after"]
+    assert gates == gates_after and len(gates) == 2
+    assert samples.equals(samples_after) and samples["drawn"].any()
+    # beside: the gate's first call went out before the last rollout; after: once the rollouts were done
+    assert calls.loc["library_gate", "first"] < calls.loc["rollout", "last"]
+    assert calls_after.loc["library_gate", "first"] > calls_after.loc["rollout", "last"]
+
+
+async def test_a_first_look_drawn_for_a_step_that_changes_nothing_is_read_by_the_next_step():
+    """A step whose plan changes nothing needs no gate, but its first look at the library before was drawn beside
+    its rollouts: stored, so the next step, which starts from the same library, reads it instead of drawing it."""
+    from clgrpo.library import ExperienceLibrary
+    from clgrpo.llm import LLMClient
+    from domains.math import MathDomain
+    from schemas.config import DatasetConfig, ModelConfig, RunConfig
+    from tasks.library_gate import draw_before, gate_step
+    from tests.test_sequential_trial import KEY, PROBLEMS, Policy
+
+    policy = Policy()
+    with FakeOpenAIServer(policy) as server:
+        model = ModelConfig(model="m", base_url=server.base_url, api_key_env=None, max_retries=0)
+        gate = LibraryGate(enabled=True, samples=4, looks=2)
+        config = RunConfig(dataset=DatasetConfig(path="unused.jsonl"), policy=model,
+                           learning=LearningConfig(library_gate=gate))  # fmt: skip
+        llm, domain, empty = LLMClient(model), MathDomain(), ExperienceLibrary()
+        drawn = await draw_before(config, empty, PROBLEMS, [], domain, llm)
+        quiet = await gate_step(config, empty, empty, PROBLEMS, [], domain, llm, drawn_before=drawn)
+        assert quiet.library_gates[0].verdict == "unchanged" and len(quiet.gate_samples) == 4 * 2
+        assert policy.asked == {"without": 4 * 2}  # the first look: 2 samples of each problem
+        helpful = ExperienceLibrary.from_mapping({"G0": KEY})
+        next_step = await gate_step(config, empty, helpful, PROBLEMS, quiet.gate_samples, domain, llm)
+        await llm.aclose()
+    assert next_step.library_gates[0].verdict == "adopted"
+    read = [s for s in next_step.gate_samples if s.arm == "before" and not s.drawn]
+    assert len(read) == 4 * 2 and policy.asked["without"] == 4 * 2  # read, not drawn again
