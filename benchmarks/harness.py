@@ -42,6 +42,9 @@ from schemas.config import (  # noqa: E402
     AgentConfig,
     DatasetConfig,
     GRPOConfig,
+    LearningConfig,
+    LessonValidation,
+    LibraryGate,
     ModelConfig,
     RolloutPlacement,
     RunConfig,
@@ -77,10 +80,18 @@ class RunSpec:
     protocol: str = "auto"  # agent mode: rollout.agent.protocol
     pool_size: int = 16  # agent mode: rollout.agent.sandbox.pool_size (interpreters alive at once)
     spares: int = 2  # agent mode: rollout.agent.sandbox.spares
+    checks: str = "default"  # "default": the product's; "off": no library gate; "trials": lesson trials on too
 
     @property
     def design(self) -> str:
         return "pipelined" if self.pipeline else "barrier"
+
+
+CHECKS = {
+    "default": LearningConfig(),
+    "off": LearningConfig(library_gate=LibraryGate(enabled=False)),
+    "trials": LearningConfig(lesson_validation=LessonValidation(enabled=True)),
+}
 
 
 def make_config(spec: RunSpec, base_url: str, workdir: Path, run_id: str) -> RunConfig:
@@ -109,6 +120,7 @@ def make_config(spec: RunSpec, base_url: str, workdir: Path, run_id: str) -> Run
         concurrency=spec.concurrency,
         pipeline=spec.pipeline,
         seed=spec.seed,
+        learning=CHECKS[spec.checks],
         rollout=RolloutPlacement(
             mode=spec.mode,
             agent=AgentConfig(
