@@ -52,6 +52,18 @@ class CommandGroup:
             command.register(inner)
 
 
+def add_overrides(parser: argparse.ArgumentParser, example: str) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``: a config value for this command only."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )
+
+
 def prefect_defaults() -> None:
     """Sensible settings for local use; anything the user set wins."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from application.commands.common import Command, CommandGroup, prefect_defaults, read_store, resume_command, session
+from application.commands.common import (
+    Command,
+    CommandGroup,
+    add_overrides,
+    prefect_defaults,
+    read_store,
+    resume_command,
+    session,
+)
 from clgrpo import stopping
 from clgrpo.config import ConfigError, load_config
 from clgrpo.promotion import failing_summary
@@ -95,14 +103,7 @@ def cmd_refresh_history(args: argparse.Namespace) -> int:
 
 def run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--config", required=True, help="YAML refresh config (see configs/refresh.yaml)")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set steps=2 (repeatable)",
-    )
+    add_overrides(run, "steps=2")
     run.add_argument("--as-of", help="the cutoff instant (ISO; without a zone: in the config's timezone)")
 
 

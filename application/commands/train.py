@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from application.commands.common import (
     Command,
+    add_overrides,
     default_run_id,
     prefect_defaults,
     read_store,
@@ -128,14 +129,7 @@ def failed_items(r: Any) -> int:
 
 def _arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set grpo.group_size=8 (repeatable)",
-    )
+    add_overrides(train, "grpo.group_size=8")
     train.add_argument("--run-id", help="name the run, or resume one (default: <config name>-<date>-<time>)")
     train.add_argument("--db", help="shortcut for --set db_path=...")
     train.add_argument(
