@@ -41,8 +41,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from clgrpo import models
+from clgrpo.api_keys import resolve_api_key
 from clgrpo.models import cache_root, sha256_of
 from clgrpo.retry import Backoff, is_retryable_status, retry_after_seconds
+from clgrpo.runtime import auto_cpu_threads
 from schemas.config import EmbeddingConfig
 
 MARKER = "clgrpo-source.json"  # written last into the cached folder: the fetch finished and was verified
@@ -269,12 +271,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _auto_cpu_threads() -> int:
-    from clgrpo.llm.local import auto_cpu_threads
-
-    return auto_cpu_threads()
-
-
 LOCAL_PACKAGES = ("torch", "transformers")
 LOCAL_HINT = "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
 
@@ -299,7 +295,7 @@ class _LoadedEncoder:
         except ImportError as exc:
             raise EmbeddingError(f"local embedding models need torch and transformers: {LOCAL_HINT}") from exc
         self.torch = torch
-        torch.set_num_threads(cpu_threads or _auto_cpu_threads())  # process-wide, as for the chat engine
+        torch.set_num_threads(cpu_threads or auto_cpu_threads())  # process-wide, as for the chat engine
         models.quiet_transformers()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -416,8 +412,6 @@ class OpenAIEmbedder:
 
     def __init__(self, cfg: EmbeddingConfig) -> None:
         import openai
-
-        from clgrpo.llm.backends import resolve_api_key
 
         key = resolve_api_key(cfg)  # reads only api_key_env / api_key_secret_block
         if key is None and cfg.base_url is None:

@@ -5,6 +5,9 @@ that the garbage collector would rescan in every full collection: at thousands o
 the event loop for 0.3-0.45 s about every 4 s (REPORT.md, "Scale"). ``tune_gc`` moves what is alive after the
 imports into the permanent generation (never scanned; it is not garbage) and collects the youngest generation
 less often, which cuts pauses without letting reference cycles pile up.
+
+``auto_cpu_threads`` is how many threads a local model's CPU work may use (the chat engine of the transformers
+backend, the embedded sentence-embedding model): the cores this process may use, less those busy now.
 """
 
 from __future__ import annotations
@@ -30,3 +33,22 @@ def tune_gc() -> None:
     atexit.register(gc.unfreeze)  # frozen objects are never finalized: give them back before the interpreter exits
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_cpu_threads() -> int:
+    """The cores this process may use, less those that other work keeps busy now (1-minute load average):
+    oversubscribed OpenMP threads slow torch down several times (measured here: a 32-row decode took 13 s on
+    1 thread and 13-51 s on 2 threads on a 2-core machine under load 3; 10 s on 2 threads when idle)."""
+    cpus = available_cpus()
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:  # no load average on this platform
+        busy = 0
+    return max(1, min(cpus, cpus - busy))

@@ -121,7 +121,7 @@ def is_local_url(url: str) -> bool:
 
 
 def api_key_for(endpoint: RoleModel) -> str | None:
-    from clgrpo.llm.backends import resolve_api_key
+    from clgrpo.api_keys import resolve_api_key
 
     cfg = endpoint.cfg
     try:

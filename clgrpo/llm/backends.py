@@ -7,11 +7,11 @@ the client) or permanent. It does no retries, no concurrency control and no acco
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from clgrpo.api_keys import resolve_api_key
 from clgrpo.llm.errors import CountRefused, PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
 from clgrpo.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
@@ -58,30 +58,6 @@ class Backend(Protocol):
     async def generate(self, request: GenRequest) -> Generation: ...
 
     async def aclose(self) -> None: ...
-
-
-class KeySource(Protocol):
-    """Where a config says its API key is (a model's or an embedding endpoint's config)."""
-
-    @property
-    def api_key_env(self) -> str | None: ...
-
-    @property
-    def api_key_secret_block(self) -> str | None: ...
-
-
-def resolve_api_key(cfg: KeySource) -> str | None:
-    """From the configured environment variable, else a Prefect Secret block; never stored anywhere."""
-    if cfg.api_key_env and os.environ.get(cfg.api_key_env):
-        return os.environ[cfg.api_key_env]
-    if cfg.api_key_secret_block:
-        from prefect.blocks.system import Secret
-
-        # inside an event loop (where backends are made) a plain load() returns a coroutine: _sync loads now
-        secret = Secret.load(cfg.api_key_secret_block, _sync=True)  # type: ignore[call-arg]  # prefect's own flag
-        assert isinstance(secret, Secret)
-        return secret.get()
-    return None
 
 
 CHAT_PATH = "chat/completions"

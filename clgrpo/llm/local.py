@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -244,22 +243,3 @@ def forget_engines() -> None:
     """Drop the registry (tests); worker threads of dropped engines idle on their empty queues."""
     with _REGISTRY_LOCK:
         _ENGINES.clear()
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def auto_cpu_threads() -> int:
-    """The cores this process may use, less those that other work keeps busy now (1-minute load average):
-    oversubscribed OpenMP threads slow torch down several times (measured here: a 32-row decode took 13 s on
-    1 thread and 13-51 s on 2 threads on a 2-core machine under load 3; 10 s on 2 threads when idle)."""
-    cpus = available_cpus()
-    try:
-        busy = round(os.getloadavg()[0])
-    except OSError:  # no load average on this platform
-        busy = 0
-    return max(1, min(cpus, cpus - busy))

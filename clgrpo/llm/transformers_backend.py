@@ -26,8 +26,9 @@ from typing import Any
 
 from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
-from clgrpo.llm.local import Engine, Result, auto_cpu_threads, get_engine
+from clgrpo.llm.local import Engine, Result, get_engine
 from clgrpo.models import ModelError, ModelLocation, quiet_transformers, resolve_model_path
+from clgrpo.runtime import auto_cpu_threads
 from schemas.config import ModelConfig
 
 log = logging.getLogger(__name__)
