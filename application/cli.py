@@ -28,13 +28,13 @@ from application.commands.review import REVIEW
 from application.commands.runs import RUNS
 from application.commands.train import TRAIN
 from application.commands.web_world import WEB_WORLD
-from clgrpo import leftovers, stopping
-from clgrpo.config import ConfigError
-from clgrpo.errors import error_line
-from clgrpo.leakage import LeakageError
-from clgrpo.library import LibraryFormatError
-from clgrpo.models import ModelError
-from clgrpo.store import StoreError
+from clgrpo.experience.library import LibraryFormatError
+from clgrpo.inputs.config import ConfigError
+from clgrpo.inputs.leakage import LeakageError
+from clgrpo.models.weights import ModelError
+from clgrpo.process import leftovers, stopping
+from clgrpo.process.errors import error_line
+from clgrpo.storage.store import StoreError
 from tasks.preflight import PreflightError
 
 # the commands, in the order `clgrpo --help` lists them
@@ -73,11 +73,11 @@ def package_version() -> str:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the input is wrong (exit 2), as opposed to a run that failed (exit 1)."""
-    from clgrpo.adapters import AdapterError
-    from clgrpo.dataset import DatasetError
-    from clgrpo.errors import EvaluationError
-    from clgrpo.review import ReviewError
-    from clgrpo.sources import SourceError
+    from clgrpo.inputs.dataset import DatasetError
+    from clgrpo.llm.adapters import AdapterError
+    from clgrpo.process.errors import EvaluationError
+    from clgrpo.refresh.review import ReviewError
+    from clgrpo.refresh.sources import SourceError
 
     return (
         ConfigError,

@@ -26,10 +26,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from clgrpo import stopping
 from clgrpo.llm.local import BatchReport
-from clgrpo.models import CACHE_ENV, MODELS, QWEN_05B, QWEN_15B, EmbeddedModel, fetch_model
-from clgrpo.words import counted
+from clgrpo.models.weights import CACHE_ENV, MODELS, QWEN_05B, QWEN_15B, EmbeddedModel, fetch_model
+from clgrpo.process import stopping
+from clgrpo.process.words import counted
 from domains.math.synthetic import FAMILIES, generate_family, write_rows
 from schemas.config import (
     DatasetConfig,
@@ -441,7 +441,7 @@ def _local_engine(config: RunConfig) -> Any:
     if config.policy.backend != "transformers":
         return None
     from clgrpo.llm.transformers_backend import TransformersBackend
-    from clgrpo.models import quiet_transformers
+    from clgrpo.models.weights import quiet_transformers
 
     quiet_transformers()
     engine = TransformersBackend(config.policy).engine
@@ -463,8 +463,8 @@ class Outcome:
 
 def _outcome(db_path: str, run_id: str) -> Outcome:
     """The run's outcome as stored (``Outcome``)."""
-    from clgrpo.library import item_text
-    from clgrpo.store import Store
+    from clgrpo.experience.library import item_text
+    from clgrpo.storage.store import Store
     from schemas.stages import Stage
 
     with Store(db_path, read_only=True) as store:
@@ -543,7 +543,7 @@ def _evaluation_section(result: DemoResult) -> list[str]:
 
 def _operations_section(result: DemoResult) -> list[str]:
     """Every operation the learner proposed, applied or rejected with the reason, and every failed proposal."""
-    from clgrpo.library import describe_operation
+    from clgrpo.experience.library import describe_operation
 
     lines = [f"operations ({len(result.operations)}):"]
     lines += [describe_operation(step, r) for step, r in result.operations] or ["  (none: no group proposed any)"]

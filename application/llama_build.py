@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from clgrpo.leftovers import temp_prefix
-from clgrpo.models import cache_lock, cache_root, pip_download_source, sha256_of
+from clgrpo.models.weights import cache_lock, cache_root, pip_download_source, sha256_of
+from clgrpo.process.leftovers import temp_prefix
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (ggml 0.25.3) with the server sources
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"

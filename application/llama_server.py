@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from application.llama_build import BuildError, build_engine, built_binary, cpu_flags
-from clgrpo.models import SMOLLM2, ModelError, cache_root, fetch_model
+from clgrpo.models.weights import SMOLLM2, ModelError, cache_root, fetch_model
 
 BINARY_ENV = "CLGRPO_LLAMA_SERVER"  # a llama-server binary of your own instead of the built one
 READY_TIMEOUT_S = 180.0

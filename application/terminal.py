@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from clgrpo import progress, stopping
+from clgrpo.process import progress, stopping
 
 if TYPE_CHECKING:
     from prefect.logging.handlers import PrefectConsoleHandler

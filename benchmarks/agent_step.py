@@ -6,7 +6,7 @@ step's wall time against its critical path.
     python benchmarks/agent_step.py --repeats 5 --extra 256:64 --json agent.json
 
 Setup: the real training flow (Prefect task runs under a throw-away Prefect API, DuckDB, math-verify pool, the
-one LLM client over HTTP, the real python sandbox of ``clgrpo/sandbox.py``) against the latency server in its
+one LLM client over HTTP, the real python sandbox of ``clgrpo/sandbox/pool.py``) against the latency server in its
 own process (``benchmarks/latency_server.py``), whose scripted world acts as a ReAct agent when a policy request
 lists tools: its first turn calls the python tool (with probability ``--p-base`` without the family's lesson,
 0.9 with it; a tenth of those calls have a syntax error, fixed on the next turn), after a tool result it
@@ -68,9 +68,9 @@ from harness import (  # sets up Prefect's environment first
 )
 from latency_server import LatencyModel, LatencyServerProcess
 
-import clgrpo.sandbox as sandbox_module
+import clgrpo.sandbox.pool as sandbox_module
 import tasks.rollout as rollout_module
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 
 TAG_RE = re.compile(r"\[call (\d+)\]")
 _ROLLOUT: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("bench_rollout", default=None)

@@ -11,8 +11,8 @@ Variants (``--variants``):
   sdk-limits      the SDK on an httpx client whose pool keeps every connection alive
   httpx           clgrpo's backend (plain JSON body via orjson, no SDK) on httpx, pool sized to the concurrency
   aiohttp         clgrpo's backend as shipped (aiohttp)
-and process settings appended with ``+``: ``+uvloop`` (uvloop's event loop), ``+gc`` (``clgrpo.runtime.tune_gc``:
-``gc.freeze()`` after imports and a larger first-generation threshold).
+and process settings appended with ``+``: ``+uvloop`` (uvloop's event loop), ``+gc``
+(``clgrpo.process.runtime.tune_gc``: ``gc.freeze()`` after imports and a larger first-generation threshold).
 
     python benchmarks/client_cpu.py                                  # all variants, concurrency 256 and 1024; ~3 min
     python benchmarks/client_cpu.py --variants aiohttp+gc --concurrency 512 --problems 2000
@@ -134,8 +134,8 @@ def httpx_backend_factory(concurrency: int):
 
 def child(variant: str, problems: int, concurrency: int, base_url: str, out: Path) -> None:
     stack, *settings = variant.split("+")
-    from clgrpo import runtime
     from clgrpo.llm.client import LLMClient
+    from clgrpo.process import runtime
     from schemas.config import ModelConfig
 
     if "gc" in settings:

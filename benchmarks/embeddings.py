@@ -1,6 +1,6 @@
 """Embedding cost and retrieval latency for the lesson library.
 
-1. Embedding: the embedded all-MiniLM-L6-v2 (``clgrpo.embeddings``, CPU, fp32) on 1,000 lesson-like texts: the
+1. Embedding: the embedded all-MiniLM-L6-v2 (``clgrpo.models.embeddings``, CPU, fp32) on 1,000 lesson-like texts: the
    27 lessons of ``tests/data/reference_library_math.json``, each cut or extended to a random length (10-40
    words) and mixed with clauses of other lessons (seeded, so every run embeds the same texts). Seconds per
    1,000 texts for each batch size and torch thread count, best and median of ``--repeats`` runs after one
@@ -8,12 +8,12 @@
 2. Retrieval: ``nearest`` top-k over 100 / 1,000 / 10,000 random unit vectors of 384 dimensions (what the
    library's lessons would be), one query at a time and 100 queries at once (``normalized=True``: stored rows
    are unit length already; and ``normalized=False`` once, the cost of re-normalising).
-3. Routing: ``clgrpo.retrieval.select_experiences`` for a step of 100 problems (``library.injection: top_k``)
+3. Routing: ``clgrpo.experience.retrieval.select_experiences`` for a step of 100 problems (``library.injection: top_k``)
    over the same library sizes, vectors already stored: the per-step cost of retrieval injection.
 
     python benchmarks/embeddings.py [--threads 1,2] [--batch-sizes 32,64] [--repeats 3] [--json out.json]
 
-The model must be fetched first (``python -m clgrpo.embeddings fetch``).
+The model must be fetched first (``python -m clgrpo.models.embeddings fetch``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from clgrpo.embeddings import EmbeddingConfig, EmbeddingError, make_embedder, nearest, normalize_rows  # noqa: E402
+from clgrpo.models.embeddings import EmbeddingConfig, EmbeddingError, make_embedder, nearest, normalize_rows  # noqa: E402
 
 LESSONS = ROOT / "tests" / "data" / "reference_library_math.json"
 
@@ -130,8 +130,8 @@ def bench_retrieval(sizes: list[int], k: int, dim: int = 384) -> list[dict]:
 def bench_routing(sizes: list[int], k: int, problems: int = 100, dim: int = 384) -> list[dict]:
     """``select_experiences`` for one step (``problems`` problems, top-``k``) over libraries of ``sizes`` lessons:
     what ``library.injection: top_k`` adds to a step once the vectors are stored (lookups by text, ranking)."""
-    from clgrpo.library import ExperienceLibrary, normalize_text
-    from clgrpo.retrieval import select_experiences
+    from clgrpo.experience.library import ExperienceLibrary, normalize_text
+    from clgrpo.experience.retrieval import select_experiences
     from schemas.records import Experience, Problem
 
     rng = np.random.default_rng(1)

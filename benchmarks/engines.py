@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from application.llama_build import built_binary  # noqa: E402
 from application.llama_server import LlamaEngine, LlamaServer, free_port  # noqa: E402
-from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
+from clgrpo.models.weights import QWEN_05B, fetch_model  # noqa: E402
 
 XLLAMACPP = "2026.10.11549"
 SYSTEM = "You are a careful math solver. Think step by step and put the final integer answer in \\boxed{}. " + " ".join(

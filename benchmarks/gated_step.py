@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RunSpec, fmt, machine, prefect_harness, run_once, spread, start_server, table
 from latency_server import LatencyModel
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from schemas.stages import Stage
 
 CHECK_STAGES = (Stage.VALIDATE_LESSONS.value, Stage.LIBRARY_GATE.value)

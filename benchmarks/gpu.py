@@ -1,4 +1,4 @@
-"""GPU figures for the local paths, on one CUDA device: the numeric LoRA step (``clgrpo.hybrid``) with gradient
+"""GPU figures for the local paths, on one CUDA device: the numeric LoRA step (``clgrpo.models.hybrid``) with gradient
 checkpointing on, off and ``auto``, and the transformers engine (``clgrpo.llm.transformers_backend``: load with
 warm-up, first request, batches of 16 / 64 / its own size) against plain ``model.generate`` on the same model.
 
@@ -129,7 +129,7 @@ class Decisions(logging.Handler):
 
 
 def examples(n: int, prompt_tokens: int, completion_tokens: int, vocab: int, seed: int) -> list[Any]:
-    from clgrpo.hybrid import Example
+    from clgrpo.models.hybrid import Example
 
     rng = random.Random(seed)
     out = []
@@ -141,8 +141,8 @@ def examples(n: int, prompt_tokens: int, completion_tokens: int, vocab: int, see
 
 def numeric_step(folder: Path, device: str, rows: int, checkpointing: bool | str, args: argparse.Namespace) -> dict:
     """One fresh load and one numeric step over ``args.completions`` stored-shaped completions."""
-    from clgrpo.hybrid import load_trainable, train_adapter
-    from clgrpo.models import ModelLocation
+    from clgrpo.models.hybrid import load_trainable, train_adapter
+    from clgrpo.models.weights import ModelLocation
     from schemas.config import HybridConfig
 
     settings = HybridConfig(enabled=True, batch_rows=rows, gradient_checkpointing=checkpointing)

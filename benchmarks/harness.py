@@ -35,7 +35,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 from critical_path import limits  # noqa: E402
 from latency_server import Collected, LatencyModel, LatencyServerProcess  # noqa: E402
 
-from clgrpo.store import Store  # noqa: E402
+from clgrpo.storage.store import Store  # noqa: E402
 from clgrpo.testing.scripted_llm import FAMILIES, make_problems, write_jsonl  # noqa: E402
 from flows import train as train_module  # noqa: E402
 from schemas.config import (  # noqa: E402
@@ -202,14 +202,20 @@ class Probe:
 
 
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("duckdb", ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/store.py", "/schemas/tables.py", "/schemas/catalog.py")),
+    (
+        "duckdb",
+        ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/storage/store.py", "/schemas/tables.py", "/schemas/catalog.py"),
+    ),
     (
         "llm client",
         ("/openai/", "/httpx/", "/httpcore/", "/anyio/", "/h11/", "/aiohttp/", "/multidict/", "/yarl/", "/clgrpo/llm/"),
     ),
     ("prefect", ("/prefect/", "/tasks/common.py", "/cloudpickle/")),
     ("verify", ("/domains/math/verify.py",)),
-    ("sandbox", ("/clgrpo/sandbox.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py")),
+    (
+        "sandbox",
+        ("/clgrpo/sandbox/pool.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py"),
+    ),
     ("pipeline", (f"{ROOT}/tasks/", f"{ROOT}/flows/", f"{ROOT}/domains/", f"{ROOT}/clgrpo/")),
 )
 

@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the project, and sibling
 
 from report_block import write_block  # noqa: E402
 
-from clgrpo.store import Store  # noqa: E402
+from clgrpo.storage.store import Store  # noqa: E402
 from domains.math.synthetic import split_sets, write_rows  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 

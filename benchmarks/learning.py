@@ -59,10 +59,10 @@ from report_block import write_block  # noqa: E402
 
 from application.demo import NEAR_DUPLICATE_SIMILARITY  # noqa: E402
 from application.llama_server import LlamaServer, ensure_engine  # noqa: E402
-from clgrpo import metrics  # noqa: E402
-from clgrpo.library import ExperienceLibrary, LibraryFormatError, item_text, word_count  # noqa: E402
-from clgrpo.models import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
-from clgrpo.store import Store  # noqa: E402
+from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError, item_text, word_count  # noqa: E402
+from clgrpo.models.weights import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
+from clgrpo.reports import metrics  # noqa: E402
+from clgrpo.storage.store import Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
 from schemas.config import LearningConfig, LessonValidation, LibraryConfig  # noqa: E402
 from schemas.records import Problem, Reward, Rollout  # noqa: E402

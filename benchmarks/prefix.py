@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clgrpo.library import ExperienceLibrary  # noqa: E402
-from clgrpo.tokens import TOKEN  # noqa: E402
+from clgrpo.experience.library import ExperienceLibrary  # noqa: E402
+from clgrpo.experience.tokens import TOKEN  # noqa: E402
 from domains import get_domain  # noqa: E402
 from schemas.config import DatasetConfig  # noqa: E402
 from schemas.records import Operation  # noqa: E402
@@ -65,7 +65,7 @@ def library_of(path: Path, size: int) -> ExperienceLibrary:
 
 def routed(library: ExperienceLibrary, problems: list, top_k: int) -> ExperienceLibrary:
     """``library`` with each problem routed to its ``top_k`` nearest experiences (the embedded model)."""
-    from clgrpo.retrieval import route_library
+    from clgrpo.experience.retrieval import route_library
     from schemas.config import LibraryConfig, RunConfig
 
     config = RunConfig(dataset=DatasetConfig(hf_name="unused"), library=LibraryConfig(injection="top_k", top_k=top_k))

@@ -50,8 +50,8 @@ from application.demo import (  # noqa: E402
     say,
     write_datasets,
 )
-from clgrpo import stopping  # noqa: E402
-from clgrpo.store import Store  # noqa: E402
+from clgrpo.process import stopping  # noqa: E402
+from clgrpo.storage.store import Store  # noqa: E402
 from schemas.config import DatasetConfig  # noqa: E402
 
 REPORT_BEGIN, REPORT_END = "<!-- saturation:begin -->", "<!-- saturation:end -->"

@@ -148,7 +148,7 @@ def child(scenario: Scenario, out: Path, plot: Path | None, repeat: int) -> None
     from harness import LoopSampler, Probe, RunSpec, make_config, peak_rss_mib, prefect_harness
     from latency_server import LatencyModel
 
-    from clgrpo.runtime import tune_gc
+    from clgrpo.process.runtime import tune_gc
     from flows import train as train_module
 
     tune_gc()  # as `clgrpo train` does after its imports

@@ -36,7 +36,7 @@ from application.demo import POLICY_SLOTS, DemoOptions  # noqa: E402
 from application.llama_server import LlamaServer, cpu_model_name, ensure_engine  # noqa: E402
 from clgrpo.llm.backends import CHAT_PATH, GenRequest, OpenAIBackend  # noqa: E402
 from clgrpo.llm.transport import make_transport  # noqa: E402
-from clgrpo.models import QWEN_05B, fetch_model  # noqa: E402
+from clgrpo.models.weights import QWEN_05B, fetch_model  # noqa: E402
 from domains.math import MathDomain  # noqa: E402
 from domains.math.synthetic import generate_family  # noqa: E402
 from schemas.config import ModelConfig  # noqa: E402

@@ -1,4 +1,4 @@
-"""The sandboxed Python tool pool (clgrpo.sandbox): interpreter start latency, cold vs from a spare, and tool-call
+"""The sandboxed Python tool pool (clgrpo.sandbox.pool): interpreter start latency, cold vs from a spare, and tool-call
 throughput with many concurrent sessions for several pool sizes.
 
     python benchmarks/tool_pool.py                      # about 1 minute on 2 cores
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from clgrpo.sandbox import PythonSandbox
+from clgrpo.sandbox.pool import PythonSandbox
 from schemas.config import SandboxConfig
 
 CALL = "x = sum(range(1000)); print(x)"

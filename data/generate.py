@@ -3,7 +3,7 @@
     python data/generate.py          # rewrites data/train.jsonl and data/heldout.jsonl (same output every time)
 
 Training and held-out problems come from different problem families, so that the leakage guard (character
-5-gram Jaccard, see clgrpo/leakage.py) finds no near-duplicates between them: problems of one family differ only
+5-gram Jaccard, see clgrpo/inputs/leakage.py) finds no near-duplicates between them: problems of one family differ only
 in their numbers. Every answer is an integer computed by the code below, never typed by hand.
 """
 

@@ -7,9 +7,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from clgrpo.dataset import LoadReport
+from clgrpo.inputs.dataset import LoadReport
 from clgrpo.prompts.rollout import ShownExample
-from clgrpo.verify_child import VerifyResult
+from clgrpo.sandbox.verify_child import VerifyResult
 from domains.learner import LearnerPrompts
 from schemas.config import AgentConfig, DatasetConfig
 from schemas.records import Problem

@@ -32,7 +32,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
-from clgrpo.library import Screen
+from clgrpo.experience.library import Screen
 from domains.learner import COPY_OVERLAP, overlap, restates
 from schemas.records import Operation, Problem
 

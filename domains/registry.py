@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
-from clgrpo.config import ConfigError
+from clgrpo.inputs.config import ConfigError
 from domains.base import Domain
 from schemas.config import RunConfig
 from schemas.domain_settings import DomainSettings, read_domain_settings, use_domain_registry

@@ -30,8 +30,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_image_artifact, acreate_markdown_artifact, acreate_table_artifact
 
-from clgrpo import plots, progress, stopping
-from clgrpo.adapters import (
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.experience.retrieval import prompt_routing, route_library
+from clgrpo.inputs.leakage import LeakageReport, check_leakage
+from clgrpo.llm.adapters import (
     adapter_hash,
     adapter_step,
     check_adapter,
@@ -40,11 +42,11 @@ from clgrpo.adapters import (
     split_condition,
     with_adapter,
 )
-from clgrpo.errors import EvaluationError
-from clgrpo.journal import RunJournal, StageItems
-from clgrpo.leakage import LeakageReport, check_leakage
-from clgrpo.library import ExperienceLibrary
-from clgrpo.report import (
+from clgrpo.process import progress, stopping
+from clgrpo.process.errors import EvaluationError
+from clgrpo.process.runtime import tune_gc
+from clgrpo.reports import plots
+from clgrpo.reports.report import (
     collect_run,
     evaluation_markdown,
     evaluation_table,
@@ -53,11 +55,10 @@ from clgrpo.report import (
     step_table,
     write_plots,
 )
-from clgrpo.retrieval import prompt_routing, route_library
-from clgrpo.run_lock import RunLock
-from clgrpo.runtime import tune_gc
-from clgrpo.state import remember_db
-from clgrpo.store import Store, StoreError, parse_library_ref
+from clgrpo.storage.journal import RunJournal, StageItems
+from clgrpo.storage.run_lock import RunLock
+from clgrpo.storage.state import remember_db
+from clgrpo.storage.store import Store, StoreError, parse_library_ref
 from domains import domain_for
 from flows.stages import StageRunner
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig
@@ -288,8 +289,8 @@ async def evaluate_conditions(
     planned: Callable[[Reads], None] | None = None,
 ) -> Evaluated:
     """Sample and grade every condition, summarize each, compare each to the first: the stage's output. Each
-    problem's prompt shows the experiences routed to it as in training (``clgrpo.retrieval``; embeddings cached
-    in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
+    problem's prompt shows the experiences routed to it as in training (``clgrpo.experience.retrieval``; embeddings
+    cached in ``store`` when given). ``resume``: graded samples go to the active work journal and are read back from
     it (keyed by ``fingerprint``). ``fresh``: nothing stored in ``store`` is read (every sample drawn anew; an
     identical condition still reads this evaluation's). ``planned`` hears, before any sample is drawn, how many
     will be read and how many drawn (those read are counted on the progress bar then, not as they are read)."""

@@ -23,8 +23,8 @@ from pathlib import Path
 import fsspec
 from prefect import flow, get_run_logger
 
-from clgrpo import stopping
-from clgrpo.adapters import adapter_dir
+from clgrpo.llm.adapters import adapter_dir
+from clgrpo.process import stopping
 from flows.rollout_gpu import RemoteRolloutError, ensure_completed, start_or_rerun_child
 from schemas.config import RunConfig
 from schemas.records import AdapterVersion, NumericItem

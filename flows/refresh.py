@@ -12,11 +12,11 @@ is its idempotency key, ``<name>-<date>``. A refresh
 3. evaluates the promoted library (baseline) against the trained one on the held-out set with the
    evaluation flow (paired samples, eval id ``<refresh_id>-eval``);
 4. promotes only if the lower bound of the gain's confidence interval is above ``margin`` and no task tag of
-   the held-out set regressed (``clgrpo.promotion``: a tag's CI wholly below ``-tag_margin``; the gate's rows in table
-   ``refresh_gate``) (with ``review: required``, only the changes a person approves, see
+   the held-out set regressed (``clgrpo.refresh.promotion``: a tag's CI wholly below ``-tag_margin``; the gate's rows in
+   table ``refresh_gate``) (with ``review: required``, only the changes a person approves, see
    ``flows.refresh_review``), and records the decision with its reasons (table ``refreshes``). No new problems:
    nothing is trained and that is recorded. A promotion is a new version of the served files
-   (``promoted.json``...), kept in ``backups/`` for a rollback (``clgrpo.adopt``).
+   (``promoted.json``...), kept in ``backups/`` for a rollback (``clgrpo.refresh.adopt``).
 
 A decided date is never run again (its decision is returned); a failed refresh is resumed by retrying its
 flow run or running the same date again: stored stages, the training run and the evaluation are read back.
@@ -36,12 +36,12 @@ from zoneinfo import ZoneInfo
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
-from clgrpo import stopping
-from clgrpo.adopt import adoptions
-from clgrpo.library import ExperienceLibrary
-from clgrpo.promotion import Assessment, Promotion, failing_summary, gate_table, overall_passes, promotion_gate
-from clgrpo.report import markdown_table
-from clgrpo.review import (
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.process import stopping
+from clgrpo.process.runtime import tune_gc
+from clgrpo.refresh.adopt import adoptions
+from clgrpo.refresh.promotion import Assessment, Promotion, failing_summary, gate_table, overall_passes, promotion_gate
+from clgrpo.refresh.review import (
     ReviewError,
     ReviewPendingError,
     answers_from,
@@ -50,11 +50,11 @@ from clgrpo.review import (
     settle_expired,
     stored_request,
 )
-from clgrpo.run_lock import RunLock
-from clgrpo.runtime import tune_gc
-from clgrpo.sources import read_arrivals, select_new, select_traces, trace_notes
-from clgrpo.state import remember_db
-from clgrpo.store import Store
+from clgrpo.refresh.sources import read_arrivals, select_new, select_traces, trace_notes
+from clgrpo.reports.report import markdown_table
+from clgrpo.storage.run_lock import RunLock
+from clgrpo.storage.state import remember_db
+from clgrpo.storage.store import Store
 from domains import domain_for
 from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
@@ -117,7 +117,7 @@ def _flow_run_name() -> str:
 # --- the decision (pure) --------------------------------------------------------------------------------
 def overall_verdict(comparison: EvalComparison, margin: float) -> tuple[bool, str]:
     """The overall rule: the lower bound of the gain's CI above the margin; the reason says which way and why.
-    (The per-tag gate comes on top: ``clgrpo.promotion``.)"""
+    (The per-tag gate comes on top: ``clgrpo.refresh.promotion``.)"""
     label = METRIC_LABELS[comparison.metric]
     measured = (
         f"{label} {comparison.baseline_value:.3f} -> {comparison.candidate_value:.3f} on "
@@ -159,7 +159,7 @@ def stored_decision(store: Store, refresh_id: str) -> RefreshDecision | None:
 
 
 def promoted_baseline(store: Store, config: RefreshConfig, before_date: str, refresh_id: str = "") -> Baseline:
-    """The library served now (the latest promotion or rollback by another refresh, ``clgrpo.adopt``); in a
+    """The library served now (the latest promotion or rollback by another refresh, ``clgrpo.refresh.adopt``); in a
     database without adoptions, the latest library promoted by a refresh of an earlier date; else the initial
     library or none."""
     served = [a for a in adoptions(store, config.name) if a.refresh_id != refresh_id]

@@ -1,9 +1,9 @@
 """After a refresh's gate passed: promote the candidate, or first have a person review it change by change.
 
-``review: none``: the candidate is adopted (``clgrpo.adopt``). ``review: required``: the changes are stored as a
+``review: none``: the candidate is adopted (``clgrpo.refresh.adopt``). ``review: required``: the changes are stored as a
 review request and published as a markdown artifact, then
 
-* a deployment run suspends (``suspend_flow_run`` with a form built from the changes, ``clgrpo.review``): the
+* a deployment run suspends (``suspend_flow_run`` with a form built from the changes, ``clgrpo.refresh.review``): the
   Prefect UI shows the form on the paused run, ``clgrpo review`` answers it from a terminal. Resumed, a worker
   starts the flow again: every stage before this one is read back from DuckDB, the same suspend (same key)
   returns the answers, and the baseline plus the adopted changes is promoted. Not resumed within
@@ -24,11 +24,10 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
-from clgrpo.adopt import adopt
-from clgrpo.library import ExperienceLibrary
-from clgrpo.promotion import Assessment
-from clgrpo.report import markdown_table
-from clgrpo.review import (
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.refresh.adopt import adopt
+from clgrpo.refresh.promotion import Assessment
+from clgrpo.refresh.review import (
     answer_form,
     answers_from,
     changes_between,
@@ -46,7 +45,8 @@ from clgrpo.review import (
     timed_out,
     timeout_reason,
 )
-from clgrpo.store import Store
+from clgrpo.reports.report import markdown_table
+from clgrpo.storage.store import Store
 from domains.guard import LessonGuard
 from schemas.config import RefreshConfig
 from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewDecision, ReviewRequest, utcnow

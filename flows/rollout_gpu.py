@@ -31,7 +31,7 @@ from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
 from prefect.deployments.flow_runs import arun_deployment
 from prefect.states import Cancelling, Scheduled
 
-from clgrpo import stopping
+from clgrpo.process import stopping
 from schemas.config import HybridConfig, RolloutPlacement, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout
 from schemas.stages import Stage

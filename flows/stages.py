@@ -2,8 +2,8 @@
 
 Training (its dataset, the stages of its step, held-out validation), an evaluation and a refresh run their stages
 through ``StageRunner.run``, keyed by (run id, step, stage). While a stage is computed its model calls (and finished
-items) go to the run's work journal (``clgrpo.journal``); a failed computation keeps the calls it paid for, without
-marking the stage done, and failed items beyond their tolerance fail the stage (``tasks.integrity``).
+items) go to the run's work journal (``clgrpo.storage.journal``); a failed computation keeps the calls it paid for,
+without marking the stage done, and failed items beyond their tolerance fail the stage (``tasks.integrity``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from clgrpo import progress, stopping
-from clgrpo.journal import RunJournal, recording
 from clgrpo.llm import LLMCallError
-from clgrpo.store import Store
+from clgrpo.process import progress, stopping
+from clgrpo.storage.journal import RunJournal, recording
+from clgrpo.storage.store import Store
 from schemas.config import ToleranceConfig
 from tasks.integrity import FailedItems, FailureRule, StageFailedError, stage_failed_message
 from tasks.outputs import Calls, Out

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
 
-from clgrpo.journal import StepJournal, recording
-from clgrpo.library import ExperienceLibrary, NearDuplicates
-from clgrpo.store import Store
-from clgrpo.usefulness import step_stats
-from clgrpo.words import counted
+from clgrpo.experience.library import ExperienceLibrary, NearDuplicates
+from clgrpo.experience.usefulness import step_stats
+from clgrpo.process.words import counted
+from clgrpo.storage.journal import StepJournal, recording
+from clgrpo.storage.store import Store
 from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import (
@@ -95,7 +95,7 @@ class StepState:
     step: int
     problems: list[Problem]
     library: ExperienceLibrary  # before the step
-    version: LibraryVersion  # what each prompt shows (``clgrpo.retrieval``)
+    version: LibraryVersion  # what each prompt shows (``clgrpo.experience.retrieval``)
     sampling: RunConfig  # what rollouts sample with: the config, or with hybrid learning the latest adapter
     pipelined: PipelineBatch | None = None  # rollout .. group advantage, computed group by group, to store
     outputs: dict[type[StageOutput], StageOutput] = field(default_factory=dict)
@@ -218,7 +218,7 @@ class StepContext:
 
 def experience_stats(store: Store, run_id: str, step: int, live_ids: list[str]) -> list[ExperienceStat]:
     """Usefulness and confidence of the lessons ``live_ids`` with the citations of ``step`` counted
-    (``clgrpo.usefulness``)."""
+    (``clgrpo.experience.usefulness``)."""
     shown = store.load_library(run_id, step - 1) if step > 0 else ExperienceLibrary()
     return step_stats(
         store.records(ExperienceStat, run_id, step - 1),

@@ -6,11 +6,11 @@ state a step fills and the stages' functions. ``Trainer.run_step`` runs each sta
 dataset, the starting library, the problems the library gate sets aside, the budget, the reports, held-out
 validation and the run's status.
 
-The flow is its run's only DuckDB writer (the run lock, ``clgrpo.run_lock``). Each stage's typed output is written
-in one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
+The flow is its run's only DuckDB writer (the run lock, ``clgrpo.storage.run_lock``). Each stage's typed output is
+written in one transaction keyed by (run_id, step, stage); a stage already in the store is read back instead of
 recomputed, so rerunning a run id after a crash continues where it stopped (no duplicate rollouts, no operation
 applied twice). Within a stage, every model call and finished item is appended to the step's work journal as it
-completes (``clgrpo.journal``), so a UI "Retry" or a rerun of a failed or killed stage redoes only its failed
+completes (``clgrpo.storage.journal``), so a UI "Retry" or a rerun of a failed or killed stage redoes only its failed
 items, and every request sent is accounted in ``llm_calls``. A stage whose failed items exceed
 ``tolerance.max_failed_fraction`` is not stored as done (``tasks.integrity``). A run id is bound to its config:
 a changed config under the same id is refused.
@@ -30,18 +30,18 @@ from typing import TypeVar
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
 
-from clgrpo import progress, stopping
-from clgrpo.adapters import resolve_policy_adapter
-from clgrpo.errors import error_line
-from clgrpo.journal import RunJournal, recording
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.experience.retrieval import route_library
+from clgrpo.llm.adapters import resolve_policy_adapter
 from clgrpo.llm.local import release_engines
-from clgrpo.retrieval import route_library
-from clgrpo.run_lock import RunLock
-from clgrpo.runtime import tune_gc
-from clgrpo.stale_runs import mark_stale_runs_crashed
-from clgrpo.state import remember_db
-from clgrpo.store import Store
+from clgrpo.process import progress, stopping
+from clgrpo.process.errors import error_line
+from clgrpo.process.runtime import tune_gc
+from clgrpo.storage.journal import RunJournal, recording
+from clgrpo.storage.run_lock import RunLock
+from clgrpo.storage.stale_runs import mark_stale_runs_crashed
+from clgrpo.storage.state import remember_db
+from clgrpo.storage.store import Store
 from domains.guard import LessonGuard
 from flows.evaluate import Validator, publish_run_report
 from flows.stages import StageRunner

@@ -60,7 +60,7 @@ class Endpoint(Section):
 class Retries(Section):
     """How long one request may take, and how its transient errors (5xx, timeouts, resets, malformed replies) are
     retried: at most ``max_retries`` times, backing off from ``retry_base_delay_s`` (doubling, with jitter) up to
-    ``retry_max_delay_s`` (``clgrpo.retry``). A section with other defaults declares only the defaults."""
+    ``retry_max_delay_s`` (``clgrpo.models.retry``). A section with other defaults declares only the defaults."""
 
     timeout_s: Timeout = 120.0
     max_retries: Tries = 6
@@ -226,7 +226,7 @@ class DatasetConfig(Section):
 
 
 class EmbeddingConfig(Endpoint, Retries):
-    """Which embedding model (``clgrpo.embeddings``): the embedded all-MiniLM-L6-v2 (offline once fetched), any
+    """Which embedding model (``clgrpo.models.embeddings``): the embedded all-MiniLM-L6-v2 (offline once fetched), any
     OpenAI-compatible ``/v1/embeddings`` endpoint, or a local sentence-embedding folder."""
 
     backend: Literal["embedded", "openai", "transformers"] = "embedded"
@@ -265,7 +265,7 @@ class LibraryConfig(Section):
     top_k: Annotated[int, Field(ge=1), CountsWhen(lambda library: library.injection != "all")] = 8
     # ids always shown with top_k (if live)
     pinned: Annotated[list[str], CountsWhen(lambda library: library.injection != "all")] = Field(default_factory=list)
-    # a hard budget on the whole rendered library (estimated tokens, ``clgrpo.tokens``): after each step's
+    # a hard budget on the whole rendered library (estimated tokens, ``clgrpo.experience.tokens``): after each step's
     # operations, the least useful experiences are evicted (``evict`` operations) until it fits
     max_tokens: int | None = Field(None, ge=1)
     # which model embeds (not where it is served or how fast) counts when embeddings are used
@@ -457,7 +457,7 @@ class LearningConfig(Section):
 
 
 class SandboxConfig(Section):
-    """The sandboxed Python tool of agent rollouts (``clgrpo.sandbox``): one interpreter per rollout, in its own
+    """The sandboxed Python tool of agent rollouts (``clgrpo.sandbox.pool``): one interpreter per rollout, in its own
     process, started with a clean environment in a fresh temporary directory, with no network and no access to
     files outside that directory and the Python installation. Limits are per call; a call that exceeds the
     CPU-time or memory limit gets a tool error, one that exceeds the wall-time limit kills the interpreter (its
@@ -518,7 +518,7 @@ class RolloutPlacement(PoolPlacement):
 
 class HybridConfig(PoolPlacement):
     """Hybrid learning: after verify, a numeric GRPO step (stage ``numeric_update``) trains a LoRA adapter of the
-    local transformers policy on the step's stored completions and group advantages (``clgrpo.hybrid``). Off by
+    local transformers policy on the step's stored completions and group advantages (``clgrpo.models.hybrid``). Off by
     default; where it runs (``placement``, the pool's deployment and hand-off) never changes results."""
 
     enabled: bool = False
@@ -729,7 +729,7 @@ class RefreshSource(Section):
     """Where new problems arrive. ``directory``: dataset files (``pattern``) in ``path``; a file's problems
     arrive at its modification time. ``duckdb``: rows of ``table`` in the DuckDB file ``path``; a row arrives
     at its ``timestamp_column``. Field names are read as in ``DatasetConfig``. ``traces``: production chat
-    logs (``clgrpo.traces``): JSONL files (``pattern``) in ``path``, or ``table`` in the DuckDB file ``path``,
+    logs (``clgrpo.refresh.traces``): JSONL files (``pattern``) in ``path``, or ``table`` in the DuckDB file ``path``,
     or the Parquet file ``path``; a row arrives at its ``timestamp_field``, else its file's modification time,
     and each refresh reads only rows after the previous decided refresh's watermark."""
 
@@ -790,9 +790,9 @@ class RefreshConfig(Section):
     max_problems: int | None = Field(None, ge=1)  # oldest first; the rest waits for the next refresh
     metric: Literal["mean_at_k", "pass_at_k"] = "mean_at_k"
     margin: float = Field(0.0, ge=-1.0, lt=1.0)  # promote iff the gain's CI lower bound > margin
-    # the per-task no-regression gate (``clgrpo.promotion``), over the held-out set's task tags (``dataset.tag_field``):
-    # a tag fails when the upper bound of its gain's CI is below -tag_margin (by default: when its CI lies wholly
-    # below 0), and a candidate with a failing tag is not promoted, whatever its overall gain
+    # the per-task no-regression gate (``clgrpo.refresh.promotion``), over the held-out set's task tags
+    # (``dataset.tag_field``): a tag fails when the upper bound of its gain's CI is below -tag_margin (by default: when
+    # its CI lies wholly below 0), and a candidate with a failing tag is not promoted, whatever its overall gain
     tag_margin: float = Field(0.0, ge=0.0, lt=1.0)
     # tags with fewer held-out problems are reported but not gated: a bootstrap over a handful of problems gives
     # intervals too narrow to trust (one problem: a single point)

@@ -61,7 +61,7 @@ class Problem(Record):
     source: str = ""
     domain_tag: str | None = None  # the problem's domain in a mixed dataset (``dataset.domain_field``)
     # the problem's task tag (``dataset.tag_field``, or set by a refresh source): evaluations compare
-    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.promotion``)
+    # conditions per tag too, and a refresh gates promotion on every tag (``clgrpo.refresh.promotion``)
     tag: str | None = None
     # where the answer came from: None (a dataset's ground truth) or one of ANSWER_SOURCES (refresh traces)
     answer_source: Annotated[str, Check(isin=list(ANSWER_SOURCES))] | None = None
@@ -161,7 +161,7 @@ class AdapterVersion(Record):
     ``numeric_update``); versioned beside the library versions. ``logprob_change_*``: mean change of the mean
     token log-prob of the step's positive / negative-advantage completions (None: no such completion)."""
 
-    base_model: Name  # the policy's identity (``clgrpo.adapters.model_identity``): an adapter loads on it only
+    base_model: Name  # the policy's identity (``clgrpo.llm.adapters.model_identity``): an adapter loads on it only
     rank: int = Field(ge=1)
     rows_used: int = Field(ge=0)
     rows_skipped: int = Field(0, ge=0)  # zero-advantage, failed, over max_rows, or prompt not reproducible
@@ -359,7 +359,7 @@ class Experience(Record):
 
 class ExperienceStat(Record):
     """How an experience fared up to a library version: attempts whose summaries cited it, by outcome, and a
-    confidence (Beta posterior mean with a credible interval, ``clgrpo.usefulness``)."""
+    confidence (Beta posterior mean with a credible interval, ``clgrpo.experience.usefulness``)."""
 
     exp_id: Name
     cited: Count = 0
@@ -372,11 +372,11 @@ class ExperienceStat(Record):
 
 
 class LibraryQuality(Record):
-    """The library after a step, as a whole (``clgrpo.quality``): stored per version at the checkpoint."""
+    """The library after a step, as a whole (``clgrpo.experience.quality``): stored per version at the checkpoint."""
 
     version: int = Field(ge=0)
     size: int = Field(ge=0)  # live experiences
-    tokens: int = Field(ge=0)  # estimated tokens of the whole rendered library (``clgrpo.tokens``)
+    tokens: int = Field(ge=0)  # estimated tokens of the whole rendered library (``clgrpo.experience.tokens``)
     near_duplicates: int = Field(0, ge=0)  # adds / modifies of the step rejected or merged as near-duplicates
     duplicate_ratio: float = Field(0.0, ge=0)  # near_duplicates / adds and modifies applied or rejected
     mean_confidence: Share | None = None  # over live experiences (None: empty library)
@@ -398,8 +398,8 @@ class LibraryVersion(Record):
     next_id: int = Field(ge=0)
     id_prefix: str = "E"
     created_at: datetime = Field(default_factory=utcnow)
-    # problem id -> the experience ids its rollout prompt shows (``clgrpo.retrieval``); None: the whole library.
-    # Travels to the rollout and summarize tasks with the version; never stored with it.
+    # problem id -> the experience ids its rollout prompt shows (``clgrpo.experience.retrieval``); None: the whole
+    # library. Travels to the rollout and summarize tasks with the version; never stored with it.
     shown: dict[str, list[str]] | None = None
     # how its worked examples are shown (``library.examples_shown``, ``library.examples_as``); never stored
     examples_shown: int = Field(2, ge=0)
@@ -547,8 +547,8 @@ class RefreshWatermark(Record):
 
 
 class RefreshGateRow(Record):
-    """One row of a refresh's promotion gate (``clgrpo.promotion``; table ``refresh_gate``): the paired comparison
-    baseline -> candidate over all held-out problems (``tag`` None) or over one task tag's, and its verdict.
+    """One row of a refresh's promotion gate (``clgrpo.refresh.promotion``; table ``refresh_gate``): the paired
+    comparison baseline -> candidate over all held-out problems (``tag`` None) or over one task tag's, and its verdict.
     Overall: pass when the CI lower bound is above ``threshold`` (the margin). A tag: fail when the CI upper
     bound is below ``threshold`` (-tag_margin), not_gated when it has fewer than ``min_tag_problems``."""
 

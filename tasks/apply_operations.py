@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from clgrpo.embeddings import make_embedder
-from clgrpo.library import ExperienceLibrary, NearDuplicates, Screen
-from clgrpo.retrieval import embed_cached
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary, NearDuplicates, Screen
+from clgrpo.experience.retrieval import embed_cached
+from clgrpo.models.embeddings import make_embedder
+from clgrpo.storage.store import Store
 from domains import domain_for
 from domains.guard import LessonGuard, first_rejection
 from domains.learner import SAME_LESSON, LessonScreen, overlap

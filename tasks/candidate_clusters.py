@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clgrpo.library import NearDuplicates, normalize_text, problem_similarity, word_count
+from clgrpo.experience.library import NearDuplicates, normalize_text, problem_similarity, word_count
 from clgrpo.llm import LLMClient
 from domains import Domain
 from domains.learner import SAME_LESSON, overlap

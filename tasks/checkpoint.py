@@ -18,9 +18,9 @@ from typing import Any
 
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.quality import describe_quality, library_quality, near_duplicate_counts
-from clgrpo.usefulness import describe_stat
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.experience.quality import describe_quality, library_quality, near_duplicate_counts
+from clgrpo.experience.usefulness import describe_stat
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import (
     ExperienceStat,

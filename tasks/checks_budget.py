@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from clgrpo.words import counted
+from clgrpo.process.words import counted
 from schemas.records import LLMCall
 
 RESERVE_MARGIN = 1.25

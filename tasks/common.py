@@ -3,7 +3,7 @@
 Stage task results are NOT persisted or cached by Prefect. What a retried flow run (UI "Retry",
 ``prefect flow-run retry``) or a rerun must not redo lives in the run's database instead: stages already
 written to DuckDB are read back, and the finished items of an unfinished stage are in its work journal
-(``clgrpo.journal``), which belongs to that database file. A cache keyed only by task inputs would replay
+(``clgrpo.storage.journal``), which belongs to that database file. A cache keyed only by task inputs would replay
 results, failed ones included, into any database, even a new one, after the endpoint was fixed.
 """
 

@@ -17,9 +17,9 @@ import asyncio
 import json
 from functools import partial
 
-from clgrpo import progress
-from clgrpo.library import ExperienceLibrary, normalize_text
+from clgrpo.experience.library import ExperienceLibrary, normalize_text
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.process import progress
 from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.repair import repair_messages

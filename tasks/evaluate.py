@@ -4,7 +4,7 @@
 (``tasks.measure``: samples already drawn with the same key are read, not drawn again), at the evaluation
 temperature, with a seed per (problem, sample) that depends only on the evaluation seed and the problem id, so
 every condition sees the same seeds. ``summarize_condition`` and ``compare_conditions`` compute Mean@k / Pass@k with
-bootstrap confidence intervals (``clgrpo.metrics``).
+bootstrap confidence intervals (``clgrpo.reports.metrics``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from clgrpo import metrics
-from clgrpo.journal import StageItems
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.reports import metrics
+from clgrpo.storage.journal import StageItems
 from domains import Domain, domain_for
 from schemas.config import EvalConfig, RunConfig
 from schemas.records import (

@@ -18,16 +18,16 @@ import statistics
 from dataclasses import dataclass
 from functools import partial
 
-from clgrpo import progress
-from clgrpo.journal import StageItems
-from clgrpo.library import ExperienceLibrary, word_count
+from clgrpo.experience.library import ExperienceLibrary, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast
+from clgrpo.process import progress
 from clgrpo.prompts.attempts import Attempt, clip, tool_trace, trajectory_text
 from clgrpo.prompts.contrast import contrast_messages, generalize_messages
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.repair import repair_messages
+from clgrpo.storage.journal import StageItems
 from domains import domain_for
 from domains.learner import GROUP_KINDS, LearnerPrompts, LessonScreen, contrast_schema, operations_schema
 from schemas.config import LearningConfig, RunConfig

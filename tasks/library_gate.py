@@ -3,7 +3,7 @@
 When a run starts, a share of its training problems (per task tag) is set aside (``split_for_gate``): no step
 trains on them, so no rollout, lesson or trial of training sees them. After lesson validation, the library as
 it was and the library with the step's plan applied answer every set-aside problem ``samples`` times on the same
-seeds (paired attempts). The comparison (``clgrpo.metrics.compare``): the mean reward of each arm over the pairs
+seeds (paired attempts). The comparison (``clgrpo.reports.metrics.compare``): the mean reward of each arm over the pairs
 graded in both, the difference with a paired-bootstrap CI over problems, and an exact one-sided sign test over the
 pairs that differ (the G samples of a problem are repeated trials, so the noise estimate is never zero; with few
 pairs the exact binomial tail is the honest test). ``decide`` applies ``learning.library_gate.rule``, per task
@@ -24,10 +24,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
-from clgrpo.metrics import Comparison, compare
-from clgrpo.words import counted
+from clgrpo.process.words import counted
+from clgrpo.reports.metrics import Comparison, compare
 from domains import Domain, domain_for
 from schemas.config import LibraryGate, RunConfig
 from schemas.records import GateDecision, GateSample, LibraryVersion, Problem, Sample, text_hash
@@ -280,7 +280,7 @@ async def library_gate_task(
     )
 
 
-# --- the decision (the paired comparison: ``clgrpo.metrics.compare``) -----------------------------------------
+# --- the decision (the paired comparison: ``clgrpo.reports.metrics.compare``) -----------------------------------------
 @dataclass(frozen=True)
 class Look:
     """One look of the sequential gate: the samples per problem so far, and the one-sided levels at this look

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from clgrpo.dataset import LoadReport
+from clgrpo.inputs.dataset import LoadReport
 from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import Problem

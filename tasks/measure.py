@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from clgrpo import progress
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
+from clgrpo.process import progress
 from domains import Domain, domain_settings
 from schemas.config import IDENTITY_FIELDS, AgentConfig, ModelConfig, RunConfig
 from schemas.config_migrations import not_fingerprinted

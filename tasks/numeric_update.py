@@ -1,4 +1,4 @@
-"""Stage (hybrid learning): a numeric GRPO step on the step's stored trajectories (``clgrpo.hybrid``).
+"""Stage (hybrid learning): a numeric GRPO step on the step's stored trajectories (``clgrpo.models.hybrid``).
 
 Inputs are what verify stored: each usable rollout with its group advantage (zero-advantage and ungraded
 completions carry no gradient and are skipped), its prompt rebuilt as the rollout built it and checked against
@@ -16,9 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from clgrpo.adapters import adapter_dir, model_identity, write_meta
-from clgrpo.library import ExperienceLibrary
-from clgrpo.models import resolve_model_path
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.llm.adapters import adapter_dir, model_identity, write_meta
+from clgrpo.models.weights import resolve_model_path
 from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import AdapterVersion, GroupAdvantage, LibraryVersion, NumericItem, Problem, Rollout, text_hash
@@ -91,7 +91,7 @@ def train_step(
     target: Path,
 ) -> AdapterVersion:
     """Load the policy with ``parent``'s adapter (or a fresh one), train on ``items``, save to ``target``."""
-    from clgrpo import hybrid
+    from clgrpo.models import hybrid
 
     location = resolve_model_path(config.policy.model_path or config.policy.model)
     device = hybrid.training_device(config.policy.device)

@@ -16,9 +16,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from clgrpo import progress
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.process import progress
 from domains import Domain, domain_for
 from schemas.config import AgentConfig, LearningConfig, RunConfig
 from schemas.records import LibraryVersion, Problem

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from clgrpo.errors import one_line
+from clgrpo.process.errors import one_line
 from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig, ServedModel
 
 TIMEOUT_S = 4.0  # per endpoint; endpoints are checked concurrently
@@ -97,7 +97,7 @@ def check_dataset(config: RunConfig, dataset: DatasetConfig, what: str = "datase
 def check_library_file(path: str | None, what: str = "initial_library") -> None:
     if path is None:
         return
-    from clgrpo.library import ExperienceLibrary, LibraryFormatError
+    from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError
 
     try:
         ExperienceLibrary.load(path)
@@ -121,7 +121,7 @@ def is_local_url(url: str) -> bool:
 
 
 def api_key_for(endpoint: RoleModel) -> str | None:
-    from clgrpo.api_keys import resolve_api_key
+    from clgrpo.models.api_keys import resolve_api_key
 
     cfg = endpoint.cfg
     try:
@@ -213,7 +213,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def check_local_model(endpoint: RoleModel) -> ServedModel:
-    """A local backend's packages and weights are there; the weights' sha256 (``clgrpo.models.weights_digest``)
+    """A local backend's packages and weights are there; the weights' sha256 (``clgrpo.models.weights.weights_digest``)
     where they are files on this machine (a hub id that vLLM fetches itself: nothing beyond its name)."""
     cfg = endpoint.cfg
     if cfg.backend == "vllm":
@@ -228,7 +228,7 @@ def check_local_model(endpoint: RoleModel) -> ServedModel:
             f"{endpoint.label}: backend 'transformers' needs {' and '.join(missing)}: "
             "pip install torch==2.13.0 && pip install 'clgrpo[local]'"
         )
-    from clgrpo.models import ModelError, resolve_model_path
+    from clgrpo.models.weights import ModelError, resolve_model_path
 
     try:
         location = resolve_model_path(cfg.model_path or cfg.model)
@@ -239,7 +239,7 @@ def check_local_model(endpoint: RoleModel) -> ServedModel:
 
 def _local_weights(spec: str, endpoint: RoleModel) -> ServedModel:
     """vLLM's weights: a folder or file on this machine is hashed; a hub id is known by its name only."""
-    from clgrpo.models import ModelError, resolve_model_path
+    from clgrpo.models.weights import ModelError, resolve_model_path
 
     path = Path(spec).expanduser()
     if not (path.is_dir() or path.is_file()):
@@ -251,7 +251,7 @@ def _local_weights(spec: str, endpoint: RoleModel) -> ServedModel:
 
 
 def _digest(location: Any, endpoint: RoleModel) -> ServedModel:
-    from clgrpo.models import weights_digest
+    from clgrpo.models.weights import weights_digest
 
     try:
         return ServedModel(source="weights", fields={"sha256": weights_digest(location)})
@@ -321,7 +321,7 @@ def check_embeddings(config: RunConfig) -> None:
     settings = config.library
     if not settings.uses_embeddings:
         return
-    from clgrpo.embeddings import EmbeddingError, fetch_embedded_model, make_embedder, require_local_packages
+    from clgrpo.models.embeddings import EmbeddingError, fetch_embedded_model, make_embedder, require_local_packages
 
     try:
         if settings.embedding.backend in ("embedded", "transformers"):
@@ -371,7 +371,7 @@ def check_policy_adapter(config: RunConfig) -> None:
             f"or vllm); with an OpenAI-compatible server, load it in the server instead"
         )
     if config.policy.backend == "transformers":
-        from clgrpo.adapters import AdapterError, check_adapter
+        from clgrpo.llm.adapters import AdapterError, check_adapter
 
         try:
             check_adapter(adapter, config.policy)

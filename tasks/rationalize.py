@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from clgrpo import progress
-from clgrpo.library import EXAMPLE_MAX_WORDS, word_count
+from clgrpo.experience.library import EXAMPLE_MAX_WORDS, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.errors import PermanentLLMError
+from clgrpo.process import progress
 from clgrpo.prompts.rationalize import rationalize_messages
 from domains import Domain, domain_for
 from schemas.config import RunConfig

@@ -6,12 +6,12 @@ import asyncio
 import json
 from collections.abc import Mapping, Sequence
 
-from clgrpo import progress
-from clgrpo.journal import StageItems, sample_key
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient, shared_client
+from clgrpo.process import progress
 from clgrpo.prompts import Message
 from clgrpo.prompts.rollout import ShownExample
+from clgrpo.storage.journal import StageItems, sample_key
 from domains import Domain, domain_for
 from schemas.config import AgentConfig, RunConfig
 from schemas.records import LibraryVersion, LLMCall, Problem, Rollout, Turn, text_hash

@@ -36,10 +36,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from clgrpo import progress
-from clgrpo.journal import active, recording
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
+from clgrpo.process import progress
+from clgrpo.storage.journal import active, recording
 from domains import Domain
 from schemas.config import RunConfig
 from schemas.records import LLMCall, Problem, Sample

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from clgrpo.library import word_count
+from clgrpo.experience.library import word_count
 from clgrpo.llm import LLMClient, shared_client
 from clgrpo.llm.client import LLMCallError
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from clgrpo import progress
-from clgrpo.journal import StageItems, sample_key
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
+from clgrpo.process import progress
 from clgrpo.prompts.attempts import Attempt, tool_trace, trajectory_text
 from clgrpo.prompts.lessons import LessonAsk
 from clgrpo.prompts.summarize import summarize_messages
+from clgrpo.storage.journal import StageItems, sample_key
 from domains import domain_for
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, LibraryVersion, Problem, Reward, Rollout, Summary

@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text, problem_similarity
+from clgrpo.experience.library import ExperienceLibrary, NearDuplicates, normalize_text, problem_similarity
 from clgrpo.llm import LLMClient
-from clgrpo.words import counted
+from clgrpo.process.words import counted
 from domains import Domain
 from domains.learner import SAME_LESSON, overlap
 from schemas.config import LessonValidation, RunConfig

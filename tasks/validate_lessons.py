@@ -27,11 +27,11 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
-from clgrpo import progress
-from clgrpo.library import ExperienceLibrary, NearDuplicates
+from clgrpo.experience.library import ExperienceLibrary, NearDuplicates
 from clgrpo.llm import LLMClient, shared_client
-from clgrpo.metrics import paired_rewards, sign_test
-from clgrpo.words import counted
+from clgrpo.process import progress
+from clgrpo.process.words import counted
+from clgrpo.reports.metrics import paired_rewards, sign_test
 from domains import Domain, domain_for
 from schemas.config import LessonValidation, RunConfig
 from schemas.records import (

@@ -14,8 +14,8 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-from clgrpo import progress
-from clgrpo.journal import StageItems, sample_key
+from clgrpo.process import progress
+from clgrpo.storage.journal import StageItems, sample_key
 from domains import Domain, VerifyResult, domain_for, get_domain
 from schemas.config import RunConfig
 from schemas.records import GroupAdvantage, Problem, Reward, Rollout

@@ -16,7 +16,8 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("CLGRPO_TUNE_GC", "0")  # flows would freeze the test session's objects (clgrpo/runtime.py)
+# flows would freeze the test session's objects (clgrpo/process/runtime.py)
+os.environ.setdefault("CLGRPO_TUNE_GC", "0")
 os.environ["CLGRPO_STATE_DIR"] = os.path.join(_SESSION_DIR, "state")  # never the user's recent databases
 
 

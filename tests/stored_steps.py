@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from domains import get_domain
 from flows.train import plan_steps
 from schemas.config import RunConfig

@@ -18,7 +18,7 @@ from clgrpo.prompts.attempts import clip, tool_trace, trajectory_text
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.prompts.summarize import summarize_messages
-from clgrpo.sandbox import isolation_problem
+from clgrpo.sandbox.pool import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 from domains import Tool, ToolContext, ToolFailure, ToolOutput
@@ -371,7 +371,7 @@ async def test_the_readme_tool_example_works_without_touching_flows_or_tasks():
 async def test_the_samples_of_a_group_get_their_own_seeds():
     """A seeded endpoint must not return G identical first replies: sample i uses seed + i, as direct
     single requests do (the problem's seed in evaluation, else the policy's)."""
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
     from domains import get_domain
     from tasks.rollout import rollout_problem
 

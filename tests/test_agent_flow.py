@@ -1,5 +1,5 @@
 """Agent mode end to end: the real training and evaluation flows under the Prefect harness, the scripted world
-over HTTP driving a ReAct agent whose python calls run in the real sandbox (clgrpo/sandbox.py)."""
+over HTTP driving a ReAct agent whose python calls run in the real sandbox (clgrpo/sandbox/pool.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from clgrpo.sandbox import isolation_problem
-from clgrpo.store import Store
+from clgrpo.sandbox.pool import isolation_problem
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.evaluate import evaluate

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from clgrpo.api_keys import resolve_api_key
+from clgrpo.models.api_keys import resolve_api_key
 from schemas.config import ModelConfig
 
 BLOCK = "clgrpo-test-api-key"

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from clgrpo.prompts.rollout import LIBRARY_TEMPLATE
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, message_text, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.step import OWN_STAGES
@@ -157,7 +157,7 @@ def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
 def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
     from types import SimpleNamespace
 
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
     from domains import domain_for
     from tasks.library_gate import gate_trial
 
@@ -189,7 +189,7 @@ def test_the_budget_admits_candidates_in_the_order_the_setting_says(tmp_path, or
     more groups proposed; the other is rejected untried, naming the budget."""
     from types import SimpleNamespace
 
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
     from domains import domain_for
     from schemas.records import Operation, OpKind
     from tasks.trial_choice import Candidate

@@ -1,6 +1,6 @@
 """A SIGKILLed run leaves nothing behind: Prefect's temporary server dies with the process that started it
 (``application.prefect_server``), and resuming the run marks the flow run the killed process left Running as
-Crashed (``clgrpo.stale_runs``)."""
+Crashed (``clgrpo.storage.stale_runs``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from application import prefect_server
-from clgrpo.stale_runs import mark_stale_runs_crashed
+from clgrpo.storage.stale_runs import mark_stale_runs_crashed
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import free_port, gone

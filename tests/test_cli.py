@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from application.cli import main
-from clgrpo.config import ConfigError, load_config
+from clgrpo.inputs.config import ConfigError, load_config
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 
@@ -190,8 +190,8 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
     import subprocess
     import sys
 
-    from clgrpo.library import ExperienceLibrary
-    from clgrpo.store import Store
+    from clgrpo.experience.library import ExperienceLibrary
+    from clgrpo.storage.store import Store
 
     db = tmp_path / "runs.duckdb"
     with Store(db) as store:

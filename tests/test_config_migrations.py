@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 import domains  # noqa: F401 - the registry reads the web domain's settings
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from flows.evaluate import eval_fingerprint
 from schemas import config_migrations
 from schemas.config import DatasetConfig, EvalConfig, LearningConfig, LibraryGate, RunConfig

@@ -30,8 +30,8 @@ import duckdb
 import pytest
 from pydantic import BaseModel
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import Store
 from schemas import records
 from schemas.catalog import RUN_TABLES, STAGE_TABLES, TABLES
 from schemas.tables import STAGE_KEY, AddColumns, DropNotNull, Table, create_statements, declare, table_of

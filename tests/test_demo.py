@@ -12,11 +12,11 @@ from functools import partial
 
 from application.demo import DemoOptions, demo_config, run_demo, summary
 from clgrpo.llm import LLMClient
-from clgrpo.models import ModelError, fetch_embedded
+from clgrpo.models.weights import ModelError, fetch_embedded
 from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.prompts.repair import repair_messages
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from domains.learner import OPERATIONS_SCHEMA, LearnerPrompts
 from schemas.records import Problem
 from tests.tiny_model import build_tiny_model

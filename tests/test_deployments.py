@@ -23,7 +23,7 @@ from uuid import UUID
 
 import pytest
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import SERVER_ENV, free_port, start_detached, stop_group, wait_healthy

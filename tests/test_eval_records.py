@@ -5,9 +5,9 @@ import json
 import duckdb
 import pytest
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.report import comparison_table
-from clgrpo.store import FrameValidationError, Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.reports.report import comparison_table
+from clgrpo.storage.store import FrameValidationError, Store
 from schemas.config import DatasetConfig, EvalConfig, LearningConfig, LibraryGate, ModelConfig, RunConfig
 from schemas.config_migrations import not_fingerprinted
 from schemas.records import EvalSample, Problem, text_hash

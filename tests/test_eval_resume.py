@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, make_problems, write_jsonl
 from tests.test_kill_points import CONCURRENCY, SeededWorld, cli_env

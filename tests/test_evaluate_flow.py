@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from application.cli import main
-from clgrpo.errors import EvaluationError
-from clgrpo.leakage import LeakageError
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.inputs.leakage import LeakageError
+from clgrpo.process.errors import EvaluationError
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from flows.evaluate import evaluate

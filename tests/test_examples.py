@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clgrpo.library import ExampleView, ExperienceLibrary, LibraryFormatError, diff, problem_similarity
+from clgrpo.experience.library import ExampleView, ExperienceLibrary, LibraryFormatError, diff, problem_similarity
 from clgrpo.llm import LLMClient
 from clgrpo.prompts.rollout import ShownExample
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, message_text, role_of
@@ -293,7 +293,7 @@ async def test_consolidation_passes_examples_through_whole():
 # --- everything that shows a lesson shows an example -------------------------------------------------------------
 def test_library_show_diff_and_export_show_examples(tmp_path, capsys):
     from application.cli import main
-    from clgrpo.store import Store
+    from clgrpo.storage.store import Store
 
     db = tmp_path / "examples.duckdb"
     library = library_with(example_op(3, 9), lessons={"E0": "When both ends count, add one to the difference."})

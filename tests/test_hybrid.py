@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from clgrpo import hybrid
-from clgrpo.adapters import AdapterError, adapter_base, check_adapter, model_identity, resolve_adapter
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.llm.adapters import AdapterError, adapter_base, check_adapter, model_identity, resolve_adapter
 from clgrpo.llm.client import shared_client
-from clgrpo.models import resolve_model_path
+from clgrpo.models import hybrid
+from clgrpo.models.weights import resolve_model_path
 from domains import get_domain
 from schemas.config import DatasetConfig, GRPOConfig, HybridConfig, ModelConfig, RunConfig
 from schemas.records import GroupAdvantage, NumericItem, Problem
@@ -212,8 +212,8 @@ async def test_a_stored_step_is_read_back_and_a_killed_one_leaves_no_row(tiny_mo
     from prefect import flow
 
     import tasks.numeric_update as stage
-    from clgrpo.adapters import adapter_dir
-    from clgrpo.store import Store
+    from clgrpo.llm.adapters import adapter_dir
+    from clgrpo.storage.store import Store
     from flows.train import Trainer
     from tasks.checkpoint import export_dir
 
@@ -258,8 +258,8 @@ async def test_a_stored_step_is_read_back_and_a_killed_one_leaves_no_row(tiny_mo
 async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_model, sampled, tmp_path):
     import json
 
-    from clgrpo.adapters import adapter_dir
-    from clgrpo.store import Store
+    from clgrpo.llm.adapters import adapter_dir
+    from clgrpo.storage.store import Store
     from flows.evaluate import evaluate
     from schemas.config import EvalConfig
     from tasks.checkpoint import export_dir
@@ -299,7 +299,7 @@ async def test_eval_conditions_adapter_and_both_use_the_stored_adapter(tiny_mode
 @pytest.mark.usefixtures("prefect_harness")
 async def test_a_training_run_with_hybrid_learning_trains_one_adapter_per_step(tiny_model, tmp_path):
     from clgrpo.llm.local import loaded_engines
-    from clgrpo.store import Store
+    from clgrpo.storage.store import Store
     from clgrpo.testing.fake_openai import FakeOpenAIServer
     from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
     from flows.train import train
@@ -363,7 +363,7 @@ async def test_a_finished_pool_handoff_is_ingested_without_starting_a_child(tiny
     from prefect import flow
 
     import flows.numeric_gpu as pool
-    from clgrpo.adapters import adapter_dir
+    from clgrpo.llm.adapters import adapter_dir
     from tasks.checkpoint import export_dir
 
     rollouts, version = sampled

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clgrpo.journal import RunJournal, StageItems, recording, sample_key
-from clgrpo.store import Store
+from clgrpo.storage.journal import RunJournal, StageItems, recording, sample_key
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, match_roles
 from clgrpo.testing.scripted_llm import ScriptedWorld
 from flows.train import train

@@ -46,8 +46,8 @@ import psutil
 import pytest
 import yaml
 
-from clgrpo.journal import run_journal_dir
-from clgrpo.store import Store
+from clgrpo.storage.journal import run_journal_dir
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import PrefectApi, gone

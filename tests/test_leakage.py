@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from clgrpo.leakage import LeakageError, check_leakage, find_leakage, jaccard, shingles
+from clgrpo.inputs.leakage import LeakageError, check_leakage, find_leakage, jaccard, shingles
 from clgrpo.testing.scripted_llm import make_problems
 from schemas.records import Problem
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from schemas.records import LLMCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,7 +391,7 @@ def test_the_kshot_library_file_holds_worked_examples_and_records_how_many(tmp_p
 
 
 def test_every_family_has_one_oracle_lesson_written_as_a_one_lesson_library(tmp_path):
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
     from domains.math.synthetic import FAMILIES
 
     assert set(bench.ORACLE_LESSONS) == set(FAMILIES)
@@ -407,7 +407,7 @@ def test_every_family_has_one_oracle_lesson_written_as_a_one_lesson_library(tmp_
 def test_items_are_counted_by_kind_and_an_item_without_one_is_a_lesson():
     from types import SimpleNamespace
 
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
 
     lessons = list(ExperienceLibrary.from_mapping({"E0": "Add one.", "E1": "Count both ends."}))
     assert bench.items_by_kind(lessons) == {"lessons": 2, "examples": 0}  # today's items have no kind: lessons

@@ -7,7 +7,7 @@ import re
 import jsonschema
 import pytest
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.prompts.attempts import Attempt
 from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.extract import extract_messages

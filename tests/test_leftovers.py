@@ -1,5 +1,5 @@
 """What a SIGKILLed clgrpo process leaves (owner-tagged temporary directories, marked child processes) is swept
-by the next clgrpo command, and nothing of a live process ever is (``clgrpo.leftovers``)."""
+by the next clgrpo command, and nothing of a live process ever is (``clgrpo.process.leftovers``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import psutil
 import pytest
 import yaml
 
-from clgrpo import leftovers, sandbox
-from clgrpo.leftovers import OWNER_ENV, Owner, sweep, this_owner
-from clgrpo.sandbox import isolation_problem
+from clgrpo.process import leftovers
+from clgrpo.process.leftovers import OWNER_ENV, Owner, sweep, this_owner
+from clgrpo.sandbox import pool as sandbox
+from clgrpo.sandbox.pool import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import gone
@@ -175,7 +176,7 @@ def test_this_process_is_spared_whatever_its_environment_says():
     try:
         # a process that inherited a dead owner's marker and now sweeps (a child CLI of a killed run)
         child = subprocess.run(
-            [sys.executable, "-c", "from clgrpo.leftovers import sweep; print(sweep().processes)"],
+            [sys.executable, "-c", "from clgrpo.process.leftovers import sweep; print(sweep().processes)"],
             env={**os.environ, OWNER_ENV: dead.tag, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,

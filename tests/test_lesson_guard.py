@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm.client import OperationsReply
 from clgrpo.llm.structured import parse_operations
 from domains.guard import PATTERNS, LessonGuard, deobfuscated, first_rejection, normalize
@@ -384,7 +384,7 @@ def test_the_released_reference_library_passes_the_guard():
     """The paper's released math library (27 lessons, tests/data) is legitimate advice: no false alarm."""
     from pathlib import Path
 
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
 
     library = ExperienceLibrary.load(Path(__file__).parent / "data" / "reference_library_math.json")
     for strictness in ("standard", "strict"):

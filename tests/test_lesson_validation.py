@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
@@ -330,7 +330,7 @@ async def test_a_lesson_rejected_by_its_trial_is_not_tried_again(tmp_path):
 
 
 def test_near_duplicate_candidates_are_one_cluster_tried_once_for_all_their_groups():
-    from clgrpo.library import NearDuplicates, normalize_text
+    from clgrpo.experience.library import NearDuplicates, normalize_text
     from tasks.candidate_clusters import cluster, joined
 
     texts = [
@@ -352,7 +352,7 @@ def test_near_duplicate_candidates_are_one_cluster_tried_once_for_all_their_grou
 
 
 async def test_a_lesson_over_the_word_limit_is_shortened_once_instead_of_dropped():
-    from clgrpo.library import word_count
+    from clgrpo.experience.library import word_count
     from clgrpo.llm import LLMClient
     from tasks.shorten import shorten_long
 
@@ -417,7 +417,7 @@ async def test_a_cluster_whose_first_member_is_rejected_tries_the_next_one(tries
     """Embeddings put a misleading lesson and a helpful one of the same topic in one cluster (seen on `ranges`:
     "the difference" and "the difference plus one"); the shorter, misleading text is tried first. With one try the
     cluster stands or falls with it; with more, the next member is tried and kept, carrying the cluster's groups."""
-    from clgrpo.library import NearDuplicates, normalize_text
+    from clgrpo.experience.library import NearDuplicates, normalize_text
     from clgrpo.llm import LLMClient
     from domains.math import MathDomain
     from schemas.records import Problem

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.library import ExperienceLibrary, LibraryFormatError, diff
+from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError, diff
 from schemas.records import Operation, OpStatus
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference_library_math.json"

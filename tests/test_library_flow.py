@@ -14,9 +14,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from application.cli import main
-from clgrpo.library import ExperienceLibrary
-from clgrpo.report import write_report
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.reports.report import write_report
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_embeddings import EmbeddingServer
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import (

@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
-from clgrpo.metrics import sign_test
-from clgrpo.store import Store
+from clgrpo.reports.metrics import sign_test
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, MISLEADING_LESSON, ScriptedWorld, make_problems, write_jsonl
 from flows.train import train
@@ -269,7 +269,7 @@ async def test_the_gates_first_look_at_the_library_before_is_drawn_beside_the_ro
 async def test_a_first_look_drawn_for_a_step_that_changes_nothing_is_read_by_the_next_step():
     """A step whose plan changes nothing needs no gate, but its first look at the library before was drawn beside
     its rollouts: stored, so the next step, which starts from the same library, reads it instead of drawing it."""
-    from clgrpo.library import ExperienceLibrary
+    from clgrpo.experience.library import ExperienceLibrary
     from clgrpo.llm import LLMClient
     from domains.math import MathDomain
     from schemas.config import DatasetConfig, ModelConfig, RunConfig

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from clgrpo.dataset import DatasetError, load_problems
-from clgrpo.library import ExperienceLibrary, normalize_text
+from clgrpo.experience.library import ExperienceLibrary, normalize_text
+from clgrpo.experience.quality import library_quality
+from clgrpo.experience.retrieval import select_experiences
+from clgrpo.experience.tokens import estimate_tokens
+from clgrpo.inputs.dataset import DatasetError, load_problems
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
-from clgrpo.quality import library_quality
-from clgrpo.retrieval import select_experiences
-from clgrpo.store import Store
-from clgrpo.tokens import estimate_tokens
+from clgrpo.storage.store import Store
 from schemas.config import DatasetConfig, LibraryConfig, RunConfig
 from schemas.records import Experience, ExperienceStat, Operation, OpKind, Problem, Summary
 

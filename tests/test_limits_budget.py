@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clgrpo.store import ConfigMismatchError, Store
+from clgrpo.storage.store import ConfigMismatchError, Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train

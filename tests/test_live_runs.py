@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.run_lock import RunLock, RunLockedError, holder, lock_path, refuse_if_running
-from clgrpo.store import Store
+from clgrpo.storage.run_lock import RunLock, RunLockedError, holder, lock_path, refuse_if_running
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.test_kill_points import cli_env, write_config
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from clgrpo.store import Store
+    from clgrpo.storage.store import Store
     from schemas.records import Rollout, Turn
 
     db, run_id, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -80,7 +80,7 @@ def test_readers_get_in_between_the_writes_of_two_runs_on_one_file(tmp_path):
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from clgrpo.run_lock import RunLock
+    from clgrpo.storage.run_lock import RunLock
     with RunLock(sys.argv[1], "train", "r1"):
         print("held", flush=True)
         time.sleep(60)

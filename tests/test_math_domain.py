@@ -491,7 +491,7 @@ SLOW_PATH_CASES = [  # not decided by the integer rule: math-verify grades them
 
 @pytest.mark.parametrize("output, answer", INTEGER_CASES)
 def test_integer_answers_are_graded_without_a_child_exactly_as_math_verify_grades_them(output, answer):
-    from clgrpo.verify_child import preload_verifier
+    from clgrpo.sandbox.verify_child import preload_verifier
     from domains.math.verify import _grade_one, integer_answer
 
     preload_verifier()  # in this process too: math-verify loaded, its no-timeout notice silenced as in the children

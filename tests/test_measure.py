@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from application.cli import main
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, make_problems, write_jsonl
 from domains import domain_for
@@ -151,7 +151,7 @@ def test_eval_draws_only_what_no_earlier_measurement_drew(tmp_path, monkeypatch,
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_harness")
 def test_eval_says_at_its_start_what_it_reads_and_fresh_draws_everything_anew(tmp_path, capsys):
-    from clgrpo import progress
+    from clgrpo.process import progress
     from schemas.stages import Stage
 
     dataset = write_jsonl(make_problems(n_per_family=2, seed=4), tmp_path / "test.jsonl")  # 8 problems

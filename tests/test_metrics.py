@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from clgrpo.metrics import bootstrap_ci, mean_at_k, paired_difference, pass_at_k, per_problem
+from clgrpo.reports.metrics import bootstrap_ci, mean_at_k, paired_difference, pass_at_k, per_problem
 
 
 def brute_force_pass_at_k(outcomes: list[int], k: int) -> float:

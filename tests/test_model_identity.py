@@ -14,9 +14,9 @@ import asyncio
 import pytest
 
 from application.commands.runs import fingerprint_line
-from clgrpo.library import ExperienceLibrary
-from clgrpo.models import ModelLocation, weights_digest
-from clgrpo.store import ModelChangedError, Store, identity_change
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.models.weights import ModelLocation, weights_digest
+from clgrpo.storage.store import ModelChangedError, Store, identity_change
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld
 from domains import domain_for

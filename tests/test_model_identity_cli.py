@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, message_text
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.test_kill_points import cli_env

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from application.cli import main
-from clgrpo import models
-from clgrpo.models import (
+from clgrpo.models import weights as models
+from clgrpo.models.weights import (
     CACHE_ENV,
     EMBEDDED,
     SMOLLM2,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from clgrpo.library import ExperienceLibrary, NearDuplicates, normalize_text
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary, NearDuplicates, normalize_text
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_embeddings import EmbeddingServer, bag_of_words
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, make_problems, write_jsonl

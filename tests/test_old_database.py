@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from flows.train import train
 from tests.data.old_run.world import FIRST_STEP, SECOND_STEP, config, world

@@ -3,7 +3,7 @@ path stores, and really overlaps: summaries start while the batch's slowest roll
 
 import pytest
 
-from clgrpo.store import Store, _changed_paths
+from clgrpo.storage.store import Store, _changed_paths
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, RequestLogEntry, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train

@@ -5,7 +5,7 @@ import io
 import matplotlib.image as mpimg
 import pytest
 
-from clgrpo import plots
+from clgrpo.reports import plots
 
 
 def assert_png(data: bytes) -> None:

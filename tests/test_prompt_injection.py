@@ -21,7 +21,7 @@ from clgrpo.prompts.quoting import DATA_NOTICE, DATA_TAG_RE, DATA_TAGS, neutrali
 from clgrpo.prompts.repair import repair_messages
 from clgrpo.prompts.rollout import ShownExample
 from clgrpo.prompts.summarize import summarize_messages
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import (
     ScriptedWorld,

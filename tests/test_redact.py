@@ -3,7 +3,7 @@
 
 import pytest
 
-from clgrpo.redact import Redactor, redact
+from clgrpo.refresh.redact import Redactor, redact
 
 SECRETS = [
     ("api_key", "use sk-proj-Abcdefghijklmnop1234567 for it", "sk-proj-Abcdefghijklmnop1234567"),

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from application.cli import main
-from clgrpo.library import ExperienceLibrary
-from clgrpo.state import remember_db
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.state import remember_db
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.refresh import overall_verdict, refresh, refresh_date

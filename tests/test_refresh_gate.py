@@ -12,8 +12,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from application.cli import main
-from clgrpo.promotion import promotion_gate, tag_verdict
-from clgrpo.store import FrameValidationError, Store
+from clgrpo.refresh.promotion import promotion_gate, tag_verdict
+from clgrpo.storage.store import FrameValidationError, Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from flows.refresh import refresh

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from application.cli import main
-from clgrpo import adopt
-from clgrpo.library import ExperienceLibrary
-from clgrpo.review import (
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.refresh import adopt
+from clgrpo.refresh.review import (
     ReviewError,
     answer_form,
     answers_from,
@@ -29,7 +29,7 @@ from clgrpo.review import (
     settle_expired,
     stored_request,
 )
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import MISLEADING_LESSON, ScriptedWorld, make_problems
 from flows.refresh import refresh

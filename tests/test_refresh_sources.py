@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 import duckdb
 import pytest
 
-from clgrpo.dataset import DatasetError
-from clgrpo.sources import SourceError, problem_key, read_arrivals, select_new
+from clgrpo.inputs.dataset import DatasetError
+from clgrpo.refresh.sources import SourceError, problem_key, read_arrivals, select_new
 from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from domains import get_domain
 from schemas.config import RefreshConfig, RefreshSource
@@ -137,7 +137,7 @@ def test_refresh_config_validation():
 
 
 def test_a_table_in_the_refresh_database_is_read_through_its_open_store(tmp_path):
-    from clgrpo.store import Store
+    from clgrpo.storage.store import Store
 
     db = tmp_path / "clgrpo.duckdb"
     with duckdb.connect(str(db)) as con:

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems
 from flows.refresh import refresh

@@ -13,12 +13,12 @@ from functools import partial
 
 import pytest
 
-from clgrpo.journal import JOURNAL_DIR
 from clgrpo.llm import LLMClient
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.repair import repair_messages
 from clgrpo.prompts.summarize import summarize_messages
-from clgrpo.store import Store
+from clgrpo.storage.journal import JOURNAL_DIR
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import DEFAULT_MIX, FakeOpenAIServer, Fault, match_roles, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train

@@ -1,4 +1,4 @@
-"""The retry policy both remote clients share (clgrpo/retry.py) and the fault model the loopback fakes share."""
+"""The retry policy both remote clients share (clgrpo/models/retry.py) and the fault model the loopback fakes share."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from email.utils import format_datetime
 
 import pytest
 
-from clgrpo.retry import Backoff, RetryBudget, is_retryable_status, retry_after_delay, retry_after_seconds
+from clgrpo.models.retry import Backoff, RetryBudget, is_retryable_status, retry_after_delay, retry_after_seconds
 from clgrpo.testing.fake_embeddings import EmbeddingServer
 from clgrpo.testing.faults import Fault, FaultPlan, retry_after_header
 

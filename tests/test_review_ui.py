@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from application.cli import main
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import Store
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems
 from tests.processes import SERVER_ENV, free_port, start_detached, stop_group, wait_healthy
@@ -273,7 +273,7 @@ def test_review_in_the_prefect_ui_then_rollback(ui_stack, tmp_path):
     # nothing earlier to roll back to: refused; then a rollback after a second promotion
     assert main(["library", "rollback", "nightly", "--db", db]) == 2
     with Store(db) as store:
-        from clgrpo import adopt
+        from clgrpo.refresh import adopt
 
         second = ExperienceLibrary.load(backup).as_dict() | {"E99": "Check the answer by estimation."}
         library = ExperienceLibrary.from_mapping(second)

@@ -1,4 +1,4 @@
-"""Process settings for long runs (clgrpo/runtime.py) and the console script's exit (application.cli.run)."""
+"""Process settings for long runs (clgrpo/process/runtime.py) and the console script's exit (application.cli.run)."""
 
 import subprocess
 import sys
@@ -21,7 +21,7 @@ def test_tune_gc_freezes_what_the_imports_left_and_collects_young_objects_less_o
     done = _python(
         """
         import gc
-        from clgrpo.runtime import tune_gc, YOUNG_THRESHOLD
+        from clgrpo.process.runtime import tune_gc, YOUNG_THRESHOLD
         before = gc.get_freeze_count()
         tune_gc(); tune_gc()  # once per process
         print(before, gc.get_freeze_count() > 1000, gc.get_threshold()[0] == YOUNG_THRESHOLD)
@@ -35,7 +35,7 @@ def test_tune_gc_can_be_switched_off():
     done = _python(
         """
         import gc
-        from clgrpo.runtime import tune_gc
+        from clgrpo.process.runtime import tune_gc
         tune_gc()
         print(gc.get_freeze_count(), gc.get_threshold()[0])
     """,

@@ -1,4 +1,4 @@
-"""The sandboxed Python tool (clgrpo.sandbox): each containment case gets a clear tool error and the session
+"""The sandboxed Python tool (clgrpo.sandbox.pool): each containment case gets a clear tool error and the session
 goes on; variables persist within a session only; the pool bound holds; nothing leaks.
 
 Limits are small (cpu 1 s) and wall limits generous where they are not the subject, so a loaded machine only
@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from clgrpo import sandbox as sandbox_module
-from clgrpo.sandbox import PythonSandbox, RunResult, SandboxUnavailable, check_isolation, sandbox_for
+from clgrpo.sandbox import pool as sandbox_module
+from clgrpo.sandbox.pool import PythonSandbox, RunResult, SandboxUnavailable, check_isolation, sandbox_for
 from schemas.config import SandboxConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def worker_processes() -> list[psutil.Process]:
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() == psutil.STATUS_ZOMBIE or "sandbox_worker.py" in " ".join(child.cmdline()):
+            if child.status() == psutil.STATUS_ZOMBIE or "sandbox/worker.py" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.NoSuchProcess:
             continue
@@ -143,7 +143,7 @@ async def test_errors_are_one_line_with_the_cell_line():
     async with pool() as sandbox, sandbox.session() as session:
         result = await session.run("a = 1\nb = 0\na / b\n")
         assert result.error == "ZeroDivisionError: division by zero (line 3)"
-        assert "Traceback" in result.output and "sandbox_worker" not in result.output
+        assert "Traceback" in result.output and "sandbox/worker.py" not in result.output
         result = await session.run("x = (")
         assert result.error.startswith("SyntaxError") and result.error.endswith("(line 1)")
         result = await session.run("import sys\nsys.exit(3)")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from schemas.catalog import TABLES
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "schema.json"

@@ -9,9 +9,9 @@ import json
 from collections import Counter
 from types import SimpleNamespace
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from clgrpo.llm import LLMClient
-from clgrpo.metrics import paired_rewards
+from clgrpo.reports.metrics import paired_rewards
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
 from domains.math import MathDomain
 from schemas.config import DatasetConfig, ModelConfig, RunConfig

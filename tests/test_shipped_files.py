@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
-from clgrpo.config import load_config
+from clgrpo.inputs.config import load_config
 from schemas.config import RefreshConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from application.demo import DemoOptions, demo_config
-from clgrpo.config import load_config
+from clgrpo.inputs.config import load_config
 from clgrpo.prompts.attempts import Attempt
 from clgrpo.prompts.consolidate import consolidate_messages
 from clgrpo.prompts.contrast import contrast_example, contrast_messages, generalize_messages

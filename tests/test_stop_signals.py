@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from tests.processes import PrefectApi
 from tests.test_kill_points import (
@@ -375,7 +375,7 @@ def test_sigterm_stops_an_in_process_model_run_within_seconds(prefect_api, tmp_p
 # --- a signal during a stage write: the write finishes, then the run stops ----------------------------------
 SLOW_WRITE_DRIVER = """
 import pathlib, sys, time
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 
 marker = pathlib.Path(sys.argv.pop(1))
 insert = Store._insert

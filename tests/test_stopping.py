@@ -1,4 +1,4 @@
-"""``clgrpo.stopping`` in real subprocesses: a stop signal cancels the registered coroutine; a coroutine that
+"""``clgrpo.process.stopping`` in real subprocesses: a stop signal cancels the registered coroutine; a coroutine that
 swallows the cancellation gets it again; a second signal, or a shutdown past the grace period, exits at once
 with one line; outside an event loop the signal raises ``Stopped``. (The CLI and flows: tests/test_stop_signals.py.)"""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROGRAM = textwrap.dedent("""
     import asyncio, sys
-    from clgrpo import stopping
+    from clgrpo.process import stopping
 
     stopping.install_handlers()
     stopping.set_resume_hint("clgrpo train --run-id r")

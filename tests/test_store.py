@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from clgrpo.library import ExperienceLibrary
-from clgrpo.store import ConfigMismatchError, FrameValidationError, Store, StoreError, StoreLockedError
+from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.store import ConfigMismatchError, FrameValidationError, Store, StoreError, StoreLockedError
 from schemas.catalog import TABLES
 from schemas.config import DatasetConfig, RunConfig
 from schemas.records import (
@@ -215,7 +215,7 @@ def test_a_process_holding_the_file_gets_a_clear_lock_error_after_the_wait(tmp_p
         script = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(ROOT)!r})
-            from clgrpo.store import Store, StoreLockedError
+            from clgrpo.storage.store import Store, StoreLockedError
             try:
                 Store({str(path)!r}, wait_s=0.5)
             except StoreLockedError as exc:
@@ -235,7 +235,7 @@ def test_a_store_holds_the_file_only_while_a_method_works(tmp_path):
         script = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(ROOT)!r})
-            from clgrpo.store import Store
+            from clgrpo.storage.store import Store
             with Store({str(path)!r}, read_only=True, wait_s=0) as store:
                 print(store.db_id, len(store.runs()))
         """)
@@ -248,7 +248,7 @@ def test_a_store_holds_the_file_only_while_a_method_works(tmp_path):
 
 
 def test_only_the_first_open_creates_the_tables(tmp_path, monkeypatch):
-    import clgrpo.store as store_module
+    import clgrpo.storage.store as store_module
 
     calls = []
     real = store_module.create_statements

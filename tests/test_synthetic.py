@@ -2,7 +2,7 @@
 
 import re
 
-from clgrpo.dataset import load_problems
+from clgrpo.inputs.dataset import load_problems
 from domains.math.synthetic import generate_problems, write_problems
 from schemas.config import DatasetConfig
 

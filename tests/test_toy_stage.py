@@ -14,7 +14,7 @@ import pytest
 from prefect import flow
 
 from clgrpo.llm import shared_client
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.scripted_llm import ScriptedWorld
 from flows.step import STEP, StepStage

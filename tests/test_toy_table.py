@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import pytest
 from pydantic import Field
 
-from clgrpo.store import FrameValidationError, Store
+from clgrpo.storage.store import FrameValidationError, Store
 from schemas.columns import Check
 from schemas.records import Record
 from schemas.tables import TABLES, Table, added, declare

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from clgrpo.sources import SourceError, read_arrivals, select_traces
+from clgrpo.refresh.sources import SourceError, read_arrivals, select_traces
 from domains import get_domain
 from schemas.config import RefreshSource
 from schemas.records import Problem, Rollout, Turn
@@ -316,7 +316,7 @@ def test_rewards_name_their_source():
 
 
 def test_a_json_error_reads_as_one_sentence():
-    from clgrpo.traces import TraceError, _json_row
+    from clgrpo.refresh.traces import TraceError, _json_row
 
     with pytest.raises(TraceError, match=r"^not JSON \(Unterminated string starting at column 7\)$"):
         _json_row(b'{"a": "x')

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from clgrpo.store import ConfigMismatchError, Store
+from clgrpo.storage.store import ConfigMismatchError, Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.train import train

@@ -327,7 +327,7 @@ async def test_agent_rollouts_on_a_local_engine_use_the_text_protocol(tiny_model
 
 @pytest.fixture(scope="module")
 def embedded_backend():
-    from clgrpo.models import ModelError, fetch_embedded
+    from clgrpo.models.weights import ModelError, fetch_embedded
 
     try:
         folder = fetch_embedded(log=lambda _m: None).hf_dir

@@ -1,7 +1,7 @@
-"""Usefulness and confidence per experience (clgrpo/usefulness.py): which ids a summary cites, and the Beta
+"""Usefulness and confidence per experience (clgrpo/experience/usefulness.py): which ids a summary cites, and the Beta
 posterior over the citing attempts' outcomes."""
 
-from clgrpo.usefulness import cited_ids, confidence, describe_stat, step_stats
+from clgrpo.experience.usefulness import cited_ids, confidence, describe_stat, step_stats
 from schemas.records import ExperienceStat, GroupAdvantage, Reward, Summary
 
 

@@ -17,7 +17,7 @@ PACKAGES = ("schemas", "clgrpo", "domains", "tasks", "flows", "application")
 
 # name -> why several modules define it (one line each)
 ALLOWED = {
-    "main": "each module run as a program has its own entry point (python -m clgrpo.embeddings, the sandbox "
+    "main": "each module run as a program has its own entry point (python -m clgrpo.models.embeddings, the sandbox "
     "worker, the clgrpo CLI)",
     "rollout_messages": "each domain's prompt module implements Domain.rollout_messages (math, web)",
     "run_batch": "each local backend's batch function for the engine of clgrpo.llm.local (transformers, vLLM)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from clgrpo.store import Store
+from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
 from domains.web.settings import OpenConfig, SearchConfig, WebSettings

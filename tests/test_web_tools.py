@@ -11,7 +11,7 @@ import socket
 import httpx
 import pytest
 
-from clgrpo.dataset import load_problems
+from clgrpo.inputs.dataset import load_problems
 from clgrpo.testing.loopback import LoopbackHandler, LoopbackServer
 from clgrpo.testing.web_world import SiteServer, build_site, make_questions, make_towns, write_questions
 from domains import ToolContext, ToolFailure, get_domain

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from clgrpo.state import resolve_db
-from clgrpo.store import Store, parse_library_ref
+from clgrpo.storage.state import resolve_db
+from clgrpo.storage.store import Store, parse_library_ref
 from schemas.config import RunConfig
 
 DB_HELP = "DuckDB file (default: the most recent database that holds the run, else the most recent one)"
@@ -80,7 +80,7 @@ def read_store(db: str) -> Store:
 
 def db_of(args: argparse.Namespace, ref: str | None = None) -> str:
     """``--db``, else the most recent database that holds the run of ``ref`` (RUN, RUN:VERSION), else the most
-    recent database (see ``clgrpo.state``)."""
+    recent database (see ``clgrpo.storage.state``)."""
     return resolve_db(args.db, parse_library_ref(ref)[0] if ref else None)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from application.commands.common import Command, CommandGroup
-from clgrpo.config import ConfigError
+from clgrpo.inputs.config import ConfigError
 from domains.math.synthetic import FAMILIES
 from schemas.config import DatasetConfig
 
@@ -27,7 +27,7 @@ def cmd_data_make(args: argparse.Namespace) -> int:
 
 
 def _problems_of(path: str) -> list:
-    from clgrpo.dataset import load_problems
+    from clgrpo.inputs.dataset import load_problems
 
     return load_problems(DatasetConfig(path=path, shuffle=False))
 

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from application.commands.common import Command, default_run_id, prefect_defaults, resume_command, session
-from clgrpo import stopping
-from clgrpo.state import remember_db
+from clgrpo.process import stopping
+from clgrpo.storage.state import remember_db
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -18,11 +18,11 @@ from application.commands.common import (
     rollout_mode_line,
     session,
 )
-from clgrpo import stopping
-from clgrpo.config import ConfigError, load_config
-from clgrpo.state import remember_db
-from clgrpo.store import parse_library_ref
-from clgrpo.words import counted
+from clgrpo.inputs.config import ConfigError, load_config
+from clgrpo.process import stopping
+from clgrpo.process.words import counted
+from clgrpo.storage.state import remember_db
+from clgrpo.storage.store import parse_library_ref
 from schemas.config import DatasetConfig, EvalConfig, RunConfig
 
 if TYPE_CHECKING:
@@ -33,8 +33,8 @@ def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
     """The policy (and domain) to evaluate with: ``--config``, else the stored config of the first run whose
     library is evaluated; the database is ``--db``, else the most recent database holding that run (a demo's
     run is found in the demo's database), else the config's ``db_path`` (with ``--config``)."""
-    from clgrpo.adapters import split_condition
-    from clgrpo.state import database_holding
+    from clgrpo.llm.adapters import split_condition
+    from clgrpo.storage.state import database_holding
 
     refs = [split_condition(r)[1] for r in refs]  # adapter:RUN:STEP / both:RUN:STEP: that run's policy
     run_refs = [r for r in refs if r.lower() != "none" and not Path(r).is_file()]
@@ -53,8 +53,8 @@ def _eval_model_config(args: argparse.Namespace, refs: list[str]) -> RunConfig:
 def _check_runs_in(db: str, refs: list[str]) -> None:
     """Every run an evaluation reads a library of is in ``db``: checked before anything is written there (a
     wrong database is one line, not an empty file left behind)."""
-    from clgrpo.adapters import split_condition
-    from clgrpo.state import holds
+    from clgrpo.llm.adapters import split_condition
+    from clgrpo.storage.state import holds
 
     for ref in refs:
         ref = split_condition(ref)[1]

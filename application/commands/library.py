@@ -8,15 +8,15 @@ import textwrap
 from pathlib import Path
 
 from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
-from clgrpo.library import describe_operation, diff, item_text
-from clgrpo.state import resolve_db
-from clgrpo.store import Store, StoreError, parse_library_ref
+from clgrpo.experience.library import describe_operation, diff, item_text
+from clgrpo.storage.state import resolve_db
+from clgrpo.storage.store import Store, StoreError, parse_library_ref
 from schemas.records import ExperienceStat, LibraryQuality
 
 
 def cmd_library_show(args: argparse.Namespace) -> int:
-    from clgrpo.quality import describe_quality
-    from clgrpo.usefulness import NOT_MEASURED, describe_stat, measured
+    from clgrpo.experience.quality import describe_quality
+    from clgrpo.experience.usefulness import NOT_MEASURED, describe_stat, measured
 
     run_id, version = parse_library_ref(args.ref)
     with read_store(db_of(args, args.ref)) as store:
@@ -86,8 +86,8 @@ def cmd_library_ops(args: argparse.Namespace) -> int:
 def cmd_library_rollback(args: argparse.Namespace) -> int:
     import getpass
 
-    from clgrpo import adopt
-    from clgrpo.run_lock import RunLock
+    from clgrpo.refresh import adopt
+    from clgrpo.storage.run_lock import RunLock
 
     db = resolve_db(args.db, refresh=args.name)
     with RunLock(db, "refresh", args.name), Store(db) as store:

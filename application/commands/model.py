@@ -8,16 +8,16 @@ import time
 from pathlib import Path
 
 from application.commands.common import Command, CommandGroup
-from clgrpo import stopping
-from clgrpo.config import ConfigError
+from clgrpo.inputs.config import ConfigError
+from clgrpo.process import stopping
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
-    from clgrpo.models import SMOLLM2, fetch_model, known_model
+    from clgrpo.models.weights import SMOLLM2, fetch_model, known_model
 
     started = time.monotonic()
     if args.embeddings:  # the sentence-embedding model of library.near_duplicates
-        from clgrpo.embeddings import EmbeddingError, fetch_embedded_model
+        from clgrpo.models.embeddings import EmbeddingError, fetch_embedded_model
 
         try:
             folder = fetch_embedded_model(args.cache_dir, force=args.force, log=print)
@@ -38,14 +38,14 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_model_path(args: argparse.Namespace) -> int:
-    from clgrpo.models import resolve_model_path
+    from clgrpo.models.weights import resolve_model_path
 
     print(resolve_model_path(args.name, args.cache_dir))
     return 0
 
 
 def cmd_model_list(args: argparse.Namespace) -> int:
-    from clgrpo.models import MODELS, embedded_gguf, embedded_hf_dir, is_converted
+    from clgrpo.models.weights import MODELS, embedded_gguf, embedded_hf_dir, is_converted
 
     for key, model in MODELS.items():
         cached = (
@@ -79,7 +79,7 @@ def cmd_model_serve(args: argparse.Namespace) -> int:
     """Serve a fetched model (or a GGUF file of your own) with llama-server until interrupted (fetching and
     building what is missing). A server that cannot start or crashes is one line (a ServerError), exit 1."""
     from application.llama_server import LlamaServer, ensure_engine
-    from clgrpo.models import ModelError, fetch_model, known_model
+    from clgrpo.models.weights import ModelError, fetch_model, known_model
 
     if args.name.endswith(".gguf"):
         gguf, name, alias = Path(args.name).expanduser(), Path(args.name).name, Path(args.name).stem

@@ -15,11 +15,11 @@ from application.commands.common import (
     resume_command,
     session,
 )
-from clgrpo import stopping
-from clgrpo.config import ConfigError, load_config
-from clgrpo.promotion import failing_summary
-from clgrpo.run_lock import refuse_if_running
-from clgrpo.state import remember_db, resolve_db
+from clgrpo.inputs.config import ConfigError, load_config
+from clgrpo.process import stopping
+from clgrpo.refresh.promotion import failing_summary
+from clgrpo.storage.run_lock import refuse_if_running
+from clgrpo.storage.state import remember_db, resolve_db
 from schemas.config import RefreshConfig
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 def print_decision(d: RefreshDecision, failing_tags: str = "") -> None:
-    """``failing_tags``: the tags that failed the promotion gate, in one line (``clgrpo.promotion.failing_summary``)."""
+    """``failing_tags``: the tags that failed the promotion gate, in one line
+    (``clgrpo.refresh.promotion.failing_summary``)."""
     gain = "" if d.diff is None else f", gain {d.diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
     failing = f", failing tags: {failing_tags}" if failing_tags else ""
     print(f"{d.refresh_date}  {d.refresh_id}: {d.status} ({d.n_new_problems} new problems{gain}{failing})")
@@ -64,8 +65,8 @@ def cmd_refresh_run(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh_history(args: argparse.Namespace) -> int:
-    from clgrpo import adopt
-    from clgrpo.review import describe_decision, is_open, stored_decisions
+    from clgrpo.refresh import adopt
+    from clgrpo.refresh.review import describe_decision, is_open, stored_decisions
     from schemas.records import utcnow
 
     db = resolve_db(args.db, refresh=args.name)

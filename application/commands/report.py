@@ -6,11 +6,11 @@ import argparse
 from pathlib import Path
 
 from application.commands.common import DB_HELP, Command, db_of, read_store
-from clgrpo.store import StoreError
+from clgrpo.storage.store import StoreError
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from clgrpo.report import write_report
+    from clgrpo.reports.report import write_report
 
     db = db_of(args, args.run_id)
     out = Path(args.out) if args.out else Path(db).resolve().parent / args.run_id

@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from application.commands.common import Command, prefect_defaults, read_store, session
 from application.commands.refresh import print_decision
-from clgrpo import stopping
-from clgrpo.config import ConfigError
-from clgrpo.state import resolve_db
-from clgrpo.store import Store, StoreError
+from clgrpo.inputs.config import ConfigError
+from clgrpo.process import stopping
+from clgrpo.storage.state import resolve_db
+from clgrpo.storage.store import Store, StoreError
 from schemas.config import RefreshConfig
 from schemas.records import RefreshInput
 
@@ -40,7 +40,7 @@ def print_change(c: Any) -> None:
 def _ask_terminal(changes: list, reviewer: str, check: Any) -> dict[str, Any]:
     """One answer per change from the terminal: approve, edit (then the new text, asked again while the lesson
     guard refuses it) or reject, and a reason."""
-    from clgrpo.review import field_name
+    from clgrpo.refresh.review import field_name
 
     if not sys.stdin.isatty():  # the changes still listed: what a --decisions file answers, by change id
         for c in changes:
@@ -68,7 +68,7 @@ def review_answers(args: argparse.Namespace, changes: list, check: Any) -> dict[
     """Form data from --decisions FILE, --approve-all / --reject-all, or the terminal."""
     import json
 
-    from clgrpo.review import uniform_answers
+    from clgrpo.refresh.review import uniform_answers
 
     if args.decisions:
         try:
@@ -85,7 +85,7 @@ def review_answers(args: argparse.Namespace, changes: list, check: Any) -> dict[
 
 
 def _find_request(store: Store, key: str) -> Any:
-    from clgrpo.review import stored_request
+    from clgrpo.refresh.review import stored_request
 
     found = stored_request(store, key)
     if found is None:
@@ -103,7 +103,7 @@ def _resume(request: Any, form: dict[str, Any]) -> str:
     from prefect.exceptions import FlowPauseTimeout, NotPausedError
     from prefect.flow_runs import resume_flow_run
 
-    from clgrpo.review import ReviewError
+    from clgrpo.refresh.review import ReviewError
 
     try:
         resume_flow_run(UUID(request.flow_run_id), run_input=form)
@@ -118,7 +118,7 @@ def _resume(request: Any, form: dict[str, Any]) -> str:
 def cmd_review(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from clgrpo.review import (
+    from clgrpo.refresh.review import (
         ReviewError,
         answers_from,
         conclude,
@@ -128,7 +128,7 @@ def cmd_review(args: argparse.Namespace) -> int:
         timed_out,
         timeout_reason,
     )
-    from clgrpo.run_lock import RunLock
+    from clgrpo.storage.run_lock import RunLock
 
     db = resolve_db(args.db, args.refresh)
     with read_store(db) as store:

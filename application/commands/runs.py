@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
-from clgrpo.config import ConfigError
-from clgrpo.run_lock import holder, refuse_if_running
-from clgrpo.store import Store, StoreError
-from clgrpo.words import counted
+from clgrpo.inputs.config import ConfigError
+from clgrpo.process.words import counted
+from clgrpo.storage.run_lock import holder, refuse_if_running
+from clgrpo.storage.store import Store, StoreError
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -118,7 +118,7 @@ def delete_run_files(db: str, run_id: str) -> list[str]:
     exported library files stay: they are the product)."""
     import shutil
 
-    from clgrpo.journal import discard_run, run_journals
+    from clgrpo.storage.journal import discard_run, run_journals
 
     base = Path(db).expanduser().resolve().parent
     found = [str(p) for p in run_journals(db, run_id)]

@@ -17,10 +17,10 @@ from application.commands.common import (
     rollout_mode_line,
     session,
 )
-from clgrpo import stopping
-from clgrpo.config import load_config
-from clgrpo.run_lock import refuse_if_running
-from clgrpo.state import remember_db
+from clgrpo.inputs.config import load_config
+from clgrpo.process import stopping
+from clgrpo.storage.run_lock import refuse_if_running
+from clgrpo.storage.state import remember_db
 from schemas.config import RunConfig
 
 if TYPE_CHECKING:
@@ -74,9 +74,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def check_identity(config: RunConfig, accept_change: bool) -> str | None:
-    """A resumed run against the model it was trained with (``clgrpo.store.identity_change``): another one is
+    """A resumed run against the model it was trained with (``clgrpo.storage.store.identity_change``): another one is
     refused in one line before Prefect starts, unless accepted; the line to print, if any (the flow binds it)."""
-    from clgrpo.store import identity_change
+    from clgrpo.storage.store import identity_change
 
     path, run_id = Path(config.db_path).expanduser(), config.require_run_id()
     if not path.is_file():

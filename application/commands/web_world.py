@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from application.commands.common import Command
-from clgrpo import stopping
+from clgrpo.process import stopping
 
 
 def cmd_web_world(args: argparse.Namespace) -> int:

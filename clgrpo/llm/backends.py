@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clgrpo.api_keys import resolve_api_key
 from clgrpo.llm.errors import CountRefused, PermanentLLMError, SchemaRefused, ToolsRefused, TransientLLMError
 from clgrpo.llm.transport import dumps_text, loads, make_transport
-from clgrpo.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
+from clgrpo.models.api_keys import resolve_api_key
+from clgrpo.models.retry import RATE_LIMITED, is_retryable_status, retry_after_seconds
 from schemas.config import ModelConfig
 
 Message = dict[str, Any]  # a chat message; agent turns carry "tool_calls" / "tool_call_id" besides the text

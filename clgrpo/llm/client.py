@@ -7,7 +7,7 @@ every request sent (tokens, latency, cost, and for a failed attempt its cause).
 Retries: transient errors (5xx, timeouts, connection resets, malformed or empty replies) are retried with
 exponential backoff and jitter up to ``max_retries`` times. Rate limits (429) are retried by time, not by count:
 for up to ``max_rate_limit_wait_s`` from a call's first 429, honouring ``Retry-After``, with every caller
-paused until the window ends. Each record is also appended to the active work journal (``clgrpo.journal``) the
+paused until the window ends. Each record is also appended to the active work journal (``clgrpo.storage.journal``) the
 moment it exists, so calls of a stage that fails or is killed are still accounted.
 """
 
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from clgrpo import journal
 from clgrpo.llm.backends import (
     Backend,
     Generation,
@@ -40,7 +39,8 @@ from clgrpo.llm.backends import (
 from clgrpo.llm.errors import CountRefused
 from clgrpo.llm.factory import make_backend
 from clgrpo.llm.structured import StructuredOutputError, parse_operations
-from clgrpo.retry import Backoff, RetryBudget
+from clgrpo.models.retry import Backoff, RetryBudget
+from clgrpo.storage import journal
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import LLMCall, Operation, utcnow
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError, TransientLLMError
+from clgrpo.process import stopping
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from clgrpo import stopping
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
 from clgrpo.llm.local import Engine, Result, get_engine
-from clgrpo.models import ModelError, ModelLocation, quiet_transformers, resolve_model_path
-from clgrpo.runtime import auto_cpu_threads
+from clgrpo.models.weights import ModelError, ModelLocation, quiet_transformers, resolve_model_path
+from clgrpo.process import stopping
+from clgrpo.process.runtime import auto_cpu_threads
 from schemas.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def checked_adapter(cfg: ModelConfig) -> str | None:
     opened the run's database before it gets here)."""
     if cfg.adapter is None:
         return None
-    from clgrpo.adapters import AdapterError, check_adapter, resolve_adapter
+    from clgrpo.llm.adapters import AdapterError, check_adapter, resolve_adapter
 
     try:
         folder = resolve_adapter(cfg.adapter, None)

@@ -25,7 +25,7 @@ from typing import Any
 
 from clgrpo.llm.backends import Generation, GenRequest, PermanentLLMError
 from clgrpo.llm.local import Engine, Result, get_engine
-from clgrpo.models import EMBEDDED, ModelError, resolve_model_path
+from clgrpo.models.weights import EMBEDDED, ModelError, resolve_model_path
 from schemas.config import ModelConfig
 
 DEFAULT_MAX_ROWS = 4096  # vLLM schedules within a call itself; this only bounds one call's size

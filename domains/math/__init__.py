@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clgrpo.dataset import (
+from clgrpo.inputs.dataset import (
     DatasetError,
     LoadReport,
     load_problems,

@@ -1,4 +1,4 @@
-"""The math domain's tool: a sandboxed Python interpreter, one per agent rollout (``clgrpo.sandbox``)."""
+"""The math domain's tool: a sandboxed Python interpreter, one per agent rollout (``clgrpo.sandbox.pool``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from schemas.config import AgentConfig
 
 
 async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
-    from clgrpo.sandbox import SandboxUnavailable, sandbox_for
+    from clgrpo.sandbox.pool import SandboxUnavailable, sandbox_for
 
     code = arguments.get("code")
     if not isinstance(code, str) or not code.strip():
@@ -28,7 +28,7 @@ async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOut
 
 def check_python(agent: AgentConfig) -> str:
     """The sandbox works on this machine (its kernel features), or one line on what is missing."""
-    from clgrpo.sandbox import SandboxUnavailable, check_isolation
+    from clgrpo.sandbox.pool import SandboxUnavailable, check_isolation
 
     try:
         return f"python tool: {check_isolation()}"

@@ -41,9 +41,9 @@ from contextlib import contextmanager
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
-from clgrpo import verify_child as child
-from clgrpo.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR
-from clgrpo.verify_child import VerifyResult, Worker
+from clgrpo.sandbox import verify_child as child
+from clgrpo.sandbox.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR
+from clgrpo.sandbox.verify_child import VerifyResult, Worker
 
 
 def _usable_cores() -> int:
@@ -61,7 +61,7 @@ MAX_LOST_ROUNDS = 3  # a batch gives up after its pool was killed this often by 
 _POLL_S = 0.05
 
 
-# --- child side: clgrpo/verify_child.py (imports nothing of clgrpo's packages, so children start fast) ---
+# --- child side: clgrpo/sandbox/verify_child.py (imports nothing of clgrpo's packages, so children start fast) ---
 _child_init, _run_item, _grade_one = child.child_init, child.run_item, child.grade_one
 
 

@@ -1,7 +1,7 @@
 """The web domain: questions answered by searching and browsing pages (WebWalkerQA-style), with an optional
 reference answer and an optional start page.
 
-Datasets use the core loader's validation (``clgrpo/dataset.py``) and field settings
+Datasets use the core loader's validation (``clgrpo/inputs/dataset.py``) and field settings
 (``dataset.problem_field: question``, ``dataset.answer_field: answer`` or null, ``dataset.url_field: root_url``:
 the start page is added to the question as "Start page: URL"). Agent rollouts get two tools
 (``domains/web/tools.py``). Without a judge, an answer is graded by normalized match: the reference's words, in
@@ -14,7 +14,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from clgrpo.dataset import LoadReport, load_problems_with_report
+from clgrpo.inputs.dataset import LoadReport, load_problems_with_report
 from clgrpo.prompts.rollout import ShownExample
 from clgrpo.prompts.web_rollout import DOMAIN, EXAMPLE_LESSONS, rollout_messages
 from domains.base import Message, Tool, VerifyResult

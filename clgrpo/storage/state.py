@@ -91,7 +91,7 @@ def holds(
     or refresh ``value``); False when it cannot be opened (it waits a little while a run writes it)."""
     import duckdb
 
-    from clgrpo.store import Store, StoreError
+    from clgrpo.storage.store import Store, StoreError
 
     try:
         with Store(db, read_only=True) as store:

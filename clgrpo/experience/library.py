@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from clgrpo.leakage import jaccard
-from clgrpo.tokens import estimate_tokens
+from clgrpo.experience.tokens import estimate_tokens
+from clgrpo.inputs.leakage import jaccard
 from schemas.records import (
     Experience,
     ExperienceStat,
@@ -314,7 +314,7 @@ class ExperienceLibrary:
         return sorted(candidates, key=rank)[: self.view.shown]
 
     def with_shown(self, shown: Mapping[str, Sequence[str]]) -> "ExperienceLibrary":
-        """This version, routing each problem's prompt to the ids in ``shown`` (``clgrpo.retrieval``)."""
+        """This version, routing each problem's prompt to the ids in ``shown`` (``clgrpo.experience.retrieval``)."""
         return self._derived(self._items, shown=shown)
 
     def with_view(self, view: ExampleView) -> "ExperienceLibrary":
@@ -336,8 +336,8 @@ class ExperienceLibrary:
         return ExperienceLibrary(items, **(settings | changes))  # type: ignore[arg-type]
 
     def prompt_tokens(self) -> int:
-        """Estimated tokens of the rendered lessons (``clgrpo.tokens``): what ``library.max_tokens`` bounds. The
-        examples are bounded by count instead (``library.examples_shown`` per prompt)."""
+        """Estimated tokens of the rendered lessons (``clgrpo.experience.tokens``): what ``library.max_tokens`` bounds.
+        The examples are bounded by count instead (``library.examples_shown`` per prompt)."""
         return sum(estimate_tokens(_prompt_line(e)) for e in self.lessons)
 
     # --- applying operations ----------------------------------------------------------------------------

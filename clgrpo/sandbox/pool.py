@@ -1,6 +1,6 @@
 """The sandboxed Python tool of agent rollouts: a pool of interpreters, one per rollout (session).
 
-Each session gets its own interpreter in a separate process (``clgrpo/sandbox_worker.py``), started lazily at
+Each session gets its own interpreter in a separate process (``clgrpo/sandbox/worker.py``), started lazily at
 its first ``run()``, with one persistent namespace for the session's calls, a fresh temporary directory as
 cwd/HOME/TMPDIR (removed when the session ends), and per-call limits. At most ``pool_size`` interpreters are
 alive at once; ``spares`` of them are started ahead (Python started, worker imported, waiting) and bound to a
@@ -45,7 +45,7 @@ the kernel already filters.
   from /proc, outside the sandbox, so a cell cannot disarm these kills.
 * **Environment**: ``python -I -B`` (isolated mode) of the parent's interpreter, a new session, only the
   protocol fds, and a minimal environment (PATH, HOME/TMPDIR, LANG, thread-count variables, and CLGRPO_OWNER,
-  the parent's pid and start time for ``clgrpo.leftovers``): none of the parent's variables (API keys) reach the
+  the parent's pid and start time for ``clgrpo.process.leftovers``): none of the parent's variables (API keys) reach the
   interpreter.
 
 What it does not protect against
@@ -81,7 +81,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
-from clgrpo.leftovers import owner_env, remove_tree, temp_prefix
+from clgrpo.process.leftovers import owner_env, remove_tree, temp_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -90,8 +90,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PythonSandbox", "PythonSession", "RunResult", "SandboxUnavailable", "check_isolation", "sandbox_for"]
 
-WORKER = Path(__file__).resolve().with_name("sandbox_worker.py")
-PROJECT = Path(__file__).resolve().parent.parent  # the repository that contains clgrpo/
+WORKER = Path(__file__).resolve().with_name("worker.py")
+PROJECT = Path(__file__).resolve().parents[2]  # the repository that contains clgrpo/
 NOBODY = 65534
 NOFILE = 64  # open files of one interpreter
 START_TIMEOUT_S = 60.0  # Python start-up + the worker's imports (generous: a loaded machine)
@@ -291,7 +291,7 @@ def _env() -> dict[str, str]:
         "MPLBACKEND": "Agg",
     }
     env.update({name: "1" for name in THREAD_VARS})
-    env.update(owner_env())  # who started it, for the sweep after a SIGKILL (clgrpo.leftovers)
+    env.update(owner_env())  # who started it, for the sweep after a SIGKILL (clgrpo.process.leftovers)
     return env
 
 

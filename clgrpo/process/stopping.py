@@ -10,7 +10,7 @@ cancellation with ``call_soon_threadsafe`` and repeats it until the flow acknowl
 
 A second signal, or a shutdown longer than ``CLGRPO_STOP_GRACE_S`` (default 8 s), exits at once with the same
 kind of line: what finished is in DuckDB and the work journal, the run resumes from there, and the next clgrpo
-command sweeps what the process could not clean up (``clgrpo.leftovers``).
+command sweeps what the process could not clean up (``clgrpo.process.leftovers``).
 
 Flows started by a Prefect worker get the same handling from ``flow_body``: a cancel from the UI (or
 ``prefect flow-run cancel``) reaches the flow process as SIGTERM.

@@ -1,10 +1,10 @@
 """Quality of a library version as a whole, per step: size, tokens, duplicates, confidence, coverage, churn.
 
-- ``tokens``: the estimated tokens of the whole rendered library (``clgrpo.tokens``; what ``library.max_tokens``
-  bounds).
+- ``tokens``: the estimated tokens of the whole rendered library (``clgrpo.experience.tokens``; what
+  ``library.max_tokens`` bounds).
 - ``near_duplicates`` / ``duplicate_ratio``: the step's adds and modifies rejected or merged as near-duplicates
   of live experiences, and their share of all adds and modifies of the step's plan.
-- ``mean_confidence`` and ``never_cited_share``: over the live experiences' stats (``clgrpo.usefulness``).
+- ``mean_confidence`` and ``never_cited_share``: over the live experiences' stats (``clgrpo.experience.usefulness``).
 - ``coverage``: of the step's problems with summaries (groups with reward variance: only they are summarized),
   the share where at least one attempt's summary cited a lesson it was shown.
 - churn, the step's applied operations: ``added`` (new ids: adds, merge results), ``modified``, ``deleted`` (ids
@@ -17,9 +17,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from clgrpo.library import NEAR_DUPLICATE, ExperienceLibrary
-from clgrpo.usefulness import cited_ids
-from clgrpo.words import counted
+from clgrpo.experience.library import NEAR_DUPLICATE, ExperienceLibrary
+from clgrpo.experience.usefulness import cited_ids
+from clgrpo.process.words import counted
 from schemas.records import ExperienceStat, LibraryQuality, OperationResult, OpKind, OpStatus, Summary
 
 

@@ -1,5 +1,5 @@
 """New problems for the nightly refresh: what arrived up to a cutoff in a directory of dataset files or a
-DuckDB table, minus what earlier refreshes already took; or the production traces (``clgrpo.traces``) that
+DuckDB table, minus what earlier refreshes already took; or the production traces (``clgrpo.refresh.traces``) that
 arrived after the previous refresh's watermark.
 
 Every dataset file (or the table's rows, exported to one parquet file) goes through the domain's dataset loader,
@@ -19,8 +19,8 @@ from typing import Protocol
 import duckdb
 import pandas as pd
 
-from clgrpo.dataset import LoadReport
-from clgrpo.traces import Reject, TraceRead, read_traces, source_files
+from clgrpo.inputs.dataset import LoadReport
+from clgrpo.refresh.traces import Reject, TraceRead, read_traces, source_files
 from schemas.config import DatasetConfig, RefreshSource
 from schemas.records import Problem, RefreshInput, RefreshReject, RefreshWatermark, text_hash
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from clgrpo import plots, usefulness
-from clgrpo.library import ExperienceLibrary, diff, item_text
-from clgrpo.metrics import Estimate, bootstrap_ci, paired_difference
-from clgrpo.store import Store
-from clgrpo.usefulness import describe_stat
-from clgrpo.words import counted
+from clgrpo.experience import usefulness
+from clgrpo.experience.library import ExperienceLibrary, diff, item_text
+from clgrpo.experience.usefulness import describe_stat
+from clgrpo.process.words import counted
+from clgrpo.reports import plots
+from clgrpo.reports.metrics import Estimate, bootstrap_ci, paired_difference
+from clgrpo.storage.store import Store
 from schemas.config import RunConfig
 from schemas.records import (
     EvalComparison,
@@ -238,7 +239,7 @@ def step_table(data: RunData) -> Table:
 
 
 def quality_table(data: RunData) -> Table:
-    """Per step (version N is the library after step N): what ``clgrpo.quality`` measures."""
+    """Per step (version N is the library after step N): what ``clgrpo.experience.quality`` measures."""
 
     def share(value: float | None) -> str:
         return "" if value is None else f"{value:.0%}"

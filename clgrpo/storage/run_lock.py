@@ -1,6 +1,6 @@
 """One live process per run: a lock file per (database, run id).
 
-The DuckDB file is held only while the store works (``clgrpo.store``), so it no longer keeps a second process
+The DuckDB file is held only while the store works (``clgrpo.storage.store``), so it no longer keeps a second process
 from running the same run. A ``RunLock`` does: an exclusive ``flock`` on
 ``<db dir>/.locks/<db name>/<kind>-<id>.lock`` (kinds: ``train`` per run id, ``eval`` per evaluation id,
 ``refresh`` per refresh name), holding the owner's pid and start time, taken for the whole flow and released on
@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
-from clgrpo.store import StoreLockedError
+from clgrpo.storage.store import StoreLockedError
 
 LOCK_DIR = ".locks"
 ACQUIRE_WAIT_S = 1.0  # a reader's probe holds a shared lock for microseconds: wait that out, not a live owner

@@ -16,8 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from clgrpo.library import ExperienceLibrary, LibraryFormatError
-from clgrpo.store import Store, StoreError, parse_library_ref
+from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError
+from clgrpo.storage.store import Store, StoreError, parse_library_ref
 from schemas.records import LibraryAdoption, utcnow
 from schemas.stages import Stage
 

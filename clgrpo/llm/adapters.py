@@ -1,6 +1,6 @@
 """LoRA adapters of the policy: where they live, what base model they belong to, and references to them.
 
-An adapter the numeric step saves (``clgrpo.hybrid``) is a peft folder (``adapter_model.safetensors`` +
+An adapter the numeric step saves (``clgrpo.models.hybrid``) is a peft folder (``adapter_model.safetensors`` +
 ``adapter_config.json``) under the run's export dir, ``<db dir>/<run_id>/adapter_step<N>/``, with
 ``clgrpo_adapter.json`` naming the base model it was trained on, and a row in the ``adapters`` table. A
 reference is a folder, ``RUN_ID:STEP`` or ``RUN_ID:latest`` (resolved through that table). An adapter is
@@ -15,13 +15,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clgrpo.models import ModelError, ModelLocation, resolve_model_path
+from clgrpo.models.weights import ModelError, ModelLocation, resolve_model_path
 from schemas.config import ModelConfig, RunConfig
 from schemas.records import AdapterVersion
 from schemas.stages import Stage
 
 if TYPE_CHECKING:
-    from clgrpo.store import Store
+    from clgrpo.storage.store import Store
 
 META_FILE = "clgrpo_adapter.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -10,7 +10,7 @@ optional ``tool_calls``, ``feedback`` (``thumbs``: +1/-1, up/down or true/false;
 * The answer, first found: ``feedback.reference``, ``feedback.correction``, the final answer of a thumbs-up
   reply (the domain's ``reply_answer``), else none. A thumbs-down reply's final answer is kept as
   ``rejected_answer`` (a known wrong answer; stored, not used in grading).
-* Secrets are redacted (``clgrpo.redact``) from every text before it is kept.
+* Secrets are redacted (``clgrpo.refresh.redact``) from every text before it is kept.
 * A malformed row (not JSON, no user message, a field of the wrong type, a line over ``max_line_bytes``) is
   skipped with ``file:line: reason``; a missing ``feedback`` is fine (feedback is optional).
 """
@@ -28,7 +28,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from clgrpo.redact import Redactor
+from clgrpo.refresh.redact import Redactor
 from schemas.config import DatasetConfig, RefreshSource
 
 Query = Callable[[str, Sequence[object]], pd.DataFrame]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from clgrpo.leftovers import temp_prefix
+from clgrpo.process.leftovers import temp_prefix
 
 EMBEDDED = "embedded"
 CACHE_ENV = "CLGRPO_CACHE"

@@ -9,7 +9,7 @@ store's own in-memory DuckDB connection and detaches it when it returns (about 2
 attachment, ``connected()`` keeps it for a block). Another process's commands (``clgrpo runs list`` during a run)
 and other runs on the same file get their turn between calls: opening retries with backoff while another
 process holds the file, up to ``wait_s`` (60 s for writers, 10 s read-only), then ``StoreLockedError`` names
-the holder's pid. One live process per run id is ``clgrpo.run_lock``'s job, not DuckDB's.
+the holder's pid. One live process per run id is ``clgrpo.storage.run_lock``'s job, not DuckDB's.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pydantic import BaseModel
 
-from clgrpo.library import ExperienceLibrary
+from clgrpo.experience.library import ExperienceLibrary
 from schemas.catalog import TABLES
 from schemas.config import ModelIdentity, RunConfig
 from schemas.config_migrations import as_started, not_fingerprinted, section_type

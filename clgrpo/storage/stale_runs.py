@@ -2,7 +2,7 @@
 
 A SIGKILL (or a power cut, an OOM kill) ends a flow run's process before Prefect can report anything, so the
 flow run stays Running (or Pending) in Prefect's database forever. When the same run is started again, the
-new flow run calls ``mark_stale_runs_crashed`` while it holds the run's lock (``clgrpo.run_lock``: one live
+new flow run calls ``mark_stale_runs_crashed`` while it holds the run's lock (``clgrpo.storage.run_lock``: one live
 process per run id and database, released by the kernel when its process dies), so no other live process can
 be running this run on this database, and every other Running/Pending flow run of the same name (and the same
 database) is a dead one.

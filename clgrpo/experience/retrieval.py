@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from clgrpo.embeddings import Embedder, make_embedder, nearest
-from clgrpo.library import ExampleView, ExperienceLibrary, normalize_text
+from clgrpo.experience.library import ExampleView, ExperienceLibrary, normalize_text
+from clgrpo.models.embeddings import Embedder, make_embedder, nearest
 from schemas.config import RunConfig
 from schemas.config_migrations import result_settings
 from schemas.records import Experience, Problem, text_hash
@@ -101,7 +101,7 @@ def _vector(vectors: Mapping[str, Sequence[float]], text: str) -> Sequence[float
 # --- with embeddings from the store ---------------------------------------------------------------------------
 async def embed_cached(store: Any, embedder: Embedder, texts: Sequence[str]) -> dict[str, list[float]]:
     """Unit-length embeddings of ``texts`` keyed by ``normalize_text``: read from DuckDB (``embeddings``, by model
-    and text hash), the missing ones computed once and stored. ``store``: a ``clgrpo.store.Store``, or None
+    and text hash), the missing ones computed once and stored. ``store``: a ``clgrpo.storage.store.Store``, or None
     to embed without the cache (a reader that may not write)."""
     keys = {normalize_text(t): text_hash(normalize_text(t)) for t in texts if t and t.strip()}
     known = store.cached_vectors(embedder.name, sorted(set(keys.values()))) if store is not None else {}

@@ -1,0 +1,1 @@
+"""The experience library and its measures: versions, tokens, usefulness, quality, what each prompt shows."""
