@@ -214,7 +214,13 @@ _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verify", ("/domains/math/verify.py",)),
     (
         "sandbox",
-        ("/clgrpo/sandbox/pool.py", "/asyncio/unix_events.py", "/asyncio/base_subprocess.py", "/subprocess.py"),
+        (
+            "/clgrpo/sandbox/pool.py",
+            "/clgrpo/sandbox/isolation.py",
+            "/asyncio/unix_events.py",
+            "/asyncio/base_subprocess.py",
+            "/subprocess.py",
+        ),
     ),
     ("pipeline", (f"{ROOT}/tasks/", f"{ROOT}/flows/", f"{ROOT}/domains/", f"{ROOT}/clgrpo/")),
 )

@@ -18,7 +18,7 @@ from clgrpo.prompts.attempts import clip, tool_trace, trajectory_text
 from clgrpo.prompts.extract import extract_messages
 from clgrpo.prompts.math_rollout import rollout_messages
 from clgrpo.prompts.summarize import summarize_messages
-from clgrpo.sandbox.pool import isolation_problem
+from clgrpo.sandbox.isolation import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Reply
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, problem_text
 from domains import Tool, ToolContext, ToolFailure, ToolOutput

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clgrpo.sandbox.pool import isolation_problem
+from clgrpo.sandbox.isolation import isolation_problem
 from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl

@@ -21,8 +21,8 @@ import yaml
 
 from clgrpo.process import leftovers
 from clgrpo.process.leftovers import OWNER_ENV, Owner, sweep, this_owner
-from clgrpo.sandbox import pool as sandbox
-from clgrpo.sandbox.pool import isolation_problem
+from clgrpo.sandbox import isolation
+from clgrpo.sandbox.isolation import isolation_problem
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from tests.processes import gone
@@ -98,7 +98,7 @@ def test_the_owner_tag_names_this_process_and_its_start_time():
         .split("/")[-1]
         .startswith(f"clgrpo-py-{me.tag}-")
     )
-    assert leftovers.SANDBOX_UID == sandbox.NOBODY
+    assert leftovers.SANDBOX_UID == isolation.NOBODY
 
 
 def test_a_live_owners_directories_are_never_swept_and_a_dead_ones_are(tmp_path):
@@ -140,7 +140,7 @@ def test_a_directory_the_sandbox_uid_owns_and_locked_is_removed(tmp_path):
     locked.mkdir()
     (locked / "f").write_text("y")
     for p in (path, locked, locked / "f", path / "cell_output.txt"):
-        os.chown(p, sandbox.NOBODY, sandbox.NOBODY)
+        os.chown(p, isolation.NOBODY, isolation.NOBODY)
     locked.chmod(0)
     assert sweep(str(tmp_path)).dirs == {"py": 1} and not path.exists()
 
@@ -282,7 +282,7 @@ def test_a_sigkilled_agent_run_leaves_directories_the_next_command_sweeps(tmp_pa
             assert Owner.parse(tag).pid == train.pid
             interpreters = wait_for(
                 lambda: (
-                    [p for p in marked_processes(tag) if p.uids().real == sandbox.NOBODY]
+                    [p for p in marked_processes(tag) if p.uids().real == isolation.NOBODY]
                     if os.geteuid() == 0
                     else marked_processes(tag)
                 ),

@@ -17,8 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from clgrpo.sandbox import isolation
 from clgrpo.sandbox import pool as sandbox_module
-from clgrpo.sandbox.pool import PythonSandbox, RunResult, SandboxUnavailable, check_isolation, sandbox_for
+from clgrpo.sandbox.isolation import SandboxUnavailable, check_isolation
+from clgrpo.sandbox.pool import PythonSandbox, RunResult, sandbox_for
 from schemas.config import SandboxConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,17 +90,17 @@ def test_isolation_line_names_the_layers():
 
 
 def test_missing_kernel_features_refuse_with_one_line(monkeypatch):
-    monkeypatch.setattr(sandbox_module, "_probe_result", None)
-    monkeypatch.setattr(sandbox_module, "_landlock_abi", lambda: (-1, 38))  # ENOSYS
+    monkeypatch.setattr(isolation, "_probe_result", None)
+    monkeypatch.setattr(isolation, "_landlock_abi", lambda: (-1, 38))  # ENOSYS
     with pytest.raises(SandboxUnavailable) as info:
         check_isolation()
     message = str(info.value)
     assert "\n" not in message and "Landlock" in message and "refuses to run without it" in message
     with pytest.raises(SandboxUnavailable):  # the failure is cached, and the pool refuses too
         PythonSandbox(config())
-    monkeypatch.setattr(sandbox_module, "_probe_result", None)
-    monkeypatch.setattr(sandbox_module, "_landlock_abi", lambda: (7, 0))
-    monkeypatch.setattr(sandbox_module, "_seccomp_action_missing", lambda machine, action: 22)
+    monkeypatch.setattr(isolation, "_probe_result", None)
+    monkeypatch.setattr(isolation, "_landlock_abi", lambda: (7, 0))
+    monkeypatch.setattr(isolation, "_seccomp_action_missing", lambda machine, action: 22)
     with pytest.raises(SandboxUnavailable, match="seccomp"):
         check_isolation()
 

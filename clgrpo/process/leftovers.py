@@ -58,7 +58,7 @@ __all__ = [
 log = logging.getLogger("clgrpo.leftovers")
 
 OWNER_ENV = "CLGRPO_OWNER"
-SANDBOX_UID = 65534  # uid nobody, to which the sandbox's interpreters drop under root (clgrpo.sandbox.pool.NOBODY)
+SANDBOX_UID = 65534  # uid nobody, to which the sandbox's interpreters drop under root (clgrpo.sandbox.isolation.NOBODY)
 TERM_GRACE_S = 2.0  # SIGTERM, then SIGKILL what still runs after this long
 # the kinds of temporary directory, and how the terminal line names them
 KINDS = {

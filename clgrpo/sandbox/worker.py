@@ -3,7 +3,7 @@
 Started as ``python -I -B worker.py RESULT_FD`` with a clean environment. It imports everything it
 needs, says "ready" and waits (a spare). The parent then binds it to a session with one message naming the
 session's temporary directory and the limits; the worker sets its resource limits, drops to uid nobody, turns
-on no_new_privs, Landlock and seccomp (see ``clgrpo.sandbox.pool`` for why each layer holds), moves into the
+on no_new_privs, Landlock and seccomp (see ``clgrpo.sandbox.isolation`` for why each layer holds), moves into the
 directory, and from then on runs code cells in one persistent namespace until its stdin is closed or it is
 killed.
 

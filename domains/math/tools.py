@@ -10,7 +10,8 @@ from schemas.config import AgentConfig
 
 
 async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOutput:
-    from clgrpo.sandbox.pool import SandboxUnavailable, sandbox_for
+    from clgrpo.sandbox.isolation import SandboxUnavailable
+    from clgrpo.sandbox.pool import sandbox_for
 
     code = arguments.get("code")
     if not isinstance(code, str) or not code.strip():
@@ -28,7 +29,7 @@ async def run_python(arguments: dict[str, Any], context: ToolContext) -> ToolOut
 
 def check_python(agent: AgentConfig) -> str:
     """The sandbox works on this machine (its kernel features), or one line on what is missing."""
-    from clgrpo.sandbox.pool import SandboxUnavailable, check_isolation
+    from clgrpo.sandbox.isolation import SandboxUnavailable, check_isolation
 
     try:
         return f"python tool: {check_isolation()}"
