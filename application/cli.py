@@ -34,7 +34,7 @@ from clgrpo.inputs.leakage import LeakageError
 from clgrpo.models.weights import ModelError
 from clgrpo.process import leftovers, stopping
 from clgrpo.process.errors import error_line
-from clgrpo.storage.store import StoreError
+from clgrpo.storage.connection import StoreError
 from tasks.preflight import PreflightError
 
 # the commands, in the order `clgrpo --help` lists them

@@ -204,7 +204,15 @@ class Probe:
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "duckdb",
-        ("/duckdb/", "/pandera/", "/pandas/", "/clgrpo/storage/store.py", "/schemas/tables.py", "/schemas/catalog.py"),
+        (
+            "/duckdb/",
+            "/pandera/",
+            "/pandas/",
+            "/clgrpo/storage/store.py",
+            "/clgrpo/storage/connection.py",
+            "/schemas/tables.py",
+            "/schemas/catalog.py",
+        ),
     ),
     (
         "llm client",

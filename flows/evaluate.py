@@ -55,10 +55,11 @@ from clgrpo.reports.report import (
     step_table,
     write_plots,
 )
+from clgrpo.storage.connection import StoreError
 from clgrpo.storage.journal import RunJournal, StageItems
 from clgrpo.storage.run_lock import RunLock
 from clgrpo.storage.state import remember_db
-from clgrpo.storage.store import Store, StoreError, parse_library_ref
+from clgrpo.storage.store import Store, parse_library_ref
 from domains import domain_for
 from flows.stages import StageRunner
 from schemas.config import DatasetConfig, EvalConfig, ModelConfig, RunConfig

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from clgrpo.experience.library import ExperienceLibrary
-from clgrpo.storage.store import ConfigMismatchError, FrameValidationError, Store, StoreError, StoreLockedError
+from clgrpo.storage.connection import StoreError, StoreLockedError
+from clgrpo.storage.store import ConfigMismatchError, FrameValidationError, Store
 from schemas.catalog import TABLES
 from schemas.config import DatasetConfig, RunConfig
 from schemas.records import (
@@ -215,7 +216,8 @@ def test_a_process_holding_the_file_gets_a_clear_lock_error_after_the_wait(tmp_p
         script = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(ROOT)!r})
-            from clgrpo.storage.store import Store, StoreLockedError
+            from clgrpo.storage.connection import StoreLockedError
+            from clgrpo.storage.store import Store
             try:
                 Store({str(path)!r}, wait_s=0.5)
             except StoreLockedError as exc:
@@ -248,11 +250,11 @@ def test_a_store_holds_the_file_only_while_a_method_works(tmp_path):
 
 
 def test_only_the_first_open_creates_the_tables(tmp_path, monkeypatch):
-    import clgrpo.storage.store as store_module
+    import clgrpo.storage.connection as connection_module
 
     calls = []
-    real = store_module.create_statements
-    monkeypatch.setattr(store_module, "create_statements", lambda: calls.append(1) or real())
+    real = connection_module.create_statements
+    monkeypatch.setattr(connection_module, "create_statements", lambda: calls.append(1) or real())
     with Store(tmp_path / "once.duckdb") as store:
         for _ in range(3):
             store.steps_done("r1")

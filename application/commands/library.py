@@ -9,8 +9,9 @@ from pathlib import Path
 
 from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
 from clgrpo.experience.library import describe_operation, diff, item_text
+from clgrpo.storage.connection import StoreError
 from clgrpo.storage.state import resolve_db
-from clgrpo.storage.store import Store, StoreError, parse_library_ref
+from clgrpo.storage.store import Store, parse_library_ref
 from schemas.records import ExperienceStat, LibraryQuality
 
 

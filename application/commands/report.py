@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from application.commands.common import DB_HELP, Command, db_of, read_store
-from clgrpo.storage.store import StoreError
+from clgrpo.storage.connection import StoreError
 
 
 def cmd_report(args: argparse.Namespace) -> int:

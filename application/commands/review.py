@@ -13,8 +13,9 @@ from application.commands.common import Command, prefect_defaults, read_store, s
 from application.commands.refresh import print_decision
 from clgrpo.inputs.config import ConfigError
 from clgrpo.process import stopping
+from clgrpo.storage.connection import StoreError
 from clgrpo.storage.state import resolve_db
-from clgrpo.storage.store import Store, StoreError
+from clgrpo.storage.store import Store
 from schemas.config import RefreshConfig
 from schemas.records import RefreshInput
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from application.commands.common import DB_HELP, Command, CommandGroup, db_of, read_store
 from clgrpo.inputs.config import ConfigError
 from clgrpo.process.words import counted
+from clgrpo.storage.connection import StoreError
 from clgrpo.storage.run_lock import holder, refuse_if_running
-from clgrpo.storage.store import Store, StoreError
+from clgrpo.storage.store import Store
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ before it (exponential backoff with jitter, capped) and what a server's ``Retry-
 Both clients of remote models use it: the LLM client (``clgrpo.llm.client``, over ``clgrpo.llm.backends``) and
 the ``/v1/embeddings`` client (``clgrpo.models.embeddings``). Their loops differ in what they count (the LLM client
 waits out rate limits by time, the embeddings client by attempts), not in the schedule, which lives here.
-The lock retry of DuckDB opens (``clgrpo.storage.store.retry_while_locked``) is a local wait, not a remote one, and
+The lock retry of DuckDB opens (``clgrpo.storage.connection.retry_while_locked``) is a local wait, not a remote one, and
 keeps its own pacing.
 """
 

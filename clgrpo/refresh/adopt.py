@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError
-from clgrpo.storage.store import Store, StoreError, parse_library_ref
+from clgrpo.storage.connection import StoreError
+from clgrpo.storage.store import Store, parse_library_ref
 from schemas.records import LibraryAdoption, utcnow
 from schemas.stages import Stage
 

@@ -25,7 +25,8 @@ from clgrpo.experience.usefulness import describe_stat
 from clgrpo.experience.usefulness import measured as usefulness_measured
 from clgrpo.refresh.adopt import adopt
 from clgrpo.refresh.promotion import Assessment
-from clgrpo.storage.store import Store, StoreError, parse_library_ref
+from clgrpo.storage.connection import StoreError
+from clgrpo.storage.store import Store, parse_library_ref
 from schemas.records import (
     Experience,
     ExperienceStat,

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
-from clgrpo.storage.store import StoreLockedError
+from clgrpo.storage.connection import StoreLockedError
 
 LOCK_DIR = ".locks"
 ACQUIRE_WAIT_S = 1.0  # a reader's probe holds a shared lock for microseconds: wait that out, not a live owner

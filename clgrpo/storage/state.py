@@ -91,7 +91,8 @@ def holds(
     or refresh ``value``); False when it cannot be opened (it waits a little while a run writes it)."""
     import duckdb
 
-    from clgrpo.storage.store import Store, StoreError
+    from clgrpo.storage.connection import StoreError
+    from clgrpo.storage.store import Store
 
     try:
         with Store(db, read_only=True) as store:

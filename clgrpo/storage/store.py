@@ -3,29 +3,18 @@
 Every frame is validated with its pandera model before insert, a stage's output is written in one transaction
 keyed by (run_id, step, stage) (a re-write replaces, never duplicates), and library versions are saved whole.
 
-DuckDB lets one process at a time open a file for writing (and then no other process may even read it), so a
-``Store`` holds the file only while one of its methods works: each public method attaches the file to the
-store's own in-memory DuckDB connection and detaches it when it returns (about 2 ms; nested calls reuse the
-attachment, ``connected()`` keeps it for a block). Another process's commands (``clgrpo runs list`` during a run)
-and other runs on the same file get their turn between calls: opening retries with backoff while another
-process holds the file, up to ``wait_s`` (60 s for writers, 10 s read-only), then ``StoreLockedError`` names
-the holder's pid. One live process per run id is ``clgrpo.storage.run_lock``'s job, not DuckDB's.
+The file is held only while a method works on it (``clgrpo.storage.connection``: the attachment, the wait
+for another process, the schema a new file gets).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import random
 import re
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar, overload
+from typing import Any, Protocol, Self, TypeVar, overload
 
 import duckdb
 import numpy as np
@@ -34,6 +23,7 @@ import pandera.pandas as pa
 from pydantic import BaseModel
 
 from clgrpo.experience.library import ExperienceLibrary
+from clgrpo.storage.connection import DuckDBFile, StoreError, attached
 from schemas.catalog import TABLES
 from schemas.config import ModelIdentity, RunConfig
 from schemas.config_migrations import as_started, not_fingerprinted, section_type
@@ -49,7 +39,7 @@ from schemas.records import (
     utcnow,
 )
 from schemas.stages import Stage
-from schemas.tables import create_statements, run_tables, stage_tables, table_of
+from schemas.tables import run_tables, stage_tables, table_of
 
 
 class StageRows(Protocol):
@@ -78,22 +68,6 @@ def table_name(table: str | type) -> str:
     return table if isinstance(table, str) else table_of(table)
 
 
-class StoreError(RuntimeError):
-    pass
-
-
-class StoreLockedError(StoreError):
-    pass
-
-
-T = TypeVar("T")
-P = ParamSpec("P")
-
-WRITE_WAIT_S = 60.0  # how long a write-mode Store waits for another process to let go of the file
-READ_WAIT_S = 10.0  # the same for read-only Stores (CLI commands): a write holds the file for milliseconds
-_ALIAS = "clgrpo_db"  # the attached file's name inside a Store's in-memory connection
-
-
 class FrameValidationError(StoreError, ValueError):
     pass
 
@@ -116,47 +90,11 @@ def parse_library_ref(ref: str) -> tuple[str, int | None]:
     return run_id, int(version)
 
 
-def _held_elsewhere(exc: duckdb.Error) -> bool:
-    """Whether opening failed only because the file is open elsewhere: another process (DuckDB's file lock)
-    or another connection of this process with another mode."""
-    text = str(exc).lower()
-    return (isinstance(exc, duckdb.IOException) and "lock" in text) or (
-        isinstance(exc, duckdb.ResourceInUseException) and "already attached" in text
-    )
-
-
-def retry_while_locked(attempt: Callable[[], T], path: str | Path, wait_s: float) -> T:
-    """``attempt()`` (an open of ``path``), again with backoff while another process holds the file, for up to
-    ``wait_s`` seconds; then ``StoreLockedError`` naming the holder. The one retry loop of DuckDB opens."""
-    deadline = time.monotonic() + wait_s
-    pause = 0.002
-    while True:
-        try:
-            return attempt()
-        except duckdb.Error as exc:
-            if not _held_elsewhere(exc):
-                raise
-            if time.monotonic() >= deadline:
-                raise StoreLockedError(_locked_message(path, exc, wait_s)) from exc
-        time.sleep(min(pause * random.uniform(0.5, 1.5), max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, 0.1)
-
-
 def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, new_rows: pd.DataFrame, conflict: str = "") -> None:
     """Insert a validated frame's rows by column name. DuckDB reads ``new_rows`` by its name (a replacement scan),
     not through a registered view: a view made and dropped inside a transaction keeps the frame alive until the
     transaction ends, and dropping it in a transaction aborted by the insert hid the insert's own error."""
     con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM new_rows {conflict}")
-
-
-def _locked_message(path: str | Path, exc: duckdb.Error, wait_s: float) -> str:
-    holder = re.search(r"\(PID (\d+)\)", str(exc))
-    who = f"process {holder.group(1)}" if holder else "another connection of this process"
-    return (
-        f"{path} is in use: {who} kept this DuckDB file open for {wait_s:g} s (DuckDB lets one process at a "
-        "time open a file for writing, and clgrpo holds it only while it reads or writes). Is another program "
-        "(a DuckDB shell, a notebook) keeping it open? Close it, or use another db_path."
-    )
 
 
 def _fields(model: type[BaseModel], row: dict) -> dict:
@@ -213,124 +151,9 @@ def _aggregate(row: tuple[Any, ...] | None) -> tuple[Any, ...]:
     return row
 
 
-def _connected(method: Callable[Concatenate[Store, P], T]) -> Callable[Concatenate[Store, P], T]:
-    """A public method that works on the file: attached for the call (reusing an attachment already open)."""
-
-    @functools.wraps(method)
-    def wrapper(self: Store, *args: P.args, **kwargs: P.kwargs) -> T:
-        with self.connected():
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-class Store:
-    """The DuckDB file ``path``, attached only while a method works on it (see the module docstring)."""
-
-    def __init__(self, path: str | Path, *, read_only: bool = False, wait_s: float | None = None) -> None:
-        self.path = Path(path)
-        self.read_only = read_only
-        self.wait_s = wait_s if wait_s is not None else (READ_WAIT_S if read_only else WRITE_WAIT_S)
-        if not read_only:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        elif not self.path.exists():
-            raise StoreError(f"{self.path}: no such DuckDB file")
-        self._memory: duckdb.DuckDBPyConnection | None = None  # made once; the file is attached to it
-        self._depth = 0  # open connected() blocks (nested calls, interleaved coroutines)
-        self._pinned = False  # attached by a bare ``con`` access: kept until close()
-        self._schema_ready = read_only  # the tables are created on the first attach of a write-mode Store
-        self._guard = threading.RLock()  # one thread at a time works on the file through this Store
-        if not read_only:
-            with self.connected():  # create the tables now, and fail here if the file cannot be opened
-                pass
-
-    # --- holding the file -------------------------------------------------------------------------------
-    @contextmanager
-    def connected(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """Keep the file attached for a block (one transaction, or many reads from one snapshot); the
-        store's methods called inside reuse the attachment."""
-        with self._guard:
-            if self._depth == 0 and not self._pinned:
-                self._attach()
-            self._depth += 1
-            try:
-                yield self._connection()
-            finally:
-                self._depth -= 1
-                if self._depth == 0 and not self._pinned:
-                    self._detach()
-
-    @property
-    def con(self) -> duckdb.DuckDBPyConnection:
-        """The connection with the file attached (and in use): inside ``connected()`` or a store method; a
-        bare access (tests, scripts) attaches it until ``close()``."""
-        with self._guard:
-            if self._depth == 0 and not self._pinned:
-                self._attach()
-                self._pinned = True
-            return self._connection()
-
-    def _connection(self) -> duckdb.DuckDBPyConnection:
-        assert self._memory is not None, "attached by _attach"
-        return self._memory
-
-    def _attach(self) -> None:
-        if self._memory is None:
-            self._memory = duckdb.connect(":memory:")  # ~10 ms, once: DuckDB's own start-up
-        mode = " (READ_ONLY)" if self.read_only else ""
-        path = str(self.path).replace("'", "''")
-        memory = self._memory
-        retry_while_locked(lambda: memory.execute(f"ATTACH '{path}' AS {_ALIAS}{mode}"), self.path, self.wait_s)
-        memory.execute(f"USE {_ALIAS}")
-        if not self._schema_ready:
-            self._create_schema()
-
-    def _create_schema(self) -> None:
-        try:
-            memory = self._connection()
-            for statement in create_statements():
-                memory.execute(statement)
-            memory.execute("INSERT INTO db_meta VALUES ('db_id', ?) ON CONFLICT DO NOTHING", [uuid.uuid4().hex])
-        except BaseException:
-            self._detach()
-            raise
-        self._schema_ready = True
-
-    def _detach(self) -> None:
-        if self._memory is not None:
-            self._memory.execute("USE memory")
-            self._memory.execute(f"DETACH {_ALIAS}")
-
-    @property
-    @_connected
-    def db_id(self) -> str:
-        """This database's identity: made when the file was created (a re-created file gets a new one)."""
-        try:
-            row = self.con.execute("SELECT value FROM db_meta WHERE key = 'db_id'").fetchone()
-        except duckdb.CatalogException:  # a file from before db_meta, opened read-only
-            row = None
-        return row[0] if row else "legacy"
-
-    # --- lifecycle ------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Let go of the file and drop the connection (a Store kept alive by a traceback must not pin DuckDB
-        objects)."""
-        with self._guard:
-            if self._memory is None:
-                return
-            try:
-                if self._depth or self._pinned:
-                    self._detach()
-            finally:
-                self._memory.close()
-                self._memory = None
-                self._depth, self._pinned = 0, False
-
-    def __enter__(self) -> "Store":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+class Store(DuckDBFile):
+    """The tables of the DuckDB file ``path``: validated writes of a stage's output in one transaction, reads by
+    record, the runs and the libraries. The file is attached only while a method works (``DuckDBFile``)."""
 
     # --- validation and writes ------------------------------------------------------------------------
     @staticmethod
@@ -405,14 +228,14 @@ class Store:
             con.execute("COMMIT")
 
     # --- reads ----------------------------------------------------------------------------------------
-    @_connected
+    @attached
     def stage_done(self, run_id: str, step: int, stage: str) -> bool:
         row = self.con.execute(
             "SELECT 1 FROM stage_runs WHERE run_id = ? AND step = ? AND stage = ?", [run_id, step, stage]
         ).fetchone()
         return row is not None
 
-    @_connected
+    @attached
     def frame(self, table: str | type, run_id: str, step: int | None = None, stage: str | None = None) -> pd.DataFrame:
         """The rows of a table (a record class names its table) of ``run_id`` (one step, one stage), in order."""
         table = table_name(table)
@@ -441,7 +264,7 @@ class Store:
         """The typed output ``kind`` of (run_id, step, stage) as stored: each of its tables' rows."""
         return kind.from_rows({table: self.records(table, run_id, step, stage) for table in kind.tables()})
 
-    @_connected
+    @attached
     def reusable_samples(self, keys: Sequence[str]) -> dict[str, Sample]:
         """Samples without error stored under these draw keys (``tasks.measure``), by key, from every table that holds
         samples (evaluations, lesson trials, library gates; any run of this file): the latest of each key (a key
@@ -466,14 +289,14 @@ class Store:
             found.setdefault(row["draw_key"], sample)
         return found
 
-    @_connected
+    @attached
     def operation_results(self, run_id: str, step: int | None = None) -> list[tuple[int, OperationResult]]:
         """Every applied or rejected operation of a run (or one step), with its step, in order."""
         frame = self.frame("operations", run_id, step)
         rows = ({k: _clean(v) for k, v in row.items()} for row in frame.to_dict(orient="records"))
         return [(int(row["step"]), TABLES["operations"].record_of(row)) for row in rows]
 
-    @_connected
+    @attached
     def adapter_before(self, run_id: str, step: int) -> str | None:
         """The folder of the latest adapter a step of ``run_id`` before ``step`` trained (None: none did)."""
         row = self.con.execute(
@@ -482,7 +305,7 @@ class Store:
         return None if row is None else str(row[0])
 
     # --- embeddings (shared by all runs of this file) ----------------------------------------------------
-    @_connected
+    @attached
     def cached_vectors(self, model: str, hashes: Sequence[str]) -> dict[str, np.ndarray]:
         """Stored embeddings of ``model`` by text hash (those not stored are absent)."""
         if not hashes:
@@ -516,12 +339,12 @@ class Store:
         with self.connected() as con:
             _insert_rows(con, "embeddings", frame, "ON CONFLICT DO NOTHING")
 
-    @_connected
+    @attached
     def query(self, sql: str, params: Iterable[Any] = ()) -> pd.DataFrame:
         return self.con.execute(sql, list(params)).df()
 
     # --- runs -----------------------------------------------------------------------------------------
-    @_connected
+    @attached
     def as_started(self, cfg: RunConfig) -> tuple[RunConfig, list[str]]:
         """``cfg`` for resuming its run as it started, with a line for each setting
         kept (``schemas.config_migrations.as_started``); a new run (or a stored config this version cannot read)
@@ -533,7 +356,7 @@ class Store:
             started = None
         return as_started(cfg, started) if started is not None else (cfg, [])
 
-    @_connected
+    @attached
     def register_run(self, cfg: RunConfig) -> bool:
         """Record a run's config; True if new (or restarted). The same run id with another config is refused
         once the run has completed a step; before that, the run's rows are removed and it starts afresh with
@@ -571,7 +394,7 @@ class Store:
         self._insert("runs", frame)
         return True
 
-    @_connected
+    @attached
     def run_identity(self, run_id: str) -> ModelIdentity | None:
         """The policy identity ``run_id`` is bound to (None: none recorded)."""
         try:
@@ -580,7 +403,7 @@ class Store:
             return None
         return ModelIdentity.from_json(row[0]) if row is not None and row[0] is not None else None
 
-    @_connected
+    @attached
     def bind_identity(self, run_id: str, identity: ModelIdentity, *, accept_change: bool = False) -> str | None:
         """A resumed run's policy checked against the identity it is bound to (``identity_change``); a new binding
         (an accepted change, a run stored before identities existed) is stored. The line to say, if any."""
@@ -590,14 +413,14 @@ class Store:
             self.con.execute("UPDATE runs SET policy_identity = ? WHERE run_id = ?", [identity.to_json(), run_id])
         return line
 
-    @_connected
+    @attached
     def set_run_status(self, run_id: str, status: str, error: str | None = None) -> None:
         """``running``, ``completed`` or ``failed`` (with the error), stamped with the time."""
         self.con.execute(
             "UPDATE runs SET status = ?, error = ?, updated_at = ? WHERE run_id = ?", [status, error, utcnow(), run_id]
         )
 
-    @_connected
+    @attached
     def steps_done(self, run_id: str) -> int:
         """Training steps whose checkpoint is stored."""
         row = self.con.execute(
@@ -605,7 +428,7 @@ class Store:
         ).fetchone()
         return int(_aggregate(row)[0])
 
-    @_connected
+    @attached
     def spent(self, run_id: str) -> tuple[int, float]:
         """The tokens (in and out) and the cost in USD of every recorded model call of ``run_id``."""
         row = self.con.execute(
@@ -629,14 +452,14 @@ class Store:
                     removed[table] = int(count)
         return removed
 
-    @_connected
+    @attached
     def run_config(self, run_id: str) -> RunConfig:
         row = self.con.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:
             raise StoreError(f"{self.path}: no run {run_id!r}")
         return RunConfig.from_stored(row[0])
 
-    @_connected
+    @attached
     def runs(self) -> pd.DataFrame:
         """One row per run: status, training steps done, latest library version and size, last update."""
         return self.con.execute(
@@ -656,7 +479,7 @@ class Store:
             [Stage.CHECKPOINT],
         ).df()
 
-    @_connected
+    @attached
     def run_summary(self, run_id: str) -> dict[str, Any] | None:
         """The run's row of ``runs()`` (missing values None) with its last stored stage: ``last_step``,
         ``last_stage``, ``last_completed_at`` (None before any); None when there is no such run."""
@@ -672,7 +495,7 @@ class Store:
         ).fetchone()
         return {**row, **dict(zip(("last_step", "last_stage", "last_completed_at"), last or (None, None, None)))}
 
-    @_connected
+    @attached
     def evaluations_of(self, run_id: str) -> list[str]:
         """Ids of standalone evaluations that evaluated a library version of ``run_id`` (oldest first)."""
         rows = self.con.execute(
@@ -682,7 +505,7 @@ class Store:
         ).fetchall()
         return [r[0] for r in rows]
 
-    @_connected
+    @attached
     def evaluation_draws(self, eval_id: str) -> list[str]:
         """The stored evaluation ``eval_id`` and those drawn again beside it (``clgrpo eval --fresh``:
         ``eval_id-2``, ``eval_id-3``, ...), in the order they were stored."""
@@ -693,7 +516,7 @@ class Store:
         ).fetchall()
         return [r[0] for r in rows]
 
-    @_connected
+    @attached
     def system_fingerprints(self, run_id: str) -> list[tuple[str, int, int, int]]:
         """The provider's ``system_fingerprint`` of a run's policy calls, one row per stretch of calls that
         reported the same one, in call order: (fingerprint, first step, last step, calls)."""
@@ -711,7 +534,7 @@ class Store:
                 stretches.append((fingerprint, int(step), int(step), 1))
         return stretches
 
-    @_connected
+    @attached
     def has_rows(self, column: str, value: str, tables: Sequence[str]) -> bool:
         """Whether one of ``tables`` (those this file has) holds a row with ``column = value``."""
         present = {
@@ -726,12 +549,12 @@ class Store:
             if t in present
         )
 
-    @_connected
+    @attached
     def is_run(self, run_id: str) -> bool:
         return self.con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone() is not None
 
     # --- refreshes ------------------------------------------------------------------------------------
-    @_connected
+    @attached
     def refresh_decisions(self, name: str) -> list[RefreshDecision]:
         """Every decided refresh of ``name``, oldest date first."""
         frame = self.con.execute(
@@ -739,7 +562,7 @@ class Store:
         ).df()
         return _records("refreshes", frame)
 
-    @_connected
+    @attached
     def refresh_gates(self, name: str) -> dict[str, list[RefreshGateRow]]:
         """The promotion-gate rows of every decided refresh of ``name`` by refresh id (overall row first): those
         of the library its decision measured, the reviewed one (``<refresh_id>-served``) when it was measured."""
@@ -757,7 +580,7 @@ class Store:
             )
         return gates
 
-    @_connected
+    @attached
     def consumed_problem_keys(self, name: str) -> set[str]:
         """Content keys of the problems taken by decided refreshes of ``name`` (never taken again), less those of
         refreshes that gave theirs back (a review that timed out)."""
@@ -768,7 +591,7 @@ class Store:
         ).fetchall()
         return {r[0] for r in rows}
 
-    @_connected
+    @attached
     def refresh_watermark(self, name: str) -> datetime | None:
         """The latest watermark of a decided traces refresh of ``name``: the next one reads rows after it."""
         row = self.con.execute(
@@ -778,7 +601,7 @@ class Store:
         ).fetchone()
         return None if row is None or row[0] is None else row[0]
 
-    @_connected
+    @attached
     def reported_rejects(self, name: str) -> set[tuple[str, int, str]]:
         """(file, line, reason) of the source rows decided refreshes of ``name`` skipped (reported once)."""
         rows = self.con.execute(
@@ -788,7 +611,7 @@ class Store:
         ).fetchall()
         return {(f, int(line), reason) for f, line, reason in rows}
 
-    @_connected
+    @attached
     def review_of_flow_run(self, flow_run_id: str) -> str | None:
         """The refresh id of the review that the flow run ``flow_run_id`` requested (None: it requested none)."""
         row = self.con.execute(
@@ -801,7 +624,7 @@ class Store:
         frame = self.con.execute("SELECT * FROM review_requests WHERE name = ? ORDER BY created_at", [name]).df()
         return _records("review_requests", frame)
 
-    @_connected
+    @attached
     def library_adoptions(self, name: str) -> list[LibraryAdoption]:
         """Promotions and rollbacks of ``name``'s served library, in order."""
         frame = self.con.execute("SELECT * FROM library_adoptions WHERE name = ? ORDER BY seq", [name]).df()
@@ -823,14 +646,14 @@ class Store:
             self._insert("library_versions", head)
             self._insert("library_experiences", body)
 
-    @_connected
+    @attached
     def library_versions(self, run_id: str) -> list[int]:
         rows = self.con.execute(
             "SELECT version FROM library_versions WHERE run_id = ? ORDER BY version", [run_id]
         ).fetchall()
         return [r[0] for r in rows]
 
-    @_connected
+    @attached
     def load_library(self, run_id: str, version: int | None = None) -> ExperienceLibrary:
         """Load a version (default: the latest) of a run's library."""
         if version is None:
