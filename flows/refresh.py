@@ -60,7 +60,7 @@ from flows.evaluate import NO_LIBRARY, EvalOutcome, evaluate
 from flows.refresh_review import finish_review, lesson_guard, promote
 from flows.stages import StageRunner
 from flows.train import train
-from schemas.config import BlockedLesson, DatasetConfig, RefreshConfig, RunConfig
+from schemas.config import BlockedLesson, DatasetConfig, RunConfig
 from schemas.records import (
     EvalComparison,
     RefreshDecision,
@@ -70,6 +70,7 @@ from schemas.records import (
     RefreshWatermark,
     ReviewDecision,
 )
+from schemas.refresh_config import RefreshConfig
 from schemas.stages import Stage
 from tasks.common import artifact_key
 from tasks.outputs import Selected

@@ -48,8 +48,8 @@ from clgrpo.refresh.review import (
 from clgrpo.reports.report import markdown_table
 from clgrpo.storage.store import Store
 from domains.guard import LessonGuard
-from schemas.config import RefreshConfig
 from schemas.records import LessonChange, RefreshDecision, RefreshInput, ReviewDecision, ReviewRequest, utcnow
+from schemas.refresh_config import RefreshConfig
 from schemas.stages import Stage
 from tasks.common import artifact_key
 

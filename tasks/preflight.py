@@ -30,7 +30,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from clgrpo.process.errors import one_line
-from schemas.config import DatasetConfig, ModelConfig, RefreshConfig, RunConfig, ServedModel
+from schemas.config import DatasetConfig, ModelConfig, RunConfig, ServedModel
+from schemas.refresh_config import RefreshConfig
 
 TIMEOUT_S = 4.0  # per endpoint; endpoints are checked concurrently
 OPENAI_URL = "https://api.openai.com/v1"

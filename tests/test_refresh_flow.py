@@ -16,8 +16,8 @@ from clgrpo.storage.store import Store
 from clgrpo.testing.fake_openai import FakeOpenAIServer, Fault, role_of
 from clgrpo.testing.scripted_llm import ScriptedWorld, make_problems, write_jsonl
 from flows.refresh import overall_verdict, refresh, refresh_date
-from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
+from schemas.refresh_config import RefreshConfig
 
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_harness")]
 

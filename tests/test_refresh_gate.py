@@ -17,8 +17,8 @@ from clgrpo.storage.store import FrameValidationError, Store
 from clgrpo.testing.fake_openai import ChatRequest, FakeOpenAIServer
 from clgrpo.testing.scripted_llm import FAMILIES, ScriptedWorld, find_problem, make_problems, write_jsonl
 from flows.refresh import refresh
-from schemas.config import RefreshConfig
 from schemas.records import EvalComparison
+from schemas.refresh_config import RefreshConfig
 from tests.test_refresh_flow import arrive, refresh_config
 
 NIGHT = datetime(2026, 11, 21, 2, 0, tzinfo=timezone.utc)

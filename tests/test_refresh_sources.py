@@ -11,7 +11,7 @@ from clgrpo.inputs.dataset import DatasetError
 from clgrpo.refresh.sources import SourceError, problem_key, read_arrivals, select_new
 from clgrpo.testing.scripted_llm import make_problems, write_jsonl
 from domains import get_domain
-from schemas.config import RefreshConfig, RefreshSource
+from schemas.refresh_config import RefreshConfig, RefreshSource
 
 T0 = datetime(2026, 11, 20, 1, 0, tzinfo=timezone.utc)
 MATH = get_domain("math")

@@ -11,7 +11,8 @@ import yaml
 from pydantic import TypeAdapter
 
 from clgrpo.inputs.config import load_config
-from schemas.config import RefreshConfig, RunConfig
+from schemas.config import RunConfig
+from schemas.refresh_config import RefreshConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

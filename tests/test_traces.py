@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from clgrpo.refresh.sources import SourceError, read_arrivals, select_traces
 from domains import get_domain
-from schemas.config import RefreshSource
 from schemas.records import Problem, Rollout, Turn
+from schemas.refresh_config import RefreshSource
 from tasks.verify import agreement_rewards, verify
 
 T0 = datetime(2026, 11, 20, 1, 0, tzinfo=timezone.utc)

@@ -20,7 +20,7 @@ from clgrpo.process import stopping
 from clgrpo.refresh.promotion import failing_summary
 from clgrpo.storage.run_lock import refuse_if_running
 from clgrpo.storage.state import remember_db, resolve_db
-from schemas.config import RefreshConfig
+from schemas.refresh_config import RefreshConfig
 
 if TYPE_CHECKING:
     from schemas.records import RefreshDecision

@@ -16,8 +16,8 @@ from clgrpo.process import stopping
 from clgrpo.storage.connection import StoreError
 from clgrpo.storage.state import resolve_db
 from clgrpo.storage.store import Store
-from schemas.config import RefreshConfig
 from schemas.records import RefreshInput
+from schemas.refresh_config import RefreshConfig
 
 
 def _reviewer(args: argparse.Namespace) -> str:

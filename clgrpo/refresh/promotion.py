@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from schemas.config import RefreshConfig
 from schemas.records import EvalComparison, RefreshGateRow
+from schemas.refresh_config import RefreshConfig
 
 Verdict = Literal["pass", "fail", "not_gated"]
 Table = tuple[list[str], list[list[str]]]

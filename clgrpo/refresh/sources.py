@@ -21,8 +21,9 @@ import pandas as pd
 
 from clgrpo.inputs.dataset import LoadReport
 from clgrpo.refresh.traces import Reject, TraceRead, read_traces, source_files
-from schemas.config import DatasetConfig, RefreshSource
+from schemas.config import DatasetConfig
 from schemas.records import Problem, RefreshInput, RefreshReject, RefreshWatermark, text_hash
+from schemas.refresh_config import RefreshSource
 
 Query = Callable[[str, Sequence[object]], pd.DataFrame]
 DATASET_SUFFIXES = {".jsonl", ".json", ".csv", ".parquet"}

@@ -29,7 +29,8 @@ import duckdb
 import pandas as pd
 
 from clgrpo.refresh.redact import Redactor
-from schemas.config import DatasetConfig, RefreshSource
+from schemas.config import DatasetConfig
+from schemas.refresh_config import RefreshSource
 
 Query = Callable[[str, Sequence[object]], pd.DataFrame]
 AnswerReader = Callable[[str], "str | None"]
