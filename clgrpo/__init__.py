@@ -1,3 +1,4 @@
-"""clgrpo core: the experience library, the DuckDB store, the LLM client, config loading and the CLI."""
+"""The core below the domains, in rooms by concern (CONTRIBUTING.md, "The core's rooms"): the experience library,
+what a run reads and stores, the models it calls, the refresh and the reports."""
 
 __version__ = "0.1.0"
