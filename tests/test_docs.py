@@ -280,8 +280,9 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 # --- the layout ------------------------------------------------------------------------------------------------
-PACKAGES = ["schemas", "clgrpo", "application", "clgrpo/llm", "clgrpo/prompts", "clgrpo/testing", "domains", "tasks",
-            "flows"]  # fmt: skip
+CORE_ROOMS = ["refresh", "reports", "testing", "llm", "storage", "experience", "models", "inputs", "sandbox", "process",
+              "prompts"]  # fmt: skip
+PACKAGES = ["schemas", "clgrpo", "application", *(f"clgrpo/{room}" for room in CORE_ROOMS), "domains", "tasks", "flows"]
 NOT_LISTED = {"README.md", ".gitignore"}  # the file itself, and git's own
 
 
