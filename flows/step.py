@@ -208,8 +208,17 @@ class StepContext:
             before = ExperienceLibrary.from_version(s.version)
             gate = samples_to_draw(s.cfg, before, self.aside, earlier, domain_for(s.cfg))
         rollouts = len(s.get(Rollouts).rollouts)
-        budget = ChecksBudget.of(s.cfg.learning.checks_budget, tokens(own), rollout_tokens, rollouts, gate)
-        return budget.after(tokens(early.calls)) if early else budget
+        early_cost = tokens(early.calls) if early else 0
+        drawn = sum(sample.drawn for sample in early.samples) if early else 0
+        budget = ChecksBudget.of(
+            s.cfg.learning.checks_budget,
+            tokens(own),
+            rollout_tokens,
+            rollouts,
+            gate,
+            early_cost / drawn if drawn else 0,
+        )
+        return budget.after(early_cost)
 
     def checks_spent(self) -> int:
         """What the step's lesson trials spent (with their shortening and clustering calls), as stored."""

@@ -6,11 +6,12 @@ times the step's own tokens, so a step with its checks costs at most 1 + ``check
 without them, whatever the candidates or the gate's looks: in every run with direct rollouts, not on average.
 
 The gate measures the whole step, so its samples are reserved first: every look's samples not already drawn,
-at the tokens of one of the step's rollouts (prompt and reply) times ``RESERVE_MARGIN`` (a library in the prompt
-makes a gate sample longer than a rollout). Trials spend what is left, candidate by candidate in the plan's
-order: one whose samples are not expected to fit is rejected untried, saying so. The gate always begins its first
-look and draws a further look only if its samples are expected to fit what is left (at the tokens its own samples
-took so far); else it decides at the look it has, saying so.
+at the tokens of one of the step's rollouts (prompt and reply), or of one of the gate's own samples drawn beside
+the rollouts where those cost more (the whole library in every prompt, fewer samples a request), times
+``RESERVE_MARGIN`` (the library after shows the step's additions too). Trials spend what is left, candidate by
+candidate in the plan's order: one whose samples are not expected to fit is rejected untried, saying so. The gate
+always begins its first look and draws a further look only if its samples are expected to fit what is left (at
+the tokens its own samples took so far); else it decides at the look it has, saying so.
 
 What a sample is expected to cost is an estimate; what it can cost at most is not: its prompt (at most a token per
 byte of the rendered messages, and the chat template's few) and ``max_tokens`` per reply (``tasks.measure``'s
@@ -53,12 +54,20 @@ class ChecksBudget:
 
     @classmethod
     def of(
-        cls, ratio: float | None, own_tokens: int, rollout_tokens: int, rollouts: int, gate_samples: int = 0
+        cls,
+        ratio: float | None,
+        own_tokens: int,
+        rollout_tokens: int,
+        rollouts: int,
+        gate_samples: int = 0,
+        gate_per_sample: float = 0.0,
     ) -> ChecksBudget:
-        """``gate_samples``: the samples the gate would draw at all its looks (0: no gate this step)."""
+        """``gate_samples``: the samples the gate would draw at all its looks (0: no gate this step), priced at
+        ``gate_per_sample`` (what the gate's samples drawn so far cost each) where that is more than a rollout."""
         per_sample = rollout_tokens / rollouts if rollouts else 0.0
         allowed = None if ratio is None else int(ratio * own_tokens)
-        return cls(ratio, allowed, per_sample, math.ceil(gate_samples * per_sample * RESERVE_MARGIN))
+        reserve = gate_samples * max(per_sample, gate_per_sample) * RESERVE_MARGIN
+        return cls(ratio, allowed, per_sample, math.ceil(reserve))
 
     def left(self, spent_here: int = 0, *, reserve: bool = True) -> float:
         """Tokens still free for the current stage after ``spent_here`` (trials: the gate's reserve kept)."""

@@ -152,6 +152,11 @@ def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
     assert budget.after(500).for_gate(7_000).left(reserve=False) == 2_500  # (calls around the trials): strictly
     unlimited = ChecksBudget.of(None, 10_000, 8_000, 40, 16)
     assert unlimited.fits(10**9, 1.0)
+    # the gate's own samples drawn beside the rollouts cost more each (the whole library in every prompt, fewer
+    # samples a request): its reserve is priced at them (the demo's look 2 went undrawn at the rollouts' price)
+    dearer = ChecksBudget.of(1.0, 10_000, 8_000, 40, gate_samples=16, gate_per_sample=300)
+    assert dearer.gate_reserve == round(16 * 300 * RESERVE_MARGIN) and dearer.per_sample == 200
+    assert ChecksBudget.of(1.0, 10_000, 8_000, 40, 16, gate_per_sample=150).gate_reserve == budget.gate_reserve
 
 
 def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):
