@@ -54,6 +54,10 @@ POLICY_SLOTS = 8  # sequences llama-server decodes together: 8 was the best of 4
 # the learner's calls of a step arrive together (8 in flight): with 2 slots its stage ran at 72 tokens/s, with
 # 4 at 88, its server's ceiling (benchmarks/REPORT.md, "Saturation")
 LEARNER_SLOTS = 4
+# The demo's step is small (6 problems x G=4 learned from, 4 set aside): at the product's checks budget (1x the
+# step's tokens) the gate's samples, each prompt showing the step's worked examples, did not fit both of its looks,
+# and a promising step (+0.12 at look 1) was rejected with "look 2 of 2 not drawn" in 4 of 10 demo runs
+DEMO_CHECKS_BUDGET = 2.0
 
 
 @dataclass
@@ -63,7 +67,9 @@ class DemoOptions:
     k: int = 2  # samples per held-out problem and condition (the benchmark uses more)
     group_size: int = 4
     steps: int = 1  # epochs over the training problems
-    candidates: int = 2  # contrast candidates per group, chosen among by lesson validation
+    # contrast candidates per group, chosen among by lesson validation (1: the demo's gain comes from its worked
+    # examples; a second candidate doubled the learner's calls and the trials for lessons the trials mostly rejected)
+    candidates: int = 1
     family: str = "ranges"
     out: Path = Path("runs/demo")
     run_id: str | None = None  # None: a fresh run per invocation; an existing id resumes it
@@ -235,6 +241,7 @@ def demo_config(
             consolidation="passthrough",
             summarize_chunk_size=opts.problems,
             lesson_validation=validation,
+            checks_budget=DEMO_CHECKS_BUDGET,
         ),
         library=LibraryConfig(near_duplicates="merge", near_duplicate_similarity=NEAR_DUPLICATE_SIMILARITY),
         concurrency=8 if engine == "llama-server" else 64,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
@@ -42,7 +42,7 @@ from schemas.records import (
 from schemas.stages import Stage
 from tasks.apply_operations import apply_operations_task, apply_plan, near_duplicates_for
 from tasks.checkpoint import export_dir
-from tasks.checks_budget import ChecksBudget, GrowingAllowance, tokens
+from tasks.checks_budget import ChecksBudget, GrowingAllowance, added_prompt, tokens
 from tasks.common import chunks
 from tasks.consolidate import consolidate_task, consolidation_calls
 from tasks.group_advantage import group_advantage_task
@@ -195,18 +195,22 @@ class StepContext:
     def parent_adapter(self) -> str | None:
         return parent_adapter(self.store, self.cfg, self.run_id, self.step)
 
-    def checks_budget(self, s: StepState, early: Measured | None = None) -> ChecksBudget:
+    def checks_budget(
+        self, s: StepState, early: Measured | None = None, plan: Sequence[Operation] = ()
+    ) -> ChecksBudget:
         """What the step's checks may spend (``tasks.checks_budget``), from its own calls as stored, with the
         gate's samples reserved where the gate runs (the trials leave them; the gate may spend them). ``early``:
-        the gate's samples drawn beside the step (spent; no longer reserved)."""
+        the gate's samples drawn beside the step (spent; no longer reserved); ``plan``: the candidates, which the
+        library after shows in its samples' prompts."""
         calls = self.store.records(LLMCall, self.run_id, self.step)
         own = [c for c in calls if c.stage in OWN_STAGES]
         rollout_tokens = tokens([c for c in own if c.stage == Stage.ROLLOUT.value])
-        gate = 0
+        gate = after = 0
         if self.aside and s.cfg.learning.library_gate.enabled is not False:
             earlier = [*self.store.records(GateSample, self.run_id), *(early.samples if early else [])]
             before = ExperienceLibrary.from_version(s.version)
             gate = samples_to_draw(s.cfg, before, self.aside, earlier, domain_for(s.cfg))
+            after = len(self.aside) * s.cfg.learning.library_gate.samples
         rollouts = len(s.get(Rollouts).rollouts)
         early_cost = tokens(early.calls) if early else 0
         drawn = sum(sample.drawn for sample in early.samples) if early else 0
@@ -217,6 +221,8 @@ class StepContext:
             rollouts,
             gate,
             early_cost / drawn if drawn else 0,
+            after,
+            added_prompt(plan, s.cfg.library.examples_shown),
         )
         return budget.after(early_cost)
 
@@ -419,7 +425,7 @@ async def compute_validate_lessons(c: StepContext, s: StepState) -> Trials:
     )
     advantages = s.get(Verified).group_advantages
     early = await c.gate_before.spent() if c.gate_before is not None else None  # the gate's, drawn beside
-    budget = c.checks_budget(s, early).after(tokens(shorten_calls))
+    budget = c.checks_budget(s, early, plan).after(tokens(shorten_calls))
     trials = await validate_lessons_task(
         s.cfg, s.step, s.version, plan, s.problems, advantages, c.pool, near, c.ledger, drawn, budget, bool(c.aside)
     )

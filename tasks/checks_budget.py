@@ -5,13 +5,14 @@ shorten and cluster the candidates) and the library gate. Together the checks sp
 times the step's own tokens, so a step with its checks costs at most 1 + ``checks_budget`` times the same step
 without them, whatever the candidates or the gate's looks: in every run with direct rollouts, not on average.
 
-The gate measures the whole step, so its samples are reserved first: every look's samples not already drawn,
-at the tokens of one of the step's rollouts (prompt and reply), or of one of the gate's own samples drawn beside
-the rollouts where those cost more (the whole library in every prompt, fewer samples a request), times
-``RESERVE_MARGIN`` (the library after shows the step's additions too). Trials spend what is left, candidate by
-candidate in the plan's order: one whose samples are not expected to fit is rejected untried, saying so. The gate
-always begins its first look and draws a further look only if its samples are expected to fit what is left (at
-the tokens its own samples took so far); else it decides at the look it has, saying so.
+The gate measures the whole step, so its samples are reserved first: every look's samples not already drawn, at the
+tokens of one of the step's rollouts (prompt and reply), or of one of the gate's own samples drawn beside the
+rollouts where those cost more (the whole library in every prompt, fewer samples a request); the library after's
+samples also at what the step's candidates are expected to add to each prompt (``added_prompt``: the longest worked
+examples a prompt may show, and a lesson), the whole times ``RESERVE_MARGIN`` (replies vary). Trials spend what is
+left, candidate by candidate in the plan's order: one whose samples are not expected to fit is rejected untried,
+saying so. The gate always begins its first look and draws a further look only if its samples are expected to fit
+what is left (at the tokens its own samples took so far); else it decides at the look it has, saying so.
 
 What a sample is expected to cost is an estimate; what it can cost at most is not: its prompt (at most a token per
 byte of the rendered messages, and the chat template's few) and ``max_tokens`` per reply (``tasks.measure``'s
@@ -30,14 +31,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from clgrpo.experience.tokens import estimate_tokens
 from clgrpo.process.words import counted
-from schemas.records import LLMCall
+from schemas.records import LLMCall, Operation, OpKind
 
 RESERVE_MARGIN = 1.25
 
 
 def tokens(calls: Sequence[LLMCall]) -> int:
     return sum(c.tokens_in + c.tokens_out for c in calls)
+
+
+def added_prompt(plan: Sequence[Operation], examples_shown: int) -> int:
+    """What a library after ``plan`` is expected to add to one prompt (estimated tokens): its ``examples_shown``
+    longest worked examples (problem and solution; the trials leave examples to the gate) and its longest lesson
+    (the trials keep few of the lessons they try; the gate's looks stop at their share where more are kept)."""
+    writes = [op for op in plan if op.op in (OpKind.ADD, OpKind.MODIFY, OpKind.MERGE) and op.text]
+    lessons = [estimate_tokens(op.text or "") for op in writes if op.example is None]
+    examples = sorted(
+        (estimate_tokens(op.example.problem + " " + (op.text or "")) for op in writes if op.example is not None),
+        reverse=True,
+    )
+    return max(lessons, default=0) + sum(examples[:examples_shown])
 
 
 @dataclass(frozen=True)
@@ -61,12 +76,15 @@ class ChecksBudget:
         rollouts: int,
         gate_samples: int = 0,
         gate_per_sample: float = 0.0,
+        after_samples: int = 0,
+        after_prompt: float = 0.0,
     ) -> ChecksBudget:
         """``gate_samples``: the samples the gate would draw at all its looks (0: no gate this step), priced at
-        ``gate_per_sample`` (what the gate's samples drawn so far cost each) where that is more than a rollout."""
+        ``gate_per_sample`` (what the gate's samples drawn so far cost each) where that is more than a rollout;
+        ``after_samples`` of them (the library after's) at ``after_prompt`` tokens more each."""
         per_sample = rollout_tokens / rollouts if rollouts else 0.0
         allowed = None if ratio is None else int(ratio * own_tokens)
-        reserve = gate_samples * max(per_sample, gate_per_sample) * RESERVE_MARGIN
+        reserve = (gate_samples * max(per_sample, gate_per_sample) + after_samples * after_prompt) * RESERVE_MARGIN
         return cls(ratio, allowed, per_sample, math.ceil(reserve))
 
     def left(self, spent_here: int = 0, *, reserve: bool = True) -> float:

@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass
 from functools import partial
 
+from clgrpo.experience.example_checks import example_flaw
 from clgrpo.experience.library import ExperienceLibrary, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.structured import StructuredOutputError, parse_contrast
@@ -124,9 +125,9 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
 
 def worked_example(group: Group, author: str) -> Operation | None:
     """The group's candidate worked example: the attempt the group advantage favours most (the highest reward,
-    above the group mean; finished, not cut off; the shortest of those), kept whole, when it was graded (against
-    the problem's answer, by the judge, or, for a trace without a reference, by the group's agreement); None when no
-    attempt qualifies."""
+    above the group mean; finished, not cut off; the shortest of those whose text has no flaw an example must not
+    show, ``clgrpo.experience.example_checks``), kept whole, when it was graded (against the problem's answer, by
+    the judge, or, for a trace without a reference, by the group's agreement); None when no attempt qualifies."""
     graded = [(r, w) for r, w in zip(group.rollouts, group.rewards) if w.reward is not None]
     if not graded:
         return None
@@ -139,7 +140,13 @@ def worked_example(group: Group, author: str) -> Operation | None:
     ]
     if not favoured:
         return None
-    rollout, reward = min(favoured, key=lambda rw: (len(rw[0].final_text), rw[0].sample_idx))
+    favoured.sort(key=lambda rw: (len(rw[0].final_text), rw[0].sample_idx))
+    flaws = {r.sample_idx: example_flaw(r.final_text, used_tools=_used_tools(r)) for r, _ in favoured}
+    clean = [(r, w) for r, w in favoured if flaws[r.sample_idx] is None]
+    if not clean:
+        return None
+    rollout, reward = clean[0]
+    passed = "".join(f"; attempt {i} not shown: {why}" for i, why in flaws.items() if why is not None)
     answer = group.problem.answer or reward.extracted
     if answer is None or not rollout.final_text.strip():
         return None
@@ -154,10 +161,15 @@ def worked_example(group: Group, author: str) -> Operation | None:
     return Operation(
         op=OpKind.ADD,
         text=rollout.final_text.strip(),
-        rationale=f"worked example: attempt {rollout.sample_idx}, reward {best:g} against the group mean {mean:.2f}",
+        rationale=f"worked example: attempt {rollout.sample_idx}, reward {best:g} against the group mean {mean:.2f}"
+        + passed,
         source_groups=[group.problem.problem_id],
         example=example,
     )
+
+
+def _used_tools(rollout: Rollout) -> bool:
+    return any(t.kind != "assistant" for t in rollout.turns)
 
 
 def contrast_pairs(group: Group) -> list[tuple[int, int]]:

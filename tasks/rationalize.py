@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from clgrpo.experience.example_checks import example_flaw
 from clgrpo.experience.library import EXAMPLE_MAX_WORDS, word_count
 from clgrpo.llm import LLMCallError, LLMClient, shared_client
 from clgrpo.llm.errors import PermanentLLMError
@@ -128,7 +129,7 @@ def _not_kept(text: str, finish_reason: str) -> str | None:
         return "cut off at the learner's max_tokens"
     if (words := word_count(text)) > EXAMPLE_MAX_WORDS:
         return f"{words} words, more than {EXAMPLE_MAX_WORDS}"
-    return None
+    return example_flaw(text)
 
 
 async def rationalize(problems: Sequence[Problem], domain: Domain, llm: LLMClient, author: str) -> Rationales:

@@ -14,7 +14,7 @@ from flows.step import OWN_STAGES
 from flows.train import train
 from schemas.config import LearningConfig, LessonValidation, LibraryGate, RunConfig
 from schemas.records import GateSample, Problem
-from tasks.checks_budget import RESERVE_MARGIN, ChecksBudget
+from tasks.checks_budget import RESERVE_MARGIN, ChecksBudget, added_prompt
 from tasks.library_gate import decide, looks
 from tests.test_lesson_validation import make_config
 
@@ -76,7 +76,7 @@ async def test_a_steps_checks_stay_within_their_budget_and_say_what_it_cut(tmp_p
     policy thinks aloud) cost several times more; before, they ran to the end and the checks overran the budget.
     Each request now goes out only if the most it can cost fits: the trials stop at their share, strictly."""
     await run(tmp_path, "free", None, LongWinded)  # the same run without a limit
-    bounded = await run(tmp_path, "bounded", 0.5, LongWinded)
+    bounded = await run(tmp_path, "bounded", 0.75, LongWinded)
     with Store(bounded.db_path, read_only=True) as store:
         own_free, checks_free = spent(store, "free")
         own, checks = spent(store, "bounded")
@@ -89,19 +89,19 @@ async def test_a_steps_checks_stay_within_their_budget_and_say_what_it_cut(tmp_p
         trials = store.records("lesson_trials", "bounded", 1)
         operations = store.records("operations", "bounded", 1)
         gate = store.records("library_gates", "bounded", 1)
-    # without a limit the checks spend more than half the step's own tokens: the limit below binds
-    assert checks_free > 0.5 * own_free
+    # without a limit the checks spend more than 0.75 times the step's own tokens: the limit below binds
+    assert checks_free > 0.75 * own_free
     # with it they stay within it, strictly, and the trials within their share (the gate's reserve kept)
-    assert 0 < checks <= 0.5 * own, (checks, own)
+    assert 0 < checks <= 0.75 * own, (checks, own)
     # the reserve as a trial the budget cut names it (the last trial may be a worked example's: the gate tries it)
     kept_for_gate = re.compile(r"([\d,]+) of them kept for the library gate")
     reserve = int(next(m for t in trials if (m := kept_for_gate.search(t.reason))).group(1).replace(",", ""))
-    assert trial_tokens <= int(0.5 * own) - reserve
+    assert trial_tokens <= int(0.75 * own) - reserve
     # a trial admitted at the estimate was stopped at the share and decided on what it drew; the rest not tried
     stopped = [t for t in trials if "drawn in part" in t.reason]
     assert stopped and all("less than its next draw could cost at most" in t.reason for t in stopped)
     untried = [
-        t for t in trials if t.reason.startswith("not tried: the step's checks budget (learning.checks_budget=0.5: ")
+        t for t in trials if t.reason.startswith("not tried: the step's checks budget (learning.checks_budget=0.75: ")
     ]
     assert untried and all(t.verdict == "rejected" for t in untried)
     # what the budget cut is never applied, and the operations say why
@@ -157,6 +157,23 @@ def test_the_budget_reserves_the_gate_first_and_counts_what_was_spent():
     dearer = ChecksBudget.of(1.0, 10_000, 8_000, 40, gate_samples=16, gate_per_sample=300)
     assert dearer.gate_reserve == round(16 * 300 * RESERVE_MARGIN) and dearer.per_sample == 200
     assert ChecksBudget.of(1.0, 10_000, 8_000, 40, 16, gate_per_sample=150).gate_reserve == budget.gate_reserve
+    # the library after's samples show the step's candidates too: their prompts are priced with them
+    shown = ChecksBudget.of(1.0, 10_000, 8_000, 40, gate_samples=16, after_samples=8, after_prompt=250)
+    assert shown.gate_reserve == round((16 * 200 + 8 * 250) * RESERVE_MARGIN)
+
+
+def test_what_a_plan_adds_to_a_prompt_is_its_longest_lesson_and_its_longest_shown_examples():
+    from schemas.records import Operation, OpKind, WorkedExample
+
+    def example(words: int) -> Operation:
+        shown = WorkedExample(problem="How many?", answer="7", author="m", reward=1.0, origin="rollout")
+        return Operation(op=OpKind.ADD, text=" ".join(["w"] * words), example=shown)
+
+    lesson = Operation(op=OpKind.ADD, text="Count both ends: last - first + 1.")
+    dropped = Operation(op=OpKind.DELETE, target_ids=["e1"])
+    plan = [lesson, example(10), example(50), Operation(op=OpKind.ADD, text="Shorter."), example(30), dropped]
+    assert added_prompt(plan, examples_shown=2) == 10 + (3 + 50) + (3 + 30)  # "How many?": 3 estimated tokens
+    assert added_prompt(plan, examples_shown=0) == 10 and added_prompt([], 2) == 0
 
 
 def test_the_gate_draws_a_further_look_only_if_its_samples_fit(tmp_path):

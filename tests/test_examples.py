@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from clgrpo.experience.example_checks import example_flaw
 from clgrpo.experience.library import ExampleView, ExperienceLibrary, LibraryFormatError, diff, problem_similarity
 from clgrpo.llm import LLMClient
 from clgrpo.prompts.rollout import ShownExample
@@ -200,18 +201,41 @@ def test_a_group_offers_its_shortest_best_finished_attempt_as_an_example():
     assert worked_example(ungraded, "qwen") is None  # kept only when graded (the answer, the judge, agreement)
 
 
-def rationalizer(right: bool):
+def test_an_attempt_that_states_another_answer_or_invents_tool_output_is_not_shown():
+    stray = "<answer> 111 </answer> <attempt> 92 - 32 + 1 = 61, so \\boxed{61}"
+    invented = "```python\nprint((63 - 43) // 3 + 1)\n```\n```output\n61\n```\nSo \\boxed{61}"
+    clean = "First and last both count: 92 - 32 + 1 = 61. The answer is \\boxed{61}, so \\boxed{ 61 }."
+    group = group_of(
+        [(stray, 1.0, "stop"), (invented, 1.0, "stop"), (clean, 1.0, "stop"), ("\\boxed{60}", 0.0, "stop")]
+    )
+    op = worked_example(group, "qwen")
+    assert op is not None and op.text == clean  # the longest, but the only one without a flaw
+    assert "attempt 0 not shown: it states more than one final answer ('111', '61')" in op.rationale
+    assert "attempt 1 not shown: it shows the output of code it never ran" in op.rationale
+    assert worked_example(group_of([(stray, 1.0, "stop"), ("\\boxed{60}", 0.0, "stop")]), "qwen") is None
+    assert example_flaw(invented, used_tools=True) is None  # a tool's real output may be shown
+
+
+REPLIES = {
+    "right": "Both ends count: 9 - 3 + 1 = 7. \\boxed{7}",
+    "wrong": "9 - 3 = \\boxed{6}",
+    "two answers": "<answer>6</answer> Both ends count: 9 - 3 + 1 = 7. \\boxed{7}",
+}
+
+
+def rationalizer(right: bool | str):
     seen: list[ChatRequest] = []
+    reply = REPLIES[right] if isinstance(right, str) else REPLIES["right" if right else "wrong"]
 
     def respond(request: ChatRequest) -> list[str]:
         seen.append(request)
         assert role_of(request) == "worked-example writer"
-        return ["Both ends count: 9 - 3 + 1 = 7. \\boxed{7}" if right else "9 - 3 = \\boxed{6}"]
+        return [reply]
 
     return respond, seen
 
 
-@pytest.mark.parametrize("right", [True, False])
+@pytest.mark.parametrize("right", [True, False, "two answers"])
 async def test_a_solution_written_with_the_answer_in_view_is_kept_only_if_verified(right):
     problem = Problem(problem_id="g", problem=RANGE.format(a=3, b=9), answer="7", tag="ranges")
     respond, seen = rationalizer(right)
@@ -221,11 +245,13 @@ async def test_a_solution_written_with_the_answer_in_view_is_kept_only_if_verifi
         await client.aclose()
     [proposal] = out.proposals
     assert "<answer>\n7\n</answer>" in message_text(seen[0].messages[-1]) and len(out.llm_calls) == 1
-    if right:
+    if right is True:
         [op] = proposal.operations
         assert op.example.origin == "rationalized" and op.example.author == "learner" and proposal.parse_error is None
-    else:
+    elif right is False:
         assert proposal.operations == [] and "is not the reference" in (proposal.parse_error or "")
+    else:  # graded right by its last answer, but it states another one first
+        assert proposal.operations == [] and "more than one final answer ('6', '7')" in (proposal.parse_error or "")
 
 
 @pytest.mark.parametrize("status", [400, 503])

@@ -50,8 +50,8 @@ def _arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--candidates",
         type=int,
-        default=2,
-        help="lesson candidates per group, chosen among by lesson validation (default 2)",
+        default=1,
+        help="lesson candidates per group, chosen among by lesson validation (default 1)",
     )
     demo.add_argument(
         "--engine",
