@@ -213,7 +213,7 @@ declare(
         order="exp_id",
     )
 )
-declare(Table("library_quality", LibraryQuality, order="version"))
+declare(Table("library_quality", LibraryQuality, migrations=(added("examples"),), order="version"))
 declare(Table("lesson_trials", LessonTrial, checks=(kept_trials_gained,), order="seq"))
 declare(
     Table(

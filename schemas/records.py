@@ -376,7 +376,8 @@ class LibraryQuality(Record):
 
     version: int = Field(ge=0)
     size: int = Field(ge=0)  # live experiences
-    tokens: int = Field(ge=0)  # estimated tokens of the whole rendered library (``clgrpo.experience.tokens``)
+    examples: int | None = Field(None, ge=0)  # of them worked examples (None: stored before examples were counted)
+    tokens: int = Field(ge=0)  # estimated tokens of the rendered lessons (``clgrpo.experience.tokens``)
     near_duplicates: int = Field(0, ge=0)  # adds / modifies of the step rejected or merged as near-duplicates
     duplicate_ratio: float = Field(0.0, ge=0)  # near_duplicates / adds and modifies applied or rejected
     mean_confidence: Share | None = None  # over live experiences (None: empty library)

@@ -124,7 +124,8 @@ def to_try(
 ) -> tuple[list[Candidate], dict[int, str], dict[int, str]]:
     """The plan's operations worth a trial (applied alone, as apply_operations would apply it: a near-duplicate
     is merged into the lesson it repeats, and the merged library is what is tried; they pass the library's rules),
-    why each other one is not tried, and the repeats (rejected: tried once). ``clustered``: plan positions
+    why each other one is not tried, and those rejected untried (tried once: a repeat, or refused by the
+    library as it would be at apply). ``clustered``: plan positions
     another member of their cluster stands for, with the reason (``cluster_plan``); ``gated``: the step has a
     library gate, which is a worked example's trial (``GATE_TRIES_EXAMPLES``)."""
     settings = config.learning.lesson_validation
@@ -145,8 +146,8 @@ def to_try(
             repeats[seq] = clustered[seq]
             continue
         alone, results = apply_operations(library, [op], step=step, cfg=config.learning, screen=screen, near=near)
-        if results[0].status != OpStatus.APPLIED:
-            untested[seq] = f"not tried: the library refuses it ({results[0].reason})"
+        if results[0].status != OpStatus.APPLIED:  # it would be refused at apply too, whatever its trial said
+            repeats[seq] = f"the library refuses it: {results[0].reason}"
             continue
         if gated and op.example is not None:
             untested[seq] = GATE_TRIES_EXAMPLES

@@ -1,7 +1,8 @@
 """Quality of a library version as a whole, per step: size, tokens, duplicates, confidence, coverage, churn.
 
-- ``tokens``: the estimated tokens of the whole rendered library (``clgrpo.experience.tokens``; what
-  ``library.max_tokens`` bounds).
+- ``size`` and ``examples``: the live experiences, and how many of them are worked examples.
+- ``tokens``: the estimated tokens of the rendered lessons (``clgrpo.experience.tokens``; what
+  ``library.max_tokens`` bounds; the examples are bounded by count, ``library.examples_shown`` a prompt).
 - ``near_duplicates`` / ``duplicate_ratio``: the step's adds and modifies rejected or merged as near-duplicates
   of live experiences, and their share of all adds and modifies of the step's plan.
 - ``mean_confidence`` and ``never_cited_share``: over the live experiences' stats (``clgrpo.experience.usefulness``).
@@ -76,6 +77,7 @@ def library_quality(
     return LibraryQuality(
         version=library.version,
         size=len(library),
+        examples=len(library.examples),
         tokens=library.prompt_tokens(),
         near_duplicates=near,
         duplicate_ratio=ratio,
@@ -100,7 +102,10 @@ def describe_quality(q: LibraryQuality, *, usefulness: bool = True) -> str:
         if usefulness
         else "usefulness not measured (no summaries)"
     )
+    items = counted(q.size, "lesson")
+    if q.examples:
+        items = f"{counted(q.size - q.examples, 'lesson')} and {counted(q.examples, 'worked example')}"
     return (
-        f"library v{q.version}: {counted(q.size, 'lesson')}, {q.tokens} tokens, duplicate ratio "
+        f"library v{q.version}: {items}, {q.tokens} lesson tokens, duplicate ratio "
         f"{q.duplicate_ratio:.0%}, {cited}, churn +{q.added} ~{q.modified} -{q.deleted} evicted {q.evicted}"
     )
