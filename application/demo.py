@@ -536,14 +536,17 @@ def _evaluation_section(result: DemoResult) -> list[str]:
     if not result.evaluation:
         return ["held-out evaluation: none"]
     first = result.evaluation[0]
+    labels = [
+        "no library" if e.condition == "none" else f"learned ({learned_kinds(result)})" for e in result.evaluation
+    ]
+    width = max(26, *map(len, labels))
     lines = [
         f"held-out check: {counted(first.n_problems, 'problem')} never trained on, k={first.k} samples each at "
         f"temperature {first.temperature:g}, the same prompt and seeds apart from the library:",
-        f"  {'condition':<26} {'Mean@' + str(first.k):>8}   95% CI",
+        f"  {'condition':<{width}} {'Mean@' + str(first.k):>8}   95% CI",
     ]
-    for e in result.evaluation:
-        label = "no library" if e.condition == "none" else f"learned ({learned_kinds(result)})"
-        lines.append(f"  {label:<26} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")
+    for label, e in zip(labels, result.evaluation):
+        lines.append(f"  {label:<{width}} {e.mean_at_k:>8.3f}   [{e.mean_ci_low:.3f}, {e.mean_ci_high:.3f}]")
     lines.append(f"verdict: {verdict(result.comparison)}")
     return lines
 
