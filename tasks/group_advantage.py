@@ -109,7 +109,7 @@ def _attempts(group: Group, summaries: dict[tuple[str, int], Summary], use_groun
     attempts = []
     for rollout, reward in zip(group.rollouts, group.rewards):
         summary = summaries.get((rollout.problem_id, rollout.sample_idx))
-        agent = any(t.kind != "assistant" for t in rollout.turns)
+        agent = _used_tools(rollout)
         attempts.append(
             Attempt(
                 rollout.sample_idx,

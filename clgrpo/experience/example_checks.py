@@ -15,16 +15,22 @@ ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 INVENTED_OUTPUT = re.compile(r"```\s*output\b", re.IGNORECASE)
 
 
+def boxed_at(text: str, start: int) -> str | None:
+    """The content of the ``\\boxed{...}`` that begins at ``start`` (nested braces kept); None if it never closes."""
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
 def boxed_values(text: str) -> list[str]:
-    """The content of every ``\\boxed{...}`` (nested braces kept), in order."""
+    """The content of every closed ``\\boxed{...}``, in order."""
     values, start = [], text.find("\\boxed{")
     while start >= 0:
-        depth, i = 0, start + len("\\boxed")
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                values.append(text[i + 1 : j])
-                break
+        if (value := boxed_at(text, start)) is not None:
+            values.append(value)
         start = text.find("\\boxed{", start + 1)
     return values
 

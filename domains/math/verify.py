@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
+from clgrpo.experience.example_checks import boxed_at
 from clgrpo.sandbox import verify_child as child
 from clgrpo.sandbox.verify_child import TIMEOUT_ERROR as _TIMEOUT_ERROR
 from clgrpo.sandbox.verify_child import VerifyResult, Worker
@@ -394,12 +395,7 @@ def last_boxed(output: str) -> str | None:
     start = output.rfind("\\boxed{")
     if start < 0:
         return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(output)):
-        depth += {"{": 1, "}": -1}.get(output[j], 0)
-        if depth == 0:
-            return output[i + 1 : j].strip() or None
-    return None
+    return (boxed_at(output, start) or "").strip() or None
 
 
 def reply_answer(output: str) -> str | None:
