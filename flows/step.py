@@ -512,10 +512,11 @@ def log_learning_signal(c: StepContext, s: StepState) -> None:
 def log_lesson_validation(c: StepContext, s: StepState) -> None:
     trials = s.get(Trials).lesson_trials
     c.log.info(
-        "step %d lesson validation: %s kept, %d rejected (clgrpo library ops %s:%d lists each with its numbers)%s",
+        "step %d lesson validation: %s kept, %d rejected%s (clgrpo library ops %s:%d lists each with its numbers)%s",
         s.step,
         counted(sum(x.verdict == "kept" for x in trials), "candidate lesson"),
         sum(x.verdict == "rejected" for x in trials),
+        f", {untested} go on untested" if (untested := sum(x.verdict == "untested" for x in trials)) else "",
         c.run_id,
         s.step,
         "".join(f"; {x.reason}" for x in trials if x.verdict == "kept"),

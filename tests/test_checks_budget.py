@@ -262,3 +262,56 @@ async def test_an_early_draw_sends_a_request_once_the_steps_tokens_make_room_and
     assert not second.done()
     await allowance.close()
     assert await second == 0 and await allowance.reserve(1, 1, 1) == 0  # never sent
+
+
+def test_where_the_budget_let_no_lesson_be_tried_the_best_supported_one_goes_on_to_the_gate():
+    """Issue 57's report, `ranges` seed 0: the gate's reserve (the shown examples in each of its prompts) took the
+    whole budget, and the rule two groups proposed went untried. Where no lesson drew a sample, the first in the
+    budget's order goes on untested for the gate to try with the examples; one a step, and only then."""
+    from schemas.records import LessonTrial, Operation, OpKind, WorkedExample
+    from tasks.trial_choice import GATE_TRIES_EXAMPLES, GATE_TRIES_LESSON, NOT_TRIED, lesson_for_gate
+
+    def untried(seq: int, text: str, groups: list[str]) -> LessonTrial:
+        op = Operation(op=OpKind.ADD, text=text, source_groups=groups)
+        return LessonTrial(seq=seq, operation=op, verdict="rejected", reason=f"{NOT_TRIED}the step's checks budget")
+
+    shown = WorkedExample(problem="How many?", answer="7", author="m", reward=1.0, origin="rollout")
+    example = LessonTrial(
+        seq=0,
+        operation=Operation(op=OpKind.ADD, text="7", example=shown, source_groups=["g1"]),
+        verdict="untested",
+        reason=GATE_TRIES_EXAMPLES,
+    )
+    trials = [example, untried(1, "Read twice.", ["g1"]), untried(2, "Last - first + 1.", ["g1", "g2"])]
+    support, plan = LessonValidation(order="support"), LessonValidation(order="plan")
+    after = lesson_for_gate(trials, support)
+    assert [t.verdict for t in after] == ["untested", "rejected", "untested"]
+    assert after[2].reason == GATE_TRIES_LESSON and after[1].reason == trials[1].reason
+    assert [t.verdict for t in lesson_for_gate(trials, plan)] == ["untested", "untested", "rejected"]
+    # a lesson that drew samples was tried: nothing goes on untried
+    measured = trials[1].model_copy(update={"pairs": 3, "reason": "lesson validation: no effect"})
+    assert lesson_for_gate([example, measured, trials[2]], support) == [example, measured, trials[2]]
+    # no lesson the budget cut (refused, repeats): nothing changes
+    repeat = trials[2].model_copy(update={"reason": "rejected before, not tried again: step 1: ..."})
+    assert lesson_for_gate([example, repeat], support) == [example, repeat]
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_harness")
+async def test_a_lesson_the_budget_let_no_trial_try_is_judged_by_the_gate(tmp_path):
+    """A budget that the gate's reserve fills leaves the trials nothing: one lesson goes on untested, the gate
+    measures the step with it, and what the gate decides is what each operation says."""
+    cfg = await run(tmp_path, "starved", 0.3)
+    with Store(cfg.db_path, read_only=True) as store:
+        trials = store.records("lesson_trials", "starved", 1)
+        operations = store.records("operations", "starved", 1)
+        (gate,) = store.records("library_gates", "starved", 1)
+    lessons = [t for t in trials if t.operation.example is None]
+    assert not any(t.pairs for t in lessons), "the budget let no lesson trial draw"
+    (gated,) = [t for t in lessons if t.verdict == "untested"]
+    assert gated.reason.startswith("a lesson the checks budget let no trial try")
+    assert sum(t.reason.startswith("not tried: the step's checks budget") for t in lessons) >= 1
+    (op,) = [r for r in operations if r.operation.text == gated.operation.text]
+    assert op.status.value == ("applied" if gate.verdict == "adopted" else "rejected")
+    if gate.verdict != "adopted":
+        assert op.reason.startswith("library gate: ")
