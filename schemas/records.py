@@ -254,8 +254,7 @@ class Proposal(Record):
 class LessonTrial(Record):
     """Lesson validation of one planned operation (stage ``validate_lessons``): its problems attempted without
     and with it on the same seeds, and the verdict. ``verdict``: kept, rejected (no gain, or a better candidate
-    of its group), or untested (not a lesson text, or left to the library gate: a worked example, or the lesson a
-    step's checks budget let no trial try: ``tasks.trial_choice``)."""
+    of its group), or untested (not a lesson text, or a worked example left to the library gate)."""
 
     seq: Annotated[int, UNIQUE] = Field(ge=0)  # position of the operation in the step's plan
     operation: Operation

@@ -8,8 +8,7 @@ carrying every member's source groups, and the next member only if none tried so
 whose problems read alike are one cluster too. A worked example is tried on problems other than its own (it is
 never shown to its own problem), whatever ``trials_on`` says.
 ``trial_problems``: the problems a candidate is tried on, in order; ``budget_order``: the order in which the
-checks budget admits candidates; ``lesson_for_gate``: where the budget let no lesson be tried, the one that goes on
-to the library gate untried.
+checks budget admits candidates.
 """
 
 from __future__ import annotations
@@ -37,16 +36,6 @@ GATE_TRIES_EXAMPLES = (
     "a worked example: tried by the library gate with the step's other changes (a single problem's trial is too "
     "small to see what a solved problem shown beside others does)"
 )
-
-# A lesson's trial where the checks budget left the trials nothing: the gate's reserve is priced first, and on a small
-# step whose worked examples lengthen every prompt of the gate's it can take the whole budget (issue 57's report,
-# `ranges` seed 0: 31,962 of 30,205 tokens kept for the gate; the rule "last - first + 1", proposed by two groups,
-# went untried). The gate's reserve prices one lesson beside the examples (``tasks.checks_budget.added_prompt``).
-GATE_TRIES_LESSON = (
-    "a lesson the checks budget let no trial try: tried by the library gate with the step's other changes (where no "
-    "lesson could be tried, the first in the budget's order goes on, one a step)"
-)
-NOT_TRIED = "not tried: "  # a rejection of a candidate the budget let no sample draw for: not a measurement
 
 
 @dataclass
@@ -276,29 +265,10 @@ async def cluster_plan(
     return tried, clustered, ranked, calls
 
 
-def admission_key(operation: Operation, seq: int, settings: LessonValidation) -> tuple[bool, int, int]:
-    """Where the checks budget admits a candidate: worked examples first (a small policy gains far more from a
-    solved problem than from a rule: benchmarks/REPORT.md, "Learning quality"), then the plan's order, or
-    (``support``) the candidates more groups proposed first, then the plan's."""
-    support = 0 if settings.order == "plan" else -len(set(operation.source_groups))
-    return operation.example is None, support, seq
-
-
 def budget_order(candidates: Sequence[Candidate], settings: LessonValidation) -> list[Candidate]:
-    """The order in which the checks budget admits candidates (``admission_key``)."""
-    return sorted(candidates, key=lambda c: admission_key(c.operation, c.seq, settings))
-
-
-def lesson_for_gate(trials: Sequence[LessonTrial], settings: LessonValidation) -> list[LessonTrial]:
-    """The trials, with one change where the checks budget let no lesson trial draw a sample and rejected at least
-    one lesson untried (``NOT_TRIED``): the first of those in the budget's order goes on untested, for the library
-    gate to try with the step's other changes (``GATE_TRIES_LESSON``). For a step with a library gate."""
-    lessons = [t for t in trials if t.operation.example is None]
-    if any(t.pairs for t in lessons):
-        return list(trials)
-    untried = [t for t in lessons if t.verdict == "rejected" and t.reason.startswith(NOT_TRIED)]
-    if not untried:
-        return list(trials)
-    first = min(untried, key=lambda t: admission_key(t.operation, t.seq, settings))
-    chosen = first.model_copy(update={"verdict": "untested", "reason": GATE_TRIES_LESSON})
-    return [chosen if t.seq == first.seq else t for t in trials]
+    """The order in which the checks budget admits candidates: worked examples first (a small policy gains far more
+    from a solved problem than from a rule: benchmarks/REPORT.md, "Learning quality"), then the plan's order, or
+    (``support``) the candidates more groups proposed first, then the plan's."""
+    if settings.order == "plan":
+        return sorted(candidates, key=lambda c: (c.operation.example is None, c.seq))
+    return sorted(candidates, key=lambda c: (c.operation.example is None, -len(set(c.operation.source_groups)), c.seq))

@@ -61,17 +61,7 @@ from tasks.outputs import Trials
 from tasks.rollout import prompt_fingerprint
 from tasks.sequential_trial import Arm, Reach, SequentialTrial
 from tasks.specificity import rate
-from tasks.trial_choice import (
-    NOT_TRIED,
-    Candidate,
-    Rejected,
-    budget_order,
-    cluster_plan,
-    lesson_for_gate,
-    next_members,
-    quoted,
-    to_try,
-)
+from tasks.trial_choice import Candidate, Rejected, budget_order, cluster_plan, next_members, quoted, to_try
 
 BASELINE = -1  # TrialSample.seq of the attempts without any candidate
 
@@ -247,8 +237,7 @@ async def validate_lessons(
     lessons earlier steps rejected by measurement, not tried again; ``drawn``: what was drawn already (the step's
     rollouts, earlier trials' samples), read instead of drawn again where the draw keys match; ``budget``: what
     the trials may spend (``tasks.checks_budget``): a candidate whose attempts do not fit is rejected untried;
-    ``gated``: the step has a library gate, which tries its worked examples (``trial_choice.GATE_TRIES_EXAMPLES``)
-    and, where the budget let no lesson be tried, the first lesson in the budget's order (``lesson_for_gate``)."""
+    ``gated``: the step has a library gate, which tries its worked examples (``trial_choice.GATE_TRIES_EXAMPLES``)."""
     settings = config.learning.lesson_validation
     tried_plan, clustered, ranked, cluster_calls = await cluster_plan(
         config, step, library, plan, problems, near, ledger, llm, domain, gated
@@ -278,8 +267,6 @@ async def validate_lessons(
     trials = sorted(trials + list(lessons.decided.values()), key=lambda t: t.seq)
     specific, rater_calls = await _rate_ties(trials, llm, domain)
     trials = best_per_group(trials, specific)
-    if gated:
-        trials = lesson_for_gate(trials, settings)
     return Trials(trials, lessons.trial.samples, cluster_calls + lessons.trial.calls + rater_calls)
 
 
@@ -348,7 +335,7 @@ class LessonTrials:
                 seq=candidate.seq,
                 operation=candidate.operation,
                 verdict="rejected",
-                reason=f"{NOT_TRIED}{note}",  # not a measurement: not in the ledger, tried again later
+                reason=f"not tried: {note}",  # not a measurement: not in the ledger, tried again later
             )
         trial = judge_trial(candidate, without, with_, self.settings, last_look=True)
         assert trial is not None, "the last look always decides"
