@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from clgrpo.inputs.leakage import LeakageError, check_leakage, find_leakage, jaccard, shingles
+from clgrpo.inputs.leakage import DuplicateIndex, LeakageError, check_leakage, find_leakage, jaccard, shingles
 from clgrpo.testing.scripted_llm import make_problems
 from schemas.records import Problem
 
@@ -80,3 +80,20 @@ def test_other_numbers_make_another_problem_unless_asked_otherwise():
     evaluation = [Problem(problem_id="e", problem=text.format(19))]
     assert not find_leakage(train, evaluation)
     assert find_leakage(train, evaluation, same_numbers=False).eval_ids == ["e"]
+
+
+def test_the_duplicate_index_asks_the_guards_question_of_one_text():
+    """What a generator asks of each problem it draws: a duplicate of a kept text, as the guard would flag it."""
+    train = random_problems("t", 200, seed=5)
+    evaluation = random_problems("e", 200, seed=6)
+    evaluation[3] = Problem(problem_id="e3", problem="  " + train[10].problem.upper() + " ")  # exact
+    evaluation[50] = Problem(problem_id="e50", problem=train[20].problem.replace("find", "determine", 1) + " Explain.")
+    reworded = "Hana drives to a lake at 45 km/h and drives home by the same route at {} km/h. Her average speed?"
+    train.append(Problem(problem_id="t200", problem=reworded.format(30)))
+    evaluation.append(Problem(problem_id="e200", problem=reworded.format(30).replace("Hana", "Kofi")))
+    evaluation.append(Problem(problem_id="e201", problem=reworded.format(60)))  # other numbers: another problem
+
+    index = DuplicateIndex(p.problem for p in train)
+    flagged = sorted(p.problem_id for p in evaluation if p.problem in index)
+    assert flagged == find_leakage(train, evaluation).eval_ids == ["e200", "e3", "e50"]
+    assert len(index) == 201 and 42 not in index

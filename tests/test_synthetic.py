@@ -5,6 +5,7 @@ import re
 from clgrpo.inputs.dataset import load_problems
 from domains.math.synthetic import generate_problems, write_problems
 from schemas.config import DatasetConfig
+from schemas.records import Problem
 
 
 def expected_answer(problem: str) -> int:
@@ -87,14 +88,21 @@ def test_cli_data_make_writes_a_held_out_set_disjoint_from_training(tmp_path, ca
 
 
 def test_every_family_holds_the_learning_benchmarks_problems():
-    """benchmarks/learning.py's default: 3 training seeds of 20 problems and 24 held-out problems disjoint from
-    all of them (`units` once held only 48 distinct problems)."""
-    from domains.math.synthetic import FAMILIES, generate_family
+    """benchmarks/learning.py's default: 3 training seeds of 20 problems and 24 held-out problems that the leakage
+    guard passes against all of them (`units` once held only 48 distinct problems; `speeds` once drew 4 held-out
+    problems that another name made near-duplicates of training problems, and `--refuse-on-leakage` refused them)."""
+    from clgrpo.inputs.leakage import find_leakage
+    from domains.math.synthetic import FAMILIES, generate_family, split_sets
+
+    def problems(rows: list[dict]) -> list[Problem]:
+        return [Problem(problem_id=r["id"], problem=r["problem"]) for r in rows]
 
     for family in FAMILIES:
-        seen = {r["problem"] for seed in (0, 1, 2) for r in generate_family(family, 20, seed)}
-        heldout = generate_family(family, 24, 1000, exclude=seen)
-        assert len({r["problem"] for r in heldout}) == 24 and not seen & {r["problem"] for r in heldout}
+        train = [r for seed in (0, 1, 2) for r in generate_family(family, 20, seed, ids=f"t{seed}")]
+        heldout = generate_family(family, 24, 1000, exclude={r["problem"] for r in train}, ids="h")
+        assert len({r["problem"] for r in heldout}) == 24
+        assert not find_leakage(problems(train), problems(heldout)), family
+        assert not find_leakage(*map(problems, split_sets(family, 40, 40, seed=0))), family
 
 
 def template(text: str) -> str:

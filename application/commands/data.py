@@ -21,7 +21,9 @@ def cmd_data_make(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     out = write_rows(args.out, rows)
-    kept_out = f", none of the {len(exclude)} problems of {', '.join(args.exclude)}" if exclude else ""
+    kept_out = (
+        f", none of the {len(exclude)} problems of {', '.join(args.exclude)} nor a near-duplicate" if exclude else ""
+    )
     print(f"wrote {len(rows)} {args.family} problems (seed {args.seed}{kept_out}) to {out}")
     return 0
 
@@ -41,7 +43,8 @@ def make_arguments(make: argparse.ArgumentParser) -> None:
         "--exclude",
         action="append",
         metavar="FILE",
-        help="leave out every problem of this dataset (e.g. the training set, for a held-out set)",
+        help="leave out every problem of this dataset and its near-duplicates as the leakage guard measures them "
+        "(e.g. the training set, for a held-out set)",
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +96,34 @@ def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
 
 def numbers(text: str) -> tuple[str, ...]:
     return tuple(_NUMBER_RE.findall(text))
+
+
+class DuplicateIndex:
+    """Texts kept so far, asked the guard's question of a new one: is it an exact or near duplicate of one of
+    them? What a generator asks to build a held-out set the guard passes (a scan of the texts with the same
+    numbers: for hundreds of texts, not for the guard's thousands)."""
+
+    def __init__(self, texts: Iterable[str] = (), threshold: float = DEFAULT_THRESHOLD) -> None:
+        self.threshold = threshold
+        self._exact: set[str] = set()
+        self._by_numbers: dict[tuple[str, ...], list[frozenset[str]]] = defaultdict(list)
+        for text in texts:
+            self.add(text)
+
+    def __len__(self) -> int:
+        return len(self._exact)
+
+    def add(self, text: str) -> None:
+        self._exact.add(normalize_problem_text(text))
+        self._by_numbers[numbers(text)].append(shingles(text))
+
+    def __contains__(self, text: object) -> bool:
+        if not isinstance(text, str):
+            return False
+        if normalize_problem_text(text) in self._exact:
+            return True
+        grams = shingles(text)
+        return any(jaccard(grams, other) >= self.threshold for other in self._by_numbers.get(numbers(text), []))
 
 
 def find_leakage(

@@ -18,7 +18,8 @@ same ``(family, n, seed)`` always gives the same problems; ids are ``<family>-<s
 - ``speeds``: the average speed of a round trip at a km/h out and b km/h back: 2ab/(a+b), not (a+b)/2.
 - ``overlaps``: how many like A or B (or neither) from |A|, |B| and |A and B|: subtract the overlap once.
 
-``split_sets`` draws a training set and a held-out set of one family with no problem text in common.
+``split_sets`` draws a training set and a held-out set of one family that the leakage guard passes (no problem of
+one is a duplicate or near-duplicate of a problem of the other).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+
+from clgrpo.inputs.leakage import DuplicateIndex
 
 Problem = tuple[str, int]
 Generator = Callable[[random.Random], Problem]
@@ -344,22 +347,25 @@ MAX_DRAWS = 200  # draws per problem before a family is out of unique problems
 def generate_family(
     family: str, n: int, seed: int = 0, *, exclude: set[str] | frozenset[str] = frozenset(), ids: str | None = None
 ) -> list[dict[str, str]]:
-    """``n`` unique problems of ``family`` (none of whose texts is in ``exclude``): ``{"id", "problem",
-    "answer"}`` rows with ids ``<ids>-<k>`` (default ``<family>-<seed>``)."""
+    """``n`` unique problems of ``family``, none a duplicate of a text in ``exclude`` as the leakage guard
+    measures it (the same text, or the same numbers in nearly the same words): ``{"id", "problem", "answer"}``
+    rows with ids ``<ids>-<k>`` (default ``<family>-<seed>``)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
     if n < 1:
         raise ValueError("n must be at least 1")
     rng, prefix = random.Random(f"{family}:{seed}"), ids or f"{family}-{seed}"
     rows: list[dict[str, str]] = []
-    seen = set(exclude)
+    seen: set[str] = set()
+    avoided = DuplicateIndex(exclude)
     draws = 0
     while len(rows) < n:
         text, answer = FAMILIES[family](rng, len(rows))
         draws += 1
         if draws > MAX_DRAWS * n:
-            raise ValueError(f"family {family!r} has fewer than {n} distinct problems for seed {seed}")
-        if text in seen:
+            apart = f" apart from the {len(avoided)} excluded ones" if exclude else ""
+            raise ValueError(f"family {family!r} has fewer than {n} distinct problems for seed {seed}{apart}")
+        if text in seen or text in avoided:
             continue
         seen.add(text)
         rows.append({"id": f"{prefix}-{len(rows)}", "problem": text, "answer": str(answer)})
@@ -383,7 +389,8 @@ def generate_problems(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def split_sets(family: str, n_train: int, n_heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """A training set and a held-out set of ``family`` drawn from different seeds, with no text in common."""
+    """A training set and a held-out set of ``family`` drawn from different seeds, none a near-duplicate of the
+    other's problems."""
     train = generate_family(family, n_train, seed, ids=f"{family}-train{seed}")
     heldout = generate_family(
         family, n_heldout, seed + 10_000, exclude={r["problem"] for r in train}, ids=f"{family}-heldout{seed}"
