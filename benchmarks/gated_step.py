@@ -48,7 +48,11 @@ def checks_after_plan(db: Path, run_id: str) -> dict[str, float]:
     """From the stored calls: how long the checks ran after the last learner or rollout call ended, and the chain
     of their waves there (each wave's longest call, summed)."""
     with Store(db, read_only=True) as store:
-        calls = store.query("SELECT stage, started_at, latency_s FROM llm_calls WHERE run_id = ?", [run_id])
+        calls = store.query(  # started_at: when a call was sent, after waiting its turn
+            "SELECT stage, started_at + to_seconds(coalesce(waited_s, 0)) AS started_at, latency_s FROM llm_calls "
+            "WHERE run_id = ?",
+            [run_id],
+        )
     if calls.empty:
         return {"checks_after_s": 0.0, "checks_chain_s": 0.0, "checks_calls": 0}
     calls["ended_at"] = calls["started_at"] + calls["latency_s"].map(lambda s: timedelta(seconds=s))

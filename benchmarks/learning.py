@@ -621,11 +621,13 @@ def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
     return float(busy["s"].sum() or 0.0) / 60
 
 
-# the union of each eval id's call intervals: a call starting after every earlier call ended opens an island
+# the union of each eval id's call intervals, from when a call was sent (after waiting its turn) to when it ended: a
+# call sent after every earlier call ended opens an island
 _BUSY_SECONDS_SQL = """
 WITH calls AS (
-    SELECT run_id, started_at AS s, started_at + to_seconds(latency_s) AS e
-    FROM llm_calls WHERE list_contains(?, run_id)
+    SELECT run_id, sent AS s, sent + to_seconds(latency_s) AS e
+    FROM (SELECT *, started_at + to_seconds(coalesce(waited_s, 0)) AS sent FROM llm_calls)
+    WHERE list_contains(?, run_id)
 ), reached AS (
     SELECT *, max(e) OVER (PARTITION BY run_id ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS r
     FROM calls

@@ -161,6 +161,7 @@ declare(
         migrations=(
             added("call_id", "finish_reason", "rate_limited", "final", "turn", "reply"),
             added("system_fingerprint"),
+            added("waited_s"),
         ),
         order="started_at",
     )

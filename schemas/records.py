@@ -421,7 +421,7 @@ class LLMCall(Record):
     cost_usd: Amount = 0.0
     ok: bool = True
     error: str | None = None
-    started_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime = Field(default_factory=utcnow)  # when the attempt was made, before it waited its turn
     call_id: str = ""  # shared by the attempts of one call
     finish_reason: str = ""  # of the first choice, for a successful attempt
     rate_limited: bool = False  # this attempt was answered 429
@@ -431,6 +431,9 @@ class LLMCall(Record):
     reply: str | None = None
     # what the provider said of the backend configuration that answered (OpenAI's system_fingerprint), if it did
     system_fingerprint: str | None = None
+    # seconds from started_at until the request was sent (its turn under the client's concurrency limit): it
+    # ended at started_at + waited_s + latency_s (None in rows stored before it was recorded)
+    waited_s: Amount | None = 0.0
 
 
 class EvalSample(Sample):

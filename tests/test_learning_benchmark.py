@@ -127,7 +127,11 @@ def test_sampling_minutes_come_from_the_stored_calls(tmp_path):
             # resumed 40 minutes later: the pause is not sampling
             LLMCall(stage="evaluate", role="policy", model="m", started_at=t0 + timedelta(minutes=40), latency_s=30.0),
         ],
-        "e1": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=30.0)],
+        # made together, sent one after the other (each waited its turn): 30 s of sampling, not 10
+        "e1": [
+            LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, waited_s=w, latency_s=10.0)
+            for w in (0.0, 10.0, 20.0)
+        ],
         "other": [LLMCall(stage="evaluate", role="policy", model="m", started_at=t0, latency_s=600.0)],
     }
     with Store(str(tmp_path / "learning.duckdb")) as store:

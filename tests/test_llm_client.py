@@ -191,6 +191,21 @@ async def test_global_concurrency_limit_reaches_the_server():
         await client.aclose()
 
 
+async def test_a_call_records_its_wait_for_a_turn_apart_from_its_latency():
+    """started_at is when a call was made; waited_s its wait under the concurrency limit; it ended at started_at +
+    waited_s + latency_s: two calls made together through one slot are recorded back to back, not overlapping."""
+    with FakeOpenAIServer(Echo(), latency=lambda _r: 0.3) as server:
+        client = LLMClient(model(server), concurrency=1)
+        first, second = await asyncio.gather(*[client.sample(MESSAGES, 1, stage="s") for _ in range(2)])
+        await client.aclose()
+    calls = sorted(first.calls + second.calls, key=lambda c: c.waited_s)
+    assert calls[0].waited_s < 0.1 and calls[1].waited_s >= 0.25
+    assert all(c.latency_s >= 0.25 for c in calls)  # the wait is not in the latency
+    ends = [(c.started_at - calls[0].started_at).total_seconds() + c.waited_s + c.latency_s for c in calls]
+    sent_second = (calls[1].started_at - calls[0].started_at).total_seconds() + calls[1].waited_s
+    assert sent_second >= ends[0] - 0.05 and ends[1] >= 0.55
+
+
 async def test_json_schema_requested_and_dropped_when_disabled(echo_server):
     responder = Echo()
     with FakeOpenAIServer(responder) as server:

@@ -399,14 +399,17 @@ class LLMClient:
 
 @dataclass
 class _Attempt:
-    """When an attempt started (wall clock) and was sent (monotonic: its latency excludes waiting its turn)."""
+    """When an attempt started (wall clock), how long it waited for its turn and when it was sent (monotonic: its
+    latency excludes the wait; it ended at ``started + waited_s + latency``)."""
 
     started: datetime = field(default_factory=utcnow)
     t0: float = field(default_factory=time.monotonic)
+    waited_s: float = 0.0
     sent: bool = False
 
     def sent_now(self) -> None:
-        self.t0, self.sent = time.monotonic(), True
+        now = time.monotonic()
+        self.t0, self.waited_s, self.sent = now, now - self.t0, True
 
 
 @dataclass
@@ -453,6 +456,7 @@ class _OneCall:
             tokens_in=tokens_in,
             tokens_out=tokens_out,
             latency_s=time.monotonic() - attempt.t0,
+            waited_s=attempt.waited_s,
             retries=self.budget.attempt,
             cost_usd=(tokens_in * cfg.price.input_per_mtok + tokens_out * cfg.price.output_per_mtok) / 1e6,
             ok=gen is not None,
