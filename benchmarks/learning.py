@@ -1509,7 +1509,10 @@ def save_results(s: Settings, results: list[dict], minutes: float) -> list[dict]
 
 # what a run and a sample took here (2026-11-25/27, 2 cores, llama-server): the estimate printed before a start
 MINUTES_PER_TRAINING_RUN = {"same": 7.0, QWEN_15B.fetch_key: 12.0}
-SECONDS_PER_EVAL_SAMPLE = 0.4  # 7 conditions x 24 problems x k=4 in 4-5 minutes of sampling
+# issue 57's report (2026-11-28/29, 2 cores; the CPU differs between sessions): one condition of 96 samples took 2 to
+# 4 minutes in its first sessions and 4 to 9 on an AMD EPYC (replies of 300-400 tokens at 6-7 tokens/s per slot);
+# the 0.4 s before came from sampling minutes that counted only an evaluation's longest call
+SECONDS_PER_EVAL_SAMPLE = 3.0
 
 
 def estimate_minutes(s: Settings) -> tuple[float, str]:
