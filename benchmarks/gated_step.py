@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RunSpec, fmt, machine, prefect_harness, run_once, spread, start_server, table
 from latency_server import LatencyModel
 
-from clgrpo.storage.store import Store
+from clgrpo.storage.store import LLM_CALL_SENT_AT, Store
 from schemas.stages import Stage
 
 CHECK_STAGES = (Stage.VALIDATE_LESSONS.value, Stage.LIBRARY_GATE.value)
@@ -49,9 +49,7 @@ def checks_after_plan(db: Path, run_id: str) -> dict[str, float]:
     of their waves there (each wave's longest call, summed)."""
     with Store(db, read_only=True) as store:
         calls = store.query(  # started_at: when a call was sent, after waiting its turn
-            "SELECT stage, started_at + to_seconds(coalesce(waited_s, 0)) AS started_at, latency_s FROM llm_calls "
-            "WHERE run_id = ?",
-            [run_id],
+            f"SELECT stage, {LLM_CALL_SENT_AT} AS started_at, latency_s FROM llm_calls WHERE run_id = ?", [run_id]
         )
     if calls.empty:
         return {"checks_after_s": 0.0, "checks_chain_s": 0.0, "checks_calls": 0}

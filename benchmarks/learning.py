@@ -62,7 +62,7 @@ from application.llama_server import LlamaServer, ensure_engine  # noqa: E402
 from clgrpo.experience.library import ExperienceLibrary, LibraryFormatError, item_text, word_count  # noqa: E402
 from clgrpo.models.weights import QWEN_05B, QWEN_15B, fetch_model  # noqa: E402
 from clgrpo.reports import metrics  # noqa: E402
-from clgrpo.storage.store import Store  # noqa: E402
+from clgrpo.storage.store import LLM_CALL_SENT_AT, Store  # noqa: E402
 from domains.math.synthetic import generate_family, write_rows  # noqa: E402
 from schemas.config import LearningConfig, LessonValidation, LibraryConfig  # noqa: E402
 from schemas.records import Problem, Reward, Rollout  # noqa: E402
@@ -623,10 +623,10 @@ def sampling_minutes(s: Settings, eval_ids: dict[str, str]) -> float:
 
 # the union of each eval id's call intervals, from when a call was sent (after waiting its turn) to when it ended: a
 # call sent after every earlier call ended opens an island
-_BUSY_SECONDS_SQL = """
+_BUSY_SECONDS_SQL = f"""
 WITH calls AS (
     SELECT run_id, sent AS s, sent + to_seconds(latency_s) AS e
-    FROM (SELECT *, started_at + to_seconds(coalesce(waited_s, 0)) AS sent FROM llm_calls)
+    FROM (SELECT *, {LLM_CALL_SENT_AT} AS sent FROM llm_calls)
     WHERE list_contains(?, run_id)
 ), reached AS (
     SELECT *, max(e) OVER (PARTITION BY run_id ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS r

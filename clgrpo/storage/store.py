@@ -112,6 +112,8 @@ def _fields(model: type[BaseModel], row: dict) -> dict:
 
 # the tables whose rows are measured samples (schemas.records.Sample and a role): what a measurement may reuse
 SAMPLE_TABLES = ("eval_results", "trial_samples", "gate_samples")
+# when an llm_calls row's request was sent, after waiting for its turn (waited_s; rows stored before it have none)
+LLM_CALL_SENT_AT = "started_at + to_seconds(coalesce(waited_s, 0))"
 
 
 def _by_name(outputs: Outputs) -> dict[str, Sequence[Any]]:
